@@ -1,0 +1,97 @@
+"""Capture a model at each level the rule engine must handle.
+
+The same rule has to match a model whatever the user captured it with, so tests
+run each rule set on the graphs of all four levels:
+
+``"fx"``
+    ``torch.fx.symbolic_trace``: ``call_module`` nodes for layers, torch
+    functions and Tensor methods for the rest.
+``"export"``
+    ``torch.export.export(..., strict=False).module()``: ATen ops at the
+    pre-dispatch training-IR level (``aten.conv2d``, ``aten.batch_norm``),
+    parameters as ``get_attr``.
+``"export_core"``
+    ``ep.run_decompositions().module()``: core ATen
+    (``aten.convolution``, ``aten._native_batch_norm_legit_no_training``).
+``"dynamo"``
+    the first ``GraphModule`` that ``torch.compile`` hands its backend: torch
+    functions, with parameters lifted to placeholders. It cannot be called
+    with the user's inputs, so the level also yields the inputs dynamo used
+    (``capture_with_inputs``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Sequence, Tuple
+
+import torch
+from torch import fx, nn
+
+__all__ = ["LEVELS", "capture", "capture_with_inputs", "capture_dynamo"]
+
+LEVELS: Tuple[str, ...] = ("fx", "export", "export_core", "dynamo")
+
+
+def _as_tuple(example_inputs: Any) -> tuple:
+    if isinstance(example_inputs, tuple):
+        return example_inputs
+    if isinstance(example_inputs, list):
+        return tuple(example_inputs)
+    return (example_inputs,)
+
+
+def capture_dynamo(model: nn.Module, example_inputs: Sequence[Any]) -> Tuple[fx.GraphModule, List[Any]]:
+    """Return dynamo's first graph and the inputs it was called with.
+
+    The recording backend returns the graph's own ``forward``, so the model
+    still runs; only the first graph is kept (a graph break would produce more,
+    which the examples avoid). ``torch._dynamo.reset()`` is called first so a
+    cached compilation from an earlier call cannot bypass the backend.
+    """
+    import torch._dynamo
+
+    recorded: List[Tuple[fx.GraphModule, List[Any]]] = []
+
+    def record(gm: fx.GraphModule, inputs: List[Any]):
+        recorded.append((gm, list(inputs)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=record, fullgraph=False, dynamic=False)
+    with torch.no_grad():
+        compiled(*_as_tuple(example_inputs))
+    torch._dynamo.reset()
+    if not recorded:
+        raise RuntimeError("torch.compile produced no graph for this model")
+    gm, inputs = recorded[0]
+    return gm, inputs
+
+
+def capture_with_inputs(model: nn.Module, example_inputs: Any, level: str) -> Tuple[fx.GraphModule, tuple]:
+    """Capture ``model`` at ``level``; return ``(graph_module, inputs_to_call_it_with)``.
+
+    For every level except ``"dynamo"`` the inputs are ``example_inputs``
+    themselves; for ``"dynamo"`` they are the placeholders dynamo recorded
+    (parameters and buffers included).
+    """
+    args = _as_tuple(example_inputs)
+    if level == "fx":
+        return fx.symbolic_trace(model), args
+    if level in ("export", "export_core"):
+        ep = torch.export.export(model, args, strict=False)
+        if level == "export_core":
+            ep = ep.run_decompositions()
+        return ep.module(), args
+    if level == "dynamo":
+        gm, inputs = capture_dynamo(model, args)
+        return gm, tuple(inputs)
+    raise ValueError(f"unknown capture level {level!r}; expected one of {LEVELS}")
+
+
+def capture(model: nn.Module, example_inputs: Any, level: str) -> fx.GraphModule:
+    """Capture ``model`` at ``level`` (one of ``LEVELS``) and return the GraphModule.
+
+    For ``"dynamo"`` the returned graph takes dynamo's lifted inputs, not the
+    user's: use ``capture_with_inputs`` to get them too.
+    """
+    return capture_with_inputs(model, example_inputs, level)[0]

@@ -1,0 +1,127 @@
+"""Per-graph facts the matcher and the ``where`` clause need: what a bound operand
+is (graph value, constant tensor, literal), its shape/dtype, its users.
+
+A ``Value`` is what registered predicates and queries receive. It is a thin view
+over an operand (an ``fx.Node``, a ``ConstRef`` to a module tensor, or a literal)
+plus the ``GraphFacts`` of the graph being rewritten.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from rewrite.ops.base import ConstRef
+
+__all__ = ["GraphFacts", "Value", "fetch_attr", "tensor_meta_of"]
+
+
+def fetch_attr(root: torch.nn.Module, qualname: str) -> Any:
+    """``root.a.b.c`` by dotted name, as ``get_attr`` nodes and ConstRefs name them."""
+    obj: Any = root
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def tensor_meta_of(node: fx.Node) -> Any:
+    """Shape/dtype information recorded on a node: ``meta['val']`` (export, dynamo,
+    our own emitted nodes) or ``meta['tensor_meta']`` (ShapeProp). None if absent."""
+    val = node.meta.get("val")
+    if val is None:
+        val = node.meta.get("example_value")
+    if val is None:
+        val = node.meta.get("tensor_meta")
+    return val
+
+
+class GraphFacts:
+    """Facts about one GraphModule under rewrite, cached where they are costly."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.gm = gm
+        self.param_names = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+        self.buffer_names = {name for name, _ in gm.named_buffers(remove_duplicate=False)}
+
+    def constant_of(self, operand: Any) -> Any:
+        """The concrete value of a constant operand (tensor for get_attr/ConstRef,
+        the literal itself otherwise); raises ValueError for graph values."""
+        if isinstance(operand, ConstRef):
+            return fetch_attr(self.gm, operand.qualname)
+        if isinstance(operand, fx.Node):
+            if operand.op == "get_attr":
+                return fetch_attr(self.gm, operand.target)
+            raise ValueError(f"{operand.name} is computed by the graph, not a constant")
+        if isinstance(operand, (list, tuple)):
+            return type(operand)(self.constant_of(o) for o in operand)
+        return operand
+
+    def is_const(self, operand: Any) -> bool:
+        if isinstance(operand, ConstRef):
+            return True
+        if isinstance(operand, fx.Node):
+            return operand.op == "get_attr"
+        if isinstance(operand, (list, tuple)):
+            return all(self.is_const(o) for o in operand)
+        return True
+
+    def meta(self, operand: Any) -> Any:
+        """A tensor-like with .shape/.dtype/.device for the operand, or None."""
+        if isinstance(operand, (ConstRef,)) or (isinstance(operand, fx.Node) and operand.op == "get_attr"):
+            value = self.constant_of(operand)
+            return value if isinstance(value, torch.Tensor) else None
+        if isinstance(operand, fx.Node):
+            val = tensor_meta_of(operand)
+            return val if hasattr(val, "shape") and hasattr(val, "dtype") else None
+        if isinstance(operand, torch.Tensor):
+            return operand
+        return None
+
+
+class Value:
+    """A bound operand as seen by ``where`` predicates and queries."""
+
+    __slots__ = ("operand", "facts")
+
+    def __init__(self, operand: Any, facts: GraphFacts) -> None:
+        self.operand = operand
+        self.facts = facts
+
+    def __repr__(self) -> str:
+        o = self.operand
+        return f"Value({o.name if isinstance(o, fx.Node) else o!r})"
+
+    @property
+    def node(self) -> fx.Node | None:
+        return self.operand if isinstance(self.operand, fx.Node) else None
+
+    @property
+    def is_literal(self) -> bool:
+        return not isinstance(self.operand, (fx.Node, ConstRef))
+
+    @property
+    def is_const(self) -> bool:
+        return self.facts.is_const(self.operand)
+
+    @property
+    def qualname(self) -> str | None:
+        """Attribute path of a constant tensor operand, else None."""
+        if isinstance(self.operand, ConstRef):
+            return self.operand.qualname
+        if isinstance(self.operand, fx.Node) and self.operand.op == "get_attr":
+            return self.operand.target
+        return None
+
+    @property
+    def literal(self) -> Any:
+        return None if not self.is_literal else self.operand
+
+    @property
+    def meta(self) -> Any:
+        return self.facts.meta(self.operand)
+
+    @property
+    def users(self) -> int:
+        return len(self.operand.users) if isinstance(self.operand, fx.Node) else 0

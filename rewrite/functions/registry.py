@@ -1,0 +1,131 @@
+"""The registry of Python functions a rule file may name.
+
+Loading a rule file never runs arbitrary code: a call in a rule resolves to an op of
+the vocabulary (``rewrite.ops``) or to an entry of this registry, nothing else. Four
+kinds of entries, by where a rule may use them:
+
+* ``predicate``: in ``where``; returns bool (``const(w)``, ``single_use(c)``).
+* ``query``: in ``where``; returns a value to compare (``dtype(x)``, ``rank(x)``).
+* ``constant``: in a replacement; computes a new constant at rewrite time from
+  concrete values (``bn_fold_weight(w, var, gamma, eps)``); a tensor result becomes
+  a new parameter/buffer of the rewritten module.
+* ``module``: in a replacement; returns an ``nn.Module`` that is registered as a
+  submodule and called on the ``inputs`` arguments (observers, fake-quant stubs).
+
+Predicates and queries receive ``rewrite.match.Value`` objects (a bound operand with
+its graph facts); constants and module factories receive concrete Python values
+(tensors for constant operands, plain literals otherwise).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import attrs
+
+__all__ = [
+    "FunctionSpec", "register_predicate", "register_query", "register_constant",
+    "register_module", "lookup_function", "function_names", "KINDS",
+]
+
+KINDS = ("predicate", "query", "constant", "module")
+
+
+@attrs.frozen
+class FunctionSpec:
+    """A registered function. ``params`` are its parameter names; ``variadic`` when
+    it takes ``*args``; ``inputs`` (module kind only) names the parameters that are
+    graph values the module is called on, the rest configure the factory."""
+
+    name: str
+    fn: Callable
+    kind: str
+    params: tuple
+    required: int
+    variadic: bool = False
+    inputs: tuple = ()
+    doc: str = ""
+
+    def accepts(self, n_positional: int, keywords: tuple) -> str | None:
+        """None if a call with this many positional args and these keywords fits,
+        else a message saying why not."""
+        if not self.variadic and n_positional > len(self.params):
+            return f"{self.name}() takes at most {len(self.params)} arguments, got {n_positional}"
+        for kw in keywords:
+            if kw not in self.params:
+                return f"{self.name}() has no parameter {kw!r}"
+        given = set(self.params[:n_positional]) | set(keywords)
+        missing = [p for p in self.params[: self.required] if p not in given]
+        if missing and not self.variadic:
+            return f"{self.name}() is missing argument {missing[0]!r}"
+        return None
+
+
+_REGISTRY: dict[str, FunctionSpec] = {}
+
+
+def _register(kind: str, name: str | None, inputs: tuple = ()) -> Callable:
+    def deco(fn: Callable) -> Callable:
+        sig = inspect.signature(fn)
+        params, required, variadic = [], 0, False
+        for p in sig.parameters.values():
+            if p.kind is p.VAR_POSITIONAL:
+                variadic = True
+                continue
+            if p.kind is p.VAR_KEYWORD:
+                continue
+            params.append(p.name)
+            if p.default is p.empty:
+                required = len(params)
+        key = name or fn.__name__
+        doc = (inspect.getdoc(fn) or "").split("\n")[0]
+        _REGISTRY[key] = FunctionSpec(key, fn, kind, tuple(params), required, variadic, tuple(inputs), doc)
+        return fn
+
+    return deco
+
+
+def register_predicate(name: str | None = None) -> Callable:
+    """Decorator: a ``where`` predicate taking ``Value`` arguments, returning bool.
+
+    Example::
+
+        @rewrite.register_predicate()
+        def is_depthwise(groups, weight):
+            return groups.literal == weight.shape[0]
+    """
+    return _register("predicate", name)
+
+
+def register_query(name: str | None = None) -> Callable:
+    """Decorator: a ``where`` query taking ``Value`` arguments, returning a value."""
+    return _register("query", name)
+
+
+def register_constant(name: str | None = None) -> Callable:
+    """Decorator: a rewrite-time function computing a new constant from concrete values."""
+    return _register("constant", name)
+
+
+def register_module(name: str | None = None, inputs: tuple = ("x",)) -> Callable:
+    """Decorator: a factory of an ``nn.Module`` inserted by a replacement and called
+    on the arguments named in ``inputs``; the other arguments configure the factory."""
+    return _register("module", name, inputs)
+
+
+def lookup_function(name: str) -> FunctionSpec | None:
+    """The registered function called ``name``, or None."""
+    _ensure_builtins()
+    return _REGISTRY.get(name)
+
+
+def function_names(kind: str | None = None) -> list:
+    """Names of registered functions (of one kind, if given), sorted."""
+    _ensure_builtins()
+    return sorted(n for n, s in _REGISTRY.items() if kind is None or s.kind == kind)
+
+
+def _ensure_builtins() -> None:
+    # Importing the built-in modules registers them; done lazily to avoid cycles.
+    from rewrite.functions import builtins  # noqa: F401

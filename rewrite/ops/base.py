@@ -1,0 +1,277 @@
+"""The op vocabulary's data model: canonical ops, their surface forms, and emission.
+
+A canonical op (``conv``, ``add``, ``batch_norm``) has one signature (``Param``s in
+order, with defaults). Every way a captured graph can spell it is a *surface form*
+that binds an ``fx.Node`` to that signature:
+
+* ``FunctionForm``: ``call_function`` on a torch function, ``operator`` function or
+  aten overload (``torch.conv2d``, ``F.conv2d``, ``aten.conv2d.default``);
+* ``MethodForm``: ``call_method`` (``x.add(y)``, ``x.view(...)``);
+* ``ModuleForm``: ``call_module`` on an ``nn`` module, whose parameters become
+  ``ConstRef`` operands so rules can fold them (``nn.Conv2d`` -> ``conv(x, weight, ...)``);
+* ``GetitemForm``: ``getitem(multi_output_op(...), i)`` (core ATen's
+  ``_native_batch_norm_legit_no_training``) where the inner node is consumed too.
+
+Binding yields a ``Bound``: operands by canonical parameter name, defaults filled in,
+so ``x.add(y)``, ``torch.add(x, y)``, ``x + y`` and ``aten.add.Tensor(x, y)`` all bind
+to ``add(input=x, other=y, alpha=1)``.
+
+Emission is the reverse: an ``Emitter`` turns canonical arguments into a node in the
+dialect of the graph being rewritten (``"torch"`` for symbolic_trace and dynamo graphs,
+``"aten"`` for torch.export graphs).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import attrs
+import torch.fx as fx
+
+__all__ = [
+    "REQUIRED", "Param", "OpDef", "ConstRef", "Bound", "Form", "FunctionForm",
+    "MethodForm", "ModuleForm", "GetitemForm", "Emitter", "node_key",
+]
+
+
+class _Required:
+    def __repr__(self) -> str:
+        return "REQUIRED"
+
+
+REQUIRED: Any = _Required()
+
+
+@attrs.frozen
+class Param:
+    """One parameter of a canonical op. ``tensor`` marks operands that are tensors
+    (graph values or constants) rather than attribute literals (stride, dim)."""
+
+    name: str
+    default: Any = REQUIRED
+    tensor: bool = False
+
+
+@attrs.frozen
+class ConstRef:
+    """A constant tensor reached by attribute path from the root module
+    (``layer1.0.conv1.weight``); what module parameters become under ``ModuleForm``."""
+
+    qualname: str
+
+
+@attrs.frozen
+class Bound:
+    """A node bound to a canonical op: ``args`` by parameter name (every parameter
+    present, defaults filled), plus ``interior`` nodes the form consumed besides the
+    node itself (they must have no other users for a match to hold)."""
+
+    op: str
+    args: dict
+    interior: tuple = ()
+
+
+def node_key(node: fx.Node, gm: Any) -> Any:
+    """The index key of a node: what forms are looked up by.
+
+    ``("call_function", target)``, ``("call_method", name)``, ``("call_module", cls)``.
+    """
+    if node.op == "call_module":
+        try:
+            return ("call_module", type(gm.get_submodule(node.target)))
+        except AttributeError:
+            return ("call_module", None)
+    return (node.op, node.target)
+
+
+@attrs.frozen
+class OpDef:
+    """A canonical op.
+
+    Attributes:
+        name: the canonical name used in rule files.
+        params: the signature, in positional order.
+        commutative: the first two tensor params may be swapped when matching.
+        elementwise: output shape is the broadcast of the tensor inputs.
+        forms: every surface form that binds to this op (filled by the vocabulary).
+        emit: dialect name -> Emitter ("torch", "aten").
+        doc: one line for ``rewrite explain`` and the README's op table.
+    """
+
+    name: str
+    params: tuple
+    commutative: bool = False
+    elementwise: bool = False
+    forms: tuple = ()
+    emit: dict = attrs.field(factory=dict)
+    doc: str = ""
+
+    @property
+    def param_names(self) -> tuple:
+        return tuple(p.name for p in self.params)
+
+    def param(self, name: str) -> Param | None:
+        for p in self.params:
+            if p.name == name:
+                return p
+        return None
+
+    def normalize_call(self, args: tuple, kwargs: dict) -> dict | None:
+        """Bind positional/keyword arguments written against this signature;
+        fill defaults. None when they do not fit (too many, unknown keyword, missing)."""
+        names = self.param_names
+        if len(args) > len(names):
+            return None
+        out = dict(zip(names, args))
+        for k, v in kwargs.items():
+            if k not in names or k in out:
+                return None
+            out[k] = v
+        for p in self.params:
+            if p.name not in out:
+                if p.default is REQUIRED:
+                    return None
+                out[p.name] = p.default
+        return out
+
+
+def _bind_signature(signature: tuple, args: tuple, kwargs: dict) -> dict | None:
+    """Map a call's args/kwargs onto the form's own signature (target's names)."""
+    if len(args) > len(signature):
+        return None
+    out = dict(zip(signature, args))
+    for k, v in kwargs.items():
+        if k in out or k not in signature:
+            return None
+        out[k] = v
+    return out
+
+
+_MISSING = object()
+
+
+@attrs.frozen
+class _FormBase:
+    """Shared binding for forms that call a target with its own signature.
+
+    ``signature``: the target's parameter names in positional order; ``defaults``:
+    the target's defaults for parameters that guards look at; ``rename``: target
+    name -> canonical name; ``fixed``: canonical args the form implies (e.g.
+    ``aten.conv2d`` implies nothing, ``F.relu6`` may fix bounds); ``guards``: target
+    params that must have a given value for the node to be this op (``transposed``
+    of ``aten.convolution``); ``ignore``: target params dropped (``inplace``).
+    """
+
+    op: str
+    signature: tuple = ()
+    rename: dict = attrs.field(factory=dict)
+    fixed: dict = attrs.field(factory=dict)
+    guards: dict = attrs.field(factory=dict)
+    defaults: dict = attrs.field(factory=dict)
+    ignore: frozenset = frozenset()
+
+    def _normalize(self, args: tuple, kwargs: dict, opdef: OpDef) -> dict | None:
+        raw = _bind_signature(self.signature, args, kwargs)
+        if raw is None:
+            return None
+        for name, expected in self.guards.items():
+            value = raw.pop(name, self.defaults.get(name, _MISSING))
+            if value is _MISSING or value != expected:
+                return None
+        out = {self.rename.get(k, k): v for k, v in raw.items() if k not in self.ignore}
+        out.update(self.fixed)
+        return opdef.normalize_call((), out)
+
+
+@attrs.frozen
+class FunctionForm(_FormBase):
+    """``call_function`` of ``target``."""
+
+    target: Any = None
+
+    @property
+    def key(self) -> tuple:
+        return ("call_function", self.target)
+
+    def bind(self, node: fx.Node, gm: Any, opdef: OpDef) -> Bound | None:
+        args = self._normalize(node.args, node.kwargs, opdef)
+        return None if args is None else Bound(self.op, args)
+
+
+@attrs.frozen
+class MethodForm(_FormBase):
+    """``call_method`` named ``method``; ``signature`` starts with ``self``."""
+
+    method: str = ""
+
+    @property
+    def key(self) -> tuple:
+        return ("call_method", self.method)
+
+    def bind(self, node: fx.Node, gm: Any, opdef: OpDef) -> Bound | None:
+        args = self._normalize(node.args, node.kwargs, opdef)
+        return None if args is None else Bound(self.op, args)
+
+
+@attrs.frozen
+class ModuleForm:
+    """``call_module`` of an instance of ``module_cls``; ``extract(module, node,
+    qualname)`` returns canonical args (module tensors as ``ConstRef``) or None."""
+
+    op: str
+    module_cls: type
+    extract: Callable
+
+    @property
+    def key(self) -> tuple:
+        return ("call_module", self.module_cls)
+
+    def bind(self, node: fx.Node, gm: Any, opdef: OpDef) -> Bound | None:
+        module = gm.get_submodule(node.target)
+        raw = self.extract(module, node, node.target)
+        if raw is None:
+            return None
+        args = opdef.normalize_call((), raw)
+        return None if args is None else Bound(self.op, args)
+
+
+@attrs.frozen
+class GetitemForm(_FormBase):
+    """``operator.getitem(inner_target(...), index)``: a multi-output op's result."""
+
+    inner_target: Any = None
+    index: int = 0
+
+    @property
+    def key(self) -> tuple:
+        import operator
+
+        return ("call_function", operator.getitem)
+
+    def bind(self, node: fx.Node, gm: Any, opdef: OpDef) -> Bound | None:
+        if len(node.args) != 2 or node.args[1] != self.index:
+            return None
+        inner = node.args[0]
+        if not isinstance(inner, fx.Node) or inner.op != "call_function" or inner.target is not self.inner_target:
+            return None
+        args = self._normalize(inner.args, inner.kwargs, opdef)
+        return None if args is None else Bound(self.op, args, interior=(inner,))
+
+
+Form = FunctionForm | MethodForm | ModuleForm | GetitemForm
+
+
+@attrs.frozen
+class Emitter:
+    """How to build an op in one dialect.
+
+    ``choose(args) -> (target, args_tuple, kwargs_dict)`` gets canonical args whose
+    values are already graph values (Nodes or literals) and ``facts`` (a callable
+    giving ``meta['val']``-like info for a value, for choices such as conv rank).
+    The result is passed to ``graph.call_function``.
+    """
+
+    choose: Callable
+
+    def __call__(self, args: dict, facts: Callable) -> tuple:
+        return self.choose(args, facts)
