@@ -131,7 +131,7 @@ def is_noop_transpose(x: Value, d0: Value, d1: Value) -> bool:
     a, b = d0.literal, d1.literal
     if m is None or not isinstance(a, int) or not isinstance(b, int):
         return False
-    return a % m.ndim == b % m.ndim
+    return a % len(m.shape) == b % len(m.shape)
 
 
 @register_predicate()
@@ -141,7 +141,7 @@ def transposes_cancel(x: Value, a0: Value, a1: Value, b0: Value, b1: Value) -> b
     dims = [v.literal for v in (a0, a1, b0, b1)]
     if m is None or not all(isinstance(d, int) for d in dims):
         return False
-    r = m.ndim
+    r = len(m.shape)
     return {dims[0] % r, dims[1] % r} == {dims[2] % r, dims[3] % r}
 
 
@@ -172,6 +172,34 @@ def broadcasts_to(x: Value, y: Value) -> bool:
     except RuntimeError:
         return False
     return tuple(shape) == tuple(mx.shape) and torch.promote_types(mx.dtype, my.dtype) == mx.dtype
+
+
+_FLOAT_WIDTH = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+_INT_BITS = {torch.bool: 1, torch.uint8: 8, torch.int8: 8, torch.int16: 16, torch.int32: 32, torch.int64: 64}
+
+
+@register_predicate()
+def lossless_cast(x: Value, to: Value) -> bool:
+    """Casting ``x`` (dtype known) to dtype ``to`` keeps every value exactly, so a
+    cast back restores it (bf16 -> f32, f16 -> f32, f32 -> f64, int8 -> int32...)."""
+    m, target = x.meta, to.literal
+    if m is None or not isinstance(target, torch.dtype):
+        return False
+    src = m.dtype
+    if src == target:
+        return True
+    if src in _FLOAT_WIDTH and target in _FLOAT_WIDTH:
+        # f16 and bf16 are not subsets of each other; both fit in f32.
+        return _FLOAT_WIDTH[target] > _FLOAT_WIDTH[src]
+    if src in _INT_BITS and target in _INT_BITS:
+        signed_src, signed_dst = src not in (torch.bool, torch.uint8), target not in (torch.bool, torch.uint8)
+        if signed_src and not signed_dst:
+            return False
+        return _INT_BITS[target] > _INT_BITS[src] or (target == src)
+    if src in _INT_BITS and target in _FLOAT_WIDTH:
+        mantissa = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24, torch.float64: 53}[target]
+        return _INT_BITS[src] <= mantissa
+    return False
 
 
 # ---------------------------------------------------------------- queries

@@ -113,6 +113,7 @@ class OpRef:
 
     names: tuple
     span: Span | None = _span()
+    name_spans: tuple = attrs.field(default=(), eq=False, repr=False)  # one Span per name
 
 
 @attrs.frozen
@@ -205,6 +206,7 @@ class Rule:
     options: tuple = ()  # of RuleOption
     doc: str = attrs.field(default="", eq=False)  # the comment lines just above the rule
     span: Span | None = _span()
+    name_span: Span | None = _span()  # the rule's name in its header
 
     def option(self, name: str, default: Any = None) -> Any:
         for opt in self.options:
@@ -220,6 +222,8 @@ class Family:
     name: str
     ops: tuple  # of str
     span: Span | None = _span()
+    name_span: Span | None = _span()
+    op_spans: tuple = attrs.field(default=(), eq=False, repr=False)  # one Span per op
 
 
 @attrs.frozen
@@ -254,6 +258,7 @@ class RuleSetDecl:
     name: str
     schedule: Schedule
     span: Span | None = _span()
+    name_span: Span | None = _span()
 
 
 @attrs.frozen

@@ -1,0 +1,467 @@
+"""Equivalence by randomized execution.
+
+A rewrite is only trusted if the rewritten graph computes the same function as
+the original, so every ``apply`` runs both on the user's example inputs and on
+fresh random inputs shaped like them, and compares the outputs with
+tolerances that depend on the output dtype.
+
+Input generation keeps values in ranges that make sense for the model:
+floating tensors are drawn from a normal with the example's mean and standard
+deviation (and stay non-negative when the example is, e.g. a variance);
+integer tensors stay within the example's ``[min, max]`` so token ids and
+indices remain valid; bools are random. When there are no example inputs the
+shapes come from a GraphModule's placeholder metadata instead.
+
+Tolerances: floating outputs pass when ``|cand - ref| <= atol + rtol * |ref|``
+elementwise, with ``atol = atol_base * max(1, max|ref|)`` (deep nets after BN
+folding differ by rounding that grows with the activations' magnitude);
+integer and bool outputs must be equal; structure, shapes and dtypes must match
+exactly; NaNs match NaNs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple, Union
+
+import attrs
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+__all__ = [
+    "TOLERANCES",
+    "Mismatch",
+    "EquivalenceReport",
+    "check_equivalence",
+    "assert_equivalent",
+    "random_like",
+    "generate_inputs",
+    "inputs_from_graph",
+]
+
+#: dtype -> (rtol, atol_base); atol = atol_base * max(1, max|reference output|).
+TOLERANCES: Dict[torch.dtype, Tuple[float, float]] = {
+    torch.float64: (1e-7, 1e-7),
+    torch.complex128: (1e-7, 1e-7),
+    torch.float32: (1e-3, 1e-3),
+    torch.complex64: (1e-3, 1e-3),
+    torch.float16: (1e-3, 1e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
+_DEFAULT_TOL = (1e-3, 1e-3)
+
+#: Range for integer placeholders when neither an example nor the graph bounds them.
+DEFAULT_INT_RANGE = (0, 3)
+
+Range = Tuple[float, float]
+InputKey = Union[int, str]
+
+
+@attrs.frozen
+class Mismatch:
+    """The first output that differed: where, in which trial, and by how much."""
+
+    path: str
+    trial: int
+    shape: Optional[Tuple[int, ...]]
+    dtype: Optional[str]
+    max_abs_error: float
+    max_rel_error: float
+    message: str
+
+    def __str__(self) -> str:
+        where = f"{self.path} (trial {self.trial}"
+        if self.shape is not None:
+            where += f", shape {tuple(self.shape)}, {self.dtype}"
+        return f"{where}): {self.message}"
+
+
+@attrs.frozen
+class EquivalenceReport:
+    """Outcome of ``check_equivalence``.
+
+    ``max_rel_error`` is the largest absolute difference divided by the
+    reference output's largest magnitude (an elementwise ratio explodes near
+    zero and says little).
+    """
+
+    ok: bool
+    trials: int
+    max_abs_error: float
+    max_rel_error: float
+    first_mismatch: Optional[Mismatch] = None
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def __str__(self) -> str:
+        errs = f"max abs error {self.max_abs_error:.3g}, max rel error {self.max_rel_error:.3g}"
+        if self.ok:
+            return f"equivalent over {self.trials} trial(s) ({errs})"
+        return f"NOT equivalent: {self.first_mismatch} [{errs} over {self.trials} trial(s)]"
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def _is_float(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex
+
+
+def random_like(example: torch.Tensor, generator: torch.Generator,
+                value_range: Optional[Range] = None) -> torch.Tensor:
+    """A random tensor with ``example``'s shape, dtype and device.
+
+    Floats: normal with the example's mean/std (std 1 when it is 0 or
+    undefined), folded to non-negative when the example has no negative
+    entries. Integers: uniform in the example's ``[min, max]``. Bools: fair
+    coin. ``value_range`` overrides both with a uniform ``[low, high]``.
+    """
+    shape, dtype = tuple(example.shape), example.dtype
+    ex = example.detach().to("cpu")
+    if dtype == torch.bool:
+        out = torch.randint(0, 2, shape, generator=generator).bool()
+    elif _is_float(dtype):
+        real = torch.float64
+        if value_range is not None:
+            lo, hi = value_range
+            out = torch.rand(shape, generator=generator, dtype=real) * (hi - lo) + lo
+        else:
+            vals = ex.to(torch.complex128 if dtype.is_complex else real)
+            finite = vals[torch.isfinite(vals)] if vals.numel() else vals
+            mean = finite.mean() if finite.numel() else torch.zeros((), dtype=vals.dtype)
+            std = finite.std().real.item() if finite.numel() > 1 else 0.0
+            if not math.isfinite(std) or std == 0.0:
+                std = 1.0
+            if dtype.is_complex:
+                noise = torch.complex(torch.randn(shape, generator=generator, dtype=real),
+                                      torch.randn(shape, generator=generator, dtype=real))
+            else:
+                noise = torch.randn(shape, generator=generator, dtype=real)
+            out = noise * std + mean
+            if not dtype.is_complex and finite.numel() and bool((finite >= 0).all()):
+                out = out.abs()
+        out = out.to(dtype)
+    else:
+        if value_range is not None:
+            lo, hi = int(value_range[0]), int(value_range[1])
+        elif ex.numel():
+            lo, hi = int(ex.min()), int(ex.max())
+        else:
+            lo, hi = DEFAULT_INT_RANGE
+        out = torch.randint(lo, hi + 1, shape, generator=generator, dtype=torch.int64).to(dtype)
+    return out.to(example.device)
+
+
+def _lookup_range(ranges: Optional[Mapping[InputKey, Range]], index: int, path: str) -> Optional[Range]:
+    if not ranges:
+        return None
+    if index in ranges:
+        return ranges[index]
+    return ranges.get(path)
+
+
+def generate_inputs(example_inputs: Any, seed: int = 0, *,
+                    input_ranges: Optional[Mapping[InputKey, Range]] = None,
+                    fixed_inputs: Iterable[InputKey] = ()) -> Any:
+    """Random inputs with the same pytree structure as ``example_inputs``.
+
+    Leaves are addressed by flat index or by ``pytree.keystr`` path (``"[0]"``,
+    ``"[1]['mask']"``). ``input_ranges`` maps leaves to a uniform range;
+    ``fixed_inputs`` lists leaves passed through unchanged. ``nn.Parameter``
+    leaves (weights lifted to inputs by dynamo) and non-tensors are always
+    passed through.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    fixed = set(fixed_inputs)
+    leaves, spec = pytree.tree_flatten_with_path(example_inputs)
+    out = []
+    for i, (kp, leaf) in enumerate(leaves):
+        path = pytree.keystr(kp)
+        if (not isinstance(leaf, torch.Tensor) or isinstance(leaf, torch.nn.Parameter)
+                or i in fixed or path in fixed):
+            out.append(leaf)
+        else:
+            out.append(random_like(leaf, generator, _lookup_range(input_ranges, i, path)))
+    return pytree.tree_unflatten(out, spec)
+
+
+def _concrete(n: Any) -> int:
+    if isinstance(n, int):
+        return n
+    try:
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
+        return int(optimization_hint(n, fallback=2))
+    except Exception:  # older torch or an unbacked symbol
+        try:
+            return int(n)
+        except Exception:
+            return 2
+
+
+def _node_shape(node: Any, gm: fx.GraphModule) -> Optional[Tuple[int, ...]]:
+    """Shape of an argument node (placeholder, get_attr or op) if known."""
+    if isinstance(node, fx.Node):
+        for key in ("val", "example_value"):
+            val = node.meta.get(key)
+            if isinstance(val, torch.Tensor):
+                return tuple(_concrete(s) for s in val.shape)
+        tm = node.meta.get("tensor_meta")
+        if tm is not None and hasattr(tm, "shape"):
+            return tuple(_concrete(s) for s in tm.shape)
+        if node.op == "get_attr":
+            try:
+                obj = _get_attr(gm, node.target)
+                if isinstance(obj, torch.Tensor):
+                    return tuple(obj.shape)
+            except AttributeError:
+                return None
+    return None
+
+
+def _get_attr(gm: fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+_EMBEDDING_WEIGHT_FIRST = {torch.ops.aten.embedding.default, torch.embedding}
+_EMBEDDING_WEIGHT_SECOND = {torch.nn.functional.embedding}
+# op -> positional index of the running variance
+_BN_VAR_POS = {
+    torch.nn.functional.batch_norm: 2,
+    torch.batch_norm: 4,
+    torch.ops.aten.batch_norm.default: 4,
+    torch.ops.aten._native_batch_norm_legit_no_training.default: 4,
+    torch.ops.aten._native_batch_norm_legit.default: 4,
+    torch.ops.aten.native_batch_norm.default: 4,
+}
+
+
+def _infer_range(node: fx.Node, gm: fx.GraphModule) -> Optional[Range]:
+    """Guess a valid value range from how the placeholder is used.
+
+    Indices into an embedding stay below its number of rows; running
+    variances stay positive. Anything else: no constraint.
+    """
+    for user in node.users:
+        if user.op == "call_module":
+            mod = _get_attr(gm, user.target)
+            if isinstance(mod, torch.nn.Embedding) and user.args and user.args[0] is node:
+                return (0, mod.num_embeddings - 1)
+            if isinstance(mod, torch.nn.modules.batchnorm._BatchNorm):
+                continue
+        weight = None
+        if user.target in _EMBEDDING_WEIGHT_FIRST and len(user.args) > 1 and user.args[1] is node:
+            weight = user.args[0]
+        elif user.target in _EMBEDDING_WEIGHT_SECOND and user.args and user.args[0] is node:
+            weight = user.args[1] if len(user.args) > 1 else user.kwargs.get("weight")
+        if weight is not None:
+            shape = _node_shape(weight, gm)
+            if shape:
+                return (0, shape[0] - 1)
+        pos = _BN_VAR_POS.get(user.target)
+        if pos is not None:
+            if (len(user.args) > pos and user.args[pos] is node) or user.kwargs.get("running_var") is node:
+                return (0.5, 1.5)
+    if node.name.endswith("running_var") or node.name.endswith("running_var_"):
+        return (0.5, 1.5)
+    return None
+
+
+def inputs_from_graph(gm: fx.GraphModule, seed: int = 0, *,
+                      input_ranges: Optional[Mapping[InputKey, Range]] = None) -> Tuple[Any, ...]:
+    """Random positional inputs for ``gm`` built from its placeholders' metadata.
+
+    Uses ``meta['val']`` / ``meta['example_value']`` (FakeTensor or int) or
+    ``meta['tensor_meta']``; symbolic sizes take their hint. Floats are
+    standard normal, integers fall in a range inferred from their users
+    (embedding size) or ``DEFAULT_INT_RANGE``. Placeholders without metadata
+    are an error: there is nothing to build them from.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    args = []
+    for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
+        val = node.meta.get("val", node.meta.get("example_value"))
+        rng = _lookup_range(input_ranges, i, node.name) or _infer_range(node, gm)
+        if isinstance(val, torch.Tensor):
+            shape, dtype, device = val.shape, val.dtype, val.device
+        elif node.meta.get("tensor_meta") is not None:
+            tm = node.meta["tensor_meta"]
+            shape, dtype, device = tm.shape, tm.dtype, torch.device("cpu")
+        elif val is not None and not isinstance(val, torch.Tensor):
+            args.append(_concrete(val) if isinstance(val, torch.SymInt) else val)
+            continue
+        else:
+            raise ValueError(f"placeholder {node.name!r} has no 'val' or 'tensor_meta' metadata; "
+                             "pass example_inputs")
+        shape = tuple(_concrete(s) for s in shape)
+        if rng is None and _is_float(dtype):
+            value = torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype)
+        else:
+            if rng is None and dtype != torch.bool:
+                rng = DEFAULT_INT_RANGE
+            value = random_like(torch.zeros(shape, dtype=dtype), generator, rng)
+        args.append(value.to(device))
+    return tuple(args)
+
+
+# --------------------------------------------------------------------------- running
+
+
+def _clone(tree: Any) -> Any:
+    return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, tree)
+
+
+def _call(fn: Callable, inputs: Any, rng_seed: int) -> Any:
+    """Run ``fn`` on a private copy of ``inputs`` with a fixed RNG state.
+
+    The fixed seed makes stochastic ops (dropout in training mode) draw the
+    same numbers in the reference and the candidate; ``fork_rng`` leaves the
+    caller's RNG untouched.
+    """
+    args = _clone(inputs)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(rng_seed)
+        if isinstance(args, dict):
+            return fn(**args)
+        if isinstance(args, (tuple, list)):
+            return fn(*args)
+        return fn(args)
+
+
+def _tolerance(dtype: torch.dtype, scale: float, rtol: Optional[float],
+               atol: Optional[float]) -> Tuple[float, float]:
+    base_rtol, base_atol = TOLERANCES.get(dtype, _DEFAULT_TOL)
+    return (base_rtol if rtol is None else rtol,
+            base_atol * max(1.0, scale) if atol is None else atol)
+
+
+def _compare_tensor(path: str, trial: int, ref: torch.Tensor, cand: Any,
+                    rtol: Optional[float], atol: Optional[float]) -> Tuple[float, float, Optional[Mismatch]]:
+    shape, dtype = tuple(ref.shape), str(ref.dtype).replace("torch.", "")
+
+    def bad(msg: str, abs_err: float = math.inf, rel_err: float = math.inf):
+        return abs_err, rel_err, Mismatch(path, trial, shape, dtype, abs_err, rel_err, msg)
+
+    if not isinstance(cand, torch.Tensor):
+        return bad(f"expected a tensor, got {type(cand).__name__}")
+    if tuple(cand.shape) != shape:
+        return bad(f"shape {tuple(cand.shape)} != expected {shape}")
+    if cand.dtype != ref.dtype:
+        return bad(f"dtype {str(cand.dtype).replace('torch.', '')} != expected {dtype}")
+    r, c = ref.detach().cpu(), cand.detach().cpu()
+    if r.numel() == 0:
+        return 0.0, 0.0, None
+    if not _is_float(r.dtype):
+        diff = (r.long() - c.long()).abs() if r.dtype != torch.bool else (r != c).long()
+        max_abs = float(diff.max())
+        scale = max(1.0, float(r.long().abs().max())) if r.dtype != torch.bool else 1.0
+        if max_abs:
+            n = int((diff != 0).sum())
+            return bad(f"{n} of {r.numel()} elements differ (exact match required)",
+                       max_abs, max_abs / scale)
+        return 0.0, 0.0, None
+    r64 = r.to(torch.complex128 if r.dtype.is_complex else torch.float64)
+    c64 = c.to(r64.dtype)
+    both_nan = torch.isnan(r64) & torch.isnan(c64)
+    same_inf = torch.isinf(r64) & (r64 == c64)
+    special = both_nan | same_inf
+    finite_ref = r64[torch.isfinite(r64)]
+    scale = float(finite_ref.abs().max()) if finite_ref.numel() else 0.0
+    rt, at = _tolerance(r.dtype, scale, rtol, atol)
+    diff = (r64 - c64).abs()
+    diff = torch.where(special, torch.zeros_like(diff), diff)
+    diff = torch.nan_to_num(diff, nan=math.inf)
+    max_abs = float(diff.max())
+    max_rel = max_abs / scale if scale > 0 else max_abs
+    violating = diff > at + rt * r64.abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    if bool(violating.any()):
+        n = int(violating.sum())
+        return bad(f"{n} of {r.numel()} elements outside tolerance (rtol={rt:.3g}, atol={at:.3g}); "
+                   f"max abs diff {max_abs:.3g}, max rel diff {max_rel:.3g}", max_abs, max_rel)
+    return max_abs, max_rel, None
+
+
+def _compare(trial: int, ref_out: Any, cand_out: Any, rtol: Optional[float],
+             atol: Optional[float]) -> Tuple[float, float, Optional[Mismatch]]:
+    ref_leaves, ref_spec = pytree.tree_flatten_with_path(ref_out)
+    cand_leaves, cand_spec = pytree.tree_flatten_with_path(cand_out)
+    if ref_spec != cand_spec:
+        return math.inf, math.inf, Mismatch(
+            "output", trial, None, None, math.inf, math.inf,
+            f"output structure differs: expected {len(ref_leaves)} output(s) {ref_spec}, "
+            f"got {len(cand_leaves)} {cand_spec}")
+    worst_abs = worst_rel = 0.0
+    first: Optional[Mismatch] = None
+    for (kp, r), (_, c) in zip(ref_leaves, cand_leaves):
+        path = "output" + pytree.keystr(kp)
+        if isinstance(r, torch.Tensor):
+            a, rel, mm = _compare_tensor(path, trial, r, c, rtol, atol)
+        else:
+            equal = type(r) is type(c) and (r == c or (isinstance(r, float) and math.isnan(r) and math.isnan(c)))
+            a, rel = (0.0, 0.0) if equal else (math.inf, math.inf)
+            mm = None if equal else Mismatch(path, trial, None, None, a, rel,
+                                             f"expected {r!r}, got {c!r}")
+        worst_abs, worst_rel = max(worst_abs, a), max(worst_rel, rel)
+        if mm is not None and first is None:
+            first = mm
+    return worst_abs, worst_rel, first
+
+
+def check_equivalence(reference: Callable, candidate: Callable, example_inputs: Any = None, *,
+                      trials: int = 3, seed: int = 0, rtol: Optional[float] = None,
+                      atol: Optional[float] = None,
+                      input_ranges: Optional[Mapping[InputKey, Range]] = None,
+                      fixed_inputs: Iterable[InputKey] = ()) -> EquivalenceReport:
+    """Run ``reference`` and ``candidate`` on the same inputs and compare outputs.
+
+    Trial 0 uses ``example_inputs`` themselves; trials 1.. use
+    ``generate_inputs(example_inputs, seed + trial)``. With ``example_inputs``
+    None, inputs come from the placeholder metadata of ``reference`` (or
+    ``candidate``), which must then be a GraphModule, and every trial is
+    random. Both run under ``torch.no_grad()`` in whatever train/eval mode
+    they are in, each on its own copy of the inputs. ``rtol``/``atol``, when
+    given, override the dtype table (``atol`` is then absolute, not scaled).
+    The check stops at the first trial with a mismatch. If the candidate
+    raises, that is reported as a mismatch; if the reference raises, the
+    inputs are at fault and the error propagates.
+    """
+    fixed = tuple(fixed_inputs)
+    if example_inputs is None:
+        gm = reference if isinstance(reference, fx.GraphModule) else candidate
+        if not isinstance(gm, fx.GraphModule):
+            raise ValueError("example_inputs is None and neither callable is a GraphModule")
+        make = lambda t: inputs_from_graph(gm, seed + t, input_ranges=input_ranges)  # noqa: E731
+    else:
+        make = lambda t: (example_inputs if t == 0 else generate_inputs(  # noqa: E731
+            example_inputs, seed + t, input_ranges=input_ranges, fixed_inputs=fixed))
+    worst_abs = worst_rel = 0.0
+    for t in range(trials):
+        inputs = make(t)
+        try:
+            ref_out = _call(reference, inputs, seed + t)
+        except Exception as e:
+            raise RuntimeError(f"reference failed on trial {t} inputs: {type(e).__name__}: {e}") from e
+        try:
+            cand_out = _call(candidate, inputs, seed + t)
+        except Exception as e:
+            mm = Mismatch("output", t, None, None, math.inf, math.inf,
+                          f"candidate raised {type(e).__name__}: {e}")
+            return EquivalenceReport(False, t + 1, math.inf, math.inf, mm)
+        a, r, mm = _compare(t, ref_out, cand_out, rtol, atol)
+        worst_abs, worst_rel = max(worst_abs, a), max(worst_rel, r)
+        if mm is not None:
+            return EquivalenceReport(False, t + 1, worst_abs, worst_rel, mm)
+    return EquivalenceReport(True, trials, worst_abs, worst_rel, None)
+
+
+def assert_equivalent(reference: Callable, candidate: Callable, example_inputs: Any = None,
+                      **kw: Any) -> EquivalenceReport:
+    """``check_equivalence`` that raises ``AssertionError(report)`` on a mismatch."""
+    report = check_equivalence(reference, candidate, example_inputs, **kw)
+    if not report.ok:
+        raise AssertionError(str(report))
+    return report

@@ -1,0 +1,326 @@
+"""Compile checked rules into matcher programs.
+
+The checker (``rewrite.language.check``) has already guaranteed that every name
+resolves; this stage turns each ``ast.Rule`` into a ``CompiledRule``:
+
+* the pattern becomes a tree of ``P*`` records whose calls carry the resolved
+  ``OpDef`` alternatives and the arguments keyed by canonical parameter name
+  (omitted parameters must equal their defaults unless the call ends with ``...``);
+* the replacement becomes a tree of ``R*`` records (op emission, rewrite-time
+  constant, inserted module, variable, literal);
+* the rule is indexed by its root: canonical op names for vocabulary ops, node keys
+  (``("call_function", target)``) for qualified spellings, so a node only meets the
+  rules that could match it.
+
+Arguments of a call are ordered cheap-first (literals, then nested calls, then
+variables) so most failing candidates are rejected before any recursion.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+from rewrite.functions.registry import FunctionSpec, lookup_function
+from rewrite.language import ast
+from rewrite.ops import OpDef, lookup_op
+from rewrite.ops.base import REQUIRED
+
+__all__ = [
+    "PCall", "PVar", "PWild", "PLit", "PDefault", "PSeq", "ROp", "RVar", "RLit", "RSeq",
+    "RConst", "RModule", "CompiledRule", "compile_rule", "CompileError", "DTYPES",
+]
+
+
+class CompileError(Exception):
+    """A rule that passed the checker but cannot be compiled (a bug or an unsupported
+    construct); carries the rule's source position."""
+
+
+DTYPES = {
+    name: getattr(torch, name)
+    for name in (
+        "float32", "float", "float64", "double", "float16", "half", "bfloat16", "int8", "uint8",
+        "int16", "short", "int32", "int", "int64", "long", "bool", "complex64", "complex128",
+        "cfloat", "cdouble", "float8_e4m3fn", "float8_e5m2", "qint8", "quint8", "qint32",
+    )
+    if isinstance(getattr(torch, name, None), torch.dtype)
+}
+
+# ---------------------------------------------------------------- pattern records
+
+
+@attrs.frozen
+class PWild:
+    pass
+
+
+@attrs.frozen
+class PVar:
+    name: str
+
+
+@attrs.frozen
+class PLit:
+    value: Any
+
+
+@attrs.frozen
+class PDefault:
+    """An omitted argument: must equal the parameter's default."""
+
+    value: Any
+
+
+@attrs.frozen
+class PSeq:
+    items: tuple
+
+
+@attrs.frozen
+class PAlt:
+    """One op alternative of a call: the OpDef and its arguments, cheap-first."""
+
+    opdef: OpDef
+    canonical: bool  # the vocabulary's own OpDef (bind via the shared node index)
+    args: tuple  # of (param name, pattern)
+
+
+@attrs.frozen
+class PCall:
+    alts: tuple  # of PAlt
+    name: str | None  # the `as` name, if any
+    span: Any = attrs.field(default=None, eq=False)
+
+
+# ---------------------------------------------------------------- replacement records
+
+
+@attrs.frozen
+class RVar:
+    name: str
+
+
+@attrs.frozen
+class RLit:
+    value: Any
+
+
+@attrs.frozen
+class RSeq:
+    items: tuple
+    kind: type
+
+
+@attrs.frozen
+class ROp:
+    opdef: OpDef
+    args: dict  # canonical param -> R*
+
+
+@attrs.frozen
+class RConst:
+    spec: FunctionSpec
+    args: tuple
+    kwargs: dict
+
+
+@attrs.frozen
+class RModule:
+    spec: FunctionSpec
+    inputs: tuple  # R* graph values the module is called on
+    config: dict  # literal keyword config for the factory
+
+
+# ---------------------------------------------------------------- compiled rule
+
+
+@attrs.frozen
+class CompiledRule:
+    """A rule ready to match: pattern tree, where clause (AST, interpreted),
+    replacement tree, and the root index keys."""
+
+    name: str
+    rule: ast.Rule
+    pattern: PCall
+    where: Any
+    replacement: Any
+    priority: int
+    order: int  # position in the program, for deterministic ties
+    shared: bool
+    root_ops: frozenset  # canonical op names
+    root_keys: frozenset  # node keys, for qualified (non-canonical) roots
+    replacement_vars: frozenset  # variables the replacement uses (kept nodes)
+
+    @property
+    def location(self) -> str:
+        return str(self.rule.span) if self.rule.span else "<rule>"
+
+
+def _resolve_ops(names: tuple, families: dict) -> list:
+    out: list = []
+    for name in names:
+        for member in families.get(name, (name,)):
+            opdef = lookup_op(member)
+            if opdef is None:
+                raise CompileError(f"unknown op {member!r}")
+            if opdef not in out:
+                out.append(opdef)
+    return out
+
+
+def _is_canonical(opdef: OpDef) -> bool:
+    return lookup_op(opdef.name) is opdef
+
+
+def _cost(p: Any) -> int:
+    if isinstance(p, (PLit, PDefault)):
+        return 0
+    if isinstance(p, PSeq):
+        return 1
+    if isinstance(p, PCall):
+        return 2
+    return 3
+
+
+class _PatternBuilder:
+    def __init__(self, families: dict) -> None:
+        self.families = families
+
+    def build(self, e: Any) -> Any:
+        if isinstance(e, ast.As):
+            inner = self.build(e.expr)
+            if not isinstance(inner, PCall):
+                raise CompileError("'as' names an op call; use a plain variable instead")
+            return attrs.evolve(inner, name=e.name)
+        if isinstance(e, ast.Call):
+            return self.call(e)
+        if isinstance(e, ast.Var):
+            return PVar(e.name)
+        if isinstance(e, ast.Wildcard):
+            return PWild()
+        if isinstance(e, ast.Literal):
+            return PLit(e.value)
+        if isinstance(e, ast.DTypeLit):
+            return PLit(DTYPES[e.name])
+        if isinstance(e, (ast.TupleLit, ast.ListLit)):
+            return PSeq(tuple(self.build(i) for i in e.items))
+        raise CompileError(f"{type(e).__name__} cannot appear in a pattern")
+
+    def call(self, e: ast.Call) -> PCall:
+        alts = []
+        for opdef in _resolve_ops(e.op.names, self.families):
+            given = dict(zip(opdef.param_names, (self.build(a) for a in e.args)))
+            for kw in e.kwargs:
+                given[kw.name] = self.build(kw.value)
+            args = []
+            for param in opdef.params:
+                if param.name in given:
+                    args.append((param.name, given[param.name]))
+                elif not e.rest:
+                    if param.default is REQUIRED:
+                        raise CompileError(f"{opdef.name}: missing argument {param.name!r}")
+                    args.append((param.name, PDefault(param.default)))
+            args.sort(key=lambda item: _cost(item[1]))
+            alts.append(PAlt(opdef, _is_canonical(opdef), tuple(args)))
+        return PCall(tuple(alts), None, e.span)
+
+
+class _ReplacementBuilder:
+    def __init__(self, families: dict) -> None:
+        self.families = families
+        self.vars: set = set()
+
+    def build(self, e: Any) -> Any:
+        if isinstance(e, ast.Var):
+            self.vars.add(e.name)
+            return RVar(e.name)
+        if isinstance(e, ast.Literal):
+            return RLit(e.value)
+        if isinstance(e, ast.DTypeLit):
+            return RLit(DTYPES[e.name])
+        if isinstance(e, ast.TupleLit):
+            return RSeq(tuple(self.build(i) for i in e.items), tuple)
+        if isinstance(e, ast.ListLit):
+            return RSeq(tuple(self.build(i) for i in e.items), list)
+        if isinstance(e, ast.Call):
+            return self.call(e)
+        raise CompileError(f"{type(e).__name__} cannot appear in a replacement")
+
+    def call(self, e: ast.Call) -> Any:
+        if len(e.op.names) != 1:
+            raise CompileError("a replacement must name one op, not alternatives")
+        name = e.op.names[0]
+        spec = lookup_function(name)
+        if spec is not None and spec.kind in ("constant", "module"):
+            args = tuple(self.build(a) for a in e.args)
+            kwargs = {kw.name: self.build(kw.value) for kw in e.kwargs}
+            if spec.kind == "constant":
+                return RConst(spec, args, kwargs)
+            bound = dict(zip(spec.params, args))
+            bound.update(kwargs)
+            inputs = tuple(bound.pop(n) for n in spec.inputs if n in bound)
+            return RModule(spec, inputs, bound)
+        opdefs = _resolve_ops((name,), self.families)
+        if len(opdefs) != 1:
+            raise CompileError(f"{name!r} names a family; a replacement must name one op")
+        opdef = opdefs[0]
+        given = dict(zip(opdef.param_names, (self.build(a) for a in e.args)))
+        for kw in e.kwargs:
+            given[kw.name] = self.build(kw.value)
+        args = {}
+        for param in opdef.params:
+            if param.name in given:
+                args[param.name] = given[param.name]
+            elif param.default is REQUIRED:
+                raise CompileError(f"{opdef.name}: missing argument {param.name!r}")
+            else:
+                args[param.name] = RLit(param.default)
+        return ROp(opdef, args)
+
+
+def _where_vars(e: Any, out: set) -> set:
+    if isinstance(e, ast.Var):
+        out.add(e.name)
+    elif attrs.has(type(e)):
+        for field in attrs.fields(type(e)):
+            v = getattr(e, field.name)
+            for item in v if isinstance(v, tuple) else (v,):
+                if attrs.has(type(item)):
+                    _where_vars(item, out)
+    return out
+
+
+def compile_rule(rule: ast.Rule, order: int, families: dict) -> CompiledRule:
+    """Compile one checked rule. Raises CompileError with the rule's position."""
+    try:
+        pattern = _PatternBuilder(families).build(rule.pattern)
+        if not isinstance(pattern, PCall):
+            raise CompileError("a pattern must be an op call at its root")
+        rb = _ReplacementBuilder(families)
+        replacement = rb.build(rule.replacement)
+        if isinstance(replacement, (RLit, RSeq, RConst)):
+            raise CompileError("a replacement must produce a graph value (an op, a variable or a module)")
+    except CompileError as err:
+        raise CompileError(f"{rule.span}: error: rule {rule.name!r}: {err}") from None
+    root_ops, root_keys = set(), set()
+    for alt in pattern.alts:
+        if alt.canonical:
+            root_ops.add(alt.opdef.name)
+        else:
+            root_keys.update(form.key for form in alt.opdef.forms)
+    return CompiledRule(
+        name=rule.name,
+        rule=rule,
+        pattern=pattern,
+        where=rule.where,
+        replacement=replacement,
+        priority=int(rule.option("priority", 0) or 0),
+        order=order,
+        shared=bool(rule.option("shared", False)),
+        root_ops=frozenset(root_ops),
+        root_keys=frozenset(root_keys),
+        replacement_vars=frozenset(rb.vars),
+    )

@@ -1,0 +1,228 @@
+"""Apply compiled rules to a graph: schedules, a worklist fixpoint, termination.
+
+``fixpoint`` runs a worklist seeded with every call node in graph order. A rewrite
+pushes only what it touched: the nodes it created, the users of the new value, and
+the producers of the nodes it erased (their use counts changed, so a ``single_use``
+constraint may now hold). A node meets only the rules indexed under its canonical ops
+or its node key, highest priority first, then file order, so the result is
+deterministic.
+
+Termination: the number of rewrites is bounded (by default 20 per node plus 1000);
+when the bound is hit, the rules that kept firing in the last stretch are named, with
+the node where they did, instead of a bare iteration limit.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any, Iterable
+
+import attrs
+import torch.fx as fx
+
+from rewrite.compile import CompiledRule, PCall, PSeq
+from rewrite.facts import GraphFacts
+from rewrite.match import Matcher
+from rewrite.replace import Replacer, ReplacementError
+
+__all__ = ["Driver", "NonTerminationError", "RuleStats"]
+
+
+class NonTerminationError(RuntimeError):
+    """A rule set kept rewriting past its bound: rules that undo each other, or a
+    rule that grows the graph without end."""
+
+    def __init__(self, message: str, rules: tuple, node: str) -> None:
+        super().__init__(message)
+        self.rules = rules
+        self.node = node
+
+
+@attrs.define
+class RuleStats:
+    """Per-rule counters: tries (nodes it was tried at), matches applied, failures
+    while building a replacement, and seconds spent matching."""
+
+    tries: int = 0
+    applied: int = 0
+    failed: int = 0
+    seconds: float = 0.0
+
+
+def _depth(p: Any) -> int:
+    """Call depth of a pattern (relu(neg(x)) -> 2)."""
+    if isinstance(p, PCall):
+        return 1 + max((_depth(a) for alt in p.alts for _, a in alt.args), default=0)
+    if isinstance(p, PSeq):
+        return max((_depth(i) for i in p.items), default=0)
+    return 0
+
+
+def _users_within(nodes: tuple, depth: int) -> tuple:
+    """Users of ``nodes``, their users, ... ``depth - 1`` levels down."""
+    out: list = []
+    frontier = list(nodes)
+    for _ in range(depth - 1):
+        frontier = [u for n in frontier for u in n.users]
+        out.extend(frontier)
+    return tuple(out)
+
+
+class _Index:
+    """Rules by root: canonical op name -> rules, node key -> rules."""
+
+    def __init__(self, rules: Iterable[CompiledRule]) -> None:
+        self.by_op: dict = collections.defaultdict(list)
+        self.by_key: dict = collections.defaultdict(list)
+        self.depth = max((_depth(r.pattern) for r in rules), default=1)
+        for rule in rules:
+            for op in rule.root_ops:
+                self.by_op[op].append(rule)
+            for key in rule.root_keys:
+                self.by_key[key].append(rule)
+
+    def candidates(self, matcher: Matcher, node: fx.Node) -> list:
+        found: list = []
+        for op in matcher.root_ops(node):
+            found.extend(self.by_op.get(op, ()))
+        if self.by_key:
+            found.extend(self.by_key.get(matcher.key(node), ()))
+        if len(found) > 1:
+            found = sorted(set(found), key=lambda r: (-r.priority, r.order))
+        return found
+
+
+class Driver:
+    """Runs rule schedules over one GraphModule (which it mutates: callers pass a copy)."""
+
+    def __init__(self, gm: fx.GraphModule, dialect: str, max_rewrites: int | None = None) -> None:
+        self.gm = gm
+        self.facts = GraphFacts(gm)
+        self.matcher = Matcher(gm, self.facts)
+        self.replacer = Replacer(gm, self.facts, dialect)
+        self.counts: collections.Counter = collections.Counter()
+        self.stats: dict = collections.defaultdict(RuleStats)
+        self.history: list = []  # (rule name, root node name) per applied rewrite
+        n = sum(1 for _ in gm.graph.nodes)
+        self.max_rewrites = max_rewrites if max_rewrites is not None else 20 * n + 1000
+
+    # -- schedules
+
+    def fixpoint(self, rules: list) -> bool:
+        """Rewrite until no rule applies anywhere. Returns whether anything changed."""
+        index = _Index(rules)
+        queue = collections.deque(n for n in self.gm.graph.nodes if n.op.startswith("call_"))
+        queued = set(queue)
+        changed = False
+        while queue:
+            node = queue.popleft()
+            queued.discard(node)
+            if node.graph is not self.gm.graph:
+                continue  # erased meanwhile
+            result = self._rewrite_at(index, node)
+            if result is None:
+                continue
+            changed = True
+            for n in result:
+                if n not in queued and n.graph is self.gm.graph and n.op.startswith("call_"):
+                    queue.append(n)
+                    queued.add(n)
+        return changed
+
+    def once(self, rules: list) -> bool:
+        """One sweep in graph order; nodes created by the sweep are not revisited."""
+        index = _Index(rules)
+        changed = False
+        for node in list(self.gm.graph.nodes):
+            if node.graph is self.gm.graph and node.op.startswith("call_"):
+                changed |= self._rewrite_at(index, node) is not None
+        return changed
+
+    # -- one node
+
+    def _rewrite_at(self, index: _Index, node: fx.Node) -> tuple | None:
+        for rule in index.candidates(self.matcher, node):
+            stats = self.stats[rule.name]
+            stats.tries += 1
+            start = time.perf_counter()
+            match = self.matcher.match(rule, node)
+            stats.seconds += time.perf_counter() - start
+            if match is None:
+                continue
+            users_before = list(node.users)
+            try:
+                created, producers = self.replacer.apply(match)
+            except ReplacementError:
+                stats.failed += 1
+                continue
+            stats.applied += 1
+            self.counts[rule.name] += 1
+            self.history.append((rule.name, node.name))
+            self._check_bound(node)
+            for user in users_before:
+                self.matcher.forget(user)
+            for p in producers:
+                self.matcher.forget(p)
+            # Producers lost users, so matches that were blocked by the interior-use
+            # check may now hold: revisit their users down to the deepest pattern.
+            unblocked = _users_within(producers, index.depth)
+            return tuple(created) + tuple(users_before) + tuple(producers) + unblocked
+        return None
+
+    def _check_bound(self, node: fx.Node) -> None:
+        if len(self.history) <= self.max_rewrites:
+            return
+        recent = self.history[-200:]
+        rules = tuple(sorted({name for name, _ in recent}))
+        where = recent[-1][1]
+        raise NonTerminationError(
+            f"rewriting did not settle after {len(self.history)} rewrites; "
+            f"rules {', '.join(repr(r) for r in rules)} keep firing (last at node {where!r}): "
+            "they undo each other or grow the graph without end",
+            rules,
+            where,
+        )
+
+    def run(self, schedule: Any, resolve: Any) -> bool:
+        """Run a schedule: ("fixpoint"|"once"|"seq", items) where items are rule
+        names, rule-set names or nested schedules; ``resolve(name)`` gives a
+        CompiledRule or a nested schedule."""
+        kind, items = schedule
+        if kind == "seq":
+            changed = False
+            for item in items:
+                changed |= self.run(self._as_schedule(item, resolve), resolve)
+            return changed
+        rules, nested = self._split(items, resolve)
+        if not nested:
+            return self.fixpoint(rules) if kind == "fixpoint" else self.once(rules)
+        # Mixed rules and nested schedules: run them in order, repeated for fixpoint.
+        steps = ([("fixpoint" if kind == "fixpoint" else "once", tuple(r.name for r in rules))] if rules else []) + nested
+        changed_any = False
+        for _ in range(self.max_rewrites):
+            changed = False
+            for step in steps:
+                changed |= self.run(step, resolve)
+            changed_any |= changed
+            if not changed or kind != "fixpoint":
+                break
+        return changed_any
+
+    @staticmethod
+    def _as_schedule(item: Any, resolve: Any) -> tuple:
+        target = resolve(item) if isinstance(item, str) else item
+        if isinstance(target, CompiledRule):
+            return ("fixpoint", (item,))
+        return target
+
+    @staticmethod
+    def _split(items: tuple, resolve: Any) -> tuple:
+        rules, nested = [], []
+        for item in items:
+            target = resolve(item) if isinstance(item, str) else item
+            if isinstance(target, CompiledRule):
+                rules.append(target)
+            else:
+                nested.append(target)
+        return rules, nested

@@ -1,0 +1,535 @@
+"""Name resolution and checking of parsed rule files (codes E1xx-E4xx).
+
+The parser only knows the shape of the text. This module knows what the names
+mean: which callees are ops of the vocabulary (``rewrite.ops``), families, or
+registered functions (``rewrite.functions.registry``) of the right kind for where
+they are used; whether arguments fit the op's signature; whether every variable is
+bound by the pattern and every pattern variable is used. Every problem is
+collected, so one run of ``rewrite check`` shows them all.
+
+Each rule is checked in three places with different rules of use:
+
+* pattern: calls of ops and families (alternatives allowed), variables, ``_``,
+  literals, ``as``, ``...``;
+* where: calls of predicates and queries, comparisons, ``and``/``or``/``not``,
+  indexing, bound variables and literals;
+* replacement: calls of ops and of ``constant``/``module`` functions, bound
+  variables and literals.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import attrs
+
+from rewrite.language import ast
+from rewrite.language.diagnostics import Diagnostic, did_you_mean
+from rewrite.language.parser import DTYPES
+from rewrite.language.printer import format_expr
+
+__all__ = ["Scope", "check_module", "check_declarations", "expand_families",
+           "SCHEDULE_KINDS", "OPTIONS"]
+
+SCHEDULE_KINDS = ("fixpoint", "once", "seq")
+
+# Rule options: name -> (check, what the value must be).
+OPTIONS = {
+    "priority": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    "shared": (lambda v: isinstance(v, bool), "True or False"),
+    "tolerance": (lambda v: v in ("exact", "approx"), "\"exact\" or \"approx\""),
+}
+
+_PATTERN, _WHERE, _REPLACEMENT = "pattern", "where clause", "replacement"
+
+
+def _vocabulary() -> Any:
+    # Imported late: the vocabulary imports torch, and the parser should not need it.
+    import rewrite.ops
+
+    return rewrite.ops
+
+
+def _registry() -> Any:
+    from rewrite.functions import registry
+
+    return registry
+
+
+@attrs.frozen
+class Scope:
+    """The names one file can see: its own declarations and its imports'.
+
+    ``complete`` is False when an import could not be read or parsed; names that
+    might have come from it are then not reported as unknown.
+    """
+
+    families: dict = attrs.field(factory=dict)  # name -> ast.Family
+    schedulables: dict = attrs.field(factory=dict)  # name -> ast.Rule | ast.RuleSetDecl
+    complete: bool = True
+
+
+def check_module(module: ast.Module, scope: Scope) -> list:
+    """Every diagnostic for the declarations of one parsed file."""
+    checker = _Checker(scope)
+    for item in module.items:
+        if isinstance(item, ast.Rule):
+            checker.rule(item)
+        elif isinstance(item, ast.Family):
+            checker.family(item)
+        elif isinstance(item, ast.RuleSetDecl):
+            checker.ruleset(item)
+    return checker.diags
+
+
+# ---------------------------------------------------------------- declarations
+
+
+def check_declarations(modules: list) -> list:
+    """Program-wide checks: duplicate names (one namespace for rules, families and
+    rulesets across all files), families named like ops, recursive families and
+    rulesets."""
+    diags: list = []
+    first: dict = {}
+    families: dict = {}
+    rulesets: dict = {}
+    for module in modules:
+        for item in module.items:
+            if isinstance(item, ast.Import):
+                continue
+            where = item.name_span or item.span
+            if item.name in first:
+                kind, prev = first[item.name]
+                diags.append(Diagnostic(
+                    where, f"duplicate name '{item.name}': already defined as a {kind}", "E401",
+                    help="rules, families and rulesets share one namespace; rename one of them",
+                    related=((prev, f"'{item.name}' first defined here"),)))
+                continue
+            first[item.name] = (_kind(item), where)
+            if isinstance(item, ast.Family):
+                families[item.name] = item
+                if _vocabulary().lookup_op(item.name) is not None:
+                    diags.append(Diagnostic(where, f"family '{item.name}' has the name of an op", "E401",
+                                            help="choose a name that is not an op"))
+            elif isinstance(item, ast.RuleSetDecl):
+                rulesets[item.name] = item
+    diags += _cycles({n: [(m, s) for m, s in zip(f.ops, _op_spans(f)) if m in families]
+                      for n, f in families.items()}, "family")
+    diags += _cycles({n: [(r.name, r.span) for r in _refs(d.schedule) if r.name in rulesets]
+                      for n, d in rulesets.items()}, "ruleset")
+    return diags
+
+
+def _kind(item: object) -> str:
+    return {ast.Rule: "rule", ast.Family: "family", ast.RuleSetDecl: "ruleset"}[type(item)]
+
+
+def _op_spans(f: ast.Family) -> tuple:
+    return f.op_spans if len(f.op_spans) == len(f.ops) else (f.span,) * len(f.ops)
+
+
+def _refs(s: ast.Schedule) -> Iterator:
+    for item in s.items:
+        if isinstance(item, ast.ScheduleRef):
+            yield item
+        else:
+            yield from _refs(item)
+
+
+def _cycles(graph: dict, kind: str) -> list:
+    """One E404 per back edge of a depth-first walk of ``graph``
+    (name -> [(child name, span of the reference)])."""
+    diags, state, stack = [], {}, []
+
+    def visit(name: str) -> None:
+        state[name] = "open"
+        stack.append(name)
+        for child, span in graph.get(name, ()):
+            if state.get(child) == "open":
+                path = " -> ".join(stack[stack.index(child):] + [child])
+                diags.append(Diagnostic(span, f"{kind} '{child}' contains itself: {path}", "E404",
+                                        help=f"a {kind} cannot include itself, directly or through another"))
+            elif child not in state:
+                visit(child)
+        stack.pop()
+        state[name] = "done"
+
+    for name in graph:
+        if name not in state:
+            visit(name)
+    return diags
+
+
+def expand_families(families: dict) -> dict:
+    """name -> the op names of a family, nested families flattened, first-seen order
+    (``family a = relu | b`` with ``family b = gelu`` -> ``a: (relu, gelu)``)."""
+
+    def expand(name: str, seen: tuple) -> list:
+        out: list = []
+        for member in families[name].ops:
+            if member in families:
+                if member not in seen:
+                    out += expand(member, seen + (member,))
+            else:
+                out.append(member)
+        return out
+
+    return {n: tuple(dict.fromkeys(expand(n, (n,)))) for n in families}
+
+
+# ---------------------------------------------------------------- per rule
+
+
+def _walk(e: object) -> Iterator:
+    """Every expression node under ``e`` (inclusive), parents first."""
+    yield e
+    if isinstance(e, ast.Call):
+        for a in e.args:
+            yield from _walk(a)
+        for k in e.kwargs:
+            yield from _walk(k.value)
+    elif isinstance(e, (ast.TupleLit, ast.ListLit, ast.BoolOp)):
+        for i in e.items:
+            yield from _walk(i)
+    elif isinstance(e, (ast.As, ast.Not)):
+        yield from _walk(e.expr)
+    elif isinstance(e, ast.Compare):
+        yield from _walk(e.left)
+        yield from _walk(e.right)
+    elif isinstance(e, ast.Index):
+        yield from _walk(e.expr)
+        yield from _walk(e.index)
+
+
+def _as_name_span(e: ast.As) -> ast.Span | None:
+    """The span of the name after ``as`` (the last token of the As node)."""
+    s = e.span
+    if s is None:
+        return None
+    return ast.Span(s.path, s.end_line, max(s.end_col - len(e.name), 1), s.end_line, s.end_col)
+
+
+_WHAT = {ast.Compare: "a comparison", ast.BoolOp: "'{op}'", ast.Not: "'not'", ast.Index: "indexing",
+         ast.As: "'as'", ast.Wildcard: "'_'"}
+
+
+def _what(e: object) -> str:
+    text = _WHAT[type(e)]
+    return text.format(op=e.op) if isinstance(e, ast.BoolOp) else text
+
+
+def _signature(opdef: Any) -> str:
+    required = _vocabulary().REQUIRED
+    parts = [p.name if p.default is required else f"{p.name}={p.default!r}" for p in opdef.params]
+    return f"{opdef.name}({', '.join(parts)})"
+
+
+class _Checker:
+    """Collects diagnostics for one file's declarations."""
+
+    def __init__(self, scope: Scope):
+        self.scope = scope
+        self.diags: list = []
+        self.bound: dict = {}  # name -> span, for the rule being checked
+        self.used: set = set()
+
+    def error(self, span: ast.Span | None, message: str, code: str, help: str | None = None) -> None:
+        self.diags.append(Diagnostic(span, message, code, help))
+
+    # ------------------------------------------------------ names
+
+    def resolve(self, name: str) -> tuple:
+        """``("family", ast.Family)``, ``("op", OpDef)``, ``("function", FunctionSpec)``
+        or ``(None, None)``."""
+        if name in self.scope.families:
+            return "family", self.scope.families[name]
+        opdef = _vocabulary().lookup_op(name)
+        if opdef is not None:
+            return "op", opdef
+        spec = _registry().lookup_function(name)
+        if spec is not None:
+            return "function", spec
+        return None, None
+
+    def family_ops(self, family: ast.Family) -> list:
+        """(member name, OpDef) of a family, nested families expanded; unknown
+        members are skipped (reported on the family itself)."""
+        lookup = _vocabulary().lookup_op
+        out = []
+        for member in expand_families(self.scope.families).get(family.name, ()):
+            opdef = lookup(member)
+            if opdef is not None:
+                out.append((member, opdef))
+        return out
+
+    def _ops_and_families(self) -> list:
+        return list(_vocabulary().op_names()) + list(self.scope.families)
+
+    # ------------------------------------------------------ declarations
+
+    def family(self, f: ast.Family) -> None:
+        for member, span in zip(f.ops, _op_spans(f)):
+            kind, found = self.resolve(member)
+            if kind == "function":
+                self.error(span, f"'{member}' is a {found.kind}, not an op; a family lists ops", "E104")
+            elif kind is None and self.scope.complete:
+                self.error(span, f"unknown op '{member}' in family '{f.name}'", "E101",
+                           help=did_you_mean(member, self._ops_and_families()))
+
+    def ruleset(self, d: ast.RuleSetDecl) -> None:
+        self._schedule(d.schedule)
+
+    def _schedule(self, s: ast.Schedule) -> None:
+        if s.kind not in SCHEDULE_KINDS:
+            span = s.span and ast.Span(s.span.path, s.span.line, s.span.col, s.span.line, s.span.col + len(s.kind))
+            self.error(span, f"unknown schedule '{s.kind}'", "E408",
+                       help=did_you_mean(s.kind, SCHEDULE_KINDS) or "schedules are fixpoint(...), once(...), seq(...)")
+        if not s.items:
+            self.error(s.span, f"empty schedule '{s.kind}()'", "E408", help="list rules or rulesets inside it")
+        for item in s.items:
+            if isinstance(item, ast.Schedule):
+                self._schedule(item)
+            elif item.name in self.scope.families:
+                self.error(item.span, f"'{item.name}' is a family, not a rule or ruleset", "E407",
+                           help="a schedule lists rules and rulesets")
+            elif item.name not in self.scope.schedulables and self.scope.complete:
+                self.error(item.span, f"unknown rule or ruleset '{item.name}'", "E407",
+                           help=did_you_mean(item.name, self.scope.schedulables))
+
+    def rule(self, r: ast.Rule) -> None:
+        self._options(r)
+        self.bound, self.used = {}, set()
+        self._bind(r.pattern)
+        root = r.pattern.expr if isinstance(r.pattern, ast.As) else r.pattern
+        if not isinstance(root, ast.Call):
+            self.error(_span_of(root), f"a pattern must be an op call, found {_describe(root)}", "E304",
+                       help="write the op whose output the rule rewrites, e.g. relu(x)")
+        self.check(r.pattern, _PATTERN)
+        if r.where is not None:
+            self.check(r.where, _WHERE)
+        self.check(r.replacement, _REPLACEMENT)
+        self._unused(r)
+
+    def _options(self, r: ast.Rule) -> None:
+        seen = set()
+        for opt in r.options:
+            if opt.name in seen:
+                self.error(opt.span, f"option '{opt.name}' given twice", "E406")
+                continue
+            seen.add(opt.name)
+            if opt.name not in OPTIONS:
+                self.error(opt.span, f"unknown rule option '{opt.name}'", "E405",
+                           help=did_you_mean(opt.name, OPTIONS) or f"known options: {', '.join(OPTIONS)}")
+                continue
+            ok, wanted = OPTIONS[opt.name]
+            value = opt.value
+            if isinstance(value, (ast.Var, ast.Call, ast.TupleLit, ast.ListLit, ast.DTypeLit, ast.Wildcard,
+                                  ast.As, ast.Compare, ast.BoolOp, ast.Not, ast.Index)) or not ok(value):
+                shown = format_expr(value) if hasattr(value, "span") else repr(value)
+                self.error(opt.span, f"option '{opt.name}' must be {wanted}, got {shown}", "E406")
+
+    # ------------------------------------------------------ variables
+
+    def _bind(self, pattern: object) -> None:
+        """Record the pattern's variables; report names bound twice by ``as``."""
+        var_spans: dict = {}
+        for e in _walk(pattern):
+            if isinstance(e, ast.Var):
+                var_spans.setdefault(e.name, e.span)
+                self.bound.setdefault(e.name, e.span)
+        as_spans: dict = {}
+        for e in _walk(pattern):
+            if not isinstance(e, ast.As):
+                continue
+            span = _as_name_span(e)
+            if e.name in as_spans:
+                self.error(span, f"'{e.name}' names two nodes with 'as'", "E303",
+                           help="give each named node its own name")
+            elif e.name in var_spans:
+                self.error(span, f"'{e.name}' is already a pattern variable; 'as' needs a new name", "E303",
+                           help="a repeated variable already means the same value; drop 'as' or rename")
+            as_spans.setdefault(e.name, span)
+            self.bound.setdefault(e.name, span)
+
+    def _unused(self, r: ast.Rule) -> None:
+        counts: dict = {}
+        spans: dict = {}
+        for e in _walk(r.pattern):
+            name = e.name if isinstance(e, (ast.Var, ast.As)) else None
+            if name is not None:
+                counts[name] = counts.get(name, 0) + 1
+                spans.setdefault(name, e.span if isinstance(e, ast.Var) else _as_name_span(e))
+        for name, count in counts.items():
+            if count == 1 and name not in self.used and not name.startswith("_"):
+                self.error(spans[name], f"unused pattern variable '{name}'", "E302",
+                           help="write _ to match anything, or use the variable in the where clause or replacement")
+
+    def _use(self, v: ast.Var) -> None:
+        self.used.add(v.name)
+        if v.name in self.bound:
+            return
+        hint = did_you_mean(v.name, self.bound)
+        if v.name in DTYPES:
+            hint = f"did you mean 'torch.{v.name}'?"
+        self.error(v.span, f"unbound variable '{v.name}'", "E301",
+                   help=hint or "every variable of the where clause and replacement must appear in the pattern")
+
+    # ------------------------------------------------------ expressions
+
+    def check(self, e: object, place: str) -> None:
+        """Check ``e`` as used in ``place`` (pattern, where clause, replacement)."""
+        if isinstance(e, ast.Var):
+            if place != _PATTERN:
+                self._use(e)
+        elif isinstance(e, ast.Wildcard):
+            if place != _PATTERN:
+                self.error(e.span, f"'_' can only be used in a pattern", "E304",
+                           help="use a variable bound by the pattern")
+        elif isinstance(e, (ast.TupleLit, ast.ListLit)):
+            for item in e.items:
+                self.check(item, place)
+        elif isinstance(e, ast.As):
+            if place != _PATTERN:
+                self.error(_as_name_span(e), "'as' can only be used in a pattern", "E304",
+                           help="name the node in the pattern and use the name here")
+            elif not isinstance(e.expr, ast.Call):
+                self.error(_as_name_span(e), f"'as' can only name a call, not {_describe(e.expr)}", "E304",
+                           help="a variable already names what it matches")
+            self.check(e.expr, place)
+        elif isinstance(e, ast.Call):
+            self.call(e, place)
+        elif isinstance(e, (ast.Compare, ast.BoolOp, ast.Not, ast.Index)):
+            if place != _WHERE:
+                self.error(e.span, f"{_what(e)} can only be used in a where clause", "E304",
+                           help="conditions go after 'where', between the pattern and '=>'")
+            for child in _children(e):
+                self.check(child, place)
+
+    def call(self, c: ast.Call, place: str) -> None:
+        self._duplicate_keywords(c)
+        if len(c.op.names) > 1 and place != _PATTERN:
+            self.error(c.op.span, f"alternatives can only be used in a pattern", "E304",
+                       help="call one op or function here")
+        if c.rest and place != _PATTERN:
+            self.error(c.span, f"'...' can only be used in a pattern", "E304",
+                       help="write every argument the call needs")
+        spans = c.op.name_spans if len(c.op.name_spans) == len(c.op.names) else (c.op.span,) * len(c.op.names)
+        for name, span in zip(c.op.names, spans):
+            kind, found = self.resolve(name)
+            getattr(self, "_call_in_" + place.split()[0])(c, name, span, kind, found)
+        for a in c.args:
+            self.check(a, place)
+        for k in c.kwargs:
+            self.check(k.value, place)
+
+    def _call_in_pattern(self, c: ast.Call, name: str, span: Any, kind: str | None, found: Any) -> None:
+        if kind == "family":
+            for member, opdef in self.family_ops(found):
+                self._op_args(c, opdef, f"'{member}' (in family '{name}')", span)
+        elif kind == "op":
+            self._op_args(c, found, f"'{name}'", span)
+        elif kind == "function":
+            where = "where clause" if found.kind in ("predicate", "query") else "replacement"
+            self.error(span, f"'{name}' is a {found.kind}, not an op; a pattern can only call ops and families",
+                       "E104", help=f"use it in the {where}")
+        elif self.scope.complete:
+            self.error(span, f"unknown op '{name}'", "E102", help=did_you_mean(name, self._ops_and_families()))
+
+    def _call_in_where(self, c: ast.Call, name: str, span: Any, kind: str | None, found: Any) -> None:
+        if kind == "function" and found.kind in ("predicate", "query"):
+            self._function_args(c, found, span)
+        elif kind is not None:
+            what = {"op": "an op", "family": "a family"}.get(kind) or f"a {found.kind} function"
+            self.error(span, f"'{name}' is {what}; a where clause can only call predicates and queries", "E104",
+                       help="match ops in the pattern and test them here through their variables")
+        else:
+            names = _registry().function_names("predicate") + _registry().function_names("query")
+            self.error(span, f"unknown predicate or query '{name}'", "E103", help=did_you_mean(name, names))
+
+    def _call_in_replacement(self, c: ast.Call, name: str, span: Any, kind: str | None, found: Any) -> None:
+        if kind == "op":
+            self._op_args(c, found, f"'{name}'", span)
+        elif kind == "function" and found.kind in ("constant", "module"):
+            self._function_args(c, found, span)
+        elif kind == "function":
+            self.error(span, f"'{name}' is a {found.kind}; a replacement can only call ops and constant or "
+                             "module functions", "E104", help="use it in the where clause")
+        elif kind == "family":
+            self.error(span, f"'{name}' is a family; a replacement must call one op", "E104",
+                       help="name the op to build")
+        else:
+            reg = _registry()
+            names = list(_vocabulary().op_names()) + reg.function_names("constant") + reg.function_names("module")
+            self.error(span, f"unknown op or function '{name}'", "E102", help=did_you_mean(name, names))
+
+    # ------------------------------------------------------ arguments
+
+    def _duplicate_keywords(self, c: ast.Call) -> None:
+        seen = set()
+        for k in c.kwargs:
+            if k.name in seen:
+                self.error(k.span, f"keyword argument '{k.name}' given twice", "E203")
+            seen.add(k.name)
+
+    def _op_args(self, c: ast.Call, opdef: Any, who: str, span: Any) -> None:
+        """Check a call's arguments against an op's signature."""
+        names = [p.name for p in opdef.params]
+        sig = f"signature: {_signature(opdef)}"
+        if len(c.args) > len(names):
+            extra = c.args[len(names)]
+            self.error(_span_of(extra), f"too many arguments for {who}: it takes {len(names)}, got {len(c.args)}",
+                       "E201", help=sig)
+        given = set(names[: len(c.args)])
+        for k in c.kwargs:
+            if k.name not in names:
+                hint = did_you_mean(k.name, names)
+                self.error(k.span, f"{who} has no parameter '{k.name}'", "E202",
+                           help=f"{hint} ({sig})" if hint else sig)
+            elif k.name in given and names.index(k.name) < len(c.args):
+                self.error(k.span, f"argument '{k.name}' of {who} given both by position and by keyword",
+                           "E203", help=sig)
+            given.add(k.name)
+        if c.rest:
+            return
+        required = _vocabulary().REQUIRED
+        missing = [p.name for p in opdef.params if p.default is required and p.name not in given]
+        if missing:
+            listed = ", ".join(f"'{m}'" for m in missing)
+            self.error(span, f"missing argument{'s' * (len(missing) > 1)} {listed} for {who}", "E204",
+                       help=f"{sig}; in a pattern, end the call with '...' to match the rest")
+
+    def _function_args(self, c: ast.Call, spec: Any, span: Any) -> None:
+        problem = spec.accepts(len(c.args), tuple(k.name for k in c.kwargs))
+        if problem:
+            params = ", ".join(spec.params) + (", ..." if spec.variadic else "")
+            self.error(span, problem, "E205", help=f"signature: {spec.name}({params})")
+
+
+def _children(e: object) -> tuple:
+    if isinstance(e, ast.Compare):
+        return (e.left, e.right)
+    if isinstance(e, ast.BoolOp):
+        return e.items
+    if isinstance(e, ast.Not):
+        return (e.expr,)
+    return (e.expr, e.index)
+
+
+def _span_of(e: object) -> ast.Span | None:
+    return getattr(e, "span", None)
+
+
+def _describe(e: object) -> str:
+    if isinstance(e, ast.Var):
+        return f"variable '{e.name}'"
+    if isinstance(e, ast.Wildcard):
+        return "'_'"
+    if isinstance(e, (ast.Literal, ast.DTypeLit)):
+        return f"literal {format_expr(e)}"
+    if isinstance(e, ast.TupleLit):
+        return "a tuple"
+    if isinstance(e, ast.ListLit):
+        return "a list"
+    if isinstance(e, ast.As):
+        return "'as'"
+    return _what(e) if type(e) in _WHAT else type(e).__name__

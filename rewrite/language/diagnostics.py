@@ -1,0 +1,149 @@
+"""Diagnostics: what the front end reports about a rule file, and how it prints.
+
+Every problem the parser or the checker finds becomes a ``Diagnostic`` with a span,
+a message, a stable code (documented in ``docs/language.md``) and an optional
+``help`` line. They are collected, not raised one by one, so a user sees every
+problem of a file at once; ``RuleError`` carries them all out of the loader.
+
+The printed form follows ruff and mypy::
+
+    rules/bad.rw:3:9: error: unknown op 'rleu' [E102]
+        rule r: rleu(x) => x
+                ^^^^
+      help: did you mean 'relu'?
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Iterable
+
+import attrs
+
+from rewrite.language.ast import Span
+
+__all__ = ["Diagnostic", "RuleError", "format_diagnostic", "did_you_mean", "sort_diagnostics"]
+
+
+@attrs.frozen
+class Diagnostic:
+    """One problem in a rule file.
+
+    Attributes:
+        span: where it is (1-based line and column; the caret underlines the span).
+        message: one sentence naming the objects involved.
+        code: a stable code such as ``E102`` (see ``docs/language.md``).
+        help: a hint on how to fix it, printed as ``help: ...``.
+        severity: ``"error"`` or ``"warning"``.
+        related: ``(span, message)`` pairs printed as ``note:`` lines, e.g. where a
+            duplicate name was first defined.
+    """
+
+    span: Span | None
+    message: str
+    code: str
+    help: str | None = None
+    severity: str = "error"
+    related: tuple = ()
+
+    def __str__(self) -> str:
+        """The one-line form: ``path:line:col: error: message [code]``."""
+        where = f"{self.span}: " if self.span is not None else ""
+        return f"{where}{self.severity}: {self.message} [{self.code}]"
+
+
+def format_diagnostic(d: Diagnostic, source: str | None = None) -> str:
+    """The full form of a diagnostic: the one-line header, the source line with a
+    caret underline (when ``source``, the text of ``d.span.path``, is given), the
+    ``help:`` line and any ``note:`` lines."""
+    lines = [str(d)]
+    if d.span is not None and source is not None:
+        lines.extend(_excerpt(d.span, source))
+    if d.help:
+        lines.append(f"  help: {d.help}")
+    for span, note in d.related:
+        lines.append(f"  note: {span}: {note}")
+    return "\n".join(lines)
+
+
+def _excerpt(span: Span, source: str) -> list:
+    """The span's first source line, indented, with carets under the span."""
+    text_lines = source.splitlines()
+    if not 1 <= span.line <= len(text_lines):
+        return []
+    line = text_lines[span.line - 1].expandtabs(4)
+    raw = text_lines[span.line - 1]
+    start = len(raw[: max(span.col - 1, 0)].expandtabs(4))
+    if span.end_line == span.line and span.end_col > span.col:
+        end = len(raw[: span.end_col - 1].expandtabs(4))
+    else:
+        end = len(line.rstrip())
+    width = max(end - start, 1)
+    # Non-printable characters would garble the excerpt; show them as '?'.
+    shown = "".join(c if c.isprintable() else "?" for c in line)
+    return ["    " + shown.rstrip(), "    " + " " * start + "^" * width]
+
+
+def did_you_mean(name: str, candidates: Iterable[str]) -> str | None:
+    """``"did you mean 'x'?"`` for the closest candidate to ``name``, or None.
+
+    A qualified name (``F.rleu``) is also matched by its last part against the
+    candidates' last parts, so the prefix the user wrote is kept.
+    """
+    pool = sorted(set(candidates))
+    close = difflib.get_close_matches(name, pool, n=1, cutoff=0.6)
+    if not close and "." in name:
+        prefix, _, last = name.rpartition(".")
+        tails = {c.rpartition(".")[2] for c in pool}
+        tail = difflib.get_close_matches(last, sorted(tails), n=1, cutoff=0.6)
+        if tail:
+            qualified = f"{prefix}.{tail[0]}"
+            close = [qualified if qualified in pool else tail[0]]
+    return f"did you mean '{close[0]}'?" if close else None
+
+
+def sort_diagnostics(diags: Iterable[Diagnostic], file_order: Iterable[str] = ()) -> list:
+    """Diagnostics in file order (as given), then by line and column."""
+    order = {path: i for i, path in enumerate(file_order)}
+
+    def key(d: Diagnostic) -> tuple:
+        if d.span is None:
+            return (-1, 0, 0)
+        return (order.get(d.span.path, len(order)), d.span.line, d.span.col)
+
+    return sorted(diags, key=key)
+
+
+class RuleError(Exception):
+    """Raised by the loader when a rule program has errors; holds all of them.
+
+    Attributes:
+        diagnostics: every problem found, in file and source order.
+        sources: path -> text of every file read, to print source excerpts.
+
+    ``str(err)`` is every diagnostic in full form followed by a summary line such as
+    ``2 errors``.
+    """
+
+    def __init__(self, diagnostics: Iterable[Diagnostic], sources: dict | None = None):
+        self.diagnostics = list(diagnostics)
+        self.sources = dict(sources or {})
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        parts = [format_diagnostic(d, self.sources.get(d.span.path) if d.span else None)
+                 for d in self.diagnostics]
+        parts.append(self.summary())
+        return "\n".join(parts)
+
+    def summary(self) -> str:
+        """``"2 errors"``, ``"1 error, 1 warning"``."""
+        errors = sum(d.severity == "error" for d in self.diagnostics)
+        warnings = len(self.diagnostics) - errors
+        out = f"{errors} error{'s' * (errors != 1)}"
+        if warnings:
+            out += f", {warnings} warning{'s' * (warnings != 1)}"
+        return out
+
+    def __str__(self) -> str:
+        return self._render()

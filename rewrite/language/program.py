@@ -1,0 +1,222 @@
+"""Loading a rule program: files, their imports, checking, and the ``Program`` value.
+
+A program is one or more rule files plus everything they import. Loading reads
+each file once (a file imported twice is shared, an import cycle is an error),
+parses it, checks each file against the names it can see (its own declarations
+and those of the files it imports, transitively) and checks the whole program for
+duplicate and recursive names. All diagnostics of all files are collected; if there
+is any, ``RuleError`` is raised with every one of them.
+
+Example::
+
+    >>> prog = load_program_text("rule mul_one: mul(x, 1) => x")
+    >>> [r.name for r in prog.rules]
+    ['mul_one']
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import attrs
+
+from rewrite.language import ast
+from rewrite.language.check import Scope, check_declarations, check_module, expand_families
+from rewrite.language.diagnostics import Diagnostic, RuleError, did_you_mean, sort_diagnostics
+from rewrite.language.parser import parse_module
+
+__all__ = ["Program", "load_program", "load_program_text"]
+
+
+@attrs.frozen(eq=False)
+class Program:
+    """A checked rule program.
+
+    Attributes:
+        rules: every rule of the files and their imports; imported files first,
+            then each file's rules in source order.
+        families: family name -> its op names (as written; nested families expanded).
+        rulesets: ruleset name -> its ``ast.Schedule``.
+        files: the files read, in the same order as ``rules`` (imports first).
+        sources: file path -> text, for printing diagnostics.
+    """
+
+    rules: tuple
+    families: dict
+    rulesets: dict
+    files: tuple
+    sources: dict = attrs.field(repr=False)
+
+    def rule(self, name: str) -> ast.Rule:
+        """The rule called ``name``; KeyError if there is none."""
+        for r in self.rules:
+            if r.name == name:
+                return r
+        raise KeyError(f"no rule named {name!r}")
+
+
+def load_program(paths: list) -> Program:
+    """Load, check and combine rule files and their imports.
+
+    Args:
+        paths: rule file paths (``str`` or ``Path``); a single path is accepted too.
+            Imports resolve relative to the importing file.
+
+    Returns:
+        The checked ``Program``.
+
+    Raises:
+        RuleError: with every diagnostic of every file (unreadable files, syntax
+            errors, unknown names, ...).
+
+    Example::
+
+        prog = load_program(["rules/fusion.rw"])
+        prog.rulesets["fusion"]
+    """
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    loader = _Loader()
+    for p in paths:
+        loader.load_file(Path(p), str(p), None)
+    return loader.finish()
+
+
+def load_program_text(text: str, path: str = "<string>") -> Program:
+    """Like ``load_program`` for rule text held in a string.
+
+    Imports resolve relative to the directory of ``path``, or to the current
+    directory when ``path`` is a placeholder such as ``"<string>"``.
+    """
+    loader = _Loader()
+    base = Path.cwd() if path.startswith("<") else Path(path).parent
+    loader.load_source(text, path, f"<text>{path}", base)
+    return loader.finish()
+
+
+@attrs.define
+class _File:
+    display: str  # the path shown in diagnostics
+    key: str  # identity for sharing and cycle detection
+    module: ast.Module | None = None
+    imports: list = attrs.Factory(list)  # keys of imported files
+    complete: bool = True  # every import was found and read
+
+
+class _Loader:
+    def __init__(self) -> None:
+        self.files: dict = {}  # key -> _File
+        self.order: list = []  # _File, imports before importers
+        self.stack: list = []  # keys being loaded, for cycle detection
+        self.diags: list = []
+        self.sources: dict = {}
+
+    def load_file(self, path: Path, display: str, import_span: ast.Span | None) -> str | None:
+        """Read and load one file; the key of the file, or None if unreadable."""
+        key = os.path.realpath(path)
+        if key in self.files:
+            return key
+        try:
+            text = path.read_bytes().decode("utf-8-sig")
+        except UnicodeDecodeError as exc:
+            self._unreadable(display, import_span, f"not valid UTF-8 (byte {exc.start})")
+            return None
+        except OSError as exc:
+            self._unreadable(display, import_span, exc.strerror or str(exc), path)
+            return None
+        self.load_source(text, display, key, path.parent)
+        return key
+
+    def _unreadable(self, display: str, span: ast.Span | None, why: str, path: Path | None = None) -> None:
+        hint = None
+        if path is not None and path.parent.is_dir():
+            hint = did_you_mean(path.name, (p.name for p in path.parent.glob("*.rw")))
+        if span is None:
+            span = ast.Span(display, 1, 1, 1, 1)
+            self.diags.append(Diagnostic(span, f"cannot read rule file '{display}': {why}", "E402", help=hint))
+        else:
+            self.diags.append(Diagnostic(span, f"cannot import '{display}': {why}", "E402", help=hint))
+
+    def load_source(self, text: str, display: str, key: str, base: Path) -> None:
+        f = _File(display, key)
+        self.files[key] = f
+        self.sources[display] = text
+        module, diags = parse_module(text, display)
+        self.diags += diags
+        f.module = module
+        if module is not None:
+            self.stack.append(key)
+            for item in module.items:
+                if isinstance(item, ast.Import):
+                    self._import(f, item, base)
+            self.stack.pop()
+        self.order.append(f)
+
+    def _import(self, f: _File, imp: ast.Import, base: Path) -> None:
+        target = base / imp.path
+        display = os.path.normpath(os.path.join(os.path.dirname(f.display) if not f.display.startswith("<") else "",
+                                                imp.path))
+        key = os.path.realpath(target)
+        if key in self.stack:
+            chain = [self.files[k].display for k in self.stack[self.stack.index(key):]] + [display]
+            self.diags.append(Diagnostic(imp.span, f"import cycle: {' -> '.join(chain)}", "E403",
+                                         help="move the shared declarations into a file both can import"))
+            return
+        if key not in self.files and not target.is_file():
+            why = "is a directory" if target.is_dir() else "no such file"
+            self._unreadable(display, imp.span, f"{why} ({target})", target)
+            f.complete = False
+            return
+        loaded = self.load_file(target, display, imp.span)
+        if loaded is None:
+            f.complete = False
+        else:
+            f.imports.append(loaded)
+
+    # ------------------------------------------------------------ checking
+
+    def _closure(self, f: _File) -> list:
+        seen, todo, out = {f.key}, [f], []
+        while todo:
+            cur = todo.pop()
+            out.append(cur)
+            for k in cur.imports:
+                if k not in seen:
+                    seen.add(k)
+                    todo.append(self.files[k])
+        return out
+
+    def _scope(self, f: _File) -> Scope:
+        files = self._closure(f)
+        families, schedulables = {}, {}
+        for g in files:
+            for item in g.module.items if g.module is not None else ():
+                if isinstance(item, ast.Family):
+                    families.setdefault(item.name, item)
+                elif isinstance(item, (ast.Rule, ast.RuleSetDecl)):
+                    schedulables.setdefault(item.name, item)
+        complete = all(g.module is not None and g.complete for g in files)
+        return Scope(families, schedulables, complete)
+
+    def finish(self) -> Program:
+        modules = [f.module for f in self.order if f.module is not None]
+        diags = list(self.diags)
+        try:
+            for f in self.order:
+                if f.module is not None:
+                    diags += check_module(f.module, self._scope(f))
+            diags += check_declarations(modules)
+        except RecursionError:
+            diags.append(Diagnostic(None, "expression nested too deeply", "E001"))
+        if diags:
+            raise RuleError(sort_diagnostics(diags, [f.display for f in self.order]), self.sources)
+        items = [i for m in modules for i in m.items]
+        families = {i.name: i for i in items if isinstance(i, ast.Family)}
+        return Program(
+            rules=tuple(i for i in items if isinstance(i, ast.Rule)),
+            families=expand_families(families),
+            rulesets={i.name: i.schedule for i in items if isinstance(i, ast.RuleSetDecl)},
+            files=tuple(f.display for f in self.order),
+            sources=dict(self.sources),
+        )

@@ -1,0 +1,271 @@
+"""Match compiled patterns against fx nodes.
+
+Matching is pattern-directed and backtracking: ``_match`` yields every environment
+(variable -> operand) under which a pattern fits an operand, so alternatives,
+commutative swaps and repeated variables compose without special cases. The first
+environment that also satisfies the ``where`` clause and the interior-use check wins.
+
+Operands are what ``rewrite.ops`` binds: ``fx.Node`` graph values, ``ConstRef``s to
+module tensors (symbolic_trace's ``call_module``), and literals.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Iterator
+
+import torch
+import torch.fx as fx
+
+from rewrite.compile import DTYPES, CompiledRule, PCall, PDefault, PLit, PSeq, PVar, PWild
+from rewrite.facts import GraphFacts, Value
+from rewrite.functions.registry import lookup_function
+from rewrite.language import ast
+from rewrite.ops import bind_node, node_key
+from rewrite.ops.base import ConstRef
+
+__all__ = ["Match", "Matcher", "literal_equal"]
+
+_NODES = "\0nodes"  # environment key holding the call nodes a match covers, root first
+
+
+class Match:
+    """A successful match: the rule, the root node, bindings, and covered nodes."""
+
+    __slots__ = ("rule", "root", "env", "nodes")
+
+    def __init__(self, rule: CompiledRule, root: fx.Node, env: dict) -> None:
+        self.rule = rule
+        self.root = root
+        self.nodes: tuple = env.pop(_NODES, ())
+        self.env = env
+
+    def __repr__(self) -> str:
+        return f"Match({self.rule.name} at {self.root.name})"
+
+
+def literal_equal(a: Any, b: Any) -> bool:
+    """Equality of literals as graphs spell them: lists equal tuples, an int equals
+    an int tuple of that value everywhere (``stride=1`` vs ``(1, 1)``), bools are
+    not ints."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(literal_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, int) and isinstance(b, (list, tuple)):
+        return len(b) > 0 and all(literal_equal(a, y) for y in b)
+    if isinstance(b, int) and isinstance(a, (list, tuple)):
+        return literal_equal(b, a)
+    if isinstance(a, (fx.Node, ConstRef, torch.Tensor)) or isinstance(b, (fx.Node, ConstRef, torch.Tensor)):
+        return False
+    try:
+        return type(a) is type(b) and a == b or (
+            isinstance(a, (int, float)) and isinstance(b, (int, float)) and a == b
+        )
+    except Exception:  # noqa: BLE001 - exotic literal types compare unequal
+        return False
+
+
+def _same_operand(a: Any, b: Any) -> bool:
+    if isinstance(a, fx.Node) or isinstance(b, fx.Node):
+        if a is b:
+            return True
+        qa = a.target if isinstance(a, fx.Node) and a.op == "get_attr" else getattr(a, "qualname", None)
+        qb = b.target if isinstance(b, fx.Node) and b.op == "get_attr" else getattr(b, "qualname", None)
+        return qa is not None and qa == qb
+    if isinstance(a, ConstRef) or isinstance(b, ConstRef):
+        return a == b
+    return literal_equal(a, b)
+
+
+class Matcher:
+    """Matches rules at nodes of one GraphModule, caching each node's bindings."""
+
+    def __init__(self, gm: fx.GraphModule, facts: GraphFacts) -> None:
+        self.gm = gm
+        self.facts = facts
+        self._bindings: dict = {}
+
+    # -- per-node facts
+
+    def bindings(self, node: fx.Node) -> tuple:
+        b = self._bindings.get(node)
+        if b is None:
+            b = bind_node(node, self.gm) if node.op in ("call_function", "call_method", "call_module") else ()
+            self._bindings[node] = b
+        return b
+
+    def forget(self, node: fx.Node) -> None:
+        """Drop cached bindings of a node whose arguments changed."""
+        self._bindings.pop(node, None)
+
+    def root_ops(self, node: fx.Node) -> set:
+        return {b.op for b in self.bindings(node)}
+
+    def key(self, node: fx.Node) -> Any:
+        return node_key(node, self.gm)
+
+    # -- matching
+
+    def match(self, rule: CompiledRule, node: fx.Node) -> Match | None:
+        for env in self._match(rule.pattern, node, {_NODES: ()}):
+            if rule.where is not None and not self._where(rule.where, env):
+                continue
+            if not rule.shared and not self._interior_private(rule, env):
+                continue
+            return Match(rule, node, env)
+        return None
+
+    def _match(self, p: Any, operand: Any, env: dict) -> Iterator[dict]:
+        if isinstance(p, PCall):
+            yield from self._match_call(p, operand, env)
+        elif isinstance(p, PVar):
+            if p.name in env:
+                if _same_operand(env[p.name], operand):
+                    yield env
+            else:
+                env = dict(env)
+                env[p.name] = operand
+                yield env
+        elif isinstance(p, PWild):
+            yield env
+        elif isinstance(p, (PLit, PDefault)):
+            if literal_equal(p.value, operand):
+                yield env
+        elif isinstance(p, PSeq):
+            if isinstance(operand, (list, tuple)) and len(operand) == len(p.items):
+                yield from self._match_args(tuple(zip(p.items, operand)), env)
+        else:  # pragma: no cover - compile produces only the kinds above
+            raise TypeError(f"unknown pattern {p!r}")
+
+    def _match_call(self, p: PCall, node: Any, env: dict) -> Iterator[dict]:
+        if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method", "call_module"):
+            return
+        if node in env[_NODES]:
+            return
+        for alt in p.alts:
+            for bound in self._alt_bindings(alt, node):
+                nodes = env[_NODES] + (node,) + bound.interior
+                env2 = dict(env)
+                env2[_NODES] = nodes
+                if p.name is not None:
+                    if p.name in env2 and env2[p.name] is not node:
+                        continue
+                    env2[p.name] = node
+                for order in self._arg_orders(alt, bound):
+                    pairs = tuple((pat, bound.args[name]) for name, pat in order)
+                    yield from self._match_args(pairs, env2)
+
+    def _alt_bindings(self, alt: Any, node: fx.Node) -> Iterator:
+        if alt.canonical:
+            for bound in self.bindings(node):
+                if bound.op == alt.opdef.name:
+                    yield bound
+            return
+        key = self.key(node)
+        for form in alt.opdef.forms:
+            if form.key == key:
+                bound = form.bind(node, self.gm, alt.opdef)
+                if bound is not None:
+                    yield bound
+
+    @staticmethod
+    def _arg_orders(alt: Any, bound: Any) -> Iterator[tuple]:
+        yield alt.args
+        opdef = alt.opdef
+        if not opdef.commutative:
+            return
+        names = [p.name for p in opdef.params if p.tensor][:2]
+        if len(names) < 2 or not literal_equal(bound.args.get("alpha", 1), 1):
+            return
+        a, b = names
+        swap = {a: b, b: a}
+        yield tuple((swap.get(name, name), pat) for name, pat in alt.args)
+
+    def _match_args(self, pairs: tuple, env: dict) -> Iterator[dict]:
+        if not pairs:
+            yield env
+            return
+        pat, operand = pairs[0]
+        rest = pairs[1:]
+        for env2 in self._match(pat, operand, env):
+            yield from self._match_args(rest, env2)
+
+    # -- checks after the structure fits
+
+    def _interior_private(self, rule: CompiledRule, env: dict) -> bool:
+        """Interior nodes the rewrite will delete must have no users outside the match."""
+        nodes = env[_NODES]
+        covered = set(nodes)
+        kept = {env[v] for v in rule.replacement_vars if isinstance(env.get(v), fx.Node)}
+        for n in nodes[1:]:
+            if n in kept:
+                continue
+            for user in n.users:
+                if user in covered:
+                    continue
+                if user.target is operator.getitem and not user.users:
+                    continue  # an unused output of a multi-output op
+                return False
+        return True
+
+    def _where(self, expr: Any, env: dict) -> bool:
+        try:
+            return bool(self._eval(expr, env))
+        except Exception:  # noqa: BLE001 - an undecidable constraint does not hold
+            return False
+
+    def _eval(self, e: Any, env: dict) -> Any:
+        if isinstance(e, ast.BoolOp):
+            if e.op == "and":
+                return all(self._eval(i, env) for i in e.items)
+            return any(self._eval(i, env) for i in e.items)
+        if isinstance(e, ast.Not):
+            return not self._eval(e.expr, env)
+        if isinstance(e, ast.Compare):
+            left, right = _plain(self._eval(e.left, env)), _plain(self._eval(e.right, env))
+            if left is None or right is None:
+                return e.op == "!=" and (left is None) != (right is None)
+            return _COMPARE[e.op](left, right)
+        if isinstance(e, ast.Call):
+            spec = lookup_function(e.op.names[0])
+            args = [self._value(a, env) for a in e.args]
+            kwargs = {kw.name: self._value(kw.value, env) for kw in e.kwargs}
+            return spec.fn(*args, **kwargs)
+        if isinstance(e, ast.Index):
+            base = _plain(self._eval(e.expr, env))
+            return None if base is None else base[_plain(self._eval(e.index, env))]
+        return self._value(e, env)
+
+    def _value(self, e: Any, env: dict) -> Any:
+        if isinstance(e, ast.Var):
+            return Value(env[e.name], self.facts)
+        if isinstance(e, ast.Literal):
+            return Value(e.value, self.facts)
+        if isinstance(e, ast.DTypeLit):
+            return Value(DTYPES[e.name], self.facts)
+        if isinstance(e, (ast.TupleLit, ast.ListLit)):
+            return Value(tuple(_plain(self._value(i, env)) for i in e.items), self.facts)
+        return self._eval(e, env)
+
+
+def _plain(v: Any) -> Any:
+    """A comparable Python value: literals unwrapped from Value; graph values stay."""
+    if isinstance(v, Value):
+        return v.operand if v.is_literal else v
+    return v
+
+
+def _contains(a: Any, b: Any) -> bool:
+    return a in b
+
+
+_COMPARE = {
+    "==": lambda a, b: literal_equal(a, b) if not isinstance(a, Value) else _same_operand(a.operand, getattr(b, "operand", b)),
+    "!=": lambda a, b: not _COMPARE["=="](a, b),
+    "<": operator.lt,
+    "<=": operator.le,
+    ">": operator.gt,
+    ">=": operator.ge,
+    "in": _contains,
+}

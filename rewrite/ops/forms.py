@@ -1,0 +1,234 @@
+"""Surface forms with the extras real captured graphs need, and their emission.
+
+``rewrite.ops.base`` binds a call whose target has a plain signature. Real graphs
+need a little more, and each extra here exists because a capture level produces it:
+
+* ``varargs``: ``x.view(2, -1)`` and ``x.view((2, -1))`` are the same call
+  (``call_method`` keeps Python's varargs spelling; ``aten.view`` takes a list).
+* ``check``: a predicate over the target's arguments that tells ops apart which
+  share a target: ``x.to(torch.float16)`` is a cast, ``x.to("cuda")`` is not;
+  ``x.view(torch.int32)`` reinterprets bits and is not ``view(x, shape)``.
+* ``OneOf`` guards: ``clone`` with ``memory_format`` ``None`` or ``preserve_format``
+  both mean a plain clone.
+* ``convert``: value spellings that differ between levels (``aten.max_pool2d``
+  writes "stride = kernel size" as ``[]`` where ``F.max_pool2d`` writes ``None``);
+  a pair (to canonical, to target) so emission can undo it.
+* emission metadata (``kwonly``, ``fill``, ``defaults``) so ``call_for`` can turn
+  canonical arguments back into a valid call of exactly this target, dropping
+  trailing arguments that equal the target's defaults.
+
+The classes subclass the base forms, so ``isinstance(form, FunctionForm)`` and the
+base ``bind`` keep working for code that only knows ``base``.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable
+
+import attrs
+import torch
+import torch.fx as fx
+
+from rewrite.ops.base import (
+    REQUIRED, FunctionForm, GetitemForm, MethodForm, OpDef, _bind_signature,
+)
+
+__all__ = ["OneOf", "Fn", "Method", "Item", "EmitError", "call_for", "same_value"]
+
+_MISSING = object()
+
+
+class EmitError(ValueError):
+    """Canonical arguments that this target cannot express (e.g. ``Tensor.float``
+    asked to cast to ``float16``)."""
+
+
+class OneOf(tuple):
+    """A guard value that accepts any of several spellings; emits the first."""
+
+    def accepts(self, value: Any) -> bool:
+        return any(same_value(value, v) for v in self)
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Literal equality that treats lists and tuples alike, never confuses a bool
+    with an int, and never calls ``==`` on graph nodes or tensors."""
+    if isinstance(a, (fx.Node, torch.Tensor)) or isinstance(b, (fx.Node, torch.Tensor)):
+        return a is b
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        return False
+    if isinstance(a, bool) != isinstance(b, bool):
+        return False
+    try:
+        return type(a) is type(b) and a == b or (
+            isinstance(a, (int, float)) and isinstance(b, (int, float)) and a == b
+        )
+    except Exception:  # exotic objects with odd __eq__
+        return a is b
+
+
+def _guard_ok(value: Any, expected: Any) -> bool:
+    if isinstance(expected, OneOf):
+        return expected.accepts(value)
+    return same_value(value, expected)
+
+
+def _pack_varargs(args: tuple, at: int) -> tuple:
+    """``(x, 2, -1)`` -> ``(x, (2, -1))``; ``(x, (2, -1))`` and ``(x, [2, -1])`` ->
+    ``(x, (2, -1))``. A lone node stays as it is (it may hold a whole ``Size``)."""
+    if len(args) <= at:
+        return args
+    rest = args[at:]
+    if len(rest) == 1:
+        only = rest[0]
+        if isinstance(only, (list, tuple)):
+            return args[:at] + (tuple(only),)
+        if isinstance(only, int) and not isinstance(only, bool):
+            return args[:at] + ((only,),)
+        return args
+    return args[:at] + (tuple(rest),)
+
+
+def _normalize_ext(form: Any, args: tuple, kwargs: dict, opdef: OpDef) -> dict | None:
+    """``_FormBase._normalize`` plus varargs, ``OneOf`` guards, checks, conversions."""
+    if form.varargs is not None:
+        args = _pack_varargs(tuple(args), form.signature.index(form.varargs))
+    raw = _bind_signature(form.signature, tuple(args), dict(kwargs))
+    if raw is None:
+        return None
+    for name, expected in form.guards.items():
+        value = raw.get(name, form.defaults.get(name, _MISSING))
+        if value is _MISSING or not _guard_ok(value, expected):
+            return None
+    if form.check is not None and not form.check({**form.defaults, **raw}):
+        return None
+    out = {}
+    for k, v in raw.items():
+        if k in form.guards or k in form.ignore:
+            continue
+        name = form.rename.get(k, k)
+        conv = form.convert.get(name)
+        out[name] = conv[0](v) if conv else v
+    out.update(form.fixed)
+    return opdef.normalize_call((), out)
+
+
+def _ext(cls: type) -> type:
+    """Give a base form class the extra fields and the extended ``_normalize``."""
+
+    @attrs.frozen
+    class Ext(cls):
+        qualname: str = ""
+        aliases: tuple = ()
+        varargs: str | None = None
+        check: Callable | None = None
+        convert: dict = attrs.field(factory=dict)
+        kwonly: frozenset = frozenset()
+        fill: dict = attrs.field(factory=dict)
+
+        def _normalize(self, args: tuple, kwargs: dict, opdef: OpDef) -> dict | None:
+            return _normalize_ext(self, args, kwargs, opdef)
+
+    return Ext
+
+
+@attrs.frozen
+class Fn(_ext(FunctionForm)):
+    """``call_function`` of ``target`` (torch, ``F``, ``operator`` or aten)."""
+
+
+@attrs.frozen
+class Method(_ext(MethodForm)):
+    """``call_method`` named ``method``; emitted as ``call_function`` of
+    ``torch.Tensor.<method>``."""
+
+
+@attrs.frozen
+class Item(_ext(GetitemForm)):
+    """``getitem(inner(...), index)`` of a multi-output aten op."""
+
+
+def _target_of(form: Any) -> Any:
+    if isinstance(form, MethodForm):
+        return getattr(torch.Tensor, form.method)
+    if isinstance(form, FunctionForm):
+        return form.target
+    raise EmitError(f"{form!r} cannot be emitted as a call_function")
+
+
+def _is_default(form: Any, name: str, value: Any) -> bool:
+    default = form.defaults.get(name, _MISSING)
+    if default is _MISSING:
+        return False
+    if same_value(value, default):
+        return True
+    # ``int[2] stride=1`` is stored as [1, 1]; 1 means the same
+    if isinstance(default, list) and default and not isinstance(value, (list, tuple)):
+        return all(same_value(value, d) for d in default)
+    return False
+
+
+def call_for(form: Any, args: dict, opdef: OpDef | None = None) -> tuple:
+    """Canonical ``args`` -> ``(target, args_tuple, kwargs)`` calling ``form``'s target.
+
+    Inverts binding: guard params get their guard value, ignored params their
+    ``fill`` value (or are left to the target's default), renamed params take the
+    canonical value back, converters run backwards. Trailing arguments equal to the
+    target's defaults are dropped. Raises ``EmitError`` when the form fixes a value
+    the arguments contradict, or (given ``opdef``) when an argument that differs from
+    its canonical default has no place in this target (``mean(x, dim=1)`` cannot be
+    ``aten.mean.default``).
+    """
+    if opdef is not None:
+        placed = {form.rename.get(t, t) for t in form.signature if t not in form.guards and t not in form.ignore}
+        for p in opdef.params:
+            if p.name not in placed and p.name not in form.fixed and p.name in args:
+                if p.default is REQUIRED or not same_value(args[p.name], p.default):
+                    raise EmitError(f"{form.qualname or form!r} cannot express {p.name}={args[p.name]!r}")
+    for name, value in getattr(form, "fixed", {}).items():
+        if not same_value(args.get(name, value), value):
+            raise EmitError(f"{form.qualname or form!r} fixes {name}={value!r}, got {args.get(name)!r}")
+    back = {v: k for k, v in form.rename.items()}
+    convert = getattr(form, "convert", {})
+    fill = getattr(form, "fill", {})
+    kwonly = getattr(form, "kwonly", frozenset())
+    # (target param name, value or _MISSING) in signature order
+    values = []
+    for tname in form.signature:
+        if tname in form.guards:
+            expected = form.guards[tname]
+            values.append((tname, expected[0] if isinstance(expected, OneOf) else expected))
+        elif tname in form.ignore:
+            values.append((tname, fill.get(tname, _MISSING)))
+        else:
+            cname = form.rename.get(tname, tname)
+            if cname in form.fixed or cname not in args:
+                values.append((tname, _MISSING))
+                continue
+            value = args[cname]
+            if cname in convert:
+                value = convert[cname][1](value)
+            values.append((tname, value))
+    positional, kwargs = [], {}
+    keyword_mode = False
+    for tname, value in values:
+        if value is _MISSING:
+            keyword_mode = True
+            continue
+        if keyword_mode or tname in kwonly:
+            kwargs[tname] = value
+        else:
+            positional.append((tname, value))
+    while positional and _is_default(form, *positional[-1]):
+        positional.pop()
+    kwargs = {k: v for k, v in kwargs.items() if not _is_default(form, k, v)}
+    target = _target_of(form)
+    if target in _NO_KWARGS and kwargs:
+        raise EmitError(f"{target} takes no keyword arguments")
+    return target, tuple(v for _, v in positional), kwargs
+
+
+_NO_KWARGS = {getattr(operator, n) for n in dir(operator) if not n.startswith("_")}

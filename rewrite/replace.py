@@ -1,0 +1,225 @@
+"""Build a match's replacement in the graph and retire the matched nodes.
+
+New nodes are emitted in the dialect of the graph being rewritten (torch functions
+for symbolic_trace and dynamo graphs, aten overloads for torch.export graphs), right
+before the match's root. New constants computed at rewrite time become attributes of
+the GraphModule with stable, readable names derived from the tensors they come from
+(``layer1.0.conv1.weight`` + ``conv_bn_weight`` -> ``layer1_0_conv1_weight_conv_bn_weight``).
+New nodes carry the root's ``stack_trace`` and ``nn_module_stack`` and get a
+``meta['val']`` computed on meta tensors, so later rules can ask for shapes and dtypes.
+
+A replacement that fails while being built (a rewrite-time function raising) leaves
+the graph as it was: nodes created so far are erased before the error propagates.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from rewrite.compile import RConst, RLit, RModule, ROp, RSeq, RVar
+from rewrite.facts import GraphFacts
+from rewrite.match import Match
+from rewrite.ops.base import ConstRef
+
+__all__ = ["Replacer", "ReplacementError"]
+
+_CARRIED_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "from_node")
+
+
+class ReplacementError(Exception):
+    """A replacement could not be built (its rewrite-time function failed)."""
+
+
+class Replacer:
+    """Applies matches to one GraphModule in one dialect."""
+
+    def __init__(self, gm: fx.GraphModule, facts: GraphFacts, dialect: str) -> None:
+        self.gm = gm
+        self.graph = gm.graph
+        self.facts = facts
+        self.dialect = dialect
+        self._taken_names = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+        self._taken_names |= {name for name, _ in gm.named_buffers(remove_duplicate=False)}
+        self._taken_names |= {name for name, _ in gm.named_modules(remove_duplicate=False)}
+        self._created: list = []
+        self._new_attrs: list = []
+
+    # -- public
+
+    def apply(self, match: Match) -> tuple:
+        """Rewrite one match. Returns (new nodes, nodes whose users changed)."""
+        root = match.root
+        self._created, self._new_attrs = [], []
+        try:
+            with self.graph.inserting_before(root):
+                result = self._build(match.rule.replacement, match.env, root)
+        except Exception as err:
+            self._undo()
+            raise ReplacementError(f"rule {match.rule.name!r} at {root.name}: {err}") from err
+        if not isinstance(result, fx.Node):
+            self._undo()
+            raise ReplacementError(f"rule {match.rule.name!r} did not produce a graph value")
+        if result is root:
+            return (), ()
+        root.replace_all_uses_with(result)
+        touched = self._retire(match)
+        return tuple(self._created), touched
+
+    # -- building
+
+    def _build(self, r: Any, env: dict, root: fx.Node) -> Any:
+        if isinstance(r, RVar):
+            return self._as_graph_value(env[r.name])
+        if isinstance(r, RLit):
+            return r.value
+        if isinstance(r, RSeq):
+            return r.kind(self._build(i, env, root) for i in r.items)
+        if isinstance(r, ROp):
+            args = {name: self._build(v, env, root) for name, v in r.args.items()}
+            emitter = r.opdef.emit.get(self.dialect) or r.opdef.emit.get("torch")
+            target, call_args, call_kwargs = emitter(args, self._facts_of)
+            return self._node("call_function", target, call_args, call_kwargs, root)
+        if isinstance(r, RConst):
+            args = [self._constant(self._build(a, env, root)) for a in r.args]
+            kwargs = {k: self._constant(self._build(v, env, root)) for k, v in r.kwargs.items()}
+            value = r.spec.fn(*args, **kwargs)
+            if isinstance(value, torch.Tensor):
+                return self._new_constant(value, r, env)
+            return value
+        if isinstance(r, RModule):
+            inputs = tuple(self._build(i, env, root) for i in r.inputs)
+            config = {k: self._constant(self._build(v, env, root)) for k, v in r.config.items()}
+            module = r.spec.fn(**config)
+            name = self._fresh_name(f"{r.spec.name}_{root.name}")
+            self.gm.add_submodule(name, module)
+            self._new_attrs.append(name)
+            node = self._node("call_module", name, inputs, {}, root)
+            if inputs and isinstance(inputs[0], fx.Node) and "val" in inputs[0].meta:
+                node.meta["val"] = inputs[0].meta["val"]
+            return node
+        raise TypeError(f"unknown replacement {r!r}")  # pragma: no cover
+
+    def _as_graph_value(self, operand: Any) -> Any:
+        if isinstance(operand, ConstRef):
+            node = self.graph.get_attr(operand.qualname)
+            self._created.append(node)
+            return node
+        return operand
+
+    def _constant(self, value: Any) -> Any:
+        """Concrete value of a replacement argument for a rewrite-time function."""
+        if isinstance(value, fx.Node):
+            return self.facts.constant_of(value)
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._constant(v) for v in value)
+        return value
+
+    def _new_constant(self, tensor: torch.Tensor, r: RConst, env: dict) -> fx.Node:
+        source = next((self._qualname(env, a) for a in r.args if self._qualname(env, a)), None)
+        base = f"{source}_{r.spec.name}" if source else r.spec.name
+        name = self._fresh_name(re.sub(r"\W", "_", base.replace(".", "_")))
+        requires_grad = False
+        if source is not None:
+            try:
+                requires_grad = bool(self.facts.constant_of(ConstRef(source)).requires_grad)
+            except AttributeError:
+                requires_grad = False
+        tensor = tensor.detach().clone()
+        if source is not None and source in self.facts.param_names:
+            self.gm.register_parameter(name, torch.nn.Parameter(tensor, requires_grad=requires_grad))
+        else:
+            self.gm.register_buffer(name, tensor)
+        self._new_attrs.append(name)
+        node = self.graph.get_attr(name)
+        node.meta["val"] = _meta_like(tensor)
+        self._created.append(node)
+        return node
+
+    @staticmethod
+    def _qualname(env: dict, r: Any) -> str | None:
+        if not isinstance(r, RVar):
+            return None
+        o = env.get(r.name)
+        if isinstance(o, ConstRef):
+            return o.qualname
+        if isinstance(o, fx.Node) and o.op == "get_attr":
+            return o.target
+        return None
+
+    def _fresh_name(self, base: str) -> str:
+        name, i = base, 1
+        while name in self._taken_names or hasattr(self.gm, name):
+            name, i = f"{base}_{i}", i + 1
+        self._taken_names.add(name)
+        return name
+
+    def _node(self, op: str, target: Any, args: tuple, kwargs: dict, root: fx.Node) -> fx.Node:
+        node = self.graph.create_node(op, target, tuple(args), dict(kwargs))
+        for key in _CARRIED_META:
+            if key in root.meta:
+                node.meta[key] = root.meta[key]
+        if op == "call_function":
+            val = _infer_val(target, node.args, node.kwargs, self._facts_of)
+            if val is not None:
+                node.meta["val"] = val
+        self._created.append(node)
+        return node
+
+    def _facts_of(self, value: Any) -> Any:
+        return self.facts.meta(value) if isinstance(value, (fx.Node, ConstRef)) else None
+
+    # -- retiring and undo
+
+    def _retire(self, match: Match) -> tuple:
+        """Erase matched nodes left without users; return nodes whose use counts
+        changed (the producers of what was erased), for the worklist."""
+        touched = []
+        for node in match.nodes:  # pattern order: users before their inputs
+            if node.graph is not self.graph:
+                continue
+            for user in list(node.users):
+                if user.target is operator.getitem and not user.users:
+                    self.graph.erase_node(user)
+            if not node.users:
+                touched.extend(n for n in node.all_input_nodes)
+                self.graph.erase_node(node)
+        return tuple(n for n in touched if n.graph is self.graph)
+
+    def _undo(self) -> None:
+        for node in reversed(self._created):
+            if not node.users:
+                self.graph.erase_node(node)
+        for name in self._new_attrs:
+            delattr(self.gm, name)
+        self._created, self._new_attrs = [], []
+
+
+def _meta_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+def _to_meta(v: Any, facts_of: Any) -> Any:
+    if isinstance(v, fx.Node):
+        m = facts_of(v)
+        if m is None:
+            raise LookupError(v.name)
+        if any(not isinstance(d, int) for d in m.shape):
+            raise LookupError("symbolic shape")
+        return torch.empty(tuple(m.shape), dtype=m.dtype, device="meta")
+    return v
+
+
+def _infer_val(target: Any, args: tuple, kwargs: dict, facts_of: Any) -> Any:
+    """Output shape/dtype of a new call, by running it on meta tensors; None when
+    an input's shape is unknown or the op has no meta kernel."""
+    try:
+        margs = pytree.tree_map(lambda v: _to_meta(v, facts_of), (args, kwargs))
+        return target(*margs[0], **margs[1])
+    except Exception:  # noqa: BLE001 - shape facts are best-effort
+        return None

@@ -1,0 +1,127 @@
+"""The fixpoint driver, schedules, priorities, termination, and the API's guarantees
+(input never mutated, nothing returned when the check fails)."""
+
+import copy
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+import rewrite
+
+
+class Fn(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *xs):
+        return self.fn(*xs)
+
+
+X = torch.randn(3, 4)
+
+
+def test_fixpoint_reaches_chains_created_by_rewrites():
+    # relu^6 collapses to relu: each rewrite exposes the next match.
+    def six(x):
+        for _ in range(6):
+            x = torch.relu(x)
+        return x
+
+    gm = fx.symbolic_trace(Fn(six))
+    r = rewrite.parse("rule rr: relu(relu(x) as r) => r").apply(gm, (X,))
+    assert r.counts == {"rr": 5}
+    assert sum(n.op == "call_function" for n in r.graph_module.graph.nodes) == 1
+
+
+def test_fixpoint_revisits_matches_unblocked_by_a_later_rewrite():
+    # neg(neg(x)) is blocked while the inner neg has a second user (the mul);
+    # once `drop` deletes that user, the worklist must come back to the outer neg.
+    def f(x):
+        n = -x
+        return (-n) + (n * 0)
+
+    text = """
+    rule drop: add(a, mul(b, 0)) => a
+    rule negneg: neg(neg(x)) => x
+    """
+    r = rewrite.parse(text).apply(fx.symbolic_trace(Fn(f)), (X,), check=False)
+    assert r.counts == {"drop": 1, "negneg": 1}
+    assert [n.op for n in r.graph_module.graph.nodes] == ["placeholder", "output"]
+
+
+def test_priority_decides_between_rules_at_one_node():
+    text = """
+    rule low: neg(x) => relu(x)
+    rule high(priority=5): neg(x) => sigmoid(x)
+    """
+    r = rewrite.parse(text).apply(fx.symbolic_trace(Fn(lambda x: -x)), (X,), check=False)
+    assert r.counts == {"high": 1}
+
+
+def test_file_order_breaks_ties_deterministically():
+    text = """
+    rule first: neg(x) => relu(x)
+    rule second: neg(x) => sigmoid(x)
+    """
+    r = rewrite.parse(text).apply(fx.symbolic_trace(Fn(lambda x: -x)), (X,), check=False)
+    assert r.counts == {"first": 1}
+
+
+def test_rules_that_undo_each_other_are_named():
+    text = """
+    rule a_to_b: relu(x) => sigmoid(x)
+    rule b_to_a: sigmoid(x) => relu(x)
+    """
+    with pytest.raises(rewrite.NonTerminationError) as info:
+        rewrite.parse(text).apply(fx.symbolic_trace(Fn(lambda x: torch.relu(x))), (X,), check=False)
+    assert set(info.value.rules) == {"a_to_b", "b_to_a"}
+    assert "a_to_b" in str(info.value) and "b_to_a" in str(info.value)
+
+
+def test_named_rulesets_and_schedules():
+    text = """
+    rule negneg: neg(neg(x)) => x
+    rule mul_one: mul(x, 1) => x
+    ruleset only_neg = fixpoint(negneg)
+    ruleset main = seq(only_neg, once(mul_one))
+    """
+    rules = rewrite.parse(text)
+    gm = fx.symbolic_trace(Fn(lambda x: -(-x) * 1))
+    assert rules["only_neg"].apply(gm, (X,)).counts == {"negneg": 1}
+    assert rules.apply(gm, (X,)).counts == {"negneg": 1, "mul_one": 1}
+
+
+def test_rulesets_compose_with_plus():
+    a = rewrite.parse("rule negneg: neg(neg(x)) => x", "a.rw")
+    b = rewrite.parse("rule mul_one: mul(x, 1) => x", "b.rw")
+    gm = fx.symbolic_trace(Fn(lambda x: -(-x) * 1))
+    assert (a + b).apply(gm, (X,)).counts == {"negneg": 1, "mul_one": 1}
+
+
+def test_input_graph_module_is_never_mutated():
+    model = Fn(lambda x: torch.relu(torch.relu(x)))
+    gm = fx.symbolic_trace(model)
+    code, state = gm.code, copy.deepcopy(gm.state_dict())
+    r = rewrite.parse("rule rr: relu(relu(x) as r) => r").apply(gm, (X,))
+    assert r.graph_module is not gm and r.counts == {"rr": 1}
+    assert gm.code == code
+    assert state.keys() == gm.state_dict().keys()
+
+
+def test_wrong_rewrite_is_not_returned():
+    # relu(x) -> neg(x) is wrong: the check catches it and names the rule.
+    with pytest.raises(rewrite.EquivalenceError) as info:
+        rewrite.parse("rule wrong: relu(x) => neg(x)").apply(fx.symbolic_trace(Fn(torch.relu)), (X,))
+    assert "wrong" in str(info.value)
+    assert info.value.counts == {"wrong": 1}
+
+
+def test_stats_count_tries_and_applications():
+    gm = fx.symbolic_trace(Fn(lambda x: torch.relu(-(-x))))
+    r = rewrite.parse("rule negneg: neg(neg(x)) => x").apply(gm, (X,))
+    assert r.stats["negneg"].applied == 1
+    assert r.stats["negneg"].tries >= 1
+    assert "negneg" in r.summary()

@@ -1,0 +1,98 @@
+"""Property tests for rules/cleanup.rw: on random shapes and values each rule fires
+where it should, and the rewritten graph gives bit-identical outputs (the rules are
+exact), at the symbolic_trace and torch.export levels."""
+
+import functools
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import rewrite
+
+
+@functools.lru_cache(maxsize=None)
+def cleanup():
+    return rewrite.load("rules/cleanup.rw")
+
+
+class Fn(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+shapes = st.lists(st.integers(1, 4), min_size=2, max_size=4).map(tuple)
+float_dtypes = st.sampled_from([torch.float32, torch.float64, torch.bfloat16])
+
+
+def _perm(draw_shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randperm(len(draw_shape), generator=g).tolist())
+
+
+def _inverse(p):
+    inv = [0] * len(p)
+    for i, d in enumerate(p):
+        inv[d] = i
+    return tuple(inv)
+
+
+CASES = {
+    "mul_one": lambda s: (lambda x: torch.relu(x) * 1),
+    "div_one": lambda s: (lambda x: torch.relu(x) / 1),
+    "add_zero": lambda s: (lambda x: torch.relu(x) + 0),
+    "sub_zero": lambda s: (lambda x: torch.relu(x) - 0),
+    "neg_neg": lambda s: (lambda x: -(-x)),
+    "relu_relu": lambda s: (lambda x: torch.relu(torch.relu(x))),
+    "contiguous_contiguous": lambda s: (lambda x: x.contiguous().contiguous()),
+    "transpose_transpose": lambda s: (lambda x: x.transpose(0, -1).transpose(-1, 0)),
+    "transpose_same_dim": lambda s: (lambda x: x.transpose(1, 1)),
+    "permute_permute": lambda s: (lambda x: x.permute(*_perm(s, 1)).permute(*_inverse(_perm(s, 1)))),
+    "permute_identity": lambda s: (lambda x: x.permute(*range(len(s)))),
+    "reshape_reshape": lambda s: (lambda x: x.reshape(-1).view(s[::-1]) + 1),
+    "reshape_noop": lambda s: (lambda x: x.reshape(s)),
+    "cat_single": lambda s: (lambda x: torch.cat([x], 0)),
+    "to_same_dtype": lambda s: (lambda x: x.to(x.dtype)),
+    "to_roundtrip": lambda s: (lambda x: x.to(torch.float64).to(x.dtype)),
+}
+
+
+@pytest.mark.parametrize("rule", sorted(CASES))
+@settings(max_examples=8, deadline=None)
+@given(shape=shapes, dtype=float_dtypes, seed=st.integers(0, 2**16))
+def test_cleanup_rule_is_exact(rule, shape, dtype, seed):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    model = Fn(CASES[rule](shape))
+    gm = fx.symbolic_trace(model)
+    result = cleanup().apply(gm, example_inputs=(x,))
+    assert result.counts.get(rule, 0) >= 1, result.counts
+    assert torch.equal(result.graph_module(x), model(x))
+    assert len(result.graph_module.graph.nodes) < len(gm.graph.nodes)
+
+
+@pytest.mark.parametrize("rule", ["mul_one", "neg_neg", "transpose_transpose", "permute_permute",
+                                  "reshape_reshape", "to_same_dtype"])
+def test_cleanup_rule_fires_on_export_graphs(rule):
+    shape = (2, 3, 4)
+    x = torch.randn(shape)
+    model = Fn(CASES[rule](shape))
+    gm = torch.export.export(model, (x,)).module()
+    result = cleanup().apply(gm, example_inputs=(x,))
+    assert result.counts.get(rule, 0) >= 1, result.counts
+    assert torch.equal(result.graph_module(x), model(x))
+
+
+def test_inexact_cases_are_left_alone():
+    x = torch.arange(6).reshape(2, 3)  # int64: x * 1.0 would change the dtype
+    for fn in (lambda x: x * 1.0, lambda x: x.to(torch.bfloat16).to(torch.int64),
+               lambda x: x.float().to(torch.float16).float()):
+        gm = fx.symbolic_trace(Fn(fn))
+        result = cleanup().apply(gm, example_inputs=(x,))
+        assert result.counts == {}, (fn, result.counts)
