@@ -137,7 +137,7 @@ class RModule:
 # ---------------------------------------------------------------- compiled rule
 
 
-@attrs.frozen
+@attrs.frozen(eq=False)
 class CompiledRule:
     """A rule ready to match: pattern tree, where clause (AST, interpreted),
     replacement tree, and the root index keys."""

@@ -188,20 +188,40 @@ class RuleSet:
 
 
 def _ensure_shape_facts(gm: fx.GraphModule, example_inputs: tuple | None) -> None:
-    """Record shapes/dtypes on nodes that lack them, by running the example inputs
-    (symbolic_trace graphs carry none)."""
+    """Record ``meta['val']`` (shape, dtype, device) on nodes that lack it, by running
+    the example inputs once (symbolic_trace graphs carry no shapes)."""
     calls = [n for n in gm.graph.nodes if n.op.startswith("call_")]
-    if not calls or all("val" in n.meta or "tensor_meta" in n.meta or "example_value" in n.meta for n in calls):
+    if not calls or all("val" in n.meta or "example_value" in n.meta for n in calls):
         return
     if example_inputs is None:
         return
-    from torch.fx.passes.shape_prop import ShapeProp
+    try:
+        with torch.no_grad():
+            _FactRecorder(gm).run(*example_inputs)
+    except Exception:  # noqa: BLE001 - shape facts are best-effort; rules needing them won't fire
+        pass
 
-    with torch.no_grad():
+
+class _FactRecorder(fx.Interpreter):
+    """Runs a graph and stores a FakeTensor twin of every tensor value as meta['val']."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        if "val" not in n.meta and n.op != "output":
+            n.meta["val"] = torch.utils._pytree.tree_map_only(torch.Tensor, self._fake, result)
+        return result
+
+    def _fake(self, t: torch.Tensor) -> Any:
         try:
-            ShapeProp(gm).propagate(*example_inputs)
-        except Exception:  # noqa: BLE001 - shape facts are best-effort; rules needing them won't fire
-            pass
+            return self.fake_mode.from_tensor(t, static_shapes=True)
+        except Exception:  # noqa: BLE001 - quantized or exotic tensors: no facts
+            return None
 
 
 def _referenced_attrs(gm: fx.GraphModule) -> set:

@@ -5,7 +5,7 @@ downloaded. ``rewrite.examples.hf`` imports ``transformers`` lazily, so
 importing this package does not require it.
 """
 
-from rewrite.examples.capture import LEVELS, capture
+from rewrite.examples.capture import LEVELS, capture, capture_with_inputs
 from rewrite.examples.cnn import (
     DemoCNN,
     ResNet,
@@ -21,7 +21,7 @@ from rewrite.examples.cnn import (
 )
 
 __all__ = [
-    "LEVELS", "capture", "DemoCNN", "ResNet", "demo_cnn", "demo_cnn_with_inputs",
+    "LEVELS", "capture", "capture_with_inputs", "DemoCNN", "ResNet", "demo_cnn", "demo_cnn_with_inputs",
     "randomize_batchnorm", "resnet18", "resnet18_with_inputs", "resnet50",
     "resnet50_with_inputs", "resnet_tiny", "resnet_tiny_with_inputs",
 ]

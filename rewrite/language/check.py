@@ -274,7 +274,7 @@ class _Checker:
                 self.error(span, f"'{member}' is a {found.kind}, not an op; a family lists ops", "E104")
             elif kind is None and self.scope.complete:
                 self.error(span, f"unknown op '{member}' in family '{f.name}'", "E101",
-                           help=did_you_mean(member, self._ops_and_families()))
+                           help=did_you_mean(member, self._ops_and_families(), _vocabulary().lookup_op))
 
     def ruleset(self, d: ast.RuleSetDecl) -> None:
         self._schedule(d.schedule)
@@ -325,7 +325,7 @@ class _Checker:
             value = opt.value
             if isinstance(value, (ast.Var, ast.Call, ast.TupleLit, ast.ListLit, ast.DTypeLit, ast.Wildcard,
                                   ast.As, ast.Compare, ast.BoolOp, ast.Not, ast.Index)) or not ok(value):
-                shown = format_expr(value) if hasattr(value, "span") else repr(value)
+                shown = format_expr(value if hasattr(value, "span") else ast.Literal(value))
                 self.error(opt.span, f"option '{opt.name}' must be {wanted}, got {shown}", "E406")
 
     # ------------------------------------------------------ variables
@@ -433,7 +433,8 @@ class _Checker:
             self.error(span, f"'{name}' is a {found.kind}, not an op; a pattern can only call ops and families",
                        "E104", help=f"use it in the {where}")
         elif self.scope.complete:
-            self.error(span, f"unknown op '{name}'", "E102", help=did_you_mean(name, self._ops_and_families()))
+            self.error(span, f"unknown op '{name}'", "E102",
+                       help=did_you_mean(name, self._ops_and_families(), _vocabulary().lookup_op))
 
     def _call_in_where(self, c: ast.Call, name: str, span: Any, kind: str | None, found: Any) -> None:
         if kind == "function" and found.kind in ("predicate", "query"):
@@ -460,7 +461,8 @@ class _Checker:
         else:
             reg = _registry()
             names = list(_vocabulary().op_names()) + reg.function_names("constant") + reg.function_names("module")
-            self.error(span, f"unknown op or function '{name}'", "E102", help=did_you_mean(name, names))
+            self.error(span, f"unknown op or function '{name}'", "E102",
+                       help=did_you_mean(name, names, _vocabulary().lookup_op))
 
     # ------------------------------------------------------ arguments
 

@@ -16,7 +16,7 @@ The printed form follows ruff and mypy::
 from __future__ import annotations
 
 import difflib
-from typing import Iterable
+from typing import Callable, Iterable
 
 import attrs
 
@@ -84,21 +84,21 @@ def _excerpt(span: Span, source: str) -> list:
     return ["    " + shown.rstrip(), "    " + " " * start + "^" * width]
 
 
-def did_you_mean(name: str, candidates: Iterable[str]) -> str | None:
+def did_you_mean(name: str, candidates: Iterable[str], valid: Callable | None = None) -> str | None:
     """``"did you mean 'x'?"`` for the closest candidate to ``name``, or None.
 
-    A qualified name (``F.rleu``) is also matched by its last part against the
-    candidates' last parts, so the prefix the user wrote is kept.
+    For a qualified name (``F.rleu``), when ``valid`` is given, the last part is
+    matched against the candidates' last parts and the user's prefix is kept if
+    ``valid(prefix.match)`` holds (``F.relu``), so the hint reads as they wrote it.
     """
     pool = sorted(set(candidates))
-    close = difflib.get_close_matches(name, pool, n=1, cutoff=0.6)
-    if not close and "." in name:
+    if "." in name and valid is not None:
         prefix, _, last = name.rpartition(".")
-        tails = {c.rpartition(".")[2] for c in pool}
-        tail = difflib.get_close_matches(last, sorted(tails), n=1, cutoff=0.6)
-        if tail:
-            qualified = f"{prefix}.{tail[0]}"
-            close = [qualified if qualified in pool else tail[0]]
+        tails = sorted({c.rpartition(".")[2] for c in pool})
+        for tail in difflib.get_close_matches(last, tails, n=3, cutoff=0.6):
+            if valid(f"{prefix}.{tail}"):
+                return f"did you mean '{prefix}.{tail}'?"
+    close = difflib.get_close_matches(name, pool, n=1, cutoff=0.6)
     return f"did you mean '{close[0]}'?" if close else None
 
 
@@ -147,3 +147,7 @@ class RuleError(Exception):
 
     def __str__(self) -> str:
         return self._render()
+
+    def __reduce__(self) -> tuple:
+        # Exceptions pickle through their args; ours are the rendered text.
+        return (RuleError, (self.diagnostics, self.sources))

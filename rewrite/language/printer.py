@@ -77,6 +77,9 @@ def _callee(op: ast.OpRef) -> str:
 def _literal(value: object) -> str:
     if isinstance(value, float) and value != value:
         return "nan"  # not expressible in the language; shown for messages only
+    if isinstance(value, str):
+        text = repr(value)  # Python escapes; the parser reads them back with literal_eval
+        return text if text[0] == '"' else '"' + text[1:-1].replace('"', '\\"') + '"'
     return repr(value)
 
 

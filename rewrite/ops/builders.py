@@ -30,7 +30,7 @@ from rewrite.ops.base import REQUIRED, Emitter, ModuleForm, OpDef, Param
 from rewrite.ops.forms import EmitError, Fn, Item, Method, call_for
 from rewrite.ops.resolve import Sig, parse_sig, resolve, signature_of
 
-__all__ = ["Spec", "Module", "fn", "method", "module", "item", "op", "emittable"]
+__all__ = ["Spec", "Module", "fn", "method", "module", "item", "op", "make_op", "emittable"]
 
 
 @attrs.frozen
@@ -70,7 +70,7 @@ def item(inner: str, index: int = 0, **opts: Any) -> list:
     return [Spec("item", inner, {**opts, "index": index})]
 
 
-_FORM_OPTS = ("rename", "fixed", "guards", "ignore", "check", "convert", "fill")
+_FORM_OPTS = ("rename", "fixed", "guards", "ignore", "check", "convert", "fill", "named")
 
 
 def _signature(spec: Spec, target: Any, qualname: str) -> Sig:
@@ -97,7 +97,7 @@ def _common(spec: Spec, sig: Sig, params: dict, opname: str, qualname: str) -> d
         op=opname, signature=sig.names, rename=rename, fixed=dict(spec.opts.get("fixed", {})),
         guards=guards, defaults=defaults, ignore=ignore, qualname=qualname,
         varargs=sig.varargs, check=spec.opts.get("check"), convert=dict(spec.opts.get("convert", {})),
-        kwonly=sig.kwonly, fill=dict(spec.opts.get("fill", {})),
+        kwonly=sig.kwonly, int_lists=sig.int_lists, fill=dict(spec.opts.get("fill", {})), named=spec.opts.get("named", True),
     )
 
 
@@ -135,15 +135,19 @@ def emittable(forms: tuple) -> dict:
     return out
 
 
+def _no_facts(value: Any) -> None:
+    return None
+
+
 def _emitter(opdef_ref: list, spec: Any, dialect: str) -> Emitter:
-    def choose(args: dict, facts: Callable) -> tuple:
+    def choose(args: dict, facts: Callable | None = None) -> tuple:
         opdef = opdef_ref[0]
-        picked = spec(args, facts) if callable(spec) else spec
-        if isinstance(picked, tuple):
-            picked, args = picked
         full = opdef.normalize_call((), dict(args))
         if full is None:
             raise EmitError(f"{opdef.name}: arguments {sorted(args)} do not fit {opdef.param_names}")
+        picked = spec(full, facts or _no_facts) if callable(spec) else spec
+        if isinstance(picked, tuple):
+            picked, full = picked
         return call_for(emittable(opdef.forms)[picked], full, opdef)
 
     choose.__qualname__ = f"emit_{dialect}"
@@ -155,7 +159,13 @@ def op(name: str, signature: str, *specs: Any, torch: Any, aten: Any, commutativ
     """One canonical op: its signature (``"input: T, other: T, alpha=1"``), its
     surfaces, and how to emit it in each dialect (a qualified name of one of its
     ``fn``/``method`` surfaces, or ``f(args, facts) -> name`` or ``(name, args)``)."""
-    params = _params(signature)
+    return make_op(name, _params(signature), specs, torch=torch, aten=aten,
+                   commutative=commutative, elementwise=elementwise, doc=doc)
+
+
+def make_op(name: str, params: tuple, specs: Any, *, torch: Any, aten: Any, commutative: bool = False,
+            elementwise: bool = False, doc: str = "") -> OpDef:
+    """``op`` with the signature given as ``Param``s and ``specs`` as a list of spec lists."""
     by_name = {p.name: p for p in params}
     forms, seen = [], {}
     for group in specs:

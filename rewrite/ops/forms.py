@@ -34,7 +34,7 @@ from rewrite.ops.base import (
     REQUIRED, FunctionForm, GetitemForm, MethodForm, OpDef, _bind_signature,
 )
 
-__all__ = ["OneOf", "Fn", "Method", "Item", "EmitError", "call_for", "same_value"]
+__all__ = ["OneOf", "Fn", "Method", "Item", "EmitError", "call_for", "same_value", "same_arg"]
 
 _MISSING = object()
 
@@ -46,6 +46,9 @@ class EmitError(ValueError):
 
 class OneOf(tuple):
     """A guard value that accepts any of several spellings; emits the first."""
+
+    def __new__(cls, *values: Any) -> "OneOf":
+        return super().__new__(cls, values)
 
     def accepts(self, value: Any) -> bool:
         return any(same_value(value, v) for v in self)
@@ -68,6 +71,17 @@ def same_value(a: Any, b: Any) -> bool:
         )
     except Exception:  # exotic objects with odd __eq__
         return a is b
+
+
+def same_arg(a: Any, b: Any) -> bool:
+    """``same_value``, and a per-dimension int equals its expansion: ``1``, ``(1, 1)``
+    and ``[1, 1]`` all say "stride 1" (nn modules, ``F`` calls and aten spell it so)."""
+    if same_value(a, b):
+        return True
+    for one, many in ((a, b), (b, a)):
+        if isinstance(one, int) and not isinstance(one, bool) and isinstance(many, (list, tuple)) and many:
+            return all(same_value(one, m) for m in many)
+    return False
 
 
 def _guard_ok(value: Any, expected: Any) -> bool:
@@ -113,7 +127,8 @@ def _normalize_ext(form: Any, args: tuple, kwargs: dict, opdef: OpDef) -> dict |
         conv = form.convert.get(name)
         out[name] = conv[0](v) if conv else v
     out.update(form.fixed)
-    return opdef.normalize_call((), out)
+    out = opdef.normalize_call((), out)
+    return None if out is None else {name: out[name] for name in opdef.param_names}
 
 
 def _ext(cls: type) -> type:
@@ -123,10 +138,12 @@ def _ext(cls: type) -> type:
     class Ext(cls):
         qualname: str = ""
         aliases: tuple = ()
+        named: bool = True
         varargs: str | None = None
         check: Callable | None = None
         convert: dict = attrs.field(factory=dict)
         kwonly: frozenset = frozenset()
+        int_lists: dict = attrs.field(factory=dict)
         fill: dict = attrs.field(factory=dict)
 
         def _normalize(self, args: tuple, kwargs: dict, opdef: OpDef) -> dict | None:
@@ -169,6 +186,13 @@ def _is_default(form: Any, name: str, value: Any) -> bool:
     if isinstance(default, list) and default and not isinstance(value, (list, tuple)):
         return all(same_value(value, d) for d in default)
     return False
+
+
+def _int_list(form: Any, name: str, value: Any) -> Any:
+    n = getattr(form, "int_lists", {}).get(name)
+    if n is None or not isinstance(value, int) or isinstance(value, bool):
+        return value
+    return [value] * n
 
 
 def call_for(form: Any, args: dict, opdef: OpDef | None = None) -> tuple:
@@ -226,6 +250,9 @@ def call_for(form: Any, args: dict, opdef: OpDef | None = None) -> tuple:
         positional.pop()
     kwargs = {k: v for k, v in kwargs.items() if not _is_default(form, k, v)}
     target = _target_of(form)
+    if isinstance(target, torch._ops.OpOverload):  # aten wants [1, 1] where Python takes 1
+        positional = [(t, _int_list(form, t, v)) for t, v in positional]
+        kwargs = {k: _int_list(form, k, v) for k, v in kwargs.items()}
     if target in _NO_KWARGS and kwargs:
         raise EmitError(f"{target} takes no keyword arguments")
     return target, tuple(v for _, v in positional), kwargs

@@ -73,13 +73,15 @@ def resolve(qualname: str) -> Any:
 @attrs.frozen
 class Sig:
     """A target's call signature: names in positional order, defaults, the names
-    that are keyword-only, the names typed as tensors, and the varargs name."""
+    that are keyword-only, the names typed as tensors, the varargs name, and the
+    ``int[N]`` parameters with their N (aten overloads take no bare int there)."""
 
     names: tuple
     defaults: dict = attrs.field(factory=dict)
     kwonly: frozenset = frozenset()
     tensors: frozenset = frozenset()
     varargs: str | None = None
+    int_lists: dict = attrs.field(factory=dict)
 
 
 def parse_sig(text: str) -> Sig:
@@ -114,19 +116,21 @@ def _is_tensor_type(t: Any) -> bool:
 def schema_sig(overload: Any, self_name: str = "self") -> Sig:
     """Signature of an ``OpOverload`` from its schema, without ``out`` arguments;
     ``self`` renamed to ``self_name`` (Python functions call it ``input``)."""
-    names, defaults, kwonly, tensors = [], {}, set(), set()
+    names, defaults, kwonly, tensors, int_lists = [], {}, set(), set(), {}
     for a in overload._schema.arguments:
         if a.is_out:
             continue
         name = self_name if a.name == "self" else a.name
         names.append(name)
+        if str(a.type) in ("List[int]", "Optional[List[int]]"):
+            int_lists[name] = a.N or 1
         if a.has_default_value():
             defaults[name] = a.default_value
         if a.kwarg_only:
             kwonly.add(name)
         if _is_tensor_type(a.type):
             tensors.add(name)
-    return Sig(tuple(names), defaults, frozenset(kwonly), frozenset(tensors))
+    return Sig(tuple(names), defaults, frozenset(kwonly), frozenset(tensors), int_lists=int_lists)
 
 
 _PREFERRED_OVERLOADS = ("default", "Tensor", "int", "input", "self", "using_ints", "dim")
@@ -134,7 +138,8 @@ _PREFERRED_OVERLOADS = ("default", "Tensor", "int", "input", "self", "using_ints
 
 def aten_overload(name: str, overload: str | None = None) -> Any | None:
     """``torch.ops.aten.<name>.<overload>``; without ``overload`` the first of
-    ``default``, ``Tensor``, ``int``, ... that exists, else the first without ``out``."""
+    ``default``, ``Tensor``, ``int``, ... (else any without ``out``) whose first
+    argument is a tensor."""
     try:
         packet = getattr(torch.ops.aten, name)
     except (AttributeError, RuntimeError):
@@ -144,11 +149,10 @@ def aten_overload(name: str, overload: str | None = None) -> Any | None:
     names = packet.overloads()
     if overload is not None:
         return getattr(packet, overload) if overload in names else None
-    for preferred in _PREFERRED_OVERLOADS:
-        if preferred in names:
-            return getattr(packet, preferred)
-    for ov in names:
-        if "out" not in ov:
+    ordered = [n for n in _PREFERRED_OVERLOADS if n in names] + [n for n in names if "out" not in n]
+    for ov in ordered:  # skip TorchScript scalar overloads such as add.default(int a, int b)
+        args = getattr(packet, ov)._schema.arguments
+        if args and _is_tensor_type(args[0].type):
             return getattr(packet, ov)
     return None
 

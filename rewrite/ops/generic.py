@@ -1,0 +1,125 @@
+"""Ops outside the vocabulary, named by a qualified name in a rule file.
+
+A rule may use any torch op the vocabulary lacks (``aten.hardsigmoid``,
+``Tensor.clamp_min``, ``F.elu``). Its signature comes from the op's aten schema (or,
+for a Python function in ``torch.nn.functional``, from ``inspect``), and it binds and
+emits exactly the named target.
+
+Loading a rule file must never run arbitrary code, so a name is resolved only if it
+is, after ``rewrite.ops.resolve.normalize_qualname`` rejects dunders:
+
+* ``aten.<op>[.<overload>]``: an ``OpOverloadPacket`` of ``torch.ops.aten``;
+* ``torch.<f>``: a C-bound function of ``torch`` with an aten op of the same name
+  (so ``torch.load`` and ``torch.save``, Python functions, are refused);
+* ``F.<f>``: a public function defined in ``torch.nn.functional``, or a C-bound one
+  with an aten op of the same name;
+* ``Tensor.<m>``: a public method of ``torch.Tensor`` with an aten op of the same name;
+* ``operator.<f>``: arithmetic, comparison and ``getitem`` only.
+
+``nn.<Module>`` classes are not resolved here: only the vocabulary's modules bind
+(a module's forward can do anything; the vocabulary says what each one computes).
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+
+import torch
+import torch.nn.functional as F
+
+from rewrite.ops.base import REQUIRED, OpDef, Param
+from rewrite.ops.builders import make_op, fn, method
+from rewrite.ops.resolve import Sig, aten_overload, schema_sig, signature_of
+
+__all__ = ["generic_opdef", "OPERATOR_ALLOWED"]
+
+_UNARY = ("neg", "pos", "abs", "invert", "not_")
+_BINARY = (
+    "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and_", "or_", "xor",
+    "lshift", "rshift", "lt", "le", "gt", "ge", "eq", "ne",
+    "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "imatmul", "iand", "ior", "ixor",
+)
+OPERATOR_ALLOWED = frozenset(_UNARY + _BINARY + ("getitem",))
+_DROPPED = ("inplace", "_stacklevel")
+
+
+def _params(sig: Sig) -> tuple:
+    return tuple(
+        Param("input" if n == "self" else n, sig.defaults.get(n, REQUIRED), n in sig.tensors)
+        for n in sig.names if n not in _DROPPED
+    )
+
+
+def _build(name: str, sig: Sig, specs: list, emit: str) -> OpDef:
+    return make_op(name, _params(sig), [specs], torch=emit, aten=emit,
+                   doc=f"{name} (from its schema; not in the vocabulary)")
+
+
+def _aten(parts: list) -> OpDef | None:
+    if len(parts) not in (1, 2):
+        return None
+    chosen = aten_overload(parts[0], parts[1] if len(parts) == 2 else None)
+    if chosen is None:
+        return None
+    sig = schema_sig(chosen)
+    names = [f"aten.{parts[0]}.{chosen._overloadname}"]
+    if len(parts) == 1:  # the packet: every overload called the same way
+        packet = getattr(torch.ops.aten, parts[0])
+        for ov in packet.overloads():
+            q = f"aten.{parts[0]}.{ov}"
+            if q not in names and schema_sig(getattr(packet, ov)).names == sig.names:
+                names.append(q)
+    return _build(".".join(["aten", *parts]), sig, fn(*names, ignore=_DROPPED), names[0])
+
+
+def _torch(name: str) -> OpDef | None:
+    target = getattr(torch, name, None)
+    if not isinstance(target, types.BuiltinFunctionType) or aten_overload(name) is None:
+        return None
+    sig = signature_of(f"torch.{name}", target)
+    return None if sig is None else _build(f"torch.{name}", sig, fn(f"torch.{name}"), f"torch.{name}")
+
+
+def _functional(name: str) -> OpDef | None:
+    target = getattr(F, name, None)
+    python = inspect.isfunction(target) and target.__module__ == "torch.nn.functional"
+    builtin = isinstance(target, types.BuiltinFunctionType) and aten_overload(name) is not None
+    if not (python or builtin):
+        return None
+    sig = signature_of(f"F.{name}", target)
+    return None if sig is None else _build(f"F.{name}", sig, fn(f"F.{name}", ignore=_DROPPED), f"F.{name}")
+
+
+def _tensor(name: str) -> OpDef | None:
+    if not callable(getattr(torch.Tensor, name, None)) or aten_overload(name) is None:
+        return None
+    sig = signature_of(f"Tensor.{name}", getattr(torch.Tensor, name))
+    return None if sig is None else _build(f"Tensor.{name}", sig, method(name), f"Tensor.{name}")
+
+
+def _operator(name: str) -> OpDef | None:
+    if name not in OPERATOR_ALLOWED:
+        return None
+    sig = Sig(("input",) if name in _UNARY else ("input", "other"), tensors=frozenset({"input"}))
+    if name == "getitem":
+        sig = Sig(("input", "index"), tensors=frozenset({"input"}))
+    text = ", ".join(sig.names)
+    return _build(f"operator.{name}", sig, fn(f"operator.{name}", sig=text), f"operator.{name}")
+
+
+def generic_opdef(qualname: str) -> OpDef | None:
+    """An ``OpDef`` for a normalized qualified name outside the vocabulary, or None
+    when the name is not on the allowlist or names nothing."""
+    root, *parts = qualname.split(".")
+    if any("__" in p for p in parts):
+        return None
+    try:
+        if root == "aten":
+            return _aten(parts)
+        if len(parts) != 1 or parts[0].startswith("_"):
+            return None  # private torch API is not part of the rule language
+        builder = {"torch": _torch, "F": _functional, "Tensor": _tensor, "operator": _operator}.get(root)
+        return None if builder is None else builder(parts[0])
+    except (TypeError, ValueError, AttributeError, RuntimeError):
+        return None

@@ -1,0 +1,217 @@
+"""The vocabulary, part two: tensor arithmetic, shapes, casts and indexing.
+
+These ops have no module form but the most spellings: ``x + y``, ``x += y``,
+``torch.add``, ``x.add``, ``x.add_``, ``aten.add.Tensor``, ``aten.add.Scalar``.
+Methods that take varargs (``x.view(2, -1)``) are written ``sig="self, *size"``.
+See ``rewrite.ops.builders`` for the notation.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from rewrite.ops import modules
+from rewrite.ops.builders import fn, method, module, op
+from rewrite.ops.forms import OneOf
+from rewrite.ops.table_nn import standard
+
+__all__ = ["OPS"]
+
+_BINARY = "input, other"
+_PRESERVE = OneOf(None, torch.preserve_format)
+
+
+def _is_dtype(args: dict) -> bool:
+    return isinstance(args.get("dtype"), torch.dtype)
+
+
+def _not_dtype(name: str) -> Callable:
+    """``x.view(torch.int32)`` reinterprets bits: not a shape view."""
+    return lambda args: not isinstance(args.get(name), torch.dtype)
+
+
+def _is_node(value: Any) -> bool:
+    return isinstance(value, fx.Node)
+
+
+def _div_aten(args: dict, facts: Callable) -> str:
+    return "aten.div.Tensor" if args["rounding_mode"] is None else "aten.div.Tensor_mode"
+
+
+def _mean_aten(args: dict, facts: Callable) -> str:
+    return "aten.mean.default" if args["dim"] is None and not args["keepdim"] else "aten.mean.dim"
+
+
+def _squeeze_aten(args: dict, facts: Callable) -> str:
+    dim = args["dim"]
+    if dim is None:
+        return "aten.squeeze.default"
+    return "aten.squeeze.dims" if isinstance(dim, (list, tuple)) else "aten.squeeze.dim"
+
+
+def _clamp_aten(args: dict, facts: Callable) -> str:
+    tensor_bound = _is_node(args["min"]) or _is_node(args["max"])
+    return "aten.clamp.Tensor" if tensor_bound else "aten.clamp.default"
+
+
+def _cast(method_name: str, dtype: torch.dtype) -> list:
+    """``x.float()`` is ``to(x, torch.float32)``."""
+    return method(method_name, sig="self, memory_format=None", fixed={"dtype": dtype},
+                  guards={"memory_format": _PRESERVE})
+
+
+_TO_GUARDS = {"non_blocking": False, "copy": False, "memory_format": _PRESERVE}
+
+OPS = [
+    # ---- arithmetic ----------------------------------------------------------
+    # x + y, x += y, torch.add, x.add, x.add_, aten.add.{Tensor,Scalar}: add(x, y, alpha=1)
+    op("add", "input: T, other: T, alpha=1",
+       fn("operator.add", "operator.iadd", sig=_BINARY),
+       fn("torch.add", "aten.add.Tensor", "aten.add.Scalar", "aten.add_.Tensor", "aten.add_.Scalar"),
+       method("add", "add_"),
+       torch="torch.add", aten="aten.add.Tensor", commutative=True, elementwise=True,
+       doc="input + alpha * other"),
+    # rsub(a, b, alpha) = b - alpha * a = sub(b, a, alpha): `1 - x` is aten.rsub(x, 1)
+    op("sub", "input: T, other: T, alpha=1",
+       fn("operator.sub", "operator.isub", sig=_BINARY),
+       fn("torch.sub", "aten.sub.Tensor", "aten.sub.Scalar", "aten.sub_.Tensor", "aten.sub_.Scalar"),
+       method("sub", "sub_"),
+       fn("torch.rsub", rename={"input": "other", "other": "input"}),
+       fn("aten.rsub.Scalar", "aten.rsub.Tensor", rename={"self": "other", "other": "input"}),
+       torch="torch.sub", aten="aten.sub.Tensor", elementwise=True, doc="input - alpha * other"),
+    op("mul", "input: T, other: T",
+       fn("operator.mul", "operator.imul", sig=_BINARY),
+       fn("torch.mul", "aten.mul.Tensor", "aten.mul.Scalar", "aten.mul_.Tensor", "aten.mul_.Scalar"),
+       method("mul", "mul_"),
+       torch="torch.mul", aten="aten.mul.Tensor", commutative=True, elementwise=True, doc="input * other"),
+    # a // b on tensors is div(a, b, rounding_mode="floor")
+    op("div", "input: T, other: T, rounding_mode=None",
+       fn("operator.truediv", "operator.itruediv", sig=_BINARY),
+       fn("operator.floordiv", "operator.ifloordiv", sig=_BINARY, fixed={"rounding_mode": "floor"}),
+       fn("torch.div", sig="input, other, *, rounding_mode=None"),
+       method("div", "div_", sig="self, other, *, rounding_mode=None"),
+       fn("aten.div.Tensor", "aten.div.Scalar", "aten.div.Tensor_mode", "aten.div.Scalar_mode",
+          "aten.div_.Tensor", "aten.div_.Scalar", "aten.div_.Tensor_mode"),
+       torch="torch.div", aten=_div_aten, elementwise=True, doc="input / other, optionally rounded"),
+
+    # ---- pointwise math --------------------------------------------------------
+    op("neg", "input: T", standard("neg"), fn("torch.negative", "operator.neg", sig="input"),
+       torch="torch.neg", aten="aten.neg.default", elementwise=True, doc="-x"),
+    op("abs", "input: T", standard("abs"), fn("operator.abs", sig="input"),
+       torch="torch.abs", aten="aten.abs.default", elementwise=True, doc="|x|"),
+    op("exp", "input: T", standard("exp"),
+       torch="torch.exp", aten="aten.exp.default", elementwise=True, doc="e ** x"),
+    op("sqrt", "input: T", standard("sqrt"),
+       torch="torch.sqrt", aten="aten.sqrt.default", elementwise=True, doc="x ** 0.5"),
+    op("rsqrt", "input: T", standard("rsqrt"),
+       torch="torch.rsqrt", aten="aten.rsqrt.default", elementwise=True, doc="x ** -0.5"),
+    op("reciprocal", "input: T", standard("reciprocal"),
+       torch="torch.reciprocal", aten="aten.reciprocal.default", elementwise=True, doc="1 / x"),
+    op("clamp", "input: T, min=None, max=None",
+       standard("clamp"), standard("clip"), fn("aten.clamp.Tensor"),
+       torch="torch.clamp", aten=_clamp_aten, elementwise=True, doc="min(max(x, min), max)"),
+
+    # ---- matrix products -----------------------------------------------------
+    op("matmul", "input: T, other: T", fn("operator.matmul", "operator.imatmul", sig=_BINARY), standard("matmul"),
+       torch="torch.matmul", aten="aten.matmul.default", doc="input @ other (broadcasting)"),
+    op("mm", "input: T, mat2: T", standard("mm"),
+       torch="torch.mm", aten="aten.mm.default", doc="2d matrix product"),
+    op("bmm", "input: T, mat2: T", standard("bmm"),
+       torch="torch.bmm", aten="aten.bmm.default", doc="batched 3d matrix product"),
+    op("addmm", "input: T, mat1: T, mat2: T, beta=1, alpha=1", standard("addmm"),
+       torch="torch.addmm", aten="aten.addmm.default", doc="beta * input + alpha * (mat1 @ mat2)"),
+    op("baddbmm", "input: T, batch1: T, batch2: T, beta=1, alpha=1", standard("baddbmm"),
+       torch="torch.baddbmm", aten="aten.baddbmm.default", doc="beta * input + alpha * (batch1 @ batch2)"),
+
+    # ---- reductions and softmax ----------------------------------------------
+    op("mean", "input: T, dim=None, keepdim=False",
+       fn("torch.mean", sig="input, dim=None, keepdim=False, *, dtype=None", guards={"dtype": None}),
+       method("mean", sig="self, dim=None, keepdim=False, *, dtype=None", guards={"dtype": None}),
+       fn("aten.mean.default", "aten.mean.dim", guards={"dtype": None}),
+       torch="torch.mean", aten=_mean_aten, doc="mean over dim (all dims when None)"),
+    # F.softmax carries _stacklevel; core ATen's _softmax carries half_to_float
+    op("softmax", "input: T, dim, dtype=None",
+       fn("F.softmax", ignore={"_stacklevel"}),
+       fn("torch.softmax", "aten.softmax.int"), method("softmax"),
+       fn("aten._softmax.default", guards={"half_to_float": False}),
+       module("nn.Softmax", extract=modules.softmax),
+       torch="torch.softmax", aten="aten.softmax.int", doc="softmax along dim"),
+
+    # ---- shapes and views ----------------------------------------------------
+    op("reshape", "input: T, shape",
+       fn("torch.reshape", "aten.reshape.default"), method("reshape", sig="self, *shape"),
+       torch="torch.reshape", aten="aten.reshape.default", doc="same data, new shape (copies if needed)"),
+    op("view", "input: T, shape",
+       method("view", sig="self, *size", rename={"size": "shape"}, check=_not_dtype("size")),
+       fn("aten.view.default", "aten._unsafe_view.default", rename={"size": "shape"}),
+       torch="Tensor.view", aten="aten.view.default", doc="same storage, new shape"),
+    op("flatten", "input: T, start_dim=0, end_dim=-1",
+       fn("torch.flatten", "aten.flatten.using_ints"), method("flatten"),
+       module("nn.Flatten", extract=modules.flatten),
+       torch="torch.flatten", aten="aten.flatten.using_ints", doc="merge dims start_dim..end_dim"),
+    op("permute", "input: T, dims",
+       fn("torch.permute", "aten.permute.default"), method("permute", sig="self, *dims"),
+       torch="torch.permute", aten="aten.permute.default", doc="reorder dims"),
+    op("transpose", "input: T, dim0, dim1",
+       fn("torch.transpose", "aten.transpose.int"), method("transpose"),
+       torch="torch.transpose", aten="aten.transpose.int", doc="swap two dims"),
+    op("t", "input: T", standard("t"),
+       torch="torch.t", aten="aten.t.default", doc="transpose of a <= 2d tensor"),
+    op("unsqueeze", "input: T, dim", standard("unsqueeze"),
+       torch="torch.unsqueeze", aten="aten.unsqueeze.default", doc="insert a size-1 dim"),
+    op("squeeze", "input: T, dim=None",
+       fn("torch.squeeze", sig="input, dim=None"), method("squeeze", sig="self, dim=None"),
+       fn("aten.squeeze.default", "aten.squeeze.dim", "aten.squeeze.dims"),
+       torch="torch.squeeze", aten=_squeeze_aten, doc="drop size-1 dims (all when dim is None)"),
+    op("expand", "input: T, size",
+       method("expand", sig="self, *size, implicit=False", guards={"implicit": False}),
+       fn("aten.expand.default", guards={"implicit": False}),
+       torch="Tensor.expand", aten="aten.expand.default", doc="broadcast to size without copying"),
+    # core ATen writes x.contiguous() as clone(x, memory_format=contiguous_format)
+    op("contiguous", "input: T",
+       method("contiguous", sig="self, memory_format=None", guards={"memory_format": torch.contiguous_format},
+              defaults={"memory_format": torch.contiguous_format}),
+       fn("aten.contiguous.default", guards={"memory_format": torch.contiguous_format},
+          defaults={"memory_format": torch.contiguous_format}),
+       fn("aten.clone.default", guards={"memory_format": torch.contiguous_format}, named=False),
+       torch="Tensor.contiguous", aten="aten.contiguous.default", doc="x in contiguous memory"),
+    op("clone", "input: T",
+       fn("torch.clone", "aten.clone.default", guards={"memory_format": _PRESERVE}),
+       method("clone", guards={"memory_format": _PRESERVE}),
+       torch="torch.clone", aten="aten.clone.default", doc="a copy of x"),
+    op("cat", "tensors: T, dim=0",
+       fn("torch.cat", "torch.concat", "aten.cat.default"),
+       torch="torch.cat", aten="aten.cat.default", doc="concatenate along dim"),
+
+    # ---- casts ---------------------------------------------------------------
+    # Only dtype casts: x.to("cuda") and x.to(other) are not this op.
+    op("to", "input: T, dtype",
+       method("to", sig="self, dtype, non_blocking=False, copy=False, *, memory_format=None",
+              guards=_TO_GUARDS, check=_is_dtype),
+       method("type", sig="self, dtype=None, non_blocking=False", guards={"non_blocking": False},
+              check=_is_dtype),
+       _cast("float", torch.float32), _cast("double", torch.float64), _cast("half", torch.float16),
+       _cast("bfloat16", torch.bfloat16), _cast("int", torch.int32), _cast("long", torch.int64),
+       _cast("bool", torch.bool),
+       fn("aten.to.dtype", guards=_TO_GUARDS),
+       fn("aten._to_copy.default", check=_is_dtype, guards={
+           "layout": OneOf(None, torch.strided), "device": None, "pin_memory": None,
+           "non_blocking": False, "memory_format": _PRESERVE}),
+       torch="Tensor.to", aten="aten.to.dtype", doc="cast to dtype"),
+
+    # ---- indexing ------------------------------------------------------------
+    op("getitem", "input: T, index",
+       fn("operator.getitem", sig="input, index"),
+       torch="operator.getitem", aten="operator.getitem", doc="input[index] (also a tuple output)"),
+
+    # ---- quantization --------------------------------------------------------
+    op("quantize_per_tensor", "input: T, scale, zero_point, dtype",
+       fn("torch.quantize_per_tensor", "aten.quantize_per_tensor.default"),
+       torch="torch.quantize_per_tensor", aten="aten.quantize_per_tensor.default",
+       doc="affine quantization to a quantized tensor"),
+    op("dequantize", "input: T", fn("torch.dequantize", "aten.dequantize.self"), method("dequantize"),
+       torch="torch.dequantize", aten="aten.dequantize.self", doc="quantized tensor back to float"),
+]

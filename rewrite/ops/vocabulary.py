@@ -1,0 +1,220 @@
+"""The op vocabulary: look ops up by name, bind graph nodes to them.
+
+The table lives in ``rewrite.ops.table_nn`` (layers) and ``rewrite.ops.table_tensor``
+(tensor ops); adding an op is adding one ``op(...)`` entry there. This module indexes
+the table once, at import:
+
+* by node key (``node_key``: target, method name or module class), so binding a node
+  is one dict lookup plus the few forms that share its target;
+* by qualified name (``F.relu``, ``aten.conv2d.default``, ``nn.Conv2d``), so a rule
+  can pin one spelling.
+
+Example::
+
+    >>> gm = torch.fx.symbolic_trace(nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()))
+    >>> [bind_node(n, gm) for n in gm.graph.nodes if n.op == "call_module"]
+    [(Bound(op='conv', args={'input': input_1, 'weight': ConstRef('0.weight'), ...}),),
+     (Bound(op='relu', args={'input': _0}),)]
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from typing import Any
+
+import attrs
+import torch
+import torch.fx as fx
+
+from rewrite.ops import table_nn, table_tensor
+from rewrite.ops.base import Emitter, MethodForm, ModuleForm, OpDef, node_key
+from rewrite.ops.builders import emittable
+from rewrite.ops.forms import EmitError, call_for
+from rewrite.ops.generic import generic_opdef
+from rewrite.ops.resolve import normalize_qualname
+
+__all__ = [
+    "OPS", "lookup_op", "op_names", "forms_for_key", "bind_node", "detect_dialect", "mutates_input",
+]
+
+OPS: dict = {o.name: o for o in (*table_nn.OPS, *table_tensor.OPS)}
+
+
+def _build_indexes() -> tuple:
+    by_key: dict = {}
+    by_name: dict = {}
+    for opdef in OPS.values():
+        for form in opdef.forms:
+            by_key.setdefault(form.key, []).append((opdef, form))
+            if getattr(form, "named", True):
+                for q in (form.qualname, *form.aliases):
+                    by_name.setdefault(q, []).append((opdef, form))
+    return ({k: tuple(v) for k, v in by_key.items()}, {k: tuple(v) for k, v in by_name.items()})
+
+
+_BY_KEY, _BY_QUALNAME = _build_indexes()
+_CALLS = frozenset({"call_function", "call_method", "call_module"})
+
+
+def op_names() -> list:
+    """The canonical op names, sorted (what a rule file may call unqualified)."""
+    return sorted(OPS)
+
+
+def forms_for_key(key: Any) -> tuple:
+    """``(OpDef, form)`` pairs that may bind a node with this ``node_key``."""
+    try:
+        return _BY_KEY.get(key, ())
+    except TypeError:  # an unhashable target
+        return ()
+
+
+def bind_node(node: fx.Node, gm: Any) -> tuple:
+    """Every canonical binding of ``node``: a tuple of ``Bound``, usually one.
+
+    A ``getitem`` of ``_native_batch_norm_legit_no_training`` binds both as ``getitem``
+    and as ``batch_norm``; ``aten.hardtanh(x, 0, 6)`` as ``hardtanh`` and ``relu6``.
+    Placeholders, outputs, attributes, unknown targets and modules the vocabulary
+    does not know (``torch.export``'s ``_guards_fn``) bind to nothing.
+    """
+    if node.op not in _CALLS:
+        return ()
+    out = []
+    for opdef, form in forms_for_key(node_key(node, gm)):
+        bound = form.bind(node, gm, opdef)
+        if bound is not None:
+            out.append(bound)
+    return tuple(out)
+
+
+def detect_dialect(gm: Any) -> str:
+    """``"aten"`` for ``torch.export`` graphs (call_function targets are
+    ``OpOverload``s), ``"torch"`` for ``symbolic_trace`` and dynamo graphs."""
+    aten = torch_level = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            target = node.target
+            if isinstance(target, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
+                aten += 1
+            elif getattr(target, "__module__", None) not in ("_operator", "operator", "builtins", "math"):
+                torch_level += 1
+        elif node.op == "call_method" or (node.op == "call_module" and forms_for_key(node_key(node, gm))):
+            torch_level += 1
+    return "aten" if aten and aten >= torch_level else "torch"
+
+
+def mutates_input(node: fx.Node, gm: Any) -> bool:
+    """Whether ``node`` writes into its first argument (``x.relu_()``, ``x += y``,
+    ``F.relu(x, inplace=True)``, ``nn.ReLU(inplace=True)``, ``aten.relu_``): the
+    in-place twins bind to the same canonical op, and a rewrite that replaces one
+    must keep that write visible to the argument's other users."""
+    target = node.target
+    if node.op == "call_method":
+        return target.endswith("_") and not target.startswith("_")
+    if node.op == "call_module":
+        try:
+            return bool(getattr(gm.get_submodule(target), "inplace", False))
+        except AttributeError:
+            return False
+    if node.op != "call_function":
+        return False
+    if isinstance(target, torch._ops.OpOverload):
+        return any(a.alias_info is not None and a.alias_info.is_write
+                   for a in target._schema.arguments if not a.is_out)
+    if node.kwargs.get("inplace") is True:
+        return True
+    name = getattr(target, "__name__", "")
+    if getattr(operator, name, None) is target:
+        return name.startswith("i") and name not in ("index", "invert", "is_", "is_not")
+    return name.endswith("_") and not name.startswith("_")
+
+
+# ---- names -------------------------------------------------------------------
+
+
+def _targets(forms: tuple) -> set:
+    out = set()
+    for form in forms:
+        if isinstance(form, MethodForm):
+            out.add(getattr(torch.Tensor, form.method))
+        elif hasattr(form, "target"):
+            out.add(form.target)
+    return out
+
+
+def _restricted_emitter(opdef: OpDef, forms: tuple, dialect: str) -> Emitter:
+    """Emit exactly the named surface: the canonical choice when it is one of the
+    named targets (``aten.conv2d`` keeps its ``.padding`` overload for string
+    padding), else the first named ``call_function`` surface."""
+    targets = _targets(forms)
+    own = list(emittable(forms).values())
+
+    def choose(args: dict, facts: Any = None) -> tuple:
+        try:
+            call = opdef.emit[dialect](args, facts)
+            if not own or call[0] in targets:
+                return call
+        except EmitError:
+            if not own:
+                raise
+        full = opdef.normalize_call((), dict(args))
+        if full is None:
+            raise EmitError(f"{opdef.name}: arguments {sorted(args)} do not fit {opdef.param_names}")
+        return call_for(own[0], full, opdef)
+
+    return Emitter(choose)
+
+
+def _restricted(opdef: OpDef, forms: tuple) -> OpDef:
+    return attrs.evolve(opdef, forms=forms, emit={
+        d: _restricted_emitter(opdef, forms, d) for d in ("torch", "aten")})
+
+
+def _named(qualname: str) -> tuple:
+    """Forms written as ``qualname``; an aten packet (``aten.conv2d``) names all
+    its overloads in the table."""
+    hits = _BY_QUALNAME.get(qualname, ())
+    if not hits and qualname.startswith("aten.") and qualname.count(".") == 1:
+        prefix = qualname + "."
+        hits = tuple(h for q, hs in _BY_QUALNAME.items() if q.startswith(prefix) and q.count(".") == 2
+                     for h in hs)
+    return hits
+
+
+@functools.lru_cache(maxsize=1024)
+def lookup_op(name: str) -> OpDef | None:
+    """The ``OpDef`` a rule file means by ``name``, or None.
+
+    Args:
+        name: a canonical op (``conv``) or a qualified name: ``aten.conv2d``,
+            ``aten.conv2d.default``, ``torch.ops.aten.conv2d.default``, ``F.relu``,
+            ``torch.nn.functional.relu``, ``torch.relu``, ``nn.Conv2d``,
+            ``torch.nn.Conv2d``, ``Tensor.clamp``, ``operator.add``.
+
+    Returns:
+        For a canonical name, the op with all its surfaces. For a qualified name of
+        a vocabulary surface, the same op (same name and parameters) restricted to
+        that surface and emitting exactly that target. For another torch op on the
+        allowlist (see ``rewrite.ops.generic``), an op built from its schema. None
+        for anything else, including every name with a dunder.
+
+    Example::
+
+        >>> lookup_op("aten.conv2d").forms   # only aten.conv2d.default / .padding
+        >>> lookup_op("os.system") is None
+        True
+    """
+    if name in OPS:
+        return OPS[name]
+    qualname = normalize_qualname(name)
+    if qualname is None:
+        return None
+    hits = _named(qualname)
+    ops = {opdef.name for opdef, _ in hits}
+    if len(ops) == 1:
+        opdef = hits[0][0]
+        return _restricted(opdef, tuple(form for _, form in hits))
+    if qualname.startswith("nn."):
+        return None
+    return generic_opdef(qualname)
