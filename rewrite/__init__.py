@@ -23,7 +23,7 @@ _EXPORTS = {
     "rules_dir": "rewrite.ruleset",
     "RuleError": "rewrite.language",
     "NonTerminationError": "rewrite.driver",
-    "backend": "rewrite.backend",
+    "backend": "rewrite.dynamo",
     "register_predicate": "rewrite.functions.registry",
     "register_query": "rewrite.functions.registry",
     "register_constant": "rewrite.functions.registry",

@@ -86,15 +86,13 @@ class Replacer:
             target, call_args, call_kwargs = emitter(args, self._facts_of)
             return self._node("call_function", target, call_args, call_kwargs, root)
         if isinstance(r, RConst):
-            args = [self._constant(self._build(a, env, root)) for a in r.args]
-            kwargs = {k: self._constant(self._build(v, env, root)) for k, v in r.kwargs.items()}
-            value = r.spec.fn(*args, **kwargs)
+            value = self._evaluate(r, env)
             if isinstance(value, torch.Tensor):
                 return self._new_constant(value, r, env)
             return value
         if isinstance(r, RModule):
             inputs = tuple(self._build(i, env, root) for i in r.inputs)
-            config = {k: self._constant(self._build(v, env, root)) for k, v in r.config.items()}
+            config = {k: self._evaluate(v, env) for k, v in r.config.items()}
             module = r.spec.fn(**config)
             name = self._fresh_name(f"{r.spec.name}_{root.name}")
             self.gm.add_submodule(name, module)
@@ -112,13 +110,20 @@ class Replacer:
             return node
         return operand
 
-    def _constant(self, value: Any) -> Any:
-        """Concrete value of a replacement argument for a rewrite-time function."""
-        if isinstance(value, fx.Node):
-            return self.facts.constant_of(value)
-        if isinstance(value, (list, tuple)):
-            return type(value)(self._constant(v) for v in value)
-        return value
+    def _evaluate(self, r: Any, env: dict) -> Any:
+        """Concrete value of a rewrite-time expression: constants are fetched from the
+        module, nested functions called; no graph nodes are created."""
+        if isinstance(r, RVar):
+            return self.facts.constant_of(env[r.name])
+        if isinstance(r, RLit):
+            return r.value
+        if isinstance(r, RSeq):
+            return r.kind(self._evaluate(i, env) for i in r.items)
+        if isinstance(r, RConst):
+            args = [self._evaluate(a, env) for a in r.args]
+            kwargs = {k: self._evaluate(v, env) for k, v in r.kwargs.items()}
+            return r.spec.fn(*args, **kwargs)
+        raise ValueError(f"{r!r} is not a rewrite-time constant")
 
     def _new_constant(self, tensor: torch.Tensor, r: RConst, env: dict) -> fx.Node:
         source = next((self._qualname(env, a) for a in r.args if self._qualname(env, a)), None)

@@ -137,9 +137,9 @@ def test_did_you_mean():
                               "did you mean 'rule'?")),
     ("rule r: f(x y) => x", ("E001", "1:13", "unexpected 'y'; expected ')' or ','", None)),
     # errors found while building the AST
-    ("rule r: f(a=1, x) => x", ("E009", "1:16", "positional argument after a keyword argument",
+    ("rule r: f(a=1, x, y) => x", ("E009", "1:16", "positional argument after a keyword argument",
                                 "write positional arguments first, then name=value arguments")),
-    ("rule r: f(..., x) => x", ("E009", "1:16", "'...' must be the last argument of a call",
+    ("rule r: f(..., x, y) => x", ("E009", "1:11", "'...' must be the last argument of a call",
                                 "move '...' to the end: it stands for the arguments not written")),
     ("rule r: to(x, torch.flaot32) => x", ("E010", "1:15", "unknown dtype 'torch.flaot32'",
                                            "did you mean 'torch.float32'?")),

@@ -87,8 +87,8 @@ def test_function_in_pattern():
 
 
 def test_constant_function_in_replacement_is_fine():
-    prog = ok("rule r: to(x, d) where const(x) => cast(x, d)")
-    assert prog.rules[0].replacement.op.names == ("cast",)
+    prog = ok("rule r: to(to(x, d), e) where const(x) => to(cast(x, d), e)")
+    assert prog.rules[0].replacement.args[0].op.names == ("cast",)
 
 
 def test_family_in_replacement():
@@ -205,6 +205,9 @@ def test_as_on_the_root_is_allowed():
     ("rule r: relu(x) => shape(x)[0]", ("E304", "1:20", "indexing can only be used in a where clause")),
     ("rule r: relu(x) where _ => x", ("E304", "1:23", "'_' can only be used in a pattern")),
     ("rule r: x => x", ("E304", "1:9", "a pattern must be an op call, found variable 'x'")),
+    ("rule r: mul(_, 0) => 0", ("E304", "1:22", "a replacement must produce a graph value, found literal 0")),
+    ("rule r: to(x, d) => cast(x, d)",
+     ("E304", "1:21", "a replacement must produce a graph value, not the constant 'cast(...)'")),
 ])
 def test_constructs_out_of_place(text, expected):
     assert expected in diags(text)
@@ -338,7 +341,7 @@ def test_import_not_found(tmp_path):
         load_program([a])
     (d,) = info.value.diagnostics
     assert (d.code, str(d.span)) == ("E402", f"{a}:2:1")
-    assert d.message == f"cannot import '{tmp_path / 'clenaup.rw'}': no such file ({tmp_path / 'clenaup.rw'})"
+    assert d.message == f"cannot import '{tmp_path / 'clenaup.rw'}': no such file"
     assert d.help == "did you mean 'cleanup.rw'?"
 
 

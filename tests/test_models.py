@@ -53,10 +53,19 @@ def assert_unchanged(gm: fx.GraphModule, before) -> None:
 
 
 def freeze_dynamo(gm: fx.GraphModule, inputs):
-    """Dynamo lifts parameters to placeholders; freeze them (as the backend does) on a copy."""
-    from rewrite.backend import freeze_parameters
+    """Dynamo lifts parameters to placeholders; freeze them (as the backend does) on a copy.
+
+    Dynamo drops ``meta["grapharg"]`` after compiling; ``capture_dynamo`` kept its
+    source as ``meta["dynamo_source"]``, from which we restore what the backend saw.
+    """
+    from types import SimpleNamespace
+
+    from rewrite.dynamo import freeze_parameters
 
     gm = copy.deepcopy(gm)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and "grapharg" not in node.meta and "dynamo_source" in node.meta:
+            node.meta["grapharg"] = SimpleNamespace(source=node.meta["dynamo_source"])
     _, kept = freeze_parameters(gm, list(inputs))
     return gm, tuple(kept)
 
@@ -174,3 +183,23 @@ def test_torch_compile_backend(fusion, builder, folds):
         assert len(results) == 1
     finally:
         torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------- capture helpers
+
+
+@pytest.mark.parametrize("level", ["fx", "export", "export_core", "dynamo"])
+def test_capture_levels_compute_the_model(level):
+    from rewrite.examples.capture import lifted_state_positions
+
+    model, inputs = demo_cnn_with_inputs()
+    gm, args = capture_with_inputs(model, inputs, level)
+    assert isinstance(gm, fx.GraphModule)
+    if level == "dynamo":
+        fixed = lifted_state_positions(gm)
+        assert len(fixed) == len(args) - 1  # everything but x is module state
+        (xi,) = [i for i in range(len(args)) if i not in fixed]
+        # the raw dynamo graph returns a 1-tuple and takes the state as inputs
+        assert_equivalent(lambda *a: (model(a[xi]),), gm, args, fixed_inputs=fixed)
+    else:
+        assert_equivalent(model, gm, args)

@@ -393,11 +393,23 @@ def test_canonical_names() -> None:
     ("torch.Tensor.view", "view", {"Tensor.view"}),
     ("operator.add", "add", {"operator.add"}),
     ("aten.hardtanh.default", "hardtanh", {"aten.hardtanh.default"}),
+    ("F.hardtanh", "hardtanh", {"F.hardtanh"}),  # not relu6, which also reads it (with bounds 0, 6)
+    ("nn.ReLU6", "relu6", {"nn.ReLU6"}),
+    ("aten.clone", "clone", {"aten.clone.default"}),
+    ("torch._C._nn.linear", "linear", {"F.linear"}),
 ])
 def test_qualified_vocabulary_names(name: str, op: str, qualnames: set) -> None:
     opdef = lookup_op(name)
     assert opdef.name == op and opdef.params == OPS[op].params
     assert {f.qualname for f in opdef.forms} == qualnames
+
+
+def test_only_canonical_ops_are_their_own_lookup() -> None:
+    """``lookup_op(op.name) is op`` tells a canonical op from a pinned or generic one."""
+    for name in ("conv", "relu", "to"):
+        assert lookup_op(lookup_op(name).name) is lookup_op(name)
+    for name in ("aten.conv2d", "F.relu", "aten.hardsigmoid", "Tensor.clamp_min"):
+        assert lookup_op(lookup_op(name).name) is not lookup_op(name)
 
 
 def test_qualified_name_matches_only_its_spelling(graphs: dict) -> None:
@@ -516,6 +528,7 @@ SAMPLES = {
     "sqrt": ({"input": _t(3).abs()}, lambda a: a["input"].sqrt()),
     "rsqrt": ({"input": _t(3).abs() + 1}, lambda a: 1 / a["input"].sqrt()),
     "reciprocal": ({"input": _t(3).abs() + 1}, lambda a: 1 / a["input"]),
+    "pow": ({"input": _t(3).abs(), "exponent": 3.0}, lambda a: a["input"] ** 3),
     "clamp": ({"input": _t(5), "min": -0.5}, lambda a: a["input"].clamp(min=-0.5)),
     "matmul": ({"input": _t(2, 3, 4), "other": _t(4, 5)}, lambda a: a["input"] @ a["other"]),
     "mm": ({"input": _t(3, 4), "mat2": _t(4, 5)}, lambda a: a["input"] @ a["mat2"]),
@@ -594,20 +607,21 @@ def test_emit_runs_and_binds_back(op: str, dialect: str) -> None:
     assert all(same_arg(rebound[0].args[k], v) for k, v in full.items()), (rebound[0].args, full)
 
 
-@pytest.mark.parametrize("weight, fn", [((4, 3, 3), F.conv1d), ((4, 3, 3, 3), F.conv2d), ((4, 3, 1, 3, 3), F.conv3d)])
+@pytest.mark.parametrize("rank, conv", [(1, F.conv1d), (2, F.conv2d), (3, F.conv3d)])
 @pytest.mark.parametrize("dialect", ["torch", "aten"])
-def test_conv_rank_from_weight(weight: tuple, fn: object, dialect: str) -> None:
-    x, w = torch.randn(1, 3, *[5] * (len(weight) - 2)), torch.randn(*weight)
-    for facts in (True, False):  # without metadata: the rank-generic convolution
-        gm, node, _, inputs = emit_graph("conv", dialect, {"input": x, "weight": w, "padding": 1})
-        if not facts:
-            graph = fx.Graph()
-            px, pw = graph.placeholder("x"), graph.placeholder("w")
-            target, a, kw = OPS["conv"].emit[dialect]({"input": px, "weight": pw, "padding": 1}, lambda v: None)
-            assert target in (torch.convolution, torch.ops.aten.convolution.default)
-            graph.output(graph.call_function(target, a, kw))
-            gm, inputs = fx.GraphModule(nn.Module(), graph), [x, w]
-        torch.testing.assert_close(gm(*inputs), fn(x, w, padding=1))
+def test_conv_rank_from_weight(rank: int, conv: object, dialect: str) -> None:
+    x, w = torch.randn(1, 3, *[4] * rank), torch.randn(2, 3, *[3] * rank)
+    gm, node, _, inputs = emit_graph("conv", dialect, {"input": x, "weight": w, "padding": 1})
+    assert node.target is (getattr(torch, f"conv{rank}d") if dialect == "torch"
+                           else getattr(torch.ops.aten, f"conv{rank}d").default)
+    torch.testing.assert_close(gm(*inputs), conv(x, w, padding=1))
+    # without metadata the rank is unknown: the rank-generic convolution
+    graph = fx.Graph()
+    px, pw = graph.placeholder("x"), graph.placeholder("w")
+    target, args, kwargs = OPS["conv"].emit[dialect]({"input": px, "weight": pw, "padding": 1}, lambda v: None)
+    assert target in (torch.convolution, torch.ops.aten.convolution.default)
+    graph.output(graph.call_function(target, args, kwargs))
+    torch.testing.assert_close(fx.GraphModule(nn.Module(), graph)(x, w), conv(x, w, padding=1))
 
 
 def test_conv_string_padding_uses_padding_overload() -> None:

@@ -27,9 +27,13 @@ from typing import Any, List, Sequence, Tuple
 import torch
 from torch import fx, nn
 
-__all__ = ["LEVELS", "capture", "capture_with_inputs", "capture_dynamo"]
+__all__ = ["LEVELS", "DYNAMO_SOURCE", "capture", "capture_with_inputs", "capture_dynamo",
+           "lifted_state_positions"]
 
 LEVELS: Tuple[str, ...] = ("fx", "export", "export_core", "dynamo")
+
+#: placeholder meta key where ``capture_dynamo`` keeps dynamo's input source.
+DYNAMO_SOURCE = "dynamo_source"
 
 
 def _as_tuple(example_inputs: Any) -> tuple:
@@ -43,6 +47,12 @@ def _as_tuple(example_inputs: Any) -> tuple:
 def capture_dynamo(model: nn.Module, example_inputs: Sequence[Any]) -> Tuple[fx.GraphModule, List[Any]]:
     """Return dynamo's first graph and the inputs it was called with.
 
+    Dynamo deletes each placeholder's ``meta["grapharg"]`` (which says whether
+    it is a parameter, a buffer or a user input) once compilation ends, so the
+    recorder copies its source, as a string, to ``meta["dynamo_source"]``
+    (``DYNAMO_SOURCE``); it mentions ``_parameters`` or ``_buffers`` for
+    lifted module state.
+
     The recording backend returns the graph's own ``forward``, so the model
     still runs; only the first graph is kept (a graph break would produce more,
     which the examples avoid). ``torch._dynamo.reset()`` is called first so a
@@ -53,6 +63,10 @@ def capture_dynamo(model: nn.Module, example_inputs: Sequence[Any]) -> Tuple[fx.
     recorded: List[Tuple[fx.GraphModule, List[Any]]] = []
 
     def record(gm: fx.GraphModule, inputs: List[Any]):
+        for node in gm.graph.nodes:
+            source = getattr(node.meta.get("grapharg"), "source", None)
+            if node.op == "placeholder" and source is not None:
+                node.meta[DYNAMO_SOURCE] = str(source)
         recorded.append((gm, list(inputs)))
         return gm.forward
 
@@ -95,3 +109,15 @@ def capture(model: nn.Module, example_inputs: Any, level: str) -> fx.GraphModule
     user's: use ``capture_with_inputs`` to get them too.
     """
     return capture_with_inputs(model, example_inputs, level)[0]
+
+
+def lifted_state_positions(gm: fx.GraphModule) -> Tuple[int, ...]:
+    """Positions of the placeholders of a ``capture_dynamo`` graph that are module
+    parameters or buffers (not user inputs), from ``meta["dynamo_source"]``.
+
+    Pass them as ``fixed_inputs`` to ``rewrite.check.check_equivalence`` to
+    vary only the real inputs.
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return tuple(i for i, n in enumerate(placeholders)
+                 if any(k in n.meta.get(DYNAMO_SOURCE, "") for k in ("_parameters", "_buffers")))

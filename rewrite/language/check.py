@@ -308,7 +308,21 @@ class _Checker:
         if r.where is not None:
             self.check(r.where, _WHERE)
         self.check(r.replacement, _REPLACEMENT)
+        self._replacement_root(r.replacement)
         self._unused(r)
+
+    def _replacement_root(self, e: object) -> None:
+        """The replacement stands for the matched node, so it must be a graph value:
+        a variable, an op call or a module function (not a literal or a constant)."""
+        if isinstance(e, (ast.Literal, ast.DTypeLit, ast.TupleLit, ast.ListLit)):
+            self.error(e.span, f"a replacement must produce a graph value, found {_describe(e)}", "E304",
+                       help="build the value with an op, e.g. full_like(x, 0), or return a bound variable")
+        elif isinstance(e, ast.Call) and len(e.op.names) == 1:
+            kind, found = self.resolve(e.op.names[0])
+            if kind == "function" and found.kind == "constant":
+                self.error(e.op.span, f"a replacement must produce a graph value, not the constant "
+                                      f"'{e.op.names[0]}(...)'", "E304",
+                           help="pass the constant to an op, e.g. conv(x, conv_bn_weight(...), ...)")
 
     def _options(self, r: ast.Rule) -> None:
         seen = set()

@@ -233,24 +233,27 @@ class _Builder(Transformer):
 
     def call(self, meta, children):
         op, arguments = children
-        args, kwargs, rest = [], [], False
+        args, kwargs, rest, misplaced = [], [], None, False
         for item in arguments or ():
             if item is None:
                 continue
-            span = self._tok(item) if isinstance(item, Token) else item.span
-            if rest:
-                self._error(span, "'...' must be the last argument of a call", "E009",
+            if misplaced:
+                continue  # one report per call is enough
+            if rest is not None:
+                self._error(rest, "'...' must be the last argument of a call", "E009",
                             help="move '...' to the end: it stands for the arguments not written")
+                misplaced = True
             elif isinstance(item, Token):  # ELLIPSIS
-                rest = True
+                rest = self._tok(item)
             elif isinstance(item, ast.Keyword):
                 kwargs.append(item)
             elif kwargs:
-                self._error(span, "positional argument after a keyword argument", "E009",
+                self._error(item.span, "positional argument after a keyword argument", "E009",
                             help="write positional arguments first, then name=value arguments")
+                misplaced = True
             else:
                 args.append(item)
-        return ast.Call(op, tuple(args), tuple(kwargs), rest, span=self._s(meta))
+        return ast.Call(op, tuple(args), tuple(kwargs), rest is not None, span=self._s(meta))
 
     def arguments(self, meta, children):
         return children

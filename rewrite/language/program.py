@@ -130,8 +130,9 @@ class _Loader:
 
     def _unreadable(self, display: str, span: ast.Span | None, why: str, path: Path | None = None) -> None:
         hint = None
-        if path is not None and path.parent.is_dir():
-            hint = did_you_mean(path.name, (p.name for p in path.parent.glob("*.rw")))
+        if path is not None:
+            found = path.parent.glob("*.rw") if path.parent.is_dir() else ()
+            hint = did_you_mean(path.name, (p.name for p in found)) or f"looked for {path}"
         if span is None:
             span = ast.Span(display, 1, 1, 1, 1)
             self.diags.append(Diagnostic(span, f"cannot read rule file '{display}': {why}", "E402", help=hint))
@@ -165,7 +166,7 @@ class _Loader:
             return
         if key not in self.files and not target.is_file():
             why = "is a directory" if target.is_dir() else "no such file"
-            self._unreadable(display, imp.span, f"{why} ({target})", target)
+            self._unreadable(display, imp.span, why, target)
             f.complete = False
             return
         loaded = self.load_file(target, display, imp.span)

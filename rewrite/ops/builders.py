@@ -48,6 +48,7 @@ class Module(ModuleForm):
 
     qualname: str = ""
     aliases: tuple = ()
+    named: bool = True
 
 
 def fn(*names: str, **opts: Any) -> list:
@@ -60,9 +61,9 @@ def method(*names: str, **opts: Any) -> list:
     return [Spec("method", n, opts) for n in names]
 
 
-def module(*names: str, extract: Callable) -> list:
+def module(*names: str, extract: Callable, named: bool = True) -> list:
     """``call_module`` surfaces; ``extract(module, node, qualname) -> args | None``."""
-    return [Spec("module", n, {"extract": extract}) for n in names]
+    return [Spec("module", n, {"extract": extract, "named": named}) for n in names]
 
 
 def item(inner: str, index: int = 0, **opts: Any) -> list:
@@ -106,7 +107,8 @@ def _build(spec: Spec, opname: str, params: dict) -> list:
     if unknown:
         raise TypeError(f"vocabulary: unknown options {sorted(unknown)} for {spec.name}")
     if spec.kind == "module":
-        return [Module(opname, resolve(spec.name), spec.opts["extract"], qualname=spec.name)]
+        return [Module(opname, resolve(spec.name), spec.opts["extract"], qualname=spec.name,
+                       named=spec.opts["named"])]
     if spec.kind == "item":
         inner = resolve(spec.name)
         common = _common(spec, _signature(spec, inner, spec.name), params, opname, spec.name)

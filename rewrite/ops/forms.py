@@ -65,10 +65,9 @@ def same_value(a: Any, b: Any) -> bool:
         return False
     if isinstance(a, bool) != isinstance(b, bool):
         return False
+    numbers = isinstance(a, (int, float)) and isinstance(b, (int, float))
     try:
-        return type(a) is type(b) and a == b or (
-            isinstance(a, (int, float)) and isinstance(b, (int, float)) and a == b
-        )
+        return bool((type(a) is type(b) or numbers) and a == b)
     except Exception:  # exotic objects with odd __eq__
         return a is b
 
@@ -215,7 +214,6 @@ def call_for(form: Any, args: dict, opdef: OpDef | None = None) -> tuple:
     for name, value in getattr(form, "fixed", {}).items():
         if not same_value(args.get(name, value), value):
             raise EmitError(f"{form.qualname or form!r} fixes {name}={value!r}, got {args.get(name)!r}")
-    back = {v: k for k, v in form.rename.items()}
     convert = getattr(form, "convert", {})
     fill = getattr(form, "fill", {})
     kwonly = getattr(form, "kwonly", frozenset())

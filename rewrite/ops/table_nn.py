@@ -192,7 +192,8 @@ OPS = [
     op("hardswish", "input: T", standard("hardswish"), module("nn.Hardswish", extract=modules.unary),
        torch="F.hardswish", aten="aten.hardswish.default", elementwise=True, doc="x * relu6(x + 3) / 6"),
     op("hardtanh", "input: T, min_val=-1.0, max_val=1.0", standard("hardtanh"),
-       module("nn.Hardtanh", "nn.ReLU6", extract=modules.hardtanh),
+       module("nn.Hardtanh", extract=modules.hardtanh),
+       module("nn.ReLU6", extract=modules.hardtanh, named=False),  # a Hardtanh(0, 6) subclass
        torch="F.hardtanh", aten="aten.hardtanh.default", elementwise=True, doc="clamp(x, min_val, max_val)"),
     # relu6 is also hardtanh(x, 0, 6): nn.ReLU6 calls F.hardtanh, and export records that
     op("relu6", "input: T", standard("relu6"),

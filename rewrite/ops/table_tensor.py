@@ -41,6 +41,12 @@ def _div_aten(args: dict, facts: Callable) -> str:
     return "aten.div.Tensor" if args["rounding_mode"] is None else "aten.div.Tensor_mode"
 
 
+def _pow_aten(args: dict, facts: Callable) -> str:
+    if not _is_node(args["input"]):
+        return "aten.pow.Scalar"
+    return "aten.pow.Tensor_Tensor" if _is_node(args["exponent"]) else "aten.pow.Tensor_Scalar"
+
+
 def _mean_aten(args: dict, facts: Callable) -> str:
     return "aten.mean.default" if args["dim"] is None and not args["keepdim"] else "aten.mean.dim"
 
@@ -110,6 +116,11 @@ OPS = [
        torch="torch.rsqrt", aten="aten.rsqrt.default", elementwise=True, doc="x ** -0.5"),
     op("reciprocal", "input: T", standard("reciprocal"),
        torch="torch.reciprocal", aten="aten.reciprocal.default", elementwise=True, doc="1 / x"),
+    op("pow", "input: T, exponent: T",
+       fn("operator.pow", "operator.ipow", sig="input, exponent"), standard("pow"),
+       fn("aten.pow.Tensor_Tensor", "aten.pow.Tensor_Scalar", "aten.pow.Scalar", "aten.pow_.Scalar",
+          "aten.pow_.Tensor"),
+       torch="torch.pow", aten=_pow_aten, elementwise=True, doc="input ** exponent"),
     op("clamp", "input: T, min=None, max=None",
        standard("clamp"), standard("clip"), fn("aten.clamp.Tensor"),
        torch="torch.clamp", aten=_clamp_aten, elementwise=True, doc="min(max(x, min), max)"),

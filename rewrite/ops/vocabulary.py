@@ -183,6 +183,14 @@ def _named(qualname: str) -> tuple:
 
 
 @functools.lru_cache(maxsize=1024)
+def _pinned(qualname: str) -> OpDef | None:
+    """The vocabulary op restricted to the surface ``qualname`` names, if one does."""
+    hits = _named(qualname)
+    if len({opdef.name for opdef, _ in hits}) != 1:
+        return None
+    return _restricted(hits[0][0], tuple(form for _, form in hits))
+
+
 def lookup_op(name: str) -> OpDef | None:
     """The ``OpDef`` a rule file means by ``name``, or None.
 
@@ -210,11 +218,8 @@ def lookup_op(name: str) -> OpDef | None:
     qualname = normalize_qualname(name)
     if qualname is None:
         return None
-    hits = _named(qualname)
-    ops = {opdef.name for opdef, _ in hits}
-    if len(ops) == 1:
-        opdef = hits[0][0]
-        return _restricted(opdef, tuple(form for _, form in hits))
-    if qualname.startswith("nn."):
-        return None
+    pinned = _pinned(qualname)
+    if pinned is not None or qualname.startswith("nn."):
+        return pinned
+    # built afresh each time, so only canonical ops satisfy lookup_op(op.name) is op
     return generic_opdef(qualname)

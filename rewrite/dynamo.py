@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import re
 from typing import Any, Callable
 
@@ -69,6 +70,8 @@ def backend(rules: Any, *, check: bool = True, on_result: Callable | None = None
     """
 
     def compile_fn(gm: fx.GraphModule, example_inputs: list) -> Callable:
+        # Dynamo reads the graph it handed us after we return: work on a copy.
+        gm = fx.GraphModule(gm, copy.deepcopy(gm.graph))
         kept, kept_inputs = freeze_parameters(gm, list(example_inputs))
         result = rules.apply(gm, example_inputs=tuple(kept_inputs), check=check)
         if on_result is not None:
