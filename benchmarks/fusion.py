@@ -18,17 +18,22 @@ faster than the reference column. Never run as a test.
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
+import sys
 import time
 import warnings
+from pathlib import Path
 from typing import Callable, Dict, List
 
 import torch
 from torch import fx
 from torch.fx.experimental.optimization import fuse as torch_fuse
 
-import rewrite
+try:
+    import rewrite
+except ImportError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import rewrite
 from rewrite.examples.cnn import resnet50_with_inputs
 from rewrite.examples.graph_stats import count_batch_norms
 

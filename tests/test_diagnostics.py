@@ -5,6 +5,8 @@ that no input of any kind makes the front end raise anything but RuleError."""
 from __future__ import annotations
 
 import pickle
+import re
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -231,3 +233,56 @@ def test_byte_mutations_raise_only_rule_error(tmp_path, data):
         load_program([path])
     except RuleError as err:
         str(err)
+
+
+# ---------------------------------------------------------------- the documentation
+
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "language.md"
+_SECTION = re.compile(r"### (E\d{3}): [^\n]*\n\n```rw\n(.*?)```\n\n```text\n(.*?)\n```", re.S)
+
+
+def _doc_sections() -> list:
+    return _SECTION.findall(DOC.read_text())
+
+
+def test_every_error_code_is_documented():
+    source = "".join(p.read_text() for p in (Path(__file__).resolve().parents[1] / "rewrite" / "language").glob("*.py"))
+    emitted = set(re.findall(r'"(E\d{3})"', source))
+    documented = {code for code, _, _ in _doc_sections()}
+    assert emitted and emitted == documented
+
+
+@pytest.mark.parametrize("code, example, output", _doc_sections(), ids=lambda v: v if str(v).startswith("E") else "")
+def test_documented_error_examples_are_exact(code, example, output, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    if code == "E402":
+        (tmp_path / "rules").mkdir()
+        (tmp_path / "rules" / "cleanup.rw").write_text("")
+        (tmp_path / "rules" / "main.rw").write_text(example)
+        paths = ["rules/main.rw"]
+    elif code == "E403":
+        a, b = example.split("# b.rw\n")
+        (tmp_path / "a.rw").write_text(a)
+        (tmp_path / "b.rw").write_text("# b.rw\n" + b)
+        paths = ["a.rw"]
+    else:
+        (tmp_path / "example.rw").write_text(example)
+        paths = ["example.rw"]
+    with pytest.raises(RuleError) as info:
+        load_program(paths)
+    (d,) = info.value.diagnostics
+    assert d.code == code
+    assert format_diagnostic(d, info.value.sources[d.span.path]) == output
+
+
+def test_documented_rule_text_parses():
+    text = DOC.read_text()
+    reference = text.index("## Error reference")
+    blocks = re.findall(r"```rw\n(.*?)```", text[:reference], re.S)
+    assert len(blocks) >= 5
+    for block in blocks:
+        parse_text(block, "doc.rw")
+    # The opening example is a whole program: it must also pass the checker.
+    opening = "\n".join(line for line in blocks[0].splitlines() if not line.startswith("import"))
+    assert [r.name for r in load_program_text(opening).rules] == ["mul_one", "conv_bn", "act_then_id", "cast_same"]

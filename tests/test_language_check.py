@@ -411,3 +411,20 @@ def test_text_program_imports_resolve_from_the_cwd(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     prog = load_program_text('import "lib.rw"\nruleset s = once(l)')
     assert [r.name for r in prog.rules] == ["l"] and prog.files == ("lib.rw", "<string>")
+
+
+def test_import_not_found_without_a_close_name_says_where_it_looked(tmp_path):
+    a = write(tmp_path, "a.rw", 'import "sub/zzz.rw"\n')
+    with pytest.raises(RuleError) as info:
+        load_program([a])
+    (d,) = info.value.diagnostics
+    assert d.help == f"looked for {tmp_path / 'sub' / 'zzz.rw'}"
+
+
+def test_unreadable_bytes_are_reported(tmp_path):
+    a = tmp_path / "bin.rw"
+    a.write_bytes(b"rule r: relu(x) => x\xff\n")
+    with pytest.raises(RuleError) as info:
+        load_program([a])
+    assert [(d.code, d.message) for d in info.value.diagnostics] == [
+        ("E402", f"cannot read rule file '{a}': not valid UTF-8 (byte 20)")]

@@ -106,6 +106,20 @@ def test_demo_cnn(fusion, level):
     assert result.counts.get("conv_transpose_bn") == 1
     # linear is addmm in core ATen
     assert result.counts.get("linear_bn", 0) + result.counts.get("addmm_bn", 0) == 1
+    assert eval_noops(result.graph_module) == [], "dropout / identity left in an eval graph"
+
+
+def eval_noops(gm: fx.GraphModule) -> list:
+    """Dropout and identity nodes, which do nothing in eval mode, at any level."""
+    found = []
+    for n in gm.graph.nodes:
+        if n.op == "call_module":
+            if isinstance(gm.get_submodule(n.target), (torch.nn.Dropout, torch.nn.Identity)):
+                found.append(n.name)
+        elif n.op == "call_function" and n.target in (
+                torch.nn.functional.dropout, torch.dropout, torch.ops.aten.dropout.default):
+            found.append(n.name)
+    return found
 
 
 @pytest.mark.parametrize("level", ["fx", "export", "export_core", "dynamo"])

@@ -316,7 +316,7 @@ class _Checker:
         a variable, an op call or a module function (not a literal or a constant)."""
         if isinstance(e, (ast.Literal, ast.DTypeLit, ast.TupleLit, ast.ListLit)):
             self.error(e.span, f"a replacement must produce a graph value, found {_describe(e)}", "E304",
-                       help="build the value with an op, e.g. full_like(x, 0), or return a bound variable")
+                       help="build the value with an op, or return a variable bound by the pattern")
         elif isinstance(e, ast.Call) and len(e.op.names) == 1:
             kind, found = self.resolve(e.op.names[0])
             if kind == "function" and found.kind == "constant":

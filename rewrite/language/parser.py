@@ -100,7 +100,7 @@ def parse_module(text: str, path: str) -> tuple:
     except lark.exceptions.VisitError as exc:
         if isinstance(exc.orig_exc, RecursionError):
             return None, [_too_deep(path)]
-        raise
+        raise exc.orig_exc from None  # a bug in _Builder: show it, not Lark's wrapper
     except RecursionError:
         return None, [_too_deep(path)]
     if builder.errors:

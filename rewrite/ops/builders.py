@@ -98,7 +98,8 @@ def _common(spec: Spec, sig: Sig, params: dict, opname: str, qualname: str) -> d
         op=opname, signature=sig.names, rename=rename, fixed=dict(spec.opts.get("fixed", {})),
         guards=guards, defaults=defaults, ignore=ignore, qualname=qualname,
         varargs=sig.varargs, check=spec.opts.get("check"), convert=dict(spec.opts.get("convert", {})),
-        kwonly=sig.kwonly, int_lists=sig.int_lists, fill=dict(spec.opts.get("fill", {})), named=spec.opts.get("named", True),
+        kwonly=sig.kwonly, int_lists=sig.int_lists, fill=dict(spec.opts.get("fill", {})),
+        named=spec.opts.get("named", True),
     )
 
 

@@ -16,6 +16,10 @@ is, after ``rewrite.ops.resolve.normalize_qualname`` rejects dunders:
 * ``Tensor.<m>``: a public method of ``torch.Tensor`` with an aten op of the same name;
 * ``operator.<f>``: arithmetic, comparison and ``getitem`` only.
 
+A name without an overload takes the signature of the default overload (or the
+first that takes a tensor first); ``aten.sum.dim_IntList`` names another. An aten
+packet name also matches its other overloads that take the same arguments.
+
 ``nn.<Module>`` classes are not resolved here: only the vocabulary's modules bind
 (a module's forward can do anything; the vocabulary says what each one computes).
 """
@@ -67,8 +71,9 @@ def _aten(parts: list) -> OpDef | None:
     if len(parts) == 1:  # the packet: every overload called the same way
         packet = getattr(torch.ops.aten, parts[0])
         for ov in packet.overloads():
-            q = f"aten.{parts[0]}.{ov}"
-            if q not in names and schema_sig(getattr(packet, ov)).names == sig.names:
+            q, overload = f"aten.{parts[0]}.{ov}", getattr(packet, ov)
+            writes_out = any(a.is_out for a in overload._schema.arguments)
+            if q not in names and not writes_out and schema_sig(overload).names == sig.names:
                 names.append(q)
     return _build(".".join(["aten", *parts]), sig, fn(*names, ignore=_DROPPED), names[0])
 

@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from rewrite.ops import table_nn, table_tensor
-from rewrite.ops.base import Emitter, MethodForm, ModuleForm, OpDef, node_key
+from rewrite.ops.base import Emitter, MethodForm, OpDef, node_key
 from rewrite.ops.builders import emittable
 from rewrite.ops.forms import EmitError, call_for
 from rewrite.ops.generic import generic_opdef
