@@ -89,9 +89,7 @@ def _print_changes(before: Any, after: Any) -> None:
     print(f"{'op':<28} {'before':>7} {'after':>7}")
     for op, b, a in rows:
         print(f"{op:<28} {b:>7} {a:>7}")
-    nb = sum(1 for _ in before.graph.nodes)
-    na = sum(1 for _ in after.graph.nodes)
-    print(f"{'nodes':<28} {nb:>7} {na:>7}")
+    print(f"{'ops in total':<28} {sum(hb.values()):>7} {sum(ha.values()):>7}")
 
 
 def _cmd_apply(args: argparse.Namespace) -> int:
