@@ -281,18 +281,6 @@ class _ReplacementBuilder:
         return ROp(opdef, args)
 
 
-def _where_vars(e: Any, out: set) -> set:
-    if isinstance(e, ast.Var):
-        out.add(e.name)
-    elif attrs.has(type(e)):
-        for field in attrs.fields(type(e)):
-            v = getattr(e, field.name)
-            for item in v if isinstance(v, tuple) else (v,):
-                if attrs.has(type(item)):
-                    _where_vars(item, out)
-    return out
-
-
 def compile_rule(rule: ast.Rule, order: int, families: dict) -> CompiledRule:
     """Compile one checked rule. Raises CompileError with the rule's position."""
     try:

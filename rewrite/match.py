@@ -21,7 +21,7 @@ from rewrite.compile import DTYPES, CompiledRule, PCall, PDefault, PLit, PSeq, P
 from rewrite.facts import GraphFacts, Value
 from rewrite.functions.registry import lookup_function
 from rewrite.language import ast
-from rewrite.ops import bind_node, node_key
+from rewrite.ops import bind_node, mutates_input, node_key
 from rewrite.ops.base import ConstRef
 
 __all__ = ["Match", "Matcher", "literal_equal"]
@@ -85,6 +85,7 @@ class Matcher:
         self.gm = gm
         self.facts = facts
         self._bindings: dict = {}
+        self._inplace_ok: dict = {}
 
     # -- per-node facts
 
@@ -98,6 +99,19 @@ class Matcher:
     def forget(self, node: fx.Node) -> None:
         """Drop cached bindings of a node whose arguments changed."""
         self._bindings.pop(node, None)
+        self._inplace_ok.pop(node, None)
+
+    def _rewritable(self, node: fx.Node) -> bool:
+        """An in-place op binds like its functional twin, but may only be rewritten
+        when nothing else reads the tensor it writes into."""
+        ok = self._inplace_ok.get(node)
+        if ok is None:
+            ok = True
+            if mutates_input(node, self.gm):
+                written = node.args[0] if node.args else None
+                ok = not isinstance(written, fx.Node) or all(u is node for u in written.users)
+            self._inplace_ok[node] = ok
+        return ok
 
     def root_ops(self, node: fx.Node) -> set:
         return {b.op for b in self.bindings(node)}
@@ -141,7 +155,7 @@ class Matcher:
     def _match_call(self, p: PCall, node: Any, env: dict) -> Iterator[dict]:
         if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method", "call_module"):
             return
-        if node in env[_NODES]:
+        if node in env[_NODES] or not self._rewritable(node):
             return
         for alt in p.alts:
             for bound in self._alt_bindings(alt, node):

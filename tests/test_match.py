@@ -189,3 +189,18 @@ def test_tuple_and_list_literals():
     r = _apply("rule p: permute(permute(x, (0, 2, 1, 3)), [0, 2, 1, 3]) => x",
                Fn(lambda x: x.permute(0, 2, 1, 3).permute(0, 2, 1, 3)), X)
     assert r.counts == {"p": 1}
+
+
+def test_inplace_op_is_not_rewritten_when_its_input_is_read_elsewhere():
+    def f(x):
+        y = x * 2
+        z = y.relu_()  # writes into y, which the add below reads
+        return z + y
+
+    def g(x):
+        y = x * 2
+        return y.relu_() + 1  # y has no other reader: safe to treat as relu(y)
+
+    text = "rule relu_to_clamp: relu(x) => clamp(x, 0.0)"
+    assert _apply(text, Fn(f), X).counts == {}
+    assert _apply(text, Fn(g), X).counts == {"relu_to_clamp": 1}

@@ -10,10 +10,11 @@ from rewrite.ops.vocabulary import (
     detect_dialect,
     forms_for_key,
     lookup_op,
+    mutates_input,
     op_names,
 )
 
 __all__ = [
     "REQUIRED", "Bound", "ConstRef", "OpDef", "Param", "node_key", "bind_node",
-    "detect_dialect", "forms_for_key", "lookup_op", "op_names",
+    "detect_dialect", "forms_for_key", "lookup_op", "mutates_input", "op_names",
 ]
