@@ -92,6 +92,18 @@ def _print_changes(before: Any, after: Any) -> None:
     print(f"{'ops in total':<28} {sum(hb.values()):>7} {sum(ha.values()):>7}")
 
 
+def _save(gm: Any, path: str) -> None:
+    """torch.save a GraphModule. fx cannot pickle string type annotations on
+    placeholders (``x: "torch.Tensor"`` under postponed annotations): drop them."""
+    import torch
+
+    for node in gm.graph.nodes:
+        if isinstance(node.type, str):
+            node.type = None
+    gm.recompile()
+    torch.save(gm, path)
+
+
 def _cmd_apply(args: argparse.Namespace) -> int:
     import torch
 
@@ -120,7 +132,7 @@ def _cmd_apply(args: argparse.Namespace) -> int:
     print()
     _print_changes(gm, result.graph_module)
     if args.save:
-        torch.save(result.graph_module, args.save)
+        _save(result.graph_module, args.save)
         print(f"saved the rewritten GraphModule to {args.save}")
     if args.print_code:
         print(result.graph_module.code)
