@@ -22,7 +22,7 @@ exactly; NaNs match NaNs.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple, Union
 
 import attrs
 import torch

@@ -24,7 +24,7 @@ import attrs
 import torch
 import torch.fx as fx
 
-from rewrite.compile import CompiledRule, compile_rule
+from rewrite.compile import compile_rule
 from rewrite.driver import Driver
 from rewrite.language import Program, ast, load_program, load_program_text
 from rewrite.ops import detect_dialect

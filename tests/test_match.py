@@ -8,10 +8,10 @@ import operator
 import pytest
 import torch
 import torch.fx as fx
-import torch.nn as nn
 import torch.nn.functional as F
 
 import rewrite
+from tests.fx_helpers import Fn
 
 
 def _targets(gm):
@@ -24,33 +24,6 @@ def _apply(text, module, *inputs, **kw):
     if kw.get("check", True):  # rules that deliberately change the function skip this
         torch.testing.assert_close(result.graph_module(*inputs), module(*inputs))
     return result
-
-
-class Fn(nn.Module):
-    """Wraps a one- or two-argument function as a traceable module."""
-
-    def __new__(cls, fn):
-        import inspect
-
-        try:
-            two = len(inspect.signature(fn).parameters) == 2
-        except ValueError:  # torch builtins have no Python signature
-            two = False
-        return super().__new__(_Fn2 if two else _Fn1)
-
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-
-class _Fn1(Fn):
-    def forward(self, x):
-        return self.fn(x)
-
-
-class _Fn2(Fn):
-    def forward(self, x, y):
-        return self.fn(x, y)
 
 
 X = torch.randn(2, 3, 4, 5)

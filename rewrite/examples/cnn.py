@@ -13,7 +13,7 @@ and a wrong fold would go unnoticed.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Tuple, Type, Union
+from typing import Optional, Sequence, Tuple, Type, Union
 
 import torch
 from torch import nn

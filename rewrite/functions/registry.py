@@ -20,7 +20,7 @@ its graph facts); constants and module factories receive concrete Python values
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from typing import Callable
 
 import attrs
 

@@ -397,7 +397,7 @@ class _Checker:
                 self._use(e)
         elif isinstance(e, ast.Wildcard):
             if place != _PATTERN:
-                self.error(e.span, f"'_' can only be used in a pattern", "E304",
+                self.error(e.span, "'_' can only be used in a pattern", "E304",
                            help="use a variable bound by the pattern")
         elif isinstance(e, (ast.TupleLit, ast.ListLit)):
             for item in e.items:
@@ -422,10 +422,10 @@ class _Checker:
     def call(self, c: ast.Call, place: str) -> None:
         self._duplicate_keywords(c)
         if len(c.op.names) > 1 and place != _PATTERN:
-            self.error(c.op.span, f"alternatives can only be used in a pattern", "E304",
+            self.error(c.op.span, "alternatives can only be used in a pattern", "E304",
                        help="call one op or function here")
         if c.rest and place != _PATTERN:
-            self.error(c.span, f"'...' can only be used in a pattern", "E304",
+            self.error(c.span, "'...' can only be used in a pattern", "E304",
                        help="write every argument the call needs")
         spans = c.op.name_spans if len(c.op.name_spans) == len(c.op.names) else (c.op.span,) * len(c.op.names)
         for name, span in zip(c.op.names, spans):
