@@ -206,8 +206,8 @@ def _ensure_shape_facts(gm: fx.GraphModule, example_inputs: tuple | None) -> Non
     """Record ``meta['val']`` (shape, dtype, device) on nodes that lack it, by running
     the example inputs once (symbolic_trace graphs carry no shapes)."""
     calls = [n for n in gm.graph.nodes if n.op.startswith("call_")]
-    if not calls or all("val" in n.meta or "example_value" in n.meta for n in calls):
-        return
+    if not calls or any("val" in n.meta or "example_value" in n.meta for n in calls):
+        return  # export and dynamo graphs carry facts already
     if example_inputs is None:
         return
     try:

@@ -261,48 +261,69 @@ def value(x: Value) -> Any:
 # ---------------------------------------------------------------- constants (rewrite time)
 
 
-@register_constant()
-def conv_bn_weight(w: Any, b: Any, mean: Any, var: Any, gamma: Any, beta: Any, eps: float) -> Any:
-    """Weight of ``conv`` followed by eval-mode ``batch_norm``, folded (torch's math)."""
-    return _fusion.fuse_conv_bn_weights(w, b, mean, var, eps, gamma, beta)[0].detach()
+def _memo_last(fn: Any) -> Any:
+    """Remember the last result: a fold computes weight and bias in two calls
+    with the same arguments, and torch's math returns both at once."""
+    last: list = [None, None, None]
+
+    def wrapper(*args: Any) -> Any:
+        key = tuple(id(a) if isinstance(a, torch.Tensor) else a for a in args)
+        if last[0] != key:
+            # keep the arguments alive so their ids cannot be reused by other tensors
+            last[0], last[1], last[2] = key, fn(*args), args
+        return last[1]
+
+    return wrapper
 
 
-@register_constant()
-def conv_bn_bias(w: Any, b: Any, mean: Any, var: Any, gamma: Any, beta: Any, eps: float) -> Any:
-    """Bias of ``conv`` followed by eval-mode ``batch_norm``, folded (torch's math)."""
-    return _fusion.fuse_conv_bn_weights(w, b, mean, var, eps, gamma, beta)[1].detach()
+@_memo_last
+def _conv_bn(w: Any, b: Any, mean: Any, var: Any, gamma: Any, beta: Any, eps: float, transpose: bool) -> tuple:
+    return tuple(t.detach() for t in _fusion.fuse_conv_bn_weights(w, b, mean, var, eps, gamma, beta, transpose))
 
 
-@register_constant()
-def conv_transpose_bn_weight(w: Any, b: Any, mean: Any, var: Any, gamma: Any, beta: Any, eps: float) -> Any:
-    """Weight of ``conv_transpose`` (groups=1) followed by ``batch_norm``, folded."""
-    return _fusion.fuse_conv_bn_weights(w, b, mean, var, eps, gamma, beta, transpose=True)[0].detach()
-
-
-@register_constant()
-def conv_transpose_bn_bias(w: Any, b: Any, mean: Any, var: Any, gamma: Any, beta: Any, eps: float) -> Any:
-    """Bias of ``conv_transpose`` (groups=1) followed by ``batch_norm``, folded."""
-    return _fusion.fuse_conv_bn_weights(w, b, mean, var, eps, gamma, beta, transpose=True)[1].detach()
-
-
+@_memo_last
 def _linear_bn(w: Any, b: Any, mean: Any, var: Any, gamma: Any, beta: Any, eps: float) -> tuple:
     if gamma is None:
         gamma = torch.ones_like(mean)
     if beta is None:
         beta = torch.zeros_like(mean)
-    return _fusion.fuse_linear_bn_weights(w, b, mean, var, eps, gamma, beta)
+    return tuple(t.detach() for t in _fusion.fuse_linear_bn_weights(w, b, mean, var, eps, gamma, beta))
+
+
+@register_constant()
+def conv_bn_weight(w: Any, b: Any, mean: Any, var: Any, gamma: Any, beta: Any, eps: float) -> Any:
+    """Weight of ``conv`` followed by eval-mode ``batch_norm``, folded (torch's math)."""
+    return _conv_bn(w, b, mean, var, gamma, beta, eps, False)[0]
+
+
+@register_constant()
+def conv_bn_bias(w: Any, b: Any, mean: Any, var: Any, gamma: Any, beta: Any, eps: float) -> Any:
+    """Bias of ``conv`` followed by eval-mode ``batch_norm``, folded (torch's math)."""
+    return _conv_bn(w, b, mean, var, gamma, beta, eps, False)[1]
+
+
+@register_constant()
+def conv_transpose_bn_weight(w: Any, b: Any, mean: Any, var: Any, gamma: Any, beta: Any, eps: float) -> Any:
+    """Weight of ``conv_transpose`` (groups=1) followed by ``batch_norm``, folded."""
+    return _conv_bn(w, b, mean, var, gamma, beta, eps, True)[0]
+
+
+@register_constant()
+def conv_transpose_bn_bias(w: Any, b: Any, mean: Any, var: Any, gamma: Any, beta: Any, eps: float) -> Any:
+    """Bias of ``conv_transpose`` (groups=1) followed by ``batch_norm``, folded."""
+    return _conv_bn(w, b, mean, var, gamma, beta, eps, True)[1]
 
 
 @register_constant()
 def linear_bn_weight(w: Any, b: Any, mean: Any, var: Any, gamma: Any, beta: Any, eps: float) -> Any:
     """Weight of ``linear`` followed by eval-mode ``batch_norm`` (2-d input), folded."""
-    return _linear_bn(w, b, mean, var, gamma, beta, eps)[0].detach()
+    return _linear_bn(w, b, mean, var, gamma, beta, eps)[0]
 
 
 @register_constant()
 def linear_bn_bias(w: Any, b: Any, mean: Any, var: Any, gamma: Any, beta: Any, eps: float) -> Any:
     """Bias of ``linear`` followed by eval-mode ``batch_norm`` (2-d input), folded."""
-    return _linear_bn(w, b, mean, var, gamma, beta, eps)[1].detach()
+    return _linear_bn(w, b, mean, var, gamma, beta, eps)[1]
 
 
 @register_constant()
