@@ -10,12 +10,35 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import torch
 import torch.fx as fx
 
 from rewrite.ops.base import ConstRef
 
-__all__ = ["GraphFacts", "Value", "fetch_attr", "tensor_meta_of"]
+__all__ = ["GraphFacts", "Value", "TensorFacts", "FACTS_KEY", "fetch_attr", "tensor_meta_of"]
+
+#: ``node.meta`` key of the facts this library records on graphs without ``val``.
+FACTS_KEY = "rewrite_facts"
+
+
+@attrs.frozen
+class TensorFacts:
+    """Shape, dtype and device of a tensor value: what rules ask about, recorded on
+    symbolic_trace graphs (which carry no ``meta['val']``) without the cost of
+    building FakeTensors."""
+
+    shape: tuple
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @classmethod
+    def of(cls, t: Any) -> "TensorFacts":
+        return cls(tuple(t.shape), t.dtype, t.device)
 
 
 def fetch_attr(root: torch.nn.Module, qualname: str) -> Any:
@@ -29,12 +52,11 @@ def fetch_attr(root: torch.nn.Module, qualname: str) -> Any:
 def tensor_meta_of(node: fx.Node) -> Any:
     """Shape/dtype information recorded on a node: ``meta['val']`` (export, dynamo,
     our own emitted nodes) or ``meta['tensor_meta']`` (ShapeProp). None if absent."""
-    val = node.meta.get("val")
-    if val is None:
-        val = node.meta.get("example_value")
-    if val is None:
-        val = node.meta.get("tensor_meta")
-    return val
+    for key in ("val", "example_value", FACTS_KEY, "tensor_meta"):
+        val = node.meta.get(key)
+        if val is not None:
+            return val
+    return None
 
 
 class GraphFacts:

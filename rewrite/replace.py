@@ -20,10 +20,12 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
 from rewrite.compile import RConst, RLit, RModule, ROp, RSeq, RVar
-from rewrite.facts import GraphFacts
+from rewrite.facts import FACTS_KEY, GraphFacts, TensorFacts
 from rewrite.match import Match
 from rewrite.ops.base import ConstRef
 
@@ -98,8 +100,10 @@ class Replacer:
             self.gm.add_submodule(name, module)
             self._new_attrs.append(name)
             node = self._node("call_module", name, inputs, {}, root)
-            if inputs and isinstance(inputs[0], fx.Node) and "val" in inputs[0].meta:
-                node.meta["val"] = inputs[0].meta["val"]
+            if inputs and isinstance(inputs[0], fx.Node):  # inserted modules keep shapes
+                for key in ("val", FACTS_KEY):
+                    if key in inputs[0].meta:
+                        node.meta[key] = inputs[0].meta[key]
             return node
         raise TypeError(f"unknown replacement {r!r}")  # pragma: no cover
 
@@ -141,8 +145,7 @@ class Replacer:
         else:
             self.gm.register_buffer(name, tensor)
         self._new_attrs.append(name)
-        node = self.graph.get_attr(name)
-        node.meta["val"] = _meta_like(tensor)
+        node = self.graph.get_attr(name)  # facts come from the tensor itself
         self._created.append(node)
         return node
 
@@ -170,9 +173,7 @@ class Replacer:
             if key in root.meta:
                 node.meta[key] = root.meta[key]
         if op == "call_function":
-            val = _infer_val(target, node.args, node.kwargs, self._facts_of)
-            if val is not None:
-                node.meta["val"] = val
+            _record_facts(node, self._facts_of)
         self._created.append(node)
         return node
 
@@ -205,26 +206,29 @@ class Replacer:
         self._created, self._new_attrs = [], []
 
 
-def _meta_like(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-
-
-def _to_meta(v: Any, facts_of: Any) -> Any:
-    if isinstance(v, fx.Node):
-        m = facts_of(v)
-        if m is None:
-            raise LookupError(v.name)
-        if any(not isinstance(d, int) for d in m.shape):
-            raise LookupError("symbolic shape")
-        return torch.empty(tuple(m.shape), dtype=m.dtype, device="meta")
-    return v
-
-
-def _infer_val(target: Any, args: tuple, kwargs: dict, facts_of: Any) -> Any:
-    """Output shape/dtype of a new call, by running it on meta tensors; None when
-    an input's shape is unknown or the op has no meta kernel."""
+def _record_facts(node: fx.Node, facts_of: Any) -> None:
+    """Give a new node the shape facts its inputs have: a FakeTensor ``val`` computed
+    in the graph's own fake mode (export, dynamo graphs), else ``TensorFacts``
+    from running the op on meta tensors. Best-effort: no facts when an input has none
+    or the op has no meta kernel."""
+    inputs = node.all_input_nodes
+    metas = [facts_of(n) for n in inputs]
+    if not inputs or any(m is None for m in metas):
+        return
+    fake_mode = detect_fake_mode([m for m in metas if isinstance(m, torch.Tensor)])
     try:
-        margs = pytree.tree_map(lambda v: _to_meta(v, facts_of), (args, kwargs))
-        return target(*margs[0], **margs[1])
+        if fake_mode is not None:
+            env = {n: (m if isinstance(m, FakeTensor) else fake_mode.from_tensor(m)) for n, m in zip(inputs, metas)}
+            with fake_mode:
+                args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+                node.meta["val"] = node.target(*args, **kwargs)
+            return
+        env = {n: torch.empty(tuple(m.shape), dtype=m.dtype, device="meta") for n, m in zip(inputs, metas)}
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+        out = node.target(*args, **kwargs)
     except Exception:  # noqa: BLE001 - shape facts are best-effort
-        return None
+        return
+    device = next((m.device for m in metas if getattr(m, "device", None) is not None), torch.device("cpu"))
+    node.meta[FACTS_KEY] = pytree.tree_map_only(
+        torch.Tensor, lambda t: TensorFacts(tuple(t.shape), t.dtype, torch.device(device)), out
+    )

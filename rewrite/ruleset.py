@@ -26,6 +26,7 @@ import torch.fx as fx
 
 from rewrite.compile import compile_rule
 from rewrite.driver import Driver
+from rewrite.facts import FACTS_KEY, TensorFacts
 from rewrite.language import Program, ast, load_program, load_program_text
 from rewrite.ops import detect_dialect
 
@@ -206,7 +207,7 @@ def _ensure_shape_facts(gm: fx.GraphModule, example_inputs: tuple | None) -> Non
     """Record ``meta['val']`` (shape, dtype, device) on nodes that lack it, by running
     the example inputs once (symbolic_trace graphs carry no shapes)."""
     calls = [n for n in gm.graph.nodes if n.op.startswith("call_")]
-    if not calls or any("val" in n.meta or "example_value" in n.meta for n in calls):
+    if not calls or any(k in n.meta for n in calls for k in ("val", "example_value", FACTS_KEY)):
         return  # export and dynamo graphs carry facts already
     if example_inputs is None:
         return
@@ -218,25 +219,15 @@ def _ensure_shape_facts(gm: fx.GraphModule, example_inputs: tuple | None) -> Non
 
 
 class _FactRecorder(fx.Interpreter):
-    """Runs a graph and stores a FakeTensor twin of every tensor value as meta['val']."""
-
-    def __init__(self, gm: fx.GraphModule) -> None:
-        super().__init__(gm)
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    """Runs a graph once and records ``TensorFacts`` of every tensor value."""
 
     def run_node(self, n: fx.Node) -> Any:
         result = super().run_node(n)
-        if "val" not in n.meta and n.op != "output":
-            n.meta["val"] = torch.utils._pytree.tree_map_only(torch.Tensor, self._fake, result)
+        if n.op != "output":
+            facts = torch.utils._pytree.tree_map_only(torch.Tensor, TensorFacts.of, result)
+            if facts is not None:
+                n.meta[FACTS_KEY] = facts
         return result
-
-    def _fake(self, t: torch.Tensor) -> Any:
-        try:
-            return self.fake_mode.from_tensor(t, static_shapes=True)
-        except Exception:  # noqa: BLE001 - quantized or exotic tensors: no facts
-            return None
 
 
 def _referenced_attrs(gm: fx.GraphModule) -> set:
