@@ -26,7 +26,12 @@ __all__ = ["backend", "freeze_parameters"]
 
 
 def _is_module_state(node: fx.Node, example: Any) -> bool:
+    # While the backend runs, meta["grapharg"] says where an input came from; dynamo
+    # deletes it after compiling but keeps node._dynamo_source; recorders may have
+    # saved it as meta["dynamo_source"].
     source = getattr(node.meta.get("grapharg"), "source", None)
+    if source is None:
+        source = getattr(node, "_dynamo_source", None) or node.meta.get("dynamo_source")
     if source is not None:
         text = str(source)
         return "_parameters" in text or "_buffers" in text or "ParamBufferSource" in text
