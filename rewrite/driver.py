@@ -96,9 +96,11 @@ class _Index:
 class Driver:
     """Runs rule schedules over one GraphModule (which it mutates: callers pass a copy)."""
 
-    def __init__(self, gm: fx.GraphModule, dialect: str, max_rewrites: int | None = None) -> None:
+    def __init__(
+        self, gm: fx.GraphModule, dialect: str, max_rewrites: int | None = None, example_inputs: tuple | None = None
+    ) -> None:
         self.gm = gm
-        self.facts = GraphFacts(gm)
+        self.facts = GraphFacts(gm, example_inputs)
         self.matcher = Matcher(gm, self.facts)
         self.replacer = Replacer(gm, self.facts, dialect)
         self.counts: collections.Counter = collections.Counter()

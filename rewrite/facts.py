@@ -62,8 +62,12 @@ def tensor_meta_of(node: fx.Node) -> Any:
 class GraphFacts:
     """Facts about one GraphModule under rewrite, cached where they are costly."""
 
-    def __init__(self, gm: fx.GraphModule) -> None:
+    def __init__(self, gm: fx.GraphModule, example_inputs: tuple | None = None) -> None:
         self.gm = gm
+        # Graphs from export and dynamo carry facts; symbolic_trace graphs get them
+        # recorded from the example inputs on the first question about a shape.
+        carried = any(k in n.meta for n in gm.graph.nodes if n.op.startswith("call_") for k in _CARRIERS)
+        self._example_inputs = None if carried else example_inputs
         self.param_names = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
         self.buffer_names = {name for name, _ in gm.named_buffers(remove_duplicate=False)}
 
@@ -96,10 +100,40 @@ class GraphFacts:
             return value if isinstance(value, torch.Tensor) else None
         if isinstance(operand, fx.Node):
             val = tensor_meta_of(operand)
+            if val is None and self._example_inputs is not None:
+                self._record(operand)
+                val = tensor_meta_of(operand)
             return val if hasattr(val, "shape") and hasattr(val, "dtype") else None
         if isinstance(operand, torch.Tensor):
             return operand
         return None
+
+
+    def _record(self, node: fx.Node) -> None:
+        """Run the example inputs through the graph once, recording TensorFacts on
+        every node that has none (symbolic_trace graphs carry no shapes). Done on
+        the first question about a shape, so rules that never ask pay nothing."""
+        inputs, self._example_inputs = self._example_inputs, None  # once
+        try:
+            with torch.no_grad():
+                _FactRecorder(self.gm).run(*inputs)
+        except Exception:  # noqa: BLE001 - facts are best-effort; rules needing them won't fire
+            pass
+
+
+_CARRIERS = ("val", "example_value", FACTS_KEY)
+
+
+class _FactRecorder(fx.Interpreter):
+    """Runs a graph once and records ``TensorFacts`` of every tensor value."""
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        if n.op != "output" and not any(k in n.meta for k in _CARRIERS):
+            facts = torch.utils._pytree.tree_map_only(torch.Tensor, TensorFacts.of, result)
+            if facts is not None:
+                n.meta[FACTS_KEY] = facts
+        return result
 
 
 class Value:

@@ -26,7 +26,6 @@ import torch.fx as fx
 
 from rewrite.compile import compile_rule
 from rewrite.driver import Driver
-from rewrite.facts import FACTS_KEY, TensorFacts
 from rewrite.language import Program, ast, load_program, load_program_text
 from rewrite.ops import detect_dialect
 
@@ -168,10 +167,9 @@ class RuleSet:
         original = model if isinstance(model, fx.GraphModule) else fx.symbolic_trace(model)
         gm = copy.deepcopy(original)
         example_inputs = tuple(example_inputs) if example_inputs is not None else None
-        _ensure_shape_facts(gm, example_inputs)
         referenced = _referenced_attrs(gm)
         start = time.perf_counter()
-        driver = Driver(gm, detect_dialect(gm), max_rewrites)
+        driver = Driver(gm, detect_dialect(gm), max_rewrites, example_inputs)
         with torch.no_grad():
             driver.run(self.schedule, self._resolve)
         if driver.counts:
@@ -201,33 +199,6 @@ def _can_check(gm: fx.GraphModule, example_inputs: tuple | None) -> bool:
         return True
     keys = ("val", "tensor_meta", "example_value")
     return all(any(k in n.meta for k in keys) for n in gm.graph.nodes if n.op == "placeholder")
-
-
-def _ensure_shape_facts(gm: fx.GraphModule, example_inputs: tuple | None) -> None:
-    """Record ``meta['val']`` (shape, dtype, device) on nodes that lack it, by running
-    the example inputs once (symbolic_trace graphs carry no shapes)."""
-    calls = [n for n in gm.graph.nodes if n.op.startswith("call_")]
-    if not calls or any(k in n.meta for n in calls for k in ("val", "example_value", FACTS_KEY)):
-        return  # export and dynamo graphs carry facts already
-    if example_inputs is None:
-        return
-    try:
-        with torch.no_grad():
-            _FactRecorder(gm).run(*example_inputs)
-    except Exception:  # noqa: BLE001 - shape facts are best-effort; rules needing them won't fire
-        pass
-
-
-class _FactRecorder(fx.Interpreter):
-    """Runs a graph once and records ``TensorFacts`` of every tensor value."""
-
-    def run_node(self, n: fx.Node) -> Any:
-        result = super().run_node(n)
-        if n.op != "output":
-            facts = torch.utils._pytree.tree_map_only(torch.Tensor, TensorFacts.of, result)
-            if facts is not None:
-                n.meta[FACTS_KEY] = facts
-        return result
 
 
 def _referenced_attrs(gm: fx.GraphModule) -> set:
