@@ -93,14 +93,15 @@ class GraphFacts:
             return all(self.is_const(o) for o in operand)
         return True
 
-    def meta(self, operand: Any) -> Any:
-        """A tensor-like with .shape/.dtype/.device for the operand, or None."""
+    def meta(self, operand: Any, record: bool = True) -> Any:
+        """A tensor-like with .shape/.dtype/.device for the operand, or None.
+        ``record=False`` never runs the graph to find out."""
         if isinstance(operand, (ConstRef,)) or (isinstance(operand, fx.Node) and operand.op == "get_attr"):
             value = self.constant_of(operand)
             return value if isinstance(value, torch.Tensor) else None
         if isinstance(operand, fx.Node):
             val = tensor_meta_of(operand)
-            if val is None and self._example_inputs is not None:
+            if val is None and record and self._example_inputs is not None:
                 self._record(operand)
                 val = tensor_meta_of(operand)
             return val if hasattr(val, "shape") and hasattr(val, "dtype") else None

@@ -178,7 +178,8 @@ class Replacer:
         return node
 
     def _facts_of(self, value: Any) -> Any:
-        return self.facts.meta(value) if isinstance(value, (fx.Node, ConstRef)) else None
+        # Known facts only: new nodes of a graph nobody asked shapes about need none.
+        return self.facts.meta(value, record=False) if isinstance(value, (fx.Node, ConstRef)) else None
 
     # -- retiring and undo
 
