@@ -126,6 +126,13 @@ def function_names(kind: str | None = None) -> list:
     return sorted(n for n, s in _REGISTRY.items() if kind is None or s.kind == kind)
 
 
+#: Modules whose import registers built-in functions; one line per library area.
+_BUILTIN_MODULES = ("rewrite.functions.builtins",)
+
+
 def _ensure_builtins() -> None:
     # Importing the built-in modules registers them; done lazily to avoid cycles.
-    from rewrite.functions import builtins  # noqa: F401
+    import importlib
+
+    for name in _BUILTIN_MODULES:
+        importlib.import_module(name)
