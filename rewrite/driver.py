@@ -15,6 +15,7 @@ the node where they did, instead of a bare iteration limit.
 from __future__ import annotations
 
 import collections
+import random
 import time
 from typing import Any, Iterable
 
@@ -57,6 +58,20 @@ def _depth(p: Any) -> int:
     if isinstance(p, PSeq):
         return max((_depth(i) for i in p.items), default=0)
     return 0
+
+
+def _signature(node: fx.Node) -> tuple:
+    """What a node computes, locally: its op, target and inputs (by name)."""
+
+    def arg(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            return a.name
+        if isinstance(a, (list, tuple)):
+            return tuple(arg(x) for x in a)
+        return repr(a)
+
+    target = getattr(node.target, "__name__", None) or str(node.target)
+    return (node.op, target, arg(node.args), tuple(sorted((k, arg(v)) for k, v in node.kwargs.items())))
 
 
 def _users_within(nodes: tuple, depth: int) -> tuple:
@@ -108,13 +123,23 @@ class Driver:
         self.history: list = []  # (rule name, root node name) per applied rewrite
         n = sum(1 for _ in gm.graph.nodes)
         self.max_rewrites = max_rewrites if max_rewrites is not None else 20 * n + 1000
+        self.max_nodes = 10 * n + 1000  # growth without end stops here
+        # Transactions (see RuleSet.apply): stop after `limit` rewrites; never apply
+        # the (rule name, root node name) pairs in `skip`.
+        self.limit: int | None = None
+        self.skip: set = set()
+        self.shuffle: random.Random | None = None  # a random worklist order, to test confluence
+        self._removed: dict = {}  # signature of a replaced node -> [history index, times recreated]
 
     # -- schedules
 
     def fixpoint(self, rules: list) -> bool:
         """Rewrite until no rule applies anywhere. Returns whether anything changed."""
         index = _Index(rules)
-        queue = collections.deque(n for n in self.gm.graph.nodes if n.op.startswith("call_"))
+        nodes = [n for n in self.gm.graph.nodes if n.op.startswith("call_")]
+        if self.shuffle is not None:
+            self.shuffle.shuffle(nodes)
+        queue = collections.deque(nodes)
         queued = set(queue)
         changed = False
         while queue:
@@ -126,8 +151,11 @@ class Driver:
             if result is None:
                 continue
             changed = True
-            for n in result:
-                if n not in queued and n.graph is self.gm.graph and n.op.startswith("call_"):
+            fresh = [n for n in result if n not in queued and n.graph is self.gm.graph and n.op.startswith("call_")]
+            if self.shuffle is not None:
+                self.shuffle.shuffle(fresh)
+            for n in fresh:
+                if n not in queued:
                     queue.append(n)
                     queued.add(n)
         return changed
@@ -144,7 +172,11 @@ class Driver:
     # -- one node
 
     def _rewrite_at(self, index: _Index, node: fx.Node) -> tuple | None:
+        if self.limit is not None and len(self.history) >= self.limit:
+            return None
         for rule in index.candidates(self.matcher, node):
+            if self.skip and (rule.name, node.name) in self.skip:
+                continue
             stats = self.stats[rule.name]
             stats.tries += 1
             start = time.perf_counter()
@@ -153,6 +185,7 @@ class Driver:
             if match is None:
                 continue
             users_before = list(node.users)
+            signature = _signature(node)
             try:
                 created, producers = self.replacer.apply(match)
             except ReplacementError:
@@ -161,6 +194,7 @@ class Driver:
             stats.applied += 1
             self.counts[rule.name] += 1
             self.history.append((rule.name, node.name))
+            self._check_cycle(signature, created, node.name)
             self._check_bound(node)
             for user in users_before:
                 self.matcher.forget(user)
@@ -172,14 +206,37 @@ class Driver:
             return tuple(created) + tuple(users_before) + tuple(producers) + unblocked
         return None
 
+    def _check_cycle(self, removed: tuple, created: tuple, where: str) -> None:
+        """Rules that undo each other recreate a node they replaced before, with the
+        same op and inputs. The second time that happens is a cycle: stop and name
+        the rules that fired since the node first went away."""
+        self._removed.setdefault(removed, [len(self.history) - 1, 0])
+        for node in created:
+            entry = self._removed.get(_signature(node))
+            if entry is None:
+                continue
+            entry[1] += 1
+            since, seen = entry
+            sig = _signature(node)
+            if seen >= 2:
+                rules = tuple(sorted({name for name, _ in self.history[since:]}))
+                raise NonTerminationError(
+                    f"rules {', '.join(repr(r) for r in rules)} undo each other: near node {where!r} "
+                    f"they keep recreating {sig[1]}({', '.join(map(str, sig[2]))}) after replacing it",
+                    rules,
+                    where,
+                )
+
     def _check_bound(self, node: fx.Node) -> None:
-        if len(self.history) <= self.max_rewrites:
+        grown = len(self.gm.graph.nodes) > self.max_nodes
+        if len(self.history) <= self.max_rewrites and not grown:
             return
         recent = self.history[-200:]
         rules = tuple(sorted({name for name, _ in recent}))
         where = recent[-1][1]
         raise NonTerminationError(
-            f"rewriting did not settle after {len(self.history)} rewrites; "
+            f"rewriting did not settle after {len(self.history)} rewrites "
+            f"({len(self.gm.graph.nodes)} nodes); "
             f"rules {', '.join(repr(r) for r in rules)} keep firing (last at node {where!r}): "
             "they undo each other or grow the graph without end",
             rules,

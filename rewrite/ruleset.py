@@ -15,6 +15,7 @@ runs one after the other; ``rules["fusion"]`` selects a ``ruleset`` declared in 
 from __future__ import annotations
 
 import copy
+import random
 import time
 import warnings
 from pathlib import Path
@@ -29,7 +30,7 @@ from rewrite.driver import Driver
 from rewrite.language import Program, ast, load_program, load_program_text
 from rewrite.ops import detect_dialect
 
-__all__ = ["RuleSet", "RewriteResult", "EquivalenceError", "load", "parse", "rules_dir"]
+__all__ = ["RuleSet", "RewriteResult", "Rejection", "EquivalenceError", "load", "parse", "rules_dir"]
 
 
 class EquivalenceError(AssertionError):
@@ -37,11 +38,15 @@ class EquivalenceError(AssertionError):
     rewrite is not returned; ``report`` says which output diverged, ``counts``
     which rules fired."""
 
-    def __init__(self, report: Any, counts: dict) -> None:
+    def __init__(self, report: Any, counts: dict, culprit: Any = None) -> None:
         fired = ", ".join(f"{name} x{n}" for name, n in sorted(counts.items())) or "none"
-        super().__init__(f"rewrite changed the model's outputs: {report}; rules that fired: {fired}")
+        message = f"rewrite changed the model's outputs: {report}; rules that fired: {fired}"
+        if culprit is not None:
+            message += f"; the first application that broke it: {culprit}"
+        super().__init__(message)
         self.report = report
         self.counts = counts
+        self.culprit = culprit
 
 
 @attrs.frozen
@@ -54,6 +59,8 @@ class RewriteResult:
         stats: rule name -> ``RuleStats`` (tries, applied, failed, seconds).
         equivalence: the randomized equivalence report, or None if not checked.
         seconds: wall time of the rewrite itself (without the check).
+        rejected: applications rolled back because they broke equivalence
+            (``on_mismatch="skip-rule"``), as ``Rejection`` records.
     """
 
     graph_module: fx.GraphModule
@@ -61,6 +68,7 @@ class RewriteResult:
     stats: dict
     equivalence: Any
     seconds: float
+    rejected: tuple = ()
 
     @property
     def changed(self) -> bool:
@@ -75,6 +83,8 @@ class RewriteResult:
         lines.append(f"rewrites: {sum(self.counts.values())} in {self.seconds * 1e3:.1f} ms")
         if self.equivalence is not None:
             lines.append(f"equivalence: {self.equivalence}")
+        for r in self.rejected:
+            lines.append(f"rolled back: {r}")
         return "\n".join(lines)
 
 
@@ -143,6 +153,8 @@ class RuleSet:
         rtol: float | None = None,
         atol: float | None = None,
         max_rewrites: int | None = None,
+        on_mismatch: str = "raise",
+        shuffle_seed: int | None = None,
     ) -> RewriteResult:
         """Apply the rule set to a copy of ``model``.
 
@@ -156,6 +168,13 @@ class RuleSet:
                 like ``example_inputs`` (trial 0 uses them as given).
             trials, rtol, atol: passed to the check (tolerances default by dtype).
             max_rewrites: bound on rewrites before ``NonTerminationError``.
+            on_mismatch: when the check fails, the first rewrite that broke it is
+                found by bisection over the applications. ``"raise"`` (default)
+                raises ``EquivalenceError`` naming it; ``"skip-rule"`` rolls that
+                application back, keeps the good ones, and reports it in
+                ``result.rejected``.
+            shuffle_seed: visit the worklist in a random order (seeded), to find
+                rule sets whose result depends on the order.
 
         Returns:
             RewriteResult with ``graph_module`` and ``counts``.
@@ -163,21 +182,21 @@ class RuleSet:
         Raises:
             EquivalenceError: the rewritten graph diverged; nothing is returned.
             NonTerminationError: the rules never settled.
+
+        Example::
+
+            result = rewrite.load("rules/fusion.rw").apply(gm, example_inputs=(x,))
+            result.counts          # {'conv_bn': 53}
         """
+        if on_mismatch not in ("raise", "skip-rule"):
+            raise ValueError(f"on_mismatch must be 'raise' or 'skip-rule', not {on_mismatch!r}")
         original = model if isinstance(model, fx.GraphModule) else fx.symbolic_trace(model)
-        gm = copy.deepcopy(original)
         example_inputs = tuple(example_inputs) if example_inputs is not None else None
-        referenced = _referenced_attrs(gm)
+        txn = _Transaction(self, original, example_inputs, max_rewrites, shuffle_seed)
         start = time.perf_counter()
-        driver = Driver(gm, detect_dialect(gm), max_rewrites, example_inputs)
-        with torch.no_grad():
-            driver.run(self.schedule, self._resolve)
-        if driver.counts:
-            _remove_unused(gm, referenced)
-            gm.graph.lint()
-            gm.recompile()
+        gm, driver = txn.run()
         seconds = time.perf_counter() - start
-        report = None
+        report, rejected = None, []
         if check and driver.counts and not _can_check(original, example_inputs):
             warnings.warn(
                 "rewrite: the equivalence check was skipped: pass example_inputs "
@@ -187,10 +206,110 @@ class RuleSet:
         elif check and driver.counts:
             from rewrite.check import check_equivalence
 
-            report = check_equivalence(model, gm, example_inputs, trials=trials, rtol=rtol, atol=atol)
-            if not report.ok:
-                raise EquivalenceError(report, dict(driver.counts))
-        return RewriteResult(gm, dict(driver.counts), dict(driver.stats), report, seconds)
+            def verdict(candidate: fx.GraphModule) -> Any:
+                return check_equivalence(model, candidate, example_inputs, trials=trials, rtol=rtol, atol=atol)
+
+            report = verdict(gm)
+            while not report.ok:
+                culprit = txn.bisect(verdict, len(driver.history))
+                if on_mismatch == "raise" or culprit is None or len(rejected) >= _MAX_REJECTIONS:
+                    raise EquivalenceError(report, dict(driver.counts), culprit)
+                rejected.append(culprit)
+                txn.skip.add((culprit.rule, culprit.node))
+                gm, driver = txn.run()
+                report = verdict(gm) if driver.counts else None
+                if report is None:
+                    break
+        return RewriteResult(gm, dict(driver.counts), dict(driver.stats), report, seconds, tuple(rejected))
+
+
+_MAX_REJECTIONS = 16
+
+
+@attrs.frozen
+class Rejection:
+    """A rule application that broke equivalence: the rule, the root node it
+    rewrote, where the rule was written, where the node came from in the model."""
+
+    rule: str
+    node: str
+    rule_location: str
+    source: str
+    report: Any
+
+    def __str__(self) -> str:
+        return (
+            f"rule {self.rule!r} ({self.rule_location}) at node {self.node!r}"
+            f"{' from ' + self.source if self.source else ''}: {self.report}"
+        )
+
+
+class _Transaction:
+    """Replays a rewrite on fresh copies: in full, or stopped after k applications,
+    or with some applications skipped. The driver is deterministic, so the first k
+    applications of a replay are those of the full run."""
+
+    def __init__(self, ruleset: "RuleSet", original: fx.GraphModule, example_inputs: Any,
+                 max_rewrites: int | None, shuffle_seed: int | None) -> None:
+        self.ruleset = ruleset
+        self.original = original
+        self.example_inputs = example_inputs
+        self.max_rewrites = max_rewrites
+        self.shuffle_seed = shuffle_seed
+        self.skip: set = set()
+
+    def run(self, limit: int | None = None) -> tuple:
+        gm = copy.deepcopy(self.original)
+        referenced = _referenced_attrs(gm)
+        driver = Driver(gm, detect_dialect(gm), self.max_rewrites, self.example_inputs)
+        driver.limit, driver.skip = limit, set(self.skip)
+        if self.shuffle_seed is not None:
+            driver.shuffle = random.Random(self.shuffle_seed)
+        with torch.no_grad():
+            driver.run(self.ruleset.schedule, self.ruleset._resolve)
+        if driver.counts:
+            _remove_unused(gm, referenced)
+            gm.graph.lint()
+            gm.recompile()
+        return gm, driver
+
+    def bisect(self, verdict: Any, n: int) -> Rejection | None:
+        """The first application after which the check fails (None if even the
+        full replay passes, i.e. the failure is not reproducible)."""
+        lo, hi, failing = 1, n, None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            gm, driver = self.run(limit=mid)
+            report = verdict(gm)
+            if report.ok:
+                lo = mid + 1
+            else:
+                failing, hi = (mid, report, driver), mid - 1
+        if failing is None:
+            return None
+        k, report, driver = failing
+        rule_name, node_name = driver.history[k - 1]
+        before, _ = self.run(limit=k - 1)
+        node = next((n for n in before.graph.nodes if n.name == node_name), None)
+        return Rejection(rule_name, node_name, self.ruleset.rules[rule_name].location, _source_of(node), report)
+
+
+def _source_of(node: fx.Node | None) -> str:
+    """The model source line a node came from (its stack trace's last frame), or
+    the module path it was called in."""
+    if node is None:
+        return ""
+    trace = node.meta.get("stack_trace")
+    if trace:
+        lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
+        frames = [ln for ln in lines if ln.startswith("File ")]
+        if frames:
+            return frames[-1] + (f": {lines[-1]}" if lines[-1] != frames[-1] else "")
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path, _ = list(stack.values())[-1]
+        return f"module {path}"
+    return f"{node.op} {getattr(node.target, '__name__', node.target)}"
 
 
 def _can_check(gm: fx.GraphModule, example_inputs: tuple | None) -> bool:

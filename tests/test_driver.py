@@ -116,3 +116,22 @@ def test_stats_count_tries_and_applications():
     assert r.stats["negneg"].applied == 1
     assert r.stats["negneg"].tries >= 1
     assert "negneg" in r.summary()
+
+
+def test_ping_pong_is_caught_quickly_and_names_rules_and_node():
+    text = """
+    rule a_to_b: relu(x) => sigmoid(x)
+    rule b_to_a: sigmoid(x) => relu(x)
+    rule unrelated: neg(neg(x)) => x
+    """
+    with pytest.raises(rewrite.NonTerminationError) as info:
+        rewrite.parse(text).apply(fx.symbolic_trace(Fn(lambda x: torch.relu(-(-x)))), (X,), check=False)
+    assert info.value.rules == ("a_to_b", "b_to_a")
+    assert "undo each other" in str(info.value) and "relu" in str(info.value)
+
+
+def test_growth_without_end_is_stopped():
+    text = "rule grow: relu(x) => relu(relu(x))"
+    with pytest.raises(rewrite.NonTerminationError) as info:
+        rewrite.parse(text).apply(fx.symbolic_trace(Fn(torch.relu)), (X,), check=False)
+    assert info.value.rules == ("grow",)

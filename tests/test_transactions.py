@@ -1,0 +1,96 @@
+"""Transactional apply: a broken rewrite is found by bisection, named with its
+rule, node and model source line, and either raised or rolled back alone."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import rewrite
+
+BROKEN = """
+import "fusion.rw"
+# wrong on purpose: sigmoid is not relu
+rule broken: sigmoid(x) => relu(x)
+"""
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+        self.conv2 = nn.Conv2d(4, 4, 1)
+        self.bn2 = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        y = self.bn(self.conv(x))
+        y = torch.sigmoid(y)  # the line the broken rule rewrites
+        return self.bn2(self.conv2(y))
+
+
+def _rules(tmp_path):
+    import shutil
+
+    shutil.copy(rewrite.rules_dir() / "fusion.rw", tmp_path / "fusion.rw")
+    path = tmp_path / "mixed.rw"
+    path.write_text(BROKEN)
+    return rewrite.load(str(path))
+
+
+X = torch.randn(2, 3, 8, 8)
+
+
+def test_raise_names_the_first_breaking_application(tmp_path):
+    model = Net().eval()
+    gm = torch.export.export(model, (X,)).module()
+    with pytest.raises(rewrite.EquivalenceError) as info:
+        _rules(tmp_path).apply(gm, example_inputs=(X,))
+    culprit = info.value.culprit
+    assert culprit.rule == "broken"
+    assert culprit.node == "sigmoid"
+    assert "mixed.rw:4:1" in culprit.rule_location
+    assert "test_transactions.py" in culprit.source and "torch.sigmoid(y)" in culprit.source
+    assert "broken" in str(info.value)
+
+
+def test_skip_rule_keeps_the_good_rewrites(tmp_path):
+    model = Net().eval()
+    gm = torch.export.export(model, (X,)).module()
+    result = _rules(tmp_path).apply(gm, example_inputs=(X,), on_mismatch="skip-rule")
+    assert result.counts == {"conv_bn": 2}
+    assert [r.rule for r in result.rejected] == ["broken"]
+    assert result.equivalence.ok
+    torch.testing.assert_close(result.graph_module(X), model(X), rtol=1e-4, atol=1e-4)
+    assert "rolled back: rule 'broken'" in result.summary()
+
+
+def test_nothing_half_applied_when_a_rewrite_time_function_fails():
+    @rewrite.register_constant()
+    def explode(w):
+        raise RuntimeError("boom")
+
+    rules = rewrite.parse("""
+    rule fold: batch_norm(conv(x, w, b, s, p, d, g) as c, _, _, _, _, training=False, ...)
+        where const(w) and single_use(c)
+        => conv(x, explode(w), b, s, p, d, g)
+    """)
+    model = Net().eval()
+    gm = torch.fx.symbolic_trace(model)
+    code = gm.code
+    result = rules.apply(gm, example_inputs=(X,))
+    assert result.counts == {} and result.stats["fold"].failed == 2
+    assert result.graph_module.code == code  # the failed replacements left no trace
+    assert gm.code == code
+
+
+def test_shuffled_worklist_reaches_the_same_graph_on_shipped_sets():
+    from rewrite.examples.cnn import demo_cnn_with_inputs
+
+    model, inputs = demo_cnn_with_inputs()
+    gm = torch.export.export(model, inputs).module()
+    rules = rewrite.load("rules/fusion.rw") + rewrite.load("rules/cleanup.rw")
+    base = rules.apply(gm, example_inputs=inputs, check=False)
+    for seed in range(3):
+        shuffled = rules.apply(gm, example_inputs=inputs, check=False, shuffle_seed=seed)
+        assert shuffled.counts == base.counts
+        torch.testing.assert_close(shuffled.graph_module(*inputs), base.graph_module(*inputs))
