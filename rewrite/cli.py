@@ -141,6 +141,15 @@ def _cmd_apply(args: argparse.Namespace) -> int:
 
 def _cmd_explain(args: argparse.Namespace) -> int:
     rules = _load(args.rules)
+    if (args.rule or args.node) and args.model:
+        model, inputs = _load_model(args.model)
+        gm = _capture(model, inputs, args.capture)
+        explanations = rules.explain(gm, rule=args.rule, node=args.node, example_inputs=inputs)
+        for e in explanations:
+            print(e)
+        if not explanations:
+            print("no near misses: the rule's root op occurs nowhere in the graph")
+        return 0
     stats = {}
     if args.model:
         model, inputs = _load_model(args.model)
@@ -182,9 +191,14 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--print-code", action="store_true", help="print the rewritten graph's code")
     a.set_defaults(fn=_cmd_apply)
 
-    e = sub.add_parser("explain", help="list rules (with per-rule statistics on a model)")
+    e = sub.add_parser(
+        "explain",
+        help="list rules with per-rule statistics on a model; with --rule/--node, say why a rule "
+        "does not fire (the deepest partial match, or the near misses across the graph)",
+    )
     e.add_argument("rules", nargs="+")
     e.add_argument("--rule", help="only this rule")
+    e.add_argument("--node", help="explain at this node (by name) of the captured graph")
     e.add_argument("--model", help="module:callable returning (model, example_inputs)")
     e.add_argument("--capture", choices=("fx", "export"), default="fx")
     e.set_defaults(fn=_cmd_explain)

@@ -57,14 +57,19 @@ class PWild:
     pass
 
 
+_SPAN = dict(default=None, eq=False, repr=False)
+
+
 @attrs.frozen
 class PVar:
     name: str
+    span: Any = attrs.field(**_SPAN)
 
 
 @attrs.frozen
 class PLit:
     value: Any
+    span: Any = attrs.field(**_SPAN)
 
 
 @attrs.frozen
@@ -72,11 +77,14 @@ class PDefault:
     """An omitted argument: must equal the parameter's default."""
 
     value: Any
+    param: str = ""
+    span: Any = attrs.field(**_SPAN)  # the call that omitted it
 
 
 @attrs.frozen
 class PSeq:
     items: tuple
+    span: Any = attrs.field(**_SPAN)
 
 
 @attrs.frozen
@@ -198,15 +206,15 @@ class _PatternBuilder:
         if isinstance(e, ast.Call):
             return self.call(e)
         if isinstance(e, ast.Var):
-            return PVar(e.name)
+            return PVar(e.name, e.span)
         if isinstance(e, ast.Wildcard):
             return PWild()
         if isinstance(e, ast.Literal):
-            return PLit(e.value)
+            return PLit(e.value, e.span)
         if isinstance(e, ast.DTypeLit):
-            return PLit(DTYPES[e.name])
+            return PLit(DTYPES[e.name], e.span)
         if isinstance(e, (ast.TupleLit, ast.ListLit)):
-            return PSeq(tuple(self.build(i) for i in e.items))
+            return PSeq(tuple(self.build(i) for i in e.items), e.span)
         raise CompileError(f"{type(e).__name__} cannot appear in a pattern")
 
     def call(self, e: ast.Call) -> PCall:
@@ -222,7 +230,7 @@ class _PatternBuilder:
                 elif not e.rest:
                     if param.default is REQUIRED:
                         raise CompileError(f"{opdef.name}: missing argument {param.name!r}")
-                    args.append((param.name, PDefault(param.default)))
+                    args.append((param.name, PDefault(param.default, param.name, e.span)))
             args.sort(key=lambda item: _cost(item[1]))
             alts.append(PAlt(opdef, _is_canonical(opdef), tuple(args)))
         return PCall(tuple(alts), None, e.span)

@@ -222,6 +222,26 @@ class RuleSet:
                     break
         return RewriteResult(gm, dict(driver.counts), dict(driver.stats), report, seconds, tuple(rejected))
 
+    def explain(self, model: Any, rule: str | None = None, node: str | None = None,
+                example_inputs: tuple | None = None, limit: int = 10) -> list:
+        """Why rules fire or not, in the rule file's terms.
+
+        Args:
+            model: the GraphModule (or nn.Module, symbolic_traced) to look at.
+            rule: one rule's name, or None for every rule.
+            node: one node's name, or None for the near misses across the graph
+                (nodes where the rule's root op matched but something else failed,
+                deepest partial match first, at most ``limit`` per rule).
+            example_inputs: for shape facts on graphs that carry none.
+
+        Returns:
+            A list of ``rewrite.explain.Explanation`` (printable).
+        """
+        from rewrite.explain import explain
+
+        gm = model if isinstance(model, fx.GraphModule) else fx.symbolic_trace(model)
+        return explain(self, gm, rule, node, example_inputs, limit)
+
 
 _MAX_REJECTIONS = 16
 

@@ -1,0 +1,232 @@
+"""Why did a rule not fire? The deepest partial match, in the rule file's terms.
+
+``explain`` runs the same matcher as ``apply``, instrumented: every pattern element
+that fails to match records what it expected, what the graph had, where the element
+was written, and the bindings so far. The failure reached with the most bindings
+(the deepest partial match) is the explanation; a rule that matched its structure
+but failed its ``where`` clause names the conjunct that was false.
+
+Example::
+
+    for miss in rules.explain(gm, rule="conv_bn"):
+        print(miss)
+    # rules/fusion.rw:16:5: conv_bn at node 'batch_norm_3': where clause failed:
+    #   single_use(c) is false (c = conv2d_3, 2 users) ...
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+from typing import Any, Iterator
+
+import attrs
+import torch.fx as fx
+
+from rewrite.compile import CompiledRule, PCall, PDefault, PLit, PSeq, PVar
+from rewrite.facts import GraphFacts
+from rewrite.language import ast
+from rewrite.language.printer import format_expr
+from rewrite.match import _NODES, Matcher
+from rewrite.ops import ConstRef
+
+__all__ = ["Explanation", "explain"]
+
+
+@attrs.frozen
+class Explanation:
+    """The outcome of one rule at one node.
+
+    Attributes:
+        rule, node: the rule name and the node (by name) it was tried at.
+        matched: True when the rule would fire there.
+        depth: how far the match got (bindings + covered nodes); near misses are
+            ranked by it.
+        location: rule-file position of the element that failed (``file:line:col``).
+        element: that element, as written.
+        expected, actual: what it wanted, what the graph had.
+        bindings: variable -> value, as far as the match got.
+    """
+
+    rule: str
+    node: str
+    matched: bool
+    depth: int = 0
+    location: str = ""
+    element: str = ""
+    expected: str = ""
+    actual: str = ""
+    bindings: dict = attrs.field(factory=dict)
+
+    def __str__(self) -> str:
+        if self.matched:
+            return f"{self.rule} matches at node {self.node!r}"
+        lines = [f"{self.location}: {self.rule} at node {self.node!r}: {self.element} failed"]
+        lines.append(f"    expected: {self.expected}")
+        lines.append(f"    actual:   {self.actual}")
+        if self.bindings:
+            lines.append("    bindings: " + ", ".join(f"{k} = {v}" for k, v in self.bindings.items()))
+        return "\n".join(lines)
+
+
+def _describe(operand: Any, gm: fx.GraphModule) -> str:
+    if isinstance(operand, fx.Node):
+        if operand.op == "call_module":
+            return f"{operand.name} (call_module {type(gm.get_submodule(operand.target)).__name__})"
+        target = getattr(operand.target, "__name__", operand.target)
+        return f"{operand.name} ({operand.op} {target})"
+    if isinstance(operand, ConstRef):
+        return f"constant {operand.qualname}"
+    return repr(operand)
+
+
+def _pattern_text(p: Any) -> str:
+    if isinstance(p, PCall):
+        names = " | ".join(dict.fromkeys(a.opdef.name for a in p.alts))
+        return f"{names}(...)" + (f" as {p.name}" if p.name else "")
+    if isinstance(p, PVar):
+        return p.name
+    if isinstance(p, PLit):
+        return repr(p.value)
+    if isinstance(p, PDefault):
+        return f"omitted argument {p.param!r}"
+    if isinstance(p, PSeq):
+        return "(" + ", ".join(_pattern_text(i) for i in p.items) + ")"
+    return "_"
+
+
+class _ExplainingMatcher(Matcher):
+    """The matcher, recording the deepest failure."""
+
+    def __init__(self, gm: fx.GraphModule, facts: GraphFacts, rule: CompiledRule) -> None:
+        super().__init__(gm, facts)
+        self.rule = rule
+        self.best: tuple | None = None  # (depth, location, element, expected, actual, env)
+
+    def _note(self, depth: int, span: Any, element: str, expected: str, actual: str, env: dict) -> None:
+        if self.best is None or depth > self.best[0]:
+            location = str(span) if span is not None else self.rule.location
+            self.best = (depth, location, element, expected, actual, env)
+
+    @staticmethod
+    def _depth(env: dict) -> int:
+        return len(env) + len(env.get(_NODES, ()))
+
+    def _match(self, p: Any, operand: Any, env: dict) -> Iterator[dict]:
+        produced = False
+        for result in super()._match(p, operand, env):
+            produced = True
+            yield result
+        if not produced:
+            self._explain_failure(p, operand, env)
+
+    def _explain_failure(self, p: Any, operand: Any, env: dict) -> None:
+        depth, text = self._depth(env), _pattern_text(p)
+        if isinstance(p, PCall):
+            wanted = " | ".join(dict.fromkeys(a.opdef.name for a in p.alts))
+            if not isinstance(operand, fx.Node) or not operand.op.startswith("call_"):
+                self._note(depth, p.span, text, f"a call of {wanted}", _describe(operand, self.gm), env)
+            elif not self._rewritable(operand):
+                self._note(depth, p.span, text, "an op that may be rewritten",
+                           f"{_describe(operand, self.gm)} writes in place into a tensor read elsewhere", env)
+            else:
+                ops = sorted({b.op for b in self.bindings(operand)}) or ["(not in the op vocabulary)"]
+                self._note(depth, p.span, text, wanted, f"{' | '.join(ops)}: {_describe(operand, self.gm)}", env)
+        elif isinstance(p, PVar):
+            self._note(depth, p.span, text, f"the value bound to {p.name}: {_describe(env.get(p.name), self.gm)}",
+                       _describe(operand, self.gm), env)
+        elif isinstance(p, PDefault):
+            self._note(depth, p.span, text, f"the default {p.value!r}", _describe(operand, self.gm), env)
+        elif isinstance(p, PLit):
+            self._note(depth, p.span, text, repr(p.value), _describe(operand, self.gm), env)
+        elif isinstance(p, PSeq):
+            self._note(depth, p.span, text, f"a sequence of {len(p.items)} items", _describe(operand, self.gm), env)
+
+    def explain_at(self, node: fx.Node) -> Explanation:
+        rule = self.rule
+        for env in self._match(rule.pattern, node, {_NODES: ()}):
+            depth = 1000 + self._depth(env)  # past the whole structure
+            if rule.where is not None and not self._where(rule.where, env):
+                failed = self._failed_conjunct(rule.where, env)
+                self._note(depth, failed.span, "where clause", f"{format_expr(failed)} to hold",
+                           "false, with " + self._facts_text(failed, env), env)
+                continue
+            if not rule.shared and not self._interior_private(rule, env):
+                self._note(depth, rule.pattern.span, "interior-use check",
+                           "interior nodes used only inside the match", self._escaping(rule, env), env)
+                continue
+            return Explanation(rule.name, node.name, True, depth, bindings=self._bindings_text(env))
+        if self.best is None:
+            return Explanation(rule.name, node.name, False, 0, rule.location, "pattern", "a match", "none")
+        depth, location, element, expected, actual, env = self.best
+        return Explanation(rule.name, node.name, False, depth, location, element, expected, actual,
+                           self._bindings_text(env))
+
+    def _facts_text(self, expr: Any, env: dict) -> str:
+        """The variables of a failed condition, with what the graph says about them."""
+        names: list = []
+
+        def walk(e: Any) -> None:
+            if isinstance(e, ast.Var) and e.name not in names:
+                names.append(e.name)
+            elif attrs.has(type(e)):
+                for f in attrs.fields(type(e)):
+                    v = getattr(e, f.name)
+                    for item in v if isinstance(v, tuple) else (v,):
+                        walk(item)
+
+        walk(expr)
+        parts = []
+        for name in names:
+            value = env.get(name)
+            text = f"{name} = {_describe(value, self.gm)}"
+            if isinstance(value, fx.Node):
+                meta = self.facts.meta(value)
+                shape = f", shape {tuple(meta.shape)}, {meta.dtype}" if meta is not None else ", shape unknown"
+                text += f" ({len(value.users)} user{'s' if len(value.users) != 1 else ''}{shape})"
+            parts.append(text)
+        return "; ".join(parts) or "no variables"
+
+    def _failed_conjunct(self, where: Any, env: dict) -> Any:
+        items = where.items if isinstance(where, ast.BoolOp) and where.op == "and" else (where,)
+        for item in items:
+            if not self._where(item, env):
+                return item
+        return where
+
+    def _escaping(self, rule: CompiledRule, env: dict) -> str:
+        covered = set(env[_NODES])
+        for n in env[_NODES][1:]:
+            for user in n.users:
+                if user not in covered and not (user.target is operator.getitem and not user.users):
+                    return f"{n.name} is also used by {user.name}"
+        return "an interior node is used outside the match"
+
+    def _bindings_text(self, env: dict) -> dict:
+        return {k: _describe(v, self.gm) for k, v in env.items() if k != _NODES}
+
+
+def explain(ruleset: Any, model: fx.GraphModule, rule: str | None = None, node: str | None = None,
+            example_inputs: tuple | None = None, limit: int = 10) -> list:
+    """Explain rules at nodes (see ``RuleSet.explain``); works on a copy of ``model``."""
+    gm = copy.deepcopy(model)
+    facts = GraphFacts(gm, example_inputs)
+    rules = [ruleset.rules[rule]] if rule is not None else list(ruleset.rules.values())
+    if node is not None:
+        nodes = [n for n in gm.graph.nodes if n.name == node]
+        if not nodes:
+            raise KeyError(f"no node named {node!r} in the graph")
+    else:
+        nodes = [n for n in gm.graph.nodes if n.op.startswith("call_")]
+    out = []
+    for r in rules:
+        found = []
+        for n in nodes:
+            matcher = _ExplainingMatcher(gm, facts, r)
+            found.append(matcher.explain_at(n))
+        if node is None:  # near misses: the root op matched, the rest did not
+            found = [e for e in found if e.matched or e.depth > 1]
+            found.sort(key=lambda e: (not e.matched, -e.depth))
+            found = found[:limit]
+        out.extend(found)
+    return out

@@ -1,0 +1,83 @@
+"""explain: the deepest partial match, the failing element's rule-file position,
+expected vs actual, bindings; near misses across a graph."""
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+import rewrite
+from rewrite.cli import main
+from tests.fx_helpers import Fn
+
+X = torch.randn(2, 3, 4, 5)
+
+
+def _explain(text, fn, **kw):
+    return rewrite.parse(text, "r.rw").explain(fx.symbolic_trace(Fn(fn)), example_inputs=(X,), **kw)
+
+
+def test_matching_rule_says_so():
+    [e] = _explain("rule nn: neg(neg(x)) => x", lambda x: -(-x), node="neg_1")
+    assert e.matched and "matches" in str(e)
+
+
+def test_wrong_op_names_expected_and_actual_with_position():
+    [e] = _explain("rule nn: neg(neg(x)) => x", lambda x: -torch.relu(x), node="neg")
+    assert not e.matched
+    assert e.location == "r.rw:1:14"
+    assert e.expected == "neg" and e.actual.startswith("relu: relu")
+    assert e.bindings == {}
+
+
+def test_literal_mismatch_and_default_mismatch():
+    [e] = _explain("rule m: mul(x, 1) => x", lambda x: x * 2, node="mul")
+    assert (e.expected, e.actual) == ("1", "2") and e.location == "r.rw:1:16"
+    [e] = _explain("rule g: gelu(x) => x", lambda x: F.gelu(x, approximate="tanh"), node="gelu")
+    assert e.element == "omitted argument 'approximate'"
+    assert (e.expected, e.actual) == ("the default 'none'", "'tanh'")
+
+
+def test_where_clause_names_the_false_conjunct_and_facts():
+    [e] = _explain("rule w: neg(relu(x) as r) where is_float(x) and rank(x) == 3 => r",
+                   lambda x: -torch.relu(x), node="neg")
+    assert e.element == "where clause"
+    assert e.expected == "rank(x) == 3 to hold"
+    assert "shape (2, 3, 4, 5)" in e.actual
+    assert e.location == "r.rw:1:49"
+    assert set(e.bindings) == {"x", "r"}
+
+
+def test_interior_use_is_reported():
+    def f(x):
+        n = -x
+        return torch.relu(n), n
+
+    [e] = _explain("rule rr: relu(neg(x)) => x", f, node="relu")
+    assert e.element == "interior-use check" and "neg is also used by output" in e.actual
+
+
+def test_near_misses_rank_deepest_first():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 3, 1)
+            self.bn = nn.BatchNorm2d(3)
+            self.bn2 = nn.BatchNorm2d(3)
+
+        def forward(self, x):
+            c = self.conv(x)
+            return self.bn(c) + c, self.bn2(torch.relu(x))
+
+    gm = fx.symbolic_trace(Net().eval())
+    misses = rewrite.load("rules/fusion.rw").explain(gm, rule="conv_bn", example_inputs=(X,))
+    assert [m.node for m in misses] == ["bn", "bn2"]
+    assert misses[0].element == "where clause" and "single_use(c)" in misses[0].expected
+    assert misses[1].expected == "conv" and "relu" in misses[1].actual
+
+
+def test_cli_explain_rule(capsys):
+    assert main(["explain", "rules/fusion.rw", "--model", "rewrite.examples.cnn:demo_cnn_with_inputs",
+                 "--rule", "conv_bn", "--capture", "export"]) == 0
+    out = capsys.readouterr().out
+    assert "fusion.rw:17:51: conv_bn at node 'batch_norm_2': where clause failed" in out
