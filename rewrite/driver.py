@@ -25,6 +25,7 @@ import torch.fx as fx
 from rewrite.compile import CompiledRule, PCall, PSeq
 from rewrite.facts import GraphFacts
 from rewrite.match import Matcher
+from rewrite.ops import lookup_op
 from rewrite.replace import Replacer, ReplacementError
 
 __all__ = ["Driver", "NonTerminationError", "RuleStats"]
@@ -85,27 +86,26 @@ def _users_within(nodes: tuple, depth: int) -> tuple:
 
 
 class _Index:
-    """Rules by root: canonical op name -> rules, node key -> rules."""
+    """Rules by the node keys their root can bind: ``("call_function", torch.relu)``,
+    ``("call_method", "relu")``, ``("call_module", nn.ReLU)``... A node whose key
+    no rule's root can have costs one dictionary look-up."""
 
     def __init__(self, rules: Iterable[CompiledRule]) -> None:
-        self.by_op: dict = collections.defaultdict(list)
-        self.by_key: dict = collections.defaultdict(list)
-        self.depth = max((_depth(r.pattern) for r in rules), default=1)
+        by_key: dict = collections.defaultdict(list)
         for rule in rules:
+            keys = set(rule.root_keys)
             for op in rule.root_ops:
-                self.by_op[op].append(rule)
-            for key in rule.root_keys:
-                self.by_key[key].append(rule)
+                keys.update(form.key for form in lookup_op(op).forms)
+            for key in keys:
+                by_key[key].append(rule)
+        self.by_key = {k: sorted(v, key=lambda r: (-r.priority, r.order)) for k, v in by_key.items()}
+        self.depth = max((_depth(r.pattern) for r in rules), default=1)
 
     def candidates(self, matcher: Matcher, node: fx.Node) -> list:
-        found: list = []
-        for op in matcher.root_ops(node):
-            found.extend(self.by_op.get(op, ()))
-        if self.by_key:
-            found.extend(self.by_key.get(matcher.key(node), ()))
-        if len(found) > 1:
-            found = sorted(set(found), key=lambda r: (-r.priority, r.order))
-        return found
+        try:
+            return self.by_key.get(matcher.key(node), ())
+        except TypeError:  # an unhashable call target: no rule can name it
+            return ()
 
 
 class Driver:

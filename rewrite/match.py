@@ -86,6 +86,7 @@ class Matcher:
         self.facts = facts
         self._bindings: dict = {}
         self._inplace_ok: dict = {}
+        self._module_keys: dict = {}
 
     # -- per-node facts
 
@@ -113,11 +114,13 @@ class Matcher:
             self._inplace_ok[node] = ok
         return ok
 
-    def root_ops(self, node: fx.Node) -> set:
-        return {b.op for b in self.bindings(node)}
-
     def key(self, node: fx.Node) -> Any:
-        return node_key(node, self.gm)
+        if node.op == "call_module":
+            key = self._module_keys.get(node.target)
+            if key is None:
+                key = self._module_keys[node.target] = node_key(node, self.gm)
+            return key
+        return (node.op, node.target)
 
     # -- matching
 

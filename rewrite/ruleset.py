@@ -58,9 +58,11 @@ class RewriteResult:
         counts: rule name -> number of times it was applied.
         stats: rule name -> ``RuleStats`` (tries, applied, failed, seconds).
         equivalence: the randomized equivalence report, or None if not checked.
-        seconds: wall time of the rewrite itself (without the check).
+        seconds: wall time of the rewrite itself: matching, replacing, removing
+            what became unused, regenerating code (not the copy, not the check).
         rejected: applications rolled back because they broke equivalence
             (``on_mismatch="skip-rule"``), as ``Rejection`` records.
+        copy_seconds: wall time of copying the input (the input is never mutated).
     """
 
     graph_module: fx.GraphModule
@@ -69,6 +71,7 @@ class RewriteResult:
     equivalence: Any
     seconds: float
     rejected: tuple = ()
+    copy_seconds: float = 0.0
 
     @property
     def changed(self) -> bool:
@@ -80,7 +83,10 @@ class RewriteResult:
         for name in sorted(self.stats):
             s = self.stats[name]
             lines.append(f"{name:<32} {s.applied:>8} {s.tries:>8}")
-        lines.append(f"rewrites: {sum(self.counts.values())} in {self.seconds * 1e3:.1f} ms")
+        lines.append(
+            f"rewrites: {sum(self.counts.values())} in {self.seconds * 1e3:.1f} ms "
+            f"(+ {self.copy_seconds * 1e3:.1f} ms to copy the input)"
+        )
         if self.equivalence is not None:
             lines.append(f"equivalence: {self.equivalence}")
         for r in self.rejected:
@@ -193,9 +199,8 @@ class RuleSet:
         original = model if isinstance(model, fx.GraphModule) else fx.symbolic_trace(model)
         example_inputs = tuple(example_inputs) if example_inputs is not None else None
         txn = _Transaction(self, original, example_inputs, max_rewrites, shuffle_seed)
-        start = time.perf_counter()
         gm, driver = txn.run()
-        seconds = time.perf_counter() - start
+        seconds, copy_seconds = txn.seconds, txn.copy_seconds
         report, rejected = None, []
         if check and driver.counts and not _can_check(original, example_inputs):
             warnings.warn(
@@ -220,7 +225,8 @@ class RuleSet:
                 report = verdict(gm) if driver.counts else None
                 if report is None:
                     break
-        return RewriteResult(gm, dict(driver.counts), dict(driver.stats), report, seconds, tuple(rejected))
+        return RewriteResult(gm, dict(driver.counts), dict(driver.stats), report, seconds, tuple(rejected),
+                             copy_seconds)
 
     def explain(self, model: Any, rule: str | None = None, node: str | None = None,
                 example_inputs: tuple | None = None, limit: int = 10) -> list:
@@ -277,9 +283,13 @@ class _Transaction:
         self.max_rewrites = max_rewrites
         self.shuffle_seed = shuffle_seed
         self.skip: set = set()
+        self.seconds = self.copy_seconds = 0.0
 
     def run(self, limit: int | None = None) -> tuple:
+        start = time.perf_counter()
         gm = copy.deepcopy(self.original)
+        self.copy_seconds = time.perf_counter() - start
+        start = time.perf_counter()
         referenced = _referenced_attrs(gm)
         driver = Driver(gm, detect_dialect(gm), self.max_rewrites, self.example_inputs)
         driver.limit, driver.skip = limit, set(self.skip)
@@ -291,6 +301,7 @@ class _Transaction:
             _remove_unused(gm, referenced)
             gm.graph.lint()
             gm.recompile()
+        self.seconds = time.perf_counter() - start
         return gm, driver
 
     def bisect(self, verdict: Any, n: int) -> Rejection | None:

@@ -127,7 +127,7 @@ def function_names(kind: str | None = None) -> list:
 
 
 #: Modules whose import registers built-in functions; one line per library area.
-_BUILTIN_MODULES = ("rewrite.functions.builtins",)
+_BUILTIN_MODULES = ("rewrite.functions.builtins", "rewrite.functions.amp")
 
 
 def _ensure_builtins() -> None:

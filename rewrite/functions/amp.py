@@ -1,0 +1,51 @@
+"""Rewrite-time functions and predicates of the AMP rule sets (``rules/amp_bf16.rw``,
+``rules/amp_fp16.rw``).
+
+The rule sets express ``torch.autocast``'s policy as graph rewrites: casts become
+real ``to`` nodes, and casts of constant weights are computed once, at rewrite time,
+by ``cast`` (``rewrite.functions.builtins``) or ``cast_channels_last`` below.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rewrite.facts import Value
+from rewrite.functions.registry import register_constant, register_predicate
+
+__all__: list = []  # everything here is reached through the registry
+
+
+@register_predicate()
+def amp_eligible(x: Value) -> bool:
+    """A tensor autocast would cast: floating point and not float64 (torch's
+    ``is_autocast_eligible``); integer, bool and double tensors never are."""
+    m = x.meta
+    return m is not None and m.dtype.is_floating_point and m.dtype != torch.float64
+
+
+@register_predicate()
+def is_number(x: Value) -> bool:
+    """A Python int or float literal (not a bool): a scalar operand of an
+    elementwise op, which keeps a tensor's dtype under type promotion."""
+    return x.is_literal and isinstance(x.operand, (int, float)) and not isinstance(x.operand, bool)
+
+
+@register_constant()
+def cast_channels_last(t: Any, dtype: Any) -> Any:
+    """A constant converted to ``dtype`` once, at rewrite time; a 4-d tensor (a 2-d
+    convolution's weight) is also laid out channels_last.
+
+    A channels_last weight makes torch's CPU convolution (oneDNN) produce
+    channels_last outputs, which the following elementwise ops keep and the next
+    convolution takes without reordering: in bfloat16 this is oneDNN's fast path.
+    The values are those of ``cast(t, dtype)``; only the strides differ.
+    """
+    if not isinstance(t, torch.Tensor):
+        return t
+    out = t.to(dtype)
+    if out.dim() == 4:
+        out = out.contiguous(memory_format=torch.channels_last)
+    return out
