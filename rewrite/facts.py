@@ -13,10 +13,12 @@ from typing import Any
 import attrs
 import torch
 import torch.fx as fx
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor
 
 from rewrite.ops.base import ConstRef
 
-__all__ = ["GraphFacts", "Value", "TensorFacts", "FACTS_KEY", "fetch_attr", "tensor_meta_of"]
+__all__ = ["GraphFacts", "Value", "TensorFacts", "FACTS_KEY", "NEW_NODE_KEY", "fetch_attr", "tensor_meta_of"]
 
 #: ``node.meta`` key of the facts this library records on graphs without ``val``.
 FACTS_KEY = "rewrite_facts"
@@ -66,8 +68,12 @@ class GraphFacts:
         self.gm = gm
         # Graphs from export and dynamo carry facts; symbolic_trace graphs get them
         # recorded from the example inputs on the first question about a shape.
-        carried = any(k in n.meta for n in gm.graph.nodes if n.op.startswith("call_") for k in _CARRIERS)
-        self._example_inputs = None if carried else example_inputs
+        carried = [n.meta.get("val") for n in gm.graph.nodes if n.op.startswith("call_") and "val" in n.meta]
+        self._example_inputs = None if carried or _has_facts(gm) else example_inputs
+        # Graphs whose values are FakeTensors (export, dynamo) get a FakeTensor
+        # ``val`` on every new node right away, for later consumers of the graph;
+        # elsewhere new nodes get facts only when a rule asks.
+        self.fake_mode = detect_fake_mode([v for v in carried if isinstance(v, torch.Tensor)][:8])
         self.param_names = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
         self.buffer_names = {name for name, _ in gm.named_buffers(remove_duplicate=False)}
 
@@ -101,6 +107,9 @@ class GraphFacts:
             return value if isinstance(value, torch.Tensor) else None
         if isinstance(operand, fx.Node):
             val = tensor_meta_of(operand)
+            if val is None and operand.meta.pop(NEW_NODE_KEY, False):
+                self._infer(operand, record)
+                val = tensor_meta_of(operand)
             if val is None and record and self._example_inputs is not None:
                 self._record(operand)
                 val = tensor_meta_of(operand)
@@ -109,6 +118,43 @@ class GraphFacts:
             return operand
         return None
 
+
+    def new_node(self, node: fx.Node) -> None:
+        """A node a rewrite created: infer its facts now (fake-mode graphs) or when
+        first asked."""
+        if self.fake_mode is not None:
+            self._infer(node, record=False)
+        else:
+            node.meta[NEW_NODE_KEY] = True
+
+    def _infer(self, node: fx.Node, record: bool) -> None:
+        """Facts of a new call from its inputs' facts: a FakeTensor ``val`` in the
+        graph's fake mode, else ``TensorFacts`` from running the op on meta tensors.
+        Best-effort: nothing when an input has no facts or the op no meta kernel."""
+        inputs = node.all_input_nodes
+        try:
+            metas = [self.meta(n, record) for n in inputs]
+        except RecursionError:
+            return
+        if any(m is None for m in metas):
+            return
+        try:
+            if self.fake_mode is not None:
+                mode = self.fake_mode
+                env = {n: m if isinstance(m, FakeTensor) else mode.from_tensor(m) for n, m in zip(inputs, metas)}
+                with mode:
+                    args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+                    node.meta["val"] = node.target(*args, **kwargs)
+                return
+            env = {n: torch.empty(tuple(m.shape), dtype=m.dtype, device="meta") for n, m in zip(inputs, metas)}
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+            out = node.target(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - facts are best-effort
+            return
+        device = next((m.device for m in metas if getattr(m, "device", None) is not None), torch.device("cpu"))
+        node.meta[FACTS_KEY] = torch.utils._pytree.tree_map_only(
+            torch.Tensor, lambda t: TensorFacts(tuple(t.shape), t.dtype, torch.device(device)), out
+        )
 
     def _record(self, node: fx.Node) -> None:
         """Run the example inputs through the graph once, recording TensorFacts on
@@ -123,6 +169,11 @@ class GraphFacts:
 
 
 _CARRIERS = ("val", "example_value", FACTS_KEY)
+NEW_NODE_KEY = "rewrite_new"  # set on nodes a rewrite created, until their facts are inferred
+
+
+def _has_facts(gm: fx.GraphModule) -> bool:
+    return any(k in n.meta for n in gm.graph.nodes if n.op.startswith("call_") for k in _CARRIERS)
 
 
 class _FactRecorder(fx.Interpreter):

@@ -20,12 +20,9 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils import _pytree as pytree
 
 from rewrite.compile import RConst, RLit, RModule, ROp, RSeq, RVar
-from rewrite.facts import FACTS_KEY, GraphFacts, TensorFacts
+from rewrite.facts import FACTS_KEY, GraphFacts
 from rewrite.match import Match
 from rewrite.ops.base import ConstRef
 
@@ -173,7 +170,7 @@ class Replacer:
             if key in root.meta:
                 node.meta[key] = root.meta[key]
         if op == "call_function":
-            _record_facts(node, self._facts_of)
+            self.facts.new_node(node)
         self._created.append(node)
         return node
 
@@ -205,31 +202,3 @@ class Replacer:
         for name in self._new_attrs:
             delattr(self.gm, name)
         self._created, self._new_attrs = [], []
-
-
-def _record_facts(node: fx.Node, facts_of: Any) -> None:
-    """Give a new node the shape facts its inputs have: a FakeTensor ``val`` computed
-    in the graph's own fake mode (export, dynamo graphs), else ``TensorFacts``
-    from running the op on meta tensors. Best-effort: no facts when an input has none
-    or the op has no meta kernel."""
-    inputs = node.all_input_nodes
-    metas = [facts_of(n) for n in inputs]
-    if not inputs or any(m is None for m in metas):
-        return
-    fake_mode = detect_fake_mode([m for m in metas if isinstance(m, torch.Tensor)])
-    try:
-        if fake_mode is not None:
-            env = {n: (m if isinstance(m, FakeTensor) else fake_mode.from_tensor(m)) for n, m in zip(inputs, metas)}
-            with fake_mode:
-                args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
-                node.meta["val"] = node.target(*args, **kwargs)
-            return
-        env = {n: torch.empty(tuple(m.shape), dtype=m.dtype, device="meta") for n, m in zip(inputs, metas)}
-        args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
-        out = node.target(*args, **kwargs)
-    except Exception:  # noqa: BLE001 - shape facts are best-effort
-        return
-    device = next((m.device for m in metas if getattr(m, "device", None) is not None), torch.device("cpu"))
-    node.meta[FACTS_KEY] = pytree.tree_map_only(
-        torch.Tensor, lambda t: TensorFacts(tuple(t.shape), t.dtype, torch.device(device)), out
-    )

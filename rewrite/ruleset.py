@@ -27,6 +27,7 @@ import torch.fx as fx
 
 from rewrite.compile import compile_rule
 from rewrite.driver import Driver
+from rewrite.facts import NEW_NODE_KEY
 from rewrite.language import Program, ast, load_program, load_program_text
 from rewrite.ops import detect_dialect
 
@@ -299,6 +300,8 @@ class _Transaction:
             driver.run(self.ruleset.schedule, self.ruleset._resolve)
         if driver.counts:
             _remove_unused(gm, referenced)
+            for node in gm.graph.nodes:
+                node.meta.pop(NEW_NODE_KEY, None)
             gm.graph.lint()
             gm.recompile()
         self.seconds = time.perf_counter() - start
