@@ -94,6 +94,18 @@ class PAlt:
     opdef: OpDef
     canonical: bool  # the vocabulary's own OpDef (bind via the shared node index)
     args: tuple  # of (param name, pattern)
+    # The same arguments split for the matcher's straight-line path (used when the
+    # op is not commutative): literal checks, plain variables, and the rest.
+    literals: tuple = ()  # (param, value)
+    variables: tuple = ()  # (param, variable name)
+    nested: tuple = ()  # (param, pattern): calls and sequences
+
+    @classmethod
+    def of(cls, opdef: OpDef, canonical: bool, args: tuple) -> "PAlt":
+        literals = tuple((n, p.value) for n, p in args if isinstance(p, (PLit, PDefault)))
+        variables = tuple((n, p.name) for n, p in args if isinstance(p, PVar))
+        nested = tuple((n, p) for n, p in args if isinstance(p, (PCall, PSeq)))
+        return cls(opdef, canonical, args, literals, variables, nested)
 
 
 @attrs.frozen
@@ -232,7 +244,7 @@ class _PatternBuilder:
                         raise CompileError(f"{opdef.name}: missing argument {param.name!r}")
                     args.append((param.name, PDefault(param.default, param.name, e.span)))
             args.sort(key=lambda item: _cost(item[1]))
-            alts.append(PAlt(opdef, _is_canonical(opdef), tuple(args)))
+            alts.append(PAlt.of(opdef, _is_canonical(opdef), tuple(args)))
         return PCall(tuple(alts), None, e.span)
 
 

@@ -99,7 +99,7 @@ class _ExplainingMatcher(Matcher):
     """The matcher, recording the deepest failure."""
 
     def __init__(self, gm: fx.GraphModule, facts: GraphFacts, rule: CompiledRule) -> None:
-        super().__init__(gm, facts)
+        super().__init__(gm, facts, compiled=False)  # every element through _match
         self.rule = rule
         self.best: tuple | None = None  # (depth, location, element, expected, actual, env)
 

@@ -136,21 +136,24 @@ class GraphFacts:
             metas = [self.meta(n, record) for n in inputs]
         except RecursionError:
             return
-        if any(m is None for m in metas):
+        # Non-tensor inputs (a recorded ``x.shape``, an int) are used as they are.
+        values = [m if m is not None else _plain_value(n) for n, m in zip(inputs, metas)]
+        if any(v is None for v in values):
             return
         try:
             if self.fake_mode is not None:
                 mode = self.fake_mode
-                env = {n: m if isinstance(m, FakeTensor) else mode.from_tensor(m) for n, m in zip(inputs, metas)}
+                env = {n: _fake(mode, v) for n, v in zip(inputs, values)}
                 with mode:
                     args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
                     node.meta["val"] = node.target(*args, **kwargs)
                 return
-            env = {n: torch.empty(tuple(m.shape), dtype=m.dtype, device="meta") for n, m in zip(inputs, metas)}
+            env = {n: _on_meta(v) for n, v in zip(inputs, values)}
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
             out = node.target(*args, **kwargs)
         except Exception:  # noqa: BLE001 - facts are best-effort
             return
+        metas = [m for m in metas if m is not None]
         device = next((m.device for m in metas if getattr(m, "device", None) is not None), torch.device("cpu"))
         node.meta[FACTS_KEY] = torch.utils._pytree.tree_map_only(
             torch.Tensor, lambda t: TensorFacts(tuple(t.shape), t.dtype, torch.device(device)), out
@@ -170,6 +173,31 @@ class GraphFacts:
 
 _CARRIERS = ("val", "example_value", FACTS_KEY)
 NEW_NODE_KEY = "rewrite_new"  # set on nodes a rewrite created, until their facts are inferred
+
+
+def _plain_value(node: fx.Node) -> Any:
+    """A recorded non-tensor value of a node (a shape, an int), or None."""
+    value = tensor_meta_of(node)
+    if isinstance(value, (int, float, bool, torch.Size)) or (
+        isinstance(value, (tuple, list)) and all(isinstance(v, (int, float, bool)) for v in value)
+    ):
+        return value
+    return None
+
+
+def _fake(mode: Any, v: Any) -> Any:
+    if isinstance(v, FakeTensor) or not hasattr(v, "dtype"):
+        return v
+    if isinstance(v, torch.Tensor):
+        return mode.from_tensor(v)
+    with mode:
+        return torch.empty(tuple(v.shape), dtype=v.dtype)
+
+
+def _on_meta(v: Any) -> Any:
+    if hasattr(v, "shape") and hasattr(v, "dtype"):
+        return torch.empty(tuple(v.shape), dtype=v.dtype, device="meta")
+    return v
 
 
 def _has_facts(gm: fx.GraphModule) -> bool:

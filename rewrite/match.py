@@ -12,6 +12,7 @@ module tensors (symbolic_trace's ``call_module``), and literals.
 from __future__ import annotations
 
 import operator
+import os
 from typing import Any, Iterator
 
 import torch
@@ -24,7 +25,11 @@ from rewrite.language import ast
 from rewrite.ops import bind_node, mutates_input, node_key
 from rewrite.ops.base import ConstRef
 
-__all__ = ["Match", "Matcher", "literal_equal"]
+__all__ = ["Match", "Matcher", "literal_equal", "COMPILED"]
+
+#: Use the straight-line matching path; ``REWRITE_INTERPRET=1`` turns it off so
+#: every pattern element goes through the reference interpreter.
+COMPILED = os.environ.get("REWRITE_INTERPRET", "") in ("", "0")
 
 _NODES = "\0nodes"  # environment key holding the call nodes a match covers, root first
 
@@ -81,8 +86,9 @@ def _same_operand(a: Any, b: Any) -> bool:
 class Matcher:
     """Matches rules at nodes of one GraphModule, caching each node's bindings."""
 
-    def __init__(self, gm: fx.GraphModule, facts: GraphFacts) -> None:
+    def __init__(self, gm: fx.GraphModule, facts: GraphFacts, compiled: bool | None = None) -> None:
         self.gm = gm
+        self.compiled = COMPILED if compiled is None else compiled
         self.facts = facts
         self._bindings: dict = {}
         self._inplace_ok: dict = {}
@@ -169,9 +175,31 @@ class Matcher:
                     if p.name in env2 and env2[p.name] is not node:
                         continue
                     env2[p.name] = node
+                if self.compiled and not alt.opdef.commutative:
+                    yield from self._match_straight(alt, bound.args, env2)
+                    continue
                 for order in self._arg_orders(alt, bound):
                     pairs = tuple((pat, bound.args[name]) for name, pat in order)
                     yield from self._match_args(pairs, env2)
+
+    def _match_straight(self, alt: Any, args: dict, env: dict) -> Iterator[dict]:
+        """The compiled path: literal checks and variable bindings in a plain loop,
+        recursion only for nested calls and sequences. Same results as the
+        interpreter (``compiled=False``), which tests compare."""
+        for name, value in alt.literals:
+            if not literal_equal(value, args[name]):
+                return
+        for name, var in alt.variables:
+            operand = args[name]
+            if var in env:
+                if not _same_operand(env[var], operand):
+                    return
+            else:
+                env[var] = operand
+        if alt.nested:
+            yield from self._match_args(tuple((pat, args[name]) for name, pat in alt.nested), env)
+        else:
+            yield env
 
     def _alt_bindings(self, alt: Any, node: fx.Node) -> Iterator:
         if alt.canonical:

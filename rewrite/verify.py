@@ -49,38 +49,19 @@ from __future__ import annotations
 import collections
 import copy
 import math
-from typing import Any, Callable
+from typing import Any
 
 import attrs
 import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
-
-from rewrite.compile import DTYPES, CompiledRule, PCall, PDefault, PLit, PSeq, PVar, PWild, RConst, RModule, ROp, RSeq
-from rewrite.language import ast
-from rewrite.ops.base import REQUIRED
+from rewrite.compile import CompiledRule
+from rewrite.instances import Instance, Plan, _hyp, _st, draw_instance, instances, plan_for, rule_tolerance
 
 __all__ = [
     "RuleVerdict", "Counterexample", "VerificationReport", "Instance",
-    "verify_rules", "verify_rule", "instances", "rule_tolerance", "GENERATORS",
+    "verify_rules", "verify_rule", "instances", "rule_tolerance",
 ]
-
-_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-_INTS = (torch.int64, torch.int32)
-_SPECIALS = (math.nan, math.inf, -math.inf, -0.0)
-
-
-def _hyp() -> Any:
-    try:
-        import hypothesis
-        import hypothesis.strategies
-    except ImportError as err:  # a test extra, not a runtime dependency
-        raise ImportError("rule verification needs hypothesis: pip install hypothesis") from err
-    return hypothesis
-
-
-def _st() -> Any:
-    return _hyp().strategies
 
 
 # ================================================================ results
@@ -203,768 +184,6 @@ class VerificationReport:
         return "\n\n".join(parts)
 
 
-@attrs.frozen
-class Instance:
-    """A random instance of a rule's pattern: a small graph and inputs for it.
-
-    Attributes:
-        graph_module: the pattern emitted as a standalone graph (inputs are the
-            tensor variables that are not constants; constants are attributes).
-        example_inputs: one value per placeholder.
-        bindings: pattern variable -> concrete value (tensor or literal).
-        dtype: the dtype drawn for fresh tensors.
-        dialect: ``"torch"`` (symbolic_trace/dynamo spelling) or ``"aten"`` (export).
-    """
-
-    rule: str
-    graph_module: fx.GraphModule
-    example_inputs: tuple
-    bindings: dict
-    dtype: torch.dtype
-    dialect: str
-
-
-# ================================================================ rule analysis
-
-
-def rule_tolerance(rule: CompiledRule) -> str:
-    """``"exact"`` or ``"approx"``: the rule's ``tolerance`` option, else approx for
-    rules whose replacement computes rewrite-time constants (folds), else exact."""
-    option = rule.rule.option("tolerance")
-    if option in ("exact", "approx"):
-        return option
-    return "approx" if _has_constant(rule.replacement) else "exact"
-
-
-def _has_constant(r: Any) -> bool:
-    if isinstance(r, RConst):
-        return True
-    if isinstance(r, ROp):
-        return any(_has_constant(v) for v in r.args.values())
-    if isinstance(r, RModule):
-        return any(_has_constant(v) for v in r.inputs)
-    if isinstance(r, RSeq):
-        return any(_has_constant(v) for v in r.items)
-    return False
-
-
-def _conjuncts(e: Any) -> list:
-    if isinstance(e, ast.BoolOp) and e.op == "and":
-        return [c for item in e.items for c in _conjuncts(item)]
-    return [] if e is None else [e]
-
-
-@attrs.frozen
-class _Plan:
-    """What the where clause says about how to build instances, read from its
-    top-level conjuncts: constants, parameters, a dtype to favour."""
-
-    rule: CompiledRule
-    tolerance: str
-    consts: frozenset
-    params: frozenset
-    dtypes: tuple
-    unsupported: str | None
-
-
-def _plan(rule: CompiledRule) -> _Plan:
-    consts, params, favoured, floats_only = set(), set(), [], False
-    for c in _conjuncts(rule.where):
-        if isinstance(c, ast.Call):
-            name = c.op.names[0]
-            vars_ = {a.name for a in c.args if isinstance(a, ast.Var)}
-            if name in ("const", "is_param", "is_buffer"):
-                consts |= vars_
-            if name == "is_param":
-                params |= vars_
-            if name == "is_float":
-                floats_only = True
-        elif isinstance(c, ast.Compare) and c.op == "==":
-            for a, b in ((c.left, c.right), (c.right, c.left)):
-                if isinstance(a, ast.Call) and a.op.names[0] == "dtype" and isinstance(b, ast.DTypeLit):
-                    favoured.append(DTYPES[b.name])
-    tolerance = rule_tolerance(rule)
-    ops = _pattern_ops(rule.pattern)
-    missing = sorted({name for name, gen in ops if gen is None})
-    unsupported = f"no instance generator for op {', '.join(repr(m) for m in missing)}" if missing else None
-    dtypes = list(favoured)
-    pool = _FLOATS if tolerance == "exact" else (torch.float32, torch.float64)
-    if tolerance == "exact" and not floats_only and all(name in _INT_OK for name, _ in ops):
-        pool = pool + _INTS
-    dtypes += [d for d in pool if d not in dtypes]
-    return _Plan(rule, tolerance, frozenset(consts), frozenset(params), tuple(dtypes), unsupported)
-
-
-def _pattern_ops(p: Any) -> list:
-    """(op name, generator or None) of every call in the pattern; a call is covered
-    when at least one of its alternatives has a generator."""
-    out = []
-    if isinstance(p, PCall):
-        gens = [(alt.opdef.name, _generator(alt.opdef)) for alt in p.alts]
-        if not any(g for _, g in gens):
-            out += gens
-        else:
-            out += [(n, g) for n, g in gens if g is not None]
-        for alt in p.alts:
-            for _, sub in alt.args:
-                out += _pattern_ops(sub)
-    elif isinstance(p, PSeq):
-        for item in p.items:
-            out += _pattern_ops(item)
-    return out
-
-
-# ================================================================ generators
-
-
-class _Discard(Exception):
-    """The drawn instance is not a valid program (shapes that do not fit)."""
-
-
-_FREE: Any = type("_Free", (), {"__repr__": lambda self: "FREE"})()
-
-
-class _Ctx:
-    """Hypothesis draws with names that read like the shapes they make."""
-
-    def __init__(self, draw: Callable, dtype: torch.dtype, specials: bool) -> None:
-        self.draw, self.dtype, self.specials = draw, dtype, specials
-
-    def int(self, lo: int, hi: int) -> int:
-        return self.draw(_st().integers(lo, hi))
-
-    def pick(self, values: Any) -> Any:
-        values = list(values)
-        return values[0] if len(values) == 1 else self.draw(_st().sampled_from(values))
-
-    def coin(self) -> bool:
-        return self.draw(_st().booleans())
-
-    def shape(self, lo: int = 1, hi: int = 4, dim_hi: int = 4) -> tuple:
-        return tuple(self.int(1, dim_hi) for _ in range(self.int(lo, hi)))
-
-    def tensor(self, shape: tuple, lo: float = -4.0, hi: float = 4.0, dtype: Any = None) -> torch.Tensor:
-        """Values drawn element by element for small tensors (so they shrink to
-        readable numbers), from a drawn seed for larger ones."""
-        st = _st()
-        dtype = dtype or self.dtype
-        n = math.prod(shape)
-        if dtype == torch.bool:
-            values = torch.tensor(self.draw(st.lists(st.booleans(), min_size=n, max_size=n)), dtype=torch.bool)
-        elif not dtype.is_floating_point:
-            values = torch.tensor(self.draw(st.lists(st.integers(int(lo), int(hi)), min_size=n, max_size=n)),
-                                  dtype=torch.int64)
-        elif n <= 24:
-            element = st.floats(lo, hi, width=32)
-            if self.specials and lo < 0 and self.draw(st.booleans()):
-                element = element | st.sampled_from(_SPECIALS)
-            values = torch.tensor(self.draw(st.lists(element, min_size=n, max_size=n)), dtype=torch.float64)
-        else:
-            g = torch.Generator().manual_seed(self.int(0, 2**31 - 1))
-            values = torch.rand(n, generator=g, dtype=torch.float64) * (hi - lo) + lo
-        return values.reshape(shape).to(dtype)
-
-
-class _Args:
-    """One call's arguments while its generator runs: given values (bound by the
-    pattern, nested calls, literals) and ``_FREE`` ones the generator draws."""
-
-    def __init__(self, ctx: _Ctx, op: str, given: dict, producers: dict) -> None:
-        self.ctx, self.op, self.given, self.producers = ctx, op, given, producers
-
-    def get(self, name: str) -> Any:
-        return self.given.get(name, _FREE)
-
-    def free(self, name: str) -> bool:
-        return self.get(name) is _FREE
-
-    def tensor(self, name: str, shape: Any, lo: float = -4.0, hi: float = 4.0) -> Any:
-        v = self.get(name)
-        if v is not _FREE:
-            return v
-        return self.ctx.tensor(shape() if callable(shape) else tuple(shape), lo, hi)
-
-    def optional(self, name: str, shape: Any) -> Any:
-        """A tensor or None (an absent bias, an affine-free norm)."""
-        if self.free(name) and self.ctx.coin():
-            return None
-        return self.tensor(name, shape)
-
-    def lit(self, name: str, choose: Any) -> Any:
-        v = self.get(name)
-        if v is not _FREE:
-            return v
-        return choose() if callable(choose) else self.ctx.draw(choose)
-
-    def producer(self, name: str) -> tuple:
-        """(op name, its arguments) that computed a given tensor, or (None, {})."""
-        v = self.get(name)
-        return self.producers.get(id(v), (None, {}))
-
-
-def _shape(v: Any) -> tuple | None:
-    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
-
-
-def _rank(v: Any) -> int:
-    s = _shape(v)
-    if s is None:
-        raise _Discard("expected a tensor")
-    return len(s)
-
-
-GENERATORS: dict = {}
-_INT_OK = {"add", "sub", "mul", "neg", "abs", "relu", "permute", "transpose", "t", "reshape", "view",
-           "flatten", "unsqueeze", "squeeze", "expand", "contiguous", "clone", "cat", "to", "identity",
-           "clamp"}
-
-
-def _gen(*names: str) -> Callable:
-    def deco(fn: Callable) -> Callable:
-        for n in names:
-            GENERATORS[n] = fn
-        return fn
-    return deco
-
-
-def _literal_strategies() -> dict:
-    """(op, param) -> strategy for attribute values no generator derives from shapes."""
-    st = _st()
-    alpha = st.sampled_from([1, 2, -1, 0.5])
-    return {
-        ("gelu", "approximate"): st.sampled_from(["none", "tanh"]),
-        ("dropout", "p"): st.sampled_from([0.0, 0.1, 0.5]),
-        ("dropout", "training"): st.just(False),
-        ("hardtanh", "min_val"): st.sampled_from([-1.0, 0.0, -2.0]),
-        ("hardtanh", "max_val"): st.sampled_from([1.0, 6.0, 2.0]),
-        ("clamp", "min"): st.sampled_from([None, -1.0, 0.0]),
-        ("clamp", "max"): st.sampled_from([None, 1.0, 2.0]),
-        ("add", "alpha"): alpha,
-        ("sub", "alpha"): alpha,
-        ("div", "rounding_mode"): st.sampled_from([None, "trunc", "floor"]),
-        ("batch_norm", "training"): st.just(False),
-        ("batch_norm", "momentum"): st.sampled_from([0.1, 0.01]),
-        ("batch_norm", "eps"): st.sampled_from([1e-5, 1e-3, 0.1]),
-        ("layer_norm", "eps"): st.sampled_from([1e-5, 1e-3]),
-        ("group_norm", "eps"): st.sampled_from([1e-5, 1e-3]),
-        ("addmm", "beta"): st.sampled_from([1, 0.5]),
-        ("addmm", "alpha"): st.sampled_from([1, 2]),
-        ("baddbmm", "beta"): st.sampled_from([1, 0.5]),
-        ("baddbmm", "alpha"): st.sampled_from([1, 2]),
-        ("mean", "keepdim"): st.booleans(),
-        ("max_pool2d", "ceil_mode"): st.booleans(),
-        ("avg_pool2d", "ceil_mode"): st.booleans(),
-        ("avg_pool2d", "count_include_pad"): st.booleans(),
-    }
-
-
-_POSITIVE = {"sqrt", "rsqrt", "reciprocal"}
-
-
-@_gen("relu", "gelu", "silu", "sigmoid", "tanh", "hardswish", "relu6", "hardtanh", "neg", "abs", "exp",
-      "sqrt", "rsqrt", "reciprocal", "clamp", "identity", "dropout", "contiguous", "clone")
-def _unary(ctx: _Ctx, a: _Args) -> dict:
-    lo = 0.25 if a.op in _POSITIVE else -4.0
-    return {"input": a.tensor("input", ctx.shape, lo=lo)}
-
-
-def _other_shape(ctx: _Ctx, shape: tuple) -> tuple:
-    """The same shape, a broadcasting suffix of it, or a 0-dim tensor."""
-    return ctx.pick([shape, shape[1:], ()])
-
-
-@_gen("add", "sub", "mul", "div", "pow")
-def _binary(ctx: _Ctx, a: _Args) -> dict:
-    first, second = ("input", "exponent") if a.op == "pow" else ("input", "other")
-    x, y = a.get(first), a.get(second)
-    if x is _FREE:
-        shape = _shape(y) if _shape(y) is not None and ctx.coin() else ctx.shape()
-        x = ctx.tensor(shape)
-    if y is _FREE:
-        shape = _shape(x)
-        y = ctx.tensor(_other_shape(ctx, shape) if shape is not None else ctx.shape())
-    return {first: x, second: y}
-
-
-# ---------------------------------------------------------------- layout
-
-
-def _permutation(ctx: _Ctx, a: _Args, rank: int) -> tuple:
-    """The identity, the inverse of the permutation before (if any), or a random one."""
-    kind, prev = a.producer("input")
-    options = ["identity", "random"]
-    if kind == "permute" and isinstance(prev.get("dims"), (list, tuple)) and len(prev["dims"]) == rank:
-        options.insert(0, "inverse")
-    choice = ctx.pick(options)
-    if choice == "identity":
-        return tuple(range(rank))
-    if choice == "inverse":
-        inv = [0] * rank
-        for i, d in enumerate(prev["dims"]):
-            inv[d % rank] = i
-        return tuple(inv)
-    return tuple(ctx.draw(_st().permutations(range(rank))))
-
-
-@_gen("permute")
-def _permute(ctx: _Ctx, a: _Args) -> dict:
-    dims = a.get("dims")
-    x = a.tensor("input", lambda: ctx.shape(1, 4) if dims is _FREE else ctx.shape(len(dims), len(dims)))
-    return {"input": x, "dims": a.lit("dims", lambda: _permutation(ctx, a, _rank(x)))}
-
-
-@_gen("transpose")
-def _transpose(ctx: _Ctx, a: _Args) -> dict:
-    x = a.tensor("input", lambda: ctx.shape(1, 4))
-    r = _rank(x)
-    kind, prev = a.producer("input")
-
-    def pair() -> tuple:
-        options = ["random", "same"]
-        if kind == "transpose":
-            options.insert(0, "undo")
-        choice = ctx.pick(options)
-        if choice == "undo":
-            d0, d1 = prev["dim0"], prev["dim1"]
-            return (d1, d0) if ctx.coin() else (d0, d1)
-        d0 = ctx.int(-r, r - 1)
-        return (d0, d0) if choice == "same" else (d0, ctx.int(-r, r - 1))
-
-    d0, d1 = (a.get("dim0"), a.get("dim1")) if not (a.free("dim0") or a.free("dim1")) else pair()
-    return {"input": x, "dim0": a.lit("dim0", lambda: d0), "dim1": a.lit("dim1", lambda: d1)}
-
-
-@_gen("t")
-def _t(ctx: _Ctx, a: _Args) -> dict:
-    return {"input": a.tensor("input", lambda: ctx.shape(1, 2))}
-
-
-def _target_shape(ctx: _Ctx, shape: tuple) -> tuple:
-    """A shape with the same number of elements: the same one (a no-op), with one
-    -1, flattened, reversed, with a leading 1."""
-    options = [shape, (-1,), tuple(reversed(shape)), (1, *shape), (math.prod(shape),)]
-    if shape:
-        i = ctx.int(0, len(shape) - 1)
-        options.append(shape[:i] + (-1,) + shape[i + 1:])
-    return ctx.pick(options)
-
-
-@_gen("reshape", "view")
-def _reshape(ctx: _Ctx, a: _Args) -> dict:
-    x = a.tensor("input", lambda: ctx.shape(1, 4))
-    return {"input": x, "shape": a.lit("shape", lambda: _target_shape(ctx, _shape(x) or ()))}
-
-
-@_gen("flatten")
-def _flatten(ctx: _Ctx, a: _Args) -> dict:
-    x = a.tensor("input", lambda: ctx.shape(1, 4))
-    r = max(_rank(x), 1)
-    start = a.lit("start_dim", lambda: ctx.int(0, r - 1))
-    return {"input": x, "start_dim": start, "end_dim": a.lit("end_dim", lambda: ctx.pick([-1, r - 1]))}
-
-
-@_gen("unsqueeze")
-def _unsqueeze(ctx: _Ctx, a: _Args) -> dict:
-    x = a.tensor("input", lambda: ctx.shape(0, 3))
-    r = _rank(x)
-    return {"input": x, "dim": a.lit("dim", lambda: ctx.int(-r - 1, r))}
-
-
-@_gen("squeeze")
-def _squeeze(ctx: _Ctx, a: _Args) -> dict:
-    x = a.tensor("input", lambda: ctx.shape(1, 4, dim_hi=2))
-    r = _rank(x)
-    return {"input": x, "dim": a.lit("dim", lambda: ctx.pick([None, ctx.int(-r, r - 1)]))}
-
-
-@_gen("expand")
-def _expand(ctx: _Ctx, a: _Args) -> dict:
-    x = a.tensor("input", lambda: ctx.shape(1, 3, dim_hi=2))
-    shape = _shape(x) or ()
-    grown = tuple(ctx.int(1, 3) if d == 1 else d for d in shape)
-    return {"input": x, "size": a.lit("size", lambda: ctx.pick([shape, grown, (2, *shape)]))}
-
-
-@_gen("cat")
-def _cat(ctx: _Ctx, a: _Args) -> dict:
-    items = a.get("tensors")
-    if items is _FREE:
-        items = [_FREE] * ctx.int(1, 3)
-    if not isinstance(items, (list, tuple)):
-        raise _Discard("cat of a non-list")
-    known = next((t for t in items if isinstance(t, torch.Tensor)), None)
-    shape = _shape(known) if known is not None else ctx.shape(1, 3)
-    dim = a.lit("dim", lambda: ctx.int(-len(shape), len(shape) - 1) if shape else 0)
-    out = []
-    for t in items:
-        if t is _FREE:
-            s = list(shape)
-            if s:
-                s[dim % len(s)] = ctx.int(1, 3)
-            t = ctx.tensor(tuple(s))
-        out.append(t)
-    return {"tensors": type(items)(out) if isinstance(items, tuple) else out, "dim": dim}
-
-
-@_gen("to")
-def _to(ctx: _Ctx, a: _Args) -> dict:
-    x = a.tensor("input", ctx.shape)
-    kind, prev = a.producer("input")
-
-    def dtype() -> torch.dtype:
-        options = [x.dtype] if isinstance(x, torch.Tensor) else []
-        if kind == "to" and isinstance(prev.get("input"), torch.Tensor):
-            options.append(prev["input"].dtype)  # back to where it came from
-        options += [d for d in _FLOATS + _INTS if d not in options]
-        return ctx.pick(options)
-
-    return {"input": x, "dtype": a.lit("dtype", dtype)}
-
-
-# ---------------------------------------------------------------- layers
-
-
-def _per_dim(ctx: _Ctx, rank: int, lo: int, hi: int) -> Any:
-    """An int, or a tuple with one value per spatial dim (modules spell it so)."""
-    if ctx.coin():
-        return ctx.int(lo, hi)
-    return tuple(ctx.int(lo, hi) for _ in range(rank))
-
-
-def _expand_dims(v: Any, rank: int) -> tuple:
-    if isinstance(v, (list, tuple)):
-        if len(v) == 1:
-            return tuple(v) * rank
-        if len(v) != rank:
-            raise _Discard("per-dim value of the wrong length")
-        return tuple(v)
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise _Discard(f"expected an int, got {v!r}")
-    return (v,) * rank
-
-
-def _conv_rank(ctx: _Ctx, a: _Args) -> int:
-    for name in ("input", "weight"):
-        s = _shape(a.get(name))
-        if s is not None:
-            if len(s) not in (3, 4, 5):
-                raise _Discard("a convolution takes a 3-d, 4-d or 5-d tensor")
-            return len(s) - 2
-    return ctx.int(1, 3)
-
-
-def _conv_common(ctx: _Ctx, a: _Args, transposed: bool) -> dict:
-    """Shapes and attributes for conv / conv_transpose that fit together."""
-    rank = _conv_rank(ctx, a)
-    x, w = a.get("input"), a.get("weight")
-    groups = a.lit("groups", lambda: ctx.pick([1, 2]))
-    stride = a.lit("stride", lambda: _per_dim(ctx, rank, 1, 2))
-    padding = a.lit("padding", lambda: _per_dim(ctx, rank, 0, 1))
-    dilation = a.lit("dilation", lambda: _per_dim(ctx, rank, 1, 2))
-    if isinstance(padding, str):
-        raise _Discard("string padding")
-    if not isinstance(groups, int) or groups < 1:
-        raise _Discard("bad groups")
-    if _shape(w) is not None:
-        ws = _shape(w)
-        kernel = ws[2:]
-        c_in = ws[0] if transposed else ws[1] * groups
-        c_out = ws[1] * groups if transposed else ws[0]
-    else:
-        kernel = tuple(ctx.int(1, 3) for _ in range(rank))
-        c_in = _shape(x)[1] if _shape(x) is not None else groups * ctx.int(1, 2)
-        c_out = groups * ctx.int(1, 2)
-    if c_in % groups or c_out % groups:
-        raise _Discard("channels not divisible by groups")
-    out = {"groups": groups, "stride": stride, "padding": padding, "dilation": dilation}
-    if transposed:
-        out["output_padding"] = a.lit("output_padding", lambda: 0)
-    spatial = [ctx.int(max(1, dil * (k - 1) + 1 - 2 * pad), dil * (k - 1) + 3)
-               for k, pad, dil in zip(kernel, _expand_dims(padding, rank), _expand_dims(dilation, rank))]
-    out["input"] = a.tensor("input", lambda: (ctx.int(1, 2), c_in, *spatial))
-    w_shape = (c_in, c_out // groups, *kernel) if transposed else (c_out, c_in // groups, *kernel)
-    out["weight"] = a.tensor("weight", w_shape)
-    out["bias"] = a.optional("bias", (c_out,))
-    return out
-
-
-@_gen("conv")
-def _conv(ctx: _Ctx, a: _Args) -> dict:
-    return _conv_common(ctx, a, transposed=False)
-
-
-@_gen("conv_transpose")
-def _conv_transpose(ctx: _Ctx, a: _Args) -> dict:
-    return _conv_common(ctx, a, transposed=True)
-
-
-@_gen("linear")
-def _linear(ctx: _Ctx, a: _Args) -> dict:
-    x, w = a.get("input"), a.get("weight")
-    n_in = _shape(x)[-1] if _shape(x) else (_shape(w)[1] if _shape(w) else ctx.int(1, 4))
-    n_out = _shape(w)[0] if _shape(w) else ctx.int(1, 4)
-    x = a.tensor("input", lambda: (*ctx.shape(0, 2), n_in))
-    return {"input": x, "weight": a.tensor("weight", (n_out, n_in)), "bias": a.optional("bias", (n_out,))}
-
-
-@_gen("batch_norm")
-def _batch_norm(ctx: _Ctx, a: _Args) -> dict:
-    x = a.tensor("input", lambda: ctx.shape(2, 4))
-    s = _shape(x)
-    if s is None or len(s) < 2:
-        raise _Discard("batch_norm takes a tensor of rank >= 2")
-    c = (s[1],)
-    return {"input": x, "running_mean": a.tensor("running_mean", c),
-            "running_var": a.tensor("running_var", c, lo=0.25, hi=4.0),  # a variance: positive
-            "weight": a.optional("weight", c), "bias": a.optional("bias", c)}
-
-
-@_gen("layer_norm")
-def _layer_norm(ctx: _Ctx, a: _Args) -> dict:
-    x = a.tensor("input", lambda: ctx.shape(1, 4))
-    s = _shape(x) or ()
-    shape = a.lit("normalized_shape", lambda: s[len(s) - ctx.int(1, max(len(s), 1)):])
-    return {"input": x, "normalized_shape": shape,
-            "weight": a.optional("weight", tuple(shape)), "bias": a.optional("bias", tuple(shape))}
-
-
-@_gen("group_norm")
-def _group_norm(ctx: _Ctx, a: _Args) -> dict:
-    groups = a.get("num_groups")
-    g = groups if isinstance(groups, int) else ctx.int(1, 2)
-    x = a.tensor("input", lambda: (ctx.int(1, 2), g * ctx.int(1, 2), *ctx.shape(0, 2)))
-    c = (_shape(x)[1],) if _shape(x) and len(_shape(x)) >= 2 else (1,)
-    return {"input": x, "num_groups": a.lit("num_groups", lambda: ctx.pick([d for d in (1, 2) if c[0] % d == 0])),
-            "weight": a.optional("weight", c), "bias": a.optional("bias", c)}
-
-
-@_gen("softmax")
-def _softmax(ctx: _Ctx, a: _Args) -> dict:
-    x = a.tensor("input", lambda: ctx.shape(1, 4))
-    r = _rank(x)
-    return {"input": x, "dim": a.lit("dim", lambda: ctx.int(-r, r - 1) if r else 0)}
-
-
-@_gen("mean")
-def _mean(ctx: _Ctx, a: _Args) -> dict:
-    x = a.tensor("input", lambda: ctx.shape(1, 4))
-    r = _rank(x)
-    return {"input": x, "dim": a.lit("dim", lambda: ctx.pick([None, ctx.int(-r, r - 1) if r else 0]))}
-
-
-def _pool(ctx: _Ctx, a: _Args, adaptive: bool = False) -> dict:
-    x = a.tensor("input", lambda: (ctx.int(1, 2), ctx.int(1, 2), ctx.int(3, 6), ctx.int(3, 6)))
-    if adaptive:
-        return {"input": x, "output_size": a.lit("output_size", lambda: ctx.pick([1, (2, 2), (1, 3)]))}
-    k = a.lit("kernel_size", lambda: ctx.pick([1, 2, 3, (2, 2)]))
-    return {"input": x, "kernel_size": k, "stride": a.lit("stride", lambda: ctx.pick([None, 1, 2])),
-            "padding": a.lit("padding", lambda: 0 if k == 1 else ctx.pick([0, 1]))}
-
-
-GENERATORS["max_pool2d"] = _pool
-GENERATORS["avg_pool2d"] = _pool
-GENERATORS["adaptive_avg_pool2d"] = lambda ctx, a: _pool(ctx, a, adaptive=True)
-
-
-@_gen("mm", "matmul")
-def _mm(ctx: _Ctx, a: _Args) -> dict:
-    second = "mat2" if a.op == "mm" else "other"
-    x, y = a.get("input"), a.get(second)
-    k = _shape(x)[-1] if _shape(x) else (_shape(y)[0] if _shape(y) else ctx.int(1, 4))
-    x = a.tensor("input", lambda: (ctx.int(1, 4), k))
-    return {"input": x, second: a.tensor(second, lambda: (k, ctx.int(1, 4)))}
-
-
-@_gen("bmm")
-def _bmm(ctx: _Ctx, a: _Args) -> dict:
-    x, y = a.get("input"), a.get("mat2")
-    b, k = (_shape(x)[0], _shape(x)[2]) if _shape(x) else ((_shape(y)[0], _shape(y)[1]) if _shape(y)
-                                                           else (ctx.int(1, 2), ctx.int(1, 3)))
-    x = a.tensor("input", lambda: (b, ctx.int(1, 3), k))
-    return {"input": x, "mat2": a.tensor("mat2", lambda: (b, k, ctx.int(1, 3)))}
-
-
-@_gen("addmm", "baddbmm")
-def _addmm(ctx: _Ctx, a: _Args) -> dict:
-    m1, m2 = ("mat1", "mat2") if a.op == "addmm" else ("batch1", "batch2")
-    inner = _mm if a.op == "addmm" else _bmm
-    sub = _Args(ctx, "mm" if a.op == "addmm" else "bmm",
-                {"input": a.get(m1), ("mat2"): a.get(m2)}, a.producers)
-    prod = inner(ctx, sub)
-    out_shape = tuple(torch.empty(0).new_empty(prod["input"].shape[:-1]).shape) + (prod["mat2"].shape[-1],)
-    bias = a.tensor("input", lambda: ctx.pick([out_shape, out_shape[-1:]]))
-    return {"input": bias, m1: prod["input"], m2: prod["mat2"]}
-
-
-def _generic(opdef: Any) -> Callable | None:
-    """Ops without a generator whose attributes all have defaults: every tensor
-    parameter gets a tensor of one shared shape."""
-    if any(p.default is REQUIRED and not p.tensor for p in opdef.params):
-        return None
-
-    def gen(ctx: _Ctx, a: _Args) -> dict:
-        known = next((a.get(p.name) for p in opdef.params if _shape(a.get(p.name)) is not None), None)
-        shape = _shape(known) if known is not None else ctx.shape()
-        return {p.name: a.tensor(p.name, shape) for p in opdef.params if p.tensor and p.default is REQUIRED}
-
-    return gen
-
-
-def _generator(opdef: Any) -> Callable | None:
-    return GENERATORS.get(opdef.name) or _generic(opdef)
-
-
-# ================================================================ building instances
-
-
-class _Builder:
-    """Emits a pattern bottom-up into a fresh graph, drawing what it does not fix."""
-
-    def __init__(self, ctx: _Ctx, plan: _Plan, dialect: str) -> None:
-        self.ctx, self.plan, self.dialect = ctx, plan, dialect
-        self.graph = fx.Graph()
-        self.root = torch.nn.Module()
-        self.values: dict = {}  # node -> concrete value
-        self.node_of: dict = {}  # id(tensor) -> node
-        self.producers: dict = {}  # id(tensor) -> (op name, arguments)
-        self.env: dict = {}  # variable -> node or literal
-        self.inputs: list = []
-        self.literals = _literal_strategies()
-
-    # -- values the generator gets
-
-    def given(self, p: Any) -> Any:
-        if p is None or isinstance(p, PWild):
-            return _FREE
-        if isinstance(p, PVar):
-            if p.name not in self.env:
-                return _FREE
-            return self._concrete(self.env[p.name])
-        if isinstance(p, (PLit, PDefault)):
-            return p.value
-        if isinstance(p, PCall):
-            return self.values[self.call(p)]
-        if isinstance(p, PSeq):
-            return [self.given(i) for i in p.items]
-        raise _Discard(f"unsupported pattern {p!r}")
-
-    def _concrete(self, v: Any) -> Any:
-        if isinstance(v, fx.Node):
-            return self.values[v]
-        if isinstance(v, (list, tuple)):
-            return type(v)(self._concrete(i) for i in v)
-        return v
-
-    # -- turning values into graph operands
-
-    def bind(self, p: Any, v: Any) -> Any:
-        if isinstance(p, PVar) and p.name in self.env:
-            return self.env[p.name]  # a repeated variable is the same value
-        if isinstance(p, PSeq):
-            if not isinstance(v, (list, tuple)) or len(v) != len(p.items):
-                raise _Discard("sequence of the wrong length")
-            return type(v)(self.bind(pi, vi) for pi, vi in zip(p.items, v))
-        out = self._operand(v, p.name if isinstance(p, PVar) else None)
-        if isinstance(p, PVar):
-            self.env[p.name] = out
-        return out
-
-    def _operand(self, v: Any, var: str | None) -> Any:
-        if isinstance(v, torch.Tensor):
-            node = self.node_of.get(id(v))
-            if node is None:
-                node = self._leaf(v, var)
-            return node
-        if isinstance(v, (list, tuple)):
-            return type(v)(self._operand(i, None) for i in v)
-        return v
-
-    def _leaf(self, t: torch.Tensor, var: str | None) -> fx.Node:
-        name = var or f"t{len(self.values)}"
-        if var is not None and var in self.plan.consts:
-            if var in self.plan.params:
-                self.root.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
-            else:
-                self.root.register_buffer(name, t)
-            node = self.graph.get_attr(name)
-        else:
-            node = self.graph.placeholder(name)
-            self.inputs.append(t)
-        self.values[node], self.node_of[id(t)] = t, node
-        return node
-
-    # -- one call
-
-    def call(self, p: PCall) -> fx.Node:
-        alts = [alt for alt in p.alts if _generator(alt.opdef) is not None]
-        alt = self.ctx.pick(range(len(alts))) if len(alts) > 1 else 0
-        alt = alts[alt]
-        opdef, pats = alt.opdef, dict(alt.args)
-        given = {param.name: self.given(pats.get(param.name)) for param in opdef.params}
-        args = _Args(self.ctx, opdef.name, given, self.producers)
-        drawn = _generator(opdef)(self.ctx, args)
-        values = {}
-        for param in opdef.params:
-            v = drawn.get(param.name, given[param.name])
-            if v is _FREE:
-                strategy = self.literals.get((opdef.name, param.name))
-                if strategy is not None:
-                    v = self.ctx.draw(strategy)
-                elif param.default is not REQUIRED:
-                    v = param.default
-                else:
-                    raise _Discard(f"cannot draw argument {param.name!r} of {opdef.name}")
-            values[param.name] = v
-        operands = {name: self.bind(pats.get(name), v) for name, v in values.items()}
-        try:
-            target, cargs, ckwargs = opdef.emit[self.dialect](operands, self.values.get)
-        except Exception as err:  # noqa: BLE001 - arguments this dialect cannot spell
-            raise _Discard(f"{opdef.name} cannot be emitted: {err}") from None
-        node = self.graph.call_function(target, tuple(cargs), dict(ckwargs))
-        try:
-            concrete = fx.node.map_arg((cargs, ckwargs), self.values.__getitem__)
-            with torch.no_grad():
-                out = target(*concrete[0], **concrete[1])
-        except Exception as err:  # noqa: BLE001 - shapes or values that do not fit
-            raise _Discard(f"{opdef.name}: {type(err).__name__}: {err}") from None
-        if not isinstance(out, torch.Tensor):
-            raise _Discard(f"{opdef.name} did not return a tensor")
-        self.values[node], self.node_of[id(out)] = out, node
-        self.producers[id(out)] = (opdef.name, values)
-        if p.name is not None:
-            self.env[p.name] = node
-        return node
-
-    def finish(self, root: fx.Node) -> Instance:
-        self.graph.output(root)
-        gm = fx.GraphModule(self.root, self.graph)
-        bindings = {k: self._concrete(v) for k, v in self.env.items()}
-        return Instance(self.plan.rule.name, gm, tuple(self.inputs), bindings, self.ctx.dtype, self.dialect)
-
-
-def _draw_instance(draw: Callable, plan: _Plan) -> Instance | str:
-    """An instance, or the reason the drawn one is not a valid program."""
-    st = _st()
-    dtype = draw(st.sampled_from(plan.dtypes))
-    dialect = draw(st.sampled_from(("torch", "aten")))
-    ctx = _Ctx(draw, dtype, specials=plan.tolerance == "exact")
-    builder = _Builder(ctx, plan, dialect)
-    try:
-        return builder.finish(builder.call(plan.rule.pattern))
-    except _Discard as why:
-        return str(why)
-
-
-def instances(rule: CompiledRule) -> Any:
-    """A hypothesis strategy of ``Instance``s of ``rule``'s pattern (not filtered by
-    its where clause). Raises ValueError when an op of the pattern has no generator."""
-    plan = _plan(rule)
-    if plan.unsupported:
-        raise ValueError(f"rule {rule.name!r}: {plan.unsupported}")
-    st = _st()
-    return st.composite(lambda draw: _draw_instance(draw, plan))().filter(lambda i: isinstance(i, Instance))
-
-
 # ================================================================ checking one instance
 
 
@@ -1011,7 +230,7 @@ def _fires(ruleset: Any, gm: fx.GraphModule, inputs: tuple) -> Any:
 class _Checker:
     """Checks instances of one rule; counts what happened."""
 
-    def __init__(self, ruleset: Any, plan: _Plan) -> None:
+    def __init__(self, ruleset: Any, plan: Plan) -> None:
         self.plan, self.rule = plan, plan.rule
         self.one = _one_rule(ruleset, plan.rule)
         self.probe = _one_rule(ruleset, plan.rule, without_where=True)
@@ -1026,18 +245,28 @@ class _Checker:
             return
         result = self._apply(self.one, inst)
         if not result.counts:
-            if self._apply(self.probe, inst, quiet=True) is not None:
+            stats = result.stats.get(self.rule.name)
+            if stats is not None and stats.failed:
+                raise _Failure(self._cex(inst, "did not fire", f"its replacement failed to build "
+                                                              f"({stats.failed}x) where the rule matched"))
+            if self._matches(self.probe, inst):
                 self.counts["filtered"] += 1  # the where clause does not hold here
                 return
-            failed = result.stats.get(self.rule.name)
-            why = (f"its replacement failed to build ({failed.failed}x)" if failed and failed.failed
-                   else "its pattern does not match an instance built from its own ops, even without "
-                        "the where clause")
-            raise _Failure(self._cex(inst, "did not fire", why))
+            raise _Failure(self._cex(inst, "did not fire", "its pattern does not match an instance built "
+                                                           "from its own ops, even without the where clause"))
         self._compare(inst, result.graph_module, inst.example_inputs, self.plan.tolerance)
         if self.plan.tolerance == "approx" and inst.dtype != torch.float64:
             self._check_float64(inst)
         self.counts["checked"] += 1
+
+    def _matches(self, ruleset: Any, inst: Instance) -> bool:
+        """Whether the (where-less) rule matched: it fired, or its replacement failed."""
+        try:
+            result = _fires(ruleset, inst.graph_module, inst.example_inputs)
+        except Exception:  # noqa: BLE001 - the probe only classifies
+            return True
+        stats = result.stats.get(self.rule.name)
+        return bool(result.counts) or bool(stats is not None and stats.failed)
 
     def _apply(self, ruleset: Any, inst: Instance, quiet: bool = False) -> Any:
         from rewrite.driver import NonTerminationError
@@ -1189,6 +418,8 @@ def _target_name(target: Any) -> str:
     name = getattr(target, "__qualname__", None) or getattr(target, "__name__", repr(target))
     if module.startswith("torch.nn.functional"):
         return f"F.{name}"
+    if name.startswith("_VariableFunctionsClass."):
+        return f"torch.{name.split('.')[-1]}"
     if "TensorBase." in name:
         return f"Tensor.{name.split('.')[-1]}"
     if module in ("_operator", "operator"):
@@ -1256,8 +487,8 @@ def verify_rule(ruleset: Any, rule: CompiledRule | str, *, max_examples: int = 1
     hyp, st = _hyp(), _st()
     if isinstance(rule, str):
         rule = ruleset.rules[rule]
-    plan = _plan(rule)
-    verdict = dict(rule=rule.name, location=rule.location, tolerance=plan.tolerance)
+    plan = plan_for(rule)
+    verdict = {"rule": rule.name, "location": rule.location, "tolerance": plan.tolerance}
     if plan.unsupported:
         return RuleVerdict(status="skipped", reason=plan.unsupported, **verdict)
     checker = _Checker(ruleset, plan)
@@ -1267,7 +498,7 @@ def verify_rule(ruleset: Any, rule: CompiledRule | str, *, max_examples: int = 1
     @hyp.seed(seed)
     @hyp.given(st.data())
     def run(data: Any) -> None:
-        inst = data.draw(st.composite(lambda draw: _draw_instance(draw, plan))())
+        inst = data.draw(st.composite(lambda draw: draw_instance(draw, plan))())
         try:
             checker.check(inst)
         except _Failure as f:

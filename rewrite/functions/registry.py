@@ -127,7 +127,7 @@ def function_names(kind: str | None = None) -> list:
 
 
 #: Modules whose import registers built-in functions; one line per library area.
-_BUILTIN_MODULES = ("rewrite.functions.builtins", "rewrite.functions.amp")
+_BUILTIN_MODULES = ("rewrite.functions.builtins", "rewrite.functions.amp", "rewrite.functions.quant")
 
 
 def _ensure_builtins() -> None:

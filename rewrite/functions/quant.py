@@ -1,0 +1,587 @@
+"""Predicates, rewrite-time functions and int8 modules of the quantization rule sets.
+
+The rule files in ``rules/quant/`` name these (see ``rewrite.quant`` for the flow):
+
+* ``observe.rw`` inserts ``activation_observer`` modules (torch's ``HistogramObserver``)
+  where int8 kernels will read and write, asking ``observed``, ``output_observed``,
+  ``feeds`` and ``produced_by`` where observers already are;
+* ``convert.rw`` turns calibrated observers into ``quantize_per_tensor``/``dequantize``
+  pairs and quantizes weights once (``quantize_weight``: torch's
+  ``PerChannelMinMaxObserver``, per-channel symmetric int8);
+* ``lower.rw`` replaces QDQ patterns by modules that call ``torch.ops.quantized``
+  kernels with weights prepacked at rewrite time (``quantized_conv``,
+  ``quantized_linear``, ``quantized_add``...), and removes redundant pairs
+  (``has_qparams``).
+
+Policy predicates for user rule files: ``module_name_matches(x, "layer4.*")`` and
+``module_type_is(x, "Conv2d")`` look at the module a node came from
+(``nn_module_stack``, or the ``call_module`` target).
+
+The int8 modules hold torch's prepacked weights (``torch.ScriptObject``s, which
+deep-copy and pickle); their ``forward`` is one ``torch.ops.quantized`` call.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import math
+import warnings
+from typing import Any, Iterable
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from rewrite.facts import Value
+from rewrite.functions.registry import (
+    register_constant,
+    register_module,
+    register_predicate,
+    register_query,
+)
+
+__all__ = [
+    "PASSTHROUGH_OPS", "QuantizedModule", "QuantizedConv", "QuantizedConvAdd", "QuantizedLinear",
+    "QuantizedBinary", "QuantizedCat", "is_observer_node", "module_path", "module_type", "qparams_of",
+    "passthrough_input", "vnni_available",
+]
+
+#: Ops that run on quantized tensors with their input's scale and zero point: an
+#: observed value stays observed through them, and ``lower.rw`` runs them on int8.
+PASSTHROUGH_OPS = frozenset({
+    "max_pool2d", "adaptive_avg_pool2d", "avg_pool2d", "relu", "hardtanh", "relu6", "flatten",
+    "reshape", "view", "permute", "transpose", "contiguous", "identity", "squeeze",
+    "unsqueeze", "clone",
+})
+
+_PAD_TARGETS = {torch.ops.aten.pad.default, torch.nn.functional.pad, torch.constant_pad_nd,
+                torch.ops.aten.constant_pad_nd.default}
+#: Ops whose output an activation after them (relu, clamp) may be fused into.
+_FUSABLE = ("conv", "linear", "add", "mul")
+_ACTIVATIONS = ("relu", "hardtanh", "relu6")
+
+
+# ---------------------------------------------------------------- graph helpers
+
+
+def _gm(x: Value) -> Any:
+    return x.facts.gm
+
+
+def _ops(node: Any, gm: Any) -> dict:
+    """Canonical op name -> Bound for every vocabulary binding of ``node``."""
+    if not isinstance(node, fx.Node) or not node.op.startswith("call_"):
+        return {}
+    from rewrite.ops import bind_node
+
+    return {b.op: b for b in bind_node(node, gm)}
+
+
+def is_observer_node(node: Any, gm: Any) -> bool:
+    """``node`` calls a torch quantization observer module."""
+    if not isinstance(node, fx.Node) or node.op != "call_module":
+        return False
+    from torch.ao.quantization.observer import ObserverBase
+
+    try:
+        return isinstance(gm.get_submodule(node.target), ObserverBase)
+    except AttributeError:
+        return False
+
+
+def passthrough_input(node: Any, gm: Any) -> Any:
+    """The tensor input of ``node`` when it is a passthrough op (its output keeps
+    the input's quantization parameters), else None. Constant zero padding counts."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.op == "call_function" and node.target in _PAD_TARGETS and node.args:
+        mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
+        value = node.args[3] if len(node.args) > 3 else node.kwargs.get("value", 0.0)
+        if node.target in (torch.constant_pad_nd, torch.ops.aten.constant_pad_nd.default):
+            mode, value = "constant", (node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0))
+        if mode == "constant" and value in (0, 0.0, None):
+            return node.args[0]
+        return None
+    for op, bound in _ops(node, gm).items():
+        if op in PASSTHROUGH_OPS:
+            return bound.args.get("input")
+    return None
+
+
+def _observed(node: Any, gm: Any) -> bool:
+    for _ in range(64):
+        if is_observer_node(node, gm):
+            return True
+        node = passthrough_input(node, gm)
+        if node is None:
+            return False
+    return False
+
+
+def _single_user(node: fx.Node) -> fx.Node | None:
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def module_path(node: fx.Node, gm: Any = None) -> str | None:
+    """Dotted path of the module ``node`` came from (``layer4.0.conv1``): the
+    ``call_module`` target of an original module, else the innermost entry of
+    ``nn_module_stack`` (symbolic_trace and torch.export record it)."""
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path = list(stack.values())[-1][0]
+        path = path[len("L__self__"):] if path.startswith("L__self__") else path
+        return path.split("@")[0]
+    if node.op == "call_module":
+        return str(node.target)
+    return None
+
+
+def module_type(node: fx.Node, gm: Any = None) -> str | None:
+    """Class name of the module ``node`` came from (``Conv2d``), or None."""
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        cls = list(stack.values())[-1][1]
+        name = cls if isinstance(cls, str) else getattr(cls, "__qualname__", str(cls))
+        return name.rsplit(".", 1)[-1]
+    if node.op == "call_module" and gm is not None:
+        try:
+            return type(gm.get_submodule(node.target)).__name__
+        except AttributeError:
+            return None
+    return None
+
+
+def qparams_of(node: Any, gm: Any) -> tuple | None:
+    """``(scale, zero_point)`` of the quantized tensor ``node`` computes, when the
+    graph says it: an int8 module, a ``quantize_per_tensor`` with literal
+    parameters, or a passthrough op of such a value."""
+    for _ in range(64):
+        if not isinstance(node, fx.Node):
+            return None
+        if node.op == "call_module":
+            try:
+                mod = gm.get_submodule(node.target)
+            except AttributeError:
+                return None
+            return (mod.scale, mod.zero_point) if isinstance(mod, QuantizedModule) else None
+        bound = _ops(node, gm).get("quantize_per_tensor")
+        if bound is not None:
+            s, z = bound.args["scale"], bound.args["zero_point"]
+            return (float(s), int(z)) if isinstance(s, (int, float)) and isinstance(z, int) else None
+        node = passthrough_input(node, gm)
+    return None
+
+
+# ---------------------------------------------------------------- predicates
+
+
+@register_predicate()
+def activation(x: Value) -> bool:
+    """A floating-point tensor computed by the graph (not a weight or literal):
+    what activation observers watch."""
+    node = x.node
+    if node is None or node.op == "get_attr":
+        return False
+    m = x.meta
+    return m is not None and getattr(m, "dtype", None) is not None and m.dtype.is_floating_point
+
+
+@register_predicate()
+def observed(x: Value) -> bool:
+    """``x`` comes out of an observer, directly or through passthrough ops (pooling,
+    relu, reshapes, zero padding) that keep its quantization parameters."""
+    return _observed(x.node, _gm(x))
+
+
+@register_predicate()
+def output_observed(x: Value) -> bool:
+    """Every user of ``x`` is an observer (and it has at least one)."""
+    node = x.node
+    return node is not None and bool(node.users) and all(is_observer_node(u, _gm(x)) for u in node.users)
+
+
+@register_predicate()
+def feeds(x: Value, *ops: Value) -> bool:
+    """``x`` has exactly one user and it is one of the named ops: ``feeds(c, "relu")``."""
+    node = x.node
+    user = _single_user(node) if node is not None else None
+    return user is not None and bool(set(_ops(user, _gm(x))) & {o.literal for o in ops})
+
+
+@register_predicate()
+def produced_by(x: Value, *ops: Value) -> bool:
+    """``x`` is the output of one of the named ops: ``produced_by(y, "conv", "linear")``."""
+    return bool(set(_ops(x.node, _gm(x))) & {o.literal for o in ops})
+
+
+@register_predicate()
+def dequantized(x: Value) -> bool:
+    """``x`` is a ``dequantize`` output, directly or through passthrough ops."""
+    node, gm = x.node, _gm(x)
+    for _ in range(64):
+        if node is None:
+            return False
+        if "dequantize" in _ops(node, gm):
+            return True
+        node = passthrough_input(node, gm)
+    return False
+
+
+@register_predicate()
+def output_quantized(x: Value) -> bool:
+    """Every user of ``x`` quantizes it, or its one user is a fusable activation
+    (relu, hardtanh, relu6) whose users all quantize."""
+    node, gm = x.node, _gm(x)
+    if node is None or not node.users:
+        return False
+
+    def all_quantize(n: fx.Node) -> bool:
+        return bool(n.users) and all("quantize_per_tensor" in _ops(u, gm) for u in n.users)
+
+    if all_quantize(node):
+        return True
+    user = _single_user(node)
+    return user is not None and bool(set(_ops(user, gm)) & set(_ACTIVATIONS)) and all_quantize(user)
+
+
+@register_predicate()
+def has_qparams(x: Value, scale: Value, zero_point: Value) -> bool:
+    """``x`` is a quantized tensor known to have this scale and zero point."""
+    q = qparams_of(x.node, _gm(x))
+    s, z = scale.literal, zero_point.literal
+    if q is None or not isinstance(s, (int, float)) or not isinstance(z, int):
+        return False
+    return math.isclose(q[0], float(s), rel_tol=1e-9, abs_tol=0.0) and q[1] == z
+
+
+@register_predicate()
+def module_name_matches(x: Value, pattern: Value) -> bool:
+    """The module ``x`` came from has a dotted path matching the glob ``pattern``
+    (``"layer4.*"``, ``"*.downsample.*"``, ``"classifier"``)."""
+    node, pat = x.node, pattern.literal
+    if node is None or not isinstance(pat, str):
+        return False
+    path = module_path(node, _gm(x))
+    return path is not None and fnmatch.fnmatchcase(path, pat)
+
+
+@register_predicate()
+def module_type_is(x: Value, *names: Value) -> bool:
+    """The module ``x`` came from is of one of the named classes (``"Conv2d"``,
+    ``"BertSelfAttention"``; the class name without its module)."""
+    node = x.node
+    if node is None:
+        return False
+    kind = module_type(node, _gm(x))
+    return kind is not None and kind in {n.literal for n in names}
+
+
+@register_query()
+def module_name(x: Value) -> Any:
+    """The dotted path of the module ``x`` came from, or None."""
+    return None if x.node is None else module_path(x.node, _gm(x))
+
+
+# ---------------------------------------------------------------- rewrite-time constants
+
+_WEIGHT_SCHEMES = ("per_channel_symmetric", "per_channel_affine", "per_tensor_symmetric", "per_tensor_affine")
+
+
+def _weight_observer(scheme: str) -> Any:
+    from torch.ao.quantization.observer import MinMaxObserver, PerChannelMinMaxObserver
+
+    if scheme == "per_channel_symmetric":
+        return PerChannelMinMaxObserver(ch_axis=0, dtype=torch.qint8, qscheme=torch.per_channel_symmetric)
+    if scheme == "per_channel_affine":
+        return PerChannelMinMaxObserver(ch_axis=0, dtype=torch.qint8, qscheme=torch.per_channel_affine)
+    if scheme == "per_tensor_symmetric":
+        return MinMaxObserver(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric)
+    if scheme == "per_tensor_affine":
+        return MinMaxObserver(dtype=torch.qint8, qscheme=torch.per_tensor_affine)
+    raise ValueError(f"unknown weight scheme {scheme!r}; expected one of {_WEIGHT_SCHEMES}")
+
+
+@register_constant()
+def quantize_weight(w: Any, scheme: str = "per_channel_symmetric") -> Any:
+    """A float weight quantized to int8 once, at rewrite time, with the parameters
+    torch's weight observer computes: ``"per_channel_symmetric"`` (torch's
+    ``PerChannelMinMaxObserver``, output channels on dim 0; what the x86 and onednn
+    kernels prefer), ``"per_channel_affine"``, ``"per_tensor_symmetric"``,
+    ``"per_tensor_affine"``."""
+    if not isinstance(w, torch.Tensor) or not w.is_floating_point():
+        raise TypeError("quantize_weight takes a float weight tensor")
+    w = w.detach().float()
+    obs = _weight_observer(scheme)
+    obs(w)
+    scale, zero_point = obs.calculate_qparams()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if scheme.startswith("per_channel"):
+            return torch.quantize_per_channel(w, scale.double(), zero_point.long(), 0, torch.qint8)
+        return torch.quantize_per_tensor(w, float(scale), int(zero_point), torch.qint8)
+
+
+@register_constant()
+def quant_dtype(quant_min: int, quant_max: int) -> Any:
+    """The quantized dtype whose range is ``[quant_min, quant_max]``: ``torch.quint8``
+    for 0..255, ``torch.qint8`` for -128..127."""
+    if (quant_min, quant_max) == (0, 255):
+        return torch.quint8
+    if (quant_min, quant_max) == (-128, 127):
+        return torch.qint8
+    if (quant_min, quant_max) == (-(2 ** 31), 2 ** 31 - 1):
+        return torch.qint32
+    raise ValueError(f"no quantized dtype has the range [{quant_min}, {quant_max}]")
+
+
+# ---------------------------------------------------------------- observers (inserted)
+
+
+@functools.lru_cache(maxsize=1)
+def vnni_available() -> bool:
+    """The CPU has int8 dot-product instructions (AVX512-VNNI or AVX-VNNI, read from
+    ``/proc/cpuinfo``): int8 kernels do not saturate and activations can use the
+    full 8 bits. False when it cannot tell."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_vnni", "avx_vnni", "amx_int8"})
+    except OSError:
+        pass
+    return False
+
+
+@register_module(inputs=("x",))
+def activation_observer(x: Any = None, kind: str = "histogram") -> nn.Module:
+    """The default activation observer: torch's per-tensor affine ``quint8``
+    ``HistogramObserver`` (``kind="histogram"``), ``MinMaxObserver`` (``"minmax"``)
+    or ``MovingAverageMinMaxObserver`` (``"moving_average"``). The range is reduced
+    to 7 bits only on CPUs without VNNI, where fbgemm's int8 kernels can saturate."""
+    from torch.ao.quantization import observer as o
+
+    reduce_range = not vnni_available()
+    if kind == "histogram":
+        return o.HistogramObserver(reduce_range=reduce_range)
+    if kind == "minmax":
+        return o.MinMaxObserver(reduce_range=reduce_range)
+    if kind == "moving_average":
+        return o.MovingAverageMinMaxObserver(reduce_range=reduce_range)
+    raise ValueError(f"unknown observer kind {kind!r}; expected histogram, minmax or moving_average")
+
+
+# ---------------------------------------------------------------- int8 modules
+
+
+class QuantizedModule(nn.Module):
+    """Base of the int8 modules ``lower.rw`` inserts: output ``scale`` and
+    ``zero_point`` (what ``has_qparams`` and the accuracy report read)."""
+
+    def __init__(self, scale: float, zero_point: int) -> None:
+        super().__init__()
+        self.scale = float(scale)
+        self.zero_point = int(zero_point)
+
+    def extra_repr(self) -> str:
+        return f"scale={self.scale:.6g}, zero_point={self.zero_point}"
+
+
+def _per_dim(value: Any, rank: int, name: str) -> list:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value] * rank
+    if isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value):
+        if len(value) == 1:
+            return list(value) * rank
+        if len(value) == rank:
+            return list(value)
+    raise ValueError(f"quantized conv: unsupported {name} {value!r}")
+
+
+def _quantized_weight(w: Any) -> torch.Tensor:
+    if not isinstance(w, torch.Tensor):
+        raise TypeError("expected a weight tensor")
+    if not w.is_quantized:  # a float weight: quantize it with the default scheme
+        w = quantize_weight(w)
+    return w.detach()
+
+
+class QuantizedConv(QuantizedModule):
+    """``quantized::conv{1,2,3}d[_relu]`` with a weight prepacked once."""
+
+    def __init__(self, packed: Any, rank: int, scale: float, zero_point: int, relu: bool,
+                 weight_shape: tuple) -> None:
+        super().__init__(scale, zero_point)
+        self._packed = packed
+        self.rank = rank
+        self.relu = relu
+        self.weight_shape = tuple(weight_shape)
+        self._op = getattr(torch.ops.quantized, f"conv{rank}d{'_relu' if relu else ''}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._op(x, self._packed, self.scale, self.zero_point)
+
+    def extra_repr(self) -> str:
+        return f"weight={list(self.weight_shape)}, relu={self.relu}, " + super().extra_repr()
+
+
+class QuantizedConvAdd(QuantizedModule):
+    """onednn's ``quantized::conv2d_add[_relu]``: ``relu(conv(x) + accum)`` in one
+    kernel (the residual add of a ResNet block fused into its last conv)."""
+
+    def __init__(self, packed: Any, scale: float, zero_point: int, relu: bool, weight_shape: tuple) -> None:
+        super().__init__(scale, zero_point)
+        self._packed = packed
+        self.relu = relu
+        self.weight_shape = tuple(weight_shape)
+        self._op = torch.ops.quantized.conv2d_add_relu if relu else torch.ops.quantized.conv2d_add
+
+    def forward(self, x: torch.Tensor, accum: torch.Tensor) -> torch.Tensor:
+        # onednn reads the accumulator in the input's memory format
+        if x.is_contiguous(memory_format=torch.channels_last) != accum.is_contiguous(memory_format=torch.channels_last):
+            fmt = torch.channels_last if x.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format
+            accum = accum.contiguous(memory_format=fmt)
+        return self._op(x, accum, self._packed, self.scale, self.zero_point)
+
+    def extra_repr(self) -> str:
+        return f"weight={list(self.weight_shape)}, relu={self.relu}, " + super().extra_repr()
+
+
+class QuantizedLinear(QuantizedModule):
+    """``quantized::linear[_relu]`` with a weight prepacked once."""
+
+    def __init__(self, packed: Any, scale: float, zero_point: int, relu: bool, weight_shape: tuple) -> None:
+        super().__init__(scale, zero_point)
+        self._packed = packed
+        self.relu = relu
+        self.weight_shape = tuple(weight_shape)
+        self._op = torch.ops.quantized.linear_relu if relu else torch.ops.quantized.linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._op(x, self._packed, self.scale, self.zero_point)
+
+    def extra_repr(self) -> str:
+        return f"weight={list(self.weight_shape)}, relu={self.relu}, " + super().extra_repr()
+
+
+class QuantizedBinary(QuantizedModule):
+    """``quantized::add``, ``add_relu``, ``mul``, ``mul_relu``, ``matmul``."""
+
+    def __init__(self, op: str, scale: float, zero_point: int) -> None:
+        super().__init__(scale, zero_point)
+        self.op = op
+        self._op = getattr(torch.ops.quantized, op)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self._op(a, b, self.scale, self.zero_point)
+
+    def extra_repr(self) -> str:
+        return f"op={self.op}, " + super().extra_repr()
+
+
+class QuantizedCat(QuantizedModule):
+    """``quantized::cat`` of int8 tensors into one with its own parameters."""
+
+    def __init__(self, dim: int, scale: float, zero_point: int) -> None:
+        super().__init__(scale, zero_point)
+        self.dim = dim
+
+    def forward(self, tensors: list) -> torch.Tensor:
+        return torch.ops.quantized.cat(list(tensors), self.dim, self.scale, self.zero_point)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, " + super().extra_repr()
+
+
+def _check_qparams(scale: Any, zero_point: Any) -> None:
+    if not isinstance(scale, (int, float)) or not isinstance(zero_point, int):
+        raise TypeError(f"output scale/zero_point must be literals, got {scale!r}, {zero_point!r}")
+
+
+@register_module(inputs=("x",))
+def quantized_conv(x: Any = None, weight: Any = None, bias: Any = None, stride: Any = 1, padding: Any = 0,
+                   dilation: Any = 1, groups: int = 1, scale: float = 1.0, zero_point: int = 0,
+                   relu: bool = False) -> nn.Module:
+    """An int8 conv (1d/2d/3d, optionally fused with relu): the weight (already
+    quantized by ``quantize_weight``, or float) is prepacked for the current
+    ``torch.backends.quantized.engine`` once; output ``scale``/``zero_point``."""
+    _check_qparams(scale, zero_point)
+    w = _quantized_weight(weight)
+    rank = w.dim() - 2
+    if rank not in (1, 2, 3):
+        raise ValueError(f"quantized conv: weight of rank {w.dim()}")
+    if isinstance(padding, str):
+        raise ValueError("quantized conv: string padding is not supported")
+    st, pd, dl = (_per_dim(v, rank, n) for v, n in ((stride, "stride"), (padding, "padding"), (dilation, "dilation")))
+    b = None if bias is None else bias.detach().float()
+    if rank == 1:  # conv1d packs as a 2d conv over a height of 1
+        packed = torch.ops.quantized.conv1d_prepack(w, b, st, pd, dl, groups)
+    else:
+        packed = getattr(torch.ops.quantized, f"conv{rank}d_prepack")(w, b, st, pd, dl, groups)
+    return QuantizedConv(packed, rank, scale, zero_point, bool(relu), tuple(w.shape))
+
+
+@register_module(inputs=("x", "accum"))
+def quantized_conv_add(x: Any = None, accum: Any = None, weight: Any = None, bias: Any = None,
+                       stride: Any = 1, padding: Any = 0, dilation: Any = 1, groups: int = 1,
+                       scale: float = 1.0, zero_point: int = 0, relu: bool = False) -> nn.Module:
+    """onednn's fused ``relu(conv2d(x) + accum)`` (``relu=False``: no relu); needs
+    ``torch.backends.quantized.engine == "onednn"`` when packing and running."""
+    _check_qparams(scale, zero_point)
+    if torch.backends.quantized.engine != "onednn":
+        raise RuntimeError("quantized_conv_add needs the onednn engine")
+    w = _quantized_weight(weight)
+    if w.dim() != 4 or isinstance(padding, str):
+        raise ValueError("quantized_conv_add: 2d convs with int padding only")
+    st, pd, dl = (_per_dim(v, 2, n) for v, n in ((stride, "stride"), (padding, "padding"), (dilation, "dilation")))
+    b = None if bias is None else bias.detach().float()
+    packed = torch.ops.quantized.conv2d_prepack(w, b, st, pd, dl, groups)
+    return QuantizedConvAdd(packed, scale, zero_point, bool(relu), tuple(w.shape))
+
+
+@register_module(inputs=("x",))
+def quantized_linear(x: Any = None, weight: Any = None, bias: Any = None, scale: float = 1.0,
+                     zero_point: int = 0, relu: bool = False) -> nn.Module:
+    """An int8 linear (optionally fused with relu), weight prepacked once."""
+    _check_qparams(scale, zero_point)
+    w = _quantized_weight(weight)
+    b = None if bias is None else bias.detach().float()
+    packed = torch.ops.quantized.linear_prepack(w, b)
+    return QuantizedLinear(packed, scale, zero_point, bool(relu), tuple(w.shape))
+
+
+@register_module(inputs=("a", "b"))
+def quantized_add(a: Any = None, b: Any = None, scale: float = 1.0, zero_point: int = 0,
+                  relu: bool = False) -> nn.Module:
+    """``quantized::add`` (``add_relu`` with ``relu=True``) of two int8 tensors."""
+    _check_qparams(scale, zero_point)
+    return QuantizedBinary("add_relu" if relu else "add", scale, zero_point)
+
+
+@register_module(inputs=("a", "b"))
+def quantized_mul(a: Any = None, b: Any = None, scale: float = 1.0, zero_point: int = 0,
+                  relu: bool = False) -> nn.Module:
+    """``quantized::mul`` (``mul_relu`` with ``relu=True``) of two int8 tensors."""
+    _check_qparams(scale, zero_point)
+    return QuantizedBinary("mul_relu" if relu else "mul", scale, zero_point)
+
+
+@register_module(inputs=("a", "b"))
+def quantized_matmul(a: Any = None, b: Any = None, scale: float = 1.0, zero_point: int = 0) -> nn.Module:
+    """``quantized::matmul`` of two int8 tensors."""
+    _check_qparams(scale, zero_point)
+    return QuantizedBinary("matmul", scale, zero_point)
+
+
+@register_module(inputs=("tensors",))
+def quantized_cat(tensors: Any = None, dim: int = 0, scale: float = 1.0, zero_point: int = 0) -> nn.Module:
+    """``quantized::cat`` of a list of int8 tensors, requantized to ``scale``/``zero_point``."""
+    _check_qparams(scale, zero_point)
+    return QuantizedCat(int(dim), scale, zero_point)
+
+
+def quantized_modules(gm: nn.Module) -> Iterable:
+    """``(name, module)`` for every int8 module of ``gm``."""
+    return ((n, m) for n, m in gm.named_modules() if isinstance(m, QuantizedModule))

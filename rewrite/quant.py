@@ -1,0 +1,637 @@
+"""Post-training static int8 quantization, built from rule files.
+
+    import rewrite.quant as rq
+
+    observed = rq.prepare(model, (x,))             # rules/fusion.rw, then rules/quant/observe.rw
+    rq.calibrate(observed, batches)                 # observers record activation ranges
+    int8 = rq.convert(observed)                     # quant/convert.rw (QDQ), quant/lower.rw (int8 kernels)
+    print(rq.accuracy_report(observed, int8, held_out))   # per-layer and output SQNR
+
+    int8 = rq.quantize(model, batches)              # the same in one call
+
+Every step is a rule set (``rules/quant/*.rw``) applied with ``RuleSet.apply``; the
+Python here captures the model, runs the rule sets in order, and does the two things
+a rule cannot:
+
+* **Reading an observer.** A replacement may pass constants and literals to
+  rewrite-time functions, never a graph value, and an observer is a ``call_module``
+  node. So ``convert`` first replaces each calibrated observer by the function it now
+  stands for, ``fake_quantize_per_tensor_affine(x, scale, zero_point, qmin, qmax)``
+  with literal parameters, and ``convert.rw`` turns those into quantize/dequantize
+  pairs.
+* **Sharing an observer.** Input rules observe a tensor per consumer (a replacement
+  cannot name an existing node it did not match), so ``prepare`` merges observers
+  that watch the same tensor with the same configuration.
+
+Numerical checks: the rule sets that change numbers (convert, lower) run with
+``check=False``; ``convert`` instead compares the lowered int8 model with the
+reference QDQ model (``convert(..., lower=False)``) by SQNR and raises
+``QuantizationError`` when they disagree. ``accuracy_report`` judges int8 against
+fp32 by SQNR, per quantized tensor and per output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import math
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import attrs
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from rewrite.functions.quant import (
+    QuantizedModule,
+    is_observer_node,
+    module_path,
+)
+
+__all__ = [
+    "prepare", "calibrate", "convert", "quantize", "accuracy_report", "sqnr", "QuantizationError",
+    "QuantPoint", "LayerSQNR", "AccuracyReport", "quant_rules", "quantize_command",
+    "add_quantize_arguments", "BACKENDS",
+]
+
+BACKENDS = ("x86", "onednn", "fbgemm")
+_META = "rewrite.quant"
+
+
+class QuantizationError(RuntimeError):
+    """Quantization could not proceed (no calibration data) or the lowered int8
+    model disagrees with its reference QDQ model."""
+
+
+@attrs.frozen
+class QuantPoint:
+    """A tensor the model quantizes: the observer that watched it, the layer and op
+    that compute it, and its calibrated parameters."""
+
+    observer: str
+    layer: str
+    op: str
+    scale: float
+    zero_point: int
+    dtype: Any
+
+
+# ---------------------------------------------------------------- rule files
+
+
+def _quant_dir() -> Path:
+    import rewrite
+
+    return rewrite.rules_dir() / "quant"
+
+
+@functools.lru_cache(maxsize=None)
+def _load(path: str) -> Any:
+    import rewrite
+
+    return rewrite.load(path)
+
+
+def quant_rules(name: str, ruleset: str | None = None) -> Any:
+    """A shipped rule file of ``rules/quant/`` (``"observe"``, ``"convert"``,
+    ``"lower"``), or the ``ruleset`` declared in it."""
+    rules = _load(str(_quant_dir() / f"{name}.rw"))
+    return rules[ruleset] if ruleset else rules
+
+
+def _as_rules(rules: Any, default: str, ruleset: str | None = None) -> Any:
+    import rewrite
+
+    if rules is None:
+        return quant_rules(default, ruleset)
+    if isinstance(rules, (str, Path)):
+        loaded = rewrite.load(rules)
+        return loaded[ruleset] if ruleset and ruleset in loaded.sets else loaded
+    return rules
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _set_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    if backend not in torch.backends.quantized.supported_engines:
+        raise QuantizationError(f"this torch build has no {backend!r} quantized engine")
+    torch.backends.quantized.engine = backend
+
+
+def _as_args(batch: Any) -> tuple:
+    return tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+
+
+def _capture(model: Any, example_inputs: tuple, capture: str) -> fx.GraphModule:
+    if isinstance(model, fx.GraphModule):
+        return model
+    model = model.eval()
+    if capture == "fx":
+        return fx.symbolic_trace(model)
+    if capture == "export":
+        return torch.export.export(model, example_inputs, strict=False).module()
+    raise ValueError(f"capture must be 'fx' or 'export', got {capture!r}")
+
+
+def _record_shapes(gm: fx.GraphModule, args: tuple) -> None:
+    """Give every node shape facts (``meta["tensor_meta"]``) by running the example
+    inputs once. The observe rules ask ``activation(x)`` everywhere, and a graph
+    that an earlier rule set rewrote records facts only on the nodes it created
+    (the engine then no longer records the rest from the example inputs)."""
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    with torch.no_grad():
+        ShapeProp(gm).propagate(*args)
+
+
+def _observer_config(mod: Any) -> tuple:
+    return (type(mod), getattr(mod, "dtype", None), getattr(mod, "qscheme", None),
+            getattr(mod, "reduce_range", None), getattr(mod, "quant_min", None),
+            getattr(mod, "quant_max", None), getattr(mod, "bins", None))
+
+
+def _merge_observers(gm: fx.GraphModule) -> int:
+    """One observer per tensor: an observer that watches the same value as an
+    earlier one with the same configuration, or watches an observer's output, is
+    replaced by it. Returns how many were merged."""
+    merged = 0
+    first: dict = {}
+    for node in list(gm.graph.nodes):
+        if not is_observer_node(node, gm):
+            continue
+        config = _observer_config(gm.get_submodule(node.target))
+        src = node.args[0]
+        keep = None
+        if is_observer_node(src, gm) and _observer_config(gm.get_submodule(src.target)) == config:
+            keep = src
+        else:
+            keep = first.get((src, config))
+        if keep is None:
+            first[(src, config)] = node
+            continue
+        node.replace_all_uses_with(keep)
+        gm.graph.erase_node(node)
+        merged += 1
+    if merged:
+        gm.delete_all_unused_submodules()
+        gm.recompile()
+    return merged
+
+
+def _reset_observer(mod: Any) -> None:
+    """Forget what an observer saw (the equivalence check ran random inputs through it)."""
+    if hasattr(mod, "histogram"):
+        mod.histogram = torch.zeros_like(mod.histogram)
+        mod.min_val = torch.tensor(float("inf"))
+        mod.max_val = torch.tensor(float("-inf"))
+        return
+    try:
+        mod.reset_min_max_vals()
+    except NotImplementedError:
+        pass
+
+
+def _observers(gm: fx.GraphModule) -> list:
+    return [n for n in gm.graph.nodes if is_observer_node(n, gm)]
+
+
+def _const_name(operand: Any) -> str | None:
+    from rewrite.ops.base import ConstRef
+
+    if isinstance(operand, ConstRef):
+        return operand.qualname
+    if isinstance(operand, fx.Node) and operand.op == "get_attr":
+        return str(operand.target)
+    return None
+
+
+def _layer_of_weight(qualname: str) -> str:
+    if qualname.endswith(".weight"):
+        return qualname[: -len(".weight")]
+    cut = qualname.find("_weight")
+    return qualname[:cut] if cut > 0 else qualname
+
+
+def _describe(node: Any, gm: fx.GraphModule) -> tuple:
+    """(layer, op) of the value an observer watches, for the accuracy report."""
+    from rewrite.ops import bind_node
+
+    if not isinstance(node, fx.Node):
+        return ("?", "?")
+    if node.op == "placeholder":
+        return (node.name, "input")
+    bound = {b.op: b for b in bind_node(node, gm)} if node.op.startswith("call_") else {}
+    act = next((op for op in ("relu", "relu6", "hardtanh") if op in bound), None)
+    if act is not None:
+        inner = bound[act].args.get("input")
+        inner_layer, inner_op = _describe(inner, gm)
+        if inner_op in ("conv", "linear", "add", "mul"):
+            return (inner_layer, f"{inner_op}+{act}")
+    for op in ("conv", "linear"):
+        if op in bound:
+            name = _const_name(bound[op].args.get("weight"))
+            return (_layer_of_weight(name) if name else (module_path(node) or node.name), op)
+    op = next(iter(bound), None) or str(getattr(node.target, "__name__", node.target))
+    return (module_path(node) or node.name, op)
+
+
+def _freeze_observers(gm: fx.GraphModule) -> list:
+    """Replace each calibrated observer by ``fake_quantize_per_tensor_affine`` with
+    its parameters as literals (what convert.rw matches). Returns the QuantPoints."""
+    from rewrite.ops import detect_dialect
+
+    aten = detect_dialect(gm) == "aten"
+    target = torch.ops.aten.fake_quantize_per_tensor_affine.default if aten else torch.fake_quantize_per_tensor_affine
+    points = []
+    for node in _observers(gm):
+        mod = gm.get_submodule(node.target)
+        if not torch.isfinite(getattr(mod, "min_val", torch.tensor(0.0))).all():
+            raise QuantizationError(
+                f"observer {node.target!r} saw no data: run calibration batches through the "
+                "prepared model before convert()")
+        if mod.qscheme not in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+            raise QuantizationError(f"observer {node.target!r}: activations are quantized per tensor only")
+        scale, zero_point = mod.calculate_qparams()
+        scale, zero_point = float(scale.reshape(-1)[0]), int(zero_point.reshape(-1)[0])
+        info = torch.iinfo(mod.dtype)
+        src = node.args[0]
+        layer, op = _describe(src, gm)
+        points.append(QuantPoint(str(node.target), layer, op, scale, zero_point, mod.dtype))
+        with gm.graph.inserting_before(node):
+            fq = gm.graph.call_function(target, (src, scale, zero_point, info.min, info.max))
+        fq.meta.update({k: v for k, v in node.meta.items() if k != "rewrite_facts"})
+        node.replace_all_uses_with(fq)
+        gm.graph.erase_node(node)
+    gm.delete_all_unused_submodules()
+    gm.graph.lint()
+    gm.recompile()
+    return points
+
+
+# ---------------------------------------------------------------- API
+
+
+def prepare(
+    model: Any,
+    example_inputs: Any,
+    *,
+    backend: str = "x86",
+    capture: str = "fx",
+    observe: Any = None,
+    ruleset: str = "main",
+    fuse: bool = True,
+    check: bool = True,
+) -> fx.GraphModule:
+    """Capture ``model``, fold batch norms (``rules/fusion.rw``) and insert observers
+    (``rules/quant/observe.rw``).
+
+    Args:
+        model: an ``nn.Module`` (captured with ``capture``) or a ``GraphModule``
+            (from ``torch.fx.symbolic_trace`` or ``torch.export.export(...).module()``).
+        example_inputs: a tuple of inputs (or one tensor).
+        backend: ``"x86"`` (fbgemm and onednn kernels), ``"onednn"`` or ``"fbgemm"``:
+            sets ``torch.backends.quantized.engine``, which prepacks the weights.
+        capture: ``"fx"`` (symbolic_trace) or ``"export"`` (``torch.export``, non-strict).
+        observe: your own observe rule file (path or RuleSet) instead of the shipped one.
+        ruleset: which ruleset of the observe file: ``"main"`` (conv, linear, add,
+            mul, cat, matmul) or ``"linear"`` (linear layers only: transformers).
+        fuse: run ``rules/fusion.rw`` first.
+        check: check the fused and observed graphs against the model (the
+            observers are reset afterwards, so the check calibrates nothing).
+
+    Returns:
+        The observed GraphModule. Run calibration batches through it
+        (``calibrate``), then ``convert`` it.
+    """
+    import rewrite
+
+    _set_backend(backend)
+    args = _as_args(example_inputs)
+    gm = _capture(model, args, capture)
+    if fuse:
+        gm = rewrite.load(rewrite.rules_dir() / "fusion.rw").apply(gm, args, check=check).graph_module
+    _record_shapes(gm, args)
+    result = _as_rules(observe, "observe", ruleset).apply(gm, args, check=check)
+    observed = result.graph_module
+    merged = _merge_observers(observed)
+    for node in _observers(observed):
+        _reset_observer(observed.get_submodule(node.target))
+    observed.meta[_META] = {
+        "backend": backend, "example_inputs": args, "observe_counts": dict(result.counts),
+        "merged_observers": merged,
+    }
+    return observed
+
+
+def calibrate(observed: fx.GraphModule, batches: Iterable) -> int:
+    """Run ``batches`` (each a tensor or a tuple of inputs) through the observed
+    model so its observers record activation ranges. Returns the number of batches."""
+    n = 0
+    with torch.no_grad():
+        for batch in batches:
+            observed(*_as_args(batch))
+            n += 1
+    return n
+
+
+def convert(
+    observed: fx.GraphModule,
+    *,
+    lower: bool = True,
+    check: bool = True,
+    convert_rules: Any = None,
+    lower_rules: Any = None,
+    min_qdq_sqnr: float = 25.0,
+) -> fx.GraphModule:
+    """Turn a calibrated observed model into an int8 model.
+
+    Steps: calibrated observers become fake-quant functions (see the module doc),
+    ``rules/quant/convert.rw`` makes the reference QDQ model, ``rules/quant/lower.rw``
+    rewrites QDQ patterns into ``torch.ops.quantized`` kernels with prepacked weights.
+
+    Args:
+        observed: what ``prepare`` returned, after calibration (not modified).
+        lower: False returns the reference QDQ model (float kernels, int8 rounding).
+        check: compare the int8 model with the QDQ model on the example inputs;
+            raise ``QuantizationError`` when their SQNR is below ``min_qdq_sqnr`` dB.
+        convert_rules, lower_rules: your own rule files (path or RuleSet).
+
+    Returns:
+        A GraphModule; ``gm.meta["rewrite.quant"]`` holds the quantization points,
+        rule counts, and the QDQ-vs-int8 SQNR when checked.
+    """
+    state = dict(observed.meta.get(_META, {}))
+    backend = state.get("backend", torch.backends.quantized.engine)
+    _set_backend(backend)
+    args = state.get("example_inputs")
+    gm = copy.deepcopy(observed)
+    # an inference model: new constants derived from parameters (the int8 weights)
+    # would otherwise inherit requires_grad, which int8 tensors cannot have
+    gm.requires_grad_(False)
+    points = _freeze_observers(gm)
+    qdq_result = _as_rules(convert_rules, "convert").apply(gm, args, check=False)
+    qdq = qdq_result.graph_module
+    state.update(points=points, convert_counts=dict(qdq_result.counts))
+    if not lower:
+        qdq.meta[_META] = state
+        return qdq
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch warns that quantized dtypes are deprecated
+        low_result = _as_rules(lower_rules, "lower").apply(qdq, args, check=False)
+    int8 = low_result.graph_module
+    state.update(lower_counts=dict(low_result.counts))
+    if check and args is not None:
+        with torch.no_grad():
+            ref, out = qdq(*args), int8(*args)
+        db = min(sqnr(r, o) for r, o in _float_pairs(ref, out))
+        state["qdq_sqnr"] = db
+        if db < min_qdq_sqnr:
+            raise QuantizationError(
+                f"the int8 model disagrees with its reference QDQ model: SQNR {db:.1f} dB "
+                f"< {min_qdq_sqnr} dB (lowering rules: {dict(low_result.counts)})")
+    int8.meta[_META] = state
+    return int8
+
+
+def quantize(
+    model: Any,
+    calibration_batches: Iterable,
+    example_inputs: Any = None,
+    **options: Any,
+) -> fx.GraphModule:
+    """``prepare`` + ``calibrate`` + ``convert`` in one call.
+
+    ``example_inputs`` defaults to the first calibration batch; ``options`` go to
+    ``prepare`` (``backend``, ``capture``, ``observe``, ``ruleset``, ``fuse``,
+    ``check``) and ``convert`` (``lower``, ``convert_rules``, ``lower_rules``,
+    ``min_qdq_sqnr``).
+    """
+    batches = list(calibration_batches)
+    if not batches:
+        raise QuantizationError("quantize needs at least one calibration batch")
+    if example_inputs is None:
+        example_inputs = _as_args(batches[0])
+    convert_keys = {"lower", "convert_rules", "lower_rules", "min_qdq_sqnr"}
+    conv_opts = {k: v for k, v in options.items() if k in convert_keys}
+    prep_opts = {k: v for k, v in options.items() if k not in convert_keys}
+    if "check" in prep_opts:
+        conv_opts["check"] = prep_opts["check"]
+    observed = prepare(model, example_inputs, **prep_opts)
+    calibrate(observed, batches)
+    return convert(observed, **conv_opts)
+
+
+# ---------------------------------------------------------------- accuracy
+
+
+def sqnr(reference: torch.Tensor, test: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB: ``20 log10(|ref| / |ref - test|)``
+    (inf when equal)."""
+    ref = reference.detach().double()
+    test = test.detach().dequantize().double() if test.is_quantized else test.detach().double()
+    noise = (ref - test).norm()
+    if noise == 0:
+        return math.inf
+    return float(20 * torch.log10(ref.norm() / noise))
+
+
+def _float_pairs(ref: Any, out: Any) -> list:
+    a = [t for t in pytree.tree_leaves(ref) if isinstance(t, torch.Tensor)]
+    b = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    if len(a) != len(b):
+        raise QuantizationError(f"the models return {len(a)} and {len(b)} tensors")
+    return [(x, y) for x, y in zip(a, b) if x.is_floating_point()]
+
+
+class _FloatRun(fx.Interpreter):
+    """Runs an observed model as the fp32 model it wraps: observers pass their
+    input through without recording it; their inputs are kept by observer name."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.values: dict = {}
+
+    def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+        node = self.current_node if hasattr(self, "current_node") else None
+        if node is not None and is_observer_node(node, self.module):
+            self.values[str(target)] = args[0]
+            return args[0]
+        return super().call_module(target, args, kwargs)
+
+    def run_node(self, n: fx.Node) -> Any:
+        self.current_node = n
+        return super().run_node(n)
+
+
+class _Int8Run(fx.Interpreter):
+    """Runs an int8 model keeping the first tensor produced with each (scale, zero point)."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.values: dict = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        out = super().run_node(n)
+        if isinstance(out, torch.Tensor) and out.is_quantized and out.qscheme() in (
+                torch.per_tensor_affine, torch.per_tensor_symmetric):
+            self.values.setdefault((float(out.q_scale()), int(out.q_zero_point())), out.dequantize())
+        return out
+
+
+@attrs.frozen
+class LayerSQNR:
+    """SQNR of one quantized tensor (or output) of the int8 model against fp32."""
+
+    layer: str
+    op: str
+    sqnr: float
+    flagged: bool
+
+
+@attrs.frozen
+class AccuracyReport:
+    """Per-layer and output SQNR of an int8 model against its fp32 model."""
+
+    layers: tuple
+    outputs: tuple
+    flag_below: float
+
+    @property
+    def output_sqnr(self) -> float:
+        """The worst output SQNR, in dB."""
+        return min((o.sqnr for o in self.outputs), default=math.inf)
+
+    @property
+    def flagged(self) -> tuple:
+        return tuple(r for r in self.layers + self.outputs if r.flagged)
+
+    def __str__(self) -> str:
+        width = max([len(r.layer) for r in self.layers + self.outputs] + [5])
+        lines = [f"{'layer':<{width}}  {'op':<16} {'SQNR dB':>8}"]
+        for r in self.layers + self.outputs:
+            mark = "  <-- poor" if r.flagged else ""
+            lines.append(f"{r.layer:<{width}}  {r.op:<16} {r.sqnr:>8.1f}{mark}")
+        lines.append(f"output SQNR {self.output_sqnr:.1f} dB; {len(self.flagged)} tensor(s) below "
+                     f"{self.flag_below:g} dB")
+        return "\n".join(lines)
+
+
+def accuracy_report(
+    observed: fx.GraphModule,
+    int8: fx.GraphModule,
+    batches: Iterable,
+    *,
+    flag_below: float = 20.0,
+) -> AccuracyReport:
+    """SQNR of the int8 model against fp32 on held-out ``batches``, for every
+    tensor the model quantizes (the output of each int8 conv, linear, add...) and
+    for every float output; entries below ``flag_below`` dB are flagged.
+
+    ``observed`` (from ``prepare``) supplies the fp32 values: its observers are
+    bypassed, nothing is recorded. Quantized tensors of the int8 model are matched
+    to observers by their (scale, zero point), which the rules copy verbatim.
+    """
+    points = int8.meta.get(_META, {}).get("points", [])
+    by_key: dict = {}
+    for p in points:
+        by_key.setdefault((p.scale, p.zero_point), []).append(p)
+    sig: dict = {}
+    noise: dict = {}
+
+    def add(key: Any, ref: torch.Tensor, test: torch.Tensor) -> None:
+        r, t = ref.detach().double(), test.detach().double()
+        sig[key] = sig.get(key, 0.0) + float((r * r).sum())
+        noise[key] = noise.get(key, 0.0) + float(((r - t) ** 2).sum())
+
+    n_out = 0
+    with torch.no_grad():
+        for batch in batches:
+            args = _as_args(batch)
+            fl, q = _FloatRun(observed), _Int8Run(int8)
+            ref, out = fl.run(*args), q.run(*args)
+            for key, group in by_key.items():
+                if len(group) != 1 or key not in q.values or group[0].observer not in fl.values:
+                    continue
+                ref_t = fl.values[group[0].observer]
+                if tuple(ref_t.shape) == tuple(q.values[key].shape):
+                    add(group[0].observer, ref_t, q.values[key])
+            pairs = _float_pairs(ref, out)
+            n_out = len(pairs)
+            for i, (r, o) in enumerate(pairs):
+                add(("output", i), r, o.dequantize() if o.is_quantized else o)
+
+    def db(key: Any) -> float:
+        return math.inf if noise[key] == 0 else 10 * math.log10(sig[key] / noise[key]) if sig[key] else -math.inf
+
+    layers = tuple(
+        LayerSQNR(p.layer, p.op, db(p.observer), db(p.observer) < flag_below)
+        for p in points if p.observer in sig)
+    outputs = tuple(
+        LayerSQNR(f"output[{i}]", "", db(("output", i)), db(("output", i)) < flag_below)
+        for i in range(n_out))
+    return AccuracyReport(layers, outputs, flag_below)
+
+
+# ---------------------------------------------------------------- command line
+
+
+def add_quantize_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options of ``rewrite quantize`` (see ``quantize_command``)."""
+    p.add_argument("--model", required=True, help="module:callable returning (model, example_inputs)")
+    p.add_argument("--capture", choices=("fx", "export"), default="fx")
+    p.add_argument("--backend", choices=BACKENDS, default="x86")
+    p.add_argument("--ruleset", default="main", help="ruleset of the observe rules: main (all ops) or linear")
+    p.add_argument("--observe", help="your own observe rule file instead of rules/quant/observe.rw")
+    p.add_argument("--calibration", type=int, default=8, metavar="N",
+                   help="calibrate on N random batches shaped like the example inputs")
+    p.add_argument("--held-out", type=int, default=4, metavar="N", help="report SQNR on N other random batches")
+    p.add_argument("--flag-below", type=float, default=20.0, help="flag tensors below this SQNR (dB)")
+    p.add_argument("--save", help="torch.save the int8 GraphModule here")
+    return p
+
+
+def quantize_command(args: argparse.Namespace) -> int:
+    """``rewrite quantize --model pkg.mod:factory [--capture export] ...``: quantize
+    the model, print the rule counts and the accuracy report, optionally save it.
+    Exit 0 on success, 1 when quantization fails its check."""
+    from rewrite.check import generate_inputs
+    from rewrite.cli import _load_model, _save
+
+    model, inputs = _load_model(args.model)
+    calib = [generate_inputs(inputs, seed=1000 + i) for i in range(args.calibration)]
+    held = [generate_inputs(inputs, seed=2000 + i) for i in range(args.held_out)]
+    try:
+        observed = prepare(model, inputs, backend=args.backend, capture=args.capture,
+                           observe=args.observe, ruleset=args.ruleset)
+        calibrate(observed, [inputs] + calib)
+        int8 = convert(observed)
+    except QuantizationError as err:
+        print(f"rewrite: error: {err}", file=sys.stderr)
+        return 1
+    state = int8.meta[_META]
+    for step in ("observe_counts", "convert_counts", "lower_counts"):
+        counts = ", ".join(f"{k} x{v}" for k, v in sorted(state.get(step, {}).items())) or "none"
+        print(f"{step.split('_')[0]}: {counts}")
+    print(f"int8 vs QDQ reference: SQNR {state.get('qdq_sqnr', float('nan')):.1f} dB")
+    print()
+    print(accuracy_report(observed, int8, held, flag_below=args.flag_below))
+    if args.save:
+        _save(int8, args.save)
+        print(f"saved the int8 GraphModule to {args.save}")
+    return 0
+
+
+def _main(argv: Sequence[str] | None = None) -> int:  # python -m rewrite.quant
+    parser = add_quantize_arguments(argparse.ArgumentParser(prog="rewrite quantize"))
+    return quantize_command(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())
