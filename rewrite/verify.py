@@ -8,16 +8,11 @@ its domain is rejected with the smallest instance hypothesis can shrink to, prin
 Alive-style: the rule and its source position, the bindings, the original and the
 rewritten graph with every node's value, expected vs got, the first diverging node.
 
-How an instance is built: the pattern is emitted bottom-up into a fresh graph with
-the vocabulary's own emitters (``opdef.emit["torch"]`` or ``["aten"]``, drawn), so the
-instance is a graph the engine meets in practice. Per-op generators (keyed by
-canonical op name, below) draw shapes that fit (a batch norm after a conv gets the
-conv's channel count), attribute values (strides, groups, eps) and values (positive
-running variances). Variables in ``const(...)`` become module constants, other
-tensor variables graph inputs. Generators also propose the values a rule's
-constraints look for (the inverse of the permutation before, the dtype the value
-had before a cast), so rules like ``permute(permute(x, p), q) where perms_cancel(p, q)``
-meet their domain often.
+Instances come from ``rewrite.instances``: the pattern emitted with the vocabulary's
+own emitters into a fresh graph (torch or aten spelling), shapes, attributes and
+values drawn by per-op generators, ``const(...)`` variables as module constants.
+Each instance is rewritten by the rule alone (``ruleset[rule.name].apply(...,
+check=False)``) and both graphs are run on the same inputs.
 
 Verdicts, per rule:
 
@@ -55,6 +50,7 @@ import attrs
 import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
+
 from rewrite.compile import CompiledRule
 from rewrite.instances import Instance, Plan, _hyp, _st, draw_instance, instances, plan_for, rule_tolerance
 

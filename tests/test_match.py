@@ -177,3 +177,26 @@ def test_inplace_op_is_not_rewritten_when_its_input_is_read_elsewhere():
     text = "rule relu_to_clamp: relu(x) => clamp(x, 0.0)"
     assert _apply(text, Fn(f), X).counts == {}
     assert _apply(text, Fn(g), X).counts == {"relu_to_clamp": 1}
+
+
+def test_qualified_names_match_only_their_spelling():
+    def f(x):
+        return torch.relu(x) + F.relu(x) + x.relu()
+
+    r = _apply("rule only_f: F.relu(x) => sigmoid(x)", Fn(f), X, check=False)
+    assert r.counts == {"only_f": 1}
+    r = _apply("rule any_relu: relu(x) => sigmoid(x)", Fn(f), X, check=False)
+    assert r.counts == {"any_relu": 3}
+    r = _apply("rule m: Tensor.clamp(x, 0.0, None) => relu(x)", Fn(lambda x: x.clamp(0.0) + torch.clamp(x, 0.0)), X)
+    assert r.counts == {"m": 1}
+
+
+def test_qualified_module_and_aten_names():
+    conv = torch.nn.Sequential(torch.nn.Conv2d(3, 3, 1), torch.nn.ReLU())
+    gm = fx.symbolic_trace(conv)
+    r = rewrite.parse("rule c: nn.ReLU(nn.Conv2d(x, w, b, s, p, d, g)) => relu(conv(x, w, b, s, p, d, g))").apply(
+        gm, example_inputs=(X,))
+    assert r.counts == {"c": 1}
+    ep = torch.export.export(conv, (X,)).module()
+    r = rewrite.parse("rule c: aten.relu(aten.conv2d(x, ...)) => x").apply(ep, example_inputs=(X,), check=False)
+    assert r.counts == {"c": 1}
