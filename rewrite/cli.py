@@ -1,6 +1,8 @@
 """The ``rewrite`` command line: thin over the Python API.
 
     rewrite check rules/*.rw                      # exit 1 on any error, file:line:col
+    rewrite check --verify rules/*.rw             # and verify every rule on random instances
+    rewrite fmt [--check | --write] rules/*.rw    # print, check or rewrite in canonical form
     rewrite apply rules/fusion.rw --model rewrite.examples.cnn:demo_cnn_with_inputs
     rewrite explain rules/fusion.rw [--model M --capture export]
 
@@ -28,7 +30,7 @@ def _load(paths: Sequence[str]) -> Any:
 def _cmd_check(args: argparse.Namespace) -> int:
     from rewrite.language import RuleError
 
-    failed = 0
+    failed, loaded = 0, []
     for path in args.files:
         try:
             rules = _load([path])
@@ -42,7 +44,34 @@ def _cmd_check(args: argparse.Namespace) -> int:
             continue
         if not args.quiet:
             print(f"{path}: ok ({len(rules)} rules)")
+        loaded.append(rules)
+    if args.verify and loaded:
+        try:
+            failed += _verify(loaded, args.max_examples, args.seed)
+        except ImportError as err:  # hypothesis is a test extra
+            print(f"rewrite: error: --verify: {err}", file=sys.stderr)
+            return 2
     return 1 if failed else 0
+
+
+def _verify(rulesets: list, max_examples: int, seed: int) -> int:
+    """Verify every rule once (a rule imported by two files is verified once); print
+    the verdict table and each counterexample. Returns the number of failed rules."""
+    from rewrite.verify import VerificationReport, verify_rule
+
+    verdicts, seen = [], set()
+    for rules in rulesets:
+        for rule in rules:
+            if rule.location not in seen:
+                seen.add(rule.location)
+                verdicts.append(verify_rule(rules, rule, max_examples=max_examples, seed=seed))
+    report = VerificationReport(tuple(verdicts))
+    print()
+    print(report.table())
+    for verdict in report.failures:
+        print()
+        print(verdict)
+    return len(report.failures)
 
 
 def _load_model(spec: str) -> tuple:
@@ -171,6 +200,250 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- fmt
+
+_WIDTH = 100
+
+
+def _cmd_fmt(args: argparse.Namespace) -> int:
+    from rewrite.language import RuleError
+
+    status = 0
+    for path in args.files:
+        try:
+            with open(path, encoding="utf-8-sig") as fh:
+                text = fh.read()
+            formatted = _format_source(text, path)
+        except RuleError as err:
+            print(str(err), file=sys.stderr)
+            status = 1
+            continue
+        except (OSError, UnicodeDecodeError) as err:
+            print(f"{path}: error: cannot read rule file: {err}", file=sys.stderr)
+            status = 1
+            continue
+        if args.check:
+            if formatted != text:
+                print(f"{path}: not formatted (run 'rewrite fmt --write {path}')", file=sys.stderr)
+                status = 1
+        elif args.write:
+            if formatted != text:
+                with open(path, "w", encoding="utf-8") as fh:
+                    fh.write(formatted)
+                print(f"{path}: formatted")
+        else:
+            sys.stdout.write(formatted)
+    return status
+
+
+def _format_source(text: str, path: str = "<string>") -> str:
+    """A rule file in canonical form: each declaration printed by
+    ``rewrite.language.printer`` (long rules laid out over lines, calls wrapped at
+    ``_WIDTH`` columns with arguments aligned after the bracket), comments and
+    blank-line grouping kept. A declaration with a comment inside it is kept as
+    written, so no comment is ever lost. Raises ``RuleError`` on a syntax error."""
+    from rewrite.language import parse_text
+
+    module = parse_text(text, path)
+    lines = text.splitlines()
+    out: list = []
+    done = 0  # source lines consumed
+    for item in module.items:
+        span = item.span
+        out += _gap(lines[done:span.line - 1], bool(out))
+        inner, trailing = _comments_in(lines, span)
+        if inner:
+            body = [lines[span.line - 1][span.col - 1:]] + lines[span.line:span.end_line]
+            body[-1] = body[-1][: len(body[-1]) - (len(lines[span.end_line - 1]) - span.end_col + 1)]
+            out += [line.rstrip() for line in body]
+        else:
+            out += _layout_item(item).split("\n")
+        if trailing:
+            out[-1] = f"{out[-1]}  {trailing}"
+        done = span.end_line
+    out += _gap(lines[done:], bool(out))
+    while out and not out[-1]:
+        out.pop()
+    return "\n".join(out) + "\n" if out else ""
+
+
+def _gap(lines: list, after: bool) -> list:
+    """Comment and blank lines between declarations: comments stripped of
+    surrounding space, runs of blank lines collapsed to one (none at the top)."""
+    out: list = []
+    blank = False
+    for line in lines:
+        line = line.strip()
+        if not line:
+            blank = True
+            continue
+        if blank and (out or after):
+            out.append("")
+        out.append(line)
+        blank = False
+    if blank and (out or after):
+        out.append("")
+    return out
+
+
+def _comment_col(line: str) -> int | None:
+    """Index of the ``#`` that starts a comment on ``line`` (not one inside a string)."""
+    quote, escaped = None, False
+    for i, ch in enumerate(line):
+        if quote:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == quote:
+                quote = None
+        elif ch in "\"'":
+            quote = ch
+        elif ch == "#":
+            return i
+    return None
+
+
+def _comments_in(lines: list, span: Any) -> tuple:
+    """(whether a comment lies inside the span, the comment trailing its last line)."""
+    inner, trailing = False, ""
+    for n in range(span.line, span.end_line + 1):
+        col = _comment_col(lines[n - 1])
+        if col is None:
+            continue
+        after_start = n > span.line or col >= span.col - 1
+        if n == span.end_line and col >= span.end_col - 1:
+            trailing = lines[n - 1][col:].strip()
+        elif after_start:
+            inner = True
+    return inner, trailing
+
+
+def _layout_item(item: Any) -> str:
+    """One line when it fits; else the rule's body on one line under its header;
+    else pattern, ``where`` and ``=>`` on lines of their own, wrapped."""
+    import attrs
+
+    from rewrite.language import ast, format_expr, format_rule
+    from rewrite.language.printer import format_item
+
+    if isinstance(item, ast.RuleSetDecl):
+        return "\n".join(_layout_schedule(item.schedule, f"ruleset {item.name} = "))
+    if not isinstance(item, ast.Rule):
+        return format_item(item)
+    one = format_rule(item, doc=False)
+    if len(one) <= _WIDTH:
+        return one
+    blank = ast.Var("_")
+    head = format_rule(attrs.evolve(item, pattern=blank, where=None, replacement=blank), doc=False)
+    head = head[: -len(" _ => _")]
+    body = one[len(head) + 1:]
+    if 4 + len(body) <= _WIDTH:
+        return f"{head}\n    {body}"
+    lines = [head]
+    first = item.where is not None and f"    {format_expr(item.pattern)} where {format_expr(item.where)}"
+    if first and len(first) <= _WIDTH:
+        lines.append(first)
+    else:
+        lines += _layout(item.pattern, 4, "")
+        if item.where is not None:
+            lines += _layout(item.where, 4, "where ")
+    lines += _layout(item.replacement, 4, "=> ")
+    return "\n".join(lines)
+
+
+def _layout_schedule(s: Any, prefix: str, col: int = 0, suffix: str = "") -> list:
+    """A schedule's items packed greedily, continuation lines aligned after ``(``;
+    nested schedules that do not fit wrap the same way."""
+    from rewrite.language import ast
+    from rewrite.language.printer import format_schedule
+
+    text = " " * col + prefix + format_schedule(s) + suffix
+    if len(text) <= _WIDTH or not s.items:
+        return [text]
+    head = " " * col + prefix + s.kind + "("
+    inner = len(head)
+    lines, cur, fresh = [], head, True
+    for n, item in enumerate(s.items):
+        end = ")" + suffix if n == len(s.items) - 1 else ","
+        piece = (item.name if isinstance(item, ast.ScheduleRef) else format_schedule(item)) + end
+        if len(cur) + (0 if fresh else 1) + len(piece) <= _WIDTH:
+            cur, fresh = cur + ("" if fresh else " ") + piece, False
+            continue
+        if not fresh:
+            lines.append(cur)
+            cur, fresh = " " * inner, True
+        if len(cur) + len(piece) <= _WIDTH or isinstance(item, ast.ScheduleRef):
+            cur, fresh = cur + piece, False
+            continue
+        sub = _layout_schedule(item, "", inner, end)
+        sub[0] = cur + sub[0][inner:]
+        lines += sub[:-1]
+        cur, fresh = sub[-1], False
+    return lines + [cur]
+
+
+def _layout(e: Any, col: int, prefix: str, suffix: str = "") -> list:
+    """``e`` as lines starting at column ``col`` (first line after ``prefix``), ending
+    with ``suffix``; calls wrap their arguments, a long ``and``/``or`` its operands."""
+    from rewrite.language import ast, format_expr
+
+    text = " " * col + prefix + format_expr(e) + suffix
+    if len(text) <= _WIDTH:
+        return [text]
+    name_suffix = ""
+    if isinstance(e, ast.As) and isinstance(e.expr, ast.Call):
+        e, name_suffix = e.expr, f" as {e.name}"
+    if isinstance(e, ast.Call):
+        return _layout_call(e, col, prefix, name_suffix + suffix)
+    if isinstance(e, ast.BoolOp):
+        items = [f"({format_expr(i)})" if isinstance(i, ast.BoolOp) and (e.op == "and" or i.op == "or")
+                 else format_expr(i) for i in e.items]
+        lines, cur = [], " " * col + prefix + items[0]
+        for item in items[1:]:
+            piece = f" {e.op} {item}"
+            if len(cur) + len(piece) > _WIDTH:
+                lines.append(cur)
+                cur = " " * (col + len(prefix)) + piece.lstrip()
+            else:
+                cur += piece
+        return lines + [cur + suffix]
+    return [text]
+
+
+def _layout_call(e: Any, col: int, prefix: str, suffix: str) -> list:
+    """Arguments packed greedily, continuation lines aligned after the ``(``."""
+    from rewrite.language import format_expr
+
+    callee = e.op.names[0] if len(e.op.names) == 1 else "(" + " | ".join(e.op.names) + ")"
+    head = " " * col + prefix + callee + "("
+    inner = len(head)
+    args = [("", a) for a in e.args] + [(f"{k.name}=", k.value) for k in e.kwargs]
+    if e.rest:
+        args.append(("", None))
+    if not args:
+        return [head + ")" + suffix]
+    lines, cur, fresh = [], head, True
+    for i, (kw, value) in enumerate(args):
+        end = ")" + suffix if i == len(args) - 1 else ","
+        piece = kw + ("..." if value is None else format_expr(value)) + end
+        sep = "" if fresh else " "
+        if len(cur) + len(sep) + len(piece) <= _WIDTH:
+            cur, fresh = cur + sep + piece, False
+            continue
+        if not fresh:
+            lines.append(cur)
+            cur, fresh = " " * inner, True
+        if len(cur) + len(piece) <= _WIDTH or value is None:
+            cur, fresh = cur + piece, False
+            continue
+        sub = _layout(value, inner, kw, end)
+        sub[0] = cur + sub[0][inner:]  # cur is the head or the continuation indent
+        lines += sub[:-1]
+        cur, fresh = sub[-1], False
+    return lines + [cur]
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rewrite", description="Declarative rewrite rules for PyTorch graphs.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -178,7 +451,19 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check", help="parse and check rule files; exit 1 on any error")
     c.add_argument("files", nargs="+")
     c.add_argument("-q", "--quiet", action="store_true")
+    c.add_argument("--verify", action="store_true",
+                   help="also verify every rule on random instances of its pattern (needs hypothesis); "
+                        "exit 1 on any counterexample")
+    c.add_argument("--max-examples", type=int, default=100, help="instances per rule for --verify")
+    c.add_argument("--seed", type=int, default=0, help="seed for --verify")
     c.set_defaults(fn=_cmd_check)
+
+    f = sub.add_parser("fmt", help="print rule files in canonical form (comments kept)")
+    f.add_argument("files", nargs="+")
+    mode = f.add_mutually_exclusive_group()
+    mode.add_argument("--check", action="store_true", help="exit 1 if a file is not formatted (naming it); change nothing")
+    mode.add_argument("--write", action="store_true", help="rewrite the files in place")
+    f.set_defaults(fn=_cmd_fmt)
 
     a = sub.add_parser("apply", help="apply rule files to a model and report what changed")
     a.add_argument("rules", nargs="+", help="rule files (.rw)")

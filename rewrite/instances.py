@@ -29,6 +29,7 @@ Needs ``hypothesis`` (a test extra), imported on first use.
 
 from __future__ import annotations
 
+import keyword
 import math
 from typing import Any, Callable
 
@@ -45,6 +46,7 @@ __all__ = ["Instance", "GENERATORS", "instances", "rule_tolerance", "Plan", "pla
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _INTS = (torch.int64, torch.int32)
 _SPECIALS = (math.nan, math.inf, -math.inf, -0.0)
+_DRAWN = 24  # values drawn one by one per tensor; the rest come from a seed
 
 
 def _hyp() -> Any:
@@ -122,9 +124,14 @@ class Plan:
     params: frozenset
     dtypes: tuple
     unsupported: str | None
+    favoured: tuple = ()
 
 
 def plan_for(rule: CompiledRule) -> Plan:
+    """How to build instances of ``rule``: ``const``/``is_param``/``is_buffer``
+    variables become module constants; ``dtype(v) == torch.T`` puts T first among the
+    dtypes drawn (hypothesis shrinks toward it); ``is_float`` keeps integers out;
+    exact rules over ops that take integers also meet int32/int64 tensors."""
     consts, params, favoured, floats_only = set(), set(), [], False
     for c in _conjuncts(rule.where):
         if isinstance(c, ast.Call):
@@ -149,7 +156,8 @@ def plan_for(rule: CompiledRule) -> Plan:
     if tolerance == "exact" and not floats_only and all(name in _INT_OK for name, _ in ops):
         pool = pool + _INTS
     dtypes += [d for d in pool if d not in dtypes]
-    return Plan(rule, tolerance, frozenset(consts), frozenset(params), tuple(dtypes), unsupported)
+    return Plan(rule, tolerance, frozenset(consts), frozenset(params), tuple(dtypes), unsupported,
+                tuple(dict.fromkeys(favoured)))
 
 
 def _pattern_ops(p: Any) -> list:
@@ -201,25 +209,29 @@ class _Ctx:
         return tuple(self.int(1, dim_hi) for _ in range(self.int(lo, hi)))
 
     def tensor(self, shape: tuple, lo: float = -4.0, hi: float = 4.0, dtype: Any = None) -> torch.Tensor:
-        """Values drawn element by element for small tensors (so they shrink to
-        readable numbers), from a drawn seed for larger ones."""
+        """The first ``_DRAWN`` values drawn one by one (they shrink to readable
+        numbers), the rest from a drawn seed. A larger tensor always costs more
+        draws than a smaller one, so hypothesis shrinks shapes too."""
         st = _st()
         dtype = dtype or self.dtype
         n = math.prod(shape)
+        k = min(n, _DRAWN)
         if dtype == torch.bool:
-            values = torch.tensor(self.draw(st.lists(st.booleans(), min_size=n, max_size=n)), dtype=torch.bool)
+            element = st.booleans()
         elif not dtype.is_floating_point:
-            values = torch.tensor(self.draw(st.lists(st.integers(int(lo), int(hi)), min_size=n, max_size=n)),
-                                  dtype=torch.int64)
-        elif n <= 24:
+            element = st.integers(int(lo), int(hi))
+        else:
             element = st.floats(lo, hi, width=32)
             if self.specials and lo < 0 and self.draw(st.booleans()):
                 element = element | st.sampled_from(_SPECIALS)
-            values = torch.tensor(self.draw(st.lists(element, min_size=n, max_size=n)), dtype=torch.float64)
-        else:
+        head = torch.tensor(self.draw(st.lists(element, min_size=k, max_size=k)), dtype=torch.float64)
+        if n > k:
             g = torch.Generator().manual_seed(self.int(0, 2**31 - 1))
-            values = torch.rand(n, generator=g, dtype=torch.float64) * (hi - lo) + lo
-        return values.reshape(shape).to(dtype)
+            tail = torch.rand(n - k, generator=g, dtype=torch.float64) * (hi - lo) + lo
+            if not dtype.is_floating_point:
+                tail = tail.round() if dtype != torch.bool else tail > (lo + hi) / 2
+            head = torch.cat([head, tail.to(torch.float64)])
+        return head.reshape(shape).to(dtype)
 
 
 class _Args:
@@ -228,6 +240,13 @@ class _Args:
 
     def __init__(self, ctx: _Ctx, op: str, given: dict, producers: dict) -> None:
         self.ctx, self.op, self.given, self.producers = ctx, op, given, producers
+        # fresh operands take the dtype of the floating tensors already there (a batch
+        # norm after a cast to float32 gets float32 statistics)
+        self.dtype = next((v.dtype for v in _leaves(given.values())
+                           if isinstance(v, torch.Tensor) and v.dtype.is_floating_point), ctx.dtype)
+
+    def fresh(self, shape: tuple, lo: float = -4.0, hi: float = 4.0) -> torch.Tensor:
+        return self.ctx.tensor(tuple(shape), lo, hi, dtype=self.dtype)
 
     def get(self, name: str) -> Any:
         return self.given.get(name, _FREE)
@@ -239,7 +258,7 @@ class _Args:
         v = self.get(name)
         if v is not _FREE:
             return v
-        return self.ctx.tensor(shape() if callable(shape) else tuple(shape), lo, hi)
+        return self.fresh(shape() if callable(shape) else tuple(shape), lo, hi)
 
     def optional(self, name: str, shape: Any) -> Any:
         """A tensor or None (an absent bias, an affine-free norm)."""
@@ -257,6 +276,13 @@ class _Args:
         """(op name, its arguments) that computed a given tensor, or (None, {})."""
         v = self.get(name)
         return self.producers.get(id(v), (None, {}))
+
+
+def _leaves(values: Any) -> list:
+    out = []
+    for v in values:
+        out += _leaves(v) if isinstance(v, (list, tuple)) else [v]
+    return out
 
 
 def _shape(v: Any) -> tuple | None:
@@ -325,21 +351,25 @@ def _unary(ctx: _Ctx, a: _Args) -> dict:
     return {"input": a.tensor("input", ctx.shape, lo=lo)}
 
 
-def _other_shape(ctx: _Ctx, shape: tuple) -> tuple:
-    """The same shape, a broadcasting suffix of it, or a 0-dim tensor."""
-    return ctx.pick([shape, shape[1:], ()])
+def _operand_like(ctx: _Ctx, a: _Args, shape: tuple) -> Any:
+    """A tensor of the same shape, of a broadcasting suffix of it, 0-dim, or a Python number."""
+    kind = ctx.pick(["same", "suffix", "0-dim", "number"])
+    if kind == "number":
+        return ctx.pick([2.0, 0.5, -1.0, 3] if a.dtype.is_floating_point else [2, -1, 3])
+    return a.fresh({"same": shape, "suffix": shape[1:], "0-dim": ()}[kind])
 
 
 @_gen("add", "sub", "mul", "div", "pow")
 def _binary(ctx: _Ctx, a: _Args) -> dict:
     first, second = ("input", "exponent") if a.op == "pow" else ("input", "other")
     x, y = a.get(first), a.get(second)
-    if x is _FREE:
-        shape = _shape(y) if _shape(y) is not None and ctx.coin() else ctx.shape()
-        x = ctx.tensor(shape)
+    if x is _FREE and _shape(y) is not None:
+        x = _operand_like(ctx, a, _shape(y))  # `2 - x` is sub(2, x)
+    elif x is _FREE:
+        x = a.fresh(ctx.shape())
     if y is _FREE:
         shape = _shape(x)
-        y = ctx.tensor(_other_shape(ctx, shape) if shape is not None else ctx.shape())
+        y = _operand_like(ctx, a, shape) if shape is not None else a.fresh(ctx.shape())
     return {first: x, second: y}
 
 
@@ -389,6 +419,13 @@ def _transpose(ctx: _Ctx, a: _Args) -> dict:
 
     d0, d1 = (a.get("dim0"), a.get("dim1")) if not (a.free("dim0") or a.free("dim1")) else pair()
     return {"input": x, "dim0": a.lit("dim0", lambda: d0), "dim1": a.lit("dim1", lambda: d1)}
+
+
+@_gen("getitem")
+def _getitem(ctx: _Ctx, a: _Args) -> dict:
+    x = a.tensor("input", lambda: ctx.shape(1, 3))
+    n = (_shape(x) or (1,))[0] if _shape(x) else 1
+    return {"input": x, "index": a.lit("index", lambda: ctx.int(-n, n - 1))}
 
 
 @_gen("t")
@@ -458,7 +495,7 @@ def _cat(ctx: _Ctx, a: _Args) -> dict:
             s = list(shape)
             if s:
                 s[dim % len(s)] = ctx.int(1, 3)
-            t = ctx.tensor(tuple(s))
+            t = a.fresh(tuple(s))
         out.append(t)
     return {"tensors": type(items)(out) if isinstance(items, tuple) else out, "dim": dim}
 
@@ -566,7 +603,12 @@ def _linear(ctx: _Ctx, a: _Args) -> dict:
     x, w = a.get("input"), a.get("weight")
     n_in = _shape(x)[-1] if _shape(x) else (_shape(w)[1] if _shape(w) else ctx.int(1, 4))
     n_out = _shape(w)[0] if _shape(w) else ctx.int(1, 4)
-    x = a.tensor("input", lambda: (*ctx.shape(0, 2), n_in))
+
+    def shape() -> tuple:
+        batch_rank = ctx.pick([1, 2, 0])  # 2-d inputs first (what folding into BatchNorm1d needs)
+        return (*ctx.shape(batch_rank, batch_rank), n_in)
+
+    x = a.tensor("input", shape)
     return {"input": x, "weight": a.tensor("weight", (n_out, n_in)), "bias": a.optional("bias", (n_out,))}
 
 
@@ -752,6 +794,8 @@ class _Builder:
     def _leaf(self, t: torch.Tensor, var: str | None) -> fx.Node:
         name = var or f"t{len(self.values)}"
         if var is not None and var in self.plan.consts:
+            if keyword.iskeyword(name) or hasattr(self.root, name):  # `forward`, `training`, `lambda`
+                name = f"const_{name}"
             if var in self.plan.params:
                 self.root.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
             else:
@@ -772,7 +816,11 @@ class _Builder:
         opdef, pats = alt.opdef, dict(alt.args)
         given = {param.name: self.given(pats.get(param.name)) for param in opdef.params}
         args = _Args(self.ctx, opdef.name, given, self.producers)
-        drawn = _generator(opdef)(self.ctx, args)
+        try:
+            drawn = _generator(opdef)(self.ctx, args)
+        except (TypeError, ValueError, IndexError, KeyError, AttributeError, ZeroDivisionError) as err:
+            # values the pattern fixed that the generator cannot build around
+            raise _Discard(f"{opdef.name}: cannot draw its arguments ({type(err).__name__}: {err})") from None
         values = {}
         for param in opdef.params:
             v = drawn.get(param.name, given[param.name])
@@ -815,7 +863,10 @@ class _Builder:
 def draw_instance(draw: Callable, plan: Plan) -> Instance | str:
     """An instance, or the reason the drawn one is not a valid program."""
     st = _st()
-    dtype = draw(st.sampled_from(plan.dtypes))
+    dtypes = st.sampled_from(plan.dtypes)
+    if plan.favoured:  # what the where clause asks for, at least half the time
+        dtypes = st.sampled_from(plan.favoured) | dtypes
+    dtype = draw(dtypes)
     dialect = draw(st.sampled_from(("torch", "aten")))
     ctx = _Ctx(draw, dtype, specials=plan.tolerance == "exact")
     builder = _Builder(ctx, plan, dialect)

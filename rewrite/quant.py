@@ -55,7 +55,7 @@ from rewrite.functions.quant import (
 __all__ = [
     "prepare", "calibrate", "convert", "quantize", "accuracy_report", "sqnr", "QuantizationError",
     "QuantPoint", "LayerSQNR", "AccuracyReport", "quant_rules", "quantize_command",
-    "add_quantize_arguments", "BACKENDS",
+    "add_quantize_arguments", "save", "BACKENDS",
 ]
 
 BACKENDS = ("x86", "onednn", "fbgemm")
@@ -212,11 +212,22 @@ def _const_name(operand: Any) -> str | None:
     return None
 
 
-def _layer_of_weight(qualname: str) -> str:
+def _layer_of_weight(qualname: str, node: fx.Node) -> str:
+    """The dotted module path of a conv/linear from its weight's attribute name:
+    ``layer1.0.conv1.weight``, or a folded weight ``layer1_0_conv1_weight_conv_bn_weight``
+    matched against the node's ``nn_module_stack`` (which names the batch norm)."""
     if qualname.endswith(".weight"):
         return qualname[: -len(".weight")]
     cut = qualname.find("_weight")
-    return qualname[:cut] if cut > 0 else qualname
+    flat = qualname[:cut] if cut > 0 else qualname
+    path = module_path(node) or ""
+    parts = path.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        parent = ".".join(parts[:i])
+        prefix = parent.replace(".", "_") + "_"
+        if flat.startswith(prefix):
+            return parent + "." + flat[len(prefix):]
+    return flat
 
 
 def _describe(node: Any, gm: fx.GraphModule) -> tuple:
@@ -237,14 +248,34 @@ def _describe(node: Any, gm: fx.GraphModule) -> tuple:
     for op in ("conv", "linear"):
         if op in bound:
             name = _const_name(bound[op].args.get("weight"))
-            return (_layer_of_weight(name) if name else (module_path(node) or node.name), op)
+            return (_layer_of_weight(name, node) if name else (module_path(node) or node.name), op)
     op = next(iter(bound), None) or str(getattr(node.target, "__name__", node.target))
     return (module_path(node) or node.name, op)
 
 
-def _freeze_observers(gm: fx.GraphModule) -> list:
+def _qparams(mod: Any, name: str) -> tuple:
+    """(scale, zero_point) an observer computes; remembered on the observer until it
+    sees more data (HistogramObserver's search costs ~20 ms per observer)."""
+    if not torch.isfinite(getattr(mod, "min_val", torch.tensor(0.0))).all():
+        raise QuantizationError(
+            f"observer {name!r} saw no data: run calibration batches through the prepared "
+            "model before convert()")
+    if mod.qscheme not in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+        raise QuantizationError(f"observer {name!r}: activations are quantized per tensor only")
+    state = tuple(float(t.double().sum()) for t in (mod.min_val, mod.max_val, getattr(mod, "histogram", mod.min_val)))
+    cached = getattr(mod, "_rewrite_qparams", None)
+    if cached is not None and cached[0] == state:
+        return cached[1]
+    scale, zero_point = mod.calculate_qparams()
+    result = (float(scale.reshape(-1)[0]), int(zero_point.reshape(-1)[0]))
+    mod._rewrite_qparams = (state, result)
+    return result
+
+
+def _freeze_observers(gm: fx.GraphModule, qparams: dict) -> list:
     """Replace each calibrated observer by ``fake_quantize_per_tensor_affine`` with
-    its parameters as literals (what convert.rw matches). Returns the QuantPoints."""
+    its parameters (``qparams``: observer name -> (scale, zero point)) as literals,
+    what convert.rw matches. Returns the QuantPoints."""
     from rewrite.ops import detect_dialect
 
     aten = detect_dialect(gm) == "aten"
@@ -252,14 +283,7 @@ def _freeze_observers(gm: fx.GraphModule) -> list:
     points = []
     for node in _observers(gm):
         mod = gm.get_submodule(node.target)
-        if not torch.isfinite(getattr(mod, "min_val", torch.tensor(0.0))).all():
-            raise QuantizationError(
-                f"observer {node.target!r} saw no data: run calibration batches through the "
-                "prepared model before convert()")
-        if mod.qscheme not in (torch.per_tensor_affine, torch.per_tensor_symmetric):
-            raise QuantizationError(f"observer {node.target!r}: activations are quantized per tensor only")
-        scale, zero_point = mod.calculate_qparams()
-        scale, zero_point = float(scale.reshape(-1)[0]), int(zero_point.reshape(-1)[0])
+        scale, zero_point = qparams[str(node.target)]
         info = torch.iinfo(mod.dtype)
         src = node.args[0]
         layer, op = _describe(src, gm)
@@ -285,7 +309,7 @@ def prepare(
     backend: str = "x86",
     capture: str = "fx",
     observe: Any = None,
-    ruleset: str = "main",
+    ruleset: str | None = None,
     fuse: bool = True,
     check: bool = True,
 ) -> fx.GraphModule:
@@ -301,7 +325,10 @@ def prepare(
         capture: ``"fx"`` (symbolic_trace) or ``"export"`` (``torch.export``, non-strict).
         observe: your own observe rule file (path or RuleSet) instead of the shipped one.
         ruleset: which ruleset of the observe file: ``"main"`` (conv, linear, add,
-            mul, cat, matmul) or ``"linear"`` (linear layers only: transformers).
+            mul, cat, matmul), ``"onednn"`` (the same, leaving the conv before a
+            residual add unobserved: onednn computes conv + add in one kernel) or
+            ``"linear"`` (linear layers only: transformers). Default: ``"onednn"``
+            for the onednn backend, else ``"main"``.
         fuse: run ``rules/fusion.rw`` first.
         check: check the fused and observed graphs against the model (the
             observers are reset afterwards, so the check calibrates nothing).
@@ -313,18 +340,20 @@ def prepare(
     import rewrite
 
     _set_backend(backend)
+    if ruleset is None:
+        ruleset = "onednn" if backend == "onednn" else "main"
     args = _as_args(example_inputs)
     gm = _capture(model, args, capture)
     if fuse:
         gm = rewrite.load(rewrite.rules_dir() / "fusion.rw").apply(gm, args, check=check).graph_module
     _record_shapes(gm, args)
-    result = _as_rules(observe, "observe", ruleset).apply(gm, args, check=check)
+    result = _as_rules(observe, "observe", ruleset).apply(gm, args, check=check, trials=1)
     observed = result.graph_module
     merged = _merge_observers(observed)
     for node in _observers(observed):
         _reset_observer(observed.get_submodule(node.target))
     observed.meta[_META] = {
-        "backend": backend, "example_inputs": args, "observe_counts": dict(result.counts),
+        "backend": backend, "ruleset": ruleset, "example_inputs": args, "observe_counts": dict(result.counts),
         "merged_observers": merged,
     }
     return observed
@@ -371,11 +400,12 @@ def convert(
     backend = state.get("backend", torch.backends.quantized.engine)
     _set_backend(backend)
     args = state.get("example_inputs")
+    qparams = {str(n.target): _qparams(observed.get_submodule(n.target), str(n.target)) for n in _observers(observed)}
     gm = copy.deepcopy(observed)
     # an inference model: new constants derived from parameters (the int8 weights)
     # would otherwise inherit requires_grad, which int8 tensors cannot have
     gm.requires_grad_(False)
-    points = _freeze_observers(gm)
+    points = _freeze_observers(gm, qparams)
     qdq_result = _as_rules(convert_rules, "convert").apply(gm, args, check=False)
     qdq = qdq_result.graph_module
     state.update(points=points, convert_counts=dict(qdq_result.counts))
@@ -461,7 +491,8 @@ class _FloatRun(fx.Interpreter):
     def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
         node = self.current_node if hasattr(self, "current_node") else None
         if node is not None and is_observer_node(node, self.module):
-            self.values[str(target)] = args[0]
+            # a copy: in-place ops after the observer (export keeps add_, relu_) change it
+            self.values[str(target)] = args[0].detach().clone()
             return args[0]
         return super().call_module(target, args, kwargs)
 
@@ -582,17 +613,45 @@ def accuracy_report(
 # ---------------------------------------------------------------- command line
 
 
+def _load_model(spec: str) -> tuple:
+    """``package.module:callable`` -> (model in eval mode, example inputs tuple)."""
+    import importlib
+
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not attr:
+        raise SystemExit(f"rewrite: error: --model wants 'module:callable', got {spec!r}")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise SystemExit(f"rewrite: error: cannot load {spec!r}: {err}") from None
+    model, inputs = factory()
+    return model.eval(), _as_args(inputs)
+
+
+def save(gm: fx.GraphModule, path: Any) -> None:
+    """``torch.save`` an int8 GraphModule (its prepacked weights pickle). fx cannot
+    pickle string type annotations on placeholders: they are dropped."""
+    for node in gm.graph.nodes:
+        if isinstance(node.type, str):
+            node.type = None
+    gm.recompile()
+    torch.save(gm, path)
+
+
 def add_quantize_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The options of ``rewrite quantize`` (see ``quantize_command``)."""
     p.add_argument("--model", required=True, help="module:callable returning (model, example_inputs)")
     p.add_argument("--capture", choices=("fx", "export"), default="fx")
     p.add_argument("--backend", choices=BACKENDS, default="x86")
-    p.add_argument("--ruleset", default="main", help="ruleset of the observe rules: main (all ops) or linear")
+    p.add_argument("--ruleset", help="ruleset of the observe rules: main (all ops), onednn, or linear "
+                                      "(linear layers only); default: onednn for that backend, else main")
     p.add_argument("--observe", help="your own observe rule file instead of rules/quant/observe.rw")
     p.add_argument("--calibration", type=int, default=8, metavar="N",
                    help="calibrate on N random batches shaped like the example inputs")
     p.add_argument("--held-out", type=int, default=4, metavar="N", help="report SQNR on N other random batches")
     p.add_argument("--flag-below", type=float, default=20.0, help="flag tensors below this SQNR (dB)")
+    p.add_argument("--no-check", action="store_true",
+                   help="skip the equivalence checks (fused and observed vs float, int8 vs QDQ)")
     p.add_argument("--save", help="torch.save the int8 GraphModule here")
     return p
 
@@ -602,16 +661,15 @@ def quantize_command(args: argparse.Namespace) -> int:
     the model, print the rule counts and the accuracy report, optionally save it.
     Exit 0 on success, 1 when quantization fails its check."""
     from rewrite.check import generate_inputs
-    from rewrite.cli import _load_model, _save
 
     model, inputs = _load_model(args.model)
     calib = [generate_inputs(inputs, seed=1000 + i) for i in range(args.calibration)]
     held = [generate_inputs(inputs, seed=2000 + i) for i in range(args.held_out)]
     try:
         observed = prepare(model, inputs, backend=args.backend, capture=args.capture,
-                           observe=args.observe, ruleset=args.ruleset)
+                           observe=args.observe, ruleset=args.ruleset, check=not args.no_check)
         calibrate(observed, [inputs] + calib)
-        int8 = convert(observed)
+        int8 = convert(observed, check=not args.no_check)
     except QuantizationError as err:
         print(f"rewrite: error: {err}", file=sys.stderr)
         return 1
@@ -623,7 +681,7 @@ def quantize_command(args: argparse.Namespace) -> int:
     print()
     print(accuracy_report(observed, int8, held, flag_below=args.flag_below))
     if args.save:
-        _save(int8, args.save)
+        save(int8, args.save)
         print(f"saved the int8 GraphModule to {args.save}")
     return 0
 

@@ -229,6 +229,22 @@ class RuleSet:
         return RewriteResult(gm, dict(driver.counts), dict(driver.stats), report, seconds, tuple(rejected),
                              copy_seconds)
 
+    def verify(self, *, max_examples: int = 100, seed: int = 0, names: Any = None) -> Any:
+        """Check every rule on random instances of its pattern before trusting it.
+
+        Each rule's pattern is built as a small graph on random shapes, dtypes,
+        attributes and values that satisfy its constraints (hypothesis); the rule is
+        applied and the outputs compared, exactly for exact rules, with dtype-aware
+        tolerances (and again in float64) for approximate ones.
+
+        Returns:
+            ``rewrite.verify.VerificationReport``: ``.ok``, ``.table()``, and for
+            each failing rule a shrunk counterexample with its source position.
+        """
+        from rewrite.verify import verify_rules
+
+        return verify_rules(self, max_examples=max_examples, seed=seed, names=names)
+
     def explain(self, model: Any, rule: str | None = None, node: str | None = None,
                 example_inputs: tuple | None = None, limit: int = 10) -> list:
         """Why rules fire or not, in the rule file's terms.

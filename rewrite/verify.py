@@ -18,9 +18,10 @@ Verdicts, per rule:
 
 * ``ok``: every instance on which the rule fired gave the same outputs, in the
   instance's dtype and, for approximate rules, again in float64;
-* ``counterexample``: outputs differed (``exact`` rules: equal values, NaN = NaN;
-  ``approx`` rules: dtype-aware tolerances at the lowest precision either graph
-  computes in), or the engine raised, or the rule did not terminate;
+* ``counterexample``: outputs differed (``exact`` rules: same shape, dtype and values,
+  NaN = NaN and -0.0 = 0.0, so ``x + 0 => x`` is exact; ``approx`` rules: dtype-aware
+  tolerances at the lowest precision either graph computes in), or the engine
+  raised, or the rule did not terminate;
 * ``did not fire``: the rule did not fire on an instance even with its where
   clause removed: its pattern does not match a graph built from its own ops (or
   its replacement could not be built);
@@ -250,7 +251,8 @@ class _Checker:
                 return
             raise _Failure(self._cex(inst, "did not fire", "its pattern does not match an instance built "
                                                            "from its own ops, even without the where clause"))
-        self._compare(inst, result.graph_module, inst.example_inputs, self.plan.tolerance)
+        if not self._compare(inst, result.graph_module, inst.example_inputs, self.plan.tolerance):
+            return
         if self.plan.tolerance == "approx" and inst.dtype != torch.float64:
             self._check_float64(inst)
         self.counts["checked"] += 1
@@ -294,12 +296,15 @@ class _Checker:
         if result is not None:
             self._compare(inst64, result.graph_module, inputs, "approx")
 
-    def _compare(self, inst: Instance, rewritten: fx.GraphModule, inputs: tuple, tolerance: str) -> None:
+    def _compare(self, inst: Instance, rewritten: fx.GraphModule, inputs: tuple, tolerance: str) -> bool:
+        """Raise ``_Failure`` when the outputs differ; False when the original itself
+        cannot run on the inputs (not an instance after all)."""
         try:
             ref, ref_seen = _run(inst.graph_module, inputs)
         except Exception:  # noqa: BLE001 - values outside the ops' domain: not an instance
             self.counts["invalid"] += 1
-            return
+            self.last_discard = "the original graph raised on its inputs"
+            return False
         try:
             got, got_seen = _run(rewritten, inputs)
         except Exception as err:  # noqa: BLE001
@@ -310,6 +315,7 @@ class _Checker:
         if problem is not None:
             cex = self._cex(inst, "mismatch", problem, rewritten, ref_seen, got_seen)
             raise _Failure(attrs.evolve(cex, expected=_show(ref, full=True), got=_show(got, full=True)))
+        return True
 
     def _cex(self, inst: Instance, kind: str, message: str, rewritten: fx.GraphModule | None = None,
              ref_seen: dict | None = None, got_seen: dict | None = None) -> Counterexample:
@@ -357,7 +363,7 @@ def _differ(ref: Any, got: Any, tolerance: str, low: torch.dtype) -> str | None:
         if tolerance == "exact":
             if not bool(same.all()):
                 n = int((~same).sum())
-                return f"output {i}: {n} of {r.numel()} elements differ (exact rule)"
+                return f"output {i}: {n} of {r.numel()} elements differ (exact rule); {_first(~same, r, g)}"
             continue
         rtol, atol_base = TOLERANCES.get(low, (1e-3, 1e-3))
         finite = r64[torch.isfinite(r64)]
@@ -368,8 +374,15 @@ def _differ(ref: Any, got: Any, tolerance: str, low: torch.dtype) -> str | None:
         if bool(bad.any()):
             return (f"output {i}: {int(bad.sum())} of {r.numel()} elements outside tolerance "
                     f"(max abs diff {float(diff.max()):.3g}; rtol {rtol:.3g}, atol {atol:.3g} "
-                    f"for {str(low).replace('torch.', '')})")
+                    f"for {str(low).replace('torch.', '')}); {_first(bad, r, g)}")
     return None
+
+
+def _first(mask: torch.Tensor, r: torch.Tensor, g: torch.Tensor) -> str:
+    """``at [i, j]: expected a, got b`` for the first element where ``mask`` holds."""
+    index = tuple(int(i) for i in mask.nonzero()[0]) if mask.dim() else ()
+    where = f"[{', '.join(map(str, index))}]" if index else "the value"
+    return f"at {where}: expected {float(r[index]):.6g}, got {float(g[index]):.6g}"
 
 
 # ---------------------------------------------------------------- printing

@@ -19,14 +19,6 @@ __all__: list = []  # everything here is reached through the registry
 
 
 @register_predicate()
-def amp_eligible(x: Value) -> bool:
-    """A tensor autocast would cast: floating point and not float64 (torch's
-    ``is_autocast_eligible``); integer, bool and double tensors never are."""
-    m = x.meta
-    return m is not None and m.dtype.is_floating_point and m.dtype != torch.float64
-
-
-@register_predicate()
 def is_number(x: Value) -> bool:
     """A Python int or float literal (not a bool): a scalar operand of an
     elementwise op, which keeps a tensor's dtype under type promotion."""

@@ -181,10 +181,12 @@ def qparams_of(node: Any, gm: Any) -> tuple | None:
 def activation(x: Value) -> bool:
     """A floating-point tensor computed by the graph (not a weight or literal):
     what activation observers watch."""
-    node = x.node
+    node, gm = x.node, _gm(x)
     if node is None or node.op == "get_attr":
         return False
-    m = x.meta
+    while is_observer_node(node, gm) and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]  # an observer returns its input: it has its input's facts
+    m = x.facts.meta(node)
     return m is not None and getattr(m, "dtype", None) is not None and m.dtype.is_floating_point
 
 
@@ -232,7 +234,8 @@ def dequantized(x: Value) -> bool:
 @register_predicate()
 def output_quantized(x: Value) -> bool:
     """Every user of ``x`` quantizes it, or its one user is a fusable activation
-    (relu, hardtanh, relu6) whose users all quantize."""
+    (relu, hardtanh, relu6) or a residual ``add`` (then maybe relu) whose users
+    all quantize: what one int8 kernel computes."""
     node, gm = x.node, _gm(x)
     if node is None or not node.users:
         return False
@@ -240,10 +243,40 @@ def output_quantized(x: Value) -> bool:
     def all_quantize(n: fx.Node) -> bool:
         return bool(n.users) and all("quantize_per_tensor" in _ops(u, gm) for u in n.users)
 
-    if all_quantize(node):
-        return True
+    for _ in range(3):
+        if all_quantize(node):
+            return True
+        node = _single_user(node)
+        if node is None or not set(_ops(node, gm)) & {*_ACTIVATIONS, "add"}:
+            return False
+    return False
+
+
+def _fused_add_of(node: fx.Node, gm: Any) -> fx.Node | None:
+    """The ``add`` a conv output may be fused into (onednn's conv2d_add): the
+    conv's only user, adding another activation of the same shape. When both
+    operands are such convs, only the later one in graph order fuses."""
     user = _single_user(node)
-    return user is not None and bool(set(_ops(user, gm)) & set(_ACTIVATIONS)) and all_quantize(user)
+    bound = _ops(user, gm).get("add") if user is not None else None
+    if bound is None or bound.args.get("alpha", 1) != 1:
+        return None
+    a, b = bound.args.get("input"), bound.args.get("other")
+    other = b if a is node else a if b is node else None
+    if not isinstance(other, fx.Node) or other is node:
+        return None
+    if "conv" in _ops(other, gm) and _single_user(other) is user:
+        order = {n: i for i, n in enumerate(node.graph.nodes)}
+        if order[other] > order[node]:
+            return None
+    return user
+
+
+@register_predicate()
+def fuses_add(x: Value) -> bool:
+    """``x`` is a conv output that onednn's ``conv2d_add`` fuses into the ``add``
+    after it (see ``rules/quant/observe.rw``, ruleset ``onednn``)."""
+    node, gm = x.node, _gm(x)
+    return node is not None and "conv" in _ops(node, gm) and _fused_add_of(node, gm) is not None
 
 
 @register_predicate()
@@ -380,13 +413,25 @@ class QuantizedModule(nn.Module):
     """Base of the int8 modules ``lower.rw`` inserts: output ``scale`` and
     ``zero_point`` (what ``has_qparams`` and the accuracy report read)."""
 
-    def __init__(self, scale: float, zero_point: int) -> None:
+    def __init__(self, scale: float, zero_point: int, op_name: str = "") -> None:
         super().__init__()
         self.scale = float(scale)
         self.zero_point = int(zero_point)
+        self.op_name = op_name
+        self._op = getattr(torch.ops.quantized, op_name) if op_name else None
 
     def extra_repr(self) -> str:
         return f"scale={self.scale:.6g}, zero_point={self.zero_point}"
+
+    # torch.ops callables do not pickle: save the name, look the op up again on load
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_op", None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._op = getattr(torch.ops.quantized, self.op_name) if self.op_name else None
 
 
 def _per_dim(value: Any, rank: int, name: str) -> list:
@@ -413,12 +458,11 @@ class QuantizedConv(QuantizedModule):
 
     def __init__(self, packed: Any, rank: int, scale: float, zero_point: int, relu: bool,
                  weight_shape: tuple) -> None:
-        super().__init__(scale, zero_point)
+        super().__init__(scale, zero_point, f"conv{rank}d{'_relu' if relu else ''}")
         self._packed = packed
         self.rank = rank
         self.relu = relu
         self.weight_shape = tuple(weight_shape)
-        self._op = getattr(torch.ops.quantized, f"conv{rank}d{'_relu' if relu else ''}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._op(x, self._packed, self.scale, self.zero_point)
@@ -432,11 +476,10 @@ class QuantizedConvAdd(QuantizedModule):
     kernel (the residual add of a ResNet block fused into its last conv)."""
 
     def __init__(self, packed: Any, scale: float, zero_point: int, relu: bool, weight_shape: tuple) -> None:
-        super().__init__(scale, zero_point)
+        super().__init__(scale, zero_point, "conv2d_add_relu" if relu else "conv2d_add")
         self._packed = packed
         self.relu = relu
         self.weight_shape = tuple(weight_shape)
-        self._op = torch.ops.quantized.conv2d_add_relu if relu else torch.ops.quantized.conv2d_add
 
     def forward(self, x: torch.Tensor, accum: torch.Tensor) -> torch.Tensor:
         # onednn reads the accumulator in the input's memory format
@@ -453,11 +496,10 @@ class QuantizedLinear(QuantizedModule):
     """``quantized::linear[_relu]`` with a weight prepacked once."""
 
     def __init__(self, packed: Any, scale: float, zero_point: int, relu: bool, weight_shape: tuple) -> None:
-        super().__init__(scale, zero_point)
+        super().__init__(scale, zero_point, "linear_relu" if relu else "linear")
         self._packed = packed
         self.relu = relu
         self.weight_shape = tuple(weight_shape)
-        self._op = torch.ops.quantized.linear_relu if relu else torch.ops.quantized.linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._op(x, self._packed, self.scale, self.zero_point)
@@ -470,26 +512,24 @@ class QuantizedBinary(QuantizedModule):
     """``quantized::add``, ``add_relu``, ``mul``, ``mul_relu``, ``matmul``."""
 
     def __init__(self, op: str, scale: float, zero_point: int) -> None:
-        super().__init__(scale, zero_point)
-        self.op = op
-        self._op = getattr(torch.ops.quantized, op)
+        super().__init__(scale, zero_point, op)
 
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return self._op(a, b, self.scale, self.zero_point)
 
     def extra_repr(self) -> str:
-        return f"op={self.op}, " + super().extra_repr()
+        return f"op={self.op_name}, " + super().extra_repr()
 
 
 class QuantizedCat(QuantizedModule):
     """``quantized::cat`` of int8 tensors into one with its own parameters."""
 
     def __init__(self, dim: int, scale: float, zero_point: int) -> None:
-        super().__init__(scale, zero_point)
+        super().__init__(scale, zero_point, "cat")
         self.dim = dim
 
     def forward(self, tensors: list) -> torch.Tensor:
-        return torch.ops.quantized.cat(list(tensors), self.dim, self.scale, self.zero_point)
+        return self._op(list(tensors), self.dim, self.scale, self.zero_point)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, " + super().extra_repr()

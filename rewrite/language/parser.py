@@ -286,7 +286,12 @@ class _Builder(Transformer):
         return ast.Var(text, span=span)
 
     def int_lit(self, meta, children):
-        return ast.Literal(int(children[0]), span=self._s(meta))
+        span = self._s(meta)
+        try:
+            return ast.Literal(int(children[0]), span=span)
+        except ValueError:  # longer than Python's int-string conversion limit
+            self._error(span, "integer literal is too long", "E010", help="write a shorter number")
+            return ast.Literal(0, span=span)
 
     def float_lit(self, meta, children):
         return ast.Literal(float(children[0]), span=self._s(meta))

@@ -164,6 +164,12 @@ class _Loader:
             self.diags.append(Diagnostic(imp.span, f"import cycle: {' -> '.join(chain)}", "E403",
                                          help="move the shared declarations into a file both can import"))
             return
+        if target.suffix != ".rw":
+            # Only rule files: an import must not read (and quote back) any other file.
+            self.diags.append(Diagnostic(imp.span, f"cannot import '{display}': not a .rw rule file", "E402",
+                                         help="imports name rule files, e.g. import \"cleanup.rw\""))
+            f.complete = False
+            return
         if key not in self.files and not target.is_file():
             why = "is a directory" if target.is_dir() else "no such file"
             self._unreadable(display, imp.span, why, target)

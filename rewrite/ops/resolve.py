@@ -146,15 +146,31 @@ def aten_overload(name: str, overload: str | None = None) -> Any | None:
         return None
     if not isinstance(packet, torch._ops.OpOverloadPacket):
         return None
+    if name in _UNSAFE or name.lstrip("_") in _UNSAFE:
+        return None
     names = packet.overloads()
     if overload is not None:
-        return getattr(packet, overload) if overload in names else None
-    ordered = [n for n in _PREFERRED_OVERLOADS if n in names] + [n for n in names if "out" not in n]
-    for ov in ordered:  # skip TorchScript scalar overloads such as add.default(int a, int b)
-        args = getattr(packet, ov)._schema.arguments
-        if args and _is_tensor_type(args[0].type):
-            return getattr(packet, ov)
+        ordered = [overload] if overload in names else []
+    else:
+        ordered = [n for n in _PREFERRED_OVERLOADS if n in names] + [n for n in names if "out" not in n]
+    for ov in ordered:
+        # Only ops that compute on a tensor they are given: this skips TorchScript
+        # scalar overloads (add.default(int a, int b)) and, for safety, factories
+        # and file readers (aten.from_file, aten.empty) whose first argument is not
+        # a tensor, named with or without an explicit overload.
+        op = getattr(packet, ov)
+        args = op._schema.arguments
+        if args and _is_tensor_type(args[0].type) and not any(a.is_out for a in args):
+            return op
     return None
+
+
+#: aten ops with effects outside the graph's values (I/O, printing, assertions
+#: that abort, synchronizing): never nameable from a rule file.
+_UNSAFE = frozenset({
+    "from_file", "print", "save", "load", "assert_async", "assert_scalar", "assert_tensor_metadata",
+    "functional_assert_async", "functional_assert_scalar", "local_scalar_dense",
+})
 
 
 def _inspect_sig(fn: Any) -> Sig | None:

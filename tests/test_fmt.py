@@ -1,0 +1,169 @@
+"""The formatter: ``parse(format(ast)) == ast`` for the printer and for ``rewrite fmt``
+(on the shipped rule files and on hypothesis-generated modules), ``fmt`` is idempotent,
+keeps every comment, wraps at 100 columns; ``--check`` and ``--write``."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rewrite.cli import _format_source, main
+from rewrite.language import ast, format_module, parse_text
+from rewrite.language.parser import DTYPES
+
+RULES = sorted(str(p) for p in (Path(__file__).resolve().parents[1] / "rules").rglob("*.rw"))
+KEYWORDS = {"rule", "family", "ruleset", "import", "where", "and", "or", "not", "in", "as",
+            "true", "false", "none", "null", "True", "False", "None"}
+
+
+def _comments(text: str) -> list:
+    """Comment texts of a file, in order (a '#' inside a string is not a comment)."""
+    no_strings = re.sub(r'"([^"\\\n]|\\.)*"|\'([^\'\\\n]|\\.)*\'', '""', text)
+    return [m.strip() for m in re.findall(r"#[^\n]*", no_strings)]
+
+
+# ---------------------------------------------------------------- shipped files
+
+
+@pytest.mark.parametrize("path", RULES, ids=lambda p: Path(p).name)
+def test_printer_round_trips_shipped_files(path):
+    module = parse_text(Path(path).read_text(encoding="utf-8"), path)
+    assert parse_text(format_module(module), path) == module
+
+
+@pytest.mark.parametrize("path", RULES, ids=lambda p: Path(p).name)
+def test_fmt_keeps_meaning_and_comments_and_is_idempotent(path):
+    text = Path(path).read_text(encoding="utf-8")
+    formatted = _format_source(text, path)
+    assert parse_text(formatted, path) == parse_text(text, path)
+    assert _comments(formatted) == _comments(text)
+    assert _format_source(formatted, path) == formatted
+    assert all(len(line) <= 100 for line in formatted.splitlines()), path
+
+
+def test_fmt_layout_of_a_long_rule():
+    text = ("rule conv_bn(priority=10): batch_norm(conv(x, w, b, stride, padding, dilation, groups) as c, "
+            "mean, var, gamma, beta, training=False, eps=eps, ...) where const(w, b, mean, var, gamma, beta) "
+            "and single_use(c) => conv(x, conv_bn_weight(w, b, mean, var, gamma, beta, eps), "
+            "conv_bn_bias(w, b, mean, var, gamma, beta, eps), stride, padding, dilation, groups)\n")
+    assert _format_source(text) == (
+        "rule conv_bn(priority=10):\n"
+        "    batch_norm(conv(x, w, b, stride, padding, dilation, groups) as c, mean, var, gamma, beta,\n"
+        "               training=False, eps=eps, ...)\n"
+        "    where const(w, b, mean, var, gamma, beta) and single_use(c)\n"
+        "    => conv(x, conv_bn_weight(w, b, mean, var, gamma, beta, eps),\n"
+        "            conv_bn_bias(w, b, mean, var, gamma, beta, eps), stride, padding, dilation, groups)\n"
+    )
+
+
+def test_fmt_normalizes_spacing_and_keeps_comments_where_they_are():
+    text = ("# header\n\n\n# doc\nrule a:   mul( x ,1 )   =>  x    # trailing\n"
+            "rule b: relu(  # inside\n   x) => x\n   # indented\n\n\nfamily   f = relu|gelu\n"
+            "rule c: f(x) => x  rule d: neg(neg(y)) => y\nrule e: add(x, \"# no comment\") => x\n\n")
+    assert _format_source(text) == (
+        "# header\n\n# doc\nrule a: mul(x, 1) => x  # trailing\n"
+        "rule b: relu(  # inside\n   x) => x\n# indented\n\nfamily f = relu | gelu\n"
+        "rule c: f(x) => x\nrule d: neg(neg(y)) => y\nrule e: add(x, \"# no comment\") => x\n")
+
+
+def test_fmt_of_an_empty_file():
+    assert _format_source("") == ""
+    assert _format_source("\n\n# only a comment\n\n") == "# only a comment\n"
+
+
+# ---------------------------------------------------------------- generated modules
+
+_names = st.from_regex(r"[A-Za-z][A-Za-z0-9_]{0,7}", fullmatch=True).filter(lambda s: s not in KEYWORDS)
+_dotted = st.lists(_names, min_size=1, max_size=3).map(".".join).filter(
+    lambda s: not (s.startswith("torch.") and s.count(".") == 1))
+_floats = st.floats(allow_nan=False, allow_infinity=False)
+_plain = st.one_of(st.integers(-10**9, 10**9), _floats, st.booleans(), st.none(), st.text(max_size=6))
+_leaves = st.one_of(
+    _names.map(ast.Var), st.just(ast.Wildcard()), _plain.map(ast.Literal),
+    st.sampled_from(sorted(DTYPES)).map(ast.DTypeLit),
+)
+
+
+def _compound(children):
+    callee = st.lists(_dotted, min_size=1, max_size=3).map(lambda ns: ast.OpRef(tuple(ns)))
+    kwargs = st.lists(st.builds(ast.Keyword, _names, children), max_size=2).map(tuple)
+    calls = st.builds(ast.Call, callee, st.lists(children, max_size=4).map(tuple), kwargs, st.booleans())
+    return st.one_of(
+        calls,
+        st.lists(children, max_size=3).map(lambda xs: ast.TupleLit(tuple(xs))),
+        st.lists(children, max_size=3).map(lambda xs: ast.ListLit(tuple(xs))),
+        st.builds(ast.As, calls, _names),
+        st.builds(ast.Compare, st.sampled_from(["==", "!=", "<", "<=", ">", ">=", "in", "not in"]),
+                  children, children),
+        st.builds(ast.BoolOp, st.sampled_from(["and", "or"]), st.lists(children, min_size=2, max_size=3).map(tuple)),
+        st.builds(ast.Not, children),
+        st.builds(ast.Index, children, children),
+    )
+
+
+exprs = st.recursive(_leaves, _compound, max_leaves=16)
+# the parser stores a literal option value as the plain value
+_option_values = st.one_of(_plain, exprs.filter(lambda e: not isinstance(e, ast.Literal)))
+_options = st.lists(st.builds(ast.RuleOption, _names, _option_values), max_size=3).map(tuple)
+rules = st.builds(ast.Rule, _names, exprs, st.one_of(st.none(), exprs), exprs, _options)
+_schedules = st.recursive(
+    st.builds(ast.Schedule, _names, st.lists(_names.map(ast.ScheduleRef), min_size=0, max_size=4).map(tuple)),
+    lambda inner: st.builds(ast.Schedule, _names, st.lists(
+        st.one_of(_names.map(ast.ScheduleRef), inner), max_size=4).map(tuple)),
+    max_leaves=8,
+)
+items = st.one_of(
+    rules,
+    st.builds(ast.Import, st.text(max_size=10)),
+    st.builds(ast.Family, _names, st.lists(_dotted, min_size=1, max_size=4).map(tuple)),
+    st.builds(ast.RuleSetDecl, _names, _schedules),
+)
+modules = st.lists(items, max_size=5).map(lambda xs: ast.Module("<string>", tuple(xs)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(modules)
+def test_printer_round_trips_generated_modules(module):
+    text = format_module(module)
+    assert parse_text(text) == module, text
+
+
+@settings(max_examples=150, deadline=None)
+@given(modules)
+def test_fmt_round_trips_generated_modules_and_is_idempotent(module):
+    formatted = _format_source(format_module(module))
+    assert parse_text(formatted) == module, formatted
+    assert _format_source(formatted) == formatted
+
+
+# ---------------------------------------------------------------- the command
+
+
+def test_fmt_command_prints_checks_and_writes(tmp_path, capsys):
+    messy = tmp_path / "messy.rw"
+    messy.write_text("# x * 1 -> x\nrule   mul_one :mul(x,1)=>x\n")
+    assert main(["fmt", str(messy)]) == 0
+    assert capsys.readouterr().out == "# x * 1 -> x\nrule mul_one: mul(x, 1) => x\n"
+    assert main(["fmt", "--check", str(messy)]) == 1
+    assert "not formatted" in capsys.readouterr().err
+    assert main(["fmt", "--write", str(messy)]) == 0
+    assert messy.read_text() == "# x * 1 -> x\nrule mul_one: mul(x, 1) => x\n"
+    assert main(["fmt", "--check", str(messy)]) == 0
+
+
+def test_fmt_reports_syntax_errors_with_positions(tmp_path, capsys):
+    bad = tmp_path / "bad.rw"
+    bad.write_text("rule r: relu(x) =>\n")
+    assert main(["fmt", str(bad)]) == 1
+    assert f"{bad}:1:" in capsys.readouterr().err
+    assert main(["fmt", str(tmp_path / "missing.rw")]) == 1
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_fmt_check_and_write_are_exclusive():
+    with pytest.raises(SystemExit):
+        main(["fmt", "--check", "--write", "x.rw"])

@@ -1,0 +1,379 @@
+"""Post-training static quantization from rule files (rules/quant/, rewrite.quant).
+
+Each stage on small models: observe (observers where int8 kernels read and write,
+shared, none between a conv and its relu), convert (the reference QDQ model), lower
+(torch.ops.quantized kernels, no stray quantize/dequantize pairs), on symbolic_trace
+and torch.export graphs, on models from transformers, and the policy knobs a rule
+file gives. Numerics are judged by SQNR: int8 against the QDQ reference (close), and
+against fp32 (above a floor stated per model). No timing assertions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import io
+import warnings
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.ao.quantization.observer import HistogramObserver, ObserverBase
+
+import rewrite
+import rewrite.quant as rq
+from rewrite.check import generate_inputs
+from rewrite.examples.cnn import resnet_tiny_with_inputs
+from rewrite.functions.quant import (
+    QuantizedBinary,
+    QuantizedConv,
+    QuantizedLinear,
+    QuantizedModule,
+    quantize_weight,
+)
+from rewrite.ops import bind_node
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+#: fp32-vs-int8 output SQNR floors (dB) on held-out inputs: random-weight models,
+#: 3 calibration batches (typical values are 25-35 dB).
+CNN_FLOOR = 20.0
+BERT_FLOOR = 20.0
+#: the int8 model against its reference QDQ model (same rounding points): close.
+QDQ_FLOOR = 30.0
+
+
+def _batches(inputs: tuple, n: int, seed: int) -> list:
+    return [generate_inputs(inputs, seed=seed + i) for i in range(n)]
+
+
+def _quantize(model, inputs, capture="fx", **options):
+    observed = rq.prepare(model, inputs, capture=capture, **options)
+    rq.calibrate(observed, [inputs] + _batches(inputs, 2, 100))
+    return observed, rq.convert(observed, lower=False), rq.convert(observed)
+
+
+def _ops(gm: fx.GraphModule) -> collections.Counter:
+    """Canonical op (or int8 module class) -> count."""
+    out: collections.Counter = collections.Counter()
+    for n in gm.graph.nodes:
+        if n.op == "call_module" and isinstance(gm.get_submodule(n.target), QuantizedModule):
+            out[type(gm.get_submodule(n.target)).__name__] += 1
+        elif n.op.startswith("call_"):
+            bound = bind_node(n, gm)
+            out[bound[0].op if bound else str(getattr(n.target, "__name__", n.target))] += 1
+    return out
+
+
+def _is(node: fx.Node, gm: fx.GraphModule, op: str) -> bool:
+    return node.op.startswith("call_") and any(b.op == op for b in bind_node(node, gm))
+
+
+def _stray_pairs(gm: fx.GraphModule) -> list:
+    """dequantize -> quantize_per_tensor, and quantize_per_tensor -> dequantize with
+    nothing int8 in between."""
+    bad = []
+    for n in gm.graph.nodes:
+        if _is(n, gm, "quantize_per_tensor") and isinstance(n.args[0], fx.Node) and _is(n.args[0], gm, "dequantize"):
+            bad.append(f"{n.args[0].name} -> {n.name}")
+        if _is(n, gm, "dequantize") and isinstance(n.args[0], fx.Node) and _is(n.args[0], gm, "quantize_per_tensor"):
+            bad.append(f"{n.args[0].name} -> {n.name}")
+    return bad
+
+
+def _output_sqnr(reference, candidate, inputs) -> float:
+    with torch.no_grad():
+        pairs = rq._float_pairs(reference(*inputs), candidate(*inputs))
+    return min(rq.sqnr(a, b) for a, b in pairs)
+
+
+# ---------------------------------------------------------------- rule files
+
+
+def test_quant_rule_files_load_and_check():
+    for name in ("observe", "convert", "lower"):
+        rules = rq.quant_rules(name)
+        assert len(rules) > 0
+        assert "main" in rules.sets
+    assert {"linear", "onednn"} <= set(rq.quant_rules("observe").sets)
+    # from the repository root the shipped files also load by relative path
+    assert len(rewrite.load("rules/quant/observe.rw")) == len(rq.quant_rules("observe"))
+
+
+# ---------------------------------------------------------------- a small CNN, symbolic_trace
+
+
+@pytest.fixture(scope="module")
+def tiny_fx():
+    model, (x,) = resnet_tiny_with_inputs()
+    observed, qdq, int8 = _quantize(model, (x,))
+    return model, x, observed, qdq, int8
+
+
+def test_observe_places_one_observer_per_quantized_tensor(tiny_fx):
+    model, x, observed, _, _ = tiny_fx
+    obs = [n for n in observed.graph.nodes if n.op == "call_module"
+           and isinstance(observed.get_submodule(n.target), ObserverBase)]
+    assert all(isinstance(observed.get_submodule(n.target), HistogramObserver) for n in obs)
+    # model input, 13 relus after conv/add, 8 convs into an add, the fc output
+    assert len(obs) == 23
+    counts = observed.meta["rewrite.quant"]["observe_counts"]
+    assert counts["observe_relu_output"] == 13 and counts["observe_conv_input"] == 1
+    for n in obs:
+        src = n.args[0]
+        assert not (_is(src, observed, "conv") and any(_is(u, observed, "relu") for u in src.users)), \
+            "the observer goes after the relu a conv feeds, never between them"
+        assert len([u for u in src.users if u in obs]) == 1, "one observer per tensor"
+    with torch.no_grad():
+        torch.testing.assert_close(observed(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+def test_convert_makes_the_reference_qdq_model(tiny_fx):
+    model, x, _, qdq, _ = tiny_fx
+    ops = _ops(qdq)
+    assert ops["quantize_per_tensor"] == 23
+    assert qdq.meta["rewrite.quant"]["convert_counts"] == {"observer_to_qdq": 23, "conv_weight": 17,
+                                                            "linear_weight": 1}
+    int8_weights = [t for t in list(qdq.parameters()) + list(qdq.buffers()) if t.dtype == torch.qint8]
+    assert len(int8_weights) == 18
+    # per-channel symmetric: torch stores it as per-channel affine with zero points 0
+    assert all(w.qscheme() == torch.per_channel_affine and not w.q_per_channel_zero_points().any()
+               for w in int8_weights)
+    assert _output_sqnr(model, qdq, (x,)) > CNN_FLOOR
+
+
+def test_lower_uses_int8_kernels_only(tiny_fx):
+    model, x, _, qdq, int8 = tiny_fx
+    ops = _ops(int8)
+    assert ops["QuantizedConv"] == 17 and ops["QuantizedBinary"] == 4 and ops["QuantizedLinear"] == 1
+    assert not ops["conv"] and not ops["linear"] and not ops["add"] and not ops["relu"]
+    assert ops["quantize_per_tensor"] == 1 and ops["dequantize"] == 1  # model input and output
+    assert _stray_pairs(int8) == []
+    mods = [m for m in int8.modules() if isinstance(m, QuantizedModule)]
+    assert sum(isinstance(m, QuantizedConv) and m.relu for m in mods) == 9
+    assert sum(isinstance(m, QuantizedBinary) and m.op_name == "add_relu" for m in mods) == 4
+    # max pooling, average pooling and flatten run on the int8 tensor
+    assert ops["max_pool2d"] == 1 and ops["adaptive_avg_pool2d"] == 1 and ops["flatten"] == 1
+    held = _batches((x,), 2, 500)
+    for inputs in held:
+        assert _output_sqnr(qdq, int8, inputs) > QDQ_FLOOR
+        assert _output_sqnr(model, int8, inputs) > CNN_FLOOR
+    assert int8.meta["rewrite.quant"]["qdq_sqnr"] > QDQ_FLOOR
+
+
+def test_accuracy_report_per_layer(tiny_fx):
+    _, x, observed, _, int8 = tiny_fx
+    report = rq.accuracy_report(observed, int8, _batches((x,), 2, 700))
+    layers = {r.layer: r for r in report.layers}
+    assert len(report.layers) == 23
+    assert layers["layer1.0.conv1"].op == "conv+relu" and layers["fc"].op == "linear"
+    assert layers["layer2.0"].op == "add+relu"
+    assert all(r.sqnr > 15 for r in report.layers)
+    assert report.output_sqnr > CNN_FLOOR and not report.flagged
+    text = str(report)
+    assert "layer1.0.conv1" in text and "SQNR" in text
+    strict = rq.accuracy_report(observed, int8, [x], flag_below=1000.0)
+    assert len(strict.flagged) == len(strict.layers) + len(strict.outputs)
+    assert "<-- poor" in str(strict)
+
+
+def test_int8_model_saves_and_loads(tiny_fx):
+    _, x, _, _, int8 = tiny_fx
+    buf = io.BytesIO()
+    rq.save(int8, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), int8(x))
+
+
+def test_convert_without_calibration_is_an_error():
+    model, (x,) = resnet_tiny_with_inputs()
+    observed = rq.prepare(model, (x,), check=False)
+    with pytest.raises(rq.QuantizationError, match="saw no data"):
+        rq.convert(observed)
+
+
+# ---------------------------------------------------------------- torch.export graphs
+
+
+def test_export_graph_quantizes_with_the_same_rules():
+    model, (x,) = resnet_tiny_with_inputs()
+    observed, qdq, int8 = _quantize(model, (x,), capture="export", check=False)
+    ops = _ops(int8)
+    assert ops["QuantizedConv"] == 17 and ops["QuantizedBinary"] == 4 and ops["QuantizedLinear"] == 1
+    assert not ops["conv"] and not ops["linear"]
+    assert any(n.target is torch.ops.aten.quantize_per_tensor.default for n in int8.graph.nodes)
+    assert _stray_pairs(int8) == []
+    assert _output_sqnr(model, int8, (x,)) > CNN_FLOOR
+    assert _output_sqnr(qdq, int8, (x,)) > QDQ_FLOOR
+    report = rq.accuracy_report(observed, int8, [x])
+    assert {r.layer for r in report.layers} >= {"layer1.0.conv3", "layer4.0.downsample.0", "fc"}
+    assert report.output_sqnr > CNN_FLOOR
+
+
+# ---------------------------------------------------------------- models from transformers
+
+
+def test_hf_bert_int8_linear_layers():
+    from rewrite.examples.hf import hf_bert
+
+    model, inputs = hf_bert()
+    observed, qdq, int8 = _quantize(model, inputs, capture="export", ruleset="linear", check=False)
+    ops = _ops(int8)
+    assert ops["QuantizedLinear"] == 13 and not ops["linear"]
+    assert observed.meta["rewrite.quant"]["merged_observers"] == 4  # q, k, v read one input
+    assert _stray_pairs(int8) == []
+    held = generate_inputs(inputs, seed=9)
+    assert _output_sqnr(model, int8, held) > BERT_FLOOR
+    assert _output_sqnr(qdq, int8, held) > QDQ_FLOOR
+
+
+def test_hf_mobilenet_v2_end_to_end():
+    from rewrite.examples.hf import hf_mobilenet_v2
+
+    model, inputs = hf_mobilenet_v2(size=32)
+    observed, qdq, int8 = _quantize(model, inputs, capture="export", check=False)
+    ops = _ops(int8)
+    assert ops["QuantizedConv"] == 52 and not ops["conv"]  # depthwise convs included
+    # relu6 (hardtanh) and the TF-style zero padding run on int8
+    assert not any(_is(n, int8, "hardtanh") and _is(n.args[0], int8, "dequantize")
+                   for n in int8.graph.nodes)
+    pads = [n for n in int8.graph.nodes if n.target is torch.ops.aten.pad.default]
+    assert sum(isinstance(n.args[0], fx.Node) and _is(n.args[0], int8, "dequantize") for n in pads) == 0
+    assert _stray_pairs(int8) == []
+    held = generate_inputs(inputs, seed=9)
+    assert _output_sqnr(model, int8, held) > CNN_FLOOR
+    assert _output_sqnr(qdq, int8, held) > QDQ_FLOOR
+
+
+# ---------------------------------------------------------------- policy in rule files
+
+SKIP_LAYER4 = """
+# conv outputs and inputs observed, except in layer4 (which stays float)
+rule out(priority=10):
+    conv(x, w, b, s, p, d, g) as c
+    where activation(x) and const(w, b) and not output_observed(c)
+      and not feeds(c, "relu") and not module_name_matches(c, "layer4.*")
+    => activation_observer(conv(x, w, b, s, p, d, g))
+rule relu_out(priority=10):
+    relu(y) as r
+    where produced_by(y, "conv", "add") and single_use(y) and not output_observed(r)
+      and not module_name_matches(r, "layer4.*")
+    => activation_observer(relu(y))
+rule conv_in:
+    conv(x, w, b, s, p, d, g) as c
+    where activation(x) and const(w, b) and not observed(x) and not module_name_matches(c, "layer4.*")
+    => conv(activation_observer(x, "minmax"), w, b, s, p, d, g)
+rule add_in:
+    add(x, y) as a where activation(x) and activation(y) and not observed(x)
+      and not module_name_matches(a, "layer4*")
+    => add(activation_observer(x), y)
+ruleset main = seq(fixpoint(out, relu_out), fixpoint(conv_in, add_in))
+"""
+
+
+def test_policy_rule_file_skips_a_layer_by_name_and_picks_observers():
+    from torch.ao.quantization.observer import MinMaxObserver
+
+    model, (x,) = resnet_tiny_with_inputs()
+    observed = rq.prepare(model, (x,), observe=rewrite.parse(SKIP_LAYER4, "skip.rw"), check=False)
+    assert sum(isinstance(m, MinMaxObserver) for m in observed.modules()) == 1  # the model input
+    rq.calibrate(observed, [x] + _batches((x,), 2, 100))
+    int8 = rq.convert(observed)
+    ops = _ops(int8)
+    assert ops["QuantizedConv"] == 13 and ops["conv"] == 4  # layer4's four convs stay float
+    assert ops["linear"] == 1 and not ops["QuantizedLinear"]
+    float_convs = [n for n in int8.graph.nodes if _is(n, int8, "conv")]
+    assert all(n.meta["nn_module_stack"] and rq.module_path(n).startswith("layer4") for n in float_convs)
+    assert _stray_pairs(int8) == []
+    assert _output_sqnr(model, int8, (x,)) > CNN_FLOOR
+
+
+PER_TENSOR = """
+family fake_quant = torch.fake_quantize_per_tensor_affine | aten.fake_quantize_per_tensor_affine
+rule qdq: fake_quant(x, s, z, lo, hi) => dequantize(quantize_per_tensor(x, s, z, quant_dtype(lo, hi)))
+rule conv_w:
+    conv(x, w, b, st, p, d, g) as c where dequantized(x) and const(w, b) and is_float(w) and output_quantized(c)
+    => conv(x, dequantize(quantize_weight(w, "per_tensor_symmetric")), b, st, p, d, g)
+ruleset main = seq(fixpoint(qdq), fixpoint(conv_w))
+"""
+
+
+def test_policy_rule_file_per_tensor_weights(tiny_fx):
+    model, x, observed, _, _ = tiny_fx
+    int8 = rq.convert(observed, convert_rules=rewrite.parse(PER_TENSOR, "per_tensor.rw"))
+    ops = _ops(int8)
+    assert ops["QuantizedConv"] == 17 and ops["linear"] == 1  # the fc keeps float weights
+    for m in int8.modules():
+        if isinstance(m, QuantizedConv):
+            w = m._packed.unpack()[0]
+            assert w.qscheme() in (torch.per_tensor_affine, torch.per_tensor_symmetric) and w.q_zero_point() == 0
+    assert _output_sqnr(model, int8, (x,)) > CNN_FLOOR - 5
+
+
+# ---------------------------------------------------------------- onednn backend
+
+
+@pytest.mark.skipif("onednn" not in torch.backends.quantized.supported_engines, reason="no onednn engine")
+def test_onednn_fuses_the_residual_add_into_the_conv():
+    before = torch.backends.quantized.engine
+    try:
+        model, (x,) = resnet_tiny_with_inputs()
+        observed, qdq, int8 = _quantize(model, (x,), backend="onednn", check=False)
+        counts = int8.meta["rewrite.quant"]["lower_counts"]
+        assert counts["lower_conv_add_relu"] == 4 and "lower_add_relu" not in counts
+        assert _stray_pairs(int8) == []
+        assert _output_sqnr(model, int8, (x,)) > CNN_FLOOR
+        assert _output_sqnr(qdq, int8, (x,)) > QDQ_FLOOR
+    finally:
+        torch.backends.quantized.engine = before
+
+
+# ---------------------------------------------------------------- functions and command line
+
+
+def test_quantize_weight_matches_torch_observer():
+    from torch.ao.quantization.observer import PerChannelMinMaxObserver
+
+    w = torch.randn(8, 4, 3, 3)
+    q = quantize_weight(w)
+    obs = PerChannelMinMaxObserver(ch_axis=0, dtype=torch.qint8, qscheme=torch.per_channel_symmetric)
+    obs(w)
+    scale, zp = obs.calculate_qparams()
+    torch.testing.assert_close(q.q_per_channel_scales().float(), scale)
+    assert (q.q_per_channel_zero_points() == 0).all()
+    assert rq.sqnr(w, q.dequantize()) > 35
+    with pytest.raises(ValueError):
+        quantize_weight(w, "per_row")
+
+
+def test_quantized_modules_compute_what_the_float_ops_do():
+    from rewrite.functions.quant import quantized_add, quantized_cat, quantized_linear, quantized_matmul
+
+    a, b = torch.randn(2, 3, 4), torch.randn(2, 3, 4)
+    qa, qb = (torch.quantize_per_tensor(t, 0.02, 128, torch.quint8) for t in (a, b))
+    cases = [
+        (quantized_add(scale=0.04, zero_point=128), (qa, qb), qa.dequantize() + qb.dequantize()),
+        (quantized_add(scale=0.04, zero_point=0, relu=True), (qa, qb), torch.relu(qa.dequantize() + qb.dequantize())),
+        (quantized_cat(dim=1, scale=0.02, zero_point=128), ([qa, qb],), torch.cat([qa.dequantize(), qb.dequantize()], 1)),
+        (quantized_matmul(scale=0.1, zero_point=128), (qa, qb.transpose(1, 2)), qa.dequantize() @ qb.dequantize().transpose(1, 2)),
+    ]
+    w = torch.randn(5, 4)
+    cases.append((quantized_linear(weight=w, bias=torch.zeros(5), scale=0.05, zero_point=128), (qa,),
+                  qa.dequantize() @ quantize_weight(w).dequantize().T))
+    for mod, args, expected in cases:
+        assert rq.sqnr(expected, mod(*args).dequantize()) > 30, mod
+
+
+def test_quantize_one_call_and_command_line(capsys):
+    model, (x,) = resnet_tiny_with_inputs()
+    int8 = rq.quantize(model, [x] + _batches((x,), 2, 100), check=False)
+    assert _ops(int8)["QuantizedConv"] == 17
+    parser = rq.add_quantize_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--model", "rewrite.examples.cnn:resnet_tiny_with_inputs", "--calibration", "1",
+                              "--held-out", "1", "--no-check"])
+    assert rq.quantize_command(args) == 0
+    out = capsys.readouterr().out
+    assert "lower_conv_relu x9" in out and "output SQNR" in out and "layer1.0.conv1" in out
