@@ -282,7 +282,7 @@ def _trace(fn: Callable) -> fx.GraphModule:
 class Run:
     """One rewriter on one graph."""
 
-    seconds: float  # rewrite time (median over repeats)
+    seconds: float  # rewrite time (the fastest of the repeats)
     counts: Dict[str, int]
     apply_seconds: Optional[float] = None  # rewrite only: whole apply() call
     copy_seconds: Optional[float] = None  # rewrite only: apply's copy of the input
@@ -465,16 +465,21 @@ def real_graphs(which: Sequence[str]) -> List[Bench]:
 # ---------------------------------------------------------------- measuring
 
 
-def _median_run(fn: Callable[[], Run], repeats: int, slow: float = 2.0) -> Run:
+def _best_run(fn: Callable[[], Run], repeats: int, slow: float = 2.0, total: float = 40.0) -> Run:
+    """The fastest of up to ``repeats`` runs (the machine is shared: the minimum is
+    the least disturbed), stopping early once a run takes over ``slow`` seconds or
+    all runs together over ``total``."""
     runs = []
+    spent = 0.0
     for _ in range(repeats):
         gc.collect()
         runs.append(fn())
-        if runs[-1].seconds > slow or not runs[-1].complete:
+        spent += runs[-1].seconds
+        if runs[-1].seconds > slow or not runs[-1].complete or spent > total:
             break
-    best = sorted(runs, key=lambda r: r.seconds)[len(runs) // 2]
+    best = min(runs, key=lambda r: r.seconds)
     if best.apply_seconds is not None:
-        best.apply_seconds = statistics.median(r.apply_seconds for r in runs)
+        best.apply_seconds = min(r.apply_seconds for r in runs)
     best.repeats = len(runs)
     return best
 
@@ -486,7 +491,7 @@ def _time(fn: Callable[[], Any], repeats: int) -> float:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
 def _traced_peak(fn: Callable[[], Any]) -> Tuple[int, int]:
@@ -527,7 +532,7 @@ def measure(bench: Bench, rewriters: Dict[str, Any], args: Any, previous: Dict[s
     row.graph_bytes, row.deepcopy_peak = _traced_peak(lambda: copy.deepcopy(gm))
 
     ours = rewriters["rewrite"]
-    run = _median_run(lambda: ours.run(gm, bench.example_inputs, args.budget), args.repeat, slow=1e9)
+    run = _best_run(lambda: ours.run(gm, bench.example_inputs, args.budget), args.repeat, slow=1e9)
     if not args.no_memory:
         run.peak_bytes = _traced_peak(lambda: ours.traced(gm, bench.example_inputs))[1]
     row.runs["rewrite"] = run
@@ -548,7 +553,7 @@ def measure(bench: Bench, rewriters: Dict[str, Any], args: Any, previous: Dict[s
             work = copy.deepcopy(gm)
             return p.rewrite(work, args.budget)
 
-        run = _median_run(once, args.repeat)
+        run = _best_run(once, args.repeat)
         if not run.complete:
             prev = previous.get(name)
             if prev is not None and prev.complete and prev.work_done:
@@ -590,7 +595,8 @@ def print_report(rows: List[GraphRow], args: Any) -> None:
     print()
     print(f"torch {torch.__version__}, {len(rewrite.load(str(RULES_PATH)))} rules "
           f"({RULES_PATH.relative_to(HERE.parent)}), synthetic density {args.density:g} planted motifs "
-          f"per 1000 nodes, median of up to {args.repeat} runs (peers: 1 run when over 2 s)")
+          f"per 1000 nodes, best of up to {args.repeat} runs (of 1 when a run takes over 2 s, 40 s in all for "
+          f"rewrite)")
     print()
     print("| graph | nodes | rewrites expected | deepcopy ms | graph_copy ms | graph MB | deepcopy peak MB |")
     print("|---|---|---|---|---|---|---|")
@@ -737,8 +743,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--real", default="resnet50,gpt2,hf_resnet",
                         help="real graphs: resnet50, gpt2, hf_resnet, or 'none'")
     parser.add_argument("--density", type=float, default=20.0, help="planted motifs per 1000 nodes")
-    parser.add_argument("--repeat", type=int, default=3, help="runs per measurement (median)")
-    parser.add_argument("--budget", type=float, default=180.0,
+    parser.add_argument("--repeat", type=int, default=5, help="runs per measurement (the fastest is reported)")
+    parser.add_argument("--budget", type=float, default=120.0,
                         help="seconds a peer may take on one graph before it is stopped and extrapolated")
     parser.add_argument("--mem-budget", type=float, default=30.0,
                         help="measure a peer's memory (a slow traced rerun) only when it took less than this")

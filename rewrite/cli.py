@@ -144,7 +144,8 @@ def _cmd_apply(args: argparse.Namespace) -> int:
     model, inputs = _load_model(args.model)
     if args.capture == "dynamo":
         results = []
-        compiled = torch.compile(model, backend=rewrite.backend(rules, check=not args.no_check, on_result=results.append))
+        compiled = torch.compile(model, backend=rewrite.backend(
+            rules, check=not args.no_check, on_result=results.append, rtol=args.rtol, atol=args.atol))
         with torch.no_grad():
             compiled(*inputs)
         for i, result in enumerate(results):
@@ -153,7 +154,8 @@ def _cmd_apply(args: argparse.Namespace) -> int:
         return 0
     gm = _capture(model, inputs, args.capture)
     try:
-        result = rules.apply(gm, example_inputs=inputs, check=not args.no_check, trials=args.trials)
+        result = rules.apply(gm, example_inputs=inputs, check=not args.no_check, trials=args.trials,
+                             rtol=args.rtol, atol=args.atol)
     except rewrite.EquivalenceError as err:
         print(f"rewrite: error: {err}", file=sys.stderr)
         return 1
@@ -472,6 +474,8 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--ruleset", help="apply only this ruleset of the files")
     a.add_argument("--no-check", action="store_true", help="skip the equivalence check")
     a.add_argument("--trials", type=int, default=3)
+    a.add_argument("--rtol", type=float, help="relative tolerance of the check (default: by dtype)")
+    a.add_argument("--atol", type=float, help="absolute tolerance of the check (default: by dtype)")
     a.add_argument("--save", help="torch.save the rewritten GraphModule here")
     a.add_argument("--print-code", action="store_true", help="print the rewritten graph's code")
     a.set_defaults(fn=_cmd_apply)

@@ -145,13 +145,13 @@ class Driver:
         while queue:
             node = queue.popleft()
             queued.discard(node)
-            if node.graph is not self.gm.graph:
+            if node._erased:
                 continue  # erased meanwhile
             result = self._rewrite_at(index, node)
             if result is None:
                 continue
             changed = True
-            fresh = [n for n in result if n not in queued and n.graph is self.gm.graph and n.op.startswith("call_")]
+            fresh = [n for n in result if n not in queued and not n._erased and n.op.startswith("call_")]
             if self.shuffle is not None:
                 self.shuffle.shuffle(fresh)
             for n in fresh:
@@ -165,7 +165,7 @@ class Driver:
         index = _Index(rules)
         changed = False
         for node in list(self.gm.graph.nodes):
-            if node.graph is self.gm.graph and node.op.startswith("call_"):
+            if not node._erased and node.op.startswith("call_"):
                 changed |= self._rewrite_at(index, node) is not None
         return changed
 

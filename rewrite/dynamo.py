@@ -65,20 +65,22 @@ def freeze_parameters(gm: fx.GraphModule, example_inputs: list) -> tuple:
     return tuple(kept), [example_inputs[i] for i in kept]
 
 
-def backend(rules: Any, *, check: bool = True, on_result: Callable | None = None) -> Callable:
+def backend(rules: Any, *, check: bool = True, on_result: Callable | None = None, **apply_options: Any) -> Callable:
     """A ``torch.compile`` backend applying ``rules`` (a RuleSet) to each graph.
 
     Args:
         rules: the RuleSet to apply.
         check: run the randomized equivalence check on each graph.
         on_result: called with each ``RewriteResult`` (for logging or tests).
+        apply_options: passed to ``RuleSet.apply`` (``rtol``, ``atol``, ``trials``,
+            ``on_mismatch``...), e.g. looser tolerances for mixed precision.
     """
 
     def compile_fn(gm: fx.GraphModule, example_inputs: list) -> Callable:
         # Dynamo reads the graph it handed us after we return: work on a copy.
         gm = fx.GraphModule(gm, copy.deepcopy(gm.graph))
         kept, kept_inputs = freeze_parameters(gm, list(example_inputs))
-        result = rules.apply(gm, example_inputs=tuple(kept_inputs), check=check)
+        result = rules.apply(gm, example_inputs=tuple(kept_inputs), check=check, **apply_options)
         if on_result is not None:
             on_result(result)
         rewritten = result.graph_module

@@ -140,14 +140,16 @@ class GraphFacts:
         values = [m if m is not None else _plain_value(n) for n, m in zip(inputs, metas)]
         if any(v is None for v in values):
             return
-        try:
-            if self.fake_mode is not None:
-                mode = self.fake_mode
-                env = {n: _fake(mode, v) for n, v in zip(inputs, values)}
-                with mode:
+        if self.fake_mode is not None:
+            try:
+                env = {n: _fake(self.fake_mode, v) for n, v in zip(inputs, values)}
+                with self.fake_mode:
                     args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
                     node.meta["val"] = node.target(*args, **kwargs)
                 return
+            except Exception:  # noqa: BLE001 - e.g. inputs from another fake mode: use meta tensors
+                pass
+        try:
             env = {n: _on_meta(v) for n, v in zip(inputs, values)}
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
             out = node.target(*args, **kwargs)
@@ -189,7 +191,9 @@ def _fake(mode: Any, v: Any) -> Any:
     if isinstance(v, FakeTensor) or not hasattr(v, "dtype"):
         return v
     if isinstance(v, torch.Tensor):
-        return mode.from_tensor(v)
+        # static shapes: fresh symbolic sizes would make every later inference
+        # evaluate sympy guards (10-40x slower on export graphs)
+        return mode.from_tensor(v, static_shapes=True)
     with mode:
         return torch.empty(tuple(v.shape), dtype=v.dtype)
 

@@ -185,7 +185,7 @@ class Replacer:
         changed (the producers of what was erased), for the worklist."""
         touched = []
         for node in match.nodes:  # pattern order: users before their inputs
-            if node.graph is not self.graph:
+            if node._erased:  # fx keeps node.graph set on erased nodes
                 continue
             for user in list(node.users):
                 if user.target is operator.getitem and not user.users:
@@ -193,7 +193,7 @@ class Replacer:
             if not node.users:
                 touched.extend(n for n in node.all_input_nodes)
                 self.graph.erase_node(node)
-        return tuple(n for n in touched if n.graph is self.graph)
+        return tuple(n for n in touched if not n._erased)
 
     def _undo(self) -> None:
         for node in reversed(self._created):

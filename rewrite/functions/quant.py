@@ -311,6 +311,23 @@ def module_type_is(x: Value, *names: Value) -> bool:
     return kind is not None and kind in {n.literal for n in names}
 
 
+@register_predicate()
+def symmetric_pad(x: Value, pad: Value) -> bool:
+    """``pad`` (last dim first: left, right, top, bottom...) pads exactly the spatial
+    dims of the conv input ``x`` and as much before as after each: the conv's own
+    ``padding`` can do it."""
+    p, m = pad.literal, x.meta
+    return (isinstance(p, (list, tuple)) and len(p) in (2, 4, 6) and all(isinstance(v, int) and v >= 0 for v in p)
+            and all(p[i] == p[i + 1] for i in range(0, len(p), 2))
+            and m is not None and len(m.shape) == len(p) // 2 + 2)
+
+
+@register_constant()
+def conv_padding(pad: Any) -> Any:
+    """The conv ``padding`` (first spatial dim first) equal to a symmetric ``pad`` list."""
+    return tuple(pad[i] for i in range(len(pad) - 2, -1, -2))
+
+
 @register_query()
 def module_name(x: Value) -> Any:
     """The dotted path of the module ``x`` came from, or None."""
