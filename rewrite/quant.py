@@ -378,7 +378,8 @@ def convert(
     convert_rules: Any = None,
     lower_rules: Any = None,
     min_qdq_sqnr: float = 25.0,
-) -> fx.GraphModule:
+    reference: bool = False,
+) -> Any:
     """Turn a calibrated observed model into an int8 model.
 
     Steps: calibrated observers become fake-quant functions (see the module doc),
@@ -391,6 +392,7 @@ def convert(
         check: compare the int8 model with the QDQ model on the example inputs;
             raise ``QuantizationError`` when their SQNR is below ``min_qdq_sqnr`` dB.
         convert_rules, lower_rules: your own rule files (path or RuleSet).
+        reference: also return the reference QDQ model: ``(int8, qdq)``.
 
     Returns:
         A GraphModule; ``gm.meta["rewrite.quant"]`` holds the quantization points,
@@ -427,6 +429,9 @@ def convert(
                 f"the int8 model disagrees with its reference QDQ model: SQNR {db:.1f} dB "
                 f"< {min_qdq_sqnr} dB (lowering rules: {dict(low_result.counts)})")
     int8.meta[_META] = state
+    if reference:
+        qdq.meta[_META] = dict(state)
+        return int8, qdq
     return int8
 
 
@@ -448,7 +453,7 @@ def quantize(
         raise QuantizationError("quantize needs at least one calibration batch")
     if example_inputs is None:
         example_inputs = _as_args(batches[0])
-    convert_keys = {"lower", "convert_rules", "lower_rules", "min_qdq_sqnr"}
+    convert_keys = {"lower", "convert_rules", "lower_rules", "min_qdq_sqnr", "reference"}
     conv_opts = {k: v for k, v in options.items() if k in convert_keys}
     prep_opts = {k: v for k, v in options.items() if k not in convert_keys}
     if "check" in prep_opts:

@@ -30,6 +30,7 @@ from rewrite.functions.quant import (
     QuantizedConv,
     QuantizedLinear,
     QuantizedModule,
+    QuantizedPad,
     quantize_weight,
 )
 from rewrite.ops import bind_node
@@ -37,7 +38,7 @@ from rewrite.ops import bind_node
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 #: fp32-vs-int8 output SQNR floors (dB) on held-out inputs: random-weight models,
-#: 3 calibration batches (typical values are 25-35 dB).
+#: 2-3 calibration batches (typical values are 25-35 dB).
 CNN_FLOOR = 20.0
 BERT_FLOOR = 20.0
 #: the int8 model against its reference QDQ model (same rounding points): close.
@@ -48,17 +49,18 @@ def _batches(inputs: tuple, n: int, seed: int) -> list:
     return [generate_inputs(inputs, seed=seed + i) for i in range(n)]
 
 
-def _quantize(model, inputs, capture="fx", **options):
+def _quantize(model, inputs, capture="fx", calibration=2, **options):
     observed = rq.prepare(model, inputs, capture=capture, **options)
-    rq.calibrate(observed, [inputs] + _batches(inputs, 2, 100))
-    return observed, rq.convert(observed, lower=False), rq.convert(observed)
+    rq.calibrate(observed, [inputs] + _batches(inputs, calibration, 100))
+    int8, qdq = rq.convert(observed, reference=True)
+    return observed, qdq, int8
 
 
 def _ops(gm: fx.GraphModule) -> collections.Counter:
     """Canonical op (or int8 module class) -> count."""
     out: collections.Counter = collections.Counter()
     for n in gm.graph.nodes:
-        if n.op == "call_module" and isinstance(gm.get_submodule(n.target), QuantizedModule):
+        if n.op == "call_module" and isinstance(gm.get_submodule(n.target), (QuantizedModule, QuantizedPad)):
             out[type(gm.get_submodule(n.target)).__name__] += 1
         elif n.op.startswith("call_"):
             bound = bind_node(n, gm)
@@ -178,6 +180,38 @@ def test_accuracy_report_per_layer(tiny_fx):
     assert "<-- poor" in str(strict)
 
 
+class Mixed(nn.Module):
+    """add and mul without relu, cat, flatten, linear on 3-d input, matmul."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(3, 8, 3, padding=1)
+        self.b = nn.Conv2d(3, 8, 3, padding=1)
+        self.c = nn.Conv2d(16, 8, 1)
+        self.fc = nn.Linear(64, 16)
+
+    def forward(self, x):
+        a, b = self.a(x), self.b(x)
+        y = self.c(torch.cat([a + b, a * b], 1))
+        z = self.fc(torch.flatten(y, 2))
+        return torch.matmul(z, z.transpose(1, 2))
+
+
+def test_add_mul_cat_matmul_run_as_int8_kernels():
+    model, x = Mixed().eval(), torch.randn(2, 3, 8, 8)
+    observed, qdq, int8 = _quantize(model, (x,), calibration=1)
+    counts = observed.meta["rewrite.quant"]["observe_counts"]
+    assert counts["observe_add_output"] == counts["observe_mul_output"] == counts["observe_cat_output"] == 1
+    assert observed.meta["rewrite.quant"]["merged_observers"] == 1  # both convs read x
+    ops = _ops(int8)
+    assert ops["QuantizedConv"] == 3 and ops["QuantizedBinary"] == 3 and ops["QuantizedCat"] == 1
+    assert ops["QuantizedLinear"] == 1
+    assert {m.op_name for m in int8.modules() if isinstance(m, QuantizedBinary)} == {"add", "mul", "matmul"}
+    assert ops["quantize_per_tensor"] == 1 and ops["dequantize"] == 1 and _stray_pairs(int8) == []
+    assert _output_sqnr(model, int8, (x,)) > CNN_FLOOR
+    assert _output_sqnr(qdq, int8, (x,)) > QDQ_FLOOR
+
+
 def test_int8_model_saves_and_loads(tiny_fx):
     _, x, _, _, int8 = tiny_fx
     buf = io.BytesIO()
@@ -234,14 +268,16 @@ def test_hf_mobilenet_v2_end_to_end():
     from rewrite.examples.hf import hf_mobilenet_v2
 
     model, inputs = hf_mobilenet_v2(size=32)
-    observed, qdq, int8 = _quantize(model, inputs, capture="export", check=False)
+    observed, qdq, int8 = _quantize(model, inputs, capture="export", calibration=1, check=False)
     ops = _ops(int8)
     assert ops["QuantizedConv"] == 52 and not ops["conv"]  # depthwise convs included
-    # relu6 (hardtanh) and the TF-style zero padding run on int8
+    # relu6 (hardtanh) runs on int8; TF-style "same" padding is the conv's own padding
+    # where symmetric, else pads the int8 values (QuantizedPad)
     assert not any(_is(n, int8, "hardtanh") and _is(n.args[0], int8, "dequantize")
                    for n in int8.graph.nodes)
-    pads = [n for n in int8.graph.nodes if n.target is torch.ops.aten.pad.default]
-    assert sum(isinstance(n.args[0], fx.Node) and _is(n.args[0], int8, "dequantize") for n in pads) == 0
+    folded = observed.meta["rewrite.quant"]["observe_counts"]["pad_into_conv"]
+    assert not any(n.target is torch.ops.aten.pad.default for n in int8.graph.nodes)
+    assert folded + ops["QuantizedPad"] == 52 and folded > 40
     assert _stray_pairs(int8) == []
     held = generate_inputs(inputs, seed=9)
     assert _output_sqnr(model, int8, held) > CNN_FLOOR

@@ -32,6 +32,7 @@ from typing import Any, Iterable
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.ao.quantization import observer as _observer
 
 from rewrite.facts import Value
 from rewrite.functions.registry import (
@@ -43,8 +44,9 @@ from rewrite.functions.registry import (
 
 __all__ = [
     "PASSTHROUGH_OPS", "QuantizedModule", "QuantizedConv", "QuantizedConvAdd", "QuantizedLinear",
-    "QuantizedBinary", "QuantizedCat", "is_observer_node", "module_path", "module_type", "qparams_of",
-    "passthrough_input", "vnni_available",
+    "QuantizedBinary", "QuantizedCat", "QuantizedPad", "is_observer_node", "module_path", "module_type", "qparams_of",
+    "passthrough_input", "vnni_available", "FiniteHistogramObserver", "FiniteMinMaxObserver",
+    "FiniteMovingAverageMinMaxObserver",
 ]
 
 #: Ops that run on quantized tensors with their input's scale and zero point: an
@@ -177,17 +179,34 @@ def qparams_of(node: Any, gm: Any) -> tuple | None:
 # ---------------------------------------------------------------- predicates
 
 
+def _meta(x: Value) -> Any:
+    """Shape facts of ``x``; an observer returns its input, so it has its input's
+    facts (the engine copies facts onto an inserted module only when its input
+    already has them)."""
+    node, gm = x.node, _gm(x)
+    if node is None:
+        return x.meta
+    while is_observer_node(node, gm) and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return x.facts.meta(node)
+
+
 @register_predicate()
 def activation(x: Value) -> bool:
     """A floating-point tensor computed by the graph (not a weight or literal):
     what activation observers watch."""
-    node, gm = x.node, _gm(x)
+    node = x.node
     if node is None or node.op == "get_attr":
         return False
-    while is_observer_node(node, gm) and node.args and isinstance(node.args[0], fx.Node):
-        node = node.args[0]  # an observer returns its input: it has its input's facts
-    m = x.facts.meta(node)
+    m = _meta(x)
     return m is not None and getattr(m, "dtype", None) is not None and m.dtype.is_floating_point
+
+
+@register_predicate()
+def shapes_equal(a: Value, b: Value) -> bool:
+    """Both tensors have the same known shape (seeing through observers)."""
+    ma, mb = _meta(a), _meta(b)
+    return ma is not None and mb is not None and tuple(ma.shape) == tuple(mb.shape)
 
 
 @register_predicate()
@@ -316,7 +335,7 @@ def symmetric_pad(x: Value, pad: Value) -> bool:
     """``pad`` (last dim first: left, right, top, bottom...) pads exactly the spatial
     dims of the conv input ``x`` and as much before as after each: the conv's own
     ``padding`` can do it."""
-    p, m = pad.literal, x.meta
+    p, m = pad.literal, _meta(x)
     return (isinstance(p, (list, tuple)) and len(p) in (2, 4, 6) and all(isinstance(v, int) and v >= 0 for v in p)
             and all(p[i] == p[i + 1] for i in range(0, len(p), 2))
             and m is not None and len(m.shape) == len(p) // 2 + 2)
@@ -405,22 +424,47 @@ def vnni_available() -> bool:
     return False
 
 
+class _FiniteOnly:
+    """Observers that record only the finite values they see: torch's raise on NaN
+    (``torch.histc``) or let it poison their range; the model's output is the input,
+    unchanged, either way."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.detach()
+        if d.is_floating_point() and not bool(torch.isfinite(d).all()):
+            finite = d[torch.isfinite(d)]
+            if finite.numel():
+                super().forward(finite)  # type: ignore[misc]
+            return x
+        return super().forward(x)  # type: ignore[misc]
+
+
+class FiniteHistogramObserver(_FiniteOnly, _observer.HistogramObserver):
+    """torch's ``HistogramObserver``, recording finite values only."""
+
+
+class FiniteMinMaxObserver(_FiniteOnly, _observer.MinMaxObserver):
+    """torch's ``MinMaxObserver``, recording finite values only."""
+
+
+class FiniteMovingAverageMinMaxObserver(_FiniteOnly, _observer.MovingAverageMinMaxObserver):
+    """torch's ``MovingAverageMinMaxObserver``, recording finite values only."""
+
+
+_OBSERVERS = {"histogram": FiniteHistogramObserver, "minmax": FiniteMinMaxObserver,
+              "moving_average": FiniteMovingAverageMinMaxObserver}
+
+
 @register_module(inputs=("x",))
 def activation_observer(x: Any = None, kind: str = "histogram") -> nn.Module:
     """The default activation observer: torch's per-tensor affine ``quint8``
     ``HistogramObserver`` (``kind="histogram"``), ``MinMaxObserver`` (``"minmax"``)
-    or ``MovingAverageMinMaxObserver`` (``"moving_average"``). The range is reduced
-    to 7 bits only on CPUs without VNNI, where fbgemm's int8 kernels can saturate."""
-    from torch.ao.quantization import observer as o
-
-    reduce_range = not vnni_available()
-    if kind == "histogram":
-        return o.HistogramObserver(reduce_range=reduce_range)
-    if kind == "minmax":
-        return o.MinMaxObserver(reduce_range=reduce_range)
-    if kind == "moving_average":
-        return o.MovingAverageMinMaxObserver(reduce_range=reduce_range)
-    raise ValueError(f"unknown observer kind {kind!r}; expected histogram, minmax or moving_average")
+    or ``MovingAverageMinMaxObserver`` (``"moving_average"``), recording finite
+    values only. The range is reduced to 7 bits only on CPUs without VNNI, where
+    fbgemm's int8 kernels can saturate."""
+    if kind not in _OBSERVERS:
+        raise ValueError(f"unknown observer kind {kind!r}; expected histogram, minmax or moving_average")
+    return _OBSERVERS[kind](reduce_range=not vnni_available())
 
 
 # ---------------------------------------------------------------- int8 modules
@@ -550,6 +594,32 @@ class QuantizedCat(QuantizedModule):
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, " + super().extra_repr()
+
+
+class QuantizedPad(nn.Module):
+    """Constant zero padding of an int8 tensor, done on its integer representation
+    (padding with the zero point): exact, and several times faster than
+    ``constant_pad_nd`` on a quantized tensor, which fills through float."""
+
+    def __init__(self, pad: tuple) -> None:
+        super().__init__()
+        self.pad = tuple(pad)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        zero_point = x.q_zero_point()
+        padded = torch.nn.functional.pad(x.int_repr(), self.pad, value=zero_point)
+        return torch._make_per_tensor_quantized_tensor(padded, x.q_scale(), zero_point)
+
+    def extra_repr(self) -> str:
+        return f"pad={list(self.pad)}"
+
+
+@register_module(inputs=("x",))
+def quantized_pad(x: Any = None, pad: Any = ()) -> nn.Module:
+    """Zero padding (``F.pad`` amounts, last dim first) of a per-tensor int8 tensor."""
+    if not isinstance(pad, (list, tuple)) or not all(isinstance(v, int) for v in pad):
+        raise ValueError(f"quantized_pad: pad must be a list of ints, got {pad!r}")
+    return QuantizedPad(tuple(pad))
 
 
 def _check_qparams(scale: Any, zero_point: Any) -> None:
