@@ -39,7 +39,7 @@ import math
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import attrs
 import torch
@@ -60,6 +60,15 @@ __all__ = [
 
 BACKENDS = ("x86", "onednn", "fbgemm")
 _META = "rewrite.quant"
+_MARK = "rewrite.quant.observer"  # source_fn_stack entry: (observer name, _MARK)
+
+
+def _observer_of(node: fx.Node) -> str | None:
+    """The observer a node's value stands for (see ``_freeze_observers``), or None."""
+    for entry in reversed(node.meta.get("source_fn_stack") or ()):
+        if isinstance(entry, tuple) and len(entry) == 2 and entry[1] == _MARK:
+            return entry[0]
+    return None
 
 
 class QuantizationError(RuntimeError):
@@ -291,12 +300,46 @@ def _freeze_observers(gm: fx.GraphModule, qparams: dict) -> list:
         with gm.graph.inserting_before(node):
             fq = gm.graph.call_function(target, (src, scale, zero_point, info.min, info.max))
         fq.meta.update({k: v for k, v in node.meta.items() if k != "rewrite_facts"})
+        # provenance: rewrites carry source_fn_stack from the node they replace to the
+        # nodes they create, so the int8 kernel writing this tensor will say which
+        # observer it stands for (module names, accuracy report)
+        fq.meta["source_fn_stack"] = list(node.meta.get("source_fn_stack", [])) + [(str(node.target), _MARK)]
         node.replace_all_uses_with(fq)
         gm.graph.erase_node(node)
     gm.delete_all_unused_submodules()
     gm.graph.lint()
     gm.recompile()
     return points
+
+
+def _name_int8_modules(gm: fx.GraphModule, points: list) -> None:
+    """Name each int8 module after the layer whose output it writes:
+    ``quantized_conv_quantize_per_tensor_3`` becomes ``layer1_0_conv1_conv_relu``."""
+    import re
+
+    by_observer = {p.observer: p for p in points}
+    taken = {name for name, _ in gm.named_modules()}
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op != "call_module" or not isinstance(gm.get_submodule(node.target), QuantizedModule):
+            continue
+        point = by_observer.get(_observer_of(node))
+        if point is None:
+            continue
+        base = re.sub(r"\W", "_", f"{point.layer}_{point.op}")
+        name, i = base, 1
+        while name in taken:
+            name, i = f"{base}_{i}", i + 1
+        taken.add(name)
+        mod = gm.get_submodule(node.target)
+        gm.delete_submodule(str(node.target))
+        gm.add_submodule(name, mod)
+        node.target = name
+        if hasattr(node, "_rename"):  # the value's name in the generated code too
+            node._rename(name)
+        changed = True
+    if changed:
+        gm.recompile()
 
 
 # ---------------------------------------------------------------- API
@@ -418,6 +461,7 @@ def convert(
         warnings.simplefilter("ignore", UserWarning)  # torch warns that quantized dtypes are deprecated
         low_result = _as_rules(lower_rules, "lower").apply(qdq, args, check=False)
     int8 = low_result.graph_module
+    _name_int8_modules(int8, points)
     state.update(lower_counts=dict(low_result.counts))
     if check and args is not None:
         with torch.no_grad():
@@ -507,7 +551,9 @@ class _FloatRun(fx.Interpreter):
 
 
 class _Int8Run(fx.Interpreter):
-    """Runs an int8 model keeping the first tensor produced with each (scale, zero point)."""
+    """Runs an int8 model keeping, per observer, the int8 tensor that stands for
+    what it watched: the last quantized value of the nodes marked with it (a kernel,
+    then maybe a clamp on its output)."""
 
     def __init__(self, gm: fx.GraphModule) -> None:
         super().__init__(gm)
@@ -515,9 +561,9 @@ class _Int8Run(fx.Interpreter):
 
     def run_node(self, n: fx.Node) -> Any:
         out = super().run_node(n)
-        if isinstance(out, torch.Tensor) and out.is_quantized and out.qscheme() in (
-                torch.per_tensor_affine, torch.per_tensor_symmetric):
-            self.values.setdefault((float(out.q_scale()), int(out.q_zero_point())), out.dequantize())
+        name = _observer_of(n)
+        if name is not None and isinstance(out, torch.Tensor) and out.is_quantized:
+            self.values[name] = out.dequantize()
         return out
 
 
@@ -571,13 +617,10 @@ def accuracy_report(
     for every float output; entries below ``flag_below`` dB are flagged.
 
     ``observed`` (from ``prepare``) supplies the fp32 values: its observers are
-    bypassed, nothing is recorded. Quantized tensors of the int8 model are matched
-    to observers by their (scale, zero point), which the rules copy verbatim.
+    bypassed, nothing is recorded. The int8 model's nodes say which observer's
+    tensor they compute (``convert`` marks them).
     """
     points = int8.meta.get(_META, {}).get("points", [])
-    by_key: dict = {}
-    for p in points:
-        by_key.setdefault((p.scale, p.zero_point), []).append(p)
     sig: dict = {}
     noise: dict = {}
 
@@ -592,12 +635,10 @@ def accuracy_report(
             args = _as_args(batch)
             fl, q = _FloatRun(observed), _Int8Run(int8)
             ref, out = fl.run(*args), q.run(*args)
-            for key, group in by_key.items():
-                if len(group) != 1 or key not in q.values or group[0].observer not in fl.values:
-                    continue
-                ref_t = fl.values[group[0].observer]
-                if tuple(ref_t.shape) == tuple(q.values[key].shape):
-                    add(group[0].observer, ref_t, q.values[key])
+            for p in points:
+                ref_t, test = fl.values.get(p.observer), q.values.get(p.observer)
+                if ref_t is not None and test is not None and tuple(ref_t.shape) == tuple(test.shape):
+                    add(p.observer, ref_t, test)
             pairs = _float_pairs(ref, out)
             n_out = len(pairs)
             for i, (r, o) in enumerate(pairs):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import collections
 import io
-import warnings
 
 import pytest
 import torch
@@ -28,7 +27,6 @@ from rewrite.examples.cnn import resnet_tiny_with_inputs
 from rewrite.functions.quant import (
     QuantizedBinary,
     QuantizedConv,
-    QuantizedLinear,
     QuantizedModule,
     QuantizedPad,
     quantize_weight,
@@ -357,7 +355,7 @@ def test_onednn_fuses_the_residual_add_into_the_conv():
     before = torch.backends.quantized.engine
     try:
         model, (x,) = resnet_tiny_with_inputs()
-        observed, qdq, int8 = _quantize(model, (x,), backend="onednn", check=False)
+        _, qdq, int8 = _quantize(model, (x,), backend="onednn", check=False)
         counts = int8.meta["rewrite.quant"]["lower_counts"]
         assert counts["lower_conv_add_relu"] == 4 and "lower_add_relu" not in counts
         assert _stray_pairs(int8) == []
@@ -377,7 +375,7 @@ def test_quantize_weight_matches_torch_observer():
     q = quantize_weight(w)
     obs = PerChannelMinMaxObserver(ch_axis=0, dtype=torch.qint8, qscheme=torch.per_channel_symmetric)
     obs(w)
-    scale, zp = obs.calculate_qparams()
+    scale, _ = obs.calculate_qparams()
     torch.testing.assert_close(q.q_per_channel_scales().float(), scale)
     assert (q.q_per_channel_zero_points() == 0).all()
     assert rq.sqnr(w, q.dequantize()) > 35
