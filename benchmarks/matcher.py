@@ -63,18 +63,18 @@ import io
 import math
 import operator
 import pstats
-import statistics
 import sys
 import time
 import tracemalloc
 import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 import attrs
 import torch
-import torch.fx as fx
 import torch.nn.functional as F
+from torch import fx
 from torch.fx.subgraph_rewriter import replace_pattern_with_filters
 
 HERE = Path(__file__).resolve().parent
@@ -84,7 +84,7 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(HERE.parent))
     import rewrite
-import synthetic  # noqa: E402
+import synthetic
 
 RULES_PATH = HERE / "matcher_rules.rw"
 aten = torch.ops.aten
@@ -108,7 +108,7 @@ def _is_float(v: Any) -> bool:
     return m is not None and m.dtype.is_floating_point
 
 
-def _rank(v: Any) -> Optional[int]:
+def _rank(v: Any) -> int | None:
     m = _val(v)
     return None if m is None else len(m.shape)
 
@@ -172,7 +172,7 @@ class PeerRule:
 
     name: str
     variants: tuple  # ((pattern_fn, replacement_fn), ...)
-    where: Optional[Callable[[dict], bool]] = None
+    where: Callable[[dict], bool] | None = None
     fixed: bool = True  # all literals fixed: register_replacement can express it
 
 
@@ -215,10 +215,10 @@ class _Torch:
     cats = (lambda x, d: torch.cat([x], d), lambda x: torch.cat([x]))
 
 
-def peer_rules(o: Any) -> List[PeerRule]:
+def peer_rules(o: Any) -> list[PeerRule]:
     """The 23 rules of matcher_rules.rw for op spellings ``o`` (``_Aten``/``_Torch``)."""
-    float_x = lambda e: _is_float(e["x"])  # noqa: E731
-    tensor_x = lambda e: isinstance(e["x"], fx.Node)  # noqa: E731
+    float_x = lambda e: _is_float(e["x"])
+    tensor_x = lambda e: isinstance(e["x"], fx.Node)
 
     def view_pair(outer, inner):
         return (lambda x, s1, s2: outer(inner(x, s1), s2), lambda x, s1, s2: o.reshape(x, s2))
@@ -267,7 +267,7 @@ def peer_rules(o: Any) -> List[PeerRule]:
     ]
 
 
-def _params(fn: Callable) -> List[str]:
+def _params(fn: Callable) -> list[str]:
     return list(inspect.signature(fn).parameters)
 
 
@@ -283,13 +283,13 @@ class Run:
     """One rewriter on one graph."""
 
     seconds: float  # rewrite time (the fastest of the repeats)
-    counts: Dict[str, int]
-    apply_seconds: Optional[float] = None  # rewrite only: whole apply() call
-    copy_seconds: Optional[float] = None  # rewrite only: apply's copy of the input
+    counts: dict[str, int]
+    apply_seconds: float | None = None  # rewrite only: whole apply() call
+    copy_seconds: float | None = None  # rewrite only: apply's copy of the input
     complete: bool = True  # False: stopped at the budget
     work_done: int = 0  # calls / passes made
     note: str = ""
-    peak_bytes: Optional[int] = None
+    peak_bytes: int | None = None
     repeats: int = 1
 
 
@@ -313,7 +313,7 @@ class Ours:
 class ReplacePattern:
     name = "replace_pattern"
 
-    def __init__(self, rules: List[PeerRule]) -> None:
+    def __init__(self, rules: list[PeerRule]) -> None:
         self.calls = []  # (rule name, pattern gm, replacement gm, filters)
         for rule in rules:
             for pattern, replacement in rule.variants:
@@ -321,7 +321,7 @@ class ReplacePattern:
                 self.calls.append((rule.name, _trace(pattern), _trace(replacement), filters))
 
     @staticmethod
-    def _filter(where: Callable, names: List[str]) -> Callable:
+    def _filter(where: Callable, names: list[str]) -> Callable:
         def keep(match: Any, graph: Any, pattern_graph: Any) -> bool:
             try:
                 return bool(where(dict(zip(names, match.placeholder_nodes))))
@@ -351,7 +351,7 @@ class Inductor:
     """PatternMatcherPass; ``graph_patterns_only`` registers every rule with
     register_graph_pattern (no per-match re-trace)."""
 
-    def __init__(self, rules: List[PeerRule], graph_patterns_only: bool = False) -> None:
+    def __init__(self, rules: list[PeerRule], graph_patterns_only: bool = False) -> None:
         from torch._inductor import pattern_matcher as pm
 
         self.name = "inductor-gp" if graph_patterns_only else "inductor"
@@ -431,12 +431,12 @@ class Bench:
     name: str
     gm: fx.GraphModule
     dialect: str  # "aten" or "fx"
-    expected: Optional[Dict[str, int]] = None
+    expected: dict[str, int] | None = None
     example_inputs: Any = None
     family: str = ""
 
 
-def synthetic_graphs(families: Sequence[str], sizes: Sequence[int], density: float) -> List[Bench]:
+def synthetic_graphs(families: Sequence[str], sizes: Sequence[int], density: float) -> list[Bench]:
     out = []
     for family in families:
         for n in sizes:
@@ -445,7 +445,7 @@ def synthetic_graphs(families: Sequence[str], sizes: Sequence[int], density: flo
     return out
 
 
-def real_graphs(which: Sequence[str]) -> List[Bench]:
+def real_graphs(which: Sequence[str]) -> list[Bench]:
     out = []
     if "resnet50" in which:
         from rewrite.examples.cnn import resnet50_with_inputs
@@ -494,7 +494,7 @@ def _time(fn: Callable[[], Any], repeats: int) -> float:
     return min(times)
 
 
-def _traced_peak(fn: Callable[[], Any]) -> Tuple[int, int]:
+def _traced_peak(fn: Callable[[], Any]) -> tuple[int, int]:
     """(current bytes held after fn, peak bytes during fn), tracemalloc."""
     gc.collect()
     tracemalloc.start()
@@ -521,10 +521,10 @@ class GraphRow:
     graph_copy_s: float
     graph_bytes: int
     deepcopy_peak: int = 0
-    runs: Dict[str, Run] = attrs.Factory(dict)
+    runs: dict[str, Run] = attrs.Factory(dict)
 
 
-def measure(bench: Bench, rewriters: Dict[str, Any], args: Any, previous: Dict[str, Run]) -> GraphRow:
+def measure(bench: Bench, rewriters: dict[str, Any], args: Any, previous: dict[str, Run]) -> GraphRow:
     gm = bench.gm
     nodes = len(gm.graph.nodes)
     row = GraphRow(bench, nodes, _time(lambda: copy.deepcopy(gm), args.repeat),
@@ -587,11 +587,11 @@ def _agreement(row: GraphRow, name: str) -> str:
     return "yes" if run.counts == ref else "NO"
 
 
-def _mb(b: Optional[int]) -> str:
+def _mb(b: int | None) -> str:
     return "-" if b is None else f"{b / 2**20:.1f}"
 
 
-def print_report(rows: List[GraphRow], args: Any) -> None:
+def print_report(rows: list[GraphRow], args: Any) -> None:
     print()
     print(f"torch {torch.__version__}, {len(rewrite.load(str(RULES_PATH)))} rules "
           f"({RULES_PATH.relative_to(HERE.parent)}), synthetic density {args.density:g} planted motifs "
@@ -651,7 +651,7 @@ def print_report(rows: List[GraphRow], args: Any) -> None:
     _targets(rows)
 
 
-def _targets(rows: List[GraphRow]) -> None:
+def _targets(rows: list[GraphRow]) -> None:
     print()
     print("targets (issue 6):")
     by_name = {r.bench.name: r for r in rows}
@@ -687,7 +687,7 @@ def _targets(rows: List[GraphRow]) -> None:
             print(line)
 
 
-def _phases(stats: pstats.Stats) -> List[Tuple[str, float]]:
+def _phases(stats: pstats.Stats) -> list[tuple[str, float]]:
     """Cumulative seconds of the phases of apply, from a profile (by function name)."""
     wanted = [
         ("copy of the input (copy.deepcopy -> GraphModule.__init__)", "graph_module.py", "__deepcopy__"),
@@ -734,7 +734,7 @@ def profile(bench: Bench, ours: Ours, top: int) -> None:
     print()
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="1000,10000,100000", help="synthetic graph sizes (nodes)")
     parser.add_argument("--families", default="transformer,conv", help="synthetic families (transformer, conv)")
@@ -770,7 +770,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     print(f"built {len(benches)} graphs in {time.perf_counter() - start:.1f} s", flush=True)
 
     ours = Ours()
-    rewriters: Dict[str, Any] = {"rewrite": ours}
+    rewriters: dict[str, Any] = {"rewrite": ours}
     aten_rules, torch_rules = peer_rules(_Aten), peer_rules(_Torch)
     if "replace_pattern" in peers:
         rewriters["replace_pattern"] = {"aten": ReplacePattern(aten_rules), "fx": ReplacePattern(torch_rules)}
@@ -779,8 +779,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if "inductor-gp" in peers:
         rewriters["inductor-gp"] = Inductor(aten_rules, graph_patterns_only=True)
 
-    rows: List[GraphRow] = []
-    previous: Dict[Tuple[str, str], Run] = {}
+    rows: list[GraphRow] = []
+    previous: dict[tuple[str, str], Run] = {}
     for bench in benches:
         prev = {name: previous[(bench.family, name)] for name in rewriters if (bench.family, name) in previous}
         row = measure(bench, rewriters, args, prev if bench.family else {})

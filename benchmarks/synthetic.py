@@ -31,14 +31,15 @@ import collections
 import math
 import operator
 import random
-from typing import Any, Callable, Dict, List, Tuple
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 import torch
-import torch.fx as fx
+from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-__all__ = ["SyntheticGraph", "MOTIFS", "transformer_graph", "conv_graph", "GENERATORS", "make_inputs"]
+__all__ = ["GENERATORS", "MOTIFS", "SyntheticGraph", "conv_graph", "make_inputs", "transformer_graph"]
 
 aten = torch.ops.aten
 F32, F64 = torch.float32, torch.float64
@@ -54,9 +55,9 @@ class SyntheticGraph:
 
     name: str
     gm: fx.GraphModule
-    expected: Dict[str, int]
-    planted: Dict[str, int]
-    input_shapes: Tuple[Tuple[int, ...], ...]
+    expected: dict[str, int]
+    planted: dict[str, int]
+    input_shapes: tuple[tuple[int, ...], ...]
 
 
 class _Builder:
@@ -68,13 +69,13 @@ class _Builder:
         self.mode = FakeTensorMode()
         self.gen = torch.Generator().manual_seed(seed)
         self.n_params = 0
-        self.inputs: List[Tuple[int, ...]] = []
-        self.vals: Dict[Any, Any] = {}
+        self.inputs: list[tuple[int, ...]] = []
+        self.vals: dict[Any, Any] = {}
 
     def __len__(self) -> int:
         return len(self.graph.nodes)
 
-    def input(self, shape: Tuple[int, ...]) -> fx.Node:
+    def input(self, shape: tuple[int, ...]) -> fx.Node:
         node = self.graph.placeholder(f"x{len(self.inputs)}")
         node.meta["val"] = self.mode.from_tensor(torch.empty(shape))
         self.inputs.append(tuple(shape))
@@ -139,14 +140,14 @@ def _signature(a: Any) -> Any:
 # shape (for binary motifs) and an rng; it returns the value to hand on and the
 # rule applications it causes.
 
-Motif = Callable[[_Builder, fx.Node, fx.Node, random.Random], Tuple[fx.Node, Dict[str, int]]]
+Motif = Callable[[_Builder, fx.Node, fx.Node, random.Random], tuple[fx.Node, dict[str, int]]]
 
 
 def _rank(n: fx.Node) -> int:
     return n.meta["val"].dim()
 
 
-def _shape(n: fx.Node) -> List[int]:
+def _shape(n: fx.Node) -> list[int]:
     return list(n.meta["val"].shape)
 
 
@@ -270,7 +271,7 @@ def _m_silu(b, h, r, rng):
 
 
 #: motif name -> planting function; each motif exercises the rule(s) it names.
-MOTIFS: Dict[str, Motif] = {
+MOTIFS: dict[str, Motif] = {
     "mul_one": _m_mul_one,
     "div_one": _m_div_one,
     "add_zero": _m_add_zero,
@@ -300,7 +301,7 @@ MOTIFS: Dict[str, Motif] = {
 class _Planter:
     """Decides, at each hook, whether to plant a motif (``density`` per 1000 nodes)."""
 
-    def __init__(self, b: _Builder, density: float, motifs: List[str], seed: int) -> None:
+    def __init__(self, b: _Builder, density: float, motifs: list[str], seed: int) -> None:
         self.b = b
         self.density = density
         self.motifs = motifs
@@ -381,7 +382,7 @@ def _fill(b: _Builder, h: fx.Node, n_nodes: int) -> fx.Node:
     return h
 
 
-def _motif_list(motifs: Any) -> List[str]:
+def _motif_list(motifs: Any) -> list[str]:
     names = list(MOTIFS) if motifs is None else list(motifs)
     unknown = [m for m in names if m not in MOTIFS]
     if unknown:
@@ -433,7 +434,7 @@ def _k(n: int) -> str:
 
 
 #: family name -> generator
-GENERATORS: Dict[str, Callable[..., SyntheticGraph]] = {"transformer": transformer_graph, "conv": conv_graph}
+GENERATORS: dict[str, Callable[..., SyntheticGraph]] = {"transformer": transformer_graph, "conv": conv_graph}
 
 
 def make_inputs(g: SyntheticGraph, seed: int = 0) -> tuple:

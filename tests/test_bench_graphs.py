@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.fx as fx
+from torch import fx
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -32,7 +32,7 @@ synthetic = _load("synthetic", "synthetic.py")
 bench = _load("bench_matcher", "matcher.py")
 
 # every motif planted at least once in 300 nodes
-SMALL = dict(n_nodes=300, density=120.0)
+SMALL = {"n_nodes": 300, "density": 120.0}
 
 
 @pytest.fixture(scope="module", params=["transformer", "conv"])
