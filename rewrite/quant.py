@@ -661,17 +661,9 @@ def accuracy_report(
 
 def _load_model(spec: str) -> tuple:
     """``package.module:callable`` -> (model in eval mode, example inputs tuple)."""
-    import importlib
+    from rewrite.cli import _load_model as load
 
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not attr:
-        raise SystemExit(f"rewrite: error: --model wants 'module:callable', got {spec!r}")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise SystemExit(f"rewrite: error: cannot load {spec!r}: {err}") from None
-    model, inputs = factory()
-    return model.eval(), _as_args(inputs)
+    return load(spec)
 
 
 def save(gm: fx.GraphModule, path: Any) -> None:
