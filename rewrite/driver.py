@@ -121,6 +121,7 @@ class Driver:
         self.counts: collections.Counter = collections.Counter()
         self.stats: dict = collections.defaultdict(RuleStats)
         self.history: list = []  # (rule name, root node name) per applied rewrite
+        self.created: list = []  # every node a rewrite created (some erased later)
         n = sum(1 for _ in gm.graph.nodes)
         self.max_rewrites = max_rewrites if max_rewrites is not None else 20 * n + 1000
         self.max_nodes = 10 * n + 1000  # growth without end stops here
@@ -194,6 +195,7 @@ class Driver:
             stats.applied += 1
             self.counts[rule.name] += 1
             self.history.append((rule.name, node.name))
+            self.created.extend(created)
             self._check_cycle(signature, created, node.name)
             self._check_bound(node)
             for user in users_before:

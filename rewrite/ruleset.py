@@ -28,6 +28,7 @@ import torch.fx as fx
 from rewrite.compile import compile_rule
 from rewrite.driver import Driver
 from rewrite.facts import NEW_NODE_KEY
+from rewrite.workspace import check_touched, gc_paused, working_copy
 from rewrite.language import Program, ast, load_program, load_program_text
 from rewrite.ops import detect_dialect
 
@@ -200,6 +201,7 @@ class RuleSet:
         original = model if isinstance(model, fx.GraphModule) else fx.symbolic_trace(model)
         example_inputs = tuple(example_inputs) if example_inputs is not None else None
         txn = _Transaction(self, original, example_inputs, max_rewrites, shuffle_seed)
+        txn.full_lint = check
         gm, driver = txn.run()
         seconds, copy_seconds = txn.seconds, txn.copy_seconds
         report, rejected = None, []
@@ -300,27 +302,35 @@ class _Transaction:
         self.max_rewrites = max_rewrites
         self.shuffle_seed = shuffle_seed
         self.skip: set = set()
+        self.full_lint = True
         self.seconds = self.copy_seconds = 0.0
 
     def run(self, limit: int | None = None) -> tuple:
-        start = time.perf_counter()
-        gm = copy.deepcopy(self.original)
-        self.copy_seconds = time.perf_counter() - start
-        start = time.perf_counter()
-        referenced = _referenced_attrs(gm)
-        driver = Driver(gm, detect_dialect(gm), self.max_rewrites, self.example_inputs)
-        driver.limit, driver.skip = limit, set(self.skip)
-        if self.shuffle_seed is not None:
-            driver.shuffle = random.Random(self.shuffle_seed)
-        with torch.no_grad():
-            driver.run(self.ruleset.schedule, self.ruleset._resolve)
-        if driver.counts:
-            _remove_unused(gm, referenced)
-            for node in gm.graph.nodes:
-                node.meta.pop(NEW_NODE_KEY, None)
-            gm.graph.lint()
-            gm.recompile()
-        self.seconds = time.perf_counter() - start
+        """One replay on a fresh working copy (``rewrite.workspace``): its code is
+        generated on first use. ``full_lint`` lints the whole graph; otherwise only
+        the nodes the rewrites created are checked."""
+        with gc_paused():
+            start = time.perf_counter()
+            gm = working_copy(self.original)
+            self.copy_seconds = time.perf_counter() - start
+            start = time.perf_counter()
+            referenced = _referenced_attrs(gm)
+            driver = Driver(gm, detect_dialect(gm), self.max_rewrites, self.example_inputs)
+            driver.limit, driver.skip = limit, set(self.skip)
+            if self.shuffle_seed is not None:
+                driver.shuffle = random.Random(self.shuffle_seed)
+            with torch.no_grad():
+                driver.run(self.ruleset.schedule, self.ruleset._resolve)
+            if driver.counts:
+                _remove_unused(gm, referenced)
+                for node in driver.created:
+                    node.meta.pop(NEW_NODE_KEY, None)
+                if self.full_lint:
+                    gm.graph.lint()
+                else:
+                    check_touched(gm.graph, driver.created)
+                gm.recompile()
+            self.seconds = time.perf_counter() - start
         return gm, driver
 
     def bisect(self, verdict: Any, n: int) -> Rejection | None:
