@@ -30,7 +30,7 @@ def working_copy(gm: fx.GraphModule) -> fx.GraphModule:
     """A deep copy of ``gm`` (graph, parameters, buffers, submodules) whose code is
     generated lazily. Subclasses of GraphModule other than the lazy one keep their
     type (and are compiled eagerly, as ``copy.deepcopy`` does)."""
-    base = next(t for t in type(gm).__mro__ if t.__name__ != "GraphModuleImpl")
+    base = next(t for t in type(gm).__mro__ if t.__qualname__.rpartition(".")[2] != "GraphModuleImpl")
     if base is _LazyGraphModule or base is not fx.GraphModule:
         return copy.deepcopy(gm)
     # GraphModule.__deepcopy__ builds the copy with the type of the object copied:
