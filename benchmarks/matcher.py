@@ -43,8 +43,8 @@ nodes, so the right number of rewrites is known), ResNet-50 from
 Reported per run: time, per-node time, ratio to ``rewrite``, rewrites made (every
 rewriter must make the same ones per rule: checked), peak traced memory while
 producing the rewritten graph from the input (tracemalloc, a separate run; for the
-peers the copy they work on is made inside the traced window, like ``apply``'s own
-copy) against the memory of the graph itself (tracemalloc: what a
+peers the copy they work on, made as ``apply`` makes its own, is inside the traced
+window) against the memory of the graph itself (tracemalloc: what a
 ``Graph.graph_copy`` of it holds), and the time of ``Graph.graph_copy``, the floor
 of any rewriter that returns a new graph (``copy.deepcopy`` of the GraphModule,
 which also generates and compiles its code, is shown too).
@@ -91,6 +91,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(HERE.parent))
     import rewrite
 import synthetic
+from rewrite.workspace import working_copy
 
 RULES_PATH = HERE / "matcher_rules.rw"
 aten = torch.ops.aten
@@ -561,7 +562,7 @@ def measure(bench: Bench, rewriters: dict[str, Any], args: Any, previous: dict[s
         p = peer[bench.dialect] if isinstance(peer, dict) else peer
 
         def once(p=p) -> Run:
-            work = copy.deepcopy(gm)
+            work = working_copy(gm)
             return p.rewrite(work, args.budget)
 
         run = _best_run(once, args.repeat)
@@ -576,7 +577,7 @@ def measure(bench: Bench, rewriters: dict[str, Any], args: Any, previous: dict[s
                 run.note = f"stopped at the {args.budget:.0f} s budget; no estimate"
                 run.seconds = math.nan
         elif not args.no_memory and run.seconds < args.mem_budget:
-            run.peak_bytes = _traced_peak(lambda p=p: p.rewrite(copy.deepcopy(gm), args.budget))[1]
+            run.peak_bytes = _traced_peak(lambda p=p: p.rewrite(working_copy(gm), args.budget))[1]
         row.runs[name] = run
         print(f"  {bench.name}: {name} {run.seconds * 1e3:.0f} ms, {sum(run.counts.values())} rewrites"
               f"{' (' + run.note + ')' if run.note else ''}", flush=True)
@@ -659,8 +660,8 @@ def print_report(rows: list[GraphRow], args: Any) -> None:
     print("peers = fixpoint on a fresh copy (copy not timed). rewrite and inductor leave code generation to")
     print("the first call (codegen ms: GraphModule.recompile of the graph); replace_pattern recompiles per call.")
     print("* = extrapolated. same rewrites: per-rule counts equal to the planted ones (synthetic) or to rewrite's.")
-    print("peak: tracemalloc peak while turning the input into a rewritten copy (for peers the deepcopy is")
-    print("inside the window, as apply's own copy is); graph MB: memory held by a graph_copy of the graph;")
+    print("peak: tracemalloc peak while turning the input into a rewritten copy (for peers the copy, made")
+    print("as apply makes its own, is inside the window); graph MB: memory held by a graph_copy of the graph;")
     print("deepcopy MB / peak MB: held by / peak while making a deepcopy of the GraphModule (which compiles code).")
     _targets(rows)
 

@@ -15,6 +15,7 @@ the node where they did, instead of a bare iteration limit.
 from __future__ import annotations
 
 import collections
+import functools
 import random
 import time
 from typing import Any, Iterable
@@ -26,6 +27,7 @@ from rewrite.compile import CompiledRule, PCall, PSeq
 from rewrite.facts import GraphFacts
 from rewrite.match import Matcher
 from rewrite.ops import lookup_op
+from rewrite.prefilter import build_prefilter
 from rewrite.replace import Replacer, ReplacementError
 
 __all__ = ["Driver", "NonTerminationError", "RuleStats"]
@@ -43,13 +45,15 @@ class NonTerminationError(RuntimeError):
 
 @attrs.define
 class RuleStats:
-    """Per-rule counters: tries (nodes it was tried at), matches applied, failures
-    while building a replacement, and seconds spent matching."""
+    """Per-rule counters: tries (nodes the matcher ran at), nodes its prefilter
+    turned away before matching, matches applied, failures while building a
+    replacement, and seconds spent matching."""
 
     tries: int = 0
     applied: int = 0
     failed: int = 0
     seconds: float = 0.0
+    prefiltered: int = 0
 
 
 def _depth(p: Any) -> int:
@@ -88,9 +92,10 @@ def _users_within(nodes: tuple, depth: int) -> tuple:
 class _Index:
     """Rules by the node keys their root can bind: ``("call_function", torch.relu)``,
     ``("call_method", "relu")``, ``("call_module", nn.ReLU)``... A node whose key
-    no rule's root can have costs one dictionary look-up."""
+    no rule's root can have costs one dictionary look-up. Each (rule, key) carries
+    its operand prefilter (``rewrite.prefilter``; None in interpreter mode)."""
 
-    def __init__(self, rules: Iterable[CompiledRule]) -> None:
+    def __init__(self, rules: Iterable[CompiledRule], prefilters: bool = True) -> None:
         by_key: dict = collections.defaultdict(list)
         for rule in rules:
             keys = set(rule.root_keys)
@@ -98,14 +103,25 @@ class _Index:
                 keys.update(form.key for form in lookup_op(op).forms)
             for key in keys:
                 by_key[key].append(rule)
-        self.by_key = {k: sorted(v, key=lambda r: (-r.priority, r.order)) for k, v in by_key.items()}
+        self.by_key = {
+            k: tuple((r, build_prefilter(r, k) if prefilters else None)
+                     for r in sorted(v, key=lambda r: (-r.priority, r.order)))
+            for k, v in by_key.items()
+        }
         self.depth = max((_depth(r.pattern) for r in rules), default=1)
 
-    def candidates(self, matcher: Matcher, node: fx.Node) -> list:
+    def candidates(self, matcher: Matcher, node: fx.Node) -> tuple:
+        """(rule, prefilter) pairs for ``node``, in priority then file order."""
         try:
             return self.by_key.get(matcher.key(node), ())
         except TypeError:  # an unhashable call target: no rule can name it
             return ()
+
+
+@functools.lru_cache(maxsize=64)
+def _index_of(rules: tuple, prefilters: bool) -> _Index:
+    """The index of a rule list, built once per rule set (rules hash by identity)."""
+    return _Index(rules, prefilters)
 
 
 class Driver:
@@ -136,7 +152,7 @@ class Driver:
 
     def fixpoint(self, rules: list) -> bool:
         """Rewrite until no rule applies anywhere. Returns whether anything changed."""
-        index = _Index(rules)
+        index = _index_of(tuple(rules), self.matcher.compiled)
         nodes = [n for n in self.gm.graph.nodes if n.op.startswith("call_")]
         if self.shuffle is not None:
             self.shuffle.shuffle(nodes)
@@ -163,7 +179,7 @@ class Driver:
 
     def once(self, rules: list) -> bool:
         """One sweep in graph order; nodes created by the sweep are not revisited."""
-        index = _Index(rules)
+        index = _index_of(tuple(rules), self.matcher.compiled)
         changed = False
         for node in list(self.gm.graph.nodes):
             if not node._erased and node.op.startswith("call_"):
@@ -175,10 +191,13 @@ class Driver:
     def _rewrite_at(self, index: _Index, node: fx.Node) -> tuple | None:
         if self.limit is not None and len(self.history) >= self.limit:
             return None
-        for rule in index.candidates(self.matcher, node):
+        for rule, prefilter in index.candidates(self.matcher, node):
             if self.skip and (rule.name, node.name) in self.skip:
                 continue
             stats = self.stats[rule.name]
+            if prefilter is not None and not prefilter(self.matcher, node):
+                stats.prefiltered += 1
+                continue
             stats.tries += 1
             start = time.perf_counter()
             match = self.matcher.match(rule, node)

@@ -8,6 +8,7 @@ plus the ``GraphFacts`` of the graph being rewritten.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import attrs
@@ -68,14 +69,20 @@ class GraphFacts:
         self.gm = gm
         # Graphs from export and dynamo carry facts; symbolic_trace graphs get them
         # recorded from the example inputs on the first question about a shape.
-        carried = [n.meta.get("val") for n in gm.graph.nodes if n.op.startswith("call_") and "val" in n.meta]
+        carried = _first_vals(gm, 8)
         self._example_inputs = None if carried or _has_facts(gm) else example_inputs
         # Graphs whose values are FakeTensors (export, dynamo) get a FakeTensor
         # ``val`` on every new node right away, for later consumers of the graph;
         # elsewhere new nodes get facts only when a rule asks.
-        self.fake_mode = detect_fake_mode([v for v in carried if isinstance(v, torch.Tensor)][:8])
-        self.param_names = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
-        self.buffer_names = {name for name, _ in gm.named_buffers(remove_duplicate=False)}
+        self.fake_mode = detect_fake_mode([v for v in carried if isinstance(v, torch.Tensor)])
+
+    @functools.cached_property
+    def param_names(self) -> set:
+        return {name for name, _ in self.gm.named_parameters(remove_duplicate=False)}
+
+    @functools.cached_property
+    def buffer_names(self) -> set:
+        return {name for name, _ in self.gm.named_buffers(remove_duplicate=False)}
 
     def constant_of(self, operand: Any) -> Any:
         """The concrete value of a constant operand (tensor for get_attr/ConstRef,
@@ -202,6 +209,18 @@ def _on_meta(v: Any) -> Any:
     if hasattr(v, "shape") and hasattr(v, "dtype"):
         return torch.empty(tuple(v.shape), dtype=v.dtype, device="meta")
     return v
+
+
+def _first_vals(gm: fx.GraphModule, n: int) -> list:
+    """``meta['val']`` of the first ``n`` call nodes that carry one (a graph either
+    carries them throughout or not at all: no need to look at all of them)."""
+    out: list = []
+    for node in gm.graph.nodes:
+        if node.op.startswith("call_") and "val" in node.meta:
+            out.append(node.meta["val"])
+            if len(out) >= n:
+                break
+    return out
 
 
 def _has_facts(gm: fx.GraphModule) -> bool:

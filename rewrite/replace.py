@@ -14,6 +14,7 @@ the graph as it was: nodes created so far are erased before the error propagates
 
 from __future__ import annotations
 
+import functools
 import operator
 import re
 from typing import Any
@@ -43,11 +44,17 @@ class Replacer:
         self.graph = gm.graph
         self.facts = facts
         self.dialect = dialect
-        self._taken_names = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
-        self._taken_names |= {name for name, _ in gm.named_buffers(remove_duplicate=False)}
-        self._taken_names |= {name for name, _ in gm.named_modules(remove_duplicate=False)}
         self._created: list = []
         self._new_attrs: list = []
+
+    @functools.cached_property
+    def _taken_names(self) -> set:
+        """Attribute paths in use (computed on the first new constant or module)."""
+        gm = self.gm
+        names = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+        names |= {name for name, _ in gm.named_buffers(remove_duplicate=False)}
+        names |= {name for name, _ in gm.named_modules(remove_duplicate=False)}
+        return names
 
     # -- public
 

@@ -381,16 +381,19 @@ def _can_check(gm: fx.GraphModule, example_inputs: tuple | None) -> bool:
 
 
 def _referenced_attrs(gm: fx.GraphModule) -> set:
-    return {n.target for n in gm.graph.nodes if n.op in ("get_attr", "call_module")}
+    graph = gm.graph
+    return {n.target for op in ("get_attr", "call_module") for n in graph.find_nodes(op=op, sort=False)}
 
 
 def _remove_unused(gm: fx.GraphModule, referenced_before: set) -> None:
     """Erase unused get_attr nodes, then delete parameters, buffers and submodules the
     rewrite left unreferenced (only ones the graph referenced before)."""
-    for node in list(gm.graph.nodes):
-        if node.op == "get_attr" and not node.users and node.target in referenced_before:
+    for node in gm.graph.find_nodes(op="get_attr"):
+        if not node.users and node.target in referenced_before:
             gm.graph.erase_node(node)
     now = _referenced_attrs(gm)
+    if not referenced_before - now:
+        return
     for name in sorted(referenced_before - now, key=len, reverse=True):
         if any(r == name or r.startswith(name + ".") or name.startswith(r + ".") for r in now):
             continue

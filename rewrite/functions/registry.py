@@ -130,9 +130,17 @@ def function_names(kind: str | None = None) -> list:
 _BUILTIN_MODULES = ("rewrite.functions.builtins", "rewrite.functions.amp", "rewrite.functions.quant")
 
 
+_builtins_loaded = False
+
+
 def _ensure_builtins() -> None:
-    # Importing the built-in modules registers them; done lazily to avoid cycles.
+    # Importing the built-in modules registers them; done lazily to avoid cycles
+    # (once: this runs on every where-clause call).
+    global _builtins_loaded
+    if _builtins_loaded:
+        return
     import importlib
 
     for name in _BUILTIN_MODULES:
         importlib.import_module(name)
+    _builtins_loaded = True

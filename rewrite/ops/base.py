@@ -23,6 +23,7 @@ dialect of the graph being rewritten (``"torch"`` for symbolic_trace and dynamo 
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import attrs
@@ -106,7 +107,7 @@ class OpDef:
     emit: dict = attrs.field(factory=dict)
     doc: str = ""
 
-    @property
+    @functools.cached_property
     def param_names(self) -> tuple:
         return tuple(p.name for p in self.params)
 

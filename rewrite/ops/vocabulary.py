@@ -104,6 +104,12 @@ def detect_dialect(gm: Any) -> str:
     return "aten" if aten and aten >= torch_level else "torch"
 
 
+@functools.lru_cache(maxsize=None)
+def _schema_writes(target: Any) -> bool:
+    return any(a.alias_info is not None and a.alias_info.is_write
+               for a in target._schema.arguments if not a.is_out)
+
+
 def mutates_input(node: fx.Node, gm: Any) -> bool:
     """Whether ``node`` writes into its first argument (``x.relu_()``, ``x += y``,
     ``F.relu(x, inplace=True)``, ``nn.ReLU(inplace=True)``, ``aten.relu_``): the
@@ -120,8 +126,7 @@ def mutates_input(node: fx.Node, gm: Any) -> bool:
     if node.op != "call_function":
         return False
     if isinstance(target, torch._ops.OpOverload):
-        return any(a.alias_info is not None and a.alias_info.is_write
-                   for a in target._schema.arguments if not a.is_out)
+        return _schema_writes(target)
     if node.kwargs.get("inplace") is True:
         return True
     name = getattr(target, "__name__", "")
