@@ -666,6 +666,43 @@ def print_report(rows: list[GraphRow], args: Any) -> None:
     _targets(rows)
 
 
+_COLD_LOAD = """
+import time, sys
+start = time.perf_counter()
+import rewrite
+rewrite.load(sys.argv[1])
+print(time.perf_counter() - start)
+"""
+
+
+def print_load_times() -> None:
+    """Parsing, checking and compiling each shipped rule file: warm (parser built,
+    modules imported; fastest of 5) and cold (a fresh interpreter with torch already
+    imported: `import rewrite`, grammar, built-in functions, the file)."""
+    import subprocess
+
+    root = HERE.parent
+    files = sorted((root / "rules").rglob("*.rw")) + [RULES_PATH]
+    print()
+    print("| rule file | rules | load ms (warm) | ms per rule | load ms (cold process, after import torch) |")
+    print("|---|---|---|---|---|")
+    for path in files:
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            rules = rewrite.load(str(path))
+            times.append(time.perf_counter() - start)
+        cold = subprocess.run([sys.executable, "-c", "import torch\n" + _COLD_LOAD, str(path)],
+                              capture_output=True, text=True, check=False)
+        try:
+            cold_ms = f"{float(cold.stdout.strip().splitlines()[-1]) * 1e3:.0f}"
+        except (ValueError, IndexError):
+            cold_ms = "failed"
+        warm = min(times)
+        print(f"| {path.relative_to(root)} | {len(rules)} | {warm * 1e3:.1f} | {warm / max(len(rules), 1) * 1e3:.2f} "
+              f"| {cold_ms} |")
+
+
 def _targets(rows: list[GraphRow]) -> None:
     print()
     print("targets (issue 6):")
@@ -805,6 +842,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             if run.complete:
                 previous[(bench.family, name)] = run
     print_report(rows, args)
+    print_load_times()
 
     if args.profile:
         targets = [b for b in benches if b.name.endswith("-10k")] or benches[-1:]

@@ -56,12 +56,17 @@ class RewriteResult:
     """What ``RuleSet.apply`` returns.
 
     Attributes:
-        graph_module: the rewritten GraphModule (the input is never modified).
+        graph_module: the rewritten GraphModule (the input is never modified). It
+            is a ``torch.fx._lazy_graph_module._LazyGraphModule``: its Python code is
+            generated once, on the first call, ``.code``, ``print`` or ``torch.save``
+            (``rewrite.workspace.compile_now`` forces it; ``torch.jit.script`` needs
+            ``fx.GraphModule(gm, gm.graph)`` first, as for any lazy graph module).
         counts: rule name -> number of times it was applied.
-        stats: rule name -> ``RuleStats`` (tries, applied, failed, seconds).
+        stats: rule name -> ``RuleStats`` (tries, prefiltered, applied, failed, seconds).
         equivalence: the randomized equivalence report, or None if not checked.
         seconds: wall time of the rewrite itself: matching, replacing, removing
-            what became unused, regenerating code (not the copy, not the check).
+            what became unused, checking the graph (``lint`` when ``check``, else
+            the created nodes); not the copy, not code generation, not the check.
         rejected: applications rolled back because they broke equivalence
             (``on_mismatch="skip-rule"``), as ``Rejection`` records.
         copy_seconds: wall time of copying the input (the input is never mutated).
