@@ -491,7 +491,23 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--model", help="module:callable returning (model, example_inputs)")
     e.add_argument("--capture", choices=("fx", "export"), default="fx")
     e.set_defaults(fn=_cmd_explain)
+
+    from rewrite.quant import add_quantize_arguments
+
+    q = sub.add_parser(
+        "quantize",
+        help="int8 post-training quantization: fuse, observe, calibrate on random inputs shaped like "
+        "the example, convert, lower to torch.ops.quantized; print counts and the accuracy report",
+    )
+    add_quantize_arguments(q)
+    q.set_defaults(fn=_cmd_quantize)
     return p
+
+
+def _cmd_quantize(args: argparse.Namespace) -> int:
+    from rewrite.quant import quantize_command
+
+    return quantize_command(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import gc
 from typing import Iterable, Iterator
 
@@ -28,16 +29,39 @@ __all__ = ["working_copy", "gc_paused", "check_touched", "compile_now"]
 
 def working_copy(gm: fx.GraphModule) -> fx.GraphModule:
     """A deep copy of ``gm`` (graph, parameters, buffers, submodules) whose code is
-    generated lazily. Subclasses of GraphModule other than the lazy one keep their
-    type (and are compiled eagerly, as ``copy.deepcopy`` does)."""
+    generated lazily. ``torch.export``'s modules stay ``_StatefulGraphModule``s (a
+    lazy subclass of it); other GraphModule subclasses keep their type and are
+    compiled eagerly, as ``copy.deepcopy`` does."""
     base = next(t for t in type(gm).__mro__ if t.__qualname__.rpartition(".")[2] != "GraphModuleImpl")
-    if base is _LazyGraphModule or base is not fx.GraphModule:
+    lazy_type = _lazy_type_for(base)
+    if lazy_type is None:
         return copy.deepcopy(gm)
     # GraphModule.__deepcopy__ builds the copy with the type of the object copied:
     # copy a lazy shell that shares the original's attributes (read, never written).
-    shell = _LazyGraphModule.__new__(_LazyGraphModule)
+    shell = lazy_type.__new__(lazy_type)
     object.__setattr__(shell, "__dict__", gm.__dict__)
     return copy.deepcopy(shell)
+
+
+def _lazy_type_for(base: type) -> type | None:
+    """The lazily compiled type a working copy of a ``base`` module gets, or None."""
+    if base is fx.GraphModule or base is _LazyGraphModule:
+        return _LazyGraphModule
+    if base.__module__ == "torch.export._unlift" and base.__name__ == "_StatefulGraphModule":
+        return _lazy_stateful_type(base)
+    if getattr(base, "_lazy_stateful", False):
+        return base
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _lazy_stateful_type(stateful: type) -> type:
+    # Built on first use: importing torch.export's module imports dynamo (~1 s).
+    return type("_LazyStatefulGraphModule", (_LazyGraphModule, stateful), {
+        "__doc__": "``torch.export(...).module()``'s type, compiled on first use.",
+        "__module__": __name__,
+        "_lazy_stateful": True,
+    })
 
 
 @contextlib.contextmanager

@@ -69,3 +69,20 @@ def test_explain_lists_rules_with_positions_and_stats(capsys):
     text = capsys.readouterr().out
     assert "fusion.rw:" in text and "rule conv_bn" in text
     assert "applied 4" in text
+
+
+def test_quantize_subcommand_reports_counts_and_accuracy(tmp_path, capsys):
+    out = tmp_path / "int8.pt"
+    code = main(["quantize", "--model", "rewrite.examples.cnn:demo_cnn_with_inputs",
+                 "--calibration", "2", "--held-out", "1", "--save", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0
+    assert "observe:" in text and "convert:" in text and "lower:" in text
+    assert "output SQNR" in text
+    assert out.exists() and out.stat().st_size > 0
+
+
+def test_quantize_subcommand_bad_model_is_a_clean_error():
+    with pytest.raises(SystemExit) as info:  # as for apply: a message, exit status 1
+        main(["quantize", "--model", "rewrite.examples.cnn:no_such_factory"])
+    assert "cannot load 'rewrite.examples.cnn:no_such_factory'" in str(info.value.code)
