@@ -19,7 +19,7 @@ import contextlib
 import copy
 import functools
 import gc
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
@@ -40,7 +40,21 @@ def working_copy(gm: fx.GraphModule) -> fx.GraphModule:
     # copy a lazy shell that shares the original's attributes (read, never written).
     shell = lazy_type.__new__(lazy_type)
     object.__setattr__(shell, "__dict__", gm.__dict__)
-    return copy.deepcopy(shell)
+    return copy.deepcopy(shell, _Alias(id(gm), id(shell)))
+
+
+class _Alias(dict):
+    """A deepcopy memo in which one object stands for another: attributes that refer
+    back to the original module (``torch.export`` modules keep bound ``train`` and
+    ``eval`` methods) map to the copy, as in ``copy.deepcopy(gm)``, instead of
+    copying the whole module a second time."""
+
+    def __init__(self, original: int, stand_in: int) -> None:
+        super().__init__()
+        self._original, self._stand_in = original, stand_in
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return super().get(self._stand_in if key == self._original else key, default)
 
 
 def _lazy_type_for(base: type) -> type | None:
