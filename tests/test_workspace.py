@@ -541,3 +541,21 @@ def test_check_touched_is_local():
     check_touched(g, [nodes[2]])
     with pytest.raises(RuntimeError):
         check_touched(g, [nodes[3]])
+
+
+def test_working_copy_generates_no_code_even_for_exported_modules(monkeypatch):
+    """export's module keeps bound train/eval methods in its __dict__: copying them
+    must rebind them to the copy, not deep-copy (and compile) the module again."""
+    originals = (exported(), traced())  # built (and compiled) before counting
+    compiled = []
+    real = fx.GraphModule.recompile
+
+    def counting(self):
+        compiled.append(type(self).__name__)
+        return real(self)
+
+    monkeypatch.setattr(fx.GraphModule, "recompile", counting)
+    for gm in originals:
+        c = working_copy(gm)
+        assert type(c)._needs_recompile()
+    assert compiled == []
