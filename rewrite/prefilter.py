@@ -17,10 +17,11 @@ without prefilters.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import attrs
-import torch.fx as fx
+from torch import fx
 
 from rewrite.compile import CompiledRule, PAlt, PCall, PDefault, PLit
 from rewrite.ops import forms_for_key

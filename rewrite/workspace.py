@@ -19,12 +19,13 @@ import contextlib
 import copy
 import functools
 import gc
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
-import torch.fx as fx
+from torch import fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-__all__ = ["working_copy", "gc_paused", "check_touched", "compile_now"]
+__all__ = ["check_touched", "compile_now", "gc_paused", "working_copy"]
 
 
 def working_copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -68,7 +69,7 @@ def _lazy_type_for(base: type) -> type | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _lazy_stateful_type(stateful: type) -> type:
     # Built on first use: importing torch.export's module imports dynamo (~1 s).
     return type("_LazyStatefulGraphModule", (_LazyGraphModule, stateful), {
