@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 __all__ = ["backend", "freeze_parameters"]
 
@@ -77,8 +78,10 @@ def backend(rules: Any, *, check: bool = True, on_result: Callable | None = None
     """
 
     def compile_fn(gm: fx.GraphModule, example_inputs: list) -> Callable:
-        # Dynamo reads the graph it handed us after we return: work on a copy.
-        gm = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+        # Dynamo reads the graph it handed us after we return: work on a copy (of
+        # the graph: parameters are shared until apply's own copy; code generated
+        # only for the final graph, on its first call).
+        gm = _LazyGraphModule(gm, copy.deepcopy(gm.graph))
         kept, kept_inputs = freeze_parameters(gm, list(example_inputs))
         result = rules.apply(gm, example_inputs=tuple(kept_inputs), check=check, **apply_options)
         if on_result is not None:

@@ -422,10 +422,13 @@ def rules_dir() -> Path:
 
 
 def _resolve_path(p: Any) -> str:
+    """A rule file path; a relative one that does not exist here may name a shipped
+    file: ``fusion.rw``, ``rules/fusion.rw``, ``quant/observe.rw``, ``rules/quant/observe.rw``."""
     path = Path(p)
     if not path.exists() and not path.is_absolute():
-        shipped = rules_dir() / path.name if path.parent in (Path("."), Path("rules")) else None
-        if shipped is not None and shipped.exists():
+        parts = path.parts[1:] if path.parts[:1] == ("rules",) else path.parts
+        shipped = rules_dir().joinpath(*parts) if parts else None
+        if shipped is not None and shipped.is_file():
             return str(shipped)
     return str(path)
 
@@ -435,8 +438,9 @@ def load(*paths: Any) -> RuleSet:
 
     Args:
         paths: one or more ``.rw`` files (or one iterable of them). A name such as
-            ``"rules/fusion.rw"`` or ``"fusion.rw"`` that does not exist relative to
-            the working directory is looked up among the shipped rule libraries.
+            ``"rules/fusion.rw"``, ``"fusion.rw"`` or ``"quant/observe.rw"`` that does
+            not exist relative to the working directory is looked up among the
+            shipped rule libraries.
 
     Returns:
         A RuleSet running every rule of the files to a fixpoint (or the file's
