@@ -144,6 +144,8 @@ class Replacer:
             except AttributeError:
                 requires_grad = False
         tensor = tensor.detach().clone()
+        # only floating-point and complex tensors can require grad (int8 weights cannot)
+        requires_grad = requires_grad and (tensor.is_floating_point() or tensor.is_complex())
         if source is not None and source in self.facts.param_names:
             self.gm.register_parameter(name, torch.nn.Parameter(tensor, requires_grad=requires_grad))
         else:

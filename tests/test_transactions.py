@@ -94,3 +94,24 @@ def test_shuffled_worklist_reaches_the_same_graph_on_shipped_sets():
         shuffled = rules.apply(gm, example_inputs=inputs, check=False, shuffle_seed=seed)
         assert shuffled.counts == base.counts
         torch.testing.assert_close(shuffled.graph_module(*inputs), base.graph_module(*inputs))
+
+
+def test_integer_constants_from_trainable_parameters_do_not_require_grad():
+    @rewrite.register_constant()
+    def as_int8_for_test(w):
+        return (w * 100).round().clamp(-128, 127).to(torch.int8)
+
+    rules = rewrite.parse("""
+    rule int8_weight: linear(x, w, b) where const(w) => linear(x, to(as_int8_for_test(w), torch.float32), b)
+    """)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    assert model[0].weight.requires_grad
+    gm = torch.fx.symbolic_trace(model)
+    result = rules.apply(gm, example_inputs=(torch.randn(2, 4),), check=False)
+    assert result.counts == {"int8_weight": 1}
+    out = result.graph_module
+    (const,) = [t for name, t in out.named_parameters() if name.endswith("as_int8_for_test")]
+    assert const.dtype == torch.int8 and not const.requires_grad
+    x = torch.randn(2, 4)
+    want = torch.nn.functional.linear(x, (model[0].weight * 100).round().clamp(-128, 127), model[0].bias)
+    torch.testing.assert_close(out(x), want)
