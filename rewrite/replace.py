@@ -25,6 +25,7 @@ import torch.fx as fx
 from rewrite.compile import RConst, RLit, RModule, ROp, RSeq, RVar
 from rewrite.facts import FACTS_KEY, GraphFacts
 from rewrite.match import Match
+from rewrite.ops import bind_node
 from rewrite.ops.base import ConstRef
 
 __all__ = ["Replacer", "ReplacementError"]
@@ -45,6 +46,7 @@ class Replacer:
         self.facts = facts
         self.dialect = dialect
         self._created: list = []
+        self._covered: tuple = ()
         self._new_attrs: list = []
 
     @functools.cached_property
@@ -62,6 +64,7 @@ class Replacer:
         """Rewrite one match. Returns (new nodes, nodes whose users changed)."""
         root = match.root
         self._created, self._new_attrs = [], []
+        self._covered = match.nodes
         try:
             with self.graph.inserting_before(root):
                 result = self._build(match.rule.replacement, match.env, root)
@@ -90,7 +93,7 @@ class Replacer:
             args = {name: self._build(v, env, root) for name, v in r.args.items()}
             emitter = r.opdef.emit.get(self.dialect) or r.opdef.emit.get("torch")
             target, call_args, call_kwargs = emitter(args, self._facts_of)
-            return self._node("call_function", target, call_args, call_kwargs, root)
+            return self._node("call_function", target, call_args, call_kwargs, self._origin(r.opdef.name, root))
         if isinstance(r, RConst):
             value = self._evaluate(r, env)
             if isinstance(value, torch.Tensor):
@@ -182,6 +185,15 @@ class Replacer:
             self.facts.new_node(node)
         self._created.append(node)
         return node
+
+    def _origin(self, op: str, root: fx.Node) -> fx.Node:
+        """The matched node a new ``op`` node stands for, whose source metadata
+        (stack trace, module stack) it takes: the first covered node, root first,
+        that binds as ``op`` (the conv of a conv+BN fold), else the root."""
+        for node in self._covered:
+            if any(b.op == op for b in bind_node(node, self.gm)):
+                return node
+        return root
 
     def _facts_of(self, value: Any) -> Any:
         # Known facts only: new nodes of a graph nobody asked shapes about need none.

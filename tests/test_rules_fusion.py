@@ -188,3 +188,21 @@ def test_silu_from_sigmoid_in_either_order():
     x = torch.randn(3, 4)
     result = fusion().apply(fx.symbolic_trace(M()), example_inputs=(x,))
     assert result.counts == {"silu_from_sigmoid": 2}
+
+
+def test_folded_convs_keep_the_conv_source_metadata():
+    """The new conv of a conv+BN fold stands for the conv: it takes the conv's module
+    stack and stack trace, not the batch norm's."""
+    import rewrite
+    from rewrite.examples.cnn import demo_cnn_with_inputs
+
+    model, inputs = demo_cnn_with_inputs()
+    gm = torch.export.export(model.eval(), inputs).module()
+    result = rewrite.load("rules/fusion.rw").apply(gm, inputs)
+    assert result.counts["conv_bn"] == 4
+    convs = [n for n in result.graph_module.graph.nodes
+             if n.op == "call_function" and "conv" in str(n.target)]
+    assert len(convs) == 6
+    for node in convs:
+        (_, module_type), = list(node.meta["nn_module_stack"].values())[-1:]
+        assert "Conv" in module_type and "BatchNorm" not in module_type, (node.name, module_type)
