@@ -309,8 +309,8 @@ def compile_rule(rule: ast.Rule, order: int, families: dict) -> CompiledRule:
             raise CompileError("a pattern must be an op call at its root")
         rb = _ReplacementBuilder(families)
         replacement = rb.build(rule.replacement)
-        if isinstance(replacement, (RLit, RSeq, RConst)):
-            raise CompileError("a replacement must produce a graph value (an op, a variable or a module)")
+        if isinstance(replacement, (RLit, RSeq)):
+            raise CompileError("a replacement must produce a graph value (an op, a variable, a module or a constant)")
     except CompileError as err:
         raise CompileError(f"{rule.span}: error: rule {rule.name!r}: {err}") from None
     root_ops, root_keys = set(), set()

@@ -115,3 +115,45 @@ def test_integer_constants_from_trainable_parameters_do_not_require_grad():
     x = torch.randn(2, 4)
     want = torch.nn.functional.linear(x, (model[0].weight * 100).round().clamp(-128, 127), model[0].bias)
     torch.testing.assert_close(out(x), want)
+
+
+class _CastWeight(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(3))
+        self.v = torch.nn.Parameter(torch.randn(3, dtype=torch.float16))
+
+    def forward(self, x):
+        return x + self.w.to(torch.float64) + self.v.to(torch.float64)
+
+
+def test_a_constant_function_can_be_the_whole_replacement():
+    rules = rewrite.parse("""
+    rule fold_cast: to(w, d) where is_tensor(w) and const(w) => cast(w, d)
+    """)
+    model = _CastWeight()
+    gm = torch.fx.symbolic_trace(model)
+    x = torch.randn(3, dtype=torch.float64)
+    result = rules.apply(gm, example_inputs=(x,))
+    assert result.counts == {"fold_cast": 2}
+    out = result.graph_module
+    assert not [n for n in out.graph.nodes if n.op == "call_method" and n.target == "to"]
+    consts = {n.target: getattr(out, n.target) for n in out.graph.nodes if n.op == "get_attr"}
+    assert {t.dtype for t in consts.values()} == {torch.float64}
+    assert result.equivalence.ok
+    torch.testing.assert_close(out(x), model(x))
+
+
+def test_a_constant_root_that_is_no_tensor_fails_cleanly():
+    @rewrite.register_constant()
+    def first_element_for_test(w):
+        return float(w.flatten()[0])
+
+    rules = rewrite.parse("""
+    rule scalar: to(w, _) where const(w) => first_element_for_test(w)
+    """)
+    gm = torch.fx.symbolic_trace(_CastWeight())
+    code = gm.code
+    result = rules.apply(gm, example_inputs=(torch.randn(3, dtype=torch.float64),))
+    assert result.counts == {} and result.stats["scalar"].failed == 2
+    assert result.graph_module.code == code

@@ -173,3 +173,14 @@ def test_check_verify_passes_on_good_rules(tmp_path, capsys):
     good.write_text("rule neg_neg: neg(neg(x)) => x\n")
     assert main(["check", "--verify", "--max-examples", "10", str(good)]) == 0
     assert "neg_neg  ok" in capsys.readouterr().out
+
+
+def test_constant_root_folds_are_verified():
+    rules = rewrite.parse("""
+    rule fold_cast: to(w, d) where is_tensor(w) and const(w) => cast(w, d)
+    rule bad_fold: to(w, _) where is_tensor(w) and const(w) => cast(w, torch.float16)
+    """)
+    report = rules.verify(max_examples=30)
+    assert not report.ok
+    assert "bad_fold" in report.table() and "fold_cast" in report.table()
+    assert [f.rule for f in report.failures] == ["bad_fold"]

@@ -313,16 +313,12 @@ class _Checker:
 
     def _replacement_root(self, e: object) -> None:
         """The replacement stands for the matched node, so it must be a graph value:
-        a variable, an op call or a module function (not a literal or a constant)."""
+        a variable, an op call, a module function, or a rewrite-time constant whose
+        tensor becomes a new constant of the module (not a literal)."""
         if isinstance(e, (ast.Literal, ast.DTypeLit, ast.TupleLit, ast.ListLit)):
             self.error(e.span, f"a replacement must produce a graph value, found {_describe(e)}", "E304",
-                       help="build the value with an op, or return a variable bound by the pattern")
-        elif isinstance(e, ast.Call) and len(e.op.names) == 1:
-            kind, found = self.resolve(e.op.names[0])
-            if kind == "function" and found.kind == "constant":
-                self.error(e.op.span, f"a replacement must produce a graph value, not the constant "
-                                      f"'{e.op.names[0]}(...)'", "E304",
-                           help="pass the constant to an op, e.g. conv(x, conv_bn_weight(...), ...)")
+                       help="build the value with an op, return a variable bound by the pattern, "
+                            "or compute a constant tensor with a constant function")
 
     def _options(self, r: ast.Rule) -> None:
         seen = set()
