@@ -68,9 +68,11 @@ class GraphFacts:
     def __init__(self, gm: fx.GraphModule, example_inputs: tuple | None = None) -> None:
         self.gm = gm
         # Graphs from export and dynamo carry facts; symbolic_trace graphs get them
-        # recorded from the example inputs on the first question about a shape.
+        # recorded from the example inputs on the first question about a node that
+        # has none (also on a graph an earlier rewrite recorded facts on: its new
+        # nodes have none).
         carried = _first_vals(gm, 8)
-        self._example_inputs = None if carried or _has_facts(gm) else example_inputs
+        self._example_inputs = None if carried else example_inputs
         # Graphs whose values are FakeTensors (export, dynamo) get a FakeTensor
         # ``val`` on every new node right away, for later consumers of the graph;
         # elsewhere new nodes get facts only when a rule asks.
@@ -221,10 +223,6 @@ def _first_vals(gm: fx.GraphModule, n: int) -> list:
             if len(out) >= n:
                 break
     return out
-
-
-def _has_facts(gm: fx.GraphModule) -> bool:
-    return any(k in n.meta for n in gm.graph.nodes if n.op.startswith("call_") for k in _CARRIERS)
 
 
 class _FactRecorder(fx.Interpreter):

@@ -135,3 +135,23 @@ def test_growth_without_end_is_stopped():
     with pytest.raises(rewrite.NonTerminationError) as info:
         rewrite.parse(text).apply(fx.symbolic_trace(Fn(torch.relu)), (X,), check=False)
     assert info.value.rules == ("grow",)
+
+
+class _SiluThenCast(torch.nn.Module):
+    def forward(self, x):
+        return (x * torch.sigmoid(x)).to(torch.float32)
+
+
+def test_a_second_rule_set_gets_facts_for_nodes_the_first_created():
+    """The first apply records facts (is_float asks) and creates a silu node without
+    any; the second apply asks the silu node's dtype: recorded from the example inputs."""
+    x = torch.randn(3, 4)
+    first = rewrite.parse("rule silu: mul(x, sigmoid(x)) where is_float(x) => silu(x)")
+    second = rewrite.parse("rule to_same: to(s, d) where dtype(s) == d => s")
+    step1 = first.apply(torch.fx.symbolic_trace(_SiluThenCast()), example_inputs=(x,))
+    assert step1.counts == {"silu": 1}
+    step2 = second.apply(step1.graph_module, example_inputs=(x,))
+    assert step2.counts == {"to_same": 1}
+    calls = [n for n in step2.graph_module.graph.nodes if n.op.startswith("call_")]
+    assert len(calls) == 1 and "silu" in str(calls[0].target)
+    torch.testing.assert_close(step2.graph_module(x), _SiluThenCast()(x))
