@@ -541,6 +541,11 @@ SAMPLES = {
                 lambda a: a["input"] + 2 * (a["batch1"] @ a["batch2"])),
     "mean": ({"input": _t(2, 3, 4), "dim": (1,), "keepdim": True}, lambda a: a["input"].mean(1, keepdim=True)),
     "softmax": ({"input": _t(2, 5), "dim": -1}, lambda a: a["input"].softmax(-1)),
+    "sum": ({"input": _t(2, 3, 4), "dim": (0, 2), "keepdim": True}, lambda a: a["input"].sum((0, 2), keepdim=True)),
+    "stack": ({"tensors": [_t(2, 3), _t(2, 3)], "dim": 1}, lambda a: torch.stack(a["tensors"], 1)),
+    "select": ({"input": _t(2, 3, 4), "dim": 1, "index": 2}, lambda a: a["input"][:, 2]),
+    "prelu": ({"input": _t(2, 3, 4), "weight": _t(3)},
+              lambda a: torch.where(a["input"] > 0, a["input"], a["weight"][:, None] * a["input"])),
     "reshape": ({"input": _t(2, 6), "shape": (3, -1)}, lambda a: a["input"].reshape(3, 4)),
     "view": ({"input": _t(2, 6), "shape": (3, -1)}, lambda a: a["input"].view(3, 4)),
     "flatten": ({"input": _t(2, 3, 4), "start_dim": 1}, lambda a: a["input"].reshape(2, 12)),
@@ -679,3 +684,53 @@ def test_target_defaults_agree_with_canonical_defaults() -> None:
                     default = default[0] if all(same_value(d, default[0]) for d in default) else default
                 same = same_value(default, param.default) or (default == "valid" and param.default == 0)
                 assert same, (opdef.name, form.qualname, tname, default, param.default)
+
+
+# ---- sum, stack, select, prelu at every capture that keeps them -----------------
+
+
+class Reductions(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.act = nn.PReLU(3)
+
+    def forward(self, x: torch.Tensor) -> tuple:      # x: (2, 3, 4)
+        s = x.sum(dim=(0, 2), keepdim=True) + torch.sum(x)
+        t = torch.stack([x, x], dim=1)
+        u = x.select(1, 2)
+        return s, t, u, self.act(x)
+
+
+@pytest.mark.parametrize("level", ("symbolic", "dynamo", "export"))
+def test_sum_stack_select_prelu_bind(level: str) -> None:
+    gm = capture(Reductions(), (torch.randn(2, 3, 4),), (level,))[level]
+    sums = sorted((b.args["dim"] is None, b.args["keepdim"]) for _, b in bindings(gm, "sum"))
+    assert sums == [(False, True), (True, False)]
+    (_, reduced), = [(n, b) for n, b in bindings(gm, "sum") if b.args["dim"] is not None]
+    assert tuple(reduced.args["dim"]) == (0, 2)
+    stack = only(gm, "stack")
+    assert len(stack["tensors"]) == 2 and stack["dim"] == 1
+    select = only(gm, "select")
+    assert (select["dim"], select["index"]) == (1, 2)
+    prelu = only(gm, "prelu")
+    assert const_name(prelu["weight"]).replace("l_self_modules_", "").startswith(("act", "p_act"))
+
+
+def test_rules_over_the_new_ops_fire_and_keep_outputs() -> None:
+    import rewrite
+
+    rules = rewrite.parse("""
+    rule select_of_stack: select(stack([a, _], d), d, 0) => a
+    rule sum_keepdim_squeeze: squeeze(sum(x, [dd], True), dd) => sum(x, [dd])
+    """)
+
+    class M(nn.Module):
+        def forward(self, x, y):
+            return torch.stack([x, y], 1).select(1, 0) + torch.sum(x, [1], True).squeeze(1)[:, None]
+
+    x, y = torch.randn(2, 3), torch.randn(2, 3)
+    for gm in (fx.symbolic_trace(M()), torch.export.export(M(), (x, y)).module()):
+        result = rules.apply(gm, example_inputs=(x, y))
+        assert result.counts == {"select_of_stack": 1, "sum_keepdim_squeeze": 1}
+        assert not bindings(result.graph_module, "stack")
+        torch.testing.assert_close(result.graph_module(x, y), M()(x, y))

@@ -143,6 +143,7 @@ LOWER = {
     "addbmm": (lambda: Fn(lambda m, c, a, b: torch.addbmm(c, a, b)),
                lambda: (x(3, 5), x(2, 3, 8), x(2, 8, 5, seed=1))),
     "prelu": (lambda: Fn(lambda m, a: F.prelu(a, m.w), w=torch.full((3,), 0.25)), lambda: (x(2, 3, 4),)),
+    "prelu_module": (lambda: Fn(lambda m, a: m.act(a), act=nn.PReLU(3)), lambda: (x(2, 3, 4),)),
     "sdpa": (lambda: Fn(lambda m, q, k, v: F.scaled_dot_product_attention(q, k, v)),
              lambda: (x(1, 2, 4, 8), x(1, 2, 4, 8, seed=1), x(1, 2, 4, 8, seed=2))),
     "sdpa_float_mask": (lambda: Fn(lambda m, q, k: F.scaled_dot_product_attention(q, k, k, attn_mask=m.mask),
@@ -159,7 +160,7 @@ def _root_op(name):
     if name.startswith("sdpa"):
         return "scaled_dot_product_attention"
     return {"conv1d": "conv", "conv2d": "conv", "conv3d": "conv", "conv_transpose2d": "conv_transpose",
-            "prelu": None, "addbmm": None}.get(name, name)
+            "prelu_module": "prelu", "addbmm": None}.get(name, name)
 
 
 # every op at both capture levels in bf16; the fp16 rules are the same rules with

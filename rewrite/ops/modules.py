@@ -174,3 +174,7 @@ def embedding(module: Any, node: fx.Node, qualname: str) -> dict | None:
         max_norm=module.max_norm, norm_type=module.norm_type,
         scale_grad_by_freq=module.scale_grad_by_freq, sparse=module.sparse,
     )
+
+
+def prelu(module: Any, node: fx.Node, qualname: str) -> dict | None:
+    return _with_input(node, weight=_ref(module, qualname, "weight"))

@@ -51,6 +51,10 @@ def _mean_aten(args: dict, facts: Callable) -> str:
     return "aten.mean.default" if args["dim"] is None and not args["keepdim"] else "aten.mean.dim"
 
 
+def _sum_aten(args: dict, facts: Callable) -> str:
+    return "aten.sum.default" if args["dim"] is None and not args["keepdim"] else "aten.sum.dim_IntList"
+
+
 def _squeeze_aten(args: dict, facts: Callable) -> str:
     dim = args["dim"]
     if dim is None:
@@ -143,6 +147,11 @@ OPS = [
        method("mean", sig="self, dim=None, keepdim=False, *, dtype=None", guards={"dtype": None}),
        fn("aten.mean.default", "aten.mean.dim", guards={"dtype": None}),
        torch="torch.mean", aten=_mean_aten, doc="mean over dim (all dims when None)"),
+    op("sum", "input: T, dim=None, keepdim=False",
+       fn("torch.sum", sig="input, dim=None, keepdim=False, *, dtype=None", guards={"dtype": None}),
+       method("sum", sig="self, dim=None, keepdim=False, *, dtype=None", guards={"dtype": None}),
+       fn("aten.sum.default", "aten.sum.dim_IntList", guards={"dtype": None}),
+       torch="torch.sum", aten=_sum_aten, doc="sum over dim (all dims when None)"),
     # F.softmax carries _stacklevel; core ATen's _softmax carries half_to_float
     op("softmax", "input: T, dim, dtype=None",
        fn("F.softmax", ignore={"_stacklevel"}),
@@ -196,6 +205,9 @@ OPS = [
     op("cat", "tensors: T, dim=0",
        fn("torch.cat", "torch.concat", "aten.cat.default"),
        torch="torch.cat", aten="aten.cat.default", doc="concatenate along dim"),
+    op("stack", "tensors: T, dim=0",
+       fn("torch.stack", sig="tensors, dim=0"), fn("aten.stack.default"),
+       torch="torch.stack", aten="aten.stack.default", doc="stack along a new dim"),
 
     # ---- casts ---------------------------------------------------------------
     # Only dtype casts: x.to("cuda") and x.to(other) are not this op.
@@ -214,6 +226,10 @@ OPS = [
        torch="Tensor.to", aten="aten.to.dtype", doc="cast to dtype"),
 
     # ---- indexing ------------------------------------------------------------
+    op("select", "input: T, dim, index",
+       fn("torch.select", sig="input, dim, index"), method("select", sig="self, dim, index"),
+       fn("aten.select.int"),
+       torch="torch.select", aten="aten.select.int", doc="input[..., index, ...] along dim (dim dropped)"),
     op("getitem", "input: T, index",
        fn("operator.getitem", sig="input, index"),
        torch="operator.getitem", aten="operator.getitem", doc="input[index] (also a tuple output)"),
