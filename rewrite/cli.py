@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import importlib
 import sys
 from typing import Any, Sequence
@@ -492,31 +493,37 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--capture", choices=("fx", "export"), default="fx")
     e.set_defaults(fn=_cmd_explain)
 
-    from rewrite.quant import add_quantize_arguments
-
+    # Its options live in rewrite.quant, which imports torch: parsed there, so that
+    # the other commands start without torch.
     q = sub.add_parser(
-        "quantize",
+        "quantize", add_help=False,
         help="int8 post-training quantization: fuse, observe, calibrate on random inputs shaped like "
-        "the example, convert, lower to torch.ops.quantized; print counts and the accuracy report",
+        "the example, convert, lower to torch.ops.quantized; print counts and the accuracy report "
+        "(rewrite quantize --help for its options)",
     )
-    add_quantize_arguments(q)
-    q.set_defaults(fn=_cmd_quantize)
+    q.set_defaults(fn=_cmd_quantize)  # main() hands it the raw arguments
     return p
 
 
-def _cmd_quantize(args: argparse.Namespace) -> int:
-    from rewrite.quant import quantize_command
+def _cmd_quantize(options: list) -> int:
+    from rewrite.quant import add_quantize_arguments, quantize_command
 
-    return quantize_command(args)
+    parser = add_quantize_arguments(argparse.ArgumentParser(prog="rewrite quantize"))
+    return quantize_command(parser.parse_args(options))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``rewrite`` console script and ``python -m rewrite``."""
-    args = _parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["quantize"]:
+        run = functools.partial(_cmd_quantize, argv[1:])
+    else:
+        args = _parser().parse_args(argv)
+        run = functools.partial(args.fn, args)
     from rewrite.language import RuleError
 
     try:
-        return args.fn(args)
+        return run()
     except RuleError as err:
         print(str(err), file=sys.stderr)
         return 1

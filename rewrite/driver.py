@@ -45,9 +45,9 @@ class NonTerminationError(RuntimeError):
 
 @attrs.define
 class RuleStats:
-    """Per-rule counters: tries (nodes the matcher ran at), nodes its prefilter
-    turned away before matching, matches applied, failures while building a
-    replacement, and seconds spent matching."""
+    """Per-rule counters: tries (nodes whose op the rule's root has), of which
+    ``prefiltered`` its prefilter turned away before matching, matches applied,
+    failures while building a replacement, and seconds spent matching."""
 
     tries: int = 0
     applied: int = 0
@@ -195,10 +195,10 @@ class Driver:
             if self.skip and (rule.name, node.name) in self.skip:
                 continue
             stats = self.stats[rule.name]
+            stats.tries += 1
             if prefilter is not None and not prefilter(self.matcher, node):
                 stats.prefiltered += 1
                 continue
-            stats.tries += 1
             start = time.perf_counter()
             match = self.matcher.match(rule, node)
             stats.seconds += time.perf_counter() - start

@@ -72,7 +72,7 @@ class GraphFacts:
         # has none (also on a graph an earlier rewrite recorded facts on: its new
         # nodes have none).
         carried = _first_vals(gm, 8)
-        self._example_inputs = None if carried else example_inputs
+        self._example_inputs = None if carried or _carries(gm, "example_value") else example_inputs
         # Graphs whose values are FakeTensors (export, dynamo) get a FakeTensor
         # ``val`` on every new node right away, for later consumers of the graph;
         # elsewhere new nodes get facts only when a rule asks.
@@ -214,15 +214,21 @@ def _on_meta(v: Any) -> Any:
 
 
 def _first_vals(gm: fx.GraphModule, n: int) -> list:
-    """``meta['val']`` of the first ``n`` call nodes that carry one (a graph either
-    carries them throughout or not at all: no need to look at all of them)."""
+    """Tensor ``meta['val']``s of the first ``n`` call nodes that carry one (a graph
+    either carries them throughout or not at all: no need to look at all of them;
+    SymInt values of ``sym_size`` nodes, which export hoists first, do not count)."""
     out: list = []
     for node in gm.graph.nodes:
-        if node.op.startswith("call_") and "val" in node.meta:
+        if node.op.startswith("call_") and isinstance(node.meta.get("val"), torch.Tensor):
             out.append(node.meta["val"])
             if len(out) >= n:
                 break
     return out
+
+
+def _carries(gm: fx.GraphModule, key: str) -> bool:
+    """Whether call nodes carry ``meta[key]`` (dynamo's graphs: ``example_value``)."""
+    return any(key in node.meta for node in gm.graph.nodes if node.op.startswith("call_"))
 
 
 class _FactRecorder(fx.Interpreter):

@@ -854,7 +854,13 @@ class _Builder:
         return node
 
     def finish(self, root: fx.Node) -> Instance:
-        self.graph.output(root)
+        # The program consumes the root rather than returning it: a rewrite never lets
+        # the graph return a module constant (rewrite.replace refuses), and folds
+        # into constants must still be verifiable.
+        clone = torch.ops.aten.clone.default if self.dialect == "aten" else torch.clone
+        out = self.graph.call_function(clone, (root,))
+        self.values[out] = self.values[root]
+        self.graph.output(out)
         gm = fx.GraphModule(self.root, self.graph)
         bindings = {k: self._concrete(v) for k, v in self.env.items()}
         return Instance(self.plan.rule.name, gm, tuple(self.inputs), bindings, self.ctx.dtype, self.dialect)

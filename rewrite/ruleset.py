@@ -427,7 +427,7 @@ def _resolve_path(p: Any) -> str:
     path = Path(p)
     if not path.exists() and not path.is_absolute():
         parts = path.parts[1:] if path.parts[:1] == ("rules",) else path.parts
-        shipped = rules_dir().joinpath(*parts) if parts else None
+        shipped = rules_dir().joinpath(*parts) if parts and ".." not in parts else None
         if shipped is not None and shipped.is_file():
             return str(shipped)
     return str(path)

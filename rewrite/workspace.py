@@ -19,6 +19,7 @@ import contextlib
 import copy
 import functools
 import gc
+import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -58,10 +59,25 @@ class _Alias(dict):
         return super().get(self._stand_in if key == self._original else key, default)
 
 
+class _LazyModule(_LazyGraphModule):
+    """A ``_LazyGraphModule`` whose first call runs forward hooks once.
+
+    torch's lazy forward compiles, then calls the module again (``self(...)``), so
+    forward hooks registered on the result would run twice on that first call; here
+    it calls the freshly generated ``forward`` directly.
+    """
+
+    def _lazy_forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.real_recompile()
+        return type(self).forward(self, *args, **kwargs)
+
+    forward = _lazy_forward
+
+
 def _lazy_type_for(base: type) -> type | None:
     """The lazily compiled type a working copy of a ``base`` module gets, or None."""
-    if base is fx.GraphModule or base is _LazyGraphModule:
-        return _LazyGraphModule
+    if base in (fx.GraphModule, _LazyGraphModule, _LazyModule):
+        return _LazyModule
     if base.__module__ == "torch.export._unlift" and base.__name__ == "_StatefulGraphModule":
         return _lazy_stateful_type(base)
     if getattr(base, "_lazy_stateful", False):
@@ -72,23 +88,35 @@ def _lazy_type_for(base: type) -> type | None:
 @functools.cache
 def _lazy_stateful_type(stateful: type) -> type:
     # Built on first use: importing torch.export's module imports dynamo (~1 s).
-    return type("_LazyStatefulGraphModule", (_LazyGraphModule, stateful), {
+    return type("_LazyStatefulGraphModule", (_LazyModule, stateful), {
         "__doc__": "``torch.export(...).module()``'s type, compiled on first use.",
         "__module__": __name__,
         "_lazy_stateful": True,
     })
 
 
+_gc_lock = threading.Lock()
+_gc_depth = 0  # blocks inside gc_paused, over all threads
+_gc_was_enabled = False  # the collector's state when the outermost block began
+
+
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
-    """No cyclic garbage collection inside the block (restored after, if it was on)."""
-    was_enabled = gc.isenabled()
-    gc.disable()
+    """No cyclic garbage collection inside the block; the state from before the
+    outermost block (over all threads) is restored when the last one ends."""
+    global _gc_depth, _gc_was_enabled
+    with _gc_lock:
+        if _gc_depth == 0:
+            _gc_was_enabled = gc.isenabled()
+        _gc_depth += 1
+        gc.disable()
     try:
         yield
     finally:
-        if was_enabled:
-            gc.enable()
+        with _gc_lock:
+            _gc_depth -= 1
+            if _gc_depth == 0 and _gc_was_enabled:
+                gc.enable()
 
 
 def check_touched(graph: fx.Graph, nodes: Iterable[fx.Node]) -> None:

@@ -734,3 +734,19 @@ def test_rules_over_the_new_ops_fire_and_keep_outputs() -> None:
         assert result.counts == {"select_of_stack": 1, "sum_keepdim_squeeze": 1}
         assert not bindings(result.graph_module, "stack")
         torch.testing.assert_close(result.graph_module(x, y), M()(x, y))
+
+
+def test_prelu_kernel_is_not_prelu() -> None:
+    """aten._prelu_kernel broadcasts its weight elementwise (make_fx writes
+    _prelu_kernel(x, w.view(1, C, 1, 1))); prelu takes a per-channel 1-d weight."""
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.rand(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.ops.aten._prelu_kernel.default(x, self.w.view(1, 4, 1, 1))
+
+    gm = fx.symbolic_trace(M())
+    assert not bindings(gm, "prelu")

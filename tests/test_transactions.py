@@ -157,3 +157,47 @@ def test_a_constant_root_that_is_no_tensor_fails_cleanly():
     result = rules.apply(gm, example_inputs=(torch.randn(3, dtype=torch.float64),))
     assert result.counts == {} and result.stats["scalar"].failed == 2
     assert result.graph_module.code == code
+
+
+class _ReturnsCast(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return x + 1, self.w.to(torch.float64)
+
+
+class _WritesIntoCast(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        y = self.w.to(torch.float64)
+        y.add_(x)
+        return y * 2
+
+
+@pytest.mark.parametrize("model_cls", [_ReturnsCast, _WritesIntoCast])
+@pytest.mark.parametrize("rule", [
+    "rule fold_cast: to(w, d) where is_tensor(w) and const(w) => cast(w, d)",
+    "rule same: to(w, d) where const(w) and dtype(w) != d => to(cast(w, d), d)\n"
+    "rule done: to(w, d) where const(w) and dtype(w) == d => w",
+])
+def test_a_constant_never_replaces_a_value_the_graph_returns_or_writes(model_cls, rule):
+    """Returned, the module's tensor would be handed to the caller; written in place,
+    every call would change it: such rewrites fail instead, and calls stay independent."""
+    gm = torch.fx.symbolic_trace(model_cls())
+    x = torch.ones(3, dtype=torch.float64)
+    result = rewrite.parse(rule).apply(gm, example_inputs=(x,), check=False)
+    out = result.graph_module
+    with torch.no_grad():
+        first = out(x)
+        first = first[1] if isinstance(first, tuple) else first
+        first.mul_(0)  # what a caller may do with an output
+        again = out(x)
+        again = again[1] if isinstance(again, tuple) else again
+        want = model_cls()(x)
+    torch.testing.assert_close(again, want[1] if isinstance(want, tuple) else want)
+    assert sum(s.failed for s in result.stats.values()) >= 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import io
+import sys
 
 import pytest
 import torch
@@ -559,3 +560,62 @@ def test_working_copy_generates_no_code_even_for_exported_modules(monkeypatch):
         c = working_copy(gm)
         assert type(c)._needs_recompile()
     assert compiled == []
+
+
+def test_forward_hooks_run_once_on_the_first_call_of_a_result():
+    model, inputs = demo_cnn_with_inputs()
+    out = FUSION.apply(fx.symbolic_trace(model.eval()), example_inputs=inputs, check=False).graph_module
+    calls = []
+    out.register_forward_pre_hook(lambda m, a: (calls.append("pre"), (a[0] * 2,))[1])
+    out.register_forward_hook(lambda m, a, o: calls.append("post"))
+    assert type(out)._needs_recompile()
+    first, second = out(*inputs), out(*inputs)
+    assert calls == ["pre", "post", "pre", "post"]
+    torch.testing.assert_close(first, second)
+
+
+def test_gc_pauses_from_several_threads_leave_the_collector_on():
+    import threading
+
+    assert gc.isenabled()
+
+    def work():
+        for _ in range(2000):
+            with gc_paused():
+                pass
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert gc.isenabled()
+
+
+def test_export_graphs_with_dynamic_shapes_keep_fake_values_on_new_nodes():
+    from torch.export import Dim
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c, self.bn = nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)
+
+        def forward(self, x, y0, y1, y2, y3, y4):
+            ys = (y0, y1, y2, y3, y4)
+            out = self.bn(self.c(x)).sum()
+            for y in ys:  # export hoists a sym_size node per dynamic dim to the top
+                out = out + y.view(y.shape[0] * y.shape[1]).sum()
+            return out
+
+    x, ys = torch.randn(2, 3, 4, 4), tuple(torch.randn(2 + i, 3 + i) for i in range(5))
+    dynamic = ({},) + tuple({0: Dim(f"a{i}", max=99), 1: Dim(f"b{i}", max=99)} for i in range(5))
+    gm = torch.export.export(M().eval(), (x, *ys), dynamic_shapes=dynamic).module()
+    result = FUSION.apply(gm, example_inputs=(x, *ys), check=False)
+    assert result.counts.get("conv_bn") == 1
+    convs = [n for n in result.graph_module.graph.nodes if n.op == "call_function" and "conv" in str(n.target)]
+    assert convs and all(isinstance(n.meta.get("val"), torch.Tensor) for n in convs)

@@ -184,7 +184,7 @@ OPS = [
     op("gelu", "input: T, approximate='none'", standard("gelu"), module("nn.GELU", extract=modules.gelu),
        torch="F.gelu", aten="aten.gelu.default", elementwise=True, doc="Gaussian error linear unit"),
     op("prelu", "input: T, weight: T",
-       fn("F.prelu", "torch.prelu", sig="input, weight"), fn("aten.prelu.default", "aten._prelu_kernel.default"),
+       fn("F.prelu", "torch.prelu", sig="input, weight"), fn("aten.prelu.default"),  # not _prelu_kernel: it broadcasts weight elementwise
        module("nn.PReLU", extract=modules.prelu),
        torch="F.prelu", aten="aten.prelu.default", doc="max(x, 0) + weight * min(x, 0), weight per channel"),
     op("silu", "input: T", standard("silu"), module("nn.SiLU", extract=modules.unary),
