@@ -231,18 +231,29 @@ class Replacer:
         self._created, self._new_attrs = [], []
 
 
-#: Ops whose result may share memory with their first input (views, no-op casts,
-#: eval-mode dropout): a constant flowing through them is still the constant.
-_ALIASING_NAMES = frozenset({
-    "view", "view_as", "reshape", "reshape_as", "permute", "transpose", "t", "T", "mT", "expand",
-    "expand_as", "squeeze", "unsqueeze", "flatten", "unflatten", "ravel", "select", "narrow", "split",
-    "split_with_sizes", "tensor_split", "chunk", "unbind", "diagonal", "as_strided", "movedim",
-    "moveaxis", "swapaxes", "swapdims", "unfold", "contiguous", "detach", "alias", "to", "type",
-    "float", "double", "half", "bfloat16", "int", "long", "bool", "dropout", "identity", "real", "imag",
-    "getitem", "__getitem__", "view_as_real", "view_as_complex",
+#: Ops whose result is always a view of their first input.
+_VIEW_NAMES = frozenset({
+    "view", "view_as", "permute", "transpose", "t", "T", "mT", "expand", "expand_as", "squeeze",
+    "unsqueeze", "select", "narrow", "diagonal", "as_strided", "movedim", "moveaxis", "swapaxes",
+    "swapdims", "unfold", "detach", "alias", "getitem", "__getitem__", "slice", "unflatten",
 })
+#: Ops whose result may share memory with their first input: views, and ops that
+#: return it unchanged when there is nothing to do (no-op casts, reshapes of
+#: contiguous tensors, eval-mode dropout).
+_ALIASING_NAMES = _VIEW_NAMES | {
+    "reshape", "reshape_as", "flatten", "ravel", "split", "split_with_sizes", "tensor_split", "chunk",
+    "unbind", "contiguous", "to", "type", "float", "double", "half", "bfloat16", "int", "long", "bool",
+    "dropout", "identity", "real", "imag", "view_as_real", "view_as_complex",
+}
 _ALIASING_MODULES = frozenset({"Identity", "Flatten", "Unflatten", "Dropout", "Dropout1d", "Dropout2d",
                                "Dropout3d", "AlphaDropout"})
+
+
+def _op_name(target: Any) -> str:
+    """``view`` for ``x.view``, ``torch.Tensor.view``, ``aten.view.default``, ``x.view_``."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name.split("::")[-1].rstrip("_")
+    return (target if isinstance(target, str) else getattr(target, "__name__", "")).rstrip("_")
 
 
 def _may_alias(node: fx.Node, gm: fx.GraphModule) -> bool:
@@ -254,25 +265,11 @@ def _may_alias(node: fx.Node, gm: fx.GraphModule) -> bool:
             return type(gm.get_submodule(target)).__name__ in _ALIASING_MODULES
         except AttributeError:
             return True
-    name = target if isinstance(target, str) else getattr(target, "__name__", "")
-    return name.rstrip("_") in _ALIASING_NAMES or target is operator.getitem
-
-
-#: Ops whose result is always a view of their first input.
-_VIEW_NAMES = frozenset({
-    "view", "view_as", "permute", "transpose", "t", "T", "mT", "expand", "expand_as", "squeeze",
-    "unsqueeze", "select", "narrow", "diagonal", "as_strided", "movedim", "moveaxis", "swapaxes",
-    "swapdims", "unfold", "detach", "alias", "getitem", "__getitem__", "slice", "unflatten",
-})
+    return _op_name(target) in _ALIASING_NAMES or target is operator.getitem
 
 
 def _always_aliases(node: fx.Node, gm: fx.GraphModule) -> bool:
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        name = target._schema.name.split("::")[-1]
-    else:
-        name = target if isinstance(target, str) else getattr(target, "__name__", "")
-    return name.rstrip("_") in _VIEW_NAMES or target is operator.getitem
+    return _op_name(node.target) in _VIEW_NAMES or node.target is operator.getitem
 
 
 def _aliases_constant(node: Any, gm: fx.GraphModule, through: Any) -> bool:
