@@ -25,7 +25,7 @@ from rewrite.language import ast
 from rewrite.ops import bind_node, mutates_input, node_key
 from rewrite.ops.base import ConstRef
 
-__all__ = ["Match", "Matcher", "literal_equal", "COMPILED"]
+__all__ = ["Match", "Matcher", "literal_equal", "COMPILED", "UNKNOWN"]
 
 #: Use the straight-line matching path; ``REWRITE_INTERPRET=1`` turns it off so
 #: every pattern element goes through the reference interpreter.
@@ -255,32 +255,56 @@ class Matcher:
         return True
 
     def _where(self, expr: Any, env: dict) -> bool:
+        """The where clause holds: True, not False and not unknown."""
         try:
-            return bool(self._eval(expr, env))
+            return self._eval(expr, env) is True
         except Exception:  # noqa: BLE001 - an undecidable constraint does not hold
             return False
 
     def _eval(self, e: Any, env: dict) -> Any:
+        """Three-valued: a condition is True, False or ``UNKNOWN`` (a fact nobody
+        knows: a query or predicate that returned None). ``not UNKNOWN`` and any
+        comparison with an unknown side are ``UNKNOWN``, so a rule never fires on a
+        fact it could not establish, negated or not."""
         if isinstance(e, ast.BoolOp):
-            if e.op == "and":
-                return all(self._eval(i, env) for i in e.items)
-            return any(self._eval(i, env) for i in e.items)
+            values = [self._truth(self._eval(i, env)) for i in e.items]
+            decisive = False if e.op == "and" else True
+            if any(v is decisive for v in values):
+                return decisive
+            return UNKNOWN if any(v is UNKNOWN for v in values) else not decisive
         if isinstance(e, ast.Not):
-            return not self._eval(e.expr, env)
+            value = self._truth(self._eval(e.expr, env))
+            return value if value is UNKNOWN else not value
         if isinstance(e, ast.Compare):
-            left, right = _plain(self._eval(e.left, env)), _plain(self._eval(e.right, env))
-            if left is None or right is None:
-                return e.op == "!=" and (left is None) != (right is None)
-            return _COMPARE[e.op](left, right)
+            left, right = self._side(e.left, env), self._side(e.right, env)
+            if left is UNKNOWN or right is UNKNOWN:
+                return UNKNOWN
+            return bool(_COMPARE[e.op](left, right))
         if isinstance(e, ast.Call):
             spec = lookup_function(e.op.names[0])
             args = [self._value(a, env) for a in e.args]
             kwargs = {kw.name: self._value(kw.value, env) for kw in e.kwargs}
-            return spec.fn(*args, **kwargs)
+            result = spec.fn(*args, **kwargs)
+            return UNKNOWN if result is None else result
         if isinstance(e, ast.Index):
-            base = _plain(self._eval(e.expr, env))
-            return None if base is None else base[_plain(self._eval(e.index, env))]
+            base = self._side(e.expr, env)
+            index = self._side(e.index, env)
+            if base is UNKNOWN or index is UNKNOWN:
+                return UNKNOWN
+            return base[index]
         return self._value(e, env)
+
+    def _side(self, e: Any, env: dict) -> Any:
+        """A comparison operand as a plain value (literal None stays None: only a
+        fact nobody knows is UNKNOWN)."""
+        v = self._eval(e, env)
+        return v if v is UNKNOWN else _plain(v)
+
+    @staticmethod
+    def _truth(v: Any) -> Any:
+        if v is UNKNOWN:
+            return UNKNOWN
+        return bool(_plain(v))
 
     def _value(self, e: Any, env: dict) -> Any:
         if isinstance(e, ast.Var):
@@ -290,8 +314,22 @@ class Matcher:
         if isinstance(e, ast.DTypeLit):
             return Value(DTYPES[e.name], self.facts)
         if isinstance(e, (ast.TupleLit, ast.ListLit)):
-            return Value(tuple(_plain(self._value(i, env)) for i in e.items), self.facts)
+            items = tuple(self._side(i, env) for i in e.items)
+            return UNKNOWN if any(i is UNKNOWN for i in items) else Value(items, self.facts)
         return self._eval(e, env)
+
+
+class _Unknown:
+    """The truth value of a fact nobody knows."""
+
+    def __repr__(self) -> str:
+        return "UNKNOWN"
+
+    def __bool__(self) -> bool:  # never silently taken as True or False
+        raise TypeError("an unknown fact has no truth value")
+
+
+UNKNOWN: Any = _Unknown()
 
 
 def _plain(v: Any) -> Any:

@@ -1,8 +1,10 @@
 """Built-in predicates, queries and rewrite-time functions that rule files may name.
 
-Predicates and queries receive ``rewrite.facts.Value`` objects; a query that cannot
-tell (no shape information on the node) returns None, which compares false, so a
-rule whose constraint cannot be decided does not fire.
+Predicates and queries receive ``rewrite.facts.Value`` objects. One that cannot
+tell (no shape information on the node) returns None: the fact is *unknown*, and the
+where clause is evaluated in three-valued logic (``not unknown`` and any comparison
+with an unknown side stay unknown), so a rule whose constraint cannot be decided
+does not fire, negated or not.
 
 Rewrite-time constants use torch's own math (``torch.nn.utils.fusion``) rather than
 hand-written formulas.
@@ -74,21 +76,21 @@ def single_use(x: Value) -> bool:
 def is_float(x: Value) -> bool:
     """A floating-point tensor (known from shape information)."""
     m = x.meta
-    return m is not None and m.dtype.is_floating_point
+    return None if m is None else m.dtype.is_floating_point
 
 
 @register_predicate()
 def same_shape(a: Value, b: Value) -> bool:
     """Both tensors have the same, known shape."""
     ma, mb = a.meta, b.meta
-    return ma is not None and mb is not None and tuple(ma.shape) == tuple(mb.shape)
+    return None if ma is None or mb is None else tuple(ma.shape) == tuple(mb.shape)
 
 
 @register_predicate()
 def same_dtype(a: Value, b: Value) -> bool:
     """Both tensors have the same, known dtype."""
     ma, mb = a.meta, b.meta
-    return ma is not None and mb is not None and ma.dtype == mb.dtype
+    return None if ma is None or mb is None else ma.dtype == mb.dtype
 
 
 @register_predicate()
@@ -129,8 +131,10 @@ def is_noop_transpose(x: Value, d0: Value, d1: Value) -> bool:
     """``transpose(x, d0, d1)`` with d0 and d1 the same dim (rank known)."""
     m = x.meta
     a, b = d0.literal, d1.literal
-    if m is None or not isinstance(a, int) or not isinstance(b, int):
+    if not isinstance(a, int) or not isinstance(b, int):
         return False
+    if m is None:
+        return None
     return a % len(m.shape) == b % len(m.shape)
 
 
@@ -139,8 +143,10 @@ def transposes_cancel(x: Value, a0: Value, a1: Value, b0: Value, b1: Value) -> b
     """``transpose(transpose(x, a0, a1), b0, b1)`` is the identity: same dim pair."""
     m = x.meta
     dims = [v.literal for v in (a0, a1, b0, b1)]
-    if m is None or not all(isinstance(d, int) for d in dims):
+    if not all(isinstance(d, int) for d in dims):
         return False
+    if m is None:
+        return None
     r = len(m.shape)
     return {dims[0] % r, dims[1] % r} == {dims[2] % r, dims[3] % r}
 
@@ -149,8 +155,10 @@ def transposes_cancel(x: Value, a0: Value, a1: Value, b0: Value, b1: Value) -> b
 def reshape_is_noop(x: Value, shape: Value) -> bool:
     """Reshaping ``x`` to ``shape`` keeps its known shape exactly."""
     m, s = x.meta, shape.literal
-    if m is None or not isinstance(s, (list, tuple)) or not all(isinstance(d, int) for d in s):
+    if not isinstance(s, (list, tuple)) or not all(isinstance(d, int) for d in s):
         return False
+    if m is None:
+        return None
     have = tuple(m.shape)
     if len(s) != len(have) or sum(1 for d in s if d == -1) > 1:
         return False
@@ -163,7 +171,7 @@ def broadcasts_to(x: Value, y: Value) -> bool:
     dtype unchanged, so ``x + 0``-style identities are exact."""
     mx = x.meta
     if mx is None:
-        return False
+        return None
     my = y.meta
     if my is None:
         return y.is_literal and isinstance(y.operand, (int, float)) and not isinstance(y.operand, bool)
@@ -183,8 +191,10 @@ def lossless_cast(x: Value, to: Value) -> bool:
     """Casting ``x`` (dtype known) to dtype ``to`` keeps every value exactly, so a
     cast back restores it (bf16 -> f32, f16 -> f32, f32 -> f64, int8 -> int32...)."""
     m, target = x.meta, to.literal
-    if m is None or not isinstance(target, torch.dtype):
+    if not isinstance(target, torch.dtype):
         return False
+    if m is None:
+        return None
     src = m.dtype
     if src == target:
         return True

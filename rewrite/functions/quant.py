@@ -199,14 +199,16 @@ def activation(x: Value) -> bool:
     if node is None or node.op == "get_attr":
         return False
     m = _meta(x)
-    return m is not None and getattr(m, "dtype", None) is not None and m.dtype.is_floating_point
+    if m is None or getattr(m, "dtype", None) is None:
+        return None  # unknown: the where clause does not hold
+    return m.dtype.is_floating_point
 
 
 @register_predicate()
 def shapes_equal(a: Value, b: Value) -> bool:
     """Both tensors have the same known shape (seeing through observers)."""
     ma, mb = _meta(a), _meta(b)
-    return ma is not None and mb is not None and tuple(ma.shape) == tuple(mb.shape)
+    return None if ma is None or mb is None else tuple(ma.shape) == tuple(mb.shape)
 
 
 @register_predicate()
@@ -336,9 +338,10 @@ def symmetric_pad(x: Value, pad: Value) -> bool:
     dims of the conv input ``x`` and as much before as after each: the conv's own
     ``padding`` can do it."""
     p, m = pad.literal, _meta(x)
-    return (isinstance(p, (list, tuple)) and len(p) in (2, 4, 6) and all(isinstance(v, int) and v >= 0 for v in p)
-            and all(p[i] == p[i + 1] for i in range(0, len(p), 2))
-            and m is not None and len(m.shape) == len(p) // 2 + 2)
+    if not (isinstance(p, (list, tuple)) and len(p) in (2, 4, 6) and all(isinstance(v, int) and v >= 0 for v in p)
+            and all(p[i] == p[i + 1] for i in range(0, len(p), 2))):
+        return False
+    return None if m is None else len(m.shape) == len(p) // 2 + 2
 
 
 @register_constant()
