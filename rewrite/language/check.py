@@ -460,6 +460,7 @@ class _Checker:
     def _call_in_replacement(self, c: ast.Call, name: str, span: Any, kind: str | None, found: Any) -> None:
         if kind == "op":
             self._op_args(c, found, f"'{name}'", span)
+            self._writes(c, found, name, span)
         elif kind == "function" and found.kind in ("constant", "module"):
             self._function_args(c, found, span)
         elif kind == "function":
@@ -473,6 +474,48 @@ class _Checker:
             names = list(_vocabulary().op_names()) + reg.function_names("constant") + reg.function_names("module")
             self.error(span, f"unknown op or function '{name}'", "E102",
                        help=did_you_mean(name, names, _vocabulary().lookup_op))
+
+    # ------------------------------------------------------ effects
+
+    def _writes(self, c: ast.Call, opdef: Any, name: str, span: Any) -> None:
+        """A replacement may write in place only into a value it creates itself (an
+        op call whose result shares no memory with its arguments): anything else is
+        the caller's input, a module constant or a value other nodes read, and the
+        rewritten model would change it."""
+        from rewrite.ops.effects import opdef_writes
+
+        given = self._arguments(c, opdef)
+        for param, flag in opdef_writes(opdef):
+            if flag is not None and not _may_be_true(given.get(flag, _default_of(opdef, flag))):
+                continue
+            written = given.get(param, _default_of(opdef, param))
+            if written is None or (isinstance(written, ast.Literal) and written.value is None):
+                continue
+            if self._fresh(written):
+                continue
+            when = f" (when {flag} is true)" if flag is not None else ""
+            self.error(_span_of(written) or span,
+                       f"'{name}' writes its argument '{param}' in place{when}; a replacement may only write "
+                       f"a value it creates", "E105",
+                       help="emit the functional op (e.g. 'mul' rather than 'aten.mul_'), or write into a "
+                            "fresh copy: aten.mul_(clone(x), -1.0)")
+
+    @staticmethod
+    def _arguments(c: ast.Call, opdef: Any) -> dict:
+        given = dict(zip(opdef.param_names, c.args))
+        given.update({k.name: k.value for k in c.kwargs})
+        return given
+
+    def _fresh(self, e: object) -> bool:
+        """``e`` is a value the replacement creates: an op call whose result shares
+        no memory with its arguments (a copy, an arithmetic op), not a variable, a
+        constant (a module attribute, kept across calls) or a view."""
+        from rewrite.ops.effects import opdef_may_alias
+
+        if not isinstance(e, ast.Call) or len(e.op.names) != 1:
+            return False
+        kind, found = self.resolve(e.op.names[0])
+        return kind == "op" and not opdef_may_alias(found)
 
     # ------------------------------------------------------ arguments
 
@@ -515,6 +558,19 @@ class _Checker:
         if problem:
             params = ", ".join(spec.params) + (", ..." if spec.variadic else "")
             self.error(span, problem, "E205", help=f"signature: {spec.name}({params})")
+
+
+def _default_of(opdef: Any, param: str) -> Any:
+    """An omitted argument as a literal: the parameter's default (None when required)."""
+    p = opdef.param(param)
+    if p is None or p.default is _vocabulary().REQUIRED:
+        return None
+    return ast.Literal(p.default)
+
+
+def _may_be_true(e: object) -> bool:
+    """Whether an argument can be true when the rule fires: anything but a falsy literal."""
+    return not (isinstance(e, ast.Literal) and not e.value) and e is not None
 
 
 def _children(e: object) -> tuple:

@@ -97,6 +97,9 @@ class OpDef:
         forms: every surface form that binds to this op (filled by the vocabulary).
         emit: dialect name -> Emitter ("torch", "aten").
         doc: one line for ``rewrite explain`` and the README's op table.
+        writes: ``(param, flag)`` pairs: parameters the emitted op writes in place,
+            when parameter ``flag`` is true (None: always); ``batch_norm`` writes
+            its running statistics in training mode. See ``rewrite.ops.effects``.
     """
 
     name: str
@@ -106,6 +109,7 @@ class OpDef:
     forms: tuple = ()
     emit: dict = attrs.field(factory=dict)
     doc: str = ""
+    writes: tuple = ()
 
     @functools.cached_property
     def param_names(self) -> tuple:

@@ -158,16 +158,16 @@ def _emitter(opdef_ref: list, spec: Any, dialect: str) -> Emitter:
 
 
 def op(name: str, signature: str, *specs: Any, torch: Any, aten: Any, commutative: bool = False,
-       elementwise: bool = False, doc: str = "") -> OpDef:
+       elementwise: bool = False, doc: str = "", writes: tuple = ()) -> OpDef:
     """One canonical op: its signature (``"input: T, other: T, alpha=1"``), its
     surfaces, and how to emit it in each dialect (a qualified name of one of its
     ``fn``/``method`` surfaces, or ``f(args, facts) -> name`` or ``(name, args)``)."""
     return make_op(name, _params(signature), specs, torch=torch, aten=aten,
-                   commutative=commutative, elementwise=elementwise, doc=doc)
+                   commutative=commutative, elementwise=elementwise, doc=doc, writes=writes)
 
 
 def make_op(name: str, params: tuple, specs: Any, *, torch: Any, aten: Any, commutative: bool = False,
-            elementwise: bool = False, doc: str = "") -> OpDef:
+            elementwise: bool = False, doc: str = "", writes: tuple = ()) -> OpDef:
     """``op`` with the signature given as ``Param``s and ``specs`` as a list of spec lists."""
     by_name = {p.name: p for p in params}
     forms, seen = [], {}
@@ -183,7 +183,8 @@ def make_op(name: str, params: tuple, specs: Any, *, torch: Any, aten: Any, comm
                 forms.append(form)
     ref: list = []
     opdef = OpDef(name, params, commutative, elementwise, tuple(forms),
-                  {"torch": _emitter(ref, torch, "torch"), "aten": _emitter(ref, aten, "aten")}, doc)
+                  {"torch": _emitter(ref, torch, "torch"), "aten": _emitter(ref, aten, "aten")}, doc,
+                  tuple(writes))
     ref.append(opdef)
     targets = emittable(opdef.forms)
     for spec in (torch, aten):

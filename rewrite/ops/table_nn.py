@@ -158,7 +158,8 @@ OPS = [
        item("aten._native_batch_norm_legit.no_stats", fixed={"running_mean": None, "running_var": None}),
        item("aten.native_batch_norm.default"),
        torch="F.batch_norm", aten="aten.batch_norm.default",
-       doc="batch normalization (eval: running stats; training: batch stats)"),
+       writes=(("running_mean", "training"), ("running_var", "training")),
+       doc="batch normalization (eval: running stats; training: batch stats, updates the running ones)"),
 
     op("layer_norm", "input: T, normalized_shape, weight: T = None, bias: T = None, eps=1e-5",
        fn("F.layer_norm"),

@@ -30,6 +30,7 @@ import torch.fx as fx
 from rewrite.ops import table_nn, table_tensor
 from rewrite.ops.base import Emitter, MethodForm, OpDef, node_key
 from rewrite.ops.builders import emittable
+from rewrite.ops.effects import written_args
 from rewrite.ops.forms import EmitError, call_for
 from rewrite.ops.generic import generic_opdef
 from rewrite.ops.resolve import normalize_qualname
@@ -104,35 +105,12 @@ def detect_dialect(gm: Any) -> str:
     return "aten" if aten and aten >= torch_level else "torch"
 
 
-@functools.lru_cache(maxsize=None)
-def _schema_writes(target: Any) -> bool:
-    return any(a.alias_info is not None and a.alias_info.is_write
-               for a in target._schema.arguments if not a.is_out)
-
-
 def mutates_input(node: fx.Node, gm: Any) -> bool:
     """Whether ``node`` writes into its first argument (``x.relu_()``, ``x += y``,
     ``F.relu(x, inplace=True)``, ``nn.ReLU(inplace=True)``, ``aten.relu_``): the
     in-place twins bind to the same canonical op, and a rewrite that replaces one
     must keep that write visible to the argument's other users."""
-    target = node.target
-    if node.op == "call_method":
-        return target.endswith("_") and not target.startswith("_")
-    if node.op == "call_module":
-        try:
-            return bool(getattr(gm.get_submodule(target), "inplace", False))
-        except AttributeError:
-            return False
-    if node.op != "call_function":
-        return False
-    if isinstance(target, torch._ops.OpOverload):
-        return _schema_writes(target)
-    if node.kwargs.get("inplace") is True:
-        return True
-    name = getattr(target, "__name__", "")
-    if getattr(operator, name, None) is target:
-        return name.startswith("i") and name not in ("index", "invert", "is_", "is_not")
-    return name.endswith("_") and not name.startswith("_")
+    return 0 in written_args(node, gm)
 
 
 # ---- names -------------------------------------------------------------------

@@ -1,0 +1,221 @@
+"""What an op does besides computing its result: aliasing and in-place writes.
+
+A rewrite may change how a value is computed, never what the caller observes, so
+the engine must know which ops return (a view of) an input, and which write into an
+argument. This module is the one place that knows, for graph nodes and for ops a
+rule file names:
+
+* ``may_alias(node)``: the result may share memory with the first input (views,
+  and ops that return their input unchanged when there is nothing to do: no-op
+  casts, reshapes of contiguous tensors, eval-mode dropout, in-place ops);
+* ``always_aliases(node)``: the result is always a view of the first input;
+* ``written_args(node)``: the arguments a node writes in place;
+* ``opdef_writes(opdef)``: the parameters an op named in a replacement writes,
+  from torch's schemas (``Tensor(a!) self``) for qualified names and from the
+  vocabulary entry (``writes=``) for canonical ops;
+* ``opdef_may_alias(opdef)``: a value an op named in a replacement returns may
+  share memory with an argument.
+
+Aten overloads answer from their schema (alias annotations); torch functions and
+``Tensor`` methods from the aten op of the same name; modules and the few Python
+spellings with no schema from the name lists below.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+__all__ = [
+    "VIEW_NAMES", "ALIASING_NAMES", "ALIASING_MODULES", "op_name", "may_alias", "always_aliases",
+    "written_args", "target_writes", "opdef_writes", "opdef_may_alias",
+]
+
+#: Ops whose result is always a view of their first input.
+VIEW_NAMES = frozenset({
+    "view", "view_as", "permute", "transpose", "t", "T", "mT", "expand", "expand_as", "squeeze",
+    "unsqueeze", "select", "narrow", "diagonal", "as_strided", "movedim", "moveaxis", "swapaxes",
+    "swapdims", "unfold", "detach", "alias", "getitem", "__getitem__", "slice", "unflatten",
+    "_reshape_alias", "split", "split_with_sizes", "tensor_split", "chunk", "unbind", "real", "imag",
+    "view_as_real", "view_as_complex",
+})
+#: Ops whose result may share memory with their first input: views, and ops that
+#: return it unchanged when there is nothing to do (no-op casts, reshapes of
+#: contiguous tensors, eval-mode dropout).
+ALIASING_NAMES = VIEW_NAMES | {
+    "reshape", "reshape_as", "flatten", "ravel", "contiguous", "to", "type", "type_as", "float",
+    "double", "half", "bfloat16", "int", "long", "bool", "dropout", "identity", "lift_fresh",
+    "_to_copy_noop", "align_as", "rename", "refine_names", "coalesce", "resolve_conj", "resolve_neg",
+    "conj", "positive", "requires_grad", "data", "cpu", "cuda",
+}
+#: Modules whose forward may return its input (or a view of it).
+ALIASING_MODULES = frozenset({"Identity", "Flatten", "Unflatten", "Dropout", "Dropout1d", "Dropout2d",
+                              "Dropout3d", "AlphaDropout", "FeatureAlphaDropout", "QuantStub",
+                              "DeQuantStub"})
+
+
+def op_name(target: Any) -> str:
+    """``view`` for ``x.view``, ``torch.Tensor.view``, ``aten.view.default``, ``x.view_``."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name.split("::")[-1].rstrip("_")
+    return (target if isinstance(target, str) else getattr(target, "__name__", "")).rstrip("_")
+
+
+def _module(node: fx.Node, gm: Any) -> Any:
+    try:
+        return gm.get_submodule(node.target)
+    except AttributeError:
+        return None
+
+
+def may_alias(node: fx.Node, gm: Any) -> bool:
+    """Whether ``node``'s result may share memory with its first input."""
+    target = node.target
+    if node.op == "call_module":
+        module = _module(node, gm)
+        if module is None:
+            return True
+        from torch.ao.quantization.observer import ObserverBase
+
+        return (type(module).__name__ in ALIASING_MODULES or isinstance(module, ObserverBase)
+                or bool(getattr(module, "inplace", False)))
+    if node.op not in ("call_function", "call_method"):
+        return False
+    if isinstance(target, torch._ops.OpOverload):
+        return any(r.alias_info is not None for r in target._schema.returns)
+    return op_name(target) in ALIASING_NAMES or target is operator.getitem or bool(written_args(node, gm))
+
+
+def always_aliases(node: fx.Node, gm: Any) -> bool:
+    """Whether ``node``'s result is always (a view of) its first input: views, and
+    in-place ops (which return the tensor they wrote)."""
+    if node.op not in ("call_function", "call_method", "call_module"):
+        return False
+    if node.op == "call_module":
+        return bool(getattr(_module(node, gm), "inplace", False))
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        returns = target._schema.returns
+        return bool(returns) and returns[0].alias_info is not None
+    return op_name(target) in VIEW_NAMES or target is operator.getitem or 0 in written_args(node, gm)
+
+
+_INPLACE_OPERATORS = frozenset(
+    name for name in dir(operator)
+    if name.startswith("i") and name not in ("index", "indexOf", "invert", "is_", "is_not", "is_none",
+                                             "is_not_none", "itemgetter")
+)
+
+
+@functools.lru_cache(maxsize=None)
+def _schema_written(overload: Any) -> tuple:
+    """(position, name) of the arguments an aten overload writes (``Tensor(a!)``)."""
+    return tuple((i, "input" if a.name == "self" else a.name)
+                 for i, a in enumerate(overload._schema.arguments)
+                 if a.alias_info is not None and a.alias_info.is_write and not a.is_out)
+
+
+@functools.lru_cache(maxsize=None)
+def _named_written(name: str) -> tuple:
+    """Written arguments of a torch function or ``Tensor`` method called ``name``:
+    those of the aten op of the same name; a trailing underscore (torch's naming
+    for in-place ops) without a schema writes its first argument."""
+    from rewrite.ops.resolve import aten_overload
+
+    if not name.endswith("_") or name.startswith("_"):
+        return ()
+    overload = aten_overload(name)
+    written = _schema_written(overload) if overload is not None else ()
+    return written or ((0, "input"),)
+
+
+def target_writes(target: Any) -> tuple:
+    """(position, name) of the arguments a call target writes in place. ``target``
+    is an aten overload, a torch function, an ``operator`` function, a method
+    descriptor (``torch.Tensor.add_``) or a method name (``"add_"``)."""
+    if isinstance(target, torch._ops.OpOverload):
+        return _schema_written(target)
+    if isinstance(target, str):
+        return _named_written(target)
+    name = getattr(target, "__name__", "")
+    if getattr(operator, name, None) is target:
+        return ((0, "input"),) if name in _INPLACE_OPERATORS else ()
+    return _named_written(name)
+
+
+def written_args(node: fx.Node, gm: Any) -> tuple:
+    """Positions of ``node.args`` (and keyword names) the node writes in place:
+    ``x.relu_()``, ``x += y``, ``F.relu(x, inplace=True)``, ``nn.ReLU(inplace=True)``,
+    ``aten.add_.Tensor``, a training-mode ``aten._native_batch_norm_legit``
+    (running statistics)."""
+    if node.op == "call_module":
+        return (0,) if getattr(_module(node, gm), "inplace", False) else ()
+    if node.op not in ("call_function", "call_method"):
+        return ()
+    if node.kwargs.get("inplace") is True:
+        return (0,)
+    out = []
+    for position, name in target_writes(node.target):
+        if position < len(node.args):
+            out.append(position)
+        elif name in node.kwargs:
+            out.append(name)
+    return tuple(out)
+
+
+def _is_canonical(opdef: Any) -> bool:
+    from rewrite.ops.vocabulary import OPS
+
+    return OPS.get(opdef.name) is opdef
+
+
+def opdef_writes(opdef: Any) -> tuple:
+    """``(param, flag)`` pairs: the parameters the op, as a replacement emits it,
+    writes in place; ``flag`` names a parameter that must be true for the write to
+    happen (``batch_norm`` writes its running statistics only when ``training``),
+    or is None. Canonical ops emit their functional form: what their entry's
+    ``writes`` says. A qualified name emits exactly its target: what its schema
+    says (``aten.mul_.Scalar`` writes ``input``)."""
+    if _is_canonical(opdef):
+        return tuple(opdef.writes)
+    out: dict = {}
+    for form in opdef.forms:
+        target = _form_target(form)
+        if target is None:
+            continue
+        rename = getattr(form, "rename", {}) or {}
+        for _, name in target_writes(target):
+            out.setdefault(rename.get(name, name), None)
+    return tuple(out.items())
+
+
+def _form_target(form: Any) -> Any:
+    """The call target of a surface form (a method form: its name; a getitem form:
+    the multi-output op it reads), or None for modules."""
+    for attr in ("inner_target", "target", "method"):
+        target = getattr(form, attr, None)
+        if target is not None:
+            return target
+    return None
+
+
+def opdef_may_alias(opdef: Any) -> bool:
+    """Whether a value the op, as a replacement emits it, returns may share memory
+    with one of its arguments. Canonical ops: by name (their in-place twins are
+    surfaces to match, never emitted); qualified names: by their targets."""
+    if opdef_writes(opdef):
+        return True
+    if _is_canonical(opdef):
+        return opdef.name in ALIASING_NAMES
+    for form in opdef.forms:
+        target = _form_target(form)
+        if isinstance(target, torch._ops.OpOverload):
+            if any(r.alias_info is not None for r in target._schema.returns):
+                return True
+        elif target is None or op_name(target) in ALIASING_NAMES or target is operator.getitem:
+            return True
+    return False
