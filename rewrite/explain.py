@@ -128,7 +128,7 @@ class _ExplainingMatcher(Matcher):
                 self._note(depth, p.span, text, f"a call of {wanted}", _describe(operand, self.gm), env)
             elif not self._rewritable(operand):
                 self._note(depth, p.span, text, "an op that may be rewritten",
-                           f"{_describe(operand, self.gm)} writes in place into a tensor read elsewhere", env)
+                           f"{_describe(operand, self.gm)} writes in place into a tensor that is read elsewhere, an input, a constant or a view", env)
             else:
                 ops = sorted({b.op for b in self.bindings(operand)}) or ["(not in the op vocabulary)"]
                 self._note(depth, p.span, text, wanted, f"{' | '.join(ops)}: {_describe(operand, self.gm)}", env)

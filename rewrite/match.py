@@ -22,7 +22,9 @@ from rewrite.compile import DTYPES, CompiledRule, PCall, PDefault, PLit, PSeq, P
 from rewrite.facts import GraphFacts, Value
 from rewrite.functions.registry import lookup_function
 from rewrite.language import ast
-from rewrite.ops import bind_node, mutates_input, node_key
+from rewrite.aliasing import caller_owned
+from rewrite.ops import bind_node, node_key
+from rewrite.ops.effects import may_alias, written_args
 from rewrite.ops.base import ConstRef
 
 __all__ = ["Match", "Matcher", "literal_equal", "COMPILED", "UNKNOWN"]
@@ -113,12 +115,20 @@ class Matcher:
         when nothing else reads the tensor it writes into."""
         ok = self._inplace_ok.get(node)
         if ok is None:
-            ok = True
-            if mutates_input(node, self.gm):
-                written = node.args[0] if node.args else None
-                ok = not isinstance(written, fx.Node) or all(u is node for u in written.users)
+            ok = all(self._privately_written(node, position) for position in written_args(node, self.gm))
             self._inplace_ok[node] = ok
         return ok
+
+    def _privately_written(self, node: fx.Node, position: Any) -> bool:
+        """The tensor ``node`` writes is the graph's own (not an input, a constant or
+        a view of anything), and nothing else reads it: replacing the write by a
+        functional op then changes nothing anyone can observe."""
+        written = node.args[position] if isinstance(position, int) else node.kwargs.get(position)
+        if not isinstance(written, fx.Node):
+            return True
+        if caller_owned(written) or may_alias(written, self.gm):
+            return False
+        return all(u is node for u in written.users)
 
     def key(self, node: fx.Node) -> Any:
         if node.op == "call_module":

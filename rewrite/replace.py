@@ -25,8 +25,9 @@ import torch.fx as fx
 from rewrite.compile import RConst, RLit, RModule, ROp, RSeq, RVar
 from rewrite.facts import FACTS_KEY, GraphFacts
 from rewrite.match import Match
-from rewrite.ops import bind_node, mutates_input
+from rewrite.ops import bind_node
 from rewrite.ops.base import ConstRef
+from rewrite.aliasing import new_aliasing
 
 __all__ = ["Replacer", "ReplacementError"]
 
@@ -74,12 +75,11 @@ class Replacer:
         if not isinstance(result, fx.Node):
             self._undo()
             raise ReplacementError(f"rule {match.rule.name!r} did not produce a graph value")
-        if _aliases_constant(result, self.gm, _may_alias) \
-                and not _aliases_constant(root, self.gm, _always_aliases) and _escapes(root, self.gm):
-            self._undo()
-            raise ReplacementError(
-                f"rule {match.rule.name!r} at {root.name}: a module constant would be returned or "
-                "written in place by the graph (it must stay the module's own)")
+        if result is not root:
+            problem = new_aliasing(root, result, self._created, self.gm)
+            if problem is not None:
+                self._undo()
+                raise ReplacementError(f"rule {match.rule.name!r} at {root.name}: {problem}")
         if result is root:
             return (), ()
         root.replace_all_uses_with(result)
@@ -229,78 +229,3 @@ class Replacer:
         for name in self._new_attrs:
             delattr(self.gm, name)
         self._created, self._new_attrs = [], []
-
-
-#: Ops whose result is always a view of their first input.
-_VIEW_NAMES = frozenset({
-    "view", "view_as", "permute", "transpose", "t", "T", "mT", "expand", "expand_as", "squeeze",
-    "unsqueeze", "select", "narrow", "diagonal", "as_strided", "movedim", "moveaxis", "swapaxes",
-    "swapdims", "unfold", "detach", "alias", "getitem", "__getitem__", "slice", "unflatten",
-})
-#: Ops whose result may share memory with their first input: views, and ops that
-#: return it unchanged when there is nothing to do (no-op casts, reshapes of
-#: contiguous tensors, eval-mode dropout).
-_ALIASING_NAMES = _VIEW_NAMES | {
-    "reshape", "reshape_as", "flatten", "ravel", "split", "split_with_sizes", "tensor_split", "chunk",
-    "unbind", "contiguous", "to", "type", "float", "double", "half", "bfloat16", "int", "long", "bool",
-    "dropout", "identity", "real", "imag", "view_as_real", "view_as_complex",
-}
-_ALIASING_MODULES = frozenset({"Identity", "Flatten", "Unflatten", "Dropout", "Dropout1d", "Dropout2d",
-                               "Dropout3d", "AlphaDropout"})
-
-
-def _op_name(target: Any) -> str:
-    """``view`` for ``x.view``, ``torch.Tensor.view``, ``aten.view.default``, ``x.view_``."""
-    if isinstance(target, torch._ops.OpOverload):
-        return target._schema.name.split("::")[-1].rstrip("_")
-    return (target if isinstance(target, str) else getattr(target, "__name__", "")).rstrip("_")
-
-
-def _may_alias(node: fx.Node, gm: fx.GraphModule) -> bool:
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return any(r.alias_info is not None for r in target._schema.returns)
-    if node.op == "call_module":
-        try:
-            return type(gm.get_submodule(target)).__name__ in _ALIASING_MODULES
-        except AttributeError:
-            return True
-    return _op_name(target) in _ALIASING_NAMES or target is operator.getitem
-
-
-def _always_aliases(node: fx.Node, gm: fx.GraphModule) -> bool:
-    return _op_name(node.target) in _VIEW_NAMES or node.target is operator.getitem
-
-
-def _aliases_constant(node: Any, gm: fx.GraphModule, through: Any) -> bool:
-    """Whether ``node``'s value is (a view of) a module constant: a get_attr, reached
-    through ops for which ``through(op_node, gm)`` says their result shares their
-    first input's memory (``_may_alias``: ``w.to(w.dtype)`` is ``w``;
-    ``_always_aliases``: views only)."""
-    seen: set = set()
-    while isinstance(node, fx.Node) and node not in seen:
-        seen.add(node)
-        if node.op == "get_attr":
-            return True
-        if not (node.op.startswith("call_") and node.args and through(node, gm)):
-            return False
-        node = node.args[0]
-    return False
-
-
-def _escapes(root: fx.Node, gm: fx.GraphModule) -> bool:
-    """Whether the value of ``root`` (or a view of it) is returned by the graph or
-    written in place: replaced by a module constant, the caller or the op would
-    then hold or change the module's own tensor."""
-    seen, frontier = {root}, [root]
-    while frontier:
-        node = frontier.pop()
-        for user in node.users:
-            if user.op == "output":
-                return True
-            if user.args and user.args[0] is node and mutates_input(user, gm):
-                return True
-            if user not in seen and _may_alias(user, gm):
-                seen.add(user)
-                frontier.append(user)
-    return False

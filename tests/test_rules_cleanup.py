@@ -69,7 +69,8 @@ CASES = {
 @given(shape=shapes, dtype=float_dtypes, seed=st.integers(0, 2**16))
 def test_cleanup_rule_is_exact(rule, shape, dtype, seed):
     x = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
-    model = Fn(CASES[rule](shape, dtype))
+    # on a value the graph computes (a rule never makes an output alias an input)
+    model = Fn(lambda x, f=CASES[rule](shape, dtype): f(torch.tanh(x)))
     gm = fx.symbolic_trace(model)
     result = cleanup().apply(gm, example_inputs=(x,))
     # a float64 round trip through float64 is two same-dtype casts instead
@@ -84,7 +85,7 @@ def test_cleanup_rule_is_exact(rule, shape, dtype, seed):
 def test_cleanup_rule_fires_on_export_graphs(rule):
     shape = (2, 3, 4)
     x = torch.randn(shape)
-    model = Fn(CASES[rule](shape, torch.float32))
+    model = Fn(lambda x, f=CASES[rule](shape, torch.float32): f(torch.tanh(x)))
     gm = torch.export.export(model, (x,)).module()
     result = cleanup().apply(gm, example_inputs=(x,))
     assert result.counts.get(rule, 0) >= 1, result.counts
@@ -98,3 +99,19 @@ def test_inexact_cases_are_left_alone():
         gm = fx.symbolic_trace(Fn(fn))
         result = cleanup().apply(gm, example_inputs=(x,))
         assert result.counts == {}, (fn, result.counts)
+
+
+@pytest.mark.parametrize("rule", sorted(CASES))
+def test_cleanup_never_returns_the_callers_input(rule):
+    """Applied straight to a graph input, a rule that would return the input itself
+    does not fire (eager returns a fresh tensor: writing into the output must not
+    change the input)."""
+    shape, dtype = (2, 3), torch.float32
+    x = torch.randn(shape)
+    model = Fn(CASES[rule](shape, dtype))
+    result = cleanup().apply(fx.symbolic_trace(model), example_inputs=(x,))
+    expected, out = model(x.clone()), result.graph_module(x)
+    assert torch.equal(out, expected)
+    fresh_in_eager = model(x).untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    if fresh_in_eager:
+        assert out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr(), result.counts

@@ -15,6 +15,8 @@ The printed form follows ruff and mypy::
 
 from __future__ import annotations
 
+import functools
+
 import difflib
 from typing import Callable, Iterable
 
@@ -66,9 +68,18 @@ def format_diagnostic(d: Diagnostic, source: str | None = None) -> str:
     return "\n".join(lines)
 
 
+@functools.lru_cache(maxsize=8)
+def source_lines(source: str) -> tuple:
+    """The lines of a rule file as the grammar counts them: split at ``\n`` only
+    (``str.splitlines`` also splits at form feeds, ``\x1c``, U+2028..., which the
+    grammar treats as ordinary characters). Cached: a file with thousands of
+    diagnostics is split once, not once per diagnostic."""
+    return tuple(line[:-1] if line.endswith("\r") else line for line in source.split("\n"))
+
+
 def _excerpt(span: Span, source: str) -> list:
     """The span's first source line, indented, with carets under the span."""
-    text_lines = source.splitlines()
+    text_lines = source_lines(source)
     if not 1 <= span.line <= len(text_lines):
         return []
     line = text_lines[span.line - 1].expandtabs(4)

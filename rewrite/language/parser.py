@@ -25,7 +25,7 @@ import lark
 from lark import Token, Transformer, v_args
 
 from rewrite.language import ast
-from rewrite.language.diagnostics import Diagnostic, RuleError, did_you_mean
+from rewrite.language.diagnostics import Diagnostic, RuleError, did_you_mean, source_lines
 from rewrite.language.syntax import syntax_diagnostic
 
 __all__ = ["parse_text", "parse_module", "grammar_path", "DTYPES"]
@@ -134,7 +134,7 @@ class _Builder(Transformer):
     def __init__(self, path: str, text: str):
         super().__init__()
         self.path = path
-        self.lines = text.splitlines()
+        self.lines = list(source_lines(text))
         self.errors: list = []
 
     def _s(self, meta: object) -> ast.Span:

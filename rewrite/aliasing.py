@@ -1,0 +1,116 @@
+"""Alias analysis on a graph: which values share memory, and whether a rewrite
+would make the caller observe a difference through that sharing.
+
+A rewrite may change how a value is computed, never what the caller observes. When
+a replacement returns an existing value (``x * 1.0 => x``) or a view of one, the
+matched node's value, a fresh tensor before, now shares memory with that value.
+That is harmless for an intermediate nobody writes; it is observable when
+
+* the shared value is a graph input or a module constant, and the node's value is
+  returned by the graph or written in place (the caller's output would be its own
+  input; writing into one changes the other; a buffer would leave the module);
+* the node's value is written in place, and something else reads the shared value
+  (the write now reaches it);
+* the shared value is written in place somewhere (the node's readers would see it);
+* both are returned by the graph (two outputs would alias each other).
+
+Values are grouped into *alias classes*: a storage base (a placeholder, a
+``get_attr``, or an op whose result is fresh memory) and every value that may be a
+view of it or the same tensor (``rewrite.ops.effects.may_alias``: views, no-op
+casts and reshapes, in-place ops). Before the rewrite, the matched node is
+credited only with the sharing it certainly had (``always_aliases``: views and
+in-place ops), after it with every sharing it may have: the analysis errs on the
+side of not rewriting.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.fx as fx
+
+from rewrite.ops.effects import always_aliases, may_alias, written_args
+
+__all__ = ["storage_base", "alias_class", "new_aliasing", "caller_owned"]
+
+
+def storage_base(node: Any, gm: Any, through: Any = may_alias) -> Any:
+    """The value whose memory ``node`` may share: follow first arguments through
+    ops for which ``through(op_node, gm)`` says the result may be (a view of) it."""
+    seen: set = set()
+    while isinstance(node, fx.Node) and node not in seen:
+        seen.add(node)
+        if not (node.op.startswith("call_") and node.args and isinstance(node.args[0], fx.Node)
+                and through(node, gm)):
+            return node
+        node = node.args[0]
+    return node
+
+
+def alias_class(node: fx.Node, gm: Any, exclude: frozenset = frozenset()) -> set:
+    """``node`` and every value that may share its memory downstream (users that
+    may return their first argument, transitively), minus ``exclude``."""
+    out, frontier = {node}, [node]
+    while frontier:
+        n = frontier.pop()
+        for user in n.users:
+            if user not in out and user not in exclude and user.args and user.args[0] is n \
+                    and may_alias(user, gm):
+                out.add(user)
+                frontier.append(user)
+    return out
+
+
+def caller_owned(node: fx.Node) -> bool:
+    """A graph input or a module constant: memory the caller (or module) owns."""
+    return node.op in ("placeholder", "get_attr")
+
+
+def _escapes(cls: set) -> bool:
+    return any(user.op == "output" for n in cls for user in n.users)
+
+
+def _writes_into(user: fx.Node, node: fx.Node, gm: Any) -> bool:
+    for position in written_args(user, gm):
+        arg = user.args[position] if isinstance(position, int) else user.kwargs.get(position)
+        if arg is node:
+            return True
+    return False
+
+
+def _written(cls: set, gm: Any) -> bool:
+    return any(_writes_into(user, n, gm) for n in cls for user in n.users)
+
+
+def _read_outside(cls: set, allowed: set) -> bool:
+    return any(user not in cls and user not in allowed for n in cls for user in n.users)
+
+
+def new_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any) -> str | None:
+    """Why replacing ``root`` by ``result`` would let the caller observe new memory
+    sharing, or None when it would not. ``created``: the nodes the replacement built
+    (they will compute ``root``'s value)."""
+    base = storage_base(result, gm)
+    if not isinstance(base, fx.Node):
+        return None
+    before = storage_base(root, gm, always_aliases)
+    if base is before:
+        return None  # root already was (a view of) that memory
+    created = frozenset(created)
+    mine = alias_class(root, gm)
+    theirs = alias_class(base, gm, exclude=frozenset(mine) | created)
+    if base in mine:
+        return None
+    escapes, written = _escapes(mine), _written(mine, gm)
+    what = {"placeholder": "the graph input", "get_attr": "the module constant"}.get(base.op, "the value")
+    what = f"{what} {base.target if base.op == 'get_attr' else base.name!r}"
+    if caller_owned(base) and (escapes or written):
+        verb = "returned by the graph" if escapes else "written in place"
+        return f"its result would be {what} itself, and it is {verb}: the rewrite would alias it"
+    if written and _read_outside(theirs, created | mine):
+        return f"its result is written in place and would share memory with {what}, which is read elsewhere"
+    if _written(theirs, gm):
+        return f"its result would share memory with {what}, which is written in place"
+    if escapes and _escapes(theirs):
+        return f"its result and {what} are both returned by the graph: the outputs would alias each other"
+    return None
