@@ -12,17 +12,35 @@ integer tensors stay within the example's ``[min, max]`` so token ids and
 indices remain valid; bools are random. When there are no example inputs the
 shapes come from a GraphModule's placeholder metadata instead.
 
-Tolerances: floating outputs pass when ``|cand - ref| <= atol + rtol * |ref|``
-elementwise, with ``atol = atol_base * max(1, max|ref|)`` (deep nets after BN
-folding differ by rounding that grows with the activations' magnitude);
-integer and bool outputs must be equal; structure, shapes and dtypes must match
-exactly; NaNs match NaNs.
+Tolerances: floating outputs pass when, element by element,
+``|cand - ref| <= rtol * |ref| + atol_base * max(1, scale)``, where ``scale`` is the
+*local* magnitude of the reference around that element: the smallest, over the
+tensor's dims, of the largest ``|ref|`` along that dim through the element (a
+column of scores next to a column of box coordinates keeps the scores' scale), and
+at least 1% of the tensor's largest value. Rounding in deep nets grows with the
+magnitude of the activations around an element, not with that of unrelated values
+in the same output, so a wrong rule cannot hide behind large neighbours. The
+``(rtol, atol_base)`` pair comes from the dtype and the kind of rewrite: ``"exact"``
+(``EXACT_TOLERANCES``: rounding only) unless an approximate rule fired
+(``TOLERANCES``). Integer and bool outputs must be equal; structure, shapes and
+dtypes must match exactly; NaNs match NaNs; a finite value that becomes inf or NaN
+never passes.
+
+Besides the outputs, the check compares what else the caller can observe: the
+inputs after the call (a model that writes its input must write the same values;
+one that did not must not start to), the module state the call writes (BatchNorm
+statistics in training mode), and memory sharing: an output of the candidate may
+not share memory with an input, a module constant or another output where the
+reference's did not. Both models are run on private copies of the inputs, and
+their parameters and buffers are restored after the check: checking has no side
+effects on either.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, Mapping, Optional, Tuple, Union
 
 import attrs
 import torch
@@ -31,16 +49,20 @@ from torch.utils import _pytree as pytree
 
 __all__ = [
     "TOLERANCES",
+    "EXACT_TOLERANCES",
+    "local_scale",
     "Mismatch",
     "EquivalenceReport",
     "check_equivalence",
     "assert_equivalent",
+    "preserved_state",
     "random_like",
     "generate_inputs",
     "inputs_from_graph",
 ]
 
-#: dtype -> (rtol, atol_base); atol = atol_base * max(1, max|reference output|).
+#: dtype -> (rtol, atol_base) for approximate rewrites (folds, casts to lower
+#: precision); atol = atol_base * max(1, local scale of the reference).
 TOLERANCES: Dict[torch.dtype, Tuple[float, float]] = {
     torch.float64: (1e-7, 1e-7),
     torch.complex128: (1e-7, 1e-7),
@@ -50,6 +72,18 @@ TOLERANCES: Dict[torch.dtype, Tuple[float, float]] = {
     torch.bfloat16: (1.6e-2, 1.6e-2),
 }
 _DEFAULT_TOL = (1e-3, 1e-3)
+#: dtype -> (rtol, atol_base) for exact rewrites: only rounding may differ.
+EXACT_TOLERANCES: Dict[torch.dtype, Tuple[float, float]] = {
+    torch.float64: (1e-10, 1e-10),
+    torch.complex128: (1e-10, 1e-10),
+    torch.float32: (1e-5, 1e-5),
+    torch.complex64: (1e-5, 1e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
+_TABLES = {"approx": TOLERANCES, "exact": EXACT_TOLERANCES}
+#: The local scale of an element is at least this fraction of the tensor's largest value.
+_SCALE_FLOOR = 1e-2
 
 #: Range for integer placeholders when neither an example nor the graph bounds them.
 DEFAULT_INT_RANGE = (0, 3)
@@ -315,31 +349,103 @@ def _clone(tree: Any) -> Any:
     return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, tree)
 
 
-def _call(fn: Callable, inputs: Any, rng_seed: int) -> Any:
+def _state(fn: Any) -> Dict[str, torch.Tensor]:
+    """Parameters and buffers of a module by qualified name (empty for plain callables)."""
+    if not isinstance(fn, torch.nn.Module):
+        return {}
+    out = dict(fn.named_parameters(remove_duplicate=False))
+    out.update(fn.named_buffers(remove_duplicate=False))
+    return out
+
+
+@attrs.frozen
+class _Run:
+    """One call: its outputs, its private inputs as they are after the call, which
+    of them it wrote, and which module state it wrote."""
+
+    outputs: Any
+    inputs: Any
+    inputs_written: frozenset
+    state_written: Dict[str, torch.Tensor]
+    state: Dict[str, torch.Tensor]
+
+
+def _call(fn: Callable, inputs: Any, rng_seed: int) -> _Run:
     """Run ``fn`` on a private copy of ``inputs`` with a fixed RNG state.
 
     The fixed seed makes stochastic ops (dropout in training mode) draw the
     same numbers in the reference and the candidate; ``fork_rng`` leaves the
-    caller's RNG untouched.
+    caller's RNG untouched. Version counters tell which inputs and which
+    parameters/buffers the call wrote in place.
     """
     args = _clone(inputs)
+    leaves = pytree.tree_leaves(args)
+    before = [t._version if isinstance(t, torch.Tensor) else None for t in leaves]
+    state = _state(fn)
+    versions = {name: t._version for name, t in state.items()}
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(rng_seed)
         if isinstance(args, dict):
-            return fn(**args)
-        if isinstance(args, (tuple, list)):
-            return fn(*args)
-        return fn(args)
+            out = fn(**args)
+        elif isinstance(args, (tuple, list)):
+            out = fn(*args)
+        else:
+            out = fn(args)
+    written = frozenset(i for i, (t, v) in enumerate(zip(leaves, before))
+                        if isinstance(t, torch.Tensor) and t._version != v)
+    state_written = {name: t.detach().clone() for name, t in state.items() if t._version != versions[name]}
+    return _Run(out, args, written, state_written, state)
 
 
-def _tolerance(dtype: torch.dtype, scale: float, rtol: Optional[float],
+@contextlib.contextmanager
+def preserved_state(*fns: Any) -> Iterator[None]:
+    """Run a block and put every parameter and buffer of the given modules back as
+    it was (values written in place, e.g. BatchNorm statistics in training mode,
+    are restored), and every submodule in the mode it was in."""
+    saved, seen, modes = [], set(), []
+    for fn in fns:
+        if not isinstance(fn, torch.nn.Module):
+            continue
+        modes += [(m, m.training) for m in fn.modules()]
+        for t in _state(fn).values():
+            if id(t) not in seen:
+                seen.add(id(t))
+                saved.append((t, t._version, t.detach().clone()))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for t, version, copy in saved:
+                if t._version != version:
+                    t.copy_(copy)
+        for m, training in modes:
+            m.training = training
+
+
+def _tolerance(dtype: torch.dtype, kind: str, rtol: Optional[float],
                atol: Optional[float]) -> Tuple[float, float]:
-    base_rtol, base_atol = TOLERANCES.get(dtype, _DEFAULT_TOL)
-    return (base_rtol if rtol is None else rtol,
-            base_atol * max(1.0, scale) if atol is None else atol)
+    """(rtol, atol_base) for ``dtype`` and the kind of rewrite; an explicit ``rtol``
+    or ``atol`` overrides the table (``atol`` is then absolute)."""
+    base_rtol, base_atol = _TABLES[kind].get(dtype, _DEFAULT_TOL)
+    return (base_rtol if rtol is None else rtol, base_atol if atol is None else atol)
 
 
-def _compare_tensor(path: str, trial: int, ref: torch.Tensor, cand: Any,
+def local_scale(ref: torch.Tensor) -> torch.Tensor:
+    """Per element, the magnitude of the reference around it: the smallest over
+    dims of the largest ``|ref|`` along that dim through the element, and at least
+    ``_SCALE_FLOOR`` of the largest ``|ref|`` of the tensor. Non-finite values do
+    not count."""
+    mag = ref.abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    if mag.dim() == 0 or mag.numel() == 0:
+        return mag
+    scale = None
+    for dim in range(mag.dim()):
+        along = mag.amax(dim=dim, keepdim=True)
+        scale = along if scale is None else torch.minimum(scale, along)
+    return torch.maximum(scale.expand_as(mag), mag.max() * _SCALE_FLOOR)
+
+
+def _compare_tensor(path: str, trial: int, ref: torch.Tensor, cand: Any, kind: str,
                     rtol: Optional[float], atol: Optional[float]) -> Tuple[float, float, Optional[Mismatch]]:
     shape, dtype = tuple(ref.shape), str(ref.dtype).replace("torch.", "")
 
@@ -369,37 +475,47 @@ def _compare_tensor(path: str, trial: int, ref: torch.Tensor, cand: Any,
     both_nan = torch.isnan(r64) & torch.isnan(c64)
     same_inf = torch.isinf(r64) & (r64 == c64)
     special = both_nan | same_inf
+    newly_special = torch.isfinite(r64) & ~torch.isfinite(c64)
+    if bool(newly_special.any()):
+        n = int(newly_special.sum())
+        return bad(f"{n} of {r.numel()} elements are finite in the original and inf/nan in the rewrite")
     finite_ref = r64[torch.isfinite(r64)]
     scale = float(finite_ref.abs().max()) if finite_ref.numel() else 0.0
-    rt, at = _tolerance(r.dtype, scale, rtol, atol)
+    rt, at = _tolerance(r.dtype, kind, rtol, atol)
+    allowed_abs = at if atol is not None else at * local_scale(r64.abs()).clamp(min=1.0)
     diff = (r64 - c64).abs()
     diff = torch.where(special, torch.zeros_like(diff), diff)
     diff = torch.nan_to_num(diff, nan=math.inf)
     max_abs = float(diff.max())
     max_rel = max_abs / scale if scale > 0 else max_abs
-    violating = diff > at + rt * r64.abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    violating = diff > allowed_abs + rt * r64.abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
     if bool(violating.any()):
         n = int(violating.sum())
-        return bad(f"{n} of {r.numel()} elements outside tolerance (rtol={rt:.3g}, atol={at:.3g}); "
+        worst = int(torch.argmax(torch.where(violating, diff - allowed_abs, torch.full_like(diff, -math.inf))))
+        at_worst = float(allowed_abs.flatten()[worst]) if isinstance(allowed_abs, torch.Tensor) else at
+        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), r.shape)) if r.dim() else ()
+        return bad(f"{n} of {r.numel()} elements outside {kind} tolerance (rtol={rt:.3g}, atol={at:.3g} x local "
+                   f"scale); at {list(index)}: expected {float(r64.flatten()[worst].real):.6g}, got "
+                   f"{float(c64.flatten()[worst].real):.6g} (allowed abs diff {at_worst:.3g}); "
                    f"max abs diff {max_abs:.3g}, max rel diff {max_rel:.3g}", max_abs, max_rel)
     return max_abs, max_rel, None
 
 
-def _compare(trial: int, ref_out: Any, cand_out: Any, rtol: Optional[float],
-             atol: Optional[float]) -> Tuple[float, float, Optional[Mismatch]]:
+def _compare(trial: int, ref_out: Any, cand_out: Any, kind: str, rtol: Optional[float],
+             atol: Optional[float], prefix: str = "output") -> Tuple[float, float, Optional[Mismatch]]:
     ref_leaves, ref_spec = pytree.tree_flatten_with_path(ref_out)
     cand_leaves, cand_spec = pytree.tree_flatten_with_path(cand_out)
     if ref_spec != cand_spec:
         return math.inf, math.inf, Mismatch(
-            "output", trial, None, None, math.inf, math.inf,
-            f"output structure differs: expected {len(ref_leaves)} output(s) {ref_spec}, "
+            prefix, trial, None, None, math.inf, math.inf,
+            f"{prefix} structure differs: expected {len(ref_leaves)} leaves {ref_spec}, "
             f"got {len(cand_leaves)} {cand_spec}")
     worst_abs = worst_rel = 0.0
     first: Optional[Mismatch] = None
     for (kp, r), (_, c) in zip(ref_leaves, cand_leaves):
-        path = "output" + pytree.keystr(kp)
+        path = prefix + pytree.keystr(kp)
         if isinstance(r, torch.Tensor):
-            a, rel, mm = _compare_tensor(path, trial, r, c, rtol, atol)
+            a, rel, mm = _compare_tensor(path, trial, r, c, kind, rtol, atol)
         else:
             equal = type(r) is type(c) and (r == c or (isinstance(r, float) and math.isnan(r) and math.isnan(c)))
             a, rel = (0.0, 0.0) if equal else (math.inf, math.inf)
@@ -411,24 +527,96 @@ def _compare(trial: int, ref_out: Any, cand_out: Any, rtol: Optional[float],
     return worst_abs, worst_rel, first
 
 
+def _storage(t: Any) -> Optional[int]:
+    if not isinstance(t, torch.Tensor) or t.numel() == 0:
+        return None
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, subclasses)
+        return None
+    return ptr or None
+
+
+def _sharing(run: _Run) -> set:
+    """Which outputs share memory with an input, a module constant or another output."""
+    inputs = {}
+    for i, t in enumerate(pytree.tree_leaves(run.inputs)):
+        ptr = _storage(t)
+        if ptr is not None:
+            inputs.setdefault(ptr, i)
+    state = {_storage(t) for t in run.state.values()} - {None}
+    out, seen = set(), {}
+    for kp, t in pytree.tree_flatten_with_path(run.outputs)[0]:
+        ptr, path = _storage(t), "output" + pytree.keystr(kp)
+        if ptr is None:
+            continue
+        if ptr in inputs:
+            out.add((path, f"input {inputs[ptr]}"))
+        if ptr in state:
+            out.add((path, "a module constant"))
+        if ptr in seen and seen[ptr] != path:
+            out.add((path, seen[ptr]))
+        seen.setdefault(ptr, path)
+    return out
+
+
+def _side_effects(trial: int, ref: _Run, cand: _Run, kind: str, rtol: Optional[float],
+                  atol: Optional[float]) -> Optional[Mismatch]:
+    """What the caller observes besides the outputs: new memory sharing, inputs
+    written, module state written."""
+    for path, other in sorted(_sharing(cand) - _sharing(ref)):
+        return Mismatch(path, trial, None, None, math.inf, math.inf,
+                        f"shares memory with {other} in the rewrite, not in the original "
+                        "(writing into one would change the other)")
+    ref_inputs, cand_inputs = pytree.tree_leaves(ref.inputs), pytree.tree_leaves(cand.inputs)
+    for i in sorted(ref.inputs_written | cand.inputs_written):
+        if i not in ref.inputs_written:
+            return Mismatch(f"input {i}", trial, None, None, math.inf, math.inf,
+                            "the rewrite writes into this input in place; the original does not")
+        if i not in cand.inputs_written:
+            return Mismatch(f"input {i}", trial, None, None, math.inf, math.inf,
+                            "the original writes into this input in place; the rewrite does not")
+        _, _, mm = _compare_tensor(f"input {i} (as written)", trial, ref_inputs[i], cand_inputs[i], kind, rtol, atol)
+        if mm is not None:
+            return mm
+    for name in sorted(set(ref.state_written) | set(cand.state_written)):
+        if name not in cand.state_written and name not in cand.state:
+            continue  # the rewrite folded it away; outputs tell whether that was right
+        if name not in ref.state_written or name not in cand.state_written:
+            who = "the rewrite" if name in cand.state_written else "the original"
+            return Mismatch(f"module state {name}", trial, None, None, math.inf, math.inf,
+                            f"only {who} writes it in place")
+        _, _, mm = _compare_tensor(f"module state {name}", trial, ref.state_written[name],
+                                   cand.state_written[name], kind, rtol, atol)
+        if mm is not None:
+            return mm
+    return None
+
+
 def check_equivalence(reference: Callable, candidate: Callable, example_inputs: Any = None, *,
                       trials: int = 3, seed: int = 0, rtol: Optional[float] = None,
                       atol: Optional[float] = None,
                       input_ranges: Optional[Mapping[InputKey, Range]] = None,
-                      fixed_inputs: Iterable[InputKey] = ()) -> EquivalenceReport:
-    """Run ``reference`` and ``candidate`` on the same inputs and compare outputs.
+                      fixed_inputs: Iterable[InputKey] = (), tolerance: str = "approx") -> EquivalenceReport:
+    """Run ``reference`` and ``candidate`` on the same inputs and compare what the
+    caller observes: outputs, inputs written in place, module state written in
+    place, and memory shared between outputs, inputs and module constants.
 
     Trial 0 uses ``example_inputs`` themselves; trials 1.. use
     ``generate_inputs(example_inputs, seed + trial)``. With ``example_inputs``
     None, inputs come from the placeholder metadata of ``reference`` (or
     ``candidate``), which must then be a GraphModule, and every trial is
     random. Both run under ``torch.no_grad()`` in whatever train/eval mode
-    they are in, each on its own copy of the inputs. ``rtol``/``atol``, when
-    given, override the dtype table (``atol`` is then absolute, not scaled).
-    The check stops at the first trial with a mismatch. If the candidate
-    raises, that is reported as a mismatch; if the reference raises, the
-    inputs are at fault and the error propagates.
+    they are in, each on its own copy of the inputs; their parameters and
+    buffers are restored afterwards. ``tolerance`` is ``"exact"`` (only
+    rounding may differ: ``EXACT_TOLERANCES``) or ``"approx"`` (``TOLERANCES``).
+    ``rtol``/``atol``, when given, override the table (``atol`` is then
+    absolute, not scaled). The check stops at the first trial with a
+    mismatch. If the candidate raises, that is reported as a mismatch; if the
+    reference raises, the inputs are at fault and the error propagates.
     """
+    if tolerance not in _TABLES:
+        raise ValueError(f"tolerance must be 'exact' or 'approx', not {tolerance!r}")
     fixed = tuple(fixed_inputs)
     if example_inputs is None:
         gm = reference if isinstance(reference, fx.GraphModule) else candidate
@@ -439,22 +627,25 @@ def check_equivalence(reference: Callable, candidate: Callable, example_inputs: 
         make = lambda t: (example_inputs if t == 0 else generate_inputs(  # noqa: E731
             example_inputs, seed + t, input_ranges=input_ranges, fixed_inputs=fixed))
     worst_abs = worst_rel = 0.0
-    for t in range(trials):
-        inputs = make(t)
-        try:
-            ref_out = _call(reference, inputs, seed + t)
-        except Exception as e:
-            raise RuntimeError(f"reference failed on trial {t} inputs: {type(e).__name__}: {e}") from e
-        try:
-            cand_out = _call(candidate, inputs, seed + t)
-        except Exception as e:
-            mm = Mismatch("output", t, None, None, math.inf, math.inf,
-                          f"candidate raised {type(e).__name__}: {e}")
-            return EquivalenceReport(False, t + 1, math.inf, math.inf, mm)
-        a, r, mm = _compare(t, ref_out, cand_out, rtol, atol)
-        worst_abs, worst_rel = max(worst_abs, a), max(worst_rel, r)
-        if mm is not None:
-            return EquivalenceReport(False, t + 1, worst_abs, worst_rel, mm)
+    with preserved_state(reference, candidate):
+        for t in range(trials):
+            inputs = make(t)
+            try:
+                ref = _call(reference, inputs, seed + t)
+            except Exception as e:
+                raise RuntimeError(f"reference failed on trial {t} inputs: {type(e).__name__}: {e}") from e
+            try:
+                cand = _call(candidate, inputs, seed + t)
+            except Exception as e:
+                mm = Mismatch("output", t, None, None, math.inf, math.inf,
+                              f"candidate raised {type(e).__name__}: {e}")
+                return EquivalenceReport(False, t + 1, math.inf, math.inf, mm)
+            a, r, mm = _compare(t, ref.outputs, cand.outputs, tolerance, rtol, atol)
+            worst_abs, worst_rel = max(worst_abs, a), max(worst_rel, r)
+            if mm is None:
+                mm = _side_effects(t, ref, cand, tolerance, rtol, atol)
+            if mm is not None:
+                return EquivalenceReport(False, t + 1, worst_abs, worst_rel, mm)
     return EquivalenceReport(True, trials, worst_abs, worst_rel, None)
 
 

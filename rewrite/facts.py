@@ -174,9 +174,14 @@ class GraphFacts:
         """Run the example inputs through the graph once, recording TensorFacts on
         every node that has none (symbolic_trace graphs carry no shapes). Done on
         the first question about a shape, so rules that never ask pay nothing."""
+        from rewrite.check import preserved_state
+
         inputs, self._example_inputs = self._example_inputs, None  # once
+        # on copies of the inputs, restoring the module's state: recording facts has
+        # no side effects (a model may write its input, or its BatchNorm statistics)
+        inputs = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.clone(), inputs)
         try:
-            with torch.no_grad():
+            with torch.no_grad(), preserved_state(self.gm), torch.random.fork_rng(devices=[]):
                 _FactRecorder(self.gm).run(*inputs)
         except Exception:  # noqa: BLE001 - facts are best-effort; rules needing them won't fire
             pass

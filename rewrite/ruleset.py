@@ -14,7 +14,6 @@ runs one after the other; ``rules["fusion"]`` selects a ``ruleset`` declared in 
 
 from __future__ import annotations
 
-import copy
 import random
 import time
 import warnings
@@ -219,8 +218,11 @@ class RuleSet:
         elif check and driver.counts:
             from rewrite.check import check_equivalence
 
+            kind = self._tolerance_of(driver.counts)
+
             def verdict(candidate: fx.GraphModule) -> Any:
-                return check_equivalence(model, candidate, example_inputs, trials=trials, rtol=rtol, atol=atol)
+                return check_equivalence(model, candidate, example_inputs, trials=trials, rtol=rtol, atol=atol,
+                                         tolerance=kind)
 
             report = verdict(gm)
             while not report.ok:
@@ -235,6 +237,14 @@ class RuleSet:
                     break
         return RewriteResult(gm, dict(driver.counts), dict(driver.stats), report, seconds, tuple(rejected),
                              copy_seconds)
+
+    def _tolerance_of(self, counts: dict) -> str:
+        """``"exact"`` when every rule that fired is exact (only rounding may differ),
+        else ``"approx"`` (see ``rewrite.verify.rule_tolerance``)."""
+        from rewrite.instances import rule_tolerance
+
+        fired = (self.rules[name] for name in counts if name in self.rules)
+        return "approx" if any(rule_tolerance(rule) == "approx" for rule in fired) else "exact"
 
     def verify(self, *, max_examples: int = 100, seed: int = 0, names: Any = None) -> Any:
         """Check every rule on random instances of its pattern before trusting it.
