@@ -383,6 +383,10 @@ def _call(fn: Callable, inputs: Any, rng_seed: int) -> _Run:
     before = [t._version if isinstance(t, torch.Tensor) else None for t in leaves]
     state = _state(fn)
     versions = {name: t._version for name, t in state.items()}
+    # Kernels update some buffers without bumping their version (batch norm's running
+    # statistics): buffers are compared by value; parameters by version counter.
+    buffers = dict(fn.named_buffers(remove_duplicate=False)) if isinstance(fn, torch.nn.Module) else {}
+    buffers_before = {name: t.detach().clone() for name, t in buffers.items()}
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(rng_seed)
         if isinstance(args, dict):
@@ -393,7 +397,9 @@ def _call(fn: Callable, inputs: Any, rng_seed: int) -> _Run:
             out = fn(args)
     written = frozenset(i for i, (t, v) in enumerate(zip(leaves, before))
                         if isinstance(t, torch.Tensor) and t._version != v)
-    state_written = {name: t.detach().clone() for name, t in state.items() if t._version != versions[name]}
+    state_written = {name: t.detach().clone() for name, t in state.items()
+                     if t._version != versions[name]
+                     or (name in buffers_before and not _same_values(t, buffers_before[name]))}
     return _Run(out, args, written, state_written, state)
 
 
@@ -416,10 +422,16 @@ def preserved_state(*fns: Any) -> Iterator[None]:
     finally:
         with torch.no_grad():
             for t, version, copy in saved:
-                if t._version != version:
+                if t._version != version or not _same_values(t, copy):
                     t.copy_(copy)
         for m, training in modes:
             m.training = training
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit the same values (NaN equals NaN)."""
+    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b) or (
+        a.is_floating_point() and ((a == b) | (torch.isnan(a) & torch.isnan(b))).all()))
 
 
 def _tolerance(dtype: torch.dtype, kind: str, rtol: Optional[float],
