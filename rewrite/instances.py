@@ -44,7 +44,9 @@ from rewrite.ops.base import REQUIRED
 __all__ = ["Instance", "GENERATORS", "instances", "rule_tolerance", "Plan", "plan_for", "draw_instance"]
 
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-_INTS = (torch.int64, torch.int32)
+_INTS = (torch.int64, torch.int32, torch.int8, torch.uint8)
+#: every dtype an instance may be drawn in: an op that rejects one discards the instance
+_ALL = _FLOATS + _INTS + (torch.bool,)
 _SPECIALS = (math.nan, math.inf, -math.inf, -0.0)
 _DRAWN = 24  # values drawn one by one per tensor; the rest come from a seed
 
@@ -73,6 +75,8 @@ class Instance:
         bindings: pattern variable -> concrete value (tensor or literal).
         dtype: the dtype drawn for fresh tensors.
         dialect: ``"torch"`` (symbolic_trace/dynamo spelling) or ``"aten"`` (export).
+        engine: the quantized engine (``"x86"``, ``"onednn"``) the instance is
+            rewritten and run with, for patterns with quantized ops; else None.
     """
 
     rule: str
@@ -81,6 +85,7 @@ class Instance:
     bindings: dict
     dtype: torch.dtype
     dialect: str
+    engine: str | None = None  # torch.backends.quantized.engine, for quantized patterns
 
 
 # ================================================================ rule analysis
@@ -125,14 +130,41 @@ class Plan:
     dtypes: tuple
     unsupported: str | None
     favoured: tuple = ()
+    #: variable -> ops that should compute it in the graph (``produced_by(y, "conv")``,
+    #: ``dequantized(x)``, ``has_qparams(x, s, z)``) rather than a graph input
+    producers: Any = attrs.field(factory=dict)
+    #: variables whose every user should quantize them (``output_quantized(c)``)
+    quantized_outputs: frozenset = frozenset()
+    #: pad variables asked to be symmetric (``symmetric_pad(x, p)``)
+    symmetric_pads: frozenset = frozenset()
+    #: the pattern has quantized ops: instances also draw the quantized engine
+    quantized: bool = False
+    #: variables the where clause wants of one shape (``same_shape(x, y)``)
+    same_shapes: frozenset = frozenset()
+    #: variable -> the rank ``rank(x) == N`` asks for (convolutions read it)
+    ranks: Any = attrs.field(factory=dict)
+
+
+# where-clause predicates that say which op computes a variable
+_PRODUCED = {"dequantized": ("dequantize",), "has_qparams": ("quantize_per_tensor",)}
+_QUANT_OPS = {"quantize_per_tensor", "dequantize", "torch.fake_quantize_per_tensor_affine",
+              "aten.fake_quantize_per_tensor_affine"}
 
 
 def plan_for(rule: CompiledRule) -> Plan:
     """How to build instances of ``rule``: ``const``/``is_param``/``is_buffer``
     variables become module constants; ``dtype(v) == torch.T`` puts T first among the
-    dtypes drawn (hypothesis shrinks toward it); ``is_float`` keeps integers out;
-    exact rules over ops that take integers also meet int32/int64 tensors."""
+    dtypes drawn (hypothesis shrinks toward it, and draws it at least half the time);
+    ``is_float`` and ``activation`` keep integers and bool out; ``same_shape`` and
+    ``shapes_equal`` make binary operands of one shape; ``produced_by``,
+    ``dequantized`` and ``has_qparams`` compute a variable with the op they name;
+    ``output_quantized`` quantizes the root; ``symmetric_pad`` draws symmetric pads.
+    Otherwise every dtype is drawn, exact and
+    approximate rules alike: float32, float64, bfloat16, float16, int64, int32, int8,
+    uint8 and bool (an op that rejects the dtype discards the instance)."""
     consts, params, favoured, floats_only = set(), set(), [], False
+    producers: dict = {}
+    quantized_outputs, symmetric_pads, same_shapes, ranks = set(), set(), set(), {}
     for c in _conjuncts(rule.where):
         if isinstance(c, ast.Call):
             name = c.op.names[0]
@@ -141,23 +173,41 @@ def plan_for(rule: CompiledRule) -> Plan:
                 consts |= vars_
             if name == "is_param":
                 params |= vars_
-            if name == "is_float":
+            if name in ("is_float", "activation"):
                 floats_only = True
+            if name in ("same_shape", "shapes_equal"):
+                same_shapes |= vars_
+            first = c.args[0].name if c.args and isinstance(c.args[0], ast.Var) else None
+            if first is not None and name == "produced_by":
+                ops_ = tuple(a.value for a in c.args[1:] if isinstance(a, ast.Literal) and isinstance(a.value, str))
+                producers[first] = ops_
+            elif first is not None and name in _PRODUCED:
+                producers[first] = _PRODUCED[name]
+            elif first is not None and name == "output_quantized":
+                quantized_outputs.add(first)
+            elif name == "symmetric_pad" and len(c.args) == 2 and isinstance(c.args[1], ast.Var):
+                symmetric_pads.add(c.args[1].name)
         elif isinstance(c, ast.Compare) and c.op == "==":
             for a, b in ((c.left, c.right), (c.right, c.left)):
                 if isinstance(a, ast.Call) and a.op.names[0] == "dtype" and isinstance(b, ast.DTypeLit):
                     favoured.append(DTYPES[b.name])
+                if (isinstance(a, ast.Call) and a.op.names[0] == "rank" and a.args and isinstance(a.args[0], ast.Var)
+                        and isinstance(b, ast.Literal) and isinstance(b.value, int)):
+                    ranks[a.args[0].name] = b.value
     tolerance = rule_tolerance(rule)
     ops = _pattern_ops(rule.pattern)
     missing = sorted({name for name, gen in ops if gen is None})
     unsupported = f"no instance generator for op {', '.join(repr(m) for m in missing)}" if missing else None
+    quantized = any(name in _QUANT_OPS for name, _ in ops) or any(
+        o in ("dequantize", "quantize_per_tensor") for v in producers.values() for o in v)
+    if quantized and not favoured:
+        favoured.append(torch.float32)  # quantized tensors are quantized from float32
     dtypes = list(favoured)
-    pool = _FLOATS if tolerance == "exact" else (torch.float32, torch.float64)
-    if tolerance == "exact" and not floats_only and all(name in _INT_OK for name, _ in ops):
-        pool = pool + _INTS
+    pool = _FLOATS if floats_only else _ALL
     dtypes += [d for d in pool if d not in dtypes]
     return Plan(rule, tolerance, frozenset(consts), frozenset(params), tuple(dtypes), unsupported,
-                tuple(dict.fromkeys(favoured)))
+                tuple(dict.fromkeys(favoured)), producers, frozenset(quantized_outputs),
+                frozenset(symmetric_pads), quantized, frozenset(same_shapes), ranks)
 
 
 def _pattern_ops(p: Any) -> list:
@@ -194,6 +244,7 @@ class _Ctx:
 
     def __init__(self, draw: Callable, dtype: torch.dtype, specials: bool) -> None:
         self.draw, self.dtype, self.specials = draw, dtype, specials
+        self.shapes: list = []  # shapes drawn so far: operands drawn apart may share one
 
     def int(self, lo: int, hi: int) -> int:
         return self.draw(_st().integers(lo, hi))
@@ -206,31 +257,49 @@ class _Ctx:
         return self.draw(_st().booleans())
 
     def shape(self, lo: int = 1, hi: int = 4, dim_hi: int = 4) -> tuple:
-        return tuple(self.int(1, dim_hi) for _ in range(self.int(lo, hi)))
+        """A fresh shape, or (half the time) one drawn before that fits: the items of
+        ``cat([to(a, f32), to(b, f32)])`` or the operands of ``add(to(a), to(b))``
+        are drawn apart and must fit together."""
+        fits = [s for s in dict.fromkeys(self.shapes) if lo <= len(s) <= hi and all(d <= dim_hi for d in s)]
+        if fits and self.coin():
+            return self.pick(fits)
+        shape = tuple(self.int(1, dim_hi) for _ in range(self.int(lo, hi)))
+        self.shapes.append(shape)
+        return shape
 
     def tensor(self, shape: tuple, lo: float = -4.0, hi: float = 4.0, dtype: Any = None) -> torch.Tensor:
         """The first ``_DRAWN`` values drawn one by one (they shrink to readable
         numbers), the rest from a drawn seed. A larger tensor always costs more
-        draws than a smaller one, so hypothesis shrinks shapes too."""
+        draws than a smaller one, so hypothesis shrinks shapes too.
+
+        Integers are drawn in ``[lo, hi]`` within the dtype's range (exact rules
+        also meet its extremes, where arithmetic wraps), bool as True/False, floats
+        in ``[lo, hi]`` (exact rules also meet NaN, infinities and -0.0)."""
         st = _st()
         dtype = dtype or self.dtype
         n = math.prod(shape)
         k = min(n, _DRAWN)
         if dtype == torch.bool:
-            element = st.booleans()
+            head = torch.tensor(self.draw(st.lists(st.booleans(), min_size=k, max_size=k)), dtype=torch.bool)
+            tail = (lambda g, m: torch.rand(m, generator=g) < 0.5)
         elif not dtype.is_floating_point:
-            element = st.integers(int(lo), int(hi))
+            info = torch.iinfo(dtype)
+            ilo, ihi = max(math.ceil(lo), info.min), min(math.floor(hi), info.max)
+            ilo = min(ilo, ihi)
+            element = st.integers(ilo, ihi)
+            if self.specials and lo < 0 and self.draw(st.booleans()):
+                element = element | st.sampled_from([info.min, info.max])
+            head = torch.tensor(self.draw(st.lists(element, min_size=k, max_size=k)), dtype=dtype)
+            tail = (lambda g, m: torch.randint(ilo, ihi + 1, (m,), generator=g, dtype=dtype))
         else:
             element = st.floats(lo, hi, width=32)
             if self.specials and lo < 0 and self.draw(st.booleans()):
                 element = element | st.sampled_from(_SPECIALS)
-        head = torch.tensor(self.draw(st.lists(element, min_size=k, max_size=k)), dtype=torch.float64)
+            head = torch.tensor(self.draw(st.lists(element, min_size=k, max_size=k)), dtype=torch.float64)
+            tail = (lambda g, m: torch.rand(m, generator=g, dtype=torch.float64) * (hi - lo) + lo)
         if n > k:
             g = torch.Generator().manual_seed(self.int(0, 2**31 - 1))
-            tail = torch.rand(n - k, generator=g, dtype=torch.float64) * (hi - lo) + lo
-            if not dtype.is_floating_point:
-                tail = tail.round() if dtype != torch.bool else tail > (lo + hi) / 2
-            head = torch.cat([head, tail.to(torch.float64)])
+            head = torch.cat([head, tail(g, n - k).to(head.dtype)])
         return head.reshape(shape).to(dtype)
 
 
@@ -238,8 +307,12 @@ class _Args:
     """One call's arguments while its generator runs: given values (bound by the
     pattern, nested calls, literals) and ``_FREE`` ones the generator draws."""
 
-    def __init__(self, ctx: _Ctx, op: str, given: dict, producers: dict) -> None:
+    def __init__(self, ctx: _Ctx, op: str, given: dict, producers: dict, seed: Any = None,
+                 variables: dict | None = None, plan: Plan | None = None) -> None:
         self.ctx, self.op, self.given, self.producers = ctx, op, given, producers
+        # the value a parent drew for this call's output (see _Builder.call: deferred)
+        self.seed = seed
+        self.variables, self.plan = variables or {}, plan
         # fresh operands take the dtype of the floating tensors already there (a batch
         # norm after a cast to float32 gets float32 statistics)
         self.dtype = next((v.dtype for v in _leaves(given.values())
@@ -272,6 +345,15 @@ class _Args:
             return v
         return choose() if callable(choose) else self.ctx.draw(choose)
 
+    def is_const(self, name: str) -> bool:
+        """The parameter is a pattern variable the where clause makes a constant."""
+        var = self.variables.get(name)
+        return self.plan is not None and var is not None and var in self.plan.consts
+
+    def hinted(self, name: str, hints: frozenset) -> bool:
+        var = self.variables.get(name)
+        return var is not None and var in hints
+
     def producer(self, name: str) -> tuple:
         """(op name, its arguments) that computed a given tensor, or (None, {})."""
         v = self.get(name)
@@ -297,9 +379,6 @@ def _rank(v: Any) -> int:
 
 
 GENERATORS: dict = {}
-_INT_OK = {"add", "sub", "mul", "neg", "abs", "relu", "permute", "transpose", "t", "reshape", "view",
-           "flatten", "unsqueeze", "squeeze", "expand", "contiguous", "clone", "cat", "to", "identity",
-           "clamp"}
 
 
 def _gen(*names: str) -> Callable:
@@ -318,10 +397,12 @@ def _literal_strategies() -> dict:
         ("gelu", "approximate"): st.sampled_from(["none", "tanh"]),
         ("dropout", "p"): st.sampled_from([0.0, 0.1, 0.5]),
         ("dropout", "training"): st.just(False),
-        ("hardtanh", "min_val"): st.sampled_from([-1.0, 0.0, -2.0]),
-        ("hardtanh", "max_val"): st.sampled_from([1.0, 6.0, 2.0]),
-        ("clamp", "min"): st.sampled_from([None, -1.0, 0.0]),
-        ("clamp", "max"): st.sampled_from([None, 1.0, 2.0]),
+        # bounds a model writes, some not representable in a narrower float (0.1,
+        # 1e-6), some past float16's range (1e5)
+        ("hardtanh", "min_val"): st.sampled_from([-1.0, 0.0, -2.0, -0.1, -1e5]),
+        ("hardtanh", "max_val"): st.sampled_from([1.0, 6.0, 2.0, 0.1, 1e5]),
+        ("clamp", "min"): st.sampled_from([None, -1.0, 0.0, 1e-6, 1e5]),
+        ("clamp", "max"): st.sampled_from([None, 1.0, 2.0, 0.1, -1e5]),
         ("add", "alpha"): alpha,
         ("sub", "alpha"): alpha,
         ("div", "rounding_mode"): st.sampled_from([None, "trunc", "floor"]),
@@ -369,7 +450,11 @@ def _binary(ctx: _Ctx, a: _Args) -> dict:
         x = a.fresh(ctx.shape())
     if y is _FREE:
         shape = _shape(x)
-        y = _operand_like(ctx, a, shape) if shape is not None else a.fresh(ctx.shape())
+        same = a.plan is not None and (a.hinted(first, a.plan.same_shapes) or a.hinted(second, a.plan.same_shapes))
+        if shape is not None and same:
+            y = a.fresh(shape)  # same_shape(x, y)
+        else:
+            y = _operand_like(ctx, a, shape) if shape is not None else a.fresh(ctx.shape())
     return {first: x, second: y}
 
 
@@ -424,8 +509,138 @@ def _transpose(ctx: _Ctx, a: _Args) -> dict:
 @_gen("getitem")
 def _getitem(ctx: _Ctx, a: _Args) -> dict:
     x = a.tensor("input", lambda: ctx.shape(1, 3))
-    n = (_shape(x) or (1,))[0] if _shape(x) else 1
-    return {"input": x, "index": a.lit("index", lambda: ctx.int(-n, n - 1))}
+    return {"input": x, "index": a.lit("index", lambda: _index(ctx, _shape(x) or ()))}
+
+
+def _index(ctx: _Ctx, shape: tuple) -> Any:
+    """``x[i]``, ``x[a:b:c]``, ``x[i, a:b]``, ``x[..., i]``, ``x[None, i]``: what
+    symbolic_trace records as ``operator.getitem``."""
+    if not shape:
+        return ctx.pick([None, Ellipsis])
+
+    def one(n: int) -> Any:
+        if ctx.coin():
+            return ctx.int(-n, n - 1)
+        start, stop = ctx.pick([None, ctx.int(-n, n)]), ctx.pick([None, ctx.int(-n, n)])
+        return slice(start, stop, ctx.pick([None, 1, 2]))
+
+    kind = ctx.pick(["one", "two", "ellipsis", "none"] if len(shape) >= 2 else ["one", "ellipsis", "none"])
+    if kind == "one":
+        return one(shape[0])
+    if kind == "two":
+        return (one(shape[0]), one(shape[1]))
+    if kind == "ellipsis":
+        return (Ellipsis, one(shape[-1]))
+    return (None, one(shape[0]))
+
+
+@_gen("select")
+def _select(ctx: _Ctx, a: _Args) -> dict:
+    x = a.tensor("input", lambda: ctx.shape(1, 4))
+    r = _rank(x)
+    if r == 0:
+        raise _Discard("select of a 0-d tensor")
+    dim = a.lit("dim", lambda: ctx.int(-r, r - 1))
+    n = x.shape[dim] if isinstance(dim, int) and -r <= dim < r else 1
+    return {"input": x, "dim": dim, "index": a.lit("index", lambda: ctx.int(-n, n - 1))}
+
+
+@_gen("aten.slice")
+def _slice(ctx: _Ctx, a: _Args) -> dict:
+    """``aten.slice(x, dim, start, end, step)``: export's spelling of ``x[a:b:c]``
+    (bounds past the ends are clamped)."""
+    x = a.tensor("input", lambda: ctx.shape(1, 4))
+    r = max(_rank(x), 1)
+    dim = a.lit("dim", lambda: ctx.int(-r, r - 1))
+    n = x.shape[dim] if isinstance(dim, int) and x.dim() and -r <= dim < r else 1
+    return {"input": x, "dim": dim,
+            "start": a.lit("start", lambda: ctx.pick([None, 0, ctx.int(-n, n)])),
+            "end": a.lit("end", lambda: ctx.pick([None, ctx.int(-n, n), 2**63 - 1])),
+            "step": a.lit("step", lambda: ctx.pick([1, 2]))}
+
+
+@_gen("F.pad", "aten.pad", "aten.constant_pad_nd", "torch.constant_pad_nd")
+def _pad(ctx: _Ctx, a: _Args) -> dict:
+    """Padding amounts (last dim first) for up to three dims, cropping too; a pad
+    the where clause wants symmetric (``symmetric_pad(x, p)``) pads exactly the
+    spatial dims of a conv input, as much before as after."""
+    symmetric = a.plan is not None and a.hinted("pad", a.plan.symmetric_pads)
+    x = a.tensor("input", lambda: ctx.shape(*((3, 5) if symmetric else (1, 4))))
+    r = _rank(x)
+    if r == 0:
+        raise _Discard("pad of a 0-d tensor")
+
+    def amounts() -> tuple:
+        if symmetric or ctx.coin():
+            dims = r - 2 if symmetric else ctx.int(1, min(r, 3))
+            if dims < 1:
+                raise _Discard("a symmetric conv pad needs a 3-d to 5-d input")
+            return tuple(v for _ in range(dims) for v in [ctx.int(0, 2)] * 2)
+        return tuple(ctx.int(-1, 2) for _ in range(2 * ctx.int(1, min(r, 3))))
+
+    out = {"input": x, "pad": a.lit("pad", amounts)}
+    constant_nd = a.op.endswith("constant_pad_nd")
+    if not constant_nd:
+        out["mode"] = a.lit("mode", lambda: ctx.pick(["constant", "reflect", "replicate", "circular"]))
+    out["value"] = a.lit("value", lambda: ctx.pick([0 if constant_nd else None, 0.0, 1.5, -2.0, 0.1, 1e5]))
+    return out
+
+
+@_gen("stack")
+def _stack(ctx: _Ctx, a: _Args) -> dict:
+    items = a.get("tensors")
+    if items is _FREE:
+        items = [_FREE] * ctx.int(1, 3)
+    if not isinstance(items, (list, tuple)):
+        raise _Discard("stack of a non-list")
+    known = next((t for t in items if isinstance(t, torch.Tensor)), None)
+    shape = _shape(known) if known is not None else ctx.shape(0, 3)
+    out = [a.fresh(shape) if t is _FREE else t for t in items]
+    r = len(shape)
+    return {"tensors": type(items)(out) if isinstance(items, tuple) else out,
+            "dim": a.lit("dim", lambda: ctx.int(-r - 1, r))}
+
+
+@_gen("prelu")
+def _prelu(ctx: _Ctx, a: _Args) -> dict:
+    """A weight of one slope, or one per channel (dim 1; nn.PReLU(num_parameters=C))."""
+    x = a.tensor("input", lambda: ctx.shape(1, 4))
+    s = _shape(x) or ()
+    c = s[1] if len(s) >= 2 else 1
+    return {"input": x, "weight": a.tensor("weight", lambda: (ctx.pick([1, c]),), lo=-1.0, hi=1.0)}
+
+
+@_gen("scaled_dot_product_attention")
+def _sdpa(ctx: _Ctx, a: _Args) -> dict:
+    """q (..., L, E), k (..., S, E), v (..., S, Ev); no mask, a bool mask (True:
+    attend) or a float one added to the scores, broadcast over the batch dims;
+    causal only without a mask; no dropout (it would draw random numbers)."""
+    q, k, v = a.get("query"), a.get("key"), a.get("value")
+    known = next((t for t in (q, k, v) if _shape(t) is not None), None)
+    batch = tuple(_shape(known)[:-2]) if known is not None else ctx.shape(0, 2, dim_hi=2)
+    if known is not None and len(_shape(known)) < 2:
+        raise _Discard("attention takes tensors of rank >= 2")
+    big_l = _shape(q)[-2] if _shape(q) is not None else ctx.int(1, 4)
+    e = _shape(q)[-1] if _shape(q) is not None else (_shape(k)[-1] if _shape(k) is not None else ctx.int(1, 4))
+    s = _shape(k)[-2] if _shape(k) is not None else (_shape(v)[-2] if _shape(v) is not None else ctx.int(1, 4))
+    q = a.tensor("query", (*batch, big_l, e))
+    k = a.tensor("key", (*batch, s, e))
+    v = a.tensor("value", lambda: (*batch, s, ctx.int(1, 4)))
+
+    def mask() -> Any:
+        kind = ctx.pick(["none", "bool", "float"])
+        if kind == "none":
+            return None
+        if kind == "bool":
+            return ctx.tensor((big_l, s), dtype=torch.bool)
+        return a.fresh((big_l, s))
+
+    m = a.lit("attn_mask", mask) if a.free("attn_mask") else a.get("attn_mask")
+    return {"query": q, "key": k, "value": v, "attn_mask": m,
+            "dropout_p": a.lit("dropout_p", lambda: 0.0),
+            "is_causal": a.lit("is_causal", lambda: ctx.coin() if m is None else False),
+            "scale": a.lit("scale", lambda: ctx.pick([None, 0.5])),
+            "enable_gqa": a.lit("enable_gqa", lambda: False)}
 
 
 @_gen("t")
@@ -516,7 +731,7 @@ def _to(ctx: _Ctx, a: _Args) -> dict:
             return x.dtype
         if choice == "back":
             return prev["input"].dtype
-        return ctx.pick(_FLOATS + _INTS)
+        return ctx.pick(_ALL)
 
     return {"input": x, "dtype": a.lit("dtype", dtype)}
 
@@ -550,7 +765,10 @@ def _conv_rank(ctx: _Ctx, a: _Args) -> int:
             if len(s) not in (3, 4, 5):
                 raise _Discard("a convolution takes a 3-d, 4-d or 5-d tensor")
             return len(s) - 2
-    return ctx.int(1, 3)
+    hinted = a.plan.ranks.get(a.variables.get("input")) if a.plan is not None else None
+    if hinted in (3, 4, 5):
+        return hinted - 2
+    return ctx.pick([2, 1, 3])  # 2-d convs first: the common case (and onednn's conv + add)
 
 
 def _conv_common(ctx: _Ctx, a: _Args, transposed: bool) -> dict:
@@ -701,6 +919,80 @@ def _addmm(ctx: _Ctx, a: _Args) -> dict:
     return {"input": bias, m1: prod["input"], m2: prod["mat2"]}
 
 
+@_gen("torch.addbmm", "aten.addbmm")
+def _addbmm(ctx: _Ctx, a: _Args) -> dict:
+    """input (n, p) or a broadcast of it, batch1 (b, n, m), batch2 (b, m, p)."""
+    sub = _Args(ctx, "bmm", {"input": a.get("batch1"), "mat2": a.get("batch2")}, a.producers)
+    prod = _bmm(ctx, sub)
+    out_shape = (prod["input"].shape[1], prod["mat2"].shape[2])
+    bias = a.tensor("input", lambda: ctx.pick([out_shape, out_shape[-1:]]))
+    return {"input": bias, "batch1": prod["input"], "batch2": prod["mat2"],
+            "beta": a.lit("beta", lambda: ctx.pick([1, 0.5])), "alpha": a.lit("alpha", lambda: ctx.pick([1, 2]))}
+
+
+# ---------------------------------------------------------------- quantization
+
+
+@_gen("dequantize")
+def _dequantize(ctx: _Ctx, a: _Args) -> dict:
+    """A quantized input: the value the consumer drew (or a fresh one) quantized
+    with torch's observers, per-tensor affine quint8 for activations, per-channel
+    symmetric qint8 for constants (weights)."""
+    x = a.get("input")
+    if x is _FREE:
+        t = a.seed if a.seed is not None else a.fresh(ctx.shape())
+        if not isinstance(t, torch.Tensor) or t.is_quantized:
+            raise _Discard("dequantize of a non-float value")
+        t = t.detach().float()
+        x = _quantize_weight(t) if a.is_const("input") else _quantize_activation(t)
+    if not (isinstance(x, torch.Tensor) and x.is_quantized):
+        raise _Discard("dequantize takes a quantized tensor")
+    return {"input": x}
+
+
+@_gen("quantize_per_tensor")
+def _quantize(ctx: _Ctx, a: _Args) -> dict:
+    """Scale and zero point from torch's MinMaxObserver on the input (or half or
+    twice that scale), or those of the quantized tensor the input was dequantized
+    from (a requantization that changes nothing)."""
+    x = a.tensor("input", ctx.shape)
+    if not _is_float(x):
+        raise _Discard("quantize_per_tensor takes a float tensor")
+    dtype = a.lit("dtype", lambda: torch.quint8)
+    if dtype not in (torch.quint8, torch.qint8, torch.qint32):
+        raise _Discard(f"not a quantized dtype: {dtype!r}")
+    kind, prev = a.producer("input")
+    source = prev.get("input") if kind == "dequantize" else None
+    options = ["observed", "scaled"]
+    if isinstance(source, torch.Tensor) and _per_tensor(source) and source.dtype == dtype:
+        options.insert(0, "same")
+    choice = ctx.pick(options)
+    if choice == "same":
+        scale, zero_point = source.q_scale(), source.q_zero_point()
+    else:
+        scale, zero_point = _activation_qparams(x, dtype)
+        if choice == "scaled":
+            scale *= ctx.pick([2.0, 0.5])
+    return {"input": x, "scale": a.lit("scale", lambda: scale), "zero_point": a.lit("zero_point", lambda: zero_point),
+            "dtype": dtype}
+
+
+@_gen("torch.fake_quantize_per_tensor_affine", "aten.fake_quantize_per_tensor_affine")
+def _fake_quantize(ctx: _Ctx, a: _Args) -> dict:
+    """What a calibrated observer stands for: scale and zero point from torch's
+    MinMaxObserver over [quant_min, quant_max] (quint8 or qint8 ranges)."""
+    x = a.tensor("input", ctx.shape)
+    if not _is_float(x):
+        raise _Discard("fake quantization takes a float tensor")
+    lo, hi = a.get("quant_min"), a.get("quant_max")
+    if lo is _FREE or hi is _FREE:
+        lo, hi = ctx.pick([(0, 255), (-128, 127), (0, 127)])
+    dtype = torch.quint8 if lo >= 0 else torch.qint8
+    scale, zero_point = _activation_qparams(x, dtype, lo, hi)
+    return {"input": x, "scale": a.lit("scale", lambda: scale), "zero_point": a.lit("zero_point", lambda: zero_point),
+            "quant_min": lo, "quant_max": hi}
+
+
 def _generic(opdef: Any) -> Callable | None:
     """Ops without a generator whose attributes all have defaults: every tensor
     parameter gets a tensor of one shared shape."""
@@ -727,6 +1019,19 @@ def _generator(opdef: Any) -> Callable | None:
 
 
 # ================================================================ building instances
+
+
+def _deferred(p: Any, parent: str) -> bool:
+    """A ``dequantize`` call below another op is built after that op's generator
+    ran, from the float value the generator drew for it (quantized with torch's
+    observers): a conv of two dequantized tensors needs them to fit together.
+    Below ``quantize_per_tensor`` it is built first, so the quantize can reuse its
+    quantization parameters (``requantize_same``)."""
+    return (isinstance(p, PCall) and parent != "quantize_per_tensor"
+            and any(alt.opdef.name in _SEEDED for alt in p.alts))
+
+
+_SEEDED = {"dequantize"}
 
 
 class _Builder:
@@ -792,33 +1097,90 @@ class _Builder:
         return v
 
     def _leaf(self, t: torch.Tensor, var: str | None) -> fx.Node:
-        name = var or f"t{len(self.values)}"
+        if var is not None and var not in self.plan.consts and var in self.plan.producers:
+            node = self._produce(t, self.plan.producers[var])
+            if node is not None:
+                return node
         if var is not None and var in self.plan.consts:
-            if keyword.iskeyword(name) or hasattr(self.root, name):  # `forward`, `training`, `lambda`
-                name = f"const_{name}"
-            if var in self.plan.params:
-                self.root.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
-            else:
-                self.root.register_buffer(name, t)
-            node = self.graph.get_attr(name)
-        else:
-            node = self.graph.placeholder(name)
-            self.inputs.append(t)
+            return self._constant(t, var, param=var in self.plan.params)
+        return self._placeholder(t, var)
+
+    def _placeholder(self, t: torch.Tensor, var: str | None = None) -> fx.Node:
+        node = self.graph.placeholder(var or f"t{len(self.values)}")
+        self.inputs.append(t)
         self.values[node], self.node_of[id(t)] = t, node
         return node
 
+    def _constant(self, t: torch.Tensor, var: str | None = None, param: bool = False) -> fx.Node:
+        name = var or f"c{len(self.values)}"
+        if keyword.iskeyword(name) or hasattr(self.root, name):  # `forward`, `training`, `lambda`
+            name = f"const_{name}"
+        while hasattr(self.root, name):
+            name += "_"
+        if param and t.is_floating_point():
+            self.root.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
+        else:
+            self.root.register_buffer(name, t)
+        node = self.graph.get_attr(name)
+        self.values[node], self.node_of[id(t)] = t, node
+        return node
+
+    # -- values computed in the graph (where-clause hints)
+
+    def _emit(self, op: str, operands: dict) -> fx.Node:
+        """``op`` (a vocabulary op) on ``operands`` (nodes and literals), emitted and run."""
+        from rewrite.ops import lookup_op
+
+        opdef = lookup_op(op)
+        full = {p.name: operands.get(p.name, p.default) for p in opdef.params}
+        try:
+            target, cargs, ckwargs = opdef.emit[self.dialect](full, self.values.get)
+            concrete = fx.node.map_arg((cargs, ckwargs), self.values.__getitem__)
+            with torch.no_grad():
+                out = target(*concrete[0], **concrete[1])
+        except Exception as err:  # noqa: BLE001 - values that do not fit
+            raise _Discard(f"{op}: {type(err).__name__}: {err}") from None
+        node = self.graph.call_function(target, tuple(cargs), dict(ckwargs))
+        self.values[node], self.node_of[id(out)] = out, node
+        self.producers[id(out)] = (op, {k: self._concrete(v) for k, v in full.items()})
+        return node
+
+    def _produce(self, t: torch.Tensor, ops: tuple) -> fx.Node | None:
+        """A node that computes a tensor like ``t`` (same shape and dtype) with one of
+        ``ops``, from fresh inputs: what ``produced_by(y, "conv", "linear")``,
+        ``dequantized(x)`` and ``has_qparams(x, s, z)`` ask for. None: a graph input."""
+        choices = [o for o in ops if o in _PRODUCERS and _PRODUCERS[o][0](t)]
+        if not choices:
+            return None
+        return _PRODUCERS[self.ctx.pick(choices)][1](self, t)
+
     # -- one call
 
-    def call(self, p: PCall) -> fx.Node:
+    def call(self, p: PCall, seed: Any = None) -> fx.Node:
         alts = [alt for alt in p.alts if _generator(alt.opdef) is not None]
         alt = self.ctx.pick(range(len(alts))) if len(alts) > 1 else 0
         alt = alts[alt]
         opdef, pats = alt.opdef, dict(alt.args)
-        given = {param.name: self.given(pats.get(param.name)) for param in opdef.params}
-        args = _Args(self.ctx, opdef.name, given, self.producers)
+        given, deferred = {}, {}
+        for param in opdef.params:
+            pat = pats.get(param.name)
+            if _deferred(pat, opdef.name):
+                given[param.name], deferred[param.name] = _FREE, pat
+            elif isinstance(pat, PSeq) and any(_deferred(i, opdef.name) for i in pat.items):
+                given[param.name] = [_FREE if _deferred(i, opdef.name) else self.given(i) for i in pat.items]
+                deferred[param.name] = pat
+            else:
+                given[param.name] = self.given(pat)
+        variables = {name: pat.name for name, pat in pats.items() if isinstance(pat, PVar)}
+        for name, pat in deferred.items():  # dequantize(acc): the variable it reads
+            inner = dict(pat.alts[0].args).get("input") if isinstance(pat, PCall) else None
+            if isinstance(inner, PVar):
+                variables[name] = inner.name
+        args = _Args(self.ctx, opdef.name, given, self.producers, seed, variables, self.plan)
         try:
             drawn = _generator(opdef)(self.ctx, args)
-        except (TypeError, ValueError, IndexError, KeyError, AttributeError, ZeroDivisionError) as err:
+        except (TypeError, ValueError, IndexError, KeyError, AttributeError, ZeroDivisionError,
+                RuntimeError) as err:
             # values the pattern fixed that the generator cannot build around
             raise _Discard(f"{opdef.name}: cannot draw its arguments ({type(err).__name__}: {err})") from None
         values = {}
@@ -833,6 +1195,15 @@ class _Builder:
                 else:
                     raise _Discard(f"cannot draw argument {param.name!r} of {opdef.name}")
             values[param.name] = v
+        for name, pat in deferred.items():  # built from what the generator drew for them
+            v = values[name]
+            if isinstance(pat, PSeq):
+                if not isinstance(v, (list, tuple)) or len(v) != len(pat.items):
+                    raise _Discard("sequence of the wrong length")
+                values[name] = type(v)(self._seeded(pi, vi) if _deferred(pi, opdef.name) else vi
+                                       for pi, vi in zip(pat.items, v))
+            else:
+                values[name] = self._seeded(pat, v)
         operands = {name: self.bind(pats.get(name), v) for name, v in values.items()}
         try:
             target, cargs, ckwargs = opdef.emit[self.dialect](operands, self.values.get)
@@ -853,33 +1224,162 @@ class _Builder:
             self.env[p.name] = node
         return node
 
-    def finish(self, root: fx.Node) -> Instance:
+    def _seeded(self, p: PCall, v: Any) -> Any:
+        if not isinstance(v, torch.Tensor):
+            raise _Discard(f"{p.alts[0].opdef.name} of a non-tensor")
+        return self.values[self.call(p, seed=v)]
+
+    def finish(self, root: fx.Node, name: str | None = None) -> Instance:
         # The program consumes the root rather than returning it: a rewrite never lets
         # the graph return a module constant (rewrite.replace refuses), and folds
-        # into constants must still be verifiable.
+        # into constants must still be verifiable. A root the where clause wants
+        # quantized (output_quantized(c)) is quantized first.
+        last = root
+        value = self.values[root]
+        if name is not None and name in self.plan.quantized_outputs and _is_float(value):
+            scale, zero_point = _activation_qparams(value, torch.quint8)
+            last = self._emit("quantize_per_tensor", {"input": root, "scale": scale, "zero_point": zero_point,
+                                                      "dtype": torch.quint8})
         clone = torch.ops.aten.clone.default if self.dialect == "aten" else torch.clone
-        out = self.graph.call_function(clone, (root,))
-        self.values[out] = self.values[root]
+        out = self.graph.call_function(clone, (last,))
+        self.values[out] = self.values[last]
         self.graph.output(out)
         gm = fx.GraphModule(self.root, self.graph)
         bindings = {k: self._concrete(v) for k, v in self.env.items()}
         return Instance(self.plan.rule.name, gm, tuple(self.inputs), bindings, self.ctx.dtype, self.dialect)
 
 
-def draw_instance(draw: Callable, plan: Plan) -> Instance | str:
-    """An instance, or the reason the drawn one is not a valid program."""
+# ---------------------------------------------------------------- producers (where-clause hints)
+
+
+def _is_float(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and not t.is_quantized and t.dtype.is_floating_point
+
+
+def _produce_binary(op: str) -> Callable:
+    def build(b: _Builder, t: torch.Tensor) -> fx.Node:
+        other = b.ctx.tensor(tuple(t.shape), dtype=t.dtype)
+        return b._emit(op, {"input": b._placeholder(t), "other": b._placeholder(other)})
+    return build
+
+
+def _produce_linear(b: _Builder, t: torch.Tensor) -> fx.Node:
+    k = b.ctx.int(1, 4)
+    x = b.ctx.tensor((*t.shape[:-1], k), dtype=t.dtype)
+    w = b.ctx.tensor((t.shape[-1], k), dtype=t.dtype)
+    bias = b._constant(b.ctx.tensor((t.shape[-1],), dtype=t.dtype)) if b.ctx.coin() else None
+    return b._emit("linear", {"input": b._placeholder(x), "weight": b._constant(w), "bias": bias})
+
+
+def _produce_conv(b: _Builder, t: torch.Tensor) -> fx.Node:
+    """A 1x1 conv: the output has the input's spatial shape."""
+    c_in = b.ctx.int(1, 3)
+    x = b.ctx.tensor((t.shape[0], c_in, *t.shape[2:]), dtype=t.dtype)
+    w = b.ctx.tensor((t.shape[1], c_in, *([1] * (t.dim() - 2))), dtype=t.dtype)
+    bias = b._constant(b.ctx.tensor((t.shape[1],), dtype=t.dtype)) if b.ctx.coin() else None
+    return b._emit("conv", {"input": b._placeholder(x), "weight": b._constant(w), "bias": bias})
+
+
+def _produce_dequantize(b: _Builder, t: torch.Tensor) -> fx.Node:
+    q = _quantize_activation(t)
+    return b._emit("dequantize", {"input": b._placeholder(q)})
+
+
+def _produce_quantize(b: _Builder, t: torch.Tensor) -> fx.Node:
+    """``quantize_per_tensor`` of a float input with literal parameters: the graph
+    says what the quantized tensor's scale and zero point are."""
+    return b._emit("quantize_per_tensor", {"input": b._placeholder(t.dequantize()), "scale": t.q_scale(),
+                                           "zero_point": t.q_zero_point(), "dtype": t.dtype})
+
+
+def _per_tensor(t: torch.Tensor) -> bool:
+    return t.is_quantized and t.qscheme() in (torch.per_tensor_affine, torch.per_tensor_symmetric)
+
+
+#: op -> (whether it can compute a tensor like t, how)
+_PRODUCERS = {
+    "add": (_is_float, _produce_binary("add")),
+    "mul": (_is_float, _produce_binary("mul")),
+    "linear": (lambda t: _is_float(t) and t.dim() >= 1, _produce_linear),
+    "conv": (lambda t: _is_float(t) and t.dim() in (3, 4, 5), _produce_conv),
+    "dequantize": (lambda t: _is_float(t) and t.dtype == torch.float32, _produce_dequantize),
+    "quantize_per_tensor": (lambda t: isinstance(t, torch.Tensor) and _per_tensor(t), _produce_quantize),
+}
+
+
+# ---------------------------------------------------------------- quantized values (torch's observers)
+
+
+def _activation_qparams(t: torch.Tensor, dtype: torch.dtype = torch.quint8, quant_min: int | None = None,
+                        quant_max: int | None = None) -> tuple:
+    """(scale, zero point) torch's ``MinMaxObserver`` computes for ``t``'s finite
+    values (per-tensor affine; 7 bits on CPUs without VNNI, as the activation
+    observers of ``rules/quant`` do, unless the range is given)."""
+    import warnings
+
+    from rewrite.functions.quant import FiniteMinMaxObserver, vnni_available
+
+    kwargs: dict = {"dtype": dtype}
+    if quant_min is not None:
+        kwargs.update(quant_min=quant_min, quant_max=quant_max)
+    else:
+        kwargs["reduce_range"] = not vnni_available()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        obs = FiniteMinMaxObserver(**kwargs)
+        obs(t.detach().float())
+        if not bool(torch.isfinite(obs.min_val)):  # nothing finite seen
+            obs(torch.zeros(1))
+        scale, zero_point = obs.calculate_qparams()
+    return float(scale), int(zero_point)
+
+
+def _quantize_activation(t: torch.Tensor, dtype: torch.dtype = torch.quint8) -> torch.Tensor:
+    scale, zero_point = _activation_qparams(t, dtype)
+    return torch.quantize_per_tensor(t.detach().float(), scale, zero_point, dtype)
+
+
+def _quantize_weight(t: torch.Tensor) -> torch.Tensor:
+    """Per-channel symmetric int8 (torch's ``PerChannelMinMaxObserver``, what
+    ``quantize_weight`` in the quant rules does); per-tensor below rank 2."""
+    from rewrite.functions.quant import quantize_weight
+
+    w = t.detach().float().nan_to_num(nan=0.0, posinf=4.0, neginf=-4.0)
+    return quantize_weight(w, "per_channel_symmetric" if w.dim() >= 2 else "per_tensor_symmetric")
+
+
+def draw_instance(draw: Callable, plan: Plan, attempts: int = 3) -> Instance | str:
+    """An instance, or the reason the drawn one is not a valid program.
+
+    A drawn instance that is not a program (an op rejects the dtype drawn, shapes
+    that do not fit) is drawn again, with a fresh dtype, up to ``attempts`` times:
+    every draw comes from ``draw``, so hypothesis replays and shrinks it."""
     st = _st()
     dtypes = st.sampled_from(plan.dtypes)
     if plan.favoured:  # what the where clause asks for, at least half the time
         dtypes = st.sampled_from(plan.favoured) | dtypes
-    dtype = draw(dtypes)
-    dialect = draw(st.sampled_from(("torch", "aten")))
-    ctx = _Ctx(draw, dtype, specials=plan.tolerance == "exact")
-    builder = _Builder(ctx, plan, dialect)
-    try:
-        return builder.finish(builder.call(plan.rule.pattern))
-    except _Discard as why:
-        return str(why)
+    why = "no instance drawn"
+    for _ in range(attempts):
+        dtype = draw(dtypes)
+        dialect = draw(st.sampled_from(("torch", "aten")))
+        # quantizing NaN or an infinity is not defined: quantized patterns meet finite values
+        ctx = _Ctx(draw, dtype, specials=plan.tolerance == "exact" and not plan.quantized)
+        builder = _Builder(ctx, plan, dialect)
+        try:
+            inst = builder.finish(builder.call(plan.rule.pattern), plan.rule.pattern.name)
+        except _Discard as err:
+            why = str(err)
+            continue
+        if plan.quantized:
+            inst = attrs.evolve(inst, engine=draw(st.sampled_from(quantized_engines())))
+        return inst
+    return why
+
+
+def quantized_engines() -> tuple:
+    """The quantized engines instances of quantized patterns are drawn with."""
+    supported = torch.backends.quantized.supported_engines
+    return tuple(e for e in ("x86", "onednn", "fbgemm") if e in supported)[:2] or (torch.backends.quantized.engine,)
 
 
 def instances(rule: CompiledRule, accept: Callable | None = None, attempts: int = 10) -> Any:

@@ -43,8 +43,10 @@ Needs ``hypothesis`` (a test extra), imported on first use.
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import math
+import warnings
 from typing import Any
 
 import attrs
@@ -53,7 +55,8 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from rewrite.compile import CompiledRule
-from rewrite.instances import Instance, Plan, _hyp, _st, draw_instance, instances, plan_for, rule_tolerance
+from rewrite.instances import (Instance, Plan, _hyp, _st, draw_instance, instances, plan_for, quantized_engines,
+                               rule_tolerance)
 
 __all__ = [
     "RuleVerdict", "Counterexample", "VerificationReport", "Instance",
@@ -220,8 +223,8 @@ def _one_rule(ruleset: Any, rule: CompiledRule, without_where: bool = False) -> 
     return sub
 
 
-def _fires(ruleset: Any, gm: fx.GraphModule, inputs: tuple) -> Any:
-    return ruleset.apply(gm, inputs, check=False)
+def _fires(ruleset: Any, gm: fx.GraphModule, inputs: tuple, max_rewrites: int | None = None) -> Any:
+    return ruleset.apply(gm, inputs, check=False, max_rewrites=max_rewrites)
 
 
 class _Checker:
@@ -240,9 +243,16 @@ class _Checker:
             self.counts["invalid"] += 1
             self.last_discard = inst
             return
+        with warnings.catch_warnings(), _engine(inst.engine):
+            warnings.simplefilter("ignore")  # torch's observers and kernels warn on every call
+            self._check(inst)
+
+    def _check(self, inst: Instance) -> None:
         result = self._apply(self.one, inst)
         if not result.counts:
             stats = result.stats.get(self.rule.name)
+            if stats is not None and stats.failed and self._other_engine(inst):
+                return
             if stats is not None and stats.failed:
                 raise _Failure(self._cex(inst, "did not fire", f"its replacement failed to build "
                                                               f"({stats.failed}x) where the rule matched"))
@@ -257,10 +267,25 @@ class _Checker:
             self._check_float64(inst)
         self.counts["checked"] += 1
 
+    def _other_engine(self, inst: Instance) -> bool:
+        """The replacement failed to build on the instance's quantized engine but
+        builds on another (onednn's fused conv + add): not an instance for this one."""
+        if inst.engine is None:
+            return False
+        for other in quantized_engines():
+            if other != inst.engine:
+                with _engine(other):
+                    if self._apply(self.one, inst, quiet=True) is not None:
+                        self.counts["invalid"] += 1
+                        self.last_discard = f"its replacement builds on the {other} engine only"
+                        return True
+        return False
+
     def _matches(self, ruleset: Any, inst: Instance) -> bool:
-        """Whether the (where-less) rule matched: it fired, or its replacement failed."""
+        """Whether the (where-less) rule matched: it fired, or its replacement failed.
+        One rewrite tells: without its where clause a rule may never settle."""
         try:
-            result = _fires(ruleset, inst.graph_module, inst.example_inputs)
+            result = _fires(ruleset, inst.graph_module, inst.example_inputs, max_rewrites=1)
         except Exception:  # noqa: BLE001 - the probe only classifies
             return True
         stats = result.stats.get(self.rule.name)
@@ -310,8 +335,8 @@ class _Checker:
         except Exception as err:  # noqa: BLE001
             raise _Failure(self._cex(inst, "error", f"the rewritten graph raised {type(err).__name__}: {err}",
                                      rewritten)) from None
-        low = _lowest_precision([*ref_seen.values(), *got_seen.values()])
-        problem = _differ(ref, got, tolerance, low)
+        seen = [*ref_seen.values(), *got_seen.values()]
+        problem = _differ(ref, got, tolerance, _lowest_precision(seen), _quantum(seen))
         if problem is not None:
             cex = self._cex(inst, "mismatch", problem, rewritten, ref_seen, got_seen)
             raise _Failure(attrs.evolve(cex, expected=_show(ref, full=True), got=_show(got, full=True)))
@@ -334,6 +359,20 @@ class _Checker:
         )
 
 
+@contextlib.contextmanager
+def _engine(name: str | None) -> Any:
+    """Rewrite and run with this quantized engine (prepacked weights are engine's own)."""
+    if name is None or name == torch.backends.quantized.engine:
+        yield
+        return
+    old = torch.backends.quantized.engine
+    torch.backends.quantized.engine = name
+    try:
+        yield
+    finally:
+        torch.backends.quantized.engine = old
+
+
 def _lowest_precision(values: list) -> torch.dtype:
     """The floating dtype with the loosest tolerance among the values computed."""
     from rewrite.check import TOLERANCES
@@ -343,8 +382,28 @@ def _lowest_precision(values: list) -> torch.dtype:
     return max(dtypes, key=lambda d: TOLERANCES.get(d, (1e-3, 1e-3)), default=torch.float64)
 
 
-def _differ(ref: Any, got: Any, tolerance: str, low: torch.dtype) -> str | None:
-    """None when ``got`` equals ``ref`` (exact) or is within tolerance (approx)."""
+def _quantum(values: list) -> float:
+    """The largest step (scale) of a per-tensor quantized value computed: the
+    precision of a graph that rounds through int8 (0.0 when none does)."""
+    scales = [t.q_scale() for v in values for t in pytree.tree_leaves(v)
+              if isinstance(t, torch.Tensor) and t.is_quantized
+              and t.qscheme() in (torch.per_tensor_affine, torch.per_tensor_symmetric)]
+    return max(scales, default=0.0)
+
+
+def _differ(ref: Any, got: Any, tolerance: str, low: torch.dtype, quantum: float = 0.0) -> str | None:
+    """None when ``got`` equals ``ref`` (exact) or is within tolerance (approx).
+
+    Whatever the tolerance: shapes and dtypes must be the same (an integer output
+    that became float is a mismatch); integer and bool outputs are compared
+    exactly; a value finite in ``ref`` must be finite in ``got`` (a rewrite that
+    overflows to inf, or makes a NaN, is wrong however close the rest is);
+    quantized outputs must have the same quantization parameters and, approximate
+    rules, integer values at most one step apart (one rounding), exact rules equal
+    ones. Floating outputs: exact rules bit for bit (NaN = NaN, -0.0 = 0.0),
+    approximate ones within ``TOLERANCES`` at dtype ``low``, or within one
+    ``quantum`` when a graph rounds through int8 values of that step (a float
+    op moved onto int8 values rounds its result to their grid)."""
     from rewrite.check import TOLERANCES
 
     ref_leaves, ref_spec = pytree.tree_flatten(ref)
@@ -358,7 +417,24 @@ def _differ(ref: Any, got: Any, tolerance: str, low: torch.dtype) -> str | None:
             continue
         if not isinstance(g, torch.Tensor) or g.shape != r.shape or g.dtype != r.dtype:
             return f"output {i}: expected {_meta(r)}, got {_meta(g)}"
+        if r.is_quantized:
+            problem = _differ_quantized(r, g, tolerance)
+            if problem is not None:
+                return f"output {i}: {problem}"
+            continue
+        if not r.dtype.is_floating_point and not r.dtype.is_complex:
+            same = r == g
+            if not bool(same.all()):
+                n = int((~same).sum())
+                return (f"output {i}: {n} of {r.numel()} elements differ ({_dtype_name(r.dtype)} output: "
+                        f"compared exactly); {_first(~same, r, g)}")
+            continue
         r64, g64 = r.detach().to(torch.float64), g.detach().to(torch.float64)
+        overflow = torch.isfinite(r64) & ~torch.isfinite(g64)
+        if bool(overflow.any()):
+            return (f"output {i}: {int(overflow.sum())} of {r.numel()} elements finite in the original are "
+                    f"inf or nan in the rewritten graph (wrong whatever the tolerance); "
+                    f"{_first(overflow, r, g)}")
         same = (r64 == g64) | (torch.isnan(r64) & torch.isnan(g64))
         if tolerance == "exact":
             if not bool(same.all()):
@@ -369,20 +445,62 @@ def _differ(ref: Any, got: Any, tolerance: str, low: torch.dtype) -> str | None:
         finite = r64[torch.isfinite(r64)]
         scale = float(finite.abs().max()) if finite.numel() else 0.0
         atol = atol_base * max(1.0, scale)
+        precision = _dtype_name(low)
+        if quantum > atol:
+            atol, precision = quantum, f"one int8 step {quantum:.3g}"
         diff = torch.where(same, torch.zeros_like(r64), (r64 - g64).abs().nan_to_num(nan=math.inf))
         bad = diff > atol + rtol * r64.abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
         if bool(bad.any()):
             return (f"output {i}: {int(bad.sum())} of {r.numel()} elements outside tolerance "
                     f"(max abs diff {float(diff.max()):.3g}; rtol {rtol:.3g}, atol {atol:.3g} "
-                    f"for {str(low).replace('torch.', '')}); {_first(bad, r, g)}")
+                    f"for {precision}); {_first(bad, r, g)}")
     return None
+
+
+def _differ_quantized(r: torch.Tensor, g: torch.Tensor, tolerance: str) -> str | None:
+    """Quantized outputs: same scheme and parameters; integer values equal (exact)
+    or at most one step apart (approx: the two graphs may round a value on either
+    side of a step)."""
+    if r.qscheme() != g.qscheme():
+        return f"quantization scheme {r.qscheme()} became {g.qscheme()}"
+    if r.qscheme() in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+        if r.q_scale() != g.q_scale() or r.q_zero_point() != g.q_zero_point():
+            return (f"quantization parameters (scale {r.q_scale():.6g}, zero point {r.q_zero_point()}) "
+                    f"became (scale {g.q_scale():.6g}, zero point {g.q_zero_point()})")
+    elif not (torch.equal(r.q_per_channel_scales(), g.q_per_channel_scales())
+              and torch.equal(r.q_per_channel_zero_points(), g.q_per_channel_zero_points())
+              and r.q_per_channel_axis() == g.q_per_channel_axis()):
+        return "per-channel quantization parameters differ"
+    ri, gi = r.int_repr().to(torch.int64), g.int_repr().to(torch.int64)
+    steps = (ri - gi).abs()
+    allowed = 0 if tolerance == "exact" else 1
+    bad = steps > allowed
+    if bool(bad.any()):
+        what = "differ (exact rule)" if allowed == 0 else "more than one quantization step apart"
+        return (f"{int(bad.sum())} of {r.numel()} quantized elements {what} (max {int(steps.max())} steps); "
+                f"{_first(bad, ri, gi)}")
+    return None
+
+
+def _dtype_name(d: torch.dtype) -> str:
+    return str(d).replace("torch.", "")
 
 
 def _first(mask: torch.Tensor, r: torch.Tensor, g: torch.Tensor) -> str:
     """``at [i, j]: expected a, got b`` for the first element where ``mask`` holds."""
     index = tuple(int(i) for i in mask.nonzero()[0]) if mask.dim() else ()
     where = f"[{', '.join(map(str, index))}]" if index else "the value"
-    return f"at {where}: expected {float(r[index]):.6g}, got {float(g[index]):.6g}"
+    return f"at {where}: expected {_scalar(r[index])}, got {_scalar(g[index])}"
+
+
+def _scalar(t: torch.Tensor) -> str:
+    if t.is_quantized:
+        return f"{float(t.dequantize()):.6g} (int {int(t.int_repr())})"
+    if t.dtype == torch.bool:
+        return str(bool(t))
+    if not t.dtype.is_floating_point:
+        return str(int(t))
+    return f"{float(t):.6g}"
 
 
 # ---------------------------------------------------------------- printing
@@ -396,6 +514,13 @@ def _meta(v: Any) -> str:
 
 def _show(v: Any, full: bool = False) -> str:
     """A value as text: small tensors in full, larger ones summarized."""
+    if isinstance(v, torch.Tensor) and v.is_quantized:
+        if v.qscheme() in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+            params = f"scale {v.q_scale():.6g}, zero point {v.q_zero_point()}"
+        else:
+            params = f"per channel on dim {v.q_per_channel_axis()}"
+        return f"{_show(v.int_repr(), full)} ({params})".replace(
+            _dtype_name(v.int_repr().dtype), _dtype_name(v.dtype), 1)
     if isinstance(v, torch.Tensor):
         limit = 64 if full else 16
         if v.numel() <= limit:
@@ -526,7 +651,9 @@ def verify_rule(ruleset: Any, rule: CompiledRule | str, *, max_examples: int = 1
     counts = checker.counts
     if counts["checked"] == 0:
         why = (f"no valid instance in {counts['generated']}: {checker.last_discard}" if not counts["filtered"]
-               else f"the where clause held on none of {counts['generated']} instances")
+               else f"the where clause held on none of {counts['filtered']} instances"
+               + (f" ({counts['invalid']} more were no valid instance: {checker.last_discard})"
+                  if counts["invalid"] else ""))
         return RuleVerdict(status="skipped", reason=why, generated=counts["generated"], **verdict)
     return RuleVerdict(status="ok", checked=counts["checked"], generated=counts["generated"], **verdict)
 
