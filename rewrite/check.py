@@ -14,17 +14,21 @@ shapes come from a GraphModule's placeholder metadata instead.
 
 Tolerances: floating outputs pass when, element by element,
 ``|cand - ref| <= rtol * |ref| + atol_base * max(1, scale)``, where ``scale`` is the
-*local* magnitude of the reference around that element: the smallest, over the
-tensor's dims, of the largest ``|ref|`` along that dim through the element (a
-column of scores next to a column of box coordinates keeps the scores' scale), and
-at least 1% of the tensor's largest value. Rounding in deep nets grows with the
-magnitude of the activations around an element, not with that of unrelated values
-in the same output, so a wrong rule cannot hide behind large neighbours. The
-``(rtol, atol_base)`` pair comes from the dtype and the kind of rewrite: ``"exact"``
-(``EXACT_TOLERANCES``: rounding only) unless an approximate rule fired
-(``TOLERANCES``). Integer and bool outputs must be equal; structure, shapes and
-dtypes must match exactly; NaNs match NaNs; a finite value that becomes inf or NaN
-never passes.
+*local* magnitude of the reference around that element: over the tensor's dims,
+the smallest of the largest ``|ref|`` within two elements along that dim (a column
+of scores next to a column of box coordinates, or a run of scores concatenated
+before the boxes, keeps the scores' scale), and at least a floor fraction of the
+tensor's largest value. Rounding grows with the magnitude of the values an element
+is computed from, not with that of unrelated values in the same output, so a wrong
+rule cannot hide behind large neighbours. ``(rtol, atol_base)`` and the floor come
+from the kind of rewrite and a dtype: ``"exact"`` (``EXACT_TOLERANCES``, floor
+``EXACT_SCALE_FLOOR``: rounding only) unless an approximate rule fired
+(``TOLERANCES``, floor ``SCALE_FLOOR``); the dtype is the output's, or the lowest
+precision the rewritten model computes in that the original does not (a bfloat16
+rewrite of a float32 model is held to bfloat16's tolerance, whose rounding leaves
+no room for a local scale: floor 1, the tensor's largest value). Integer and bool
+outputs must be equal; structure, shapes and dtypes must match exactly; NaNs match
+NaNs; a finite value that becomes inf or NaN never passes.
 
 Besides the outputs, the check compares what else the caller can observe: the
 inputs after the call (a model that writes its input must write the same values;
@@ -46,6 +50,7 @@ import attrs
 import torch
 from torch import fx
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "TOLERANCES",
@@ -82,8 +87,21 @@ EXACT_TOLERANCES: Dict[torch.dtype, Tuple[float, float]] = {
     torch.bfloat16: (1.6e-2, 1.6e-2),
 }
 _TABLES = {"approx": TOLERANCES, "exact": EXACT_TOLERANCES}
-#: The local scale of an element is at least this fraction of the tensor's largest value.
-_SCALE_FLOOR = 1e-2
+#: Approximate rewrites: the local scale of an element is at least this fraction of
+#: the tensor's largest value. Where a dtype's rounding is close to its tolerance
+#: (half precision), rounding of large inputs can dominate a small element, and only
+#: the tensor's scale is safe (1.0). Exact rewrites always use the tensor's scale
+#: (their tolerances are rounding-tight).
+#: Neighbours on each side along a dim that make up an element's surroundings.
+_SCALE_RADIUS = 2
+#: Exact rewrites: the local scale is at least this fraction of the tensor's largest value.
+EXACT_SCALE_FLOOR = 0.1
+SCALE_FLOOR: Dict[torch.dtype, float] = {
+    torch.float64: 1e-2,
+    torch.complex128: 1e-2,
+    torch.float32: 1e-2,
+    torch.complex64: 1e-2,
+}
 
 #: Range for integer placeholders when neither an example nor the graph bounds them.
 DEFAULT_INT_RANGE = (0, 3)
@@ -361,13 +379,39 @@ def _state(fn: Any) -> Dict[str, torch.Tensor]:
 @attrs.frozen
 class _Run:
     """One call: its outputs, its private inputs as they are after the call, which
-    of them it wrote, and which module state it wrote."""
+    of them it wrote, which module state it wrote, and the floating dtypes its ops
+    computed in."""
 
     outputs: Any
     inputs: Any
     inputs_written: frozenset
     state_written: Dict[str, torch.Tensor]
     state: Dict[str, torch.Tensor]
+    dtypes: frozenset = frozenset()
+
+
+class _DtypeRecorder(TorchDispatchMode):
+    """Records the floating dtypes of every tensor an op produces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtypes: set = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.dtype.is_floating_point:
+                self.dtypes.add(t.dtype)
+        return out
+
+
+def _new_precision(ref: _Run, cand: _Run) -> Optional[torch.dtype]:
+    """The lowest floating precision the candidate computes in that the reference
+    does not (bfloat16 for a mixed-precision rewrite of a float32 model), or None."""
+    new = cand.dtypes - ref.dtypes
+    if not new:
+        return None
+    return max(new, key=lambda d: TOLERANCES.get(d, _DEFAULT_TOL))
 
 
 def _call(fn: Callable, inputs: Any, rng_seed: int) -> _Run:
@@ -387,7 +431,8 @@ def _call(fn: Callable, inputs: Any, rng_seed: int) -> _Run:
     # statistics): buffers are compared by value; parameters by version counter.
     buffers = dict(fn.named_buffers(remove_duplicate=False)) if isinstance(fn, torch.nn.Module) else {}
     buffers_before = {name: t.detach().clone() for name, t in buffers.items()}
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+    recorder = _DtypeRecorder()
+    with torch.no_grad(), torch.random.fork_rng(devices=[]), recorder:
         torch.manual_seed(rng_seed)
         if isinstance(args, dict):
             out = fn(**args)
@@ -400,7 +445,7 @@ def _call(fn: Callable, inputs: Any, rng_seed: int) -> _Run:
     state_written = {name: t.detach().clone() for name, t in state.items()
                      if t._version != versions[name]
                      or (name in buffers_before and not _same_values(t, buffers_before[name]))}
-    return _Run(out, args, written, state_written, state)
+    return _Run(out, args, written, state_written, state, frozenset(recorder.dtypes))
 
 
 @contextlib.contextmanager
@@ -442,23 +487,40 @@ def _tolerance(dtype: torch.dtype, kind: str, rtol: Optional[float],
     return (base_rtol if rtol is None else rtol, base_atol if atol is None else atol)
 
 
-def local_scale(ref: torch.Tensor) -> torch.Tensor:
-    """Per element, the magnitude of the reference around it: the smallest over
-    dims of the largest ``|ref|`` along that dim through the element, and at least
-    ``_SCALE_FLOOR`` of the largest ``|ref|`` of the tensor. Non-finite values do
-    not count."""
-    mag = ref.abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+def _window_max(mag: torch.Tensor, dim: int, radius: int) -> torch.Tensor:
+    """The largest value within ``radius`` elements along ``dim`` of each element."""
+    moved = mag.movedim(dim, -1)
+    n = moved.shape[-1]
+    flat = moved.reshape(-1, 1, n)
+    pooled = torch.nn.functional.max_pool1d(flat, 2 * radius + 1, stride=1, padding=radius)
+    return pooled.reshape(moved.shape).movedim(-1, dim)
+
+
+def local_scale(ref: torch.Tensor, floor: float = 1e-2, radius: int = _SCALE_RADIUS) -> torch.Tensor:
+    """Per element, the magnitude of the reference around it: over the tensor's
+    dims, the smallest of the largest ``|ref|`` within ``radius`` elements along
+    that dim, and at least ``floor`` times the largest ``|ref|`` of the tensor
+    (``floor >= 1``: the tensor's largest value everywhere). Non-finite values do
+    not count. A column of scores next to a column of box coordinates, or a run of
+    scores concatenated before the boxes, keeps the scores' scale."""
+    mag = ref.abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).to(torch.float64)
     if mag.dim() == 0 or mag.numel() == 0:
         return mag
+    if floor >= 1.0:
+        return mag.max().expand_as(mag)
     scale = None
     for dim in range(mag.dim()):
-        along = mag.amax(dim=dim, keepdim=True)
+        along = _window_max(mag, dim, radius)
         scale = along if scale is None else torch.minimum(scale, along)
-    return torch.maximum(scale.expand_as(mag), mag.max() * _SCALE_FLOOR)
+    return torch.maximum(scale, mag.max() * floor)
 
 
 def _compare_tensor(path: str, trial: int, ref: torch.Tensor, cand: Any, kind: str,
-                    rtol: Optional[float], atol: Optional[float]) -> Tuple[float, float, Optional[Mismatch]]:
+                    rtol: Optional[float], atol: Optional[float],
+                    compute_dtype: Optional[torch.dtype] = None) -> Tuple[float, float, Optional[Mismatch]]:
+    """Compare one tensor; ``compute_dtype``, the lowest precision the candidate
+    computed in (a rewrite to bfloat16 casts back to float32 at the end), loosens
+    the tolerance to that dtype's when it is looser than the output's."""
     shape, dtype = tuple(ref.shape), str(ref.dtype).replace("torch.", "")
 
     def bad(msg: str, abs_err: float = math.inf, rel_err: float = math.inf):
@@ -493,8 +555,11 @@ def _compare_tensor(path: str, trial: int, ref: torch.Tensor, cand: Any, kind: s
         return bad(f"{n} of {r.numel()} elements are finite in the original and inf/nan in the rewrite")
     finite_ref = r64[torch.isfinite(r64)]
     scale = float(finite_ref.abs().max()) if finite_ref.numel() else 0.0
-    rt, at = _tolerance(r.dtype, kind, rtol, atol)
-    allowed_abs = at if atol is not None else at * local_scale(r64.abs()).clamp(min=1.0)
+    tol_dtype = r.dtype if compute_dtype is None or not compute_dtype.is_floating_point else max(
+        (r.dtype, compute_dtype), key=lambda d: _TABLES[kind].get(d, _DEFAULT_TOL))
+    rt, at = _tolerance(tol_dtype, kind, rtol, atol)
+    floor = EXACT_SCALE_FLOOR if kind == "exact" else SCALE_FLOOR.get(tol_dtype, 1.0)
+    allowed_abs = at if atol is not None else at * local_scale(r64, floor).clamp(min=1.0)
     diff = (r64 - c64).abs()
     diff = torch.where(special, torch.zeros_like(diff), diff)
     diff = torch.nan_to_num(diff, nan=math.inf)
@@ -514,7 +579,8 @@ def _compare_tensor(path: str, trial: int, ref: torch.Tensor, cand: Any, kind: s
 
 
 def _compare(trial: int, ref_out: Any, cand_out: Any, kind: str, rtol: Optional[float],
-             atol: Optional[float], prefix: str = "output") -> Tuple[float, float, Optional[Mismatch]]:
+             atol: Optional[float], compute_dtype: Optional[torch.dtype] = None,
+             prefix: str = "output") -> Tuple[float, float, Optional[Mismatch]]:
     ref_leaves, ref_spec = pytree.tree_flatten_with_path(ref_out)
     cand_leaves, cand_spec = pytree.tree_flatten_with_path(cand_out)
     if ref_spec != cand_spec:
@@ -527,7 +593,7 @@ def _compare(trial: int, ref_out: Any, cand_out: Any, kind: str, rtol: Optional[
     for (kp, r), (_, c) in zip(ref_leaves, cand_leaves):
         path = prefix + pytree.keystr(kp)
         if isinstance(r, torch.Tensor):
-            a, rel, mm = _compare_tensor(path, trial, r, c, kind, rtol, atol)
+            a, rel, mm = _compare_tensor(path, trial, r, c, kind, rtol, atol, compute_dtype)
         else:
             equal = type(r) is type(c) and (r == c or (isinstance(r, float) and math.isnan(r) and math.isnan(c)))
             a, rel = (0.0, 0.0) if equal else (math.inf, math.inf)
@@ -652,7 +718,8 @@ def check_equivalence(reference: Callable, candidate: Callable, example_inputs: 
                 mm = Mismatch("output", t, None, None, math.inf, math.inf,
                               f"candidate raised {type(e).__name__}: {e}")
                 return EquivalenceReport(False, t + 1, math.inf, math.inf, mm)
-            a, r, mm = _compare(t, ref.outputs, cand.outputs, tolerance, rtol, atol)
+            low = _new_precision(ref, cand) if tolerance == "approx" else None
+            a, r, mm = _compare(t, ref.outputs, cand.outputs, tolerance, rtol, atol, low)
             worst_abs, worst_rel = max(worst_abs, a), max(worst_rel, r)
             if mm is None:
                 mm = _side_effects(t, ref, cand, tolerance, rtol, atol)

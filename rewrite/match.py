@@ -22,9 +22,9 @@ from rewrite.compile import DTYPES, CompiledRule, PCall, PDefault, PLit, PSeq, P
 from rewrite.facts import GraphFacts, Value
 from rewrite.functions.registry import lookup_function
 from rewrite.language import ast
-from rewrite.aliasing import caller_owned
+from rewrite.aliasing import alias_class, caller_owned, storage_base
 from rewrite.ops import bind_node, node_key
-from rewrite.ops.effects import may_alias, written_args
+from rewrite.ops.effects import written_args
 from rewrite.ops.base import ConstRef
 
 __all__ = ["Match", "Matcher", "literal_equal", "COMPILED", "UNKNOWN"]
@@ -126,9 +126,12 @@ class Matcher:
         written = node.args[position] if isinstance(position, int) else node.kwargs.get(position)
         if not isinstance(written, fx.Node):
             return True
-        if caller_owned(written) or may_alias(written, self.gm):
+        base = storage_base(written, self.gm)
+        if caller_owned(base):
             return False
-        return all(u is node for u in written.users)
+        after = alias_class(node, self.gm)  # the written value's readers from here on
+        before = alias_class(base, self.gm, exclude=frozenset(after))
+        return all(user in before or user is node for n in before for user in n.users)
 
     def key(self, node: fx.Node) -> Any:
         if node.op == "call_module":
@@ -361,4 +364,5 @@ _COMPARE = {
     ">": operator.gt,
     ">=": operator.ge,
     "in": _contains,
+    "not in": lambda a, b: not _contains(a, b),
 }

@@ -583,7 +583,9 @@ def test_relu_relu_prefilter(outer, inner):
     assert pf is not None
     should_pass = inner in RELU_SPELLINGS or inner == "module"
     assert passed is should_pass
-    assert matched is should_pass  # here nothing but the producer decides
+    # here nothing but the producer decides, except that an in-place relu of the graph
+    # input writes the caller's tensor: it is never rewritten
+    assert matched is (should_pass and inner != "inplace")
 
 
 ADD_SPELLINGS = {

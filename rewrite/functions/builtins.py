@@ -76,21 +76,27 @@ def single_use(x: Value) -> bool:
 def is_float(x: Value) -> bool:
     """A floating-point tensor (known from shape information)."""
     m = x.meta
-    return None if m is None else m.dtype.is_floating_point
+    if m is None:
+        return False if x.is_literal else None  # a literal is no tensor; a graph value: unknown
+    return m.dtype.is_floating_point
 
 
 @register_predicate()
 def same_shape(a: Value, b: Value) -> bool:
     """Both tensors have the same, known shape."""
     ma, mb = a.meta, b.meta
-    return None if ma is None or mb is None else tuple(ma.shape) == tuple(mb.shape)
+    if ma is None or mb is None:
+        return False if a.is_literal or b.is_literal else None
+    return tuple(ma.shape) == tuple(mb.shape)
 
 
 @register_predicate()
 def same_dtype(a: Value, b: Value) -> bool:
     """Both tensors have the same, known dtype."""
     ma, mb = a.meta, b.meta
-    return None if ma is None or mb is None else ma.dtype == mb.dtype
+    if ma is None or mb is None:
+        return False if a.is_literal or b.is_literal else None
+    return ma.dtype == mb.dtype
 
 
 @register_predicate()
@@ -171,7 +177,7 @@ def broadcasts_to(x: Value, y: Value) -> bool:
     dtype unchanged, so ``x + 0``-style identities are exact."""
     mx = x.meta
     if mx is None:
-        return None
+        return False if x.is_literal else None
     my = y.meta
     if my is None:
         return y.is_literal and isinstance(y.operand, (int, float)) and not isinstance(y.operand, bool)
@@ -194,7 +200,7 @@ def lossless_cast(x: Value, to: Value) -> bool:
     if not isinstance(target, torch.dtype):
         return False
     if m is None:
-        return None
+        return False if x.is_literal else None
     src = m.dtype
     if src == target:
         return True

@@ -208,7 +208,9 @@ def activation(x: Value) -> bool:
 def shapes_equal(a: Value, b: Value) -> bool:
     """Both tensors have the same known shape (seeing through observers)."""
     ma, mb = _meta(a), _meta(b)
-    return None if ma is None or mb is None else tuple(ma.shape) == tuple(mb.shape)
+    if ma is None or mb is None:
+        return False if a.is_literal or b.is_literal else None
+    return tuple(ma.shape) == tuple(mb.shape)
 
 
 @register_predicate()

@@ -99,8 +99,11 @@ def always_aliases(node: fx.Node, gm: Any) -> bool:
         return bool(getattr(_module(node, gm), "inplace", False))
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
+        # ``Tensor(a)`` in a schema means *may* alias (``aten.to.dtype`` copies when
+        # the dtype changes): only views and in-place ops certainly do
         returns = target._schema.returns
-        return bool(returns) and returns[0].alias_info is not None
+        info = returns[0].alias_info if returns else None
+        return info is not None and (info.is_write or op_name(target) in VIEW_NAMES)
     return op_name(target) in VIEW_NAMES or target is operator.getitem or 0 in written_args(node, gm)
 
 
