@@ -2,6 +2,7 @@
 
     rewrite check rules/*.rw                      # exit 1 on any error, file:line:col
     rewrite check --verify rules/*.rw             # and verify every rule on random instances
+                                                  # (exit 1 on a counterexample or a skipped rule)
     rewrite fmt [--check | --write] rules/*.rw    # print, check or rewrite in canonical form
     rewrite apply rules/fusion.rw --model rewrite.examples.cnn:demo_cnn_with_inputs
     rewrite explain rules/fusion.rw [--model M --capture export]
@@ -48,16 +49,17 @@ def _cmd_check(args: argparse.Namespace) -> int:
         loaded.append(rules)
     if args.verify and loaded:
         try:
-            failed += _verify(loaded, args.max_examples, args.seed)
+            failed += _verify(loaded, args.max_examples, args.seed, args.allow_skipped)
         except ImportError as err:  # hypothesis is a test extra
             print(f"rewrite: error: --verify: {err}", file=sys.stderr)
             return 2
     return 1 if failed else 0
 
 
-def _verify(rulesets: list, max_examples: int, seed: int) -> int:
+def _verify(rulesets: list, max_examples: int, seed: int, allow_skipped: bool = False) -> int:
     """Verify every rule once (a rule imported by two files is verified once); print
-    the verdict table and each counterexample. Returns the number of failed rules."""
+    the verdict table and each counterexample. Returns the number of failed rules:
+    skipped ones too (an unverified rule), unless ``allow_skipped``."""
     from rewrite.verify import VerificationReport, verify_rule
 
     verdicts, seen = [], set()
@@ -72,7 +74,12 @@ def _verify(rulesets: list, max_examples: int, seed: int) -> int:
     for verdict in report.failures:
         print()
         print(verdict)
-    return len(report.failures)
+    if allow_skipped:
+        return len(report.failures)
+    for verdict in report.skipped:
+        print()
+        print(f"{verdict} (unverified: fails the check; --allow-skipped accepts it)")
+    return len(report.failures) + len(report.skipped)
 
 
 def _load_model(spec: str) -> tuple:
@@ -456,9 +463,11 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("-q", "--quiet", action="store_true")
     c.add_argument("--verify", action="store_true",
                    help="also verify every rule on random instances of its pattern (needs hypothesis); "
-                        "exit 1 on any counterexample")
+                        "exit 1 on any counterexample, rule that did not fire, or skipped (unverified) rule")
+    c.add_argument("--allow-skipped", action="store_true",
+                   help="with --verify: a rule no instance could be built for is reported, not failed")
     c.add_argument("--max-examples", type=int, default=100, help="instances per rule for --verify")
-    c.add_argument("--seed", type=int, default=0, help="seed for --verify")
+    c.add_argument("--seed", type=int, default=0, help="seed for --verify (the same seed, the same instances)")
     c.set_defaults(fn=_cmd_check)
 
     f = sub.add_parser("fmt", help="print rule files in canonical form (comments kept)")

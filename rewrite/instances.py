@@ -143,6 +143,9 @@ class Plan:
     same_shapes: frozenset = frozenset()
     #: variable -> the rank ``rank(x) == N`` asks for (convolutions read it)
     ranks: Any = attrs.field(factory=dict)
+    #: variable -> a dtype ``dtype(w) != torch.T`` rules out for it (a float32 weight
+    #: of a layer norm on float16 activations)
+    avoided: Any = attrs.field(factory=dict)
 
 
 # where-clause predicates that say which op computes a variable
@@ -164,7 +167,7 @@ def plan_for(rule: CompiledRule) -> Plan:
     uint8 and bool (an op that rejects the dtype discards the instance)."""
     consts, params, favoured, floats_only = set(), set(), [], False
     producers: dict = {}
-    quantized_outputs, symmetric_pads, same_shapes, ranks = set(), set(), set(), {}
+    quantized_outputs, symmetric_pads, same_shapes, ranks, avoided = set(), set(), set(), {}, {}
     for c in _conjuncts(rule.where):
         if isinstance(c, ast.Call):
             name = c.op.names[0]
@@ -187,6 +190,11 @@ def plan_for(rule: CompiledRule) -> Plan:
                 quantized_outputs.add(first)
             elif name == "symmetric_pad" and len(c.args) == 2 and isinstance(c.args[1], ast.Var):
                 symmetric_pads.add(c.args[1].name)
+        elif isinstance(c, ast.Compare) and c.op == "!=":
+            for a, b in ((c.left, c.right), (c.right, c.left)):
+                if (isinstance(a, ast.Call) and a.op.names[0] == "dtype" and a.args
+                        and isinstance(a.args[0], ast.Var) and isinstance(b, ast.DTypeLit)):
+                    avoided[a.args[0].name] = DTYPES[b.name]
         elif isinstance(c, ast.Compare) and c.op == "==":
             for a, b in ((c.left, c.right), (c.right, c.left)):
                 if isinstance(a, ast.Call) and a.op.names[0] == "dtype" and isinstance(b, ast.DTypeLit):
@@ -207,7 +215,7 @@ def plan_for(rule: CompiledRule) -> Plan:
     dtypes += [d for d in pool if d not in dtypes]
     return Plan(rule, tolerance, frozenset(consts), frozenset(params), tuple(dtypes), unsupported,
                 tuple(dict.fromkeys(favoured)), producers, frozenset(quantized_outputs),
-                frozenset(symmetric_pads), quantized, frozenset(same_shapes), ranks)
+                frozenset(symmetric_pads), quantized, frozenset(same_shapes), ranks, avoided)
 
 
 def _pattern_ops(p: Any) -> list:
@@ -331,7 +339,12 @@ class _Args:
         v = self.get(name)
         if v is not _FREE:
             return v
-        return self.fresh(shape() if callable(shape) else tuple(shape), lo, hi)
+        shape = shape() if callable(shape) else tuple(shape)
+        avoid = self.plan.avoided.get(self.variables.get(name)) if self.plan is not None else None
+        if avoid is not None and avoid == self.dtype:  # dtype(w) != torch.float16
+            other = torch.float64 if avoid == torch.float32 else torch.float32
+            return self.ctx.tensor(tuple(shape), lo, hi, dtype=other)
+        return self.fresh(shape, lo, hi)
 
     def optional(self, name: str, shape: Any) -> Any:
         """A tensor or None (an absent bias, an affine-free norm)."""
@@ -715,6 +728,18 @@ def _cat(ctx: _Ctx, a: _Args) -> dict:
     return {"tensors": type(items)(out) if isinstance(items, tuple) else out, "dim": dim}
 
 
+#: dtype -> dtypes that hold every value of it
+_WIDER = {
+    torch.bool: (torch.uint8, torch.int32, torch.float32),
+    torch.uint8: (torch.int32, torch.int64, torch.float32),
+    torch.int8: (torch.int32, torch.int64, torch.float32),
+    torch.int32: (torch.int64, torch.float64),
+    torch.float16: (torch.float32, torch.float64),
+    torch.bfloat16: (torch.float32, torch.float64),
+    torch.float32: (torch.float64,),
+}
+
+
 @_gen("to")
 def _to(ctx: _Ctx, a: _Args) -> dict:
     x = a.tensor("input", ctx.shape)
@@ -726,11 +751,16 @@ def _to(ctx: _Ctx, a: _Args) -> dict:
             options.insert(0, "same")
         if kind == "to" and isinstance(prev.get("input"), torch.Tensor):
             options.insert(0, "back")  # to where the value came from
+        wider = _WIDER.get(x.dtype, ()) if isinstance(x, torch.Tensor) else ()
+        if wider:
+            options.append("wider")
         choice = ctx.pick(options)
         if choice == "same":
             return x.dtype
         if choice == "back":
             return prev["input"].dtype
+        if choice == "wider":  # a cast that keeps every value (and can be undone)
+            return ctx.pick(wider)
         return ctx.pick(_ALL)
 
     return {"input": x, "dtype": a.lit("dtype", dtype)}

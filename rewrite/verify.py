@@ -154,12 +154,26 @@ class VerificationReport:
 
     @property
     def ok(self) -> bool:
-        """No rule has a counterexample or failed to fire (skipped rules are not failures)."""
+        """Every rule verified: none has a counterexample or failed to fire, and none
+        was skipped (a skipped rule is an unverified rule). ``ok_or_skipped`` accepts
+        skipped ones."""
+        return not self.failures and not self.skipped
+
+    @property
+    def ok_or_skipped(self) -> bool:
+        """No rule has a counterexample or failed to fire (skipped ones may remain)."""
         return not self.failures
 
     @property
     def failures(self) -> tuple:
+        """Verdicts that reject a rule: counterexample, did not fire."""
         return tuple(v for v in self.verdicts if v.failed)
+
+    @property
+    def skipped(self) -> tuple:
+        """Rules no instance was checked for: no generator for an op, no valid instance,
+        or no instance on which the where clause held."""
+        return tuple(v for v in self.verdicts if v.status == "skipped")
 
     def __getitem__(self, name: str) -> RuleVerdict:
         for v in self.verdicts:
@@ -336,7 +350,17 @@ class _Checker:
             raise _Failure(self._cex(inst, "error", f"the rewritten graph raised {type(err).__name__}: {err}",
                                      rewritten)) from None
         seen = [*ref_seen.values(), *got_seen.values()]
-        problem = _differ(ref, got, tolerance, _lowest_precision(seen), _quantum(seen))
+        problem = _overflow(ref, got) or _differ(ref, got, tolerance, _lowest_precision(seen), _quantum(seen))
+        if problem is not None and tolerance == "approx" and not problem.startswith("output structure"):
+            # a rewrite that computes in a narrower float (a cast to float16) may lose
+            # what that float cannot hold of its inputs: compare it with the original
+            # run on inputs and constants rounded to it as well (never an overflow:
+            # that was decided against the original above)
+            narrow = _narrowest(seen)
+            rounded = _run_rounded(inst.graph_module, inputs, narrow) if narrow is not None else None
+            if (rounded is not None and not _overflow(ref, got)
+                    and _differ(rounded, got, tolerance, _lowest_precision(seen), _quantum(seen)) is None):
+                problem = None
         if problem is not None:
             cex = self._cex(inst, "mismatch", problem, rewritten, ref_seen, got_seen)
             raise _Failure(attrs.evolve(cex, expected=_show(ref, full=True), got=_show(got, full=True)))
@@ -380,6 +404,50 @@ def _lowest_precision(values: list) -> torch.dtype:
     dtypes = {t.dtype for v in values for t in pytree.tree_leaves(v)
               if isinstance(t, torch.Tensor) and t.dtype.is_floating_point}
     return max(dtypes, key=lambda d: TOLERANCES.get(d, (1e-3, 1e-3)), default=torch.float64)
+
+
+def _narrowest(values: list) -> torch.dtype | None:
+    """The floating dtype of least precision among the values computed, when some
+    other value computed has more (else None: nothing was rounded to it)."""
+    dtypes = {t.dtype for v in values for t in pytree.tree_leaves(v)
+              if isinstance(t, torch.Tensor) and not t.is_quantized and t.dtype.is_floating_point}
+    if len(dtypes) < 2:
+        return None
+    return max(dtypes, key=lambda d: torch.finfo(d).eps)
+
+
+def _round_to(t: Any, dtype: torch.dtype) -> Any:
+    if (isinstance(t, torch.Tensor) and not t.is_quantized and t.dtype.is_floating_point
+            and torch.finfo(t.dtype).eps < torch.finfo(dtype).eps):
+        return t.detach().to(dtype).to(t.dtype)
+    return t
+
+
+def _run_rounded(gm: fx.GraphModule, inputs: tuple, dtype: torch.dtype) -> Any:
+    """The graph's outputs on inputs and constants rounded to ``dtype`` (and back)."""
+    rounded = copy.deepcopy(gm)
+    with torch.no_grad():
+        for t in [*rounded.parameters(), *rounded.buffers()]:
+            if t.dtype.is_floating_point and not t.is_quantized:
+                t.copy_(_round_to(t, dtype))
+    try:
+        return _run(rounded, tuple(_round_to(t, dtype) for t in inputs))[0]
+    except Exception:  # noqa: BLE001 - no rounded reference: the comparison stands
+        return None
+
+
+def _overflow(ref: Any, got: Any) -> str | None:
+    """A value finite in ``ref`` and inf or NaN in ``got``: wrong whatever the tolerance."""
+    for i, (r, g) in enumerate(zip(pytree.tree_leaves(ref), pytree.tree_leaves(got))):
+        if (isinstance(r, torch.Tensor) and isinstance(g, torch.Tensor) and r.shape == g.shape
+                and not r.is_quantized and not g.is_quantized
+                and r.dtype.is_floating_point and g.dtype.is_floating_point):
+            bad = torch.isfinite(r) & ~torch.isfinite(g)
+            if bool(bad.any()):
+                return (f"output {i}: {int(bad.sum())} of {r.numel()} elements finite in the original are "
+                        f"inf or nan in the rewritten graph (wrong whatever the tolerance); "
+                        f"{_first(bad, r, g)}")
+    return None
 
 
 def _quantum(values: list) -> float:
