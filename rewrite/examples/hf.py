@@ -135,6 +135,16 @@ def hf_gpt2(batch: int = 2, seq: int = 8, seed: int = 0) -> Built:
     return model, (_tokens(batch, seq, config.vocab_size, seed),)
 
 
+def hf_vit(batch: int = 1, size: int = 32, seed: int = 0) -> Built:
+    """``ViTModel``, 2 layers, hidden 32, 8x8 patches; input: pixels (batch, 3, size, size)."""
+    from transformers import ViTConfig, ViTModel
+
+    torch.manual_seed(seed)
+    config = ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                       image_size=size, patch_size=8)
+    return ViTModel(config).eval(), (_pixels(batch, size, seed),)
+
+
 #: name -> builder, for parametrized tests and the CLI.
 MODELS: Dict[str, Callable[..., Built]] = {
     "hf_resnet": hf_resnet,
@@ -142,4 +152,5 @@ MODELS: Dict[str, Callable[..., Built]] = {
     "hf_mobilenet_v2": hf_mobilenet_v2,
     "hf_bert": hf_bert,
     "hf_gpt2": hf_gpt2,
+    "hf_vit": hf_vit,
 }
