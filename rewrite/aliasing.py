@@ -91,12 +91,12 @@ def new_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any) -> str |
     sharing, or None when it would not. ``created``: the nodes the replacement built
     (they will compute ``root``'s value)."""
     base = storage_base(result, gm)
-    if not isinstance(base, fx.Node):
-        return None
+    created = frozenset(created)
+    if not isinstance(base, fx.Node) or (base in created and not caller_owned(base)):
+        return None  # fresh memory the replacement computes: nothing is shared
     before = storage_base(root, gm, always_aliases)
     if base is before:
         return None  # root already was (a view of) that memory
-    created = frozenset(created)
     mine = alias_class(root, gm)
     theirs = alias_class(base, gm, exclude=frozenset(mine) | created)
     if base in mine:
