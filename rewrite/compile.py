@@ -25,6 +25,7 @@ import torch
 
 from rewrite.functions.registry import FunctionSpec, lookup_function
 from rewrite.language import ast
+from rewrite.language.parser import DTYPES as DTYPE_NAMES
 from rewrite.ops import OpDef, lookup_op
 from rewrite.ops.base import REQUIRED
 
@@ -39,15 +40,11 @@ class CompileError(Exception):
     construct); carries the rule's source position."""
 
 
-DTYPES = {
-    name: getattr(torch, name)
-    for name in (
-        "float32", "float", "float64", "double", "float16", "half", "bfloat16", "int8", "uint8",
-        "int16", "short", "int32", "int", "int64", "long", "bool", "complex64", "complex128",
-        "cfloat", "cdouble", "float8_e4m3fn", "float8_e5m2", "qint8", "quint8", "qint32",
-    )
-    if isinstance(getattr(torch, name, None), torch.dtype)
-}
+#: ``torch.<name>`` dtype literals: the parser's table of names (one table; the
+#: parser stays torch-free), each mapped to its torch dtype. A name this torch build
+#: lacks fails at load with a positioned error (``rewrite.language.check``).
+DTYPES = {name: getattr(torch, name) for name in sorted(DTYPE_NAMES)
+          if isinstance(getattr(torch, name, None), torch.dtype)}
 
 # ---------------------------------------------------------------- pattern records
 

@@ -426,3 +426,17 @@ def test_unreadable_bytes_are_reported(tmp_path):
         load_program([a])
     assert [(d.code, d.message) for d in info.value.diagnostics] == [
         ("E402", f"cannot read rule file '{a}': not valid UTF-8 (byte 20)")]
+
+
+@pytest.mark.parametrize("name", sorted(__import__("rewrite.language.parser", fromlist=["DTYPES"]).DTYPES))
+def test_every_dtype_the_parser_accepts_compiles(name):
+    """One dtype table: every ``torch.<dtype>`` the parser accepts loads, compiles and
+    reaches the matcher as that dtype (``torch.uint16`` once crashed the compiler)."""
+    import torch
+
+    import rewrite
+    from rewrite.compile import DTYPES
+
+    rules = rewrite.parse(f"rule r: to(x, d) where d == torch.{name} => to(x, torch.{name})")
+    assert DTYPES[name] is getattr(torch, name)
+    assert rules.rules["r"].replacement.args["dtype"].value is getattr(torch, name)

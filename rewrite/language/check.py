@@ -408,6 +408,12 @@ class _Checker:
             self.check(e.expr, place)
         elif isinstance(e, ast.Call):
             self.call(e, place)
+        elif isinstance(e, ast.DTypeLit):
+            import torch
+
+            if not isinstance(getattr(torch, e.name, None), torch.dtype):
+                self.error(e.span, f"this torch build has no dtype 'torch.{e.name}'", "E010",
+                           help=f"torch {torch.__version__} lacks it; use another dtype")
         elif isinstance(e, (ast.Compare, ast.BoolOp, ast.Not, ast.Index)):
             if place != _WHERE:
                 self.error(e.span, f"{_what(e)} can only be used in a where clause", "E304",
