@@ -47,13 +47,15 @@ class NonTerminationError(RuntimeError):
 class RuleStats:
     """Per-rule counters: tries (nodes whose op the rule's root has), of which
     ``prefiltered`` its prefilter turned away before matching, matches applied,
-    failures while building a replacement, and seconds spent matching."""
+    failures while building a replacement (and the first one's reason), and seconds
+    spent matching."""
 
     tries: int = 0
     applied: int = 0
     failed: int = 0
     seconds: float = 0.0
     prefiltered: int = 0
+    first_error: str = ""  # why the first failed replacement failed
 
 
 def _depth(p: Any) -> int:
@@ -208,8 +210,11 @@ class Driver:
             signature = _signature(node)
             try:
                 created, producers = self.replacer.apply(match)
-            except ReplacementError:
+            except ReplacementError as err:
                 stats.failed += 1
+                if not stats.first_error:
+                    cause = err.__cause__
+                    stats.first_error = str(err) + (f" ({type(cause).__name__})" if cause is not None else "")
                 continue
             stats.applied += 1
             self.counts[rule.name] += 1

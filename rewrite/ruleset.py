@@ -85,10 +85,13 @@ class RewriteResult:
 
     def summary(self) -> str:
         """A table of per-rule counts and the equivalence verdict."""
-        lines = [f"{'rule':<32} {'applied':>8} {'tries':>8}"]
+        lines = [f"{'rule':<32} {'applied':>8} {'tries':>8} {'failed':>8}"]
         for name in sorted(self.stats):
             s = self.stats[name]
-            lines.append(f"{name:<32} {s.applied:>8} {s.tries:>8}")
+            lines.append(f"{name:<32} {s.applied:>8} {s.tries:>8} {s.failed:>8}")
+        for name in sorted(self.stats):
+            if self.stats[name].failed:
+                lines.append(f"failed: {self.stats[name].first_error}")
         lines.append(
             f"rewrites: {sum(self.counts.values())} in {self.seconds * 1e3:.1f} ms "
             f"(+ {self.copy_seconds * 1e3:.1f} ms to copy the input)"
@@ -230,6 +233,7 @@ class RuleSet:
                 if on_mismatch == "raise" or culprit is None or len(rejected) >= _MAX_REJECTIONS:
                     raise EquivalenceError(report, dict(driver.counts), culprit)
                 rejected.append(culprit)
+                warnings.warn(f"rewrite: rolled back {culprit}", stacklevel=2)
                 txn.skip.add((culprit.rule, culprit.node))
                 gm, driver = txn.run()
                 report = verdict(gm) if driver.counts else None

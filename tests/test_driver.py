@@ -155,3 +155,36 @@ def test_a_second_rule_set_gets_facts_for_nodes_the_first_created():
     calls = [n for n in step2.graph_module.graph.nodes if n.op.startswith("call_")]
     assert len(calls) == 1 and "silu" in str(calls[0].target)
     torch.testing.assert_close(step2.graph_module(x), _SiluThenCast()(x))
+
+
+def test_failed_replacements_are_reported_with_their_reason():
+    """A rewrite-time function that raises shows in the summary with the first
+    reason, not only as an 'applied 0'."""
+    from rewrite.functions.registry import register_constant
+
+    @register_constant()
+    def explodes_at_rewrite_time(t):
+        raise ValueError("no such thing")
+
+    rules = rewrite.parse("rule boom: neg(x) where const(x) => explodes_at_rewrite_time(x)")
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            return x + (-self.w)
+
+    result = rules.apply(M(), (torch.randn(3),))
+    assert result.counts == {} and result.stats["boom"].failed == 1
+    assert "no such thing" in result.stats["boom"].first_error
+    summary = result.summary()
+    assert "failed" in summary and "no such thing" in summary
+
+
+def test_skip_rule_rollbacks_warn():
+    rules = rewrite.parse("rule wrong: relu(x) => neg(x)")
+    with pytest.warns(UserWarning, match="rolled back rule 'wrong'"):
+        result = rules.apply(fx.symbolic_trace(Fn(torch.relu)), (X,), on_mismatch="skip-rule")
+    assert result.counts == {} and len(result.rejected) == 1
