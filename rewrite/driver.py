@@ -28,7 +28,7 @@ from rewrite.facts import GraphFacts
 from rewrite.match import Matcher
 from rewrite.ops import lookup_op
 from rewrite.prefilter import build_prefilter
-from rewrite.replace import Replacer, ReplacementError
+from rewrite.replace import Replacer, ReplacementError, uses_root
 
 __all__ = ["Driver", "NonTerminationError", "RuleStats"]
 
@@ -149,6 +149,7 @@ class Driver:
         self.skip: set = set()
         self.shuffle: random.Random | None = None  # a random worklist order, to test confluence
         self._removed: dict = {}  # signature of a replaced node -> [history index, times recreated]
+        self._inserted: set = set()  # (rule name, root) of insertions: the root stays, never again
 
     # -- schedules
 
@@ -196,6 +197,8 @@ class Driver:
         for rule, prefilter in index.candidates(self.matcher, node):
             if self.skip and (rule.name, node.name) in self.skip:
                 continue
+            if self._inserted and (rule.name, node) in self._inserted:
+                continue
             stats = self.stats[rule.name]
             stats.tries += 1
             if prefilter is not None and not prefilter(self.matcher, node):
@@ -208,6 +211,7 @@ class Driver:
                 continue
             users_before = list(node.users)
             signature = _signature(node)
+            insertion = uses_root(match)
             try:
                 created, producers = self.replacer.apply(match)
             except ReplacementError as err:
@@ -217,6 +221,8 @@ class Driver:
                     stats.first_error = str(err) + (f" ({type(cause).__name__})" if cause is not None else "")
                 continue
             stats.applied += 1
+            if insertion:  # the root stays: never insert at it again
+                self._inserted.add((rule.name, node))
             self.counts[rule.name] += 1
             self.history.append((rule.name, node.name))
             self.created.extend(created)

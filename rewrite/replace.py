@@ -29,9 +29,14 @@ from rewrite.ops import bind_node
 from rewrite.ops.base import ConstRef
 from rewrite.aliasing import new_aliasing
 
-__all__ = ["Replacer", "ReplacementError"]
+__all__ = ["Replacer", "ReplacementError", "uses_root"]
 
 _CARRIED_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "from_node")
+
+
+def uses_root(match: Match) -> bool:
+    """Whether the replacement reads the matched root's own value (an insertion)."""
+    return any(match.env.get(v) is match.root for v in match.rule.replacement_vars)
 
 
 class ReplacementError(Exception):
@@ -62,12 +67,17 @@ class Replacer:
     # -- public
 
     def apply(self, match: Match) -> tuple:
-        """Rewrite one match. Returns (new nodes, nodes whose users changed)."""
+        """Rewrite one match. Returns (new nodes, nodes whose users changed).
+
+        A replacement that uses the root's own value (``conv(...) as c =>
+        minmax_observer(c)``) is an *insertion*: it is built after the root, and the
+        root's other users read its result; the root itself stays."""
         root = match.root
         self._created, self._new_attrs = [], []
         self._covered = match.nodes
+        inserting = uses_root(match)
         try:
-            with self.graph.inserting_before(root):
+            with self.graph.inserting_before(root.next if inserting else root):
                 result = self._build(match.rule.replacement, match.env, root)
         except Exception as err:
             self._undo()
@@ -82,6 +92,11 @@ class Replacer:
                 raise ReplacementError(f"rule {match.rule.name!r} at {root.name}: {problem}")
         if result is root:
             return (), ()
+        if inserting:
+            created = set(self._created)
+            users = [u for u in root.users if u not in created]
+            root.replace_all_uses_with(result, delete_user_cb=lambda user: user not in created)
+            return tuple(self._created), tuple(users)
         root.replace_all_uses_with(result)
         touched = self._retire(match)
         return tuple(self._created), touched

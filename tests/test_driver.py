@@ -188,3 +188,23 @@ def test_skip_rule_rollbacks_warn():
     with pytest.warns(UserWarning, match="rolled back rule 'wrong'"):
         result = rules.apply(fx.symbolic_trace(Fn(torch.relu)), (X,), on_mismatch="skip-rule")
     assert result.counts == {} and len(result.rejected) == 1
+
+
+@pytest.mark.parametrize("level", ["fx", "export"])
+@pytest.mark.parametrize("text,inserted", [
+    ("rule o: conv(_, ...) as c => minmax_observer(c)", "call_module"),
+    ("rule n: relu(_) as r => neg(neg(r))", "call_function"),
+])
+def test_a_replacement_using_the_root_inserts_after_it_once(level, text, inserted):
+    """Insertion is first class: a replacement that reads the root's own value is
+    built after the root, the root's users read it, and it is never inserted twice."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU()).eval()
+    x = torch.randn(1, 3, 8, 8)
+    gm = fx.symbolic_trace(model) if level == "fx" else torch.export.export(model, (x,)).module()
+    before = len(gm.graph.nodes)
+    result = rewrite.parse(text).apply(gm, (x,))
+    assert sum(result.counts.values()) == 1 and result.equivalence.ok
+    nodes = list(result.graph_module.graph.nodes)
+    grown = len(nodes) - before
+    assert grown == (1 if inserted == "call_module" else 2)
+    assert torch.equal(result.graph_module(x), model(x))
