@@ -30,7 +30,7 @@ from rewrite.language.printer import format_expr
 from rewrite.match import _NODES, Matcher
 from rewrite.ops import ConstRef
 
-__all__ = ["Explanation", "explain"]
+__all__ = ["Explanation", "Explanations", "explain"]
 
 
 @attrs.frozen
@@ -206,9 +206,19 @@ class _ExplainingMatcher(Matcher):
         return {k: _describe(v, self.gm) for k, v in env.items() if k != _NODES}
 
 
+class Explanations(list):
+    """A list of ``Explanation``s that prints as the text ``rewrite explain`` shows."""
+
+    def __str__(self) -> str:
+        return "\n\n".join(str(e) for e in self) if self else "no rule was tried at any node"
+
+    __repr__ = __str__
+
+
 def explain(ruleset: Any, model: fx.GraphModule, rule: str | None = None, node: str | None = None,
             example_inputs: tuple | None = None, limit: int = 10) -> list:
-    """Explain rules at nodes (see ``RuleSet.explain``); works on a copy of ``model``."""
+    """Explain rules at nodes (see ``RuleSet.explain``); works on a copy of ``model``.
+    Returns ``Explanations``: a list that prints as text."""
     gm = copy.deepcopy(model)
     facts = GraphFacts(gm, example_inputs)
     rules = [ruleset.rules[rule]] if rule is not None else list(ruleset.rules.values())
@@ -229,4 +239,4 @@ def explain(ruleset: Any, model: fx.GraphModule, rule: str | None = None, node: 
             found.sort(key=lambda e: (not e.matched, -e.depth))
             found = found[:limit]
         out.extend(found)
-    return out
+    return Explanations(out)

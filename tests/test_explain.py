@@ -81,3 +81,16 @@ def test_cli_explain_rule(capsys):
                  "--rule", "conv_bn", "--capture", "export"]) == 0
     out = capsys.readouterr().out
     assert "fusion.rw:17:51: conv_bn at node 'batch_norm_2': where clause failed" in out
+
+
+def test_explanations_print_as_text():
+    import torch
+
+    import rewrite
+
+    rules = rewrite.load("rules/fusion.rw")
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)).eval()
+    found = rules.explain(model, rule="conv_bn", example_inputs=(torch.randn(1, 3, 8, 8),))
+    text = str(found)
+    assert isinstance(found, list) and found and text == "\n\n".join(str(e) for e in found)
+    assert "conv_bn" in text and "Explanation(" not in repr(found)
