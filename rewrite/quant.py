@@ -466,7 +466,17 @@ def convert(
     if check and args is not None:
         with torch.no_grad():
             ref, out = qdq(*args), int8(*args)
-        db = min(sqnr(r, o) for r, o in _float_pairs(ref, out))
+        pairs = _float_pairs(ref, out)
+        # integer outputs (argmax, indices) downstream of int8 kernels: the share of
+        # elements equal to the QDQ reference's
+        agreement = _agreement(ref, out)
+        if agreement is not None:
+            state["qdq_agreement"] = agreement
+            if agreement < _MIN_AGREEMENT:
+                raise QuantizationError(
+                    f"the int8 model's integer outputs agree with its reference QDQ model on "
+                    f"{agreement:.1%} of elements < {_MIN_AGREEMENT:.0%}")
+        db = min((sqnr(r, o) for r, o in pairs), default=math.inf)
         state["qdq_sqnr"] = db
         if db < min_qdq_sqnr:
             raise QuantizationError(
@@ -519,6 +529,19 @@ def sqnr(reference: torch.Tensor, test: torch.Tensor) -> float:
     if noise == 0:
         return math.inf
     return float(20 * torch.log10(ref.norm() / noise))
+
+
+#: The int8 model's integer outputs must equal its QDQ reference's on this share of elements.
+_MIN_AGREEMENT = 0.9
+
+
+def _agreement(ref: Any, out: Any) -> float | None:
+    """The smallest share of equal elements over the integer/bool outputs, or None."""
+    a = [t for t in pytree.tree_leaves(ref) if isinstance(t, torch.Tensor)]
+    b = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    shares = [float((x == y).float().mean()) for x, y in zip(a, b)
+              if not x.is_floating_point() and not x.is_complex() and x.shape == y.shape and x.numel()]
+    return min(shares) if shares else None
 
 
 def _float_pairs(ref: Any, out: Any) -> list:

@@ -417,3 +417,24 @@ def test_quantize_one_call_and_command_line(capsys):
     assert rq.quantize_command(args) == 0
     out = capsys.readouterr().out
     assert "lower_conv_relu x9" in out and "output SQNR" in out and "layer1.0.conv1" in out
+
+
+def test_quantize_a_model_with_integer_outputs():
+    """An argmax output: no float output to measure SQNR on; the int8 model's integer
+    outputs are compared with its QDQ reference by agreement instead of crashing."""
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5)).eval()
+
+    class Classify(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = body
+
+        def forward(self, x):
+            return self.body(x).argmax(-1)
+
+    x = torch.randn(8, 3, 8, 8)
+    int8 = rq.quantize(Classify().eval(), [(x,)], (x,))
+    state = int8.meta["rewrite.quant"]
+    assert state["qdq_agreement"] >= 0.9 and state["lower_counts"]
+    assert int8(x).dtype == torch.int64 and int8(x).shape == (8,)
