@@ -184,3 +184,24 @@ def test_imports_read_only_rule_files(tmp_path):
     with pytest.raises(rewrite.RuleError) as info:
         rewrite.load(str(bad))
     assert "not a .rw rule file" in str(info.value) and "E402" in str(info.value)
+
+
+def test_imports_check_the_resolved_path_and_odd_names(tmp_path):
+    """A symlink named *.rw that points at another file is not read (nor quoted); a
+    NUL byte or a too-long name is a positioned E402, never an OSError/ValueError."""
+    import os
+
+    from rewrite.language import RuleError, load_program
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text("TOP SECRET first line\n")
+    os.symlink(secret, tmp_path / "link.rw")
+    main = tmp_path / "main.rw"
+    main.write_text('import "link.rw"\nimport "a\\x00b.rw"\nimport "' + "a" * 5000 + '.rw"\n'
+                    "rule r: relu(x) => x\n")
+    with pytest.raises(RuleError) as info:
+        load_program([str(main)])
+    text = str(info.value)
+    assert "TOP SECRET" not in text
+    assert [d.code for d in info.value.diagnostics] == ["E402", "E402", "E402"]
+    assert [d.span.line for d in info.value.diagnostics] == [1, 2, 3]

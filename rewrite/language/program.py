@@ -155,23 +155,34 @@ class _Loader:
         self.order.append(f)
 
     def _import(self, f: _File, imp: ast.Import, base: Path) -> None:
-        target = base / imp.path
-        display = os.path.normpath(os.path.join(os.path.dirname(f.display) if not f.display.startswith("<") else "",
-                                                imp.path))
-        key = os.path.realpath(target)
+        display = imp.path
+        try:
+            target = base / imp.path
+            display = os.path.normpath(os.path.join(
+                os.path.dirname(f.display) if not f.display.startswith("<") else "", imp.path))
+            key = os.path.realpath(target)
+            exists, is_dir = target.is_file(), target.is_dir()
+            os.fsencode(key)
+        except (ValueError, OSError, UnicodeError) as exc:  # NUL bytes, names too long, lone surrogates
+            self.diags.append(Diagnostic(imp.span, f"cannot import {display!r}: not a usable path "
+                                                   f"({type(exc).__name__})", "E402",
+                                         help="imports name rule files, e.g. import \"cleanup.rw\""))
+            f.complete = False
+            return
         if key in self.stack:
             chain = [self.files[k].display for k in self.stack[self.stack.index(key):]] + [display]
             self.diags.append(Diagnostic(imp.span, f"import cycle: {' -> '.join(chain)}", "E403",
                                          help="move the shared declarations into a file both can import"))
             return
-        if target.suffix != ".rw":
+        if target.suffix != ".rw" or not key.endswith(".rw"):
+            # (checked on the resolved path too: a symlink named *.rw may point anywhere)
             # Only rule files: an import must not read (and quote back) any other file.
             self.diags.append(Diagnostic(imp.span, f"cannot import '{display}': not a .rw rule file", "E402",
                                          help="imports name rule files, e.g. import \"cleanup.rw\""))
             f.complete = False
             return
-        if key not in self.files and not target.is_file():
-            why = "is a directory" if target.is_dir() else "no such file"
+        if key not in self.files and not exists:
+            why = "is a directory" if is_dir else "no such file"
             self._unreadable(display, imp.span, why, target)
             f.complete = False
             return
