@@ -293,3 +293,20 @@ def test_pathological_texts(text):
 
 def test_huge_int_literal_is_a_rule_error():
     _load_text("rule r: mul(x, " + "1" * 5000 + ") => x")
+
+
+def test_many_unknown_names_get_few_hints(monkeypatch):
+    """4000 rulesets naming unknown rules: every error is reported, but did-you-mean
+    (a search over every name in scope) runs for the first few only: one search per
+    error made checking quadratic (> 30 s for a 100 KB file)."""
+    import rewrite.language.check as check
+    from rewrite.language import RuleError, load_program_text
+
+    calls = []
+    real = check.did_you_mean
+    monkeypatch.setattr(check, "did_you_mean", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    text = "rule r: relu(x) => x\n" + "".join(f"ruleset s{i} = fixpoint(r, nope{i})\n" for i in range(4000))
+    with pytest.raises(RuleError) as info:
+        load_program_text(text, "big.rw")
+    assert len(info.value.diagnostics) == 4000
+    assert len(calls) <= check._HINTS

@@ -41,6 +41,7 @@ OPTIONS = {
 }
 
 _PATTERN, _WHERE, _REPLACEMENT = "pattern", "where clause", "replacement"
+_HINTS = 20  # did-you-mean hints per file
 
 
 def _vocabulary() -> Any:
@@ -233,6 +234,13 @@ class _Checker:
         self.bound: dict = {}  # name -> span, for the rule being checked
         self.used: set = set()
 
+    def _suggest(self, name: str, candidates: Any, valid: Any = None) -> str | None:
+        """``did_you_mean``, for the first ``_HINTS`` unknown names of a file: each
+        search is linear in the names in scope, so a file of thousands of errors
+        would take quadratic time for hints nobody reads."""
+        self._hints = getattr(self, "_hints", 0) + 1
+        return did_you_mean(name, candidates, valid) if self._hints <= _HINTS else None
+
     def error(self, span: ast.Span | None, message: str, code: str, help: str | None = None) -> None:
         self.diags.append(Diagnostic(span, message, code, help))
 
@@ -274,7 +282,7 @@ class _Checker:
                 self.error(span, f"'{member}' is a {found.kind}, not an op; a family lists ops", "E104")
             elif kind is None and self.scope.complete:
                 self.error(span, f"unknown op '{member}' in family '{f.name}'", "E101",
-                           help=did_you_mean(member, self._ops_and_families(), _vocabulary().lookup_op))
+                           help=self._suggest(member, self._ops_and_families(), _vocabulary().lookup_op))
 
     def ruleset(self, d: ast.RuleSetDecl) -> None:
         self._schedule(d.schedule)
@@ -283,7 +291,7 @@ class _Checker:
         if s.kind not in SCHEDULE_KINDS:
             span = s.span and ast.Span(s.span.path, s.span.line, s.span.col, s.span.line, s.span.col + len(s.kind))
             self.error(span, f"unknown schedule '{s.kind}'", "E408",
-                       help=did_you_mean(s.kind, SCHEDULE_KINDS) or "schedules are fixpoint(...), once(...), seq(...)")
+                       help=self._suggest(s.kind, SCHEDULE_KINDS) or "schedules are fixpoint(...), once(...), seq(...)")
         if not s.items:
             self.error(s.span, f"empty schedule '{s.kind}()'", "E408", help="list rules or rulesets inside it")
         for item in s.items:
@@ -294,7 +302,7 @@ class _Checker:
                            help="a schedule lists rules and rulesets")
             elif item.name not in self.scope.schedulables and self.scope.complete:
                 self.error(item.span, f"unknown rule or ruleset '{item.name}'", "E407",
-                           help=did_you_mean(item.name, self.scope.schedulables))
+                           help=self._suggest(item.name, self.scope.schedulables))
 
     def rule(self, r: ast.Rule) -> None:
         self._options(r)
@@ -329,7 +337,7 @@ class _Checker:
             seen.add(opt.name)
             if opt.name not in OPTIONS:
                 self.error(opt.span, f"unknown rule option '{opt.name}'", "E405",
-                           help=did_you_mean(opt.name, OPTIONS) or f"known options: {', '.join(OPTIONS)}")
+                           help=self._suggest(opt.name, OPTIONS) or f"known options: {', '.join(OPTIONS)}")
                 continue
             ok, wanted = OPTIONS[opt.name]
             value = opt.value
@@ -378,7 +386,7 @@ class _Checker:
         self.used.add(v.name)
         if v.name in self.bound:
             return
-        hint = did_you_mean(v.name, self.bound)
+        hint = self._suggest(v.name, self.bound)
         if v.name in DTYPES:
             hint = f"did you mean 'torch.{v.name}'?"
         self.error(v.span, f"unbound variable '{v.name}'", "E301",
@@ -450,7 +458,7 @@ class _Checker:
                        "E104", help=f"use it in the {where}")
         elif self.scope.complete:
             self.error(span, f"unknown op '{name}'", "E102",
-                       help=did_you_mean(name, self._ops_and_families(), _vocabulary().lookup_op))
+                       help=self._suggest(name, self._ops_and_families(), _vocabulary().lookup_op))
 
     def _call_in_where(self, c: ast.Call, name: str, span: Any, kind: str | None, found: Any) -> None:
         if kind == "function" and found.kind in ("predicate", "query"):
@@ -461,7 +469,7 @@ class _Checker:
                        help="match ops in the pattern and test them here through their variables")
         else:
             names = _registry().function_names("predicate") + _registry().function_names("query")
-            self.error(span, f"unknown predicate or query '{name}'", "E103", help=did_you_mean(name, names))
+            self.error(span, f"unknown predicate or query '{name}'", "E103", help=self._suggest(name, names))
 
     def _call_in_replacement(self, c: ast.Call, name: str, span: Any, kind: str | None, found: Any) -> None:
         if kind == "op":
@@ -479,7 +487,7 @@ class _Checker:
             reg = _registry()
             names = list(_vocabulary().op_names()) + reg.function_names("constant") + reg.function_names("module")
             self.error(span, f"unknown op or function '{name}'", "E102",
-                       help=did_you_mean(name, names, _vocabulary().lookup_op))
+                       help=self._suggest(name, names, _vocabulary().lookup_op))
 
     # ------------------------------------------------------ effects
 
@@ -543,7 +551,7 @@ class _Checker:
         given = set(names[: len(c.args)])
         for k in c.kwargs:
             if k.name not in names:
-                hint = did_you_mean(k.name, names)
+                hint = self._suggest(k.name, names)
                 self.error(k.span, f"{who} has no parameter '{k.name}'", "E202",
                            help=f"{hint} ({sig})" if hint else sig)
             elif k.name in given and names.index(k.name) < len(c.args):
