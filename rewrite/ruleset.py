@@ -69,6 +69,9 @@ class RewriteResult:
         rejected: applications rolled back because they broke equivalence
             (``on_mismatch="skip-rule"``), as ``Rejection`` records.
         copy_seconds: wall time of copying the input (the input is never mutated).
+        changes: names of the rules that fired and are declared intentional
+            changes (``change=True``): the check compared the rewrite with the
+            model after those rules alone.
     """
 
     graph_module: fx.GraphModule
@@ -78,6 +81,7 @@ class RewriteResult:
     seconds: float
     rejected: tuple = ()
     copy_seconds: float = 0.0
+    changes: tuple = ()
 
     @property
     def changed(self) -> bool:
@@ -96,6 +100,8 @@ class RewriteResult:
             f"rewrites: {sum(self.counts.values())} in {self.seconds * 1e3:.1f} ms "
             f"(+ {self.copy_seconds * 1e3:.1f} ms to copy the input)"
         )
+        for name in self.changes:
+            lines.append(f"intentional change (not checked): {name} x{self.counts.get(name, 0)}")
         if self.equivalence is not None:
             lines.append(f"equivalence: {self.equivalence}")
         for r in self.rejected:
@@ -218,14 +224,17 @@ class RuleSet:
                 "(the graph records no input shapes)",
                 stacklevel=2,
             )
-        elif check and driver.counts:
+        elif check and set(driver.counts) - self._changes():
             from rewrite.check import check_equivalence
 
             kind = self._tolerance_of(driver.counts)
+            # Intentional changes (``change=True``) are not checked: the rewrite is
+            # compared with the model after those rules alone.
+            reference = model if not set(driver.counts) & self._changes() else self._changed(original)
 
             def verdict(candidate: fx.GraphModule) -> Any:
-                return check_equivalence(model, candidate, example_inputs, trials=trials, rtol=rtol, atol=atol,
-                                         tolerance=kind)
+                return check_equivalence(reference, candidate, example_inputs, trials=trials, rtol=rtol,
+                                         atol=atol, tolerance=kind)
 
             report = verdict(gm)
             while not report.ok:
@@ -239,8 +248,20 @@ class RuleSet:
                 report = verdict(gm) if driver.counts else None
                 if report is None:
                     break
+        changes = tuple(sorted(set(driver.counts) & self._changes()))
         return RewriteResult(gm, dict(driver.counts), dict(driver.stats), report, seconds, tuple(rejected),
-                             copy_seconds)
+                             copy_seconds, changes)
+
+    def _changes(self) -> set:
+        """Names of the rules declared as intentional changes (``change=True``)."""
+        return {name for name, rule in self.rules.items() if rule.rule.option("change", False)}
+
+    def _changed(self, original: fx.GraphModule) -> fx.GraphModule:
+        """The model with only the intentional changes applied: what the whole
+        rewrite must stay equivalent to."""
+        names = tuple(sorted(self._changes()))
+        only = RuleSet(self.rules, {}, ("fixpoint", names), f"{self.name}:changes")
+        return only.apply(original, check=False).graph_module
 
     def _tolerance_of(self, counts: dict) -> str:
         """``"exact"`` when every rule that fired is exact (only rounding may differ),

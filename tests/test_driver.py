@@ -208,3 +208,27 @@ def test_a_replacement_using_the_root_inserts_after_it_once(level, text, inserte
     grown = len(nodes) - before
     assert grown == (1 if inserted == "call_module" else 2)
     assert torch.equal(result.graph_module(x), model(x))
+
+
+def test_an_intentional_change_is_not_checked_but_the_rest_is():
+    """clamp -> sigmoid on purpose (the torch.fx documentation's first example): the
+    other rules of the run are checked against the model after the change alone."""
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return torch.clamp(x, 0, 1) * 1.0 + 2
+
+    x = torch.randn(4)
+    good = rewrite.parse("rule clamp_to_sigmoid(change=True): clamp(x, 0, 1) => sigmoid(x)\n"
+                         "rule mul_one: mul(x, 1) => x")
+    result = good.apply(fx.symbolic_trace(M()), (x,))
+    assert result.counts == {"clamp_to_sigmoid": 1, "mul_one": 1}
+    assert result.changes == ("clamp_to_sigmoid",) and result.equivalence.ok
+    assert "intentional change (not checked): clamp_to_sigmoid x1" in result.summary()
+    assert torch.allclose(result.graph_module(x), torch.sigmoid(x) + 2)
+    bad = rewrite.parse("rule clamp_to_sigmoid(change=True): clamp(x, 0, 1) => sigmoid(x)\n"
+                        "rule wrong: add(x, 2) => sub(x, 2)")
+    with pytest.raises(rewrite.EquivalenceError, match="wrong"):
+        bad.apply(fx.symbolic_trace(M()), (x,))
+    only = rewrite.parse("rule clamp_to_sigmoid(change=True): clamp(x, 0, 1) => sigmoid(x)")
+    result = only.apply(fx.symbolic_trace(M()), (x,))
+    assert result.equivalence is None and result.changes == ("clamp_to_sigmoid",)

@@ -38,6 +38,7 @@ OPTIONS = {
     "priority": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
     "shared": (lambda v: isinstance(v, bool), "True or False"),
     "tolerance": (lambda v: v in ("exact", "approx"), "\"exact\" or \"approx\""),
+    "change": (lambda v: isinstance(v, bool), "True or False"),
 }
 
 _PATTERN, _WHERE, _REPLACEMENT = "pattern", "where clause", "replacement"
