@@ -571,8 +571,9 @@ def _compare_tensor(path: str, trial: int, ref: torch.Tensor, cand: Any, kind: s
         worst = int(torch.argmax(torch.where(violating, diff - allowed_abs, torch.full_like(diff, -math.inf))))
         at_worst = float(allowed_abs.flatten()[worst]) if isinstance(allowed_abs, torch.Tensor) else at
         index = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), r.shape)) if r.dim() else ()
-        return bad(f"{n} of {r.numel()} elements outside {kind} tolerance (rtol={rt:.3g}, atol={at:.3g} x local "
-                   f"scale); at {list(index)}: expected {float(r64.flatten()[worst].real):.6g}, got "
+        how = "absolute" if atol is not None else "x local scale"
+        return bad(f"{n} of {r.numel()} elements outside {kind} tolerance (rtol={rt:.3g}, atol={at:.3g} {how}"
+                   f"); at {list(index)}: expected {float(r64.flatten()[worst].real):.6g}, got "
                    f"{float(c64.flatten()[worst].real):.6g} (allowed abs diff {at_worst:.3g}); "
                    f"max abs diff {max_abs:.3g}, max rel diff {max_rel:.3g}", max_abs, max_rel)
     return max_abs, max_rel, None

@@ -39,12 +39,21 @@ class EquivalenceError(AssertionError):
     rewrite is not returned; ``report`` says which output diverged, ``counts``
     which rules fired."""
 
-    def __init__(self, report: Any, counts: dict, culprit: Any = None) -> None:
+    def __init__(self, report: Any, counts: dict, culprit: Any = None, tolerance: str = "exact") -> None:
         fired = ", ".join(f"{name} x{n}" for name, n in sorted(counts.items())) or "none"
         message = f"rewrite changed the model's outputs: {report}; rules that fired: {fired}"
         if culprit is not None:
             message += f"; the first application that broke it: {culprit}"
+        mm = getattr(report, "first_mismatch", None)
+        if tolerance == "approx" and mm is not None and 0 < mm.max_rel_error < 0.1:
+            message += (
+                f". Approximate rules fired: the outputs differ by {mm.max_rel_error:.2g} of their scale, "
+                "the size of error an approximate rule set (a lower precision, a fold) can accumulate over "
+                "a deep model, so no single rule need be wrong. If that is acceptable, pass looser "
+                "tolerances (apply(..., rtol=..., atol=...): atol is then absolute); otherwise find the "
+                "rule with rules.verify() and on_mismatch=\"skip-rule\"")
         super().__init__(message)
+        self.tolerance = tolerance
         self.report = report
         self.counts = counts
         self.culprit = culprit
@@ -240,7 +249,7 @@ class RuleSet:
             while not report.ok:
                 culprit = txn.bisect(verdict, len(driver.history))
                 if on_mismatch == "raise" or culprit is None or len(rejected) >= _MAX_REJECTIONS:
-                    raise EquivalenceError(report, dict(driver.counts), culprit)
+                    raise EquivalenceError(report, dict(driver.counts), culprit, kind)
                 rejected.append(culprit)
                 warnings.warn(f"rewrite: rolled back {culprit}", stacklevel=2)
                 txn.skip.add((culprit.rule, culprit.node))

@@ -480,3 +480,12 @@ def test_shipped_amp_passes_its_default_check(builder):
     assert result.equivalence.ok and sum(result.counts.values()) > 0
     assert any(n.target in (torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype)
                for n in result.graph_module.graph.nodes if n.op == "call_function")
+
+
+def test_an_approximate_failure_says_so_and_suggests_the_fix():
+    model, inputs, gm = _hf("hf_resnet")
+    with pytest.raises(rewrite.EquivalenceError) as info:
+        amp("bf16").apply(gm, example_inputs=inputs, rtol=1e-5, atol=1e-5)
+    text = str(info.value)
+    assert info.value.tolerance == "approx"
+    assert "Approximate rules fired" in text and "no single rule need be wrong" in text and "rtol=" in text
