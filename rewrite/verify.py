@@ -701,11 +701,15 @@ def verify_rule(ruleset: Any, rule: CompiledRule | str, *, max_examples: int = 1
     @hyp.given(st.data())
     def run(data: Any) -> None:
         inst = data.draw(st.composite(lambda draw: draw_instance(draw, plan))())
+        checked = checker.counts["checked"]
         try:
             checker.check(inst)
         except _Failure as f:
             failures.append(f.counterexample)
             raise
+        # a discarded instance (not a program, or the where clause does not hold)
+        # does not count: hypothesis draws another, up to its limit on rejections
+        hyp.assume(checker.counts["checked"] > checked)
 
     try:
         run()
@@ -714,8 +718,9 @@ def verify_rule(ruleset: Any, rule: CompiledRule | str, *, max_examples: int = 1
     except Exception as err:  # noqa: BLE001 - flaky replays and the like: report the last failure
         if failures:
             return _failed(verdict, checker, failures[-1])
-        cex = Counterexample(rule.name, rule.location, "error", f"{type(err).__name__}: {err}")
-        return _failed(verdict, checker, cex)
+        if not isinstance(err, hyp.errors.Unsatisfiable):  # Unsatisfiable: all discarded, skipped below
+            cex = Counterexample(rule.name, rule.location, "error", f"{type(err).__name__}: {err}")
+            return _failed(verdict, checker, cex)
     counts = checker.counts
     if counts["checked"] == 0:
         why = (f"no valid instance in {counts['generated']}: {checker.last_discard}" if not counts["filtered"]
