@@ -85,6 +85,12 @@ class Replacer:
         if not isinstance(result, fx.Node):
             self._undo()
             raise ReplacementError(f"rule {match.rule.name!r} did not produce a graph value")
+        if isinstance(result, fx.Node) and result.op == "call_module" and result in self._created:
+            # an inserted module that stands for the root computes the root's value:
+            # it has the root's shape and dtype (not its input's: a quantized conv)
+            for key in ("val", FACTS_KEY):
+                if key in root.meta:
+                    result.meta[key] = root.meta[key]
         if result is not root:
             problem = new_aliasing(root, result, self._created, self.gm)
             if problem is not None:
