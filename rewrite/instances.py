@@ -17,12 +17,34 @@ Ops outside the vocabulary (``aten.hardsigmoid``) whose attributes all have
 defaults get one generic generator; vocabulary ops without a generator make the
 rule unsupported (the verifier skips it and says why).
 
+Dtypes: every instance draws one (``Plan.dtypes``): float32, float64, float16,
+bfloat16, int64, int32, int8, uint8 and bool, the where clause's hints first
+(``dtype(x) == torch.T``) or narrowing the pool (``is_float``); approximate rules meet
+half precision only where the where clause asks for it. An op that rejects the dtype
+discards the instance, and the draw is retried with another one.
+
 Small tensors get element-wise drawn values so hypothesis shrinks them to readable
-numbers; exact rules also meet NaN, infinities and -0.0.
+numbers; exact rules also meet NaN, infinities and -0.0 (floats) and the dtype's
+extremes, where arithmetic wraps (integers).
+
+Quantized patterns: ``dequantize(x)`` below another op is built after that op drew a
+float value for it, which is then quantized with torch's observers (per-tensor affine
+quint8 for activations, 7 bits without VNNI as the flow's observers do; per-channel
+symmetric qint8 for constants, as ``quantize_weight``); ``quantize_per_tensor`` takes
+its scale and zero point from a MinMaxObserver on its input (or the parameters of the
+value it requantizes). Such instances also draw the quantized engine (x86, onednn).
+
+Where-clause hints (``Plan``): ``produced_by(y, "conv", ...)``, ``dequantized(x)`` and
+``has_qparams(x, s, z)`` compute the variable in the graph with one of those ops;
+``output_quantized(c)`` quantizes the root; ``symmetric_pad``, ``same_shape``,
+``rank(x) == N`` and ``dtype(w) != torch.T`` shape what is drawn. Shapes drawn apart
+may coincide (``cat([to(a), to(b)])`` needs it).
 
 Adding an op: write ``@_gen("name") def _name(ctx, a): ...`` returning the values of
 the parameters it draws (``a.tensor``, ``a.optional``, ``a.lit`` keep what the pattern
-fixed), or add its attribute strategies to ``_literal_strategies``.
+fixed; ``a.seed`` is the value a parent drew for this call, when it was deferred), or
+add its attribute strategies to ``_literal_strategies``. Ops outside the vocabulary are
+keyed by their qualified name (``"aten.slice"``, ``"F.pad"``, ``"torch.addbmm"``).
 
 Needs ``hypothesis`` (a test extra), imported on first use.
 """
@@ -163,9 +185,9 @@ def plan_for(rule: CompiledRule) -> Plan:
     ``dequantized`` and ``has_qparams`` compute a variable with the op they name;
     ``output_quantized`` quantizes the root; ``symmetric_pad`` draws symmetric pads.
     Otherwise every dtype is drawn: float32, float64, bfloat16, float16, int64, int32,
-    int8, uint8 and bool for exact rules, the same but float16 and bfloat16 for
-    approximate ones unless favoured (an op that rejects the dtype discards the
-    instance)."""
+    int8, uint8 and bool for exact rules, all but float16 and bfloat16 for approximate
+    ones unless favoured (an op that rejects the dtype discards the instance).
+    Patterns with quantized ops favour float32."""
     consts, params, favoured, floats_only = set(), set(), [], False
     producers: dict = {}
     quantized_outputs, symmetric_pads, same_shapes, ranks, avoided = set(), set(), set(), {}, {}

@@ -10,23 +10,39 @@ rewritten graph with every node's value, expected vs got, the first diverging no
 
 Instances come from ``rewrite.instances``: the pattern emitted with the vocabulary's
 own emitters into a fresh graph (torch or aten spelling), shapes, attributes and
-values drawn by per-op generators, ``const(...)`` variables as module constants.
-Each instance is rewritten by the rule alone (``ruleset[rule.name].apply(...,
-check=False)``) and both graphs are run on the same inputs.
+values drawn by per-op generators, ``const(...)`` variables as module constants, in
+every dtype the ops accept (float32, float64, float16, bfloat16, int64, int32, int8,
+uint8, bool; an op that rejects the dtype discards the instance), quantized tensors
+made with torch's observers and rewritten under a drawn quantized engine. Each
+instance is rewritten by the rule alone (``ruleset[rule.name].apply(...,
+check=False)``) and both graphs are run on the same inputs. ``max_examples`` counts
+instances checked: discarded ones (not a program, or the where clause does not hold)
+are drawn again, up to hypothesis' limit.
 
 Verdicts, per rule:
 
 * ``ok``: every instance on which the rule fired gave the same outputs, in the
   instance's dtype and, for approximate rules, again in float64;
-* ``counterexample``: outputs differed (``exact`` rules: same shape, dtype and values,
-  NaN = NaN and -0.0 = 0.0, so ``x + 0 => x`` is exact; ``approx`` rules: dtype-aware
-  tolerances at the lowest precision either graph computes in), or the engine
-  raised, or the rule did not terminate;
+* ``counterexample``: outputs differed, or the engine raised, or the rule did not
+  terminate. Whatever the tolerance: shapes and dtypes must be equal (an integer
+  output that became float is a mismatch), integer and bool outputs equal, and a
+  value finite in the original must be finite in the rewritten graph (a rewrite that
+  overflows to inf or makes a NaN is wrong however close the rest is). ``exact``
+  rules: floats equal too, NaN = NaN and -0.0 = 0.0 (so ``x + 0 => x`` is exact),
+  quantized outputs with the same parameters and integer values. ``approx`` rules:
+  ``rewrite.check.TOLERANCES`` at the lowest precision either graph computes in; a
+  rewrite computing in a narrower float than its inputs (a cast to float16) is also
+  compared with the original run on inputs and constants rounded to that float, so it
+  may lose what that float cannot hold, never overflow; a graph that rounds through
+  int8 values is held to one quantization step (quantized outputs at most one step
+  apart, float outputs within one scale);
 * ``did not fire``: the rule did not fire on an instance even with its where
   clause removed: its pattern does not match a graph built from its own ops (or
-  its replacement could not be built);
+  its replacement could not be built, on any quantized engine);
 * ``skipped``: no generator for an op of the pattern, or no instance satisfied the
-  where clause (instances violating it are discarded, not failures).
+  where clause (instances violating it are discarded, not failures). A skipped rule
+  is an unverified rule: ``VerificationReport.ok`` is False, and ``rewrite check
+  --verify`` fails unless ``--allow-skipped``.
 
 Tolerance: the rule's ``tolerance`` option; unset, a rule whose replacement computes
 rewrite-time constants (folds) is ``approx``, every other rule ``exact``.
@@ -680,7 +696,8 @@ def verify_rule(ruleset: Any, rule: CompiledRule | str, *, max_examples: int = 1
     Args:
         ruleset: the ``RuleSet`` the rule belongs to.
         rule: the compiled rule or its name.
-        max_examples: instances hypothesis generates (discarded ones included).
+        max_examples: instances checked (discarded ones are drawn again, up to
+            hypothesis' limit on rejected examples).
         seed: for reproducible runs.
 
     Returns:
@@ -743,7 +760,7 @@ def verify_rules(ruleset: Any, *, max_examples: int = 100, seed: int = 0,
 
     Args:
         ruleset: a ``RuleSet`` (``rewrite.load(...)``).
-        max_examples: instances per rule.
+        max_examples: instances checked per rule.
         seed: for reproducible runs.
         names: optional rule names to verify.
 
