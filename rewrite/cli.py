@@ -49,20 +49,18 @@ def _cmd_check(args: argparse.Namespace) -> int:
         loaded.append(rules)
     if args.verify and loaded:
         try:
-            failed += _verify(loaded, args.max_examples, args.seed, args.allow_skipped,
-                              frozenset(args.known_failure or ()))
+            failed += _verify(loaded, args.max_examples, args.seed, args.allow_skipped)
         except ImportError as err:  # hypothesis is a test extra
             print(f"rewrite: error: --verify: {err}", file=sys.stderr)
             return 2
     return 1 if failed else 0
 
 
-def _verify(rulesets: list, max_examples: int, seed: int, allow_skipped: bool = False,
-            known: frozenset = frozenset()) -> int:
+def _verify(rulesets: list, max_examples: int, seed: int, allow_skipped: bool = False) -> int:
     """Verify every rule once (a rule imported by two files is verified once); print
     the verdict table and each counterexample. Returns the number of failed rules:
-    skipped ones too (an unverified rule), unless ``allow_skipped``. Rules in
-    ``known`` (--known-failure) are reported but not counted."""
+    skipped ones too (an unverified rule), unless ``allow_skipped``. Intentional
+    changes (``change=True``) are listed, not verified."""
     from rewrite.verify import VerificationReport, verify_rule
 
     verdicts, seen = [], set()
@@ -78,18 +76,6 @@ def _verify(rulesets: list, max_examples: int, seed: int, allow_skipped: bool = 
     for verdict in report.failures:
         print()
         print(verdict)
-        if verdict.rule in known:
-            print(f"(known failure: --known-failure {verdict.rule})")
-        else:
-            failed += 1
-    for verdict in report.verdicts:
-        if verdict.rule in known and not verdict.failed:
-            print()
-            print(f"{verdict.location}: rule {verdict.rule}: {verdict.status} on this run, though listed "
-                  f"as a known failure (--known-failure {verdict.rule})")
-    missing = known - {v.rule for v in report.verdicts}
-    for name in sorted(missing):
-        print(f"\n--known-failure {name}: no such rule")
         failed += 1
     if allow_skipped:
         return failed
@@ -483,9 +469,6 @@ def _parser() -> argparse.ArgumentParser:
                         "exit 1 on any counterexample, rule that did not fire, or skipped (unverified) rule")
     c.add_argument("--allow-skipped", action="store_true",
                    help="with --verify: a rule no instance could be built for is reported, not failed")
-    c.add_argument("--known-failure", action="append", metavar="RULE",
-                   help="with --verify: RULE is known to fail verification: its counterexample is "
-                        "printed but does not fail the check (repeatable; a name that is no rule fails)")
     c.add_argument("--max-examples", type=int, default=100,
                    help="instances checked per rule for --verify (discarded ones are drawn again)")
     c.add_argument("--seed", type=int, default=0, help="seed for --verify (the same seed, the same instances)")

@@ -39,6 +39,8 @@ Verdicts, per rule:
 * ``did not fire``: the rule did not fire on an instance even with its where
   clause removed: its pattern does not match a graph built from its own ops (or
   its replacement could not be built, on any quantized engine);
+* ``intentional``: the rule is declared an intentional change (``change=True``): it
+  changes what the model computes on purpose, so there is no equivalence to verify;
 * ``skipped``: no generator for an op of the pattern, or no instance satisfied the
   where clause (instances violating it are discarded, not failures). A skipped rule
   is an unverified rule: ``VerificationReport.ok`` is False, and ``rewrite check
@@ -134,7 +136,8 @@ class RuleVerdict:
     """The verdict on one rule.
 
     Attributes:
-        status: ``"ok"``, ``"counterexample"``, ``"did not fire"`` or ``"skipped"``.
+        status: ``"ok"``, ``"counterexample"``, ``"did not fire"``, ``"skipped"``, or
+            ``"intentional"`` (a rule declared ``change=True``: not verified, by design).
         tolerance: ``"exact"`` or ``"approx"``.
         checked: instances on which the rule fired and outputs were compared.
         generated: instances generated (including discarded ones).
@@ -206,7 +209,8 @@ class VerificationReport:
             lines.append(f"{v.rule:<{width}}  {v.status:<14}  {v.tolerance:<9}  {counts:>11}  {v.location}"
                          + (f"  ({v.reason})" if v.reason and v.status == "skipped" else ""))
         n = collections.Counter(v.status for v in self.verdicts)
-        lines.append(", ".join(f"{n[s]} {s}" for s in ("ok", "counterexample", "did not fire", "skipped") if n[s]))
+        lines.append(", ".join(f"{n[s]} {s}" for s in ("ok", "counterexample", "did not fire", "skipped", "intentional")
+                               if n[s]))
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -708,6 +712,9 @@ def verify_rule(ruleset: Any, rule: CompiledRule | str, *, max_examples: int = 1
         rule = ruleset.rules[rule]
     plan = plan_for(rule)
     verdict = {"rule": rule.name, "location": rule.location, "tolerance": plan.tolerance}
+    if rule.rule.option("change", False):
+        return RuleVerdict(status="intentional", reason="declared an intentional change (change=True): "
+                                                        "not an equivalence to verify", **verdict)
     if plan.unsupported:
         return RuleVerdict(status="skipped", reason=plan.unsupported, **verdict)
     checker = _Checker(ruleset, plan)
