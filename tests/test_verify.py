@@ -353,7 +353,7 @@ def test_every_shipped_file_verifies_on_random_seeds(seed):
             if rule.location in seen:
                 continue
             seen.add(rule.location)
-            v = verify_rule(rules, rule, max_examples=6, seed=seed)
+            v = verify_rule(rules, rule, max_examples=4, seed=seed)
             if v.status not in ("ok", "intentional"):
                 bad.append(str(v))
     assert not bad, "\n\n".join(bad)
