@@ -55,6 +55,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = [
     "TOLERANCES",
     "EXACT_TOLERANCES",
+    "INT_AGREEMENT",
     "local_scale",
     "Mismatch",
     "EquivalenceReport",
@@ -92,6 +93,13 @@ _TABLES = {"approx": TOLERANCES, "exact": EXACT_TOLERANCES}
 #: (half precision), rounding of large inputs can dominate a small element, and only
 #: the tensor's scale is safe (1.0). Exact rewrites always use the tensor's scale
 #: (their tolerances are rounding-tight).
+#: A rewrite that newly computes in lower precision (bfloat16 for a float32 model) may
+#: flip an integer output computed from floats (argmax, codebook indices) where two
+#: candidates are within rounding: such integer outputs pass when at least this share
+#: of their elements is equal. Exact runs, and approximate ones in the model's own
+#: precision, compare integers exactly.
+INT_AGREEMENT = 0.95
+
 #: Neighbours on each side along a dim that make up an element's surroundings.
 _SCALE_RADIUS = 2
 #: Exact rewrites: the local scale is at least this fraction of the tensor's largest value.
@@ -143,12 +151,15 @@ class EquivalenceReport:
     max_abs_error: float
     max_rel_error: float
     first_mismatch: Optional[Mismatch] = None
+    int_agreement: Optional[float] = None  # see INT_AGREEMENT; None: integers compared exactly
 
     def __bool__(self) -> bool:
         return self.ok
 
     def __str__(self) -> str:
         errs = f"max abs error {self.max_abs_error:.3g}, max rel error {self.max_rel_error:.3g}"
+        if self.int_agreement is not None:
+            errs += f", integer outputs agree on {self.int_agreement:.1%}"
         if self.ok:
             return f"equivalent over {self.trials} trial(s) ({errs})"
         return f"NOT equivalent: {self.first_mismatch} [{errs} over {self.trials} trial(s)]"
@@ -517,7 +528,8 @@ def local_scale(ref: torch.Tensor, floor: float = 1e-2, radius: int = _SCALE_RAD
 
 def _compare_tensor(path: str, trial: int, ref: torch.Tensor, cand: Any, kind: str,
                     rtol: Optional[float], atol: Optional[float],
-                    compute_dtype: Optional[torch.dtype] = None) -> Tuple[float, float, Optional[Mismatch]]:
+                    compute_dtype: Optional[torch.dtype] = None,
+                    agreement: Optional[float] = None) -> Tuple[float, float, Optional[Mismatch]]:
     """Compare one tensor; ``compute_dtype``, the lowest precision the candidate
     computed in (a rewrite to bfloat16 casts back to float32 at the end), loosens
     the tolerance to that dtype's when it is looser than the output's."""
@@ -541,8 +553,10 @@ def _compare_tensor(path: str, trial: int, ref: torch.Tensor, cand: Any, kind: s
         scale = max(1.0, float(r.long().abs().max())) if r.dtype != torch.bool else 1.0
         if max_abs:
             n = int((diff != 0).sum())
-            return bad(f"{n} of {r.numel()} elements differ (exact match required)",
-                       max_abs, max_abs / scale)
+            if agreement is not None and 1 - n / r.numel() >= agreement:
+                return 0.0, 0.0, None  # within the agreement rate a lower precision allows
+            required = f"agreement >= {agreement:.0%} required" if agreement is not None else "exact match required"
+            return bad(f"{n} of {r.numel()} elements differ ({required})", max_abs, max_abs / scale)
         return 0.0, 0.0, None
     r64 = r.to(torch.complex128 if r.dtype.is_complex else torch.float64)
     c64 = c.to(r64.dtype)
@@ -581,7 +595,7 @@ def _compare_tensor(path: str, trial: int, ref: torch.Tensor, cand: Any, kind: s
 
 def _compare(trial: int, ref_out: Any, cand_out: Any, kind: str, rtol: Optional[float],
              atol: Optional[float], compute_dtype: Optional[torch.dtype] = None,
-             prefix: str = "output") -> Tuple[float, float, Optional[Mismatch]]:
+             prefix: str = "output", agreement: Optional[float] = None) -> Tuple[float, float, Optional[Mismatch]]:
     ref_leaves, ref_spec = pytree.tree_flatten_with_path(ref_out)
     cand_leaves, cand_spec = pytree.tree_flatten_with_path(cand_out)
     if ref_spec != cand_spec:
@@ -594,7 +608,7 @@ def _compare(trial: int, ref_out: Any, cand_out: Any, kind: str, rtol: Optional[
     for (kp, r), (_, c) in zip(ref_leaves, cand_leaves):
         path = prefix + pytree.keystr(kp)
         if isinstance(r, torch.Tensor):
-            a, rel, mm = _compare_tensor(path, trial, r, c, kind, rtol, atol, compute_dtype)
+            a, rel, mm = _compare_tensor(path, trial, r, c, kind, rtol, atol, compute_dtype, agreement)
         else:
             equal = type(r) is type(c) and (r == c or (isinstance(r, float) and math.isnan(r) and math.isnan(c)))
             a, rel = (0.0, 0.0) if equal else (math.inf, math.inf)
@@ -604,6 +618,14 @@ def _compare(trial: int, ref_out: Any, cand_out: Any, kind: str, rtol: Optional[
         if mm is not None and first is None:
             first = mm
     return worst_abs, worst_rel, first
+
+
+def _int_agreement(ref_out: Any, cand_out: Any) -> Optional[float]:
+    """The smallest share of equal elements over integer/bool outputs, or None."""
+    shares = [float((r == c).float().mean()) for r, c in zip(pytree.tree_leaves(ref_out), pytree.tree_leaves(cand_out))
+              if isinstance(r, torch.Tensor) and isinstance(c, torch.Tensor) and not _is_float(r.dtype)
+              and r.shape == c.shape and r.numel()]
+    return min(shares) if shares else None
 
 
 def _storage(t: Any) -> Optional[int]:
@@ -678,7 +700,8 @@ def check_equivalence(reference: Callable, candidate: Callable, example_inputs: 
                       trials: int = 3, seed: int = 0, rtol: Optional[float] = None,
                       atol: Optional[float] = None,
                       input_ranges: Optional[Mapping[InputKey, Range]] = None,
-                      fixed_inputs: Iterable[InputKey] = (), tolerance: str = "approx") -> EquivalenceReport:
+                      fixed_inputs: Iterable[InputKey] = (), tolerance: str = "approx",
+                      int_agreement: Optional[float] = None) -> EquivalenceReport:
     """Run ``reference`` and ``candidate`` on the same inputs and compare what the
     caller observes: outputs, inputs written in place, module state written in
     place, and memory shared between outputs, inputs and module constants.
@@ -692,7 +715,9 @@ def check_equivalence(reference: Callable, candidate: Callable, example_inputs: 
     buffers are restored afterwards. ``tolerance`` is ``"exact"`` (only
     rounding may differ: ``EXACT_TOLERANCES``) or ``"approx"`` (``TOLERANCES``).
     ``rtol``/``atol``, when given, override the table (``atol`` is then
-    absolute, not scaled). The check stops at the first trial with a
+    absolute, not scaled). When an approximate candidate newly computes in a
+    lower precision, integer outputs pass on an agreement rate of at least
+    ``int_agreement`` (default ``INT_AGREEMENT``), reported in the report. The check stops at the first trial with a
     mismatch. If the candidate raises, that is reported as a mismatch; if the
     reference raises, the inputs are at fault and the error propagates.
     """
@@ -708,6 +733,7 @@ def check_equivalence(reference: Callable, candidate: Callable, example_inputs: 
         make = lambda t: (example_inputs if t == 0 else generate_inputs(  # noqa: E731
             example_inputs, seed + t, input_ranges=input_ranges, fixed_inputs=fixed))
     worst_abs = worst_rel = 0.0
+    agreed: Optional[float] = None
     with preserved_state(reference, candidate):
         for t in range(trials):
             inputs = make(t)
@@ -722,13 +748,18 @@ def check_equivalence(reference: Callable, candidate: Callable, example_inputs: 
                               f"candidate raised {type(e).__name__}: {e}")
                 return EquivalenceReport(False, t + 1, math.inf, math.inf, mm)
             low = _new_precision(ref, cand) if tolerance == "approx" else None
-            a, r, mm = _compare(t, ref.outputs, cand.outputs, tolerance, rtol, atol, low)
+            bound = None if low is None else (INT_AGREEMENT if int_agreement is None else int_agreement)
+            a, r, mm = _compare(t, ref.outputs, cand.outputs, tolerance, rtol, atol, low, agreement=bound)
+            if bound is not None:
+                share = _int_agreement(ref.outputs, cand.outputs)
+                if share is not None:
+                    agreed = share if agreed is None else min(agreed, share)
             worst_abs, worst_rel = max(worst_abs, a), max(worst_rel, r)
             if mm is None:
                 mm = _side_effects(t, ref, cand, tolerance, rtol, atol)
             if mm is not None:
-                return EquivalenceReport(False, t + 1, worst_abs, worst_rel, mm)
-    return EquivalenceReport(True, trials, worst_abs, worst_rel, None)
+                return EquivalenceReport(False, t + 1, worst_abs, worst_rel, mm, agreed)
+    return EquivalenceReport(True, trials, worst_abs, worst_rel, None, agreed)
 
 
 def assert_equivalent(reference: Callable, candidate: Callable, example_inputs: Any = None,

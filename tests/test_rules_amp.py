@@ -489,3 +489,31 @@ def test_an_approximate_failure_says_so_and_suggests_the_fix():
     text = str(info.value)
     assert info.value.tolerance == "approx"
     assert "Approximate rules fired" in text and "no single rule need be wrong" in text and "rtol=" in text
+
+
+def test_integer_outputs_downstream_of_bfloat16_pass_on_agreement():
+    """argmax over bfloat16 logits may flip where two logits are within rounding: an
+    approximate run that newly computes in lower precision compares integer outputs
+    by agreement rate (>= rewrite.check.INT_AGREEMENT), reported in the verdict."""
+    from rewrite.check import INT_AGREEMENT, check_equivalence
+
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 10)).eval()
+
+    class Classify(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = body
+
+        def forward(self, x):
+            logits = self.body(x)
+            return logits, logits.argmax(-1)
+
+    x = torch.randn(256, 16)
+    result = amp("bf16").apply(fx.symbolic_trace(Classify()), (x,))
+    report = result.equivalence
+    assert report.ok and report.int_agreement is not None and report.int_agreement >= INT_AGREEMENT
+    assert "integer outputs agree on" in result.summary()
+    # the same flips in a float32 rewrite are a failure: integers are exact there
+    flip = lambda x: (body(x), body(x).argmax(-1).flip(0))  # noqa: E731
+    assert not check_equivalence(Classify(), flip, (x,), tolerance="approx").ok
