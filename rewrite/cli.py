@@ -256,9 +256,15 @@ def _format_source(text: str, path: str = "<string>") -> str:
     blank-line grouping kept. A declaration with a comment inside it is kept as
     written, so no comment is ever lost. Raises ``RuleError`` on a syntax error."""
     from rewrite.language import parse_text
+    from rewrite.language.diagnostics import source_lines
 
     module = parse_text(text, path)
-    lines = text.splitlines()
+    # lines as the grammar counts them (``\n`` only): ``str.splitlines`` also splits at
+    # form feeds, ``\x1c``, U+2028..., which would end a comment early and make what
+    # follows it in the same grammar line live code
+    lines = list(source_lines(text))
+    if lines and lines[-1] == "" and text.endswith("\n"):
+        lines.pop()
     out: list = []
     done = 0  # source lines consumed
     for item in module.items:

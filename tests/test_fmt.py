@@ -167,3 +167,15 @@ def test_fmt_reports_syntax_errors_with_positions(tmp_path, capsys):
 def test_fmt_check_and_write_are_exclusive():
     with pytest.raises(SystemExit):
         main(["fmt", "--check", "--write", "x.rw"])
+
+
+@pytest.mark.parametrize("sep", ["\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029", "\x0b", "\r"])
+def test_fmt_splits_lines_as_the_grammar_does(sep):
+    """A rule hidden after a line separator inside a comment stays a comment: fmt never
+    changes the parsed program (str.splitlines splits where the grammar does not)."""
+    from rewrite.cli import _format_source
+    from rewrite.language import parse_text
+
+    src = f"# a comment{sep}rule hidden: relu(x) => x\nrule r: neg(neg(x)) => x\n"
+    out = _format_source(src, "t.rw")
+    assert [i.name for i in parse_text(out, "t.rw").items] == [i.name for i in parse_text(src, "t.rw").items]
