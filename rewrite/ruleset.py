@@ -190,8 +190,10 @@ class RuleSet:
 
         Args:
             model: a ``torch.fx.GraphModule`` (from symbolic_trace, torch.export's
-                ``.module()``, or a dynamo backend), or an ``nn.Module``, which is
-                captured with ``torch.fx.symbolic_trace``.
+                ``.module()``, or a dynamo backend), a ``torch.export.ExportedProgram``
+                (rewritten as its ``.module()``: the result is a GraphModule, which
+                ``torch.export.export`` can capture again), or an ``nn.Module``, which
+                is captured with ``torch.fx.symbolic_trace``.
             example_inputs: inputs to the model; used for shape facts (when the
                 graph has no ``meta['val']``) and for the equivalence check.
             check: compare original and rewritten outputs on random inputs shaped
@@ -220,6 +222,8 @@ class RuleSet:
         """
         if on_mismatch not in ("raise", "skip-rule"):
             raise ValueError(f"on_mismatch must be 'raise' or 'skip-rule', not {on_mismatch!r}")
+        if isinstance(model, torch.export.ExportedProgram):
+            model = model.module()  # the module it runs as; the result is a GraphModule too
         original = model if isinstance(model, fx.GraphModule) else fx.symbolic_trace(model)
         example_inputs = tuple(example_inputs) if example_inputs is not None else None
         txn = _Transaction(self, original, example_inputs, max_rewrites, shuffle_seed)

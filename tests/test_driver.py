@@ -232,3 +232,12 @@ def test_an_intentional_change_is_not_checked_but_the_rest_is():
     only = rewrite.parse("rule clamp_to_sigmoid(change=True): clamp(x, 0, 1) => sigmoid(x)")
     result = only.apply(fx.symbolic_trace(M()), (x,))
     assert result.equivalence is None and result.changes == ("clamp_to_sigmoid",)
+
+
+def test_apply_accepts_an_exported_program():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)).eval()
+    x = torch.randn(1, 3, 8, 8)
+    ep = torch.export.export(model, (x,))
+    result = rewrite.load("rules/fusion.rw").apply(ep, (x,))
+    assert result.counts == {"conv_bn": 1} and isinstance(result.graph_module, fx.GraphModule)
+    assert torch.allclose(result.graph_module(x), model(x), atol=1e-5)
