@@ -627,15 +627,21 @@ def _pad(ctx: _Ctx, a: _Args) -> dict:
     return out
 
 
-@_gen("stack")
-def _stack(ctx: _Ctx, a: _Args) -> dict:
+def _tensor_list(ctx: _Ctx, a: _Args, min_rank: int) -> tuple:
+    """The ``tensors`` list of cat/stack (1 to 3 items when the pattern leaves it
+    open) and the shape its fresh items take: a given item's, else a drawn one."""
     items = a.get("tensors")
     if items is _FREE:
         items = [_FREE] * ctx.int(1, 3)
     if not isinstance(items, (list, tuple)):
-        raise _Discard("stack of a non-list")
+        raise _Discard(f"{a.op} of a non-list")
     known = next((t for t in items if isinstance(t, torch.Tensor)), None)
-    shape = _shape(known) if known is not None else ctx.shape(0, 3)
+    return items, (_shape(known) if known is not None else ctx.shape(min_rank, 3))
+
+
+@_gen("stack")
+def _stack(ctx: _Ctx, a: _Args) -> dict:
+    items, shape = _tensor_list(ctx, a, min_rank=0)
     out = [a.fresh(shape) if t is _FREE else t for t in items]
     r = len(shape)
     return {"tensors": type(items)(out) if isinstance(items, tuple) else out,
@@ -737,13 +743,7 @@ def _expand(ctx: _Ctx, a: _Args) -> dict:
 
 @_gen("cat")
 def _cat(ctx: _Ctx, a: _Args) -> dict:
-    items = a.get("tensors")
-    if items is _FREE:
-        items = [_FREE] * ctx.int(1, 3)
-    if not isinstance(items, (list, tuple)):
-        raise _Discard("cat of a non-list")
-    known = next((t for t in items if isinstance(t, torch.Tensor)), None)
-    shape = _shape(known) if known is not None else ctx.shape(1, 3)
+    items, shape = _tensor_list(ctx, a, min_rank=1)
     dim = a.lit("dim", lambda: ctx.int(-len(shape), len(shape) - 1) if shape else 0)
     out = []
     for t in items:
