@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
-import importlib
 import sys
+from pathlib import Path
 from typing import Any, Sequence
 
 __all__ = ["main"]
@@ -85,30 +85,6 @@ def _verify(rulesets: list, max_examples: int, seed: int, allow_skipped: bool = 
     return failed + len(report.skipped)
 
 
-def _load_model(spec: str) -> tuple:
-    """``package.module:callable`` -> (model, example_inputs)."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not attr:
-        raise SystemExit(f"rewrite: error: --model wants 'module:callable', got {spec!r}")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise SystemExit(f"rewrite: error: cannot load {spec!r}: {err}") from None
-    built = factory()
-    if not (isinstance(built, tuple) and len(built) == 2):
-        raise SystemExit(f"rewrite: error: {spec} must return (model, example_inputs)")
-    model, inputs = built
-    return model.eval(), tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-
-
-def _capture(model: Any, inputs: tuple, level: str) -> Any:
-    import torch
-
-    if level == "fx":
-        return torch.fx.symbolic_trace(model)
-    return torch.export.export(model, inputs, strict=False).module()
-
-
 def _op_histogram(gm: Any) -> collections.Counter:
     from rewrite.ops import bind_node
 
@@ -132,27 +108,31 @@ def _print_changes(before: Any, after: Any) -> None:
     print(f"{'ops in total':<28} {sum(hb.values()):>7} {sum(ha.values()):>7}")
 
 
-def _save(gm: Any, path: str) -> None:
-    """torch.save a GraphModule. fx cannot pickle string type annotations on
-    placeholders (``x: "torch.Tensor"`` under postponed annotations): drop them."""
-    import torch
+def _check_save_path(path: str, level: str) -> None:
+    """Refuse a ``--save`` path that does not fit the capture before any work is done."""
+    from rewrite.capture import save_format
 
-    for node in gm.graph.nodes:
-        if isinstance(node.type, str):
-            node.type = None
-    gm.recompile()
-    torch.save(gm, path)
+    if level == "dynamo":
+        raise SystemExit(f"rewrite: error: --save {path}: a dynamo capture's graphs live inside torch.compile "
+                         "and cannot be saved; use --capture fx or export")
+    wanted = save_format(level)
+    if Path(path).suffix != wanted:
+        raise SystemExit(f"rewrite: error: --save {path}: --capture {level} saves a {wanted} file "
+                         f"(name it *{wanted})")
 
 
 def _cmd_apply(args: argparse.Namespace) -> int:
     import torch
 
     import rewrite
+    from rewrite.capture import capture, load_model, save
 
     rules = _load(args.rules)
     if args.ruleset:
         rules = rules[args.ruleset]
-    model, inputs = _load_model(args.model)
+    if args.save:
+        _check_save_path(args.save, args.capture)
+    model, inputs = load_model(args.model)
     if args.capture == "dynamo":
         results = []
         compiled = torch.compile(model, backend=rewrite.backend(
@@ -163,7 +143,7 @@ def _cmd_apply(args: argparse.Namespace) -> int:
             print(f"-- dynamo graph {i}")
             print(result.summary())
         return 0
-    gm = _capture(model, inputs, args.capture)
+    gm = capture(model, inputs, args.capture)
     try:
         result = rules.apply(gm, example_inputs=inputs, check=not args.no_check, trials=args.trials,
                              rtol=args.rtol, atol=args.atol)
@@ -174,8 +154,9 @@ def _cmd_apply(args: argparse.Namespace) -> int:
     print()
     _print_changes(gm, result.graph_module)
     if args.save:
-        _save(result.graph_module, args.save)
-        print(f"saved the rewritten GraphModule to {args.save}")
+        saved = save(result.graph_module, args.save, args.capture, inputs)
+        kind = "ExportedProgram (torch.export.load reads it)" if saved.suffix == ".pt2" else "GraphModule"
+        print(f"saved the rewritten {kind} to {saved}")
     if args.print_code:
         print(result.graph_module.code)
     return 0
@@ -184,8 +165,10 @@ def _cmd_apply(args: argparse.Namespace) -> int:
 def _cmd_explain(args: argparse.Namespace) -> int:
     rules = _load(args.rules)
     if (args.rule or args.node) and args.model:
-        model, inputs = _load_model(args.model)
-        gm = _capture(model, inputs, args.capture)
+        from rewrite.capture import capture, load_model
+
+        model, inputs = load_model(args.model)
+        gm = capture(model, inputs, args.capture)
         explanations = rules.explain(gm, rule=args.rule, node=args.node, example_inputs=inputs)
         for e in explanations:
             print(e)
@@ -194,8 +177,10 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         return 0
     stats = {}
     if args.model:
-        model, inputs = _load_model(args.model)
-        gm = _capture(model, inputs, args.capture)
+        from rewrite.capture import capture, load_model
+
+        model, inputs = load_model(args.model)
+        gm = capture(model, inputs, args.capture)
         stats = rules.apply(gm, example_inputs=inputs, check=False).stats
     for rule in rules:
         if args.rule and rule.name != args.rule:
@@ -496,7 +481,8 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--trials", type=int, default=3)
     a.add_argument("--rtol", type=float, help="relative tolerance of the check (default: by dtype)")
     a.add_argument("--atol", type=float, help="absolute tolerance of the check (default: by dtype)")
-    a.add_argument("--save", help="torch.save the rewritten GraphModule here")
+    a.add_argument("--save", metavar="PATH", help="save the result: *.pt (torch.save of the GraphModule) for "
+                   "--capture fx, *.pt2 (torch.export.save) for --capture export; never a partial file")
     a.add_argument("--print-code", action="store_true", help="print the rewritten graph's code")
     a.set_defaults(fn=_cmd_apply)
 
@@ -539,6 +525,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         args = _parser().parse_args(argv)
         run = functools.partial(args.fn, args)
+    from rewrite.capture import ModelSpecError
     from rewrite.language import RuleError
 
     try:
@@ -546,6 +533,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RuleError as err:
         print(str(err), file=sys.stderr)
         return 1
+    except ModelSpecError as err:
+        print(f"rewrite: error: {err}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 2
     except SystemExit:

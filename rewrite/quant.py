@@ -139,14 +139,13 @@ def _as_args(batch: Any) -> tuple:
 
 
 def _capture(model: Any, example_inputs: tuple, capture: str) -> fx.GraphModule:
+    from rewrite.capture import capture as capture_at
+
     if isinstance(model, fx.GraphModule):
         return model
-    model = model.eval()
-    if capture == "fx":
-        return fx.symbolic_trace(model)
-    if capture == "export":
-        return torch.export.export(model, example_inputs, strict=False).module()
-    raise ValueError(f"capture must be 'fx' or 'export', got {capture!r}")
+    if capture not in ("fx", "export"):
+        raise ValueError(f"capture must be 'fx' or 'export', got {capture!r}")
+    return capture_at(model.eval(), example_inputs, capture)
 
 
 def _record_shapes(gm: fx.GraphModule, args: tuple) -> None:
@@ -682,13 +681,6 @@ def accuracy_report(
 # ---------------------------------------------------------------- command line
 
 
-def _load_model(spec: str) -> tuple:
-    """``package.module:callable`` -> (model in eval mode, example inputs tuple)."""
-    from rewrite.cli import _load_model as load
-
-    return load(spec)
-
-
 def save(gm: fx.GraphModule, path: Any) -> None:
     """``torch.save`` an int8 GraphModule (its prepacked weights pickle). fx cannot
     pickle string type annotations on placeholders: they are dropped."""
@@ -721,9 +713,10 @@ def quantize_command(args: argparse.Namespace) -> int:
     """``rewrite quantize --model pkg.mod:factory [--capture export] ...``: quantize
     the model, print the rule counts and the accuracy report, optionally save it.
     Exit 0 on success, 1 when quantization fails its check."""
+    from rewrite.capture import load_model
     from rewrite.check import generate_inputs
 
-    model, inputs = _load_model(args.model)
+    model, inputs = load_model(args.model)
     calib = [generate_inputs(inputs, seed=1000 + i) for i in range(args.calibration)]
     held = [generate_inputs(inputs, seed=2000 + i) for i in range(args.held_out)]
     try:
@@ -748,8 +741,14 @@ def quantize_command(args: argparse.Namespace) -> int:
 
 
 def _main(argv: Sequence[str] | None = None) -> int:  # python -m rewrite.quant
+    from rewrite.capture import ModelSpecError
+
     parser = add_quantize_arguments(argparse.ArgumentParser(prog="rewrite quantize"))
-    return quantize_command(parser.parse_args(argv))
+    try:
+        return quantize_command(parser.parse_args(argv))
+    except ModelSpecError as err:
+        print(f"rewrite: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

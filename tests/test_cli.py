@@ -58,10 +58,9 @@ def test_apply_through_export_and_dynamo(capsys):
         assert "conv_bn" in capsys.readouterr().out
 
 
-def test_apply_bad_model_spec_is_a_usage_error():
-    with pytest.raises(SystemExit) as info:
-        main(["apply", "rules/fusion.rw", "--model", "no_such_module_xyz:f"])
-    assert "cannot load" in str(info.value.code)
+def test_apply_bad_model_spec_is_a_usage_error(capsys):
+    assert main(["apply", "rules/fusion.rw", "--model", "no_such_module_xyz:f"]) == 2
+    assert "cannot load" in capsys.readouterr().err
 
 
 def test_explain_lists_rules_with_positions_and_stats(capsys):
@@ -82,7 +81,100 @@ def test_quantize_subcommand_reports_counts_and_accuracy(tmp_path, capsys):
     assert out.exists() and out.stat().st_size > 0
 
 
-def test_quantize_subcommand_bad_model_is_a_clean_error():
-    with pytest.raises(SystemExit) as info:  # as for apply: a message, exit status 1
-        main(["quantize", "--model", "rewrite.examples.cnn:no_such_factory"])
-    assert "cannot load 'rewrite.examples.cnn:no_such_factory'" in str(info.value.code)
+def test_quantize_subcommand_bad_model_is_a_clean_error(capsys):
+    # as for apply: a one-line message, exit status 2
+    assert main(["quantize", "--model", "rewrite.examples.cnn:no_such_factory"]) == 2
+    assert "cannot load 'rewrite.examples.cnn:no_such_factory'" in capsys.readouterr().err
+
+
+def test_apply_export_saves_a_pt2_that_torch_export_loads(tmp_path, capsys):
+    import torch
+
+    from rewrite.examples.cnn import demo_cnn_with_inputs
+
+    out = tmp_path / "fused.pt2"
+    assert main(["apply", "rules/fusion.rw", "--model", "rewrite.examples.cnn:demo_cnn_with_inputs",
+                 "--capture", "export", "--save", str(out)]) == 0
+    assert "ExportedProgram" in capsys.readouterr().out
+    program = torch.export.load(str(out))
+    norms = [n for n in program.graph.nodes if "batch_norm" in str(n.target)]
+    assert len(norms) == 1  # saved after the rewrite: 6 of the 7 batch norms were folded
+    model, inputs = demo_cnn_with_inputs()
+    torch.testing.assert_close(program.module()(*inputs), model.eval()(*inputs), rtol=1e-4, atol=1e-5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fused.pt2"]  # no temporary left behind
+
+
+@pytest.mark.parametrize("capture, name", [("export", "out.pt"), ("fx", "out.pt2"), ("dynamo", "out.pt")])
+def test_save_path_that_does_not_fit_the_capture_is_refused_up_front(tmp_path, capture, name):
+    out = tmp_path / name
+    with pytest.raises(SystemExit) as info:
+        main(["apply", "rules/fusion.rw", "--model", "rewrite.examples.cnn:demo_cnn_with_inputs",
+              "--capture", capture, "--save", str(out)])
+    assert "--save" in str(info.value.code)
+    assert not out.exists()
+
+
+def test_failed_save_leaves_no_partial_file_and_keeps_the_old_one(tmp_path, monkeypatch):
+    import torch
+
+    from rewrite.capture import save
+    from rewrite.examples.cnn import demo_cnn_with_inputs
+
+    model, inputs = demo_cnn_with_inputs()
+    gm = torch.fx.symbolic_trace(model)
+    out = tmp_path / "model.pt"
+    out.write_bytes(b"old")
+
+    def broken(obj, f):
+        with open(f, "wb") as fh:
+            fh.write(b"half")
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(torch, "save", broken)
+    with pytest.raises(RuntimeError, match="disk full"):
+        save(gm, out, "fx")
+    assert out.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]
+
+
+FACTORY = """
+import torch
+
+def build():
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)), (torch.randn(1, 3, 8, 8),)
+"""
+
+
+@pytest.mark.parametrize("launcher", ["console_script", "python_m"])
+def test_model_spec_is_found_in_the_current_directory(tmp_path, launcher):
+    import os
+    import shutil
+
+    (tmp_path / "mymodel_for_cli.py").write_text(FACTORY)
+    rules = os.path.abspath("rules/fusion.rw")
+    if launcher == "console_script":
+        exe = shutil.which("rewrite", path=os.path.dirname(sys.executable))
+        if exe is None:
+            pytest.skip("the rewrite console script is not installed in this environment")
+        cmd = [exe]
+    else:
+        cmd = [sys.executable, "-m", "rewrite"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run(cmd + ["apply", rules, "--model", "mymodel_for_cli:build"], cwd=tmp_path,
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "conv_bn" in proc.stdout
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("no_colon", "module:callable"),
+    ("rewrite.examples.cnn:no_such_factory", "cannot load"),
+    ("rewrite.examples.cnn:ResNet", "raised TypeError"),
+    ("rewrite.examples.cnn:randomize_batchnorm", "raised TypeError"),
+    ("rewrite.examples.cnn:torch", "is not callable"),
+    ("rewrite.examples.cnn:demo_cnn", "must return (model, example_inputs)"),
+])
+def test_bad_model_spec_is_a_one_line_error(spec, message, capsys):
+    code = main(["apply", "rules/fusion.rw", "--model", spec])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err

@@ -10,7 +10,7 @@ import torch.fx as fx
 
 import rewrite
 import rewrite.match
-from rewrite.examples.capture import capture
+from rewrite.capture import capture
 from rewrite.examples.cnn import demo_cnn_with_inputs, resnet_tiny_with_inputs
 
 

@@ -204,7 +204,7 @@ def test_torch_compile_backend(fusion, builder, folds):
 
 @pytest.mark.parametrize("level", ["fx", "export", "export_core", "dynamo"])
 def test_capture_levels_compute_the_model(level):
-    from rewrite.examples.capture import lifted_state_positions
+    from rewrite.capture import lifted_state_positions
 
     model, inputs = demo_cnn_with_inputs()
     gm, args = capture_with_inputs(model, inputs, level)

@@ -5,7 +5,7 @@ downloaded. ``rewrite.examples.hf`` imports ``transformers`` lazily, so
 importing this package does not require it.
 """
 
-from rewrite.examples.capture import LEVELS, capture, capture_with_inputs
+from rewrite.capture import LEVELS, capture, capture_with_inputs
 from rewrite.examples.cnn import (
     DemoCNN,
     ResNet,

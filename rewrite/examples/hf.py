@@ -43,7 +43,7 @@ __all__ = [
 
 _ALL_BUT_FX = ("export", "export_core", "dynamo")
 
-#: builder name -> capture levels (see ``rewrite.examples.capture``) that work for it.
+#: builder name -> capture levels (see ``rewrite.capture``) that work for it.
 CAPTURE_LEVELS: Dict[str, Tuple[str, ...]] = {
     "hf_resnet": _ALL_BUT_FX,
     "hf_convnext": _ALL_BUT_FX,

@@ -1,7 +1,10 @@
-"""Capture a model at each level the rule engine must handle.
+"""Get a model in, capture it, and save the result: the one place for each.
 
-The same rule has to match a model whatever the user captured it with, so tests
-run each rule set on the graphs of all four levels:
+The command line (``rewrite apply``/``explain``/``quantize``), the quantization
+flow, the tests and the benchmarks all capture through ``capture`` and load
+``--model`` specs through ``load_model``, so the levels behave the same
+everywhere. The same rule has to match a model whatever the user captured it
+with, so tests run each rule set on the graphs of all four levels:
 
 ``"fx"``
     ``torch.fx.symbolic_trace``: ``call_module`` nodes for layers, torch
@@ -22,13 +25,18 @@ run each rule set on the graphs of all four levels:
 
 from __future__ import annotations
 
+import importlib
+import os
+import sys
+import tempfile
+from pathlib import Path
 from typing import Any, List, Sequence, Tuple
 
 import torch
 from torch import fx, nn
 
-__all__ = ["LEVELS", "DYNAMO_SOURCE", "capture", "capture_with_inputs", "capture_dynamo",
-           "lifted_state_positions"]
+__all__ = ["LEVELS", "DYNAMO_SOURCE", "ModelSpecError", "capture", "capture_with_inputs", "capture_dynamo",
+           "lifted_state_positions", "load_model", "save", "save_format"]
 
 LEVELS: Tuple[str, ...] = ("fx", "export", "export_core", "dynamo")
 
@@ -121,3 +129,82 @@ def lifted_state_positions(gm: fx.GraphModule) -> Tuple[int, ...]:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     return tuple(i for i, n in enumerate(placeholders)
                  if any(k in n.meta.get(DYNAMO_SOURCE, "") for k in ("_parameters", "_buffers")))
+
+
+class ModelSpecError(ValueError):
+    """A ``module:callable`` model spec that cannot be loaded; the message says why."""
+
+
+def load_model(spec: str) -> Tuple[nn.Module, tuple]:
+    """``package.module:callable`` -> ``(model in eval mode, example inputs tuple)``.
+
+    The callable takes no arguments and returns ``(model, example_inputs)``. The
+    current directory is searched first, as ``python -m rewrite`` does, so the
+    ``rewrite`` console script finds ``mymodel.py`` next to the user too.
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ModelSpecError(f"--model wants 'module:callable', got {spec!r}")
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        factory = importlib.import_module(module_name)
+        for part in attr.split("."):
+            factory = getattr(factory, part)
+    except (ImportError, AttributeError) as err:
+        raise ModelSpecError(f"cannot load {spec!r}: {err}") from None
+    if not callable(factory):
+        raise ModelSpecError(f"{spec} is not callable: it must return (model, example_inputs)")
+    try:
+        built = factory()
+    except Exception as err:  # noqa: BLE001 - the user's factory failed: say where, one line
+        raise ModelSpecError(f"{spec}() raised {type(err).__name__}: {err}") from err
+    if not (isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module)):
+        raise ModelSpecError(f"{spec} must return (model, example_inputs), got {type(built).__name__}")
+    model, inputs = built
+    return model.eval(), _as_tuple(inputs)
+
+
+def save_format(level: str) -> str:
+    """The file a ``level``'s result is saved as: ``".pt2"`` (``torch.export.save``)
+    for the export levels, whose GraphModules do not pickle, else ``".pt"``."""
+    return ".pt2" if level in ("export", "export_core") else ".pt"
+
+
+def save(gm: fx.GraphModule, path: Any, level: str = "fx", example_inputs: Any = None) -> Path:
+    """Save a rewritten GraphModule, all or nothing.
+
+    ``"fx"``/``"dynamo"`` results are ``torch.save``d (string type annotations on
+    placeholders, which fx cannot pickle, are dropped); ``"export"`` results are
+    exported again from ``example_inputs`` and written with ``torch.export.save``
+    (load with ``torch.export.load``). The file is written next to its target and
+    renamed into place only once complete: a failure leaves no partial file and
+    an existing file untouched.
+
+    Raises:
+        ValueError: the path's suffix does not match the level's format.
+    """
+    path = Path(path)
+    wanted = save_format(level)
+    if path.suffix != wanted:
+        kind = "an ExportedProgram (torch.export.save)" if wanted == ".pt2" else "a pickled GraphModule (torch.save)"
+        raise ValueError(f"a {level!r} result is saved as {kind}: name the file *{wanted}, not {path.name!r}")
+    if wanted == ".pt2":
+        program = torch.export.export(gm, _as_tuple(example_inputs), strict=False)
+        write = lambda f: torch.export.save(program, f)  # noqa: E731
+    else:
+        for node in gm.graph.nodes:
+            if isinstance(node.type, str):
+                node.type = None
+        gm.recompile()
+        write = lambda f: torch.save(gm, f)  # noqa: E731
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".partial{wanted}", dir=path.parent or ".")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
