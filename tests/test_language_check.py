@@ -440,3 +440,35 @@ def test_every_dtype_the_parser_accepts_compiles(name):
     rules = rewrite.parse(f"rule r: to(x, d) where d == torch.{name} => to(x, torch.{name})")
     assert DTYPES[name] is getattr(torch, name)
     assert rules.rules["r"].replacement.args["dtype"].value is getattr(torch, name)
+
+
+# ---------------------------------------------------------------- E409: endless rules
+
+@pytest.mark.parametrize("text, term", [
+    ("rule r: add(x, y) => add(y, x)", "add(y, x)"),  # commutation
+    ("rule r: neg(x) => neg(neg(neg(x)))", "neg(neg(neg(x)))"),  # growth
+    ("rule r: relu(_) as t => neg(relu(t))", "relu(t)"),  # insertion whose new node matches again
+    ("rule r: mul(x, 2) => add(mul(x, 2), 0)", "mul(x, 2)"),  # the matched op rebuilt inside
+    ("rule r: (relu | gelu)(x) => gelu(relu(x))", "gelu(relu(x))"),  # alternatives
+    ("family act = relu | gelu\nrule r: act(x) => neg(gelu(x))", "gelu(x)"),  # a family
+    ("rule r: torch.relu(x) => F.relu(neg(F.relu(x)))", "F.relu(neg(F.relu(x)))"),  # spellings of one op
+    ("rule r: conv(x, w, b, ...) => conv(x, w, b, [1, 1])", "conv(x, w, b, [1, 1])"),
+])
+def test_a_rule_that_matches_its_own_replacement_is_rejected(text, term):
+    found = diags(text)
+    assert len(found) == 1
+    code, _, message = found[0]
+    assert code == "E409" and f"matches the {term} it builds" in message
+
+
+@pytest.mark.parametrize("text", [
+    "rule r: relu(_) as t => neg(neg(t))",  # insertion of other ops: settles
+    "rule r: relu(relu(x)) => relu(x)",  # shrinks: the new relu's input is unknown
+    "rule r: add(x, 0) => add(x, 0.0)",  # 0 and 0.0 are different literals
+    "rule r: add(x, y) where is_float(x) => add(y, x)",  # a where clause may stop it
+    "rule r: add(x, y) => add(y, x)\nruleset s = once(r)",  # run once on purpose
+    "rule r: conv(x, w, b, [1, 1]) => conv(x, w, b, [2, 2])",  # literal differs
+    "rule r: mul(x, x) => mul(x, neg(x))",  # a repeated variable needs equal terms
+])
+def test_a_rule_that_settles_is_not_rejected(text):
+    load_program_text(text, "t.rw")  # raises RuleError on any diagnostic

@@ -203,6 +203,51 @@ def _walk(e: object) -> Iterator:
         yield from _walk(e.index)
 
 
+def _once_refs(s: ast.Schedule) -> Iterator:
+    """The references listed directly inside a ``once(...)`` of schedule ``s``."""
+    for item in s.items:
+        if isinstance(item, ast.Schedule):
+            yield from _once_refs(item)
+        elif s.kind == "once":
+            yield item
+
+
+def _certainly_matches(pattern: object, term: object, env: dict, canonical: Any) -> bool:
+    """Does ``pattern`` match every graph that replacement ``term`` builds?
+    ``term``'s variables stand for unknown values, so a sub-pattern that needs
+    more than a variable (an op, a literal) does not match one: False means
+    "not certainly", never "certainly not"."""
+    if isinstance(pattern, ast.Wildcard):
+        return True
+    if isinstance(pattern, ast.Var):
+        if pattern.name in env:
+            return env[pattern.name] == term
+        env[pattern.name] = term
+        return True
+    if isinstance(pattern, ast.As):
+        return _certainly_matches(pattern.expr, term, env, canonical) and \
+            _certainly_matches(ast.Var(pattern.name), term, env, canonical)
+    if isinstance(pattern, (ast.Literal, ast.DTypeLit)):
+        return type(term) is type(pattern) and term == pattern and (
+            not isinstance(pattern, ast.Literal) or type(term.value) is type(pattern.value))
+    if isinstance(pattern, (ast.TupleLit, ast.ListLit)):
+        return type(term) is type(pattern) and len(term.items) == len(pattern.items) and all(
+            _certainly_matches(p, t, env, canonical) for p, t in zip(pattern.items, term.items))
+    if not (isinstance(pattern, ast.Call) and isinstance(term, ast.Call)) or len(term.op.names) != 1:
+        return False
+    ops = frozenset().union(*(canonical(n) for n in pattern.op.names))
+    made = canonical(term.op.names[0])
+    if len(made) != 1 or not made <= ops:
+        return False
+    if len(term.args) < len(pattern.args) or (len(term.args) > len(pattern.args) and not pattern.rest):
+        return False
+    given = {k.name: k.value for k in term.kwargs}
+    if {k.name for k in pattern.kwargs} != set(given):
+        return False
+    return all(_certainly_matches(p, t, env, canonical) for p, t in zip(pattern.args, term.args)) and all(
+        _certainly_matches(k.value, given[k.name], env, canonical) for k in pattern.kwargs)
+
+
 def _as_name_span(e: ast.As) -> ast.Span | None:
     """The span of the name after ``as`` (the last token of the As node)."""
     s = e.span
@@ -306,6 +351,7 @@ class _Checker:
                            help=self._suggest(item.name, self.scope.schedulables))
 
     def rule(self, r: ast.Rule) -> None:
+        errors_before = len(self.diags)
         self._options(r)
         self.bound, self.used = {}, set()
         self._bind(r.pattern)
@@ -319,6 +365,36 @@ class _Checker:
         self.check(r.replacement, _REPLACEMENT)
         self._replacement_root(r.replacement)
         self._unused(r)
+        if len(self.diags) == errors_before:
+            self._endless(r)
+
+    def _endless(self, r: ast.Rule) -> None:
+        """E409: a rule whose replacement builds a term its own pattern certainly
+        matches (no where clause to stop it) rewrites its own output forever,
+        ``add(x, y) => add(y, x)`` or ``relu(x) as r => neg(relu(r))``. Only a
+        certain match is reported; a rule the file runs in ``once(...)`` is exempt."""
+        if r.where is not None:
+            return
+        once = {ref.name for d in self.scope.schedulables.values() if isinstance(d, ast.RuleSetDecl)
+                for ref in _once_refs(d.schedule)}
+        if r.name in once:
+            return
+        for term in _walk(r.replacement):
+            if isinstance(term, ast.Call) and _certainly_matches(r.pattern, term, {}, self._canonical):
+                self.error(term.span, f"rule '{r.name}' never settles: its pattern matches the "
+                                      f"{format_expr(term)} it builds, so it rewrites its own output forever",
+                           "E409", help="add a where clause the new term fails, or run the rule "
+                                        f"in once(...): ruleset {r.name}_once = once({r.name})")
+                return
+
+    def _canonical(self, name: str) -> frozenset:
+        """The op names a callee may stand for (a family's members), canonical."""
+        kind, found = self.resolve(name)
+        if kind == "family":
+            return frozenset(op.name for _, op in self.family_ops(found))
+        if kind == "op":
+            return frozenset((found.name,))
+        return frozenset()
 
     def _replacement_root(self, e: object) -> None:
         """The replacement stands for the matched node, so it must be a graph value:
