@@ -225,6 +225,7 @@ class RuleSet:
         if isinstance(model, torch.export.ExportedProgram):
             model = model.module()  # the module it runs as; the result is a GraphModule too
         original = model if isinstance(model, fx.GraphModule) else fx.symbolic_trace(model)
+        self._warn_hidden(original)
         example_inputs = tuple(example_inputs) if example_inputs is not None else None
         txn = _Transaction(self, original, example_inputs, max_rewrites, shuffle_seed)
         txn.full_lint = check
@@ -264,6 +265,32 @@ class RuleSet:
         changes = tuple(sorted(set(driver.counts) & self._changes()))
         return RewriteResult(gm, dict(driver.counts), dict(driver.stats), report, seconds, tuple(rejected),
                              copy_seconds, changes)
+
+    def scheduled_rules(self) -> tuple:
+        """The names of the rules this set's schedule runs, in first-seen order."""
+        names: dict = {}
+
+        def walk(item: Any) -> None:
+            if isinstance(item, str):
+                if item in self.rules:
+                    names[item] = None
+                elif item in self.sets:
+                    walk(self.sets[item])
+            else:
+                for child in item[1]:
+                    walk(child)
+
+        walk(self.schedule)
+        return tuple(names)
+
+    def _warn_hidden(self, gm: fx.GraphModule) -> None:
+        """Warn (``LeafModuleWarning``) when leaf modules hide ops the rules rewrite."""
+        from rewrite.leaves import LeafModuleWarning, leaf_warning
+
+        roots = set().union(*(self.rules[n].root_ops for n in self.scheduled_rules()))
+        message = leaf_warning(gm, roots) if roots else None
+        if message:
+            warnings.warn(message, LeafModuleWarning, stacklevel=3)
 
     def _changes(self) -> set:
         """Names of the rules declared as intentional changes (``change=True``)."""
