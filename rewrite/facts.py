@@ -82,10 +82,6 @@ class GraphFacts:
     def param_names(self) -> set:
         return {name for name, _ in self.gm.named_parameters(remove_duplicate=False)}
 
-    @functools.cached_property
-    def buffer_names(self) -> set:
-        return {name for name, _ in self.gm.named_buffers(remove_duplicate=False)}
-
     def constant_of(self, operand: Any) -> Any:
         """The concrete value of a constant operand (tensor for get_attr/ConstRef,
         the literal itself otherwise); raises ValueError for graph values."""

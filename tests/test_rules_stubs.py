@@ -34,6 +34,20 @@ def test_quant_stubs_insert_observers_once():
     torch.testing.assert_close(result.graph_module(X), model(X))
 
 
+def test_histogram_observer_inserts_torchs_histogram_observer_after_each_conv():
+    from torch.ao.quantization.observer import HistogramObserver
+
+    model = Net().eval()
+    rules = rewrite.parse("rule watch_conv: conv(_, ...) as c => histogram_observer(c)")
+    for gm in (fx.symbolic_trace(model), torch.export.export(model, (X,)).module()):
+        result = rules.apply(gm, example_inputs=(X,))
+        assert result.counts == {"watch_conv": 1}
+        observers = [m for m in result.graph_module.modules() if isinstance(m, HistogramObserver)]
+        assert len(observers) == 1
+        torch.testing.assert_close(result.graph_module(X), model(X))  # observing changes nothing
+        assert observers[0].min_val <= observers[0].max_val  # it recorded the conv's range
+
+
 def test_amp_casts_run_linear_and_conv_in_bf16_with_weights_cast_once():
     model = Net().eval()
     for gm in (fx.symbolic_trace(model), torch.export.export(model, (X,)).module()):

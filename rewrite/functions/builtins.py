@@ -365,19 +365,3 @@ def histogram_observer(x: Any = None) -> torch.nn.Module:
     from torch.ao.quantization.observer import HistogramObserver
 
     return HistogramObserver()
-
-
-@register_module(inputs=("x",))
-def quant_stub(x: Any = None) -> torch.nn.Module:
-    """torch's ``QuantStub``: marks where a tensor enters the quantized region."""
-    from torch.ao.quantization import QuantStub
-
-    return QuantStub()
-
-
-@register_module(inputs=("x",))
-def dequant_stub(x: Any = None) -> torch.nn.Module:
-    """torch's ``DeQuantStub``: marks where a tensor leaves the quantized region."""
-    from torch.ao.quantization import DeQuantStub
-
-    return DeQuantStub()
