@@ -188,10 +188,6 @@ def _resolve_ops(names: tuple, families: dict) -> list:
     return out
 
 
-def _is_canonical(opdef: OpDef) -> bool:
-    return lookup_op(opdef.name) is opdef
-
-
 def _cost(p: Any) -> int:
     if isinstance(p, (PLit, PDefault)):
         return 0
@@ -241,7 +237,7 @@ class _PatternBuilder:
                         raise CompileError(f"{opdef.name}: missing argument {param.name!r}")
                     args.append((param.name, PDefault(param.default, param.name, e.span)))
             args.sort(key=lambda item: _cost(item[1]))
-            alts.append(PAlt.of(opdef, _is_canonical(opdef), tuple(args)))
+            alts.append(PAlt.of(opdef, not opdef.qualified, tuple(args)))
         return PCall(tuple(alts), None, e.span)
 
 

@@ -30,7 +30,7 @@ from rewrite.ops import lookup_op
 from rewrite.prefilter import build_prefilter
 from rewrite.replace import Replacer, ReplacementError, uses_root
 
-__all__ = ["Driver", "NonTerminationError", "RuleStats"]
+__all__ = ["Driver", "NonTerminationError", "RuleIndex", "RuleStats"]
 
 
 class NonTerminationError(RuntimeError):
@@ -91,7 +91,7 @@ def _users_within(nodes: tuple, depth: int) -> tuple:
     return tuple(out)
 
 
-class _Index:
+class RuleIndex:
     """Rules by the node keys their root can bind: ``("call_function", torch.relu)``,
     ``("call_method", "relu")``, ``("call_module", nn.ReLU)``... A node whose key
     no rule's root can have costs one dictionary look-up. Each (rule, key) carries
@@ -121,9 +121,9 @@ class _Index:
 
 
 @functools.lru_cache(maxsize=64)
-def _index_of(rules: tuple, prefilters: bool) -> _Index:
+def _index_of(rules: tuple, prefilters: bool) -> RuleIndex:
     """The index of a rule list, built once per rule set (rules hash by identity)."""
-    return _Index(rules, prefilters)
+    return RuleIndex(rules, prefilters)
 
 
 class Driver:
@@ -191,7 +191,7 @@ class Driver:
 
     # -- one node
 
-    def _rewrite_at(self, index: _Index, node: fx.Node) -> tuple | None:
+    def _rewrite_at(self, index: RuleIndex, node: fx.Node) -> tuple | None:
         if self.limit is not None and len(self.history) >= self.limit:
             return None
         for rule, prefilter in index.candidates(self.matcher, node):

@@ -158,6 +158,14 @@ class RuleSet:
             return RuleSet(self.rules, self.sets, ("fixpoint", (name,)), name)
         raise KeyError(f"no rule or ruleset named {name!r}; have {sorted(self.sets) + sorted(self.rules)}")
 
+    def only(self, rule: Any) -> "RuleSet":
+        """A rule set that runs one rule to a fixpoint: a name of this set, or a
+        ``CompiledRule`` (a variant of one, e.g. without its where clause, which
+        replaces the rule of that name)."""
+        if isinstance(rule, str):
+            return self[rule]
+        return RuleSet({**self.rules, rule.name: rule}, self.sets, ("fixpoint", (rule.name,)), rule.name)
+
     def __add__(self, other: "RuleSet") -> "RuleSet":
         """Run ``self`` then ``other``."""
         rules = dict(self.rules)

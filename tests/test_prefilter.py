@@ -31,7 +31,7 @@ from torch import fx, nn
 
 import rewrite
 import rewrite.match
-from rewrite.driver import _Index
+from rewrite.driver import RuleIndex
 from rewrite.facts import GraphFacts
 from rewrite.match import Matcher
 from rewrite.prefilter import build_prefilter
@@ -722,8 +722,8 @@ def test_to_with_fixed_dtype_forms():
 
 def test_index_builds_prefilters_only_in_compiled_mode():
     rules = tuple(MATCHER_RULES.rules.values())
-    with_pf = _Index(rules, prefilters=True)
-    without = _Index(rules, prefilters=False)
+    with_pf = RuleIndex(rules, prefilters=True)
+    without = RuleIndex(rules, prefilters=False)
     assert with_pf.by_key.keys() == without.by_key.keys()
     assert all(pf is None for pairs in without.by_key.values() for _, pf in pairs)
     key = ("call_function", aten.relu.default)

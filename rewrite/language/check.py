@@ -388,12 +388,13 @@ class _Checker:
                 return
 
     def _canonical(self, name: str) -> frozenset:
-        """The op names a callee may stand for (a family's members), canonical."""
+        """The ops a callee may stand for: canonical names (a family's members), or
+        the qualified name itself for an op restricted to one spelling."""
         kind, found = self.resolve(name)
         if kind == "family":
             return frozenset(op.name for _, op in self.family_ops(found))
-        if kind == "op":
-            return frozenset((found.name,))
+        if kind == "op":  # a qualified name (nn.ReLU, aten.add.Tensor) is its one spelling
+            return frozenset((f"={name}",) if found.qualified else (found.name,))
         return frozenset()
 
     def _replacement_root(self, e: object) -> None:

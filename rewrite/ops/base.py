@@ -31,7 +31,7 @@ import torch.fx as fx
 
 __all__ = [
     "REQUIRED", "Param", "OpDef", "ConstRef", "Bound", "Form", "FunctionForm",
-    "MethodForm", "ModuleForm", "GetitemForm", "Emitter", "node_key",
+    "MethodForm", "ModuleForm", "GetitemForm", "Emitter", "node_key", "bind_signature",
 ]
 
 
@@ -97,6 +97,8 @@ class OpDef:
         forms: every surface form that binds to this op (filled by the vocabulary).
         emit: dialect name -> Emitter ("torch", "aten").
         doc: one line for ``rewrite explain`` and the README's op table.
+        qualified: a qualified name's op (``aten.add.Tensor``, ``torch.cumsum``):
+            it matches and emits exactly its target, not every spelling.
         writes: ``(param, flag)`` pairs: parameters the emitted op writes in place,
             when parameter ``flag`` is true (None: always); ``batch_norm`` writes
             its running statistics in training mode. See ``rewrite.ops.effects``.
@@ -110,6 +112,7 @@ class OpDef:
     emit: dict = attrs.field(factory=dict)
     doc: str = ""
     writes: tuple = ()
+    qualified: bool = False
 
     @functools.cached_property
     def param_names(self) -> tuple:
@@ -140,7 +143,7 @@ class OpDef:
         return out
 
 
-def _bind_signature(signature: tuple, args: tuple, kwargs: dict) -> dict | None:
+def bind_signature(signature: tuple, args: tuple, kwargs: dict) -> dict | None:
     """Map a call's args/kwargs onto the form's own signature (target's names)."""
     if len(args) > len(signature):
         return None
@@ -176,7 +179,7 @@ class _FormBase:
     ignore: frozenset = frozenset()
 
     def _normalize(self, args: tuple, kwargs: dict, opdef: OpDef) -> dict | None:
-        raw = _bind_signature(self.signature, args, kwargs)
+        raw = bind_signature(self.signature, args, kwargs)
         if raw is None:
             return None
         for name, expected in self.guards.items():

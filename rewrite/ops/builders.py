@@ -167,7 +167,7 @@ def op(name: str, signature: str, *specs: Any, torch: Any, aten: Any, commutativ
 
 
 def make_op(name: str, params: tuple, specs: Any, *, torch: Any, aten: Any, commutative: bool = False,
-            elementwise: bool = False, doc: str = "", writes: tuple = ()) -> OpDef:
+            elementwise: bool = False, doc: str = "", writes: tuple = (), qualified: bool = False) -> OpDef:
     """``op`` with the signature given as ``Param``s and ``specs`` as a list of spec lists."""
     by_name = {p.name: p for p in params}
     forms, seen = [], {}
@@ -184,7 +184,7 @@ def make_op(name: str, params: tuple, specs: Any, *, torch: Any, aten: Any, comm
     ref: list = []
     opdef = OpDef(name, params, commutative, elementwise, tuple(forms),
                   {"torch": _emitter(ref, torch, "torch"), "aten": _emitter(ref, aten, "aten")}, doc,
-                  tuple(writes))
+                  tuple(writes), qualified)
     ref.append(opdef)
     targets = emittable(opdef.forms)
     for spec in (torch, aten):

@@ -170,12 +170,6 @@ def written_args(node: fx.Node, gm: Any) -> tuple:
     return tuple(out)
 
 
-def _is_canonical(opdef: Any) -> bool:
-    from rewrite.ops.vocabulary import OPS
-
-    return OPS.get(opdef.name) is opdef
-
-
 def opdef_writes(opdef: Any) -> tuple:
     """``(param, flag)`` pairs: the parameters the op, as a replacement emits it,
     writes in place; ``flag`` names a parameter that must be true for the write to
@@ -183,7 +177,7 @@ def opdef_writes(opdef: Any) -> tuple:
     or is None. Canonical ops emit their functional form: what their entry's
     ``writes`` says. A qualified name emits exactly its target: what its schema
     says (``aten.mul_.Scalar`` writes ``input``)."""
-    if _is_canonical(opdef):
+    if not opdef.qualified:
         return tuple(opdef.writes)
     out: dict = {}
     for form in opdef.forms:
@@ -212,7 +206,7 @@ def opdef_may_alias(opdef: Any) -> bool:
     surfaces to match, never emitted); qualified names: by their targets."""
     if opdef_writes(opdef):
         return True
-    if _is_canonical(opdef):
+    if not opdef.qualified:
         return opdef.name in ALIASING_NAMES
     for form in opdef.forms:
         target = _form_target(form)

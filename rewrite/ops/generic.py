@@ -57,7 +57,7 @@ def _params(sig: Sig) -> tuple:
 
 def _build(name: str, sig: Sig, specs: list, emit: str) -> OpDef:
     return make_op(name, _params(sig), [specs], torch=emit, aten=emit,
-                   doc=f"{name} (from its schema; not in the vocabulary)")
+                   doc=f"{name} (from its schema; not in the vocabulary)", qualified=True)
 
 
 def _aten(parts: list) -> OpDef | None:

@@ -150,7 +150,7 @@ def _restricted_emitter(opdef: OpDef, forms: tuple, dialect: str) -> Emitter:
 
 
 def _restricted(opdef: OpDef, forms: tuple) -> OpDef:
-    return attrs.evolve(opdef, forms=forms, emit={
+    return attrs.evolve(opdef, forms=forms, qualified=True, emit={
         d: _restricted_emitter(opdef, forms, d) for d in ("torch", "aten")})
 
 
