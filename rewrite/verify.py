@@ -249,12 +249,7 @@ def _run(gm: fx.GraphModule, inputs: tuple) -> tuple:
 
 
 def _one_rule(ruleset: Any, rule: CompiledRule, without_where: bool = False) -> Any:
-    sub = ruleset[rule.name]
-    if without_where:
-        from rewrite.ruleset import RuleSet
-
-        sub = RuleSet({**sub.rules, rule.name: attrs.evolve(rule, where=None)}, sub.sets, sub.schedule, sub.name)
-    return sub
+    return ruleset.only(attrs.evolve(rule, where=None) if without_where else rule.name)
 
 
 def _fires(ruleset: Any, gm: fx.GraphModule, inputs: tuple, max_rewrites: int | None = None) -> Any:

@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from rewrite.ops.base import (
-    REQUIRED, FunctionForm, GetitemForm, MethodForm, OpDef, _bind_signature,
+    REQUIRED, FunctionForm, GetitemForm, MethodForm, OpDef, bind_signature,
 )
 
 __all__ = ["OneOf", "Fn", "Method", "Item", "EmitError", "call_for", "same_value", "same_arg"]
@@ -109,7 +109,7 @@ def _normalize_ext(form: Any, args: tuple, kwargs: dict, opdef: OpDef) -> dict |
     """``_FormBase._normalize`` plus varargs, ``OneOf`` guards, checks, conversions."""
     if form.varargs is not None:
         args = _pack_varargs(tuple(args), form.signature.index(form.varargs))
-    raw = _bind_signature(form.signature, tuple(args), dict(kwargs))
+    raw = bind_signature(form.signature, tuple(args), dict(kwargs))
     if raw is None:
         return None
     for name, expected in form.guards.items():
