@@ -6,6 +6,7 @@
     rq.calibrate(observed, batches)                 # observers record activation ranges
     int8 = rq.convert(observed)                     # quant/convert.rw (QDQ), quant/lower.rw (int8 kernels)
     print(rq.accuracy_report(observed, int8, held_out))   # per-layer and output SQNR
+    print(rq.coverage(int8))                        # convs/linears in int8, and why others are not
 
     int8 = rq.quantize(model, batches)              # the same in one call
 
@@ -27,7 +28,9 @@ Numerical checks: the rule sets that change numbers (convert, lower) run with
 ``check=False``; ``convert`` instead compares the lowered int8 model with the
 reference QDQ model (``convert(..., lower=False)``) by SQNR and raises
 ``QuantizationError`` when they disagree. ``accuracy_report`` judges int8 against
-fp32 by SQNR, per quantized tensor and per output.
+fp32 by SQNR, per quantized tensor and per output. ``coverage`` counts the convs and
+linears that run as int8 kernels and names every one left in float with the reason
+(``convert`` records it, the accuracy report prints it).
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ from rewrite.functions.quant import (
 __all__ = [
     "prepare", "calibrate", "convert", "quantize", "accuracy_report", "sqnr", "QuantizationError",
     "QuantPoint", "LayerSQNR", "AccuracyReport", "quant_rules", "quantize_command",
-    "add_quantize_arguments", "save", "BACKENDS",
+    "add_quantize_arguments", "save", "BACKENDS", "coverage", "Coverage", "FloatLayer",
 ]
 
 BACKENDS = ("x86", "onednn", "fbgemm")
@@ -438,7 +441,8 @@ def convert(
 
     Returns:
         A GraphModule; ``gm.meta["rewrite.quant"]`` holds the quantization points,
-        rule counts, and the QDQ-vs-int8 SQNR when checked.
+        rule counts, the ``coverage`` (convs and linears lowered to int8, and those
+        left in float with the reason) and the QDQ-vs-int8 SQNR when checked.
     """
     state = dict(observed.meta.get(_META, {}))
     backend = state.get("backend", torch.backends.quantized.engine)
@@ -461,7 +465,7 @@ def convert(
         low_result = _as_rules(lower_rules, "lower").apply(qdq, args, check=False)
     int8 = low_result.graph_module
     _name_int8_modules(int8, points)
-    state.update(lower_counts=dict(low_result.counts))
+    state.update(lower_counts=dict(low_result.counts), coverage=coverage(int8))
     if check and args is not None:
         with torch.no_grad():
             ref, out = qdq(*args), int8(*args)
@@ -514,6 +518,231 @@ def quantize(
     observed = prepare(model, example_inputs, **prep_opts)
     calibrate(observed, batches)
     return convert(observed, **conv_opts)
+
+
+# ---------------------------------------------------------------- coverage
+
+#: canonical ops the report counts, with the words it uses for them
+_LAYER_OPS = {"conv": ("conv", "convs"), "conv_transpose": ("transposed conv", "transposed convs"),
+              "linear": ("linear", "linears")}
+
+
+@attrs.frozen
+class FloatLayer:
+    """A conv or linear the int8 model still computes in float, and why."""
+
+    layer: str  #: the module's dotted path (``blocks.3.conv``), else the node's name
+    op: str     #: ``conv``, ``conv_transpose`` or ``linear``
+    reason: str
+
+
+@attrs.frozen
+class Coverage:
+    """How many convs and linears an int8 model runs as int8 kernels, out of how
+    many, and every one left in float with the reason."""
+
+    lowered: tuple    #: ((op, count), ...) lowered to int8 kernels
+    left_float: tuple  #: FloatLayer, in graph order
+
+    def count(self, op: str | None = None) -> tuple:
+        """(lowered, total) for one op (``"conv"``, ``"linear"``...) or all of them."""
+        low = sum(n for o, n in self.lowered if op in (None, o))
+        return low, low + sum(1 for f in self.left_float if op in (None, f.op))
+
+    @property
+    def summary(self) -> str:
+        parts = []
+        for op, (one, many) in _LAYER_OPS.items():
+            low, total = self.count(op)
+            if total:
+                parts.append(f"{low} of {total} {one if total == 1 else many}")
+        if not parts:
+            return "int8 kernels: no convs or linears"
+        n = len(self.left_float)
+        rest = f"{n} left in float" if n else "none left in float"
+        return f"int8 kernels: {', '.join(parts)}; {rest}"
+
+    def __str__(self) -> str:
+        lines = [self.summary + (":" if self.left_float else "")]
+        width = max([len(f.layer) for f in self.left_float] + [0])
+        op_width = max([len(f.op) for f in self.left_float] + [0])
+        for f in self.left_float:
+            lines.append(f"  {f.layer:<{width}}  {f.op:<{op_width}}  {f.reason}")
+        return "\n".join(lines)
+
+
+def _int8_layer_op(mod: Any) -> str | None:
+    from rewrite.functions.quant import QuantizedConv, QuantizedConvAdd, QuantizedLinear
+
+    if isinstance(mod, (QuantizedConv, QuantizedConvAdd)):
+        return "conv"
+    if isinstance(mod, QuantizedLinear):
+        return "linear"
+    return None
+
+
+def _const_tensor(operand: Any, gm: fx.GraphModule) -> Any:
+    """The tensor of a constant operand (a ConstRef or a get_attr node), or None."""
+    from rewrite.facts import fetch_attr
+
+    name = _const_name(operand)
+    if name is None:
+        return None
+    try:
+        value = fetch_attr(gm, name)
+    except AttributeError:
+        return None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _weight_of(operand: Any, gm: fx.GraphModule) -> tuple:
+    """(is the weight a constant, its tensor or None): a ConstRef, a get_attr, or
+    ``dequantize`` of one (the int8 weight convert made)."""
+    from rewrite.functions.quant import _ops as ops_of
+
+    t = _const_tensor(operand, gm)
+    if t is not None or _const_name(operand) is not None:
+        return True, t
+    bound = ops_of(operand, gm).get("dequantize")
+    if bound is not None:
+        inner = bound.args.get("input")
+        t = _const_tensor(inner, gm)
+        if t is not None or _const_name(inner) is not None:
+            return True, (t.dequantize() if t is not None and t.is_quantized else t)
+    return False, None
+
+
+def _quantized_here(node: Any, gm: fx.GraphModule, upstream: bool) -> bool:
+    """The value reaching (``upstream``) or leaving a float op is rounded to int8:
+    it comes from a ``dequantize`` or a fake-quant (through ops that keep the
+    quantization), or it goes into a ``quantize_per_tensor`` or fake-quant
+    (through a fusable activation)."""
+    from rewrite.functions.quant import _ops as ops_of
+    from rewrite.functions.quant import passthrough_input
+
+    def rounds(n: Any) -> bool:
+        return isinstance(n, fx.Node) and (
+            bool({"dequantize", "quantize_per_tensor"} & set(ops_of(n, gm)))
+            or str(getattr(n.target, "__name__", "")).startswith("fake_quantize_per_tensor_affine"))
+
+    if upstream:
+        for _ in range(64):
+            if node is None or rounds(node):
+                return node is not None
+            node = passthrough_input(node, gm)
+        return False
+    frontier = [node]
+    for _ in range(3):
+        users = [u for n in frontier for u in n.users]
+        if any(rounds(u) for u in users):
+            return True
+        frontier = [u for u in users if {"relu", "hardtanh", "relu6", "add"} & set(ops_of(u, gm))]
+        if not frontier:
+            return False
+    return False
+
+
+def _shape_facts(node: Any, gm: fx.GraphModule) -> Any:
+    """Shape/dtype facts of ``node``, else of the value it rounds (quantize,
+    dequantize and fake-quant keep the shape; nodes rules created may have none)."""
+    from rewrite.facts import tensor_meta_of
+    from rewrite.functions.quant import _ops as ops_of
+
+    for _ in range(8):
+        if not isinstance(node, fx.Node):
+            return None
+        meta = tensor_meta_of(node)
+        if meta is not None and hasattr(meta, "shape"):
+            return meta
+        rounding = ("dequantize", "quantize_per_tensor")
+        if not (set(ops_of(node, gm)) & set(rounding)
+                or str(getattr(node.target, "__name__", "")).startswith("fake_quantize_per_tensor_affine")):
+            return None
+        node = node.args[0] if node.args else None
+    return None
+
+
+def _float_reason(node: fx.Node, op: str, bound: Any, gm: fx.GraphModule) -> str:
+    """Why a conv / linear of the int8 model still runs in float."""
+    from rewrite.functions.quant import conv_padding_problem
+
+    args = bound.args
+    x = args.get("input")
+    is_const, w = _weight_of(args.get("weight"), gm)
+    if not is_const:
+        return "weight is not a constant (computed in the graph or an input)"
+    meta = _shape_facts(x, gm)
+    dtype = w.dtype if w is not None else getattr(meta, "dtype", None)
+    if dtype is not None and dtype != torch.float32:
+        return f"dtype {str(dtype).replace('torch.', '')}: int8 kernels take float32"
+    if op == "conv_transpose":
+        return "transposed conv: no int8 rule lowers it"
+    if op == "conv" and w is not None:
+        problem = conv_padding_problem(args.get("padding"), tuple(w.shape)[2:], args.get("dilation", 1))
+        if problem is not None:
+            return problem
+    shape = getattr(meta, "shape", None)
+    if op == "linear" and shape is not None and len(shape) < 2:
+        return f"input of rank {len(shape)}: the int8 linear kernel takes rank >= 2"
+    q_in, q_out = _quantized_here(x, gm, upstream=True), _quantized_here(node, gm, upstream=False)
+    if not q_in or not q_out:
+        which = "input and output" if not q_in and not q_out else "input" if not q_in else "output"
+        return f"not observed: the observe rules left out its {which}"
+    return "no lowering rule matched"
+
+
+def _module_kind(mod: Any) -> str | None:
+    if isinstance(mod, torch.nn.modules.conv._ConvTransposeNd):
+        return "conv_transpose"
+    if isinstance(mod, torch.nn.modules.conv._ConvNd):
+        return "conv"
+    if isinstance(mod, torch.nn.Linear):
+        return "linear"
+    return None
+
+
+def coverage(int8: fx.GraphModule) -> Coverage:
+    """Count the convs and linears of an int8 model that run as int8 kernels, and
+    name every one left in float with the reason: its padding (an asymmetric
+    ``"same"``), its dtype, a weight that is not a constant, a transposed conv,
+    a layer the observe rules left out, one inside a module the capture kept
+    whole (``call_module`` of a leaf module the rules cannot see into)...
+    ``convert`` records it in ``int8.meta["rewrite.quant"]["coverage"]``."""
+    from rewrite.functions.quant import QuantizedPad, module_path
+    from rewrite.ops import bind_node
+
+    lowered: dict = {}
+    left: list = []
+    for node in int8.graph.nodes:
+        if node.op == "call_module":
+            try:
+                mod = int8.get_submodule(node.target)
+            except AttributeError:
+                continue
+            kind = _int8_layer_op(mod)
+            if kind is not None:
+                lowered[kind] = lowered.get(kind, 0) + 1
+                continue
+            if isinstance(mod, (QuantizedModule, QuantizedPad)) or is_observer_node(node, int8):
+                continue
+        if not node.op.startswith("call_"):
+            continue
+        bound = {b.op: b for b in bind_node(node, int8)}
+        op = next((o for o in _LAYER_OPS if o in bound), None)
+        if op is not None:
+            left.append(FloatLayer(module_path(node) or node.name, op, _float_reason(node, op, bound[op], int8)))
+            continue
+        if node.op == "call_module" and not bound:
+            # a leaf module: the graph calls it whole, its convs and linears unseen
+            mod = int8.get_submodule(node.target)
+            for sub, child in mod.named_modules():
+                kind = _module_kind(child)
+                if kind is not None:
+                    name = f"{node.target}.{sub}" if sub else str(node.target)
+                    left.append(FloatLayer(name, kind, f"not observed: inside leaf module "
+                                                       f"{node.target} ({type(mod).__name__}), "
+                                                       "which the graph calls whole"))
+    return Coverage(tuple(sorted(lowered.items(), key=lambda kv: list(_LAYER_OPS).index(kv[0]))), tuple(left))
 
 
 # ---------------------------------------------------------------- accuracy
@@ -601,11 +830,13 @@ class LayerSQNR:
 
 @attrs.frozen
 class AccuracyReport:
-    """Per-layer and output SQNR of an int8 model against its fp32 model."""
+    """Per-layer and output SQNR of an int8 model against its fp32 model, and
+    its ``coverage``: the SQNR says nothing of the layers left in float."""
 
     layers: tuple
     outputs: tuple
     flag_below: float
+    coverage: Coverage | None = None
 
     @property
     def output_sqnr(self) -> float:
@@ -624,6 +855,8 @@ class AccuracyReport:
             lines.append(f"{r.layer:<{width}}  {r.op:<16} {r.sqnr:>8.1f}{mark}")
         lines.append(f"output SQNR {self.output_sqnr:.1f} dB; {len(self.flagged)} tensor(s) below "
                      f"{self.flag_below:g} dB")
+        if self.coverage is not None:
+            lines.append(str(self.coverage))
         return "\n".join(lines)
 
 
@@ -636,7 +869,9 @@ def accuracy_report(
 ) -> AccuracyReport:
     """SQNR of the int8 model against fp32 on held-out ``batches``, for every
     tensor the model quantizes (the output of each int8 conv, linear, add...) and
-    for every float output; entries below ``flag_below`` dB are flagged.
+    for every float output; entries below ``flag_below`` dB are flagged. The
+    report also carries the int8 model's ``coverage`` (convs and linears left in
+    float, with the reason), and prints it last.
 
     ``observed`` (from ``prepare``) supplies the fp32 values: its observers are
     bypassed, nothing is recorded. The int8 model's nodes say which observer's
@@ -675,7 +910,8 @@ def accuracy_report(
     outputs = tuple(
         LayerSQNR(f"output[{i}]", "", db(("output", i)), db(("output", i)) < flag_below)
         for i in range(n_out))
-    return AccuracyReport(layers, outputs, flag_below)
+    cov = int8.meta.get(_META, {}).get("coverage")
+    return AccuracyReport(layers, outputs, flag_below, cov if cov is not None else coverage(int8))
 
 
 # ---------------------------------------------------------------- command line

@@ -173,6 +173,9 @@ def test_accuracy_report_per_layer(tiny_fx):
     assert report.output_sqnr > CNN_FLOOR and not report.flagged
     text = str(report)
     assert "layer1.0.conv1" in text and "SQNR" in text
+    # last: how many convs and linears run as int8 kernels
+    assert report.coverage == int8.meta["rewrite.quant"]["coverage"]
+    assert text.splitlines()[-1] == "int8 kernels: 17 of 17 convs, 1 of 1 linear; none left in float"
     strict = rq.accuracy_report(observed, int8, [x], flag_below=1000.0)
     assert len(strict.flagged) == len(strict.layers) + len(strict.outputs)
     assert "<-- poor" in str(strict)
@@ -321,6 +324,14 @@ def test_policy_rule_file_skips_a_layer_by_name_and_picks_observers():
     assert ops["linear"] == 1 and not ops["QuantizedLinear"]
     float_convs = [n for n in int8.graph.nodes if _is(n, int8, "conv")]
     assert all(n.meta["nn_module_stack"] and rq.module_path(n).startswith("layer4") for n in float_convs)
+    # the report names each layer left in float and why
+    cov = rq.coverage(int8)
+    assert cov.count("conv") == (13, 17) and cov.count("linear") == (0, 1)
+    assert {f.layer for f in cov.left_float} == {"layer4.0.conv1", "layer4.0.conv2", "layer4.0.conv3",
+                                                  "layer4.0.downsample.0", "fc"}
+    assert all(f.reason.startswith("not observed: the observe rules left out its") for f in cov.left_float)
+    assert cov.left_float[-1] == rq.FloatLayer("fc", "linear", "not observed: the observe rules left out "
+                                                              "its input and output")
     assert _stray_pairs(int8) == []
     assert _output_sqnr(model, int8, (x,)) > CNN_FLOOR
 
@@ -417,6 +428,7 @@ def test_quantize_one_call_and_command_line(capsys):
     assert rq.quantize_command(args) == 0
     out = capsys.readouterr().out
     assert "lower_conv_relu x9" in out and "output SQNR" in out and "layer1.0.conv1" in out
+    assert "int8 kernels: 17 of 17 convs, 1 of 1 linear; none left in float" in out.splitlines()
 
 
 def test_quantize_a_model_with_integer_outputs():

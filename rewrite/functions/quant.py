@@ -46,7 +46,7 @@ __all__ = [
     "PASSTHROUGH_OPS", "QuantizedModule", "QuantizedConv", "QuantizedConvAdd", "QuantizedLinear",
     "QuantizedBinary", "QuantizedCat", "QuantizedPad", "is_observer_node", "module_path", "module_type", "qparams_of",
     "passthrough_input", "vnni_available", "FiniteHistogramObserver", "FiniteMinMaxObserver",
-    "FiniteMovingAverageMinMaxObserver",
+    "FiniteMovingAverageMinMaxObserver", "conv_padding_ints", "conv_padding_problem",
 ]
 
 #: Ops that run on quantized tensors with their input's scale and zero point: an
@@ -352,6 +352,64 @@ def conv_padding(pad: Any) -> Any:
     return tuple(pad[i] for i in range(len(pad) - 2, -1, -2))
 
 
+def conv_padding_problem(padding: Any, kernel: Any, dilation: Any = 1) -> str | None:
+    """Why an int8 conv kernel cannot take a conv's ``padding``, or None when it can.
+
+    The kernels take integer padding, as much before as after each spatial dim.
+    ``"valid"`` is 0. ``"same"`` (stride 1) pads ``dilation * (kernel - 1)`` in all,
+    torch putting the odd one after: symmetric, ``dilation * (kernel - 1) // 2`` on
+    each side, only where that total is even (an odd kernel, or an even dilation)."""
+    if not isinstance(padding, str):
+        return None
+    if padding == "valid":
+        return None
+    if padding != "same":
+        return f"padding {padding!r}"
+    kernel = tuple(int(k) for k in kernel)
+    try:
+        dil = _per_dim(dilation, len(kernel), "dilation")
+    except ValueError:
+        return f"dilation {dilation!r}"
+    totals = [d * (k - 1) for k, d in zip(kernel, dil)]
+    if all(t % 2 == 0 for t in totals):
+        return None
+    before = [t // 2 for t in totals]
+    after = [t - b for t, b in zip(totals, before)]
+    shape = "x".join(map(str, kernel))
+    return (f"asymmetric 'same' padding: kernel {shape}, dilation {'x'.join(map(str, dil))} pads "
+            f"{tuple(before)} before, {tuple(after)} after")
+
+
+def conv_padding_ints(padding: Any, kernel: Any, dilation: Any = 1) -> list:
+    """A conv's ``padding`` as one int per spatial dim, what int8 kernels take:
+    ints as they are, ``"valid"`` 0, symmetric ``"same"`` ``dilation * (kernel - 1) // 2``.
+    Raises ``ValueError`` with the reason (``conv_padding_problem``) otherwise."""
+    rank = len(tuple(kernel))
+    problem = conv_padding_problem(padding, kernel, dilation)
+    if problem is not None:
+        raise ValueError(f"quantized conv: {problem}")
+    if padding == "valid":
+        return [0] * rank
+    if padding == "same":
+        return [d * (int(k) - 1) // 2 for k, d in zip(kernel, _per_dim(dilation, rank, "dilation"))]
+    return _per_dim(padding, rank, "padding")
+
+
+@register_predicate()
+def int8_padding(w: Value, padding: Value, dilation: Value) -> bool:
+    """The padding of a conv with weight ``w`` is one an int8 kernel takes: integers,
+    ``"valid"``, or ``"same"`` that pads as much before as after each dim (see
+    ``conv_padding_problem``; an even kernel's "same" pads one more after)."""
+    p = padding.literal
+    if not isinstance(p, str):
+        return True
+    m = w.meta
+    shape = getattr(m, "shape", None) if m is not None else None
+    if shape is None or len(shape) < 3:
+        return None  # unknown: the where clause does not hold
+    return conv_padding_problem(p, tuple(shape)[2:], dilation.literal) is None
+
+
 @register_query()
 def module_name(x: Value) -> Any:
     """The dotted path of the module ``x`` came from, or None."""
@@ -638,15 +696,15 @@ def quantized_conv(x: Any = None, weight: Any = None, bias: Any = None, stride: 
                    relu: bool = False) -> nn.Module:
     """An int8 conv (1d/2d/3d, optionally fused with relu): the weight (already
     quantized by ``quantize_weight``, or float) is prepacked for the current
-    ``torch.backends.quantized.engine`` once; output ``scale``/``zero_point``."""
+    ``torch.backends.quantized.engine`` once; output ``scale``/``zero_point``.
+    ``padding``: ints, ``"valid"``, or ``"same"`` where symmetric (``int8_padding``)."""
     _check_qparams(scale, zero_point)
     w = _quantized_weight(weight)
     rank = w.dim() - 2
     if rank not in (1, 2, 3):
         raise ValueError(f"quantized conv: weight of rank {w.dim()}")
-    if isinstance(padding, str):
-        raise ValueError("quantized conv: string padding is not supported")
-    st, pd, dl = (_per_dim(v, rank, n) for v, n in ((stride, "stride"), (padding, "padding"), (dilation, "dilation")))
+    pd = conv_padding_ints(padding, w.shape[2:], dilation)  # "valid", symmetric "same" too
+    st, dl = (_per_dim(v, rank, n) for v, n in ((stride, "stride"), (dilation, "dilation")))
     b = None if bias is None else bias.detach().float()
     if rank == 1:  # conv1d packs as a 2d conv over a height of 1
         packed = torch.ops.quantized.conv1d_prepack(w, b, st, pd, dl, groups)
@@ -665,9 +723,10 @@ def quantized_conv_add(x: Any = None, accum: Any = None, weight: Any = None, bia
     if torch.backends.quantized.engine != "onednn":
         raise RuntimeError("quantized_conv_add needs the onednn engine")
     w = _quantized_weight(weight)
-    if w.dim() != 4 or isinstance(padding, str):
-        raise ValueError("quantized_conv_add: 2d convs with int padding only")
-    st, pd, dl = (_per_dim(v, 2, n) for v, n in ((stride, "stride"), (padding, "padding"), (dilation, "dilation")))
+    if w.dim() != 4:
+        raise ValueError("quantized_conv_add: 2d convs only")
+    pd = conv_padding_ints(padding, w.shape[2:], dilation)
+    st, dl = (_per_dim(v, 2, n) for v, n in ((stride, "stride"), (dilation, "dilation")))
     b = None if bias is None else bias.detach().float()
     packed = torch.ops.quantized.conv2d_prepack(w, b, st, pd, dl, groups)
     return QuantizedConvAdd(packed, scale, zero_point, bool(relu), tuple(w.shape))
