@@ -63,7 +63,8 @@ from rewrite.compile import DTYPES, CompiledRule, PCall, PDefault, PLit, PSeq, P
 from rewrite.language import ast
 from rewrite.ops.base import REQUIRED
 
-__all__ = ["Instance", "GENERATORS", "instances", "rule_tolerance", "Plan", "plan_for", "draw_instance"]
+__all__ = ["Instance", "GENERATORS", "instances", "rule_tolerance", "Plan", "plan_for", "draw_instance",
+           "hypothesis_api", "strategies"]
 
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _INTS = (torch.int64, torch.int32, torch.int8, torch.uint8)
@@ -73,7 +74,9 @@ _SPECIALS = (math.nan, math.inf, -math.inf, -0.0)
 _DRAWN = 24  # values drawn one by one per tensor; the rest come from a seed
 
 
-def _hyp() -> Any:
+def hypothesis_api() -> Any:
+    """The ``hypothesis`` module, imported on first use (``ImportError`` with the
+    install hint when it is missing)."""
     try:
         import hypothesis
         import hypothesis.strategies
@@ -82,8 +85,9 @@ def _hyp() -> Any:
     return hypothesis
 
 
-def _st() -> Any:
-    return _hyp().strategies
+def strategies() -> Any:
+    """``hypothesis.strategies``, imported on first use."""
+    return hypothesis_api().strategies
 
 
 @attrs.frozen
@@ -122,22 +126,36 @@ def rule_tolerance(rule: CompiledRule) -> str:
     return "approx" if _has_constant(rule.replacement) else "exact"
 
 
+# _has_constant, _conjuncts, _pattern_ops and _leaves walk with an explicit stack
+# (children pushed last-first, so visited in source order), not by recursion: they
+# never meet Python's recursion limit, however deeply a rule nests.
+
+
 def _has_constant(r: Any) -> bool:
-    if isinstance(r, RConst):
-        return True
-    if isinstance(r, ROp):
-        return any(_has_constant(v) for v in r.args.values())
-    if isinstance(r, RModule):
-        return any(_has_constant(v) for v in r.inputs)
-    if isinstance(r, RSeq):
-        return any(_has_constant(v) for v in r.items)
+    todo = [r]
+    while todo:
+        r = todo.pop()
+        if isinstance(r, RConst):
+            return True
+        if isinstance(r, ROp):
+            todo += r.args.values()
+        elif isinstance(r, RModule):
+            todo += r.inputs
+        elif isinstance(r, RSeq):
+            todo += r.items
     return False
 
 
 def _conjuncts(e: Any) -> list:
-    if isinstance(e, ast.BoolOp) and e.op == "and":
-        return [c for item in e.items for c in _conjuncts(item)]
-    return [] if e is None else [e]
+    """The top-level ``and`` operands of a where clause, nested ``and`` flattened."""
+    out, todo = [], [e]
+    while todo:
+        e = todo.pop()
+        if isinstance(e, ast.BoolOp) and e.op == "and":
+            todo += reversed(e.items)
+        elif e is not None:
+            out.append(e)
+    return out
 
 
 @attrs.frozen
@@ -249,19 +267,18 @@ def plan_for(rule: CompiledRule) -> Plan:
 def _pattern_ops(p: Any) -> list:
     """(op name, generator or None) of every call in the pattern; a call is covered
     when at least one of its alternatives has a generator."""
-    out = []
-    if isinstance(p, PCall):
-        gens = [(alt.opdef.name, _generator(alt.opdef)) for alt in p.alts]
-        if not any(g for _, g in gens):
-            out += gens
-        else:
-            out += [(n, g) for n, g in gens if g is not None]
-        for alt in p.alts:
-            for _, sub in alt.args:
-                out += _pattern_ops(sub)
-    elif isinstance(p, PSeq):
-        for item in p.items:
-            out += _pattern_ops(item)
+    out, todo = [], [p]
+    while todo:
+        p = todo.pop()
+        if isinstance(p, PCall):
+            gens = [(alt.opdef.name, _generator(alt.opdef)) for alt in p.alts]
+            if not any(g for _, g in gens):
+                out += gens
+            else:
+                out += [(n, g) for n, g in gens if g is not None]
+            todo += reversed([sub for alt in p.alts for _, sub in alt.args])
+        elif isinstance(p, PSeq):
+            todo += reversed(p.items)
     return out
 
 
@@ -283,14 +300,14 @@ class _Ctx:
         self.shapes: list = []  # shapes drawn so far: operands drawn apart may share one
 
     def int(self, lo: int, hi: int) -> int:
-        return self.draw(_st().integers(lo, hi))
+        return self.draw(strategies().integers(lo, hi))
 
     def pick(self, values: Any) -> Any:
         values = list(values)
-        return values[0] if len(values) == 1 else self.draw(_st().sampled_from(values))
+        return values[0] if len(values) == 1 else self.draw(strategies().sampled_from(values))
 
     def coin(self) -> bool:
-        return self.draw(_st().booleans())
+        return self.draw(strategies().booleans())
 
     def shape(self, lo: int = 1, hi: int = 4, dim_hi: int = 4) -> tuple:
         """A fresh shape, or (half the time) one drawn before that fits: the items of
@@ -311,7 +328,7 @@ class _Ctx:
         Integers are drawn in ``[lo, hi]`` within the dtype's range (exact rules
         also meet its extremes, where arithmetic wraps), bool as True/False, floats
         in ``[lo, hi]`` (exact rules also meet NaN, infinities and -0.0)."""
-        st = _st()
+        st = strategies()
         dtype = dtype or self.dtype
         n = math.prod(shape)
         k = min(n, _DRAWN)
@@ -402,9 +419,14 @@ class _Args:
 
 
 def _leaves(values: Any) -> list:
-    out = []
-    for v in values:
-        out += _leaves(v) if isinstance(v, (list, tuple)) else [v]
+    """The non-sequence values in nested lists and tuples, in order."""
+    out, todo = [], list(values)[::-1]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, (list, tuple)):
+            todo += reversed(v)
+        else:
+            out.append(v)
     return out
 
 
@@ -432,7 +454,7 @@ def _gen(*names: str) -> Callable:
 
 def _literal_strategies() -> dict:
     """(op, param) -> strategy for attribute values no generator derives from shapes."""
-    st = _st()
+    st = strategies()
     alpha = st.sampled_from([1, 2, -1, 0.5])
     return {
         ("gelu", "approximate"): st.sampled_from(["none", "tanh"]),
@@ -516,7 +538,7 @@ def _permutation(ctx: _Ctx, a: _Args, rank: int) -> tuple:
         for i, d in enumerate(prev["dims"]):
             inv[d % rank] = i
         return tuple(inv)
-    return tuple(ctx.draw(_st().permutations(range(rank))))
+    return tuple(ctx.draw(strategies().permutations(range(rank))))
 
 
 @_gen("permute")
@@ -1412,7 +1434,7 @@ def draw_instance(draw: Callable, plan: Plan, attempts: int = 3) -> Instance | s
     A drawn instance that is not a program (an op rejects the dtype drawn, shapes
     that do not fit) is drawn again, with a fresh dtype, up to ``attempts`` times:
     every draw comes from ``draw``, so hypothesis replays and shrinks it."""
-    st = _st()
+    st = strategies()
     dtypes = st.sampled_from(plan.dtypes)
     if plan.favoured:  # what the where clause asks for, at least half the time
         dtypes = st.sampled_from(plan.favoured) | dtypes
@@ -1456,6 +1478,6 @@ def instances(rule: CompiledRule, accept: Callable | None = None, attempts: int 
             inst = draw_instance(draw, plan)
             if isinstance(inst, Instance) and (accept is None or accept(inst)):
                 return inst
-        _hyp().reject()
+        hypothesis_api().reject()
 
-    return _st().composite(draw_one)()
+    return strategies().composite(draw_one)()

@@ -73,8 +73,8 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from rewrite.compile import CompiledRule
-from rewrite.instances import (Instance, Plan, _hyp, _st, draw_instance, instances, plan_for, quantized_engines,
-                               rule_tolerance)
+from rewrite.instances import (Instance, Plan, draw_instance, hypothesis_api, instances, plan_for, quantized_engines,
+                               rule_tolerance, strategies)
 
 __all__ = [
     "RuleVerdict", "Counterexample", "VerificationReport", "Instance",
@@ -683,7 +683,7 @@ def _diverging(original: fx.GraphModule, rewritten: fx.GraphModule) -> str:
 
 
 def _settings(max_examples: int) -> Any:
-    hyp = _hyp()
+    hyp = hypothesis_api()
     return hyp.settings(max_examples=max_examples, deadline=None, database=None,
                         suppress_health_check=list(hyp.HealthCheck), verbosity=hyp.Verbosity.quiet,
                         report_multiple_bugs=False)
@@ -702,7 +702,7 @@ def verify_rule(ruleset: Any, rule: CompiledRule | str, *, max_examples: int = 1
     Returns:
         A ``RuleVerdict`` (``ok``, ``counterexample``, ``did not fire``, ``skipped``).
     """
-    hyp, st = _hyp(), _st()
+    hyp, st = hypothesis_api(), strategies()
     if isinstance(rule, str):
         rule = ruleset.rules[rule]
     plan = plan_for(rule)

@@ -11,8 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rewrite.cli import _format_source, main
-from rewrite.language import ast, format_module, parse_text
+from rewrite.cli import main
+from rewrite.language import ast, format_module, format_source, parse_text
+from rewrite.language.limits import MAX_NESTING, nesting_depth
 from rewrite.language.parser import DTYPES
 
 RULES = sorted(str(p) for p in (Path(__file__).resolve().parents[1] / "rules").rglob("*.rw"))
@@ -38,10 +39,10 @@ def test_printer_round_trips_shipped_files(path):
 @pytest.mark.parametrize("path", RULES, ids=lambda p: Path(p).name)
 def test_fmt_keeps_meaning_and_comments_and_is_idempotent(path):
     text = Path(path).read_text(encoding="utf-8")
-    formatted = _format_source(text, path)
+    formatted = format_source(text, path)
     assert parse_text(formatted, path) == parse_text(text, path)
     assert _comments(formatted) == _comments(text)
-    assert _format_source(formatted, path) == formatted
+    assert format_source(formatted, path) == formatted
     assert all(len(line) <= 100 for line in formatted.splitlines()), path
 
 
@@ -50,7 +51,7 @@ def test_fmt_layout_of_a_long_rule():
             "mean, var, gamma, beta, training=False, eps=eps, ...) where const(w, b, mean, var, gamma, beta) "
             "and single_use(c) => conv(x, conv_bn_weight(w, b, mean, var, gamma, beta, eps), "
             "conv_bn_bias(w, b, mean, var, gamma, beta, eps), stride, padding, dilation, groups)\n")
-    assert _format_source(text) == (
+    assert format_source(text) == (
         "rule conv_bn(priority=10):\n"
         "    batch_norm(conv(x, w, b, stride, padding, dilation, groups) as c, mean, var, gamma, beta,\n"
         "               training=False, eps=eps, ...)\n"
@@ -64,15 +65,15 @@ def test_fmt_normalizes_spacing_and_keeps_comments_where_they_are():
     text = ("# header\n\n\n# doc\nrule a:   mul( x ,1 )   =>  x    # trailing\n"
             "rule b: relu(  # inside\n   x) => x\n   # indented\n\n\nfamily   f = relu|gelu\n"
             "rule c: f(x) => x  rule d: neg(neg(y)) => y\nrule e: add(x, \"# no comment\") => x\n\n")
-    assert _format_source(text) == (
+    assert format_source(text) == (
         "# header\n\n# doc\nrule a: mul(x, 1) => x  # trailing\n"
         "rule b: relu(  # inside\n   x) => x\n# indented\n\nfamily f = relu | gelu\n"
         "rule c: f(x) => x\nrule d: neg(neg(y)) => y\nrule e: add(x, \"# no comment\") => x\n")
 
 
 def test_fmt_of_an_empty_file():
-    assert _format_source("") == ""
-    assert _format_source("\n\n# only a comment\n\n") == "# only a comment\n"
+    assert format_source("") == ""
+    assert format_source("\n\n# only a comment\n\n") == "# only a comment\n"
 
 
 # ---------------------------------------------------------------- generated modules
@@ -135,9 +136,76 @@ def test_printer_round_trips_generated_modules(module):
 @settings(max_examples=150, deadline=None)
 @given(modules)
 def test_fmt_round_trips_generated_modules_and_is_idempotent(module):
-    formatted = _format_source(format_module(module))
+    formatted = format_source(format_module(module))
     assert parse_text(formatted) == module, formatted
-    assert _format_source(formatted) == formatted
+    assert format_source(formatted) == formatted
+
+
+# ---------------------------------------------------------------- deep nesting
+
+_COMPARE_OPS = st.sampled_from(["==", "!=", "<", "<=", ">", ">=", "in", "not in"])
+
+
+@st.composite
+def _nested(draw, depth):
+    """An expression nested exactly ``depth`` levels (as ``limits.nesting_depth``
+    counts), one random construct a level, each with leaf siblings."""
+    e = draw(_leaves)
+    for _ in range(depth):
+        sib = draw(_leaves)
+        kind = draw(st.sampled_from(["list", "tuple", "call", "keyword", "as", "compare", "bool", "not", "index"]))
+        first = draw(st.booleans())
+        pair = (e, sib) if first else (sib, e)
+        if kind == "list":
+            e = ast.ListLit(pair if draw(st.booleans()) else (e,))
+        elif kind == "tuple":
+            e = ast.TupleLit(pair if draw(st.booleans()) else (e,))
+        elif kind == "call":
+            e = ast.Call(ast.OpRef((draw(_dotted),)), pair, (), draw(st.booleans()))
+        elif kind == "keyword":
+            e = ast.Call(ast.OpRef((draw(_dotted),)), (sib,), (ast.Keyword(draw(_names), e),))
+        elif kind == "as":
+            e = ast.As(e, draw(_names))
+        elif kind == "compare":
+            e = ast.Compare(draw(_COMPARE_OPS), *pair)
+        elif kind == "bool":
+            e = ast.BoolOp(draw(st.sampled_from(["and", "or"])), pair)
+        elif kind == "not":
+            e = ast.Not(e)
+        else:
+            e = ast.Index(*pair)
+    return e
+
+
+@st.composite
+def _deep_modules(draw):
+    """A module with one rule whose pattern, where clause, replacement or option value
+    nests up to ``MAX_NESTING`` deep, and a ruleset whose schedule nests as deep."""
+    depth = draw(st.integers(1, MAX_NESTING))
+    deep = draw(_nested(depth))
+    assert nesting_depth(deep) == depth
+    place = draw(st.sampled_from(["pattern", "where", "replacement", "option"]))
+    leaf = ast.Var(draw(_names))
+    rule = ast.Rule(draw(_names), deep if place == "pattern" else leaf, deep if place == "where" else None,
+                    deep if place == "replacement" else leaf,
+                    (ast.RuleOption(draw(_names), deep),) if place == "option" else ())
+    schedule = ast.Schedule(draw(_names), (ast.ScheduleRef(rule.name),))
+    for _ in range(draw(st.integers(0, MAX_NESTING - 1))):
+        schedule = ast.Schedule(draw(_names), (schedule,) if draw(st.booleans()) else
+                                (ast.ScheduleRef(draw(_names)), schedule))
+    return ast.Module("<string>", (rule, ast.RuleSetDecl(draw(_names), schedule)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(_deep_modules())
+def test_fmt_never_changes_the_parsed_program_at_any_depth_the_parser_accepts(module):
+    """Random nesting depths up to the front end's limit: the printer round-trips,
+    fmt keeps the program and is idempotent (wrapping lines at every depth)."""
+    text = format_module(module)
+    assert parse_text(text) == module, text
+    formatted = format_source(text)
+    assert parse_text(formatted) == module, formatted
+    assert format_source(formatted) == formatted
 
 
 # ---------------------------------------------------------------- the command
@@ -173,9 +241,6 @@ def test_fmt_check_and_write_are_exclusive():
 def test_fmt_splits_lines_as_the_grammar_does(sep):
     """A rule hidden after a line separator inside a comment stays a comment: fmt never
     changes the parsed program (str.splitlines splits where the grammar does not)."""
-    from rewrite.cli import _format_source
-    from rewrite.language import parse_text
-
     src = f"# a comment{sep}rule hidden: relu(x) => x\nrule r: neg(neg(x)) => x\n"
-    out = _format_source(src, "t.rw")
+    out = format_source(src, "t.rw")
     assert [i.name for i in parse_text(out, "t.rw").items] == [i.name for i in parse_text(src, "t.rw").items]

@@ -8,7 +8,8 @@ Stages, each in its own module, data flowing one way:
   arguments against op signatures, variables bound and used;
 * ``program``: files and imports loaded, checked, combined into a ``Program``;
 * ``diagnostics``: ``Diagnostic``, ``RuleError`` and their printed form;
-* ``printer``: ``ast`` -> rule text (round-trips through the parser).
+* ``printer``: ``ast`` -> rule text (round-trips through the parser);
+* ``format``: a rule file's text in canonical form, comments kept (``rewrite fmt``).
 
 Example::
 
@@ -20,11 +21,12 @@ Example::
 
 from rewrite.language import ast
 from rewrite.language.diagnostics import Diagnostic, RuleError, format_diagnostic
+from rewrite.language.format import format_source
 from rewrite.language.parser import parse_text
 from rewrite.language.printer import format_expr, format_module, format_rule
 from rewrite.language.program import Program, load_program, load_program_text
 
 __all__ = [
     "ast", "parse_text", "load_program", "load_program_text", "Program", "RuleError",
-    "Diagnostic", "format_diagnostic", "format_expr", "format_rule", "format_module",
+    "Diagnostic", "format_diagnostic", "format_expr", "format_rule", "format_module", "format_source",
 ]

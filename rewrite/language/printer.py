@@ -3,6 +3,10 @@
 Used for messages that quote an expression (``option 'priority' must be an integer,
 got 'x + 1'``), for ``rewrite explain``, and by the round-trip tests. Output is one
 line per declaration; parentheses are added only where precedence needs them.
+
+The printer recurses, about two frames a level: safe on every parsed program, whose
+nesting the front end bounds (``rewrite.language.limits.MAX_NESTING``; the tools at
+that limit are tested in ``tests/test_deep_nesting.py``).
 """
 
 from __future__ import annotations
