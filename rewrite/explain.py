@@ -17,8 +17,7 @@ Example::
 from __future__ import annotations
 
 import copy
-import operator
-from typing import Any, Iterator
+from typing import Any
 
 import attrs
 import torch.fx as fx
@@ -27,7 +26,7 @@ from rewrite.compile import CompiledRule, PCall, PDefault, PLit, PSeq, PVar
 from rewrite.facts import GraphFacts
 from rewrite.language import ast
 from rewrite.language.printer import format_expr
-from rewrite.match import _NODES, Matcher
+from rewrite.match import Matcher, match_bindings, match_nodes
 from rewrite.ops import ConstRef
 
 __all__ = ["Explanation", "Explanations", "explain"]
@@ -95,12 +94,14 @@ def _pattern_text(p: Any) -> str:
     return "_"
 
 
-class _ExplainingMatcher(Matcher):
-    """The matcher, recording the deepest failure."""
+class _Explainer:
+    """Explains one rule at nodes: a ``Matcher`` whose failure hook keeps the
+    deepest failure, and ``Matcher.attempts`` for what happens after the pattern
+    fits (where clause, interior uses), so both decide exactly as ``apply`` does."""
 
     def __init__(self, gm: fx.GraphModule, facts: GraphFacts, rule: CompiledRule) -> None:
-        super().__init__(gm, facts, compiled=False)  # every element through _match
-        self.rule = rule
+        self.gm, self.facts, self.rule = gm, facts, rule
+        self.matcher = Matcher(gm, facts, on_failure=self._explain_failure)
         self.best: tuple | None = None  # (depth, location, element, expected, actual, env)
 
     def _note(self, depth: int, span: Any, element: str, expected: str, actual: str, env: dict) -> None:
@@ -110,15 +111,7 @@ class _ExplainingMatcher(Matcher):
 
     @staticmethod
     def _depth(env: dict) -> int:
-        return len(env) + len(env.get(_NODES, ()))
-
-    def _match(self, p: Any, operand: Any, env: dict) -> Iterator[dict]:
-        produced = False
-        for result in super()._match(p, operand, env):
-            produced = True
-            yield result
-        if not produced:
-            self._explain_failure(p, operand, env)
+        return len(match_bindings(env)) + 1 + len(match_nodes(env))
 
     def _explain_failure(self, p: Any, operand: Any, env: dict) -> None:
         depth, text = self._depth(env), _pattern_text(p)
@@ -126,11 +119,12 @@ class _ExplainingMatcher(Matcher):
             wanted = " | ".join(dict.fromkeys(a.opdef.name for a in p.alts))
             if not isinstance(operand, fx.Node) or not operand.op.startswith("call_"):
                 self._note(depth, p.span, text, f"a call of {wanted}", _describe(operand, self.gm), env)
-            elif not self._rewritable(operand):
+            elif not self.matcher.rewritable(operand):
                 self._note(depth, p.span, text, "an op that may be rewritten",
-                           f"{_describe(operand, self.gm)} writes in place into a tensor that is read elsewhere, an input, a constant or a view", env)
+                           f"{_describe(operand, self.gm)} writes in place into a tensor that is read elsewhere, "
+                           "an input, a constant or a view", env)
             else:
-                ops = sorted({b.op for b in self.bindings(operand)}) or ["(not in the op vocabulary)"]
+                ops = sorted({b.op for b in self.matcher.bindings(operand)}) or ["(not in the op vocabulary)"]
                 self._note(depth, p.span, text, wanted, f"{' | '.join(ops)}: {_describe(operand, self.gm)}", env)
         elif isinstance(p, PVar):
             self._note(depth, p.span, text, f"the value bound to {p.name}: {_describe(env.get(p.name), self.gm)}",
@@ -144,18 +138,19 @@ class _ExplainingMatcher(Matcher):
 
     def explain_at(self, node: fx.Node) -> Explanation:
         rule = self.rule
-        for env in self._match(rule.pattern, node, {_NODES: ()}):
+        for env, refusal in self.matcher.attempts(rule, node):
             depth = 1000 + self._depth(env)  # past the whole structure
-            if rule.where is not None and not self._where(rule.where, env):
-                failed = self._failed_conjunct(rule.where, env)
+            if refusal is None:
+                return Explanation(rule.name, node.name, True, depth, bindings=self._bindings_text(env))
+            if refusal.kind == "where":
+                failed = refusal.detail
                 self._note(depth, failed.span, "where clause", f"{format_expr(failed)} to hold",
                            "false, with " + self._facts_text(failed, env), env)
-                continue
-            if not rule.shared and not self._interior_private(rule, env):
+            else:
+                interior, user = refusal.detail
                 self._note(depth, rule.pattern.span, "interior-use check",
-                           "interior nodes used only inside the match", self._escaping(rule, env), env)
-                continue
-            return Explanation(rule.name, node.name, True, depth, bindings=self._bindings_text(env))
+                           "interior nodes used only inside the match",
+                           f"{interior.name} is also used by {user.name}", env)
         if self.best is None:
             return Explanation(rule.name, node.name, False, 0, rule.location, "pattern", "a match", "none")
         depth, location, element, expected, actual, env = self.best
@@ -187,23 +182,8 @@ class _ExplainingMatcher(Matcher):
             parts.append(text)
         return "; ".join(parts) or "no variables"
 
-    def _failed_conjunct(self, where: Any, env: dict) -> Any:
-        items = where.items if isinstance(where, ast.BoolOp) and where.op == "and" else (where,)
-        for item in items:
-            if not self._where(item, env):
-                return item
-        return where
-
-    def _escaping(self, rule: CompiledRule, env: dict) -> str:
-        covered = set(env[_NODES])
-        for n in env[_NODES][1:]:
-            for user in n.users:
-                if user not in covered and not (user.target is operator.getitem and not user.users):
-                    return f"{n.name} is also used by {user.name}"
-        return "an interior node is used outside the match"
-
     def _bindings_text(self, env: dict) -> dict:
-        return {k: _describe(v, self.gm) for k, v in env.items() if k != _NODES}
+        return {k: _describe(v, self.gm) for k, v in match_bindings(env).items()}
 
 
 class Explanations(list):
@@ -232,8 +212,7 @@ def explain(ruleset: Any, model: fx.GraphModule, rule: str | None = None, node: 
     for r in rules:
         found = []
         for n in nodes:
-            matcher = _ExplainingMatcher(gm, facts, r)
-            found.append(matcher.explain_at(n))
+            found.append(_Explainer(gm, facts, r).explain_at(n))
         if node is None:  # near misses: the root op matched, the rest did not
             found = [e for e in found if e.matched or e.depth > 1]
             found.sort(key=lambda e: (not e.matched, -e.depth))

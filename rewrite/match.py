@@ -27,7 +27,7 @@ from rewrite.ops import bind_node, node_key
 from rewrite.ops.effects import written_args
 from rewrite.ops.base import ConstRef
 
-__all__ = ["Match", "Matcher", "literal_equal", "COMPILED", "UNKNOWN"]
+__all__ = ["Match", "Matcher", "Refusal", "literal_equal", "match_bindings", "match_nodes", "COMPILED", "UNKNOWN"]
 
 #: Use the straight-line matching path; ``REWRITE_INTERPRET=1`` turns it off so
 #: every pattern element goes through the reference interpreter.
@@ -49,6 +49,27 @@ class Match:
 
     def __repr__(self) -> str:
         return f"Match({self.rule.name} at {self.root.name})"
+
+
+def match_nodes(env: dict) -> tuple:
+    """The call nodes a (partial) match environment covers, root first."""
+    return env.get(_NODES, ())
+
+
+def match_bindings(env: dict) -> dict:
+    """A match environment's variables (pattern name -> operand)."""
+    return {k: v for k, v in env.items() if k != _NODES}
+
+
+class Refusal:
+    """Why a structural match was not taken: ``kind`` is ``"where"`` (``detail``:
+    the first conjunct that does not hold) or ``"interior"`` (``detail``: the
+    ``(interior node, outside user)`` pair)."""
+
+    __slots__ = ("kind", "detail")
+
+    def __init__(self, kind: str, detail: Any) -> None:
+        self.kind, self.detail = kind, detail
 
 
 def literal_equal(a: Any, b: Any) -> bool:
@@ -88,13 +109,21 @@ def _same_operand(a: Any, b: Any) -> bool:
 class Matcher:
     """Matches rules at nodes of one GraphModule, caching each node's bindings."""
 
-    def __init__(self, gm: fx.GraphModule, facts: GraphFacts, compiled: bool | None = None) -> None:
+    def __init__(self, gm: fx.GraphModule, facts: GraphFacts, compiled: bool | None = None,
+                 on_failure: Any = None) -> None:
+        """``on_failure(pattern, operand, env)``, when given, is called for every
+        pattern element that matched nothing (``rewrite.explain`` records the
+        deepest); it runs every element through the interpreter. Without it the
+        matching loop has no reporting cost."""
         self.gm = gm
-        self.compiled = COMPILED if compiled is None else compiled
+        self.compiled = (COMPILED if compiled is None else compiled) and on_failure is None
         self.facts = facts
         self._bindings: dict = {}
         self._inplace_ok: dict = {}
         self._module_keys: dict = {}
+        if on_failure is not None:
+            self._on_failure = on_failure
+            self._match = self._match_reporting  # recursion goes through it too
 
     # -- per-node facts
 
@@ -110,7 +139,7 @@ class Matcher:
         self._bindings.pop(node, None)
         self._inplace_ok.pop(node, None)
 
-    def _rewritable(self, node: fx.Node) -> bool:
+    def rewritable(self, node: fx.Node) -> bool:
         """An in-place op binds like its functional twin, but may only be rewritten
         when nothing else reads the tensor it writes into."""
         ok = self._inplace_ok.get(node)
@@ -145,12 +174,35 @@ class Matcher:
 
     def match(self, rule: CompiledRule, node: fx.Node) -> Match | None:
         for env in self._match(rule.pattern, node, {_NODES: ()}):
-            if rule.where is not None and not self._where(rule.where, env):
+            if rule.where is not None and not self.where_holds(rule.where, env):
                 continue
-            if not rule.shared and not self._interior_private(rule, env):
+            if not rule.shared and self.interior_escape(rule, env) is not None:
                 continue
             return Match(rule, node, env)
         return None
+
+    def attempts(self, rule: CompiledRule, node: fx.Node) -> Iterator[tuple]:
+        """``(env, refusal)`` for each structural match of ``rule`` at ``node`` in the
+        order ``match`` tries them, up to the one it takes (refusal None): what
+        ``match`` decides, with the reason for each refusal (a ``Refusal``)."""
+        for env in self._match(rule.pattern, node, {_NODES: ()}):
+            if rule.where is not None and not self.where_holds(rule.where, env):
+                yield env, Refusal("where", self.failed_conjunct(rule.where, env))
+                continue
+            escape = None if rule.shared else self.interior_escape(rule, env)
+            if escape is not None:
+                yield env, Refusal("interior", escape)
+                continue
+            yield env, None
+            return
+
+    def _match_reporting(self, p: Any, operand: Any, env: dict) -> Iterator[dict]:
+        produced = False
+        for result in Matcher._match(self, p, operand, env):
+            produced = True
+            yield result
+        if not produced:
+            self._on_failure(p, operand, env)
 
     def _match(self, p: Any, operand: Any, env: dict) -> Iterator[dict]:
         if isinstance(p, PCall):
@@ -177,7 +229,7 @@ class Matcher:
     def _match_call(self, p: PCall, node: Any, env: dict) -> Iterator[dict]:
         if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method", "call_module"):
             return
-        if node in env[_NODES] or not self._rewritable(node):
+        if node in env[_NODES] or not self.rewritable(node):
             return
         for alt in p.alts:
             for bound in self._alt_bindings(alt, node):
@@ -251,8 +303,10 @@ class Matcher:
 
     # -- checks after the structure fits
 
-    def _interior_private(self, rule: CompiledRule, env: dict) -> bool:
-        """Interior nodes the rewrite will delete must have no users outside the match."""
+    def interior_escape(self, rule: CompiledRule, env: dict) -> tuple | None:
+        """Interior nodes the rewrite will delete must have no users outside the
+        match (nodes the replacement keeps are exempt): the first
+        ``(interior node, outside user)``, or None when there is none."""
         nodes = env[_NODES]
         covered = set(nodes)
         kept = {env[v] for v in rule.replacement_vars if isinstance(env.get(v), fx.Node)}
@@ -264,10 +318,19 @@ class Matcher:
                     continue
                 if user.target is operator.getitem and not user.users:
                     continue  # an unused output of a multi-output op
-                return False
-        return True
+                return n, user
+        return None
 
-    def _where(self, expr: Any, env: dict) -> bool:
+    def failed_conjunct(self, where: Any, env: dict) -> Any:
+        """The first conjunct of ``where`` that does not hold (``where`` itself when
+        it is not a conjunction)."""
+        items = where.items if isinstance(where, ast.BoolOp) and where.op == "and" else (where,)
+        for item in items:
+            if not self.where_holds(item, env):
+                return item
+        return where
+
+    def where_holds(self, expr: Any, env: dict) -> bool:
         """The where clause holds: True, not False and not unknown."""
         try:
             return self._eval(expr, env) is True

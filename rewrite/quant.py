@@ -598,7 +598,7 @@ def _const_tensor(operand: Any, gm: fx.GraphModule) -> Any:
 def _weight_of(operand: Any, gm: fx.GraphModule) -> tuple:
     """(is the weight a constant, its tensor or None): a ConstRef, a get_attr, or
     ``dequantize`` of one (the int8 weight convert made)."""
-    from rewrite.functions.quant import _ops as ops_of
+    from rewrite.functions.quant import ops_of
 
     t = _const_tensor(operand, gm)
     if t is not None or _const_name(operand) is not None:
@@ -617,7 +617,7 @@ def _quantized_here(node: Any, gm: fx.GraphModule, upstream: bool) -> bool:
     it comes from a ``dequantize`` or a fake-quant (through ops that keep the
     quantization), or it goes into a ``quantize_per_tensor`` or fake-quant
     (through a fusable activation)."""
-    from rewrite.functions.quant import _ops as ops_of
+    from rewrite.functions.quant import ops_of
     from rewrite.functions.quant import passthrough_input
 
     def rounds(n: Any) -> bool:
@@ -646,7 +646,7 @@ def _shape_facts(node: Any, gm: fx.GraphModule) -> Any:
     """Shape/dtype facts of ``node``, else of the value it rounds (quantize,
     dequantize and fake-quant keep the shape; nodes rules created may have none)."""
     from rewrite.facts import tensor_meta_of
-    from rewrite.functions.quant import _ops as ops_of
+    from rewrite.functions.quant import ops_of
 
     for _ in range(8):
         if not isinstance(node, fx.Node):

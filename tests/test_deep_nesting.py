@@ -69,22 +69,6 @@ CONSTRUCTS = {
 }
 
 
-def _front_end_limits_nesting() -> bool:
-    """Whether the parser applies ``limits.nesting_diagnostic`` (one call in
-    ``rewrite.language.parser.parse_module``)."""
-    try:
-        parse_text(_form("replacement", MAX + 1))
-    except RuleError as err:
-        return "more than" in str(err)
-    return False
-
-
-# Expected to fail until the parser calls the check; inert (and removable) after.
-needs_front_end_limit = pytest.mark.xfail(
-    not _front_end_limits_nesting(), strict=True,
-    reason="rewrite.language.parser.parse_module does not call limits.nesting_diagnostic yet")
-
-
 def _depth(module: ast.Module) -> int:
     exprs = []
     for item in module.items:
@@ -165,7 +149,7 @@ def test_every_command_agrees_with_the_loader(tmp_path, capsys, form, depth):
 # recurses once per level of the pattern (rewrite.driver._depth) past Python's limit.
 @pytest.mark.parametrize("form, depth", [
     (form, depth) for form in sorted(FORMS) for depth in (MAX + 1, 400, 1000) if (form, depth) != ("pattern", 400)
-] + [pytest.param("pattern", 400, marks=needs_front_end_limit)])
+] + [("pattern", 400)])
 def test_load_and_apply_agree_with_check(tmp_path, capsys, form, depth):
     path = tmp_path / "deep.rw"
     path.write_text(_form(form, depth))
@@ -178,7 +162,6 @@ def test_load_and_apply_agree_with_check(tmp_path, capsys, form, depth):
     assert str(info.value).splitlines()[0] == err.splitlines()[0]
 
 
-@needs_front_end_limit
 @pytest.mark.parametrize("depth", [MAX + 1, 400, 1000, 5000])
 @pytest.mark.parametrize("form", sorted(FORMS))
 def test_too_deep_is_one_syntax_error_at_the_construct(tmp_path, capsys, form, depth):
@@ -218,7 +201,6 @@ def test_the_front_end_accepts_the_limit(construct):
     load_program_text(text)  # and the checker takes it
 
 
-@needs_front_end_limit
 @pytest.mark.parametrize("construct", sorted(CONSTRUCTS))
 def test_the_front_end_refuses_one_level_more(construct):
     with pytest.raises(RuleError) as info:

@@ -94,3 +94,19 @@ def test_explanations_print_as_text():
     text = str(found)
     assert isinstance(found, list) and found and text == "\n\n".join(str(e) for e in found)
     assert "conv_bn" in text and "Explanation(" not in repr(found)
+
+
+def test_explain_agrees_with_apply_on_interior_nodes_the_replacement_keeps():
+    """An interior node used outside the match blocks a rewrite unless the replacement
+    keeps it: explain decides exactly as apply does, and names the outside user."""
+    keeps = "rule k: relu(neg(_) as n) => add(n, n)"
+    drops = "rule d: relu(neg(x)) => abs(x)"
+    gm = fx.symbolic_trace(Fn(lambda x: (lambda n: torch.relu(n) + n.sum())(-x)))
+    for text, fires in ((keeps, True), (drops, False)):
+        rules = rewrite.parse(text)
+        applied = rules.apply(gm, example_inputs=(torch.randn(3),), check=False).counts
+        relu = next(n.name for n in gm.graph.nodes if n.target is torch.relu)
+        (explanation,) = rules.explain(gm, node=relu)
+        assert bool(applied) is fires and explanation.matched is fires
+        if not fires:
+            assert "interior-use check" in str(explanation) and "is also used by" in str(explanation)

@@ -71,7 +71,7 @@ def _gm(x: Value) -> Any:
     return x.facts.gm
 
 
-def _ops(node: Any, gm: Any) -> dict:
+def ops_of(node: Any, gm: Any) -> dict:
     """Canonical op name -> Bound for every vocabulary binding of ``node``."""
     if not isinstance(node, fx.Node) or not node.op.startswith("call_"):
         return {}
@@ -105,7 +105,7 @@ def passthrough_input(node: Any, gm: Any) -> Any:
         if mode == "constant" and value in (0, 0.0, None):
             return node.args[0]
         return None
-    for op, bound in _ops(node, gm).items():
+    for op, bound in ops_of(node, gm).items():
         if op in PASSTHROUGH_OPS:
             return bound.args.get("input")
     return None
@@ -168,7 +168,7 @@ def qparams_of(node: Any, gm: Any) -> tuple | None:
             except AttributeError:
                 return None
             return (mod.scale, mod.zero_point) if isinstance(mod, QuantizedModule) else None
-        bound = _ops(node, gm).get("quantize_per_tensor")
+        bound = ops_of(node, gm).get("quantize_per_tensor")
         if bound is not None:
             s, z = bound.args["scale"], bound.args["zero_point"]
             return (float(s), int(z)) if isinstance(s, (int, float)) and isinstance(z, int) else None
@@ -232,13 +232,13 @@ def feeds(x: Value, *ops: Value) -> bool:
     """``x`` has exactly one user and it is one of the named ops: ``feeds(c, "relu")``."""
     node = x.node
     user = _single_user(node) if node is not None else None
-    return user is not None and bool(set(_ops(user, _gm(x))) & {o.literal for o in ops})
+    return user is not None and bool(set(ops_of(user, _gm(x))) & {o.literal for o in ops})
 
 
 @register_predicate()
 def produced_by(x: Value, *ops: Value) -> bool:
     """``x`` is the output of one of the named ops: ``produced_by(y, "conv", "linear")``."""
-    return bool(set(_ops(x.node, _gm(x))) & {o.literal for o in ops})
+    return bool(set(ops_of(x.node, _gm(x))) & {o.literal for o in ops})
 
 
 @register_predicate()
@@ -248,7 +248,7 @@ def dequantized(x: Value) -> bool:
     for _ in range(64):
         if node is None:
             return False
-        if "dequantize" in _ops(node, gm):
+        if "dequantize" in ops_of(node, gm):
             return True
         node = passthrough_input(node, gm)
     return False
@@ -264,13 +264,13 @@ def output_quantized(x: Value) -> bool:
         return False
 
     def all_quantize(n: fx.Node) -> bool:
-        return bool(n.users) and all("quantize_per_tensor" in _ops(u, gm) for u in n.users)
+        return bool(n.users) and all("quantize_per_tensor" in ops_of(u, gm) for u in n.users)
 
     for _ in range(3):
         if all_quantize(node):
             return True
         node = _single_user(node)
-        if node is None or not set(_ops(node, gm)) & {*_ACTIVATIONS, "add"}:
+        if node is None or not set(ops_of(node, gm)) & {*_ACTIVATIONS, "add"}:
             return False
     return False
 
@@ -280,14 +280,14 @@ def _fused_add_of(node: fx.Node, gm: Any) -> fx.Node | None:
     conv's only user, adding another activation of the same shape. When both
     operands are such convs, only the later one in graph order fuses."""
     user = _single_user(node)
-    bound = _ops(user, gm).get("add") if user is not None else None
+    bound = ops_of(user, gm).get("add") if user is not None else None
     if bound is None or bound.args.get("alpha", 1) != 1:
         return None
     a, b = bound.args.get("input"), bound.args.get("other")
     other = b if a is node else a if b is node else None
     if not isinstance(other, fx.Node) or other is node:
         return None
-    if "conv" in _ops(other, gm) and _single_user(other) is user:
+    if "conv" in ops_of(other, gm) and _single_user(other) is user:
         order = {n: i for i, n in enumerate(node.graph.nodes)}
         if order[other] > order[node]:
             return None
@@ -299,7 +299,7 @@ def fuses_add(x: Value) -> bool:
     """``x`` is a conv output that onednn's ``conv2d_add`` fuses into the ``add``
     after it (see ``rules/quant/observe.rw``, ruleset ``onednn``)."""
     node, gm = x.node, _gm(x)
-    return node is not None and "conv" in _ops(node, gm) and _fused_add_of(node, gm) is not None
+    return node is not None and "conv" in ops_of(node, gm) and _fused_add_of(node, gm) is not None
 
 
 @register_predicate()

@@ -26,6 +26,7 @@ from lark import Token, Transformer, v_args
 
 from rewrite.language import ast
 from rewrite.language.diagnostics import Diagnostic, RuleError, did_you_mean, source_lines
+from rewrite.language.limits import nesting_diagnostic
 from rewrite.language.syntax import syntax_diagnostic
 
 __all__ = ["parse_text", "parse_module", "grammar_path", "DTYPES"]
@@ -94,6 +95,9 @@ def parse_module(text: str, path: str) -> tuple:
         return None, [syntax_diagnostic(exc, text, path, parser)]
     except RecursionError:
         return None, [_too_deep(path)]
+    too_deep = nesting_diagnostic(tree, path)
+    if too_deep is not None:
+        return None, [too_deep]
     builder = _Builder(path, text)
     try:
         items = builder.transform(tree)
