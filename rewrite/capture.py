@@ -36,7 +36,7 @@ import torch
 from torch import fx, nn
 
 __all__ = ["LEVELS", "DYNAMO_SOURCE", "ModelSpecError", "capture", "capture_with_inputs", "capture_dynamo",
-           "lifted_state_positions", "load_model", "save", "save_format"]
+           "lifted_state_positions", "load_model", "save", "save_format", "save_path_problem"]
 
 LEVELS: Tuple[str, ...] = ("fx", "export", "export_core", "dynamo")
 
@@ -172,6 +172,19 @@ def save_format(level: str) -> str:
     return ".pt2" if level in ("export", "export_core") else ".pt"
 
 
+def save_path_problem(path: Any, level: str) -> str | None:
+    """Why ``path`` cannot hold a ``level`` result (None when it can): checked by
+    ``save`` and, before any work, by ``rewrite apply --save``."""
+    if level == "dynamo":
+        return ("a dynamo capture's graphs live inside torch.compile and cannot be saved; "
+                "use --capture fx or export")
+    wanted = save_format(level)
+    if Path(path).suffix != wanted:
+        kind = "an ExportedProgram (torch.export.save)" if wanted == ".pt2" else "a pickled GraphModule (torch.save)"
+        return f"a {level!r} result is saved as {kind}: name the file *{wanted}, not {Path(path).name!r}"
+    return None
+
+
 def save(gm: fx.GraphModule, path: Any, level: str = "fx", example_inputs: Any = None) -> Path:
     """Save a rewritten GraphModule, all or nothing.
 
@@ -185,12 +198,11 @@ def save(gm: fx.GraphModule, path: Any, level: str = "fx", example_inputs: Any =
     Raises:
         ValueError: the path's suffix does not match the level's format.
     """
+    problem = save_path_problem(path, level)
+    if problem is not None:
+        raise ValueError(problem)
     path = Path(path)
-    wanted = save_format(level)
-    if path.suffix != wanted:
-        kind = "an ExportedProgram (torch.export.save)" if wanted == ".pt2" else "a pickled GraphModule (torch.save)"
-        raise ValueError(f"a {level!r} result is saved as {kind}: name the file *{wanted}, not {path.name!r}")
-    if wanted == ".pt2":
+    if save_format(level) == ".pt2":
         program = torch.export.export(gm, _as_tuple(example_inputs), strict=False)
         write = lambda f: torch.export.save(program, f)  # noqa: E731
     else:
@@ -199,7 +211,7 @@ def save(gm: fx.GraphModule, path: Any, level: str = "fx", example_inputs: Any =
                 node.type = None
         gm.recompile()
         write = lambda f: torch.save(gm, f)  # noqa: E731
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".partial{wanted}", dir=path.parent or ".")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".partial{path.suffix}", dir=path.parent or ".")
     os.close(fd)
     try:
         write(tmp)

@@ -17,7 +17,6 @@ import argparse
 import collections
 import functools
 import sys
-from pathlib import Path
 from typing import Any, Sequence
 
 __all__ = ["main"]
@@ -108,30 +107,18 @@ def _print_changes(before: Any, after: Any) -> None:
     print(f"{'ops in total':<28} {sum(hb.values()):>7} {sum(ha.values()):>7}")
 
 
-def _check_save_path(path: str, level: str) -> None:
-    """Refuse a ``--save`` path that does not fit the capture before any work is done."""
-    from rewrite.capture import save_format
-
-    if level == "dynamo":
-        raise SystemExit(f"rewrite: error: --save {path}: a dynamo capture's graphs live inside torch.compile "
-                         "and cannot be saved; use --capture fx or export")
-    wanted = save_format(level)
-    if Path(path).suffix != wanted:
-        raise SystemExit(f"rewrite: error: --save {path}: --capture {level} saves a {wanted} file "
-                         f"(name it *{wanted})")
-
-
 def _cmd_apply(args: argparse.Namespace) -> int:
     import torch
 
     import rewrite
-    from rewrite.capture import capture, load_model, save
+    from rewrite.capture import capture, load_model, save, save_path_problem
 
     rules = _load(args.rules)
     if args.ruleset:
         rules = rules[args.ruleset]
-    if args.save:
-        _check_save_path(args.save, args.capture)
+    problem = args.save and save_path_problem(args.save, args.capture)
+    if problem:  # refused before any work
+        raise SystemExit(f"rewrite: error: --save {args.save}: {problem}")
     model, inputs = load_model(args.model)
     if args.capture == "dynamo":
         results = []

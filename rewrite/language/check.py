@@ -19,6 +19,7 @@ Each rule is checked in three places with different rules of use:
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Iterator
 
 import attrs
@@ -375,9 +376,7 @@ class _Checker:
         certain match is reported; a rule the file runs in ``once(...)`` is exempt."""
         if r.where is not None:
             return
-        once = {ref.name for d in self.scope.schedulables.values() if isinstance(d, ast.RuleSetDecl)
-                for ref in _once_refs(d.schedule)}
-        if r.name in once:
+        if r.name in self._run_once:
             return
         for term in _walk(r.replacement):
             if isinstance(term, ast.Call) and _certainly_matches(r.pattern, term, {}, self._canonical):
@@ -386,6 +385,13 @@ class _Checker:
                            "E409", help="add a where clause the new term fails, or run the rule "
                                         f"in once(...): ruleset {r.name}_once = once({r.name})")
                 return
+
+    @functools.cached_property
+    def _run_once(self) -> frozenset:
+        """Rules some ruleset in scope lists directly inside ``once(...)`` (computed
+        once per file: a file of thousands of rules stays linear)."""
+        return frozenset(ref.name for d in self.scope.schedulables.values() if isinstance(d, ast.RuleSetDecl)
+                         for ref in _once_refs(d.schedule))
 
     def _canonical(self, name: str) -> frozenset:
         """The ops a callee may stand for: canonical names (a family's members), or
