@@ -36,7 +36,9 @@ def _ops_of_module_type(cls: type) -> tuple:
 
 def hidden_ops(gm: fx.GraphModule, root_ops: Iterable[str]) -> dict:
     """``{qualname: Counter(op -> count)}`` for each ``call_module`` node the
-    vocabulary cannot read whose submodules compute ops in ``root_ops``."""
+    vocabulary cannot read whose submodules compute ops in ``root_ops``. A lower
+    bound: ops a module computes from its own parameters (MultiheadAttention's
+    input projection) have no submodule to count."""
     from rewrite.ops import bind_node
 
     wanted = frozenset(root_ops)
@@ -73,7 +75,7 @@ def leaf_warning(gm: fx.GraphModule, root_ops: Iterable[str]) -> str | None:
     ops = sum(hidden.values(), collections.Counter())
     shown = ", ".join(f"{t} x{n}" for t, n in sorted(types.items()))
     hid = ", ".join(f"{op} x{n}" for op, n in sorted(ops.items()))
-    return (f"rewrite: {len(hidden)} leaf module(s) of the captured graph ({shown}) hide {sum(ops.values())} "
+    return (f"rewrite: {len(hidden)} leaf module(s) of the captured graph ({shown}) hide at least {sum(ops.values())} "
             f"op(s) this rule set rewrites ({hid}): torch.fx.symbolic_trace keeps torch.nn modules as "
             f"single calls. Capture with torch.export (torch.export.export(model, inputs).module(), "
             f"capture='export', --capture export) to rewrite inside them.")
