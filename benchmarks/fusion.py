@@ -36,7 +36,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
     import rewrite
 from rewrite.examples.cnn import resnet50_with_inputs
 from rewrite.examples.graph_stats import count_batch_norms
-from rewrite.workspace import compile_now
+from rewrite.engine.workspace import compile_now
 
 
 def _time_transform(fn: Callable[[], object], repeats: int) -> float:

@@ -91,7 +91,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(HERE.parent))
     import rewrite
 import synthetic
-from rewrite.workspace import working_copy
+from rewrite.engine.workspace import working_copy
 
 RULES_PATH = HERE / "matcher_rules.rw"
 aten = torch.ops.aten

@@ -42,7 +42,7 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import rewrite.quant as rq
-from rewrite.check import generate_inputs
+from rewrite.trust.check import generate_inputs
 from rewrite.examples.cnn import randomize_batchnorm, resnet50_with_inputs
 
 

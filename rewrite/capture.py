@@ -123,7 +123,7 @@ def lifted_state_positions(gm: fx.GraphModule) -> Tuple[int, ...]:
     """Positions of the placeholders of a ``capture_dynamo`` graph that are module
     parameters or buffers (not user inputs), from ``meta["dynamo_source"]``.
 
-    Pass them as ``fixed_inputs`` to ``rewrite.check.check_equivalence`` to
+    Pass them as ``fixed_inputs`` to ``rewrite.trust.check.check_equivalence`` to
     vary only the real inputs.
     """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

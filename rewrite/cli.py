@@ -60,7 +60,7 @@ def _verify(rulesets: list, max_examples: int, seed: int, allow_skipped: bool = 
     the verdict table and each counterexample. Returns the number of failed rules:
     skipped ones too (an unverified rule), unless ``allow_skipped``. Intentional
     changes (``change=True``) are listed, not verified."""
-    from rewrite.verify import VerificationReport, verify_rule
+    from rewrite.trust.verify import VerificationReport, verify_rule
 
     verdicts, seen = [], set()
     for rules in rulesets:
@@ -282,7 +282,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _cmd_quantize(options: list) -> int:
-    from rewrite.quant import add_quantize_arguments, quantize_command
+    from rewrite.flows.quant import add_quantize_arguments, quantize_command
 
     parser = add_quantize_arguments(argparse.ArgumentParser(prog="rewrite quantize"))
     return quantize_command(parser.parse_args(options))

@@ -24,10 +24,10 @@ import attrs
 import torch
 import torch.fx as fx
 
-from rewrite.compile import compile_rule
-from rewrite.driver import Driver
-from rewrite.facts import NEW_NODE_KEY
-from rewrite.workspace import check_touched, gc_paused, working_copy
+from rewrite.engine.compile import compile_rule
+from rewrite.engine.driver import Driver
+from rewrite.engine.facts import NEW_NODE_KEY
+from rewrite.engine.workspace import check_touched, gc_paused, working_copy
 from rewrite.language import Program, ast, load_program, load_program_text
 from rewrite.ops import detect_dialect
 
@@ -67,7 +67,7 @@ class RewriteResult:
         graph_module: the rewritten GraphModule (the input is never modified). It
             is a ``torch.fx._lazy_graph_module._LazyGraphModule``: its Python code is
             generated once, on the first call, ``.code``, ``print`` or ``torch.save``
-            (``rewrite.workspace.compile_now`` forces it; ``torch.jit.script`` needs
+            (``rewrite.engine.workspace.compile_now`` forces it; ``torch.jit.script`` needs
             ``fx.GraphModule(gm, gm.graph)`` first, as for any lazy graph module).
         counts: rule name -> number of times it was applied.
         stats: rule name -> ``RuleStats`` (tries, prefiltered, applied, failed, seconds).
@@ -247,7 +247,7 @@ class RuleSet:
                 stacklevel=2,
             )
         elif check and set(driver.counts) - self._changes():
-            from rewrite.check import check_equivalence
+            from rewrite.trust.check import check_equivalence
 
             kind = self._tolerance_of(driver.counts)
             # Intentional changes (``change=True``) are not checked: the rewrite is
@@ -293,7 +293,7 @@ class RuleSet:
 
     def _warn_hidden(self, gm: fx.GraphModule) -> None:
         """Warn (``LeafModuleWarning``) when leaf modules hide ops the rules rewrite."""
-        from rewrite.leaves import LeafModuleWarning, leaf_warning
+        from rewrite.engine.leaves import LeafModuleWarning, leaf_warning
 
         roots = set().union(*(self.rules[n].root_ops for n in self.scheduled_rules()))
         message = leaf_warning(gm, roots) if roots else None
@@ -313,8 +313,8 @@ class RuleSet:
 
     def _tolerance_of(self, counts: dict) -> str:
         """``"exact"`` when every rule that fired is exact (only rounding may differ),
-        else ``"approx"`` (see ``rewrite.verify.rule_tolerance``)."""
-        from rewrite.instances import rule_tolerance
+        else ``"approx"`` (see ``rewrite.trust.verify.rule_tolerance``)."""
+        from rewrite.trust.instances import rule_tolerance
 
         fired = (self.rules[name] for name in counts if name in self.rules)
         return "approx" if any(rule_tolerance(rule) == "approx" for rule in fired) else "exact"
@@ -328,10 +328,10 @@ class RuleSet:
         tolerances (and again in float64) for approximate ones.
 
         Returns:
-            ``rewrite.verify.VerificationReport``: ``.ok``, ``.table()``, and for
+            ``rewrite.trust.verify.VerificationReport``: ``.ok``, ``.table()``, and for
             each failing rule a shrunk counterexample with its source position.
         """
-        from rewrite.verify import verify_rules
+        from rewrite.trust.verify import verify_rules
 
         return verify_rules(self, max_examples=max_examples, seed=seed, names=names)
 
@@ -348,9 +348,9 @@ class RuleSet:
             example_inputs: for shape facts on graphs that carry none.
 
         Returns:
-            A list of ``rewrite.explain.Explanation`` (printable).
+            A list of ``rewrite.trust.explain.Explanation`` (printable).
         """
-        from rewrite.explain import explain
+        from rewrite.trust.explain import explain
 
         gm = model if isinstance(model, fx.GraphModule) else fx.symbolic_trace(model)
         return explain(self, gm, rule, node, example_inputs, limit)
@@ -394,7 +394,7 @@ class _Transaction:
         self.seconds = self.copy_seconds = 0.0
 
     def run(self, limit: int | None = None) -> tuple:
-        """One replay on a fresh working copy (``rewrite.workspace``): its code is
+        """One replay on a fresh working copy (``rewrite.engine.workspace``): its code is
         generated on first use. ``full_lint`` lints the whole graph; otherwise only
         the nodes the rewrites created are checked."""
         with gc_paused():

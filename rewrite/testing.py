@@ -5,12 +5,12 @@ These helpers let a test suite do the same for what it cares about: a rule on
 random instances of its pattern, or a whole rewritten model on random inputs.
 
 * ``assert_equivalent(a, b, inputs)``: the randomized equivalence check of
-  ``apply`` (``rewrite.check``), raising ``AssertionError`` with the first diverging
+  ``apply`` (``rewrite.trust.check``), raising ``AssertionError`` with the first diverging
   output; ``exact=True`` for bit-for-bit rules.
 * ``inputs_for(graph_module_or_example_inputs)``: a hypothesis strategy of inputs
   shaped like a graph's placeholders (from their metadata) or like example inputs.
 * ``rule_instances(ruleset, rule_name)``: a strategy of random instances of a rule's
-  pattern (``rewrite.verify.Instance``: a small GraphModule and inputs for it), built
+  pattern (``rewrite.trust.verify.Instance``: a small GraphModule and inputs for it), built
   by the verifier's generators; by default only instances where the rule fires.
 
 Example (README.md, "Testing your rewrites")::
@@ -31,8 +31,8 @@ from typing import Any, Callable, Mapping
 
 import torch.fx as fx
 
-from rewrite.check import EquivalenceReport, generate_inputs, inputs_from_graph
-from rewrite.check import assert_equivalent as _assert_equivalent
+from rewrite.trust.check import EquivalenceReport, generate_inputs, inputs_from_graph
+from rewrite.trust.check import assert_equivalent as _assert_equivalent
 
 __all__ = ["assert_equivalent", "inputs_for", "rule_instances"]
 
@@ -49,9 +49,9 @@ def assert_equivalent(reference: Callable, candidate: Callable, example_inputs: 
         trials: runs; trial 0 uses ``example_inputs`` as given, later trials random
             inputs shaped like them (1 by default: hypothesis draws the inputs).
         exact: require equal values (NaN equals NaN) instead of dtype-aware tolerances.
-        rtol, atol: override the tolerances (see ``rewrite.check.TOLERANCES``).
+        rtol, atol: override the tolerances (see ``rewrite.trust.check.TOLERANCES``).
         seed: for the random trials.
-        kw: passed to ``rewrite.check.check_equivalence`` (``input_ranges``, ...).
+        kw: passed to ``rewrite.trust.check.check_equivalence`` (``input_ranges``, ...).
 
     Returns:
         The ``EquivalenceReport`` (for its error figures).
@@ -96,14 +96,14 @@ def rule_instances(ruleset: Any, rule_name: str, *, firing: bool = True) -> Any:
             holds); False yields every instance of the pattern.
 
     Returns:
-        A strategy of ``rewrite.verify.Instance``: ``graph_module``,
+        A strategy of ``rewrite.trust.verify.Instance``: ``graph_module``,
         ``example_inputs``, ``bindings`` (pattern variable -> value), ``dtype``,
         ``dialect``.
 
     Raises:
         ValueError: an op of the pattern has no instance generator.
     """
-    from rewrite.verify import instances
+    from rewrite.trust.verify import instances
 
     rule = ruleset.rules[rule_name]
     if not firing:

@@ -94,3 +94,15 @@ def test_no_private_names_imported_across_modules():
                 if any(part.startswith("_") and not part.startswith("__") for part in target.split(".")):
                     offenders.append(f"{path.relative_to(ROOT)}: {target}")
     assert offenders == []
+
+
+def test_short_module_names_are_the_modules_themselves():
+    """``rewrite.quant`` and the other short names give the module object of the package
+    it lives in (one copy of its state), also as an attribute of ``rewrite``."""
+    import importlib
+
+    import rewrite
+
+    for short, real in rewrite.MODULE_ALIASES.items():
+        assert importlib.import_module(short) is importlib.import_module(real), short
+    assert rewrite.quant is importlib.import_module("rewrite.flows.quant")

@@ -1,4 +1,4 @@
-"""Tests for rewrite.check: randomized equivalence and its input generator."""
+"""Tests for rewrite.trust.check: randomized equivalence and its input generator."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch import fx, nn
 
-from rewrite.check import (
+from rewrite.trust.check import (
     EquivalenceReport,
     Mismatch,
     assert_equivalent,

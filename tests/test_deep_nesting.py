@@ -24,7 +24,7 @@ import rewrite
 from rewrite.cli import main
 from rewrite.language import RuleError, ast, format_module, format_source, load_program_text, parse_text
 from rewrite.language.limits import MAX_NESTING, NESTING_CODE, nesting_depth
-from rewrite.verify import verify_rule
+from rewrite.trust.verify import verify_rule
 
 MAX = MAX_NESTING
 CRASH = ("Traceback", "RecursionError", "internal error", "maximum recursion depth")
@@ -146,7 +146,7 @@ def test_every_command_agrees_with_the_loader(tmp_path, capsys, form, depth):
 
 
 # A 400-deep pattern without the front end's limit: the file loads, and applying it
-# recurses once per level of the pattern (rewrite.driver._depth) past Python's limit.
+# recurses once per level of the pattern (rewrite.engine.driver._depth) past Python's limit.
 @pytest.mark.parametrize("form, depth", [
     (form, depth) for form in sorted(FORMS) for depth in (MAX + 1, 400, 1000) if (form, depth) != ("pattern", 400)
 ] + [("pattern", 400)])

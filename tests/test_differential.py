@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 
 import rewrite
-import rewrite.match
+import rewrite.engine.match
 from rewrite.capture import capture
 from rewrite.examples.cnn import demo_cnn_with_inputs, resnet_tiny_with_inputs
 
@@ -69,7 +69,7 @@ def test_compiled_path_equals_interpreter(name, factory, level, monkeypatch):
     gm = capture(model.eval(), inputs, level)
     results = {}
     for compiled in (True, False):
-        monkeypatch.setattr(rewrite.match, "COMPILED", compiled)
+        monkeypatch.setattr(rewrite.engine.match, "COMPILED", compiled)
         results[compiled] = shipped().apply(gm, example_inputs=inputs, check=False)
     assert results[True].counts == results[False].counts
     assert results[True].counts, "the case must exercise some rules"

@@ -1,4 +1,4 @@
-"""rewrite.instances: the generators behind rule verification build valid programs for
+"""rewrite.trust.instances: the generators behind rule verification build valid programs for
 every op the shipped rules use (attention, prelu, indexing, padding, stacking, addbmm,
 quantize/dequantize with torch's observers) and follow the where clause's hints."""
 
@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import rewrite
-from rewrite.instances import instances, plan_for
+from rewrite.trust.instances import instances, plan_for
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

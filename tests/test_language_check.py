@@ -435,7 +435,7 @@ def test_every_dtype_the_parser_accepts_compiles(name):
     import torch
 
     import rewrite
-    from rewrite.compile import DTYPES
+    from rewrite.engine.compile import DTYPES
 
     rules = rewrite.parse(f"rule r: to(x, d) where d == torch.{name} => to(x, torch.{name})")
     assert DTYPES[name] is getattr(torch, name)

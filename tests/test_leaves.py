@@ -8,7 +8,7 @@ import torch
 from torch import fx, nn
 
 import rewrite
-from rewrite.leaves import LeafModuleWarning, hidden_ops
+from rewrite.engine.leaves import LeafModuleWarning, hidden_ops
 
 LINEAR_RULES = "rule unbiased: linear(x, w, b) where is_none(b) => linear(x, w)"
 RELU_RULES = "rule relu_relu: relu(relu(x)) => relu(x)"

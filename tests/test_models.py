@@ -18,7 +18,7 @@ import torch
 from torch import fx
 
 import rewrite
-from rewrite.check import assert_equivalent
+from rewrite.trust.check import assert_equivalent
 from rewrite.examples import capture_with_inputs
 from rewrite.examples.cnn import DemoCNN, demo_cnn_with_inputs, resnet50_with_inputs, resnet_tiny_with_inputs
 from rewrite.examples.graph_stats import count_batch_norms, count_foldable_batch_norms
@@ -60,7 +60,7 @@ def freeze_dynamo(gm: fx.GraphModule, inputs):
     """
     from types import SimpleNamespace
 
-    from rewrite.dynamo import freeze_parameters
+    from rewrite.flows.dynamo import freeze_parameters
 
     gm = copy.deepcopy(gm)
     for node in gm.graph.nodes:

@@ -1,4 +1,4 @@
-"""Operand prefilters (``rewrite.prefilter``): sound, effective, and invisible.
+"""Operand prefilters (``rewrite.engine.prefilter``): sound, effective, and invisible.
 
 * Sound: whenever the matcher finds a match at a node, the rule's prefilter for
   that node key lets the node through. Checked on random small graphs written in
@@ -30,11 +30,11 @@ from hypothesis import strategies as st
 from torch import fx, nn
 
 import rewrite
-import rewrite.match
-from rewrite.driver import RuleIndex
-from rewrite.facts import GraphFacts
-from rewrite.match import Matcher
-from rewrite.prefilter import build_prefilter
+import rewrite.engine.match
+from rewrite.engine.driver import RuleIndex
+from rewrite.engine.facts import GraphFacts
+from rewrite.engine.match import Matcher
+from rewrite.engine.prefilter import build_prefilter
 
 REPO = Path(__file__).resolve().parents[1]
 aten = torch.ops.aten
@@ -91,12 +91,12 @@ def prefilter_for(rule, key):
 @contextlib.contextmanager
 def compiled_mode(on: bool):
     """Run with the compiled matcher (prefilters on) or the interpreter (off)."""
-    saved = rewrite.match.COMPILED
-    rewrite.match.COMPILED = on
+    saved = rewrite.engine.match.COMPILED
+    rewrite.engine.match.COMPILED = on
     try:
         yield
     finally:
-        rewrite.match.COMPILED = saved
+        rewrite.engine.match.COMPILED = saved
 
 
 # ---------------------------------------------------------------- random programs

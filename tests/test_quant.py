@@ -22,7 +22,7 @@ from torch.ao.quantization.observer import HistogramObserver, ObserverBase
 
 import rewrite
 import rewrite.quant as rq
-from rewrite.check import generate_inputs
+from rewrite.trust.check import generate_inputs
 from rewrite.examples.cnn import resnet_tiny_with_inputs
 from rewrite.functions.quant import (
     QuantizedBinary,

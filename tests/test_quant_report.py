@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rewrite.quant as rq
-from rewrite.check import generate_inputs
+from rewrite.trust.check import generate_inputs
 from rewrite.functions.quant import (
     QuantizedConv,
     QuantizedLinear,

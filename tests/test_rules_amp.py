@@ -494,8 +494,8 @@ def test_an_approximate_failure_says_so_and_suggests_the_fix():
 def test_integer_outputs_downstream_of_bfloat16_pass_on_agreement():
     """argmax over bfloat16 logits may flip where two logits are within rounding: an
     approximate run that newly computes in lower precision compares integer outputs
-    by agreement rate (>= rewrite.check.INT_AGREEMENT), reported in the verdict."""
-    from rewrite.check import INT_AGREEMENT, check_equivalence
+    by agreement rate (>= rewrite.trust.check.INT_AGREEMENT), reported in the verdict."""
+    from rewrite.trust.check import INT_AGREEMENT, check_equivalence
 
     torch.manual_seed(0)
     body = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 10)).eval()

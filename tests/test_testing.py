@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import rewrite
 from rewrite.testing import assert_equivalent, inputs_for, rule_instances
-from rewrite.verify import Instance
+from rewrite.trust.verify import Instance
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -15,8 +15,8 @@ import torch
 import rewrite
 from rewrite.cli import main
 from rewrite.functions.registry import register_constant
-from rewrite.instances import GENERATORS, plan_for
-from rewrite.verify import RuleVerdict, VerificationReport, rule_tolerance, verify_rule, verify_rules
+from rewrite.trust.instances import GENERATORS, plan_for
+from rewrite.trust.verify import RuleVerdict, VerificationReport, rule_tolerance, verify_rule, verify_rules
 
 SHIPPED = sorted(glob.glob("rules/*.rw")) + sorted(glob.glob("rules/quant/*.rw"))
 

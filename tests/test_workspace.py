@@ -1,4 +1,4 @@
-"""The working copy a rewrite runs on (``rewrite.workspace``): a lazily compiled
+"""The working copy a rewrite runs on (``rewrite.engine.workspace``): a lazily compiled
 deep copy that shares nothing with the input, the cyclic GC paused while
 rewriting (and always restored), and the local lint of created nodes that
 ``apply(check=False)`` runs instead of ``Graph.lint``."""
@@ -20,7 +20,7 @@ import rewrite
 import rewrite.ruleset
 from rewrite.examples.cnn import demo_cnn_with_inputs
 from rewrite.functions import registry
-from rewrite.workspace import check_touched, compile_now, gc_paused, working_copy
+from rewrite.engine.workspace import check_touched, compile_now, gc_paused, working_copy
 
 
 @pytest.fixture(autouse=True)

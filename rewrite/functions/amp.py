@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from rewrite.facts import Value
+from rewrite.engine.facts import Value
 from rewrite.functions.registry import register_constant, register_predicate
 
 __all__: list = []  # everything here is reached through the registry

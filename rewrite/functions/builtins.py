@@ -1,6 +1,6 @@
 """Built-in predicates, queries and rewrite-time functions that rule files may name.
 
-Predicates and queries receive ``rewrite.facts.Value`` objects. One that cannot
+Predicates and queries receive ``rewrite.engine.facts.Value`` objects. One that cannot
 tell (no shape information on the node) returns None: the fact is *unknown*, and the
 where clause is evaluated in three-valued logic (``not unknown`` and any comparison
 with an unknown side stay unknown), so a rule whose constraint cannot be decided
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.nn.utils import fusion as _fusion
 
-from rewrite.facts import Value
+from rewrite.engine.facts import Value
 from rewrite.functions.registry import (
     register_constant,
     register_module,

@@ -34,7 +34,7 @@ import torch.fx as fx
 from torch import nn
 from torch.ao.quantization import observer as _observer
 
-from rewrite.facts import Value
+from rewrite.engine.facts import Value
 from rewrite.functions.registry import (
     register_constant,
     register_module,

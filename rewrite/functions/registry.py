@@ -12,7 +12,7 @@ kinds of entries, by where a rule may use them:
 * ``module``: in a replacement; returns an ``nn.Module`` that is registered as a
   submodule and called on the ``inputs`` arguments (observers, fake-quant stubs).
 
-Predicates and queries receive ``rewrite.match.Value`` objects (a bound operand with
+Predicates and queries receive ``rewrite.engine.match.Value`` objects (a bound operand with
 its graph facts); constants and module factories receive concrete Python values
 (tensors for constant operands, plain literals otherwise).
 """

@@ -2,7 +2,7 @@
 
 The parser (``rewrite.language.parser``) builds these from a rule file; the checker
 (``rewrite.language.check``) resolves names against the op vocabulary and the
-function registry; the compiler (``rewrite.compile``) turns resolved rules into
+function registry; the compiler (``rewrite.engine.compile``) turns resolved rules into
 matchers. Spans are excluded from equality so ``parse(format(ast)) == ast``.
 
 A rule file, printed back::

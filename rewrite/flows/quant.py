@@ -583,7 +583,7 @@ def _int8_layer_op(mod: Any) -> str | None:
 
 def _const_tensor(operand: Any, gm: fx.GraphModule) -> Any:
     """The tensor of a constant operand (a ConstRef or a get_attr node), or None."""
-    from rewrite.facts import fetch_attr
+    from rewrite.engine.facts import fetch_attr
 
     name = _const_name(operand)
     if name is None:
@@ -645,7 +645,7 @@ def _quantized_here(node: Any, gm: fx.GraphModule, upstream: bool) -> bool:
 def _shape_facts(node: Any, gm: fx.GraphModule) -> Any:
     """Shape/dtype facts of ``node``, else of the value it rounds (quantize,
     dequantize and fake-quant keep the shape; nodes rules created may have none)."""
-    from rewrite.facts import tensor_meta_of
+    from rewrite.engine.facts import tensor_meta_of
     from rewrite.functions.quant import ops_of
 
     for _ in range(8):
@@ -950,7 +950,7 @@ def quantize_command(args: argparse.Namespace) -> int:
     the model, print the rule counts and the accuracy report, optionally save it.
     Exit 0 on success, 1 when quantization fails its check."""
     from rewrite.capture import load_model
-    from rewrite.check import generate_inputs
+    from rewrite.trust.check import generate_inputs
 
     model, inputs = load_model(args.model)
     calib = [generate_inputs(inputs, seed=1000 + i) for i in range(args.calibration)]

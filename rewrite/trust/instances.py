@@ -1,6 +1,6 @@
 """Random instances of rule patterns: the generators behind rule verification.
 
-To verify a rule (``rewrite.verify``) or test it (``rewrite.testing.rule_instances``)
+To verify a rule (``rewrite.trust.verify``) or test it (``rewrite.testing.rule_instances``)
 we need many small graphs that its pattern matches. An instance is built by emitting
 the pattern bottom-up into a fresh graph with the vocabulary's own emitters
 (``opdef.emit["torch"]`` or ``["aten"]``, drawn), so it is a graph the engine meets
@@ -59,7 +59,7 @@ import attrs
 import torch
 import torch.fx as fx
 
-from rewrite.compile import DTYPES, CompiledRule, PCall, PDefault, PLit, PSeq, PVar, PWild, RConst, RModule, ROp, RSeq
+from rewrite.engine.compile import DTYPES, CompiledRule, PCall, PDefault, PLit, PSeq, PVar, PWild, RConst, RModule, ROp, RSeq
 from rewrite.language import ast
 from rewrite.ops.base import REQUIRED
 
@@ -1311,7 +1311,7 @@ class _Builder:
 
     def finish(self, root: fx.Node, name: str | None = None) -> Instance:
         # The program consumes the root rather than returning it: a rewrite never lets
-        # the graph return a module constant (rewrite.replace refuses), and folds
+        # the graph return a module constant (rewrite.engine.replace refuses), and folds
         # into constants must still be verifiable. A root the where clause wants
         # quantized (output_quantized(c)) is quantized first.
         last = root

@@ -23,12 +23,12 @@ from typing import Any, Iterable
 import attrs
 import torch.fx as fx
 
-from rewrite.compile import CompiledRule, PCall, PSeq
-from rewrite.facts import GraphFacts
-from rewrite.match import Matcher
+from rewrite.engine.compile import CompiledRule, PCall, PSeq
+from rewrite.engine.facts import GraphFacts
+from rewrite.engine.match import Matcher
 from rewrite.ops import lookup_op
-from rewrite.prefilter import build_prefilter
-from rewrite.replace import Replacer, ReplacementError, uses_root
+from rewrite.engine.prefilter import build_prefilter
+from rewrite.engine.replace import Replacer, ReplacementError, uses_root
 
 __all__ = ["Driver", "NonTerminationError", "RuleIndex", "RuleStats"]
 
@@ -95,7 +95,7 @@ class RuleIndex:
     """Rules by the node keys their root can bind: ``("call_function", torch.relu)``,
     ``("call_method", "relu")``, ``("call_module", nn.ReLU)``... A node whose key
     no rule's root can have costs one dictionary look-up. Each (rule, key) carries
-    its operand prefilter (``rewrite.prefilter``; None in interpreter mode)."""
+    its operand prefilter (``rewrite.engine.prefilter``; None in interpreter mode)."""
 
     def __init__(self, rules: Iterable[CompiledRule], prefilters: bool = True) -> None:
         by_key: dict = collections.defaultdict(list)

@@ -170,7 +170,7 @@ class GraphFacts:
         """Run the example inputs through the graph once, recording TensorFacts on
         every node that has none (symbolic_trace graphs carry no shapes). Done on
         the first question about a shape, so rules that never ask pay nothing."""
-        from rewrite.check import preserved_state
+        from rewrite.trust.check import preserved_state
 
         inputs, self._example_inputs = self._example_inputs, None  # once
         # on copies of the inputs, restoring the module's state: recording facts has

@@ -8,7 +8,7 @@ its domain is rejected with the smallest instance hypothesis can shrink to, prin
 Alive-style: the rule and its source position, the bindings, the original and the
 rewritten graph with every node's value, expected vs got, the first diverging node.
 
-Instances come from ``rewrite.instances``: the pattern emitted with the vocabulary's
+Instances come from ``rewrite.trust.instances``: the pattern emitted with the vocabulary's
 own emitters into a fresh graph (torch or aten spelling), shapes, attributes and
 values drawn by per-op generators, ``const(...)`` variables as module constants, in
 every dtype the ops accept (float32, float64, float16, bfloat16, int64, int32, int8,
@@ -30,7 +30,7 @@ Verdicts, per rule:
   overflows to inf or makes a NaN is wrong however close the rest is). ``exact``
   rules: floats equal too, NaN = NaN and -0.0 = 0.0 (so ``x + 0 => x`` is exact),
   quantized outputs with the same parameters and integer values. ``approx`` rules:
-  ``rewrite.check.TOLERANCES`` at the lowest precision either graph computes in; a
+  ``rewrite.trust.check.TOLERANCES`` at the lowest precision either graph computes in; a
   rewrite computing in a narrower float than its inputs (a cast to float16) is also
   compared with the original run on inputs and constants rounded to that float, so it
   may lose what that float cannot hold, never overflow; a graph that rounds through
@@ -51,7 +51,7 @@ rewrite-time constants (folds) is ``approx``, every other rule ``exact``.
 
 Example::
 
-    report = rewrite.verify.verify_rules(rewrite.load("rules/cleanup.rw"))
+    report = rewrite.trust.verify.verify_rules(rewrite.load("rules/cleanup.rw"))
     print(report.table())
     assert report.ok, report
 
@@ -72,8 +72,8 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from rewrite.compile import CompiledRule
-from rewrite.instances import (Instance, Plan, draw_instance, hypothesis_api, instances, plan_for, quantized_engines,
+from rewrite.engine.compile import CompiledRule
+from rewrite.trust.instances import (Instance, Plan, draw_instance, hypothesis_api, instances, plan_for, quantized_engines,
                                rule_tolerance, strategies)
 
 __all__ = [
@@ -321,7 +321,7 @@ class _Checker:
         return bool(result.counts) or bool(stats is not None and stats.failed)
 
     def _apply(self, ruleset: Any, inst: Instance, quiet: bool = False) -> Any:
-        from rewrite.driver import NonTerminationError
+        from rewrite.engine.driver import NonTerminationError
 
         try:
             result = _fires(ruleset, inst.graph_module, inst.example_inputs)
@@ -414,7 +414,7 @@ def _engine(name: str | None) -> Any:
 
 def _lowest_precision(values: list) -> torch.dtype:
     """The floating dtype with the loosest tolerance among the values computed."""
-    from rewrite.check import TOLERANCES
+    from rewrite.trust.check import TOLERANCES
 
     dtypes = {t.dtype for v in values for t in pytree.tree_leaves(v)
               if isinstance(t, torch.Tensor) and t.dtype.is_floating_point}
@@ -487,7 +487,7 @@ def _differ(ref: Any, got: Any, tolerance: str, low: torch.dtype, quantum: float
     approximate ones within ``TOLERANCES`` at dtype ``low``, or within one
     ``quantum`` when a graph rounds through int8 values of that step (a float
     op moved onto int8 values rounds its result to their grid)."""
-    from rewrite.check import TOLERANCES
+    from rewrite.trust.check import TOLERANCES
 
     ref_leaves, ref_spec = pytree.tree_flatten(ref)
     got_leaves, got_spec = pytree.tree_flatten(got)

@@ -22,11 +22,11 @@ from typing import Any
 import attrs
 import torch.fx as fx
 
-from rewrite.compile import CompiledRule, PCall, PDefault, PLit, PSeq, PVar
-from rewrite.facts import GraphFacts
+from rewrite.engine.compile import CompiledRule, PCall, PDefault, PLit, PSeq, PVar
+from rewrite.engine.facts import GraphFacts
 from rewrite.language import ast
 from rewrite.language.printer import format_expr
-from rewrite.match import Matcher, match_bindings, match_nodes
+from rewrite.engine.match import Matcher, match_bindings, match_nodes
 from rewrite.ops import ConstRef
 
 __all__ = ["Explanation", "Explanations", "explain"]

@@ -22,12 +22,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from rewrite.compile import RConst, RLit, RModule, ROp, RSeq, RVar
-from rewrite.facts import FACTS_KEY, GraphFacts
-from rewrite.match import Match
+from rewrite.engine.compile import RConst, RLit, RModule, ROp, RSeq, RVar
+from rewrite.engine.facts import FACTS_KEY, GraphFacts
+from rewrite.engine.match import Match
 from rewrite.ops import bind_node
 from rewrite.ops.base import ConstRef
-from rewrite.aliasing import new_aliasing
+from rewrite.engine.aliasing import new_aliasing
 
 __all__ = ["Replacer", "ReplacementError", "uses_root"]
 

@@ -18,11 +18,11 @@ from typing import Any, Iterator
 import torch
 import torch.fx as fx
 
-from rewrite.compile import DTYPES, CompiledRule, PCall, PDefault, PLit, PSeq, PVar, PWild
-from rewrite.facts import GraphFacts, Value
+from rewrite.engine.compile import DTYPES, CompiledRule, PCall, PDefault, PLit, PSeq, PVar, PWild
+from rewrite.engine.facts import GraphFacts, Value
 from rewrite.functions.registry import lookup_function
 from rewrite.language import ast
-from rewrite.aliasing import alias_class, caller_owned, storage_base
+from rewrite.engine.aliasing import alias_class, caller_owned, storage_base
 from rewrite.ops import bind_node, node_key
 from rewrite.ops.effects import written_args
 from rewrite.ops.base import ConstRef
@@ -112,7 +112,7 @@ class Matcher:
     def __init__(self, gm: fx.GraphModule, facts: GraphFacts, compiled: bool | None = None,
                  on_failure: Any = None) -> None:
         """``on_failure(pattern, operand, env)``, when given, is called for every
-        pattern element that matched nothing (``rewrite.explain`` records the
+        pattern element that matched nothing (``rewrite.trust.explain`` records the
         deepest); it runs every element through the interpreter. Without it the
         matching loop has no reporting cost."""
         self.gm = gm

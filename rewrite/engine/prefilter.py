@@ -23,7 +23,7 @@ from typing import Any
 import attrs
 from torch import fx
 
-from rewrite.compile import CompiledRule, PAlt, PCall, PDefault, PLit
+from rewrite.engine.compile import CompiledRule, PAlt, PCall, PDefault, PLit
 from rewrite.ops import forms_for_key
 from rewrite.ops.base import FunctionForm, MethodForm
 
@@ -126,7 +126,7 @@ def _keys_of(pat: PCall) -> frozenset:
 
 
 def _checker(options: tuple) -> Prefilter:
-    from rewrite.match import literal_equal
+    from rewrite.engine.match import literal_equal
 
     def check(matcher: Any, node: fx.Node) -> bool:
         args, kwargs = node.args, node.kwargs
