@@ -10,6 +10,18 @@
 
     int8 = rq.quantize(model, batches)              # the same in one call
 
+    qdq = rq.convert(observed, form="qdq")          # the PT2E form: quantized_decomposed ops
+    rq.export(qdq, (x,), "model.pt2")               # torch.export, saved as .pt2
+    rq.export_onnx(qdq, (x,), "model.onnx")         # QuantizeLinear/DequantizeLinear, for onnxruntime
+
+Two forms of the same quantization (same points, parameters and int8 weights):
+``form="int8"`` (the default) runs ``torch.ops.quantized`` kernels with prepacked
+weights in eager; ``form="qdq"`` (``convert.rw``'s ruleset ``qdq``) writes the
+representation the PyTorch 2 export ecosystem uses, ``torch.ops.quantized_decomposed``
+quantize/dequantize pairs on plain uint8/int8 tensors around float ops, which
+``torch.export`` captures and ``torch.onnx.export`` turns into QuantizeLinear /
+DequantizeLinear pairs that onnxruntime (and TensorRT) fuse into int8 kernels.
+
 Every step is a rule set (``rules/quant/*.rw``) applied with ``RuleSet.apply``; the
 Python here captures the model, runs the rule sets in order, and does the two things
 a rule cannot:
@@ -50,18 +62,25 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from rewrite.functions.quant import (
+    DECOMPOSED_DEQUANTIZE,
+    DECOMPOSED_QUANTIZE,
     QuantizedModule,
+    is_dequantize,
     is_observer_node,
+    is_quantize,
     module_path,
 )
 
 __all__ = [
     "prepare", "calibrate", "convert", "quantize", "accuracy_report", "sqnr", "QuantizationError",
     "QuantPoint", "LayerSQNR", "AccuracyReport", "quant_rules", "quantize_command",
-    "add_quantize_arguments", "save", "BACKENDS", "coverage", "Coverage", "FloatLayer",
+    "add_quantize_arguments", "save", "BACKENDS", "coverage", "Coverage", "FloatLayer", "FORMS",
+    "export", "export_onnx", "run_onnx",
 ]
 
 BACKENDS = ("x86", "onednn", "fbgemm")
+#: what ``convert`` emits: int8 kernels (eager) or the PT2E QDQ form (export, ONNX)
+FORMS = ("int8", "qdq")
 _META = "rewrite.quant"
 _MARK = "rewrite.quant.observer"  # source_fn_stack entry: (observer name, _MARK)
 
@@ -424,6 +443,7 @@ def convert(
     lower_rules: Any = None,
     min_qdq_sqnr: float = 25.0,
     reference: bool = False,
+    form: str = "int8",
 ) -> Any:
     """Turn a calibrated observed model into an int8 model.
 
@@ -438,6 +458,12 @@ def convert(
             raise ``QuantizationError`` when their SQNR is below ``min_qdq_sqnr`` dB.
         convert_rules, lower_rules: your own rule files (path or RuleSet).
         reference: also return the reference QDQ model: ``(int8, qdq)``.
+        form: ``"int8"`` (int8 kernels, the steps above) or ``"qdq"``: the PT2E
+            form (``convert.rw``'s ruleset ``qdq``: ``quantized_decomposed``
+            quantize/dequantize on plain uint8/int8 tensors, int8 weights as
+            constants with per-channel scales; nothing lowered), which
+            ``export`` and ``export_onnx`` take. ``check`` then compares it with
+            the reference QDQ model, ``lower`` and ``lower_rules`` do not apply.
 
     Returns:
         A GraphModule; ``gm.meta["rewrite.quant"]`` holds the quantization points,
@@ -454,6 +480,10 @@ def convert(
     # would otherwise inherit requires_grad, which int8 tensors cannot have
     gm.requires_grad_(False)
     points = _freeze_observers(gm, qparams)
+    if form not in FORMS:
+        raise ValueError(f"unknown form {form!r}; expected one of {FORMS}")
+    if form == "qdq":
+        return _convert_pt2e(gm, args, state, points, convert_rules, check, min_qdq_sqnr)
     qdq_result = _as_rules(convert_rules, "convert").apply(gm, args, check=False)
     qdq = qdq_result.graph_module
     state.update(points=points, convert_counts=dict(qdq_result.counts))
@@ -492,6 +522,27 @@ def convert(
     return int8
 
 
+def _convert_pt2e(gm: fx.GraphModule, args: Any, state: dict, points: list, convert_rules: Any,
+                  check: bool, min_sqnr: float) -> fx.GraphModule:
+    """``convert``'s ``form="qdq"``: convert.rw's ruleset ``qdq`` on the frozen observers."""
+    result = _as_rules(convert_rules, "convert", "qdq").apply(gm, args, check=False)
+    pt2e = result.graph_module
+    state.update(points=points, convert_counts=dict(result.counts), form="qdq", coverage=coverage(pt2e))
+    if check and args is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # quantized dtypes are deprecated
+            ref = _as_rules(convert_rules, "convert").apply(gm, args, check=False).graph_module
+        with torch.no_grad():
+            db = min((sqnr(r, o) for r, o in _float_pairs(ref(*args), pt2e(*args))), default=math.inf)
+        state["reference_sqnr"] = db
+        if db < min_sqnr:
+            raise QuantizationError(
+                f"the QDQ (PT2E) model disagrees with its reference QDQ model: SQNR {db:.1f} dB "
+                f"< {min_sqnr} dB (rules: {dict(result.counts)})")
+    pt2e.meta[_META] = state
+    return pt2e
+
+
 def quantize(
     model: Any,
     calibration_batches: Iterable,
@@ -502,15 +553,16 @@ def quantize(
 
     ``example_inputs`` defaults to the first calibration batch; ``options`` go to
     ``prepare`` (``backend``, ``capture``, ``observe``, ``ruleset``, ``fuse``,
-    ``check``) and ``convert`` (``lower``, ``convert_rules``, ``lower_rules``,
-    ``min_qdq_sqnr``).
+    ``check``) and ``convert`` (``form``, ``lower``, ``convert_rules``,
+    ``lower_rules``, ``min_qdq_sqnr``, ``reference``): ``form="qdq"`` returns the
+    PT2E QDQ form, which ``export`` and ``export_onnx`` take.
     """
     batches = list(calibration_batches)
     if not batches:
         raise QuantizationError("quantize needs at least one calibration batch")
     if example_inputs is None:
         example_inputs = _as_args(batches[0])
-    convert_keys = {"lower", "convert_rules", "lower_rules", "min_qdq_sqnr", "reference"}
+    convert_keys = {"lower", "convert_rules", "lower_rules", "min_qdq_sqnr", "reference", "form"}
     conv_opts = {k: v for k, v in options.items() if k in convert_keys}
     prep_opts = {k: v for k, v in options.items() if k not in convert_keys}
     if "check" in prep_opts:
@@ -571,6 +623,18 @@ class Coverage:
         return "\n".join(lines)
 
 
+def _pt2e_layer(node: fx.Node, bound: Any, gm: fx.GraphModule) -> bool:
+    """A conv / linear of the QDQ form that runs as an int8 kernel once a runtime
+    fuses its pairs: an int8 constant weight dequantized in the graph, its input
+    dequantized and its output quantized."""
+    w = bound.args.get("weight")
+    if not (isinstance(w, fx.Node) and w.op == "call_function" and w.target in DECOMPOSED_DEQUANTIZE):
+        return False
+    if _const_tensor(w.args[0], gm) is None:
+        return False
+    return _quantized_here(bound.args.get("input"), gm, upstream=True) and _quantized_here(node, gm, upstream=False)
+
+
 def _int8_layer_op(mod: Any) -> str | None:
     from rewrite.functions.quant import QuantizedConv, QuantizedConvAdd, QuantizedLinear
 
@@ -622,7 +686,7 @@ def _quantized_here(node: Any, gm: fx.GraphModule, upstream: bool) -> bool:
 
     def rounds(n: Any) -> bool:
         return isinstance(n, fx.Node) and (
-            bool({"dequantize", "quantize_per_tensor"} & set(ops_of(n, gm)))
+            is_quantize(n, gm) or is_dequantize(n, gm)
             or str(getattr(n.target, "__name__", "")).startswith("fake_quantize_per_tensor_affine"))
 
     if upstream:
@@ -729,6 +793,9 @@ def coverage(int8: fx.GraphModule) -> Coverage:
             continue
         bound = {b.op: b for b in bind_node(node, int8)}
         op = next((o for o in _LAYER_OPS if o in bound), None)
+        if op is not None and _pt2e_layer(node, bound[op], int8):
+            lowered[op] = lowered.get(op, 0) + 1
+            continue
         if op is not None:
             left.append(FloatLayer(module_path(node) or node.name, op, _float_reason(node, op, bound[op], int8)))
             continue
@@ -813,8 +880,11 @@ class _Int8Run(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         out = super().run_node(n)
         name = _observer_of(n)
-        if name is not None and isinstance(out, torch.Tensor) and out.is_quantized:
-            self.values[name] = out.dequantize()
+        if name is not None and isinstance(out, torch.Tensor):
+            if out.is_quantized:
+                self.values[name] = out.dequantize()
+            elif n.op == "call_function" and n.target in DECOMPOSED_DEQUANTIZE:  # the QDQ form
+                self.values[name] = out
         return out
 
 
@@ -912,6 +982,125 @@ def accuracy_report(
         for i in range(n_out))
     cov = int8.meta.get(_META, {}).get("coverage")
     return AccuracyReport(layers, outputs, flag_below, cov if cov is not None else coverage(int8))
+
+
+# ---------------------------------------------------------------- export
+
+
+def _unexportable(gm: fx.GraphModule) -> tuple | None:
+    """(node, why) for the first node of ``gm`` that torch.export cannot capture:
+    an int8 kernel module holding torch's packed weights (a ScriptObject export
+    cannot flatten), or an op on a quantized (quint8/qint8) tensor, which has no
+    meta kernel."""
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            try:
+                mod = gm.get_submodule(node.target)
+            except AttributeError:
+                continue
+            if isinstance(mod, QuantizedModule):
+                packed = " with packed weights" if any(k == "_packed" for k in vars(mod)) else ""
+                return node, f"calls torch.ops.quantized.{mod.op_name}{packed}"
+        if node.op == "get_attr":
+            try:
+                value = _attr(gm, str(node.target))
+            except AttributeError:
+                continue
+            if isinstance(value, torch.Tensor) and value.is_quantized:
+                return node, f"reads a quantized ({value.dtype}) constant"
+        if node.op == "call_function" and getattr(node.target, "__name__", "") in (
+                "quantize_per_tensor", "quantize_per_channel") and node.target not in DECOMPOSED_QUANTIZE:
+            return node, "makes a quantized tensor (torch.quantize_per_tensor)"
+    return None
+
+
+def _attr(gm: fx.GraphModule, name: str) -> Any:
+    from rewrite.engine.facts import fetch_attr
+
+    return fetch_attr(gm, name)
+
+
+def export(gm: fx.GraphModule, example_inputs: Any = None, path: Any = None) -> Any:
+    """Re-capture a quantized model with ``torch.export`` (non-strict); save it as
+    ``.pt2`` when ``path`` is given (``torch.export.load`` reads it back).
+
+    The QDQ form (``convert(..., form="qdq")``) exports. The int8-kernel form does
+    not: its modules call ``torch.ops.quantized`` kernels on packed weights, which
+    torch.export cannot flatten; the error names the first such node and points to
+    ``form="qdq"``.
+
+    Args:
+        gm: a model from ``convert`` (or any GraphModule).
+        example_inputs: a tuple of inputs; default: those ``prepare`` recorded.
+        path: where to ``torch.export.save`` the program, or None.
+
+    Returns:
+        The ``torch.export.ExportedProgram``.
+    """
+    args = _as_args(example_inputs) if example_inputs is not None else gm.meta.get(_META, {}).get("example_inputs")
+    if args is None:
+        raise QuantizationError("export needs example inputs (none given, none recorded by prepare)")
+    bad = _unexportable(gm)
+    if bad is not None:
+        node, why = bad
+        raise QuantizationError(
+            f"torch.export cannot capture node {node.name!r}: it {why}; "
+            "convert(..., form=\"qdq\") gives the exportable QDQ form")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            program = torch.export.export(gm, tuple(args), strict=False)
+    except Exception as err:  # noqa: BLE001  (torch.export raises many types)
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise QuantizationError(f"torch.export could not capture the model: {first}") from err
+    if path is not None:
+        torch.export.save(program, str(path))
+    return program
+
+
+def _require_onnx() -> None:
+    missing = [m for m in ("onnx", "onnxscript", "onnxruntime") if _missing(m)]
+    if missing:
+        raise QuantizationError(
+            f"ONNX export needs {', '.join(missing)}: pip install -c constraints.txt \"torch-rewrite[onnx]\"")
+
+
+def _missing(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is None
+
+
+def export_onnx(gm: fx.GraphModule, example_inputs: Any = None, path: Any = "model.onnx", *,
+                opset: int | None = None) -> Path:
+    """Export the QDQ form to ONNX (``torch.onnx.export(..., dynamo=True)`` of the
+    ``export``-ed program): each quantize/dequantize pair becomes a QuantizeLinear /
+    DequantizeLinear pair, int8 weights become int8 initializers with their
+    per-channel scales, ready for onnxruntime (its CPU provider fuses the pairs
+    into int8 kernels) or TensorRT. Needs the ``onnx`` extra. Returns ``path``."""
+    _require_onnx()
+    program = export(gm, example_inputs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        onnx_program = torch.onnx.export(program, dynamo=True, verbose=False,
+                                         **({"opset_version": opset} if opset else {}))
+    onnx_program.save(str(path))
+    return Path(path)
+
+
+def run_onnx(path: Any, inputs: Any, *, threads: int | None = None) -> list:
+    """Run an ONNX model with onnxruntime's CPU execution provider on ``inputs``
+    (a tensor or tuple of tensors, fed in order); returns its outputs as tensors."""
+    _require_onnx()
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    if threads:
+        opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+    sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    feed = {i.name: t.detach().cpu().numpy() for i, t in zip(sess.get_inputs(), _as_args(inputs))}
+    return [torch.from_numpy(o) for o in sess.run(None, feed)]
 
 
 # ---------------------------------------------------------------- command line

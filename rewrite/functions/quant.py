@@ -8,6 +8,11 @@ The rule files in ``rules/quant/`` name these (see ``rewrite.quant`` for the flo
 * ``convert.rw`` turns calibrated observers into ``quantize_per_tensor``/``dequantize``
   pairs and quantizes weights once (``quantize_weight``: torch's
   ``PerChannelMinMaxObserver``, per-channel symmetric int8);
+* ``convert.rw``'s ruleset ``qdq`` writes the same quantization in the PT2E form
+  instead (``torch.ops.quantized_decomposed`` quantize/dequantize on plain int8 and
+  uint8 tensors; weights as int8 constants with their per-channel scales:
+  ``weight_int8``, ``weight_scales``, ``weight_zero_points``, ``int_dtype``), which
+  ``torch.export`` and ONNX export read;
 * ``lower.rw`` replaces QDQ patterns by modules that call ``torch.ops.quantized``
   kernels with weights prepacked at rewrite time (``quantized_conv``,
   ``quantized_linear``, ``quantized_add``...), and removes redundant pairs
@@ -47,6 +52,7 @@ __all__ = [
     "QuantizedBinary", "QuantizedCat", "QuantizedPad", "is_observer_node", "module_path", "module_type", "qparams_of",
     "passthrough_input", "vnni_available", "FiniteHistogramObserver", "FiniteMinMaxObserver",
     "FiniteMovingAverageMinMaxObserver", "conv_padding_ints", "conv_padding_problem",
+    "DECOMPOSED_QUANTIZE", "DECOMPOSED_DEQUANTIZE", "is_quantize", "is_dequantize",
 ]
 
 #: Ops that run on quantized tensors with their input's scale and zero point: an
@@ -78,6 +84,33 @@ def ops_of(node: Any, gm: Any) -> dict:
     from rewrite.ops import bind_node
 
     return {b.op: b for b in bind_node(node, gm)}
+
+
+def _decomposed(*names: str) -> frozenset:
+    import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers the ops)
+
+    ops = torch.ops.quantized_decomposed
+    return frozenset(getattr(getattr(ops, n), o) for n in names for o in getattr(ops, n).overloads())
+
+
+#: The PT2E quantize / dequantize ops (``torch.ops.quantized_decomposed``), every overload.
+DECOMPOSED_QUANTIZE = _decomposed("quantize_per_tensor", "quantize_per_channel")
+DECOMPOSED_DEQUANTIZE = _decomposed("dequantize_per_tensor", "dequantize_per_channel")
+
+
+def is_quantize(node: Any, gm: Any) -> bool:
+    """``node`` rounds a float tensor to int8: ``quantize_per_tensor`` (a quantized
+    tensor) or its PT2E form (a plain int8/uint8 tensor)."""
+    return isinstance(node, fx.Node) and (
+        (node.op == "call_function" and node.target in DECOMPOSED_QUANTIZE)
+        or "quantize_per_tensor" in ops_of(node, gm))
+
+
+def is_dequantize(node: Any, gm: Any) -> bool:
+    """``node`` turns int8 back into float: ``dequantize`` or its PT2E form."""
+    return isinstance(node, fx.Node) and (
+        (node.op == "call_function" and node.target in DECOMPOSED_DEQUANTIZE)
+        or "dequantize" in ops_of(node, gm))
 
 
 def is_observer_node(node: Any, gm: Any) -> bool:
@@ -248,7 +281,7 @@ def dequantized(x: Value) -> bool:
     for _ in range(64):
         if node is None:
             return False
-        if "dequantize" in ops_of(node, gm):
+        if is_dequantize(node, gm):
             return True
         node = passthrough_input(node, gm)
     return False
@@ -264,7 +297,7 @@ def output_quantized(x: Value) -> bool:
         return False
 
     def all_quantize(n: fx.Node) -> bool:
-        return bool(n.users) and all("quantize_per_tensor" in ops_of(u, gm) for u in n.users)
+        return bool(n.users) and all(is_quantize(u, gm) for u in n.users)
 
     for _ in range(3):
         if all_quantize(node):
@@ -453,6 +486,45 @@ def quantize_weight(w: Any, scheme: str = "per_channel_symmetric") -> Any:
         if scheme.startswith("per_channel"):
             return torch.quantize_per_channel(w, scale.double(), zero_point.long(), 0, torch.qint8)
         return torch.quantize_per_tensor(w, float(scale), int(zero_point), torch.qint8)
+
+
+def _weight_qparams(w: Any, scheme: str) -> tuple:
+    """(int8 values, float32 scales, int64 zero points) of ``quantize_weight(w,
+    scheme)`` for a per-channel scheme: the same numbers the int8 kernels use."""
+    if not scheme.startswith("per_channel"):
+        raise ValueError(f"the qdq weight functions take a per-channel scheme, got {scheme!r}")
+    q = quantize_weight(w, scheme)
+    return (q.int_repr(), q.q_per_channel_scales().float(), q.q_per_channel_zero_points().long())
+
+
+@register_constant()
+def weight_int8(w: Any, scheme: str = "per_channel_symmetric") -> Any:
+    """The int8 values (a plain ``torch.int8`` tensor) of ``quantize_weight(w, scheme)``,
+    output channels on dim 0: the weight of the PT2E QDQ form."""
+    return _weight_qparams(w, scheme)[0]
+
+
+@register_constant()
+def weight_scales(w: Any, scheme: str = "per_channel_symmetric") -> Any:
+    """The per-channel scales (float32) of ``quantize_weight(w, scheme)``."""
+    return _weight_qparams(w, scheme)[1]
+
+
+@register_constant()
+def weight_zero_points(w: Any, scheme: str = "per_channel_symmetric") -> Any:
+    """The per-channel zero points (int64) of ``quantize_weight(w, scheme)``."""
+    return _weight_qparams(w, scheme)[2]
+
+
+@register_constant()
+def int_dtype(quant_min: int, quant_max: int) -> Any:
+    """The plain integer dtype whose range is ``[quant_min, quant_max]``, what the
+    PT2E ops store: ``torch.uint8`` for 0..255, ``torch.int8`` for -128..127."""
+    if (quant_min, quant_max) == (0, 255):
+        return torch.uint8
+    if (quant_min, quant_max) == (-128, 127):
+        return torch.int8
+    raise ValueError(f"no 8-bit integer dtype has the range [{quant_min}, {quant_max}]")
 
 
 @register_constant()

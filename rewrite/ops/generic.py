@@ -14,7 +14,9 @@ is, after ``rewrite.ops.resolve.normalize_qualname`` rejects dunders:
 * ``F.<f>``: a public function defined in ``torch.nn.functional``, or a C-bound one
   with an aten op of the same name;
 * ``Tensor.<m>``: a public method of ``torch.Tensor`` with an aten op of the same name;
-* ``operator.<f>``: arithmetic, comparison and ``getitem`` only.
+* ``operator.<f>``: arithmetic, comparison and ``getitem`` only;
+* ``quantized_decomposed.<op>``: the PT2E quantize/dequantize ops (per tensor and
+  per channel, default overload), what ``torch.export`` and ONNX export read.
 
 A name without an overload takes the signature of the default overload (or the
 first that takes a tensor first); ``aten.sum.dim_IntList`` names another. An aten
@@ -34,9 +36,9 @@ import torch.nn.functional as F
 
 from rewrite.ops.base import REQUIRED, OpDef, Param
 from rewrite.ops.builders import make_op, fn, method
-from rewrite.ops.resolve import Sig, aten_overload, schema_sig, signature_of
+from rewrite.ops.resolve import Sig, aten_overload, resolve, schema_sig, signature_of
 
-__all__ = ["generic_opdef", "OPERATOR_ALLOWED"]
+__all__ = ["generic_opdef", "OPERATOR_ALLOWED", "DECOMPOSED_ALLOWED"]
 
 _UNARY = ("neg", "pos", "abs", "invert", "not_")
 _BINARY = (
@@ -113,6 +115,18 @@ def _operator(name: str) -> OpDef | None:
     return _build(f"operator.{name}", sig, fn(f"operator.{name}", sig=text), f"operator.{name}")
 
 
+#: the ``torch.ops.quantized_decomposed`` ops a rule may name
+DECOMPOSED_ALLOWED = frozenset({"quantize_per_tensor", "dequantize_per_tensor", "quantize_per_channel",
+                                "dequantize_per_channel"})
+
+
+def _decomposed(name: str) -> OpDef | None:
+    if name not in DECOMPOSED_ALLOWED:
+        return None
+    q = f"quantized_decomposed.{name}"
+    return _build(q, schema_sig(resolve(q).default, "input"), fn(f"{q}.default"), f"{q}.default")
+
+
 def generic_opdef(qualname: str) -> OpDef | None:
     """An ``OpDef`` for a normalized qualified name outside the vocabulary, or None
     when the name is not on the allowlist or names nothing."""
@@ -124,7 +138,8 @@ def generic_opdef(qualname: str) -> OpDef | None:
             return _aten(parts)
         if len(parts) != 1 or parts[0].startswith("_"):
             return None  # private torch API is not part of the rule language
-        builder = {"torch": _torch, "F": _functional, "Tensor": _tensor, "operator": _operator}.get(root)
+        builder = {"torch": _torch, "F": _functional, "Tensor": _tensor, "operator": _operator,
+                   "quantized_decomposed": _decomposed}.get(root)
         return None if builder is None else builder(parts[0])
     except (TypeError, ValueError, AttributeError, RuntimeError):
         return None

@@ -35,11 +35,21 @@ _ROOTS = {
     "torch": lambda: torch,
     "Tensor": lambda: torch.Tensor,
     "operator": lambda: operator,
+    "quantized_decomposed": lambda: _decomposed_ops(),
 }
+
+
+def _decomposed_ops() -> Any:
+    """``torch.ops.quantized_decomposed``: the PT2E quantize/dequantize ops, which
+    torch registers when their module is imported."""
+    import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers the ops)
+
+    return torch.ops.quantized_decomposed
 
 # user spellings -> the one spelling the table uses (longest prefix first)
 _PREFIXES = (
     ("torch.ops.aten.", "aten."),
+    ("torch.ops.quantized_decomposed.", "quantized_decomposed."),
     ("torch.nn.functional.", "F."),
     ("nn.functional.", "F."),
     ("torch.nn.", "nn."),
