@@ -27,6 +27,8 @@ _EXPORTS = {
     "RuleError": "rewrite.language",
     "NonTerminationError": "rewrite.engine.driver",
     "backend": "rewrite.flows.dynamo",
+    "freeze_parameters": "rewrite.flows.dynamo",
+    "inductor_pass": "rewrite.flows.dynamo",
     "register_predicate": "rewrite.functions.registry",
     "register_query": "rewrite.functions.registry",
     "register_constant": "rewrite.functions.registry",
@@ -40,6 +42,7 @@ __all__ = sorted(_EXPORTS)
 #: object of ``rewrite.flows.quant``, never a second copy.
 MODULE_ALIASES = {
     "rewrite.quant": "rewrite.flows.quant",
+    "rewrite.qat": "rewrite.flows.qat",
     "rewrite.dynamo": "rewrite.flows.dynamo",
     "rewrite.check": "rewrite.trust.check",
     "rewrite.verify": "rewrite.trust.verify",

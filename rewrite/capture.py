@@ -35,8 +35,9 @@ from typing import Any, List, Sequence, Tuple
 import torch
 from torch import fx, nn
 
-__all__ = ["LEVELS", "DYNAMO_SOURCE", "ModelSpecError", "capture", "capture_with_inputs", "capture_dynamo",
-           "lifted_state_positions", "load_model", "save", "save_format", "save_path_problem"]
+__all__ = ["LEVELS", "DYNAMO_SOURCE", "ExportError", "ModelSpecError", "capture", "capture_with_inputs",
+           "capture_dynamo", "export_program", "lifted_state_positions", "load_model", "save", "save_format",
+           "save_path_problem"]
 
 LEVELS: Tuple[str, ...] = ("fx", "export", "export_core", "dynamo")
 
@@ -166,6 +167,82 @@ def load_model(spec: str) -> Tuple[nn.Module, tuple]:
     return model.eval(), _as_tuple(inputs)
 
 
+class ExportError(RuntimeError):
+    """``torch.export`` could not capture a GraphModule; the message names the node
+    it failed at (``.node``), with its source line when the graph recorded one."""
+
+    def __init__(self, message: str, node: fx.Node | None = None) -> None:
+        super().__init__(message)
+        self.node = node
+
+
+def export_program(gm: fx.GraphModule, example_inputs: Any) -> "torch.export.ExportedProgram":
+    """``torch.export.export(gm, example_inputs, strict=False)`` for a (rewritten)
+    GraphModule, with a clear error when it fails.
+
+    Raises:
+        ExportError: export failed; the message names the node that could not be
+            exported (found by exporting again node by node), its op and target, and
+            torch's own reason, e.g. ``torch.export cannot capture node 'to_numpy'
+            (call_function to_numpy, from model.py:12): RuntimeError: ...``.
+    """
+    args = _as_tuple(example_inputs)
+    try:
+        return torch.export.export(gm, args, strict=False)
+    except Exception as err:  # noqa: BLE001 - any failure: name the node, keep torch's reason
+        node = _failing_node(gm, args)
+        reason = f"{type(err).__name__}: {_first_line(err)}"
+        if node is None:
+            raise ExportError(f"torch.export cannot capture this graph: {reason}") from err
+        target = getattr(node.target, "__name__", None) or str(node.target)
+        where = _source_line(node)
+        raise ExportError(f"torch.export cannot capture node {node.name!r} ({node.op} {target}"
+                          f"{', from ' + where if where else ''}): {reason}", node) from err
+
+
+class _NodeTracker(fx.Interpreter):
+    """Runs a graph node by node, remembering the node being run."""
+
+    current: fx.Node | None = None
+
+    def run_node(self, n: fx.Node) -> Any:
+        self.current = n
+        return super().run_node(n)
+
+
+class _Tracked(nn.Module):
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__()
+        self.gm = gm
+        self.tracker = _NodeTracker(gm)
+
+    def forward(self, *args: Any) -> Any:
+        self.tracker.current = None
+        return self.tracker.run(*args)
+
+
+def _failing_node(gm: fx.GraphModule, args: tuple) -> fx.Node | None:
+    """The node export fails at: export the graph again, run by an interpreter that
+    records the node it is at (None when that export succeeds or fails elsewhere)."""
+    tracked = _Tracked(gm)
+    try:
+        torch.export.export(tracked, args, strict=False)
+    except Exception:  # noqa: BLE001 - the failure we are locating
+        return tracked.tracker.current
+    return None
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [ln.strip() for ln in str(err).strip().splitlines() if ln.strip()]
+    return lines[0] if lines else ""
+
+
+def _source_line(node: fx.Node) -> str:
+    trace = node.meta.get("stack_trace") or ""
+    frames = [ln.strip() for ln in trace.splitlines() if ln.strip().startswith("File ")]
+    return frames[-1] if frames else ""
+
+
 def save_format(level: str) -> str:
     """The file a ``level``'s result is saved as: ``".pt2"`` (``torch.export.save``)
     for the export levels, whose GraphModules do not pickle, else ``".pt"``."""
@@ -197,13 +274,14 @@ def save(gm: fx.GraphModule, path: Any, level: str = "fx", example_inputs: Any =
 
     Raises:
         ValueError: the path's suffix does not match the level's format.
+        ExportError: an export level's result cannot be exported (names the node).
     """
     problem = save_path_problem(path, level)
     if problem is not None:
         raise ValueError(problem)
     path = Path(path)
     if save_format(level) == ".pt2":
-        program = torch.export.export(gm, _as_tuple(example_inputs), strict=False)
+        program = export_program(gm, example_inputs)
         write = lambda f: torch.export.save(program, f)  # noqa: E731
     else:
         for node in gm.graph.nodes:

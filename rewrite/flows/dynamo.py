@@ -11,19 +11,40 @@ Example::
 
     fused = torch.compile(model.eval(), backend=rewrite.backend(rewrite.load("rules/fusion.rw")))
     fused(x)
+
+The rewritten graph runs as Python by default. With ``compiler="inductor"`` it is
+handed to Inductor (``torch._inductor.compile_fx.compile_fx``) after the rules, so
+the user keeps Inductor's kernels and gains the rule sets::
+
+    torch._inductor.config.freezing = True      # optional: Inductor's own constant folding too
+    fast = torch.compile(model.eval(), backend=rewrite.backend(rules, compiler="inductor"))
+
+For users who already run Inductor, ``inductor_pass(rules)`` is the reverse hook: a
+``CustomGraphPass`` that applies the rule set to Inductor's post-grad ATen graph::
+
+    torch._inductor.config.post_grad_custom_pre_pass = rewrite.inductor_pass(rules)
+    torch.compile(model)(x)
 """
 
 from __future__ import annotations
 
 import copy
+import functools
+import hashlib
 import re
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-__all__ = ["backend", "freeze_parameters"]
+from rewrite.language.printer import format_rule
+
+__all__ = ["COMPILERS", "backend", "freeze_parameters", "inductor_pass"]
+
+#: The compilers ``backend(..., compiler=...)`` names; a callable works too.
+COMPILERS = ("python", "inductor")
 
 
 def _is_module_state(node: fx.Node, example: Any) -> bool:
@@ -42,9 +63,33 @@ def _is_module_state(node: fx.Node, example: Any) -> bool:
 def freeze_parameters(gm: fx.GraphModule, example_inputs: list) -> tuple:
     """Turn placeholders fed by module parameters/buffers into ``get_attr`` constants.
 
-    Returns ``(kept_indices, kept_example_inputs)``: the positions of the inputs the
-    frozen graph still takes, and their example values. Mutates ``gm``.
+    Dynamo hands a backend the model's parameters and buffers as graph inputs, so a
+    folding rule (``const(w, ...)``) never sees them as constants. After freezing,
+    they are buffers of ``gm`` (sharing storage with the model's tensors), as
+    Inductor's ``freezing`` does; later in-place updates of the model's weights are
+    not seen by a graph compiled from it.
+
+    Args:
+        gm: the GraphModule dynamo passed to the backend (mutated: use a copy if
+            dynamo still needs the original, as ``backend`` does).
+        example_inputs: the example inputs dynamo passed with it, one per placeholder.
+
+    Returns:
+        ``(kept_indices, kept_example_inputs)``: the positions of the inputs the
+        frozen graph still takes, and their example values. Call the frozen graph
+        with ``[args[i] for i in kept_indices]``.
+
+    Example::
+
+        def my_backend(gm, example_inputs):
+            gm = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+            kept, inputs = rewrite.freeze_parameters(gm, example_inputs)
+            result = rules.apply(gm, example_inputs=tuple(inputs))
+            return lambda *args: result.graph_module(*[args[i] for i in kept])
     """
+    if len(example_inputs) != sum(1 for n in gm.graph.nodes if n.op == "placeholder"):
+        raise ValueError(f"freeze_parameters: {len(example_inputs)} example inputs for a graph with "
+                         f"{sum(1 for n in gm.graph.nodes if n.op == 'placeholder')} placeholders")
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     kept = []
     first_real = next((n for n in gm.graph.nodes if n.op != "placeholder"), None)
@@ -66,16 +111,34 @@ def freeze_parameters(gm: fx.GraphModule, example_inputs: list) -> tuple:
     return tuple(kept), [example_inputs[i] for i in kept]
 
 
-def backend(rules: Any, *, check: bool = True, on_result: Callable | None = None, **apply_options: Any) -> Callable:
+def backend(rules: Any, *, compiler: Any = "python", check: bool = True, on_result: Callable | None = None,
+            **apply_options: Any) -> Callable:
     """A ``torch.compile`` backend applying ``rules`` (a RuleSet) to each graph.
+
+    Each graph dynamo hands over is copied, its parameters frozen
+    (``freeze_parameters``), the rules applied, and the result compiled by
+    ``compiler``.
 
     Args:
         rules: the RuleSet to apply.
+        compiler: what runs the rewritten graph: ``"python"`` (the GraphModule
+            itself, the default), ``"inductor"`` (Inductor's ``compile_fx``: its
+            kernels after the rules; ``torch._inductor.config`` applies, e.g.
+            ``freezing``), or a backend callable ``(gm, example_inputs) -> callable``.
         check: run the randomized equivalence check on each graph.
         on_result: called with each ``RewriteResult`` (for logging or tests).
         apply_options: passed to ``RuleSet.apply`` (``rtol``, ``atol``, ``trials``,
             ``on_mismatch``...), e.g. looser tolerances for mixed precision.
+
+    Raises:
+        ValueError: ``compiler`` is neither a known name nor callable.
+
+    Example::
+
+        rules = rewrite.load("rules/fusion.rw", "rules/cleanup.rw")
+        fast = torch.compile(model.eval(), backend=rewrite.backend(rules, compiler="inductor"))
     """
+    compile_graph = _compiler(compiler)
 
     def compile_fn(gm: fx.GraphModule, example_inputs: list) -> Callable:
         # Dynamo reads the graph it handed us after we return: work on a copy (of
@@ -83,14 +146,203 @@ def backend(rules: Any, *, check: bool = True, on_result: Callable | None = None
         # only for the final graph, on its first call).
         gm = _LazyGraphModule(gm, copy.deepcopy(gm.graph))
         kept, kept_inputs = freeze_parameters(gm, list(example_inputs))
-        result = rules.apply(gm, example_inputs=tuple(kept_inputs), check=check, **apply_options)
+        # in place on our copy (a failed check puts it back; no second copy)
+        result = rules.apply(gm, example_inputs=tuple(kept_inputs), check=check, **{"inplace": True, **apply_options})
         if on_result is not None:
             on_result(result)
-        rewritten = result.graph_module
+        compiled = compile_graph(result.graph_module, kept_inputs)
 
         def run(*args: Any) -> Any:
-            return rewritten(*[args[i] for i in kept])
+            return compiled(*[args[i] for i in kept])
 
         return run
 
     return compile_fn
+
+
+def _compiler(compiler: Any) -> Callable:
+    if callable(compiler):
+        return compiler
+    if compiler == "python":
+        return lambda gm, inputs: gm
+    if compiler == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx
+    raise ValueError(f"rewrite.backend: unknown compiler {compiler!r}; expected one of {COMPILERS} or a callable "
+                     "(gm, example_inputs) -> callable")
+
+
+# ---------------------------------------------------------------- Inductor custom pass
+
+
+@functools.lru_cache(maxsize=1)
+def _rules_pass_class() -> type:
+    # Importing torch._inductor takes seconds: only when a pass is asked for.
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class RulesPass(CustomGraphPass):
+        """A rule set as an Inductor custom graph pass (``inductor_pass`` builds one).
+
+        Inductor calls it with the ``torch.fx.Graph`` of its post-grad ATen graph and
+        expects the graph mutated in place: the rules are applied to the graph's
+        owning module (a copy, as ``RuleSet.apply`` always works), then the rewritten
+        nodes replace the graph's own (placeholders kept) and the constants the rules
+        created (folded weights) are registered on the owning module, where Inductor
+        reads them as constants.
+
+        ``uuid()`` keys Inductor's FX graph cache: it hashes the rule texts, the
+        schedule and the ``rewrite`` sources, so editing a rule recompiles. A graph
+        Inductor finds in its cache is not passed through the rules again (and
+        ``on_result`` is not called for it).
+        """
+
+        def __init__(self, rules: Any, *, check: bool = False, on_result: Callable | None = None,
+                     **apply_options: Any) -> None:
+            self.rules = rules
+            self.check = check
+            self.on_result = on_result
+            self.apply_options = apply_options
+
+        def __call__(self, graph: fx.Graph) -> None:
+            gm = graph.owning_module
+            if gm is None:
+                raise ValueError("rewrite.inductor_pass: the graph has no owning GraphModule")
+            result = self.rules.apply(gm, check=self.check, **self.apply_options)
+            if self.on_result is not None:
+                self.on_result(result)
+            if result.counts:
+                _transplant(result.graph_module, gm)
+                _decompose_for_inductor(gm)
+
+        def uuid(self) -> Any:
+            digest = hashlib.sha256(_sources_hash().encode())
+            digest.update(repr(self.rules.schedule).encode())
+            for name in sorted(self.rules.rules):
+                digest.update(format_rule(self.rules.rules[name].rule).encode())
+            digest.update(repr((self.check, sorted(self.apply_options.items()))).encode())
+            return digest.hexdigest()
+
+    return RulesPass
+
+
+def inductor_pass(rules: Any, *, check: bool = False, on_result: Callable | None = None,
+                  **apply_options: Any) -> Any:
+    """``rules`` as an Inductor custom pass on its post-grad ATen graph.
+
+    Args:
+        rules: the RuleSet to apply.
+        check: run the randomized equivalence check (off by default: the graph is
+            being compiled, each check runs it; verify rule sets with
+            ``rules.verify()`` or ``rewrite check`` instead).
+        on_result: called with each ``RewriteResult`` (counts, per-rule stats).
+        apply_options: passed to ``RuleSet.apply``.
+
+    Returns:
+        A ``torch._inductor.custom_graph_pass.CustomGraphPass``; assign it to
+        ``torch._inductor.config.post_grad_custom_pre_pass`` (before Inductor's
+        own post-grad passes) or ``post_grad_custom_post_pass`` (after them).
+
+    Example::
+
+        with torch._inductor.config.patch(post_grad_custom_pre_pass=rewrite.inductor_pass(rules)):
+            torch.compile(model)(x)
+    """
+    return _rules_pass_class()(rules, check=check, on_result=on_result, **apply_options)
+
+
+def _transplant(source: fx.GraphModule, target: fx.GraphModule) -> None:
+    """Make ``target``'s graph compute what ``source``'s does, in place: the same
+    placeholders, ``source``'s other nodes, and ``source``'s constants that
+    ``target`` lacks registered on it."""
+    graph = target.graph
+    for node in source.graph.find_nodes(op="get_attr"):
+        if not _has_attr(target, node.target):
+            owner_name, _, attr = node.target.rpartition(".")
+            owner = target.get_submodule(owner_name) if owner_name else target
+            owner.register_buffer(attr, _fetch(source, node.target))
+    for node in source.graph.find_nodes(op="call_module"):
+        if not _has_attr(target, node.target):
+            target.add_submodule(node.target, source.get_submodule(node.target))
+    old = [n for n in graph.nodes if n.op == "placeholder"]
+    new = [n for n in source.graph.nodes if n.op == "placeholder"]
+    for node in reversed(list(graph.nodes)):
+        if node.op != "placeholder":
+            graph.erase_node(node)
+    value, output = graph.graph_copy(source.graph, dict(zip(new, old)), return_output_node=True)
+    graph.output(value, output.type).meta.update(output.meta)
+    graph.lint()
+    target.recompile()
+
+
+def _decompose_for_inductor(gm: fx.GraphModule) -> None:
+    """Inductor lowers its post-grad graph op by op and has no lowering for the ops
+    it decomposes (``aten.silu`` is ``x * sigmoid(x)`` there). Replace each such op a
+    rule created by its decomposition, traced as Inductor traces its own pattern
+    replacements (``fwd_only``) on the nodes' FakeTensor values."""
+    from torch._guards import detect_fake_mode
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.lowering import lowerings
+    from torch._inductor.pattern_matcher import fwd_only
+
+    table = select_decomp_table()
+    graph = gm.graph
+    todo = [n for n in graph.nodes if n.op == "call_function" and n.target in table and n.target not in lowerings]
+    if not todo:
+        return
+    for node in todo:
+        inputs = node.all_input_nodes
+        fake_mode = detect_fake_mode([n.meta.get("val") for n in inputs])
+        values = [_fake_value(gm, n, fake_mode) for n in inputs]
+        if fake_mode is None or any(v is None for v in values):
+            raise ValueError(f"rewrite.inductor_pass: Inductor cannot lower {node.target} (node {node.name}) and "
+                             "its inputs carry no meta['val'] to decompose it with")
+
+        def call(*tensors: Any, node: fx.Node = node, inputs: list = inputs) -> Any:
+            env = dict(zip(inputs, tensors))
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+            return node.target(*args, **kwargs)
+
+        with fake_mode:
+            decomposed = fwd_only(call, values)
+        placeholders = [n for n in decomposed.graph.nodes if n.op == "placeholder"]
+        with graph.inserting_before(node):
+            value = graph.graph_copy(decomposed.graph, dict(zip(placeholders, inputs)))
+        node.replace_all_uses_with(value)
+        graph.erase_node(node)
+    graph.eliminate_dead_code()
+    graph.lint()
+    gm.recompile()
+
+
+def _fake_value(gm: fx.GraphModule, node: fx.Node, fake_mode: Any) -> Any:
+    val = node.meta.get("val")
+    if val is None and node.op == "get_attr" and fake_mode is not None:
+        return fake_mode.from_tensor(_fetch(gm, node.target), static_shapes=True)
+    return val
+
+
+def _has_attr(gm: fx.GraphModule, qualname: str) -> bool:
+    try:
+        _fetch(gm, qualname)
+    except AttributeError:
+        return False
+    return True
+
+
+def _fetch(gm: fx.GraphModule, qualname: str) -> Any:
+    obj: Any = gm
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@functools.lru_cache(maxsize=1)
+def _sources_hash() -> str:
+    """A hash of the ``rewrite`` package's Python sources (the engine and the
+    registered functions a rule set runs)."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
