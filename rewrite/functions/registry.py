@@ -127,7 +127,8 @@ def function_names(kind: str | None = None) -> list:
 
 
 #: Modules whose import registers built-in functions; one line per library area.
-_BUILTIN_MODULES = ("rewrite.functions.builtins", "rewrite.functions.amp", "rewrite.functions.quant")
+_BUILTIN_MODULES = ("rewrite.functions.builtins", "rewrite.functions.amp", "rewrite.functions.quant",
+                    "rewrite.functions.qat")
 
 
 _builtins_loaded = False

@@ -1,0 +1,346 @@
+"""Quantization-aware training, built from rule files.
+
+    import rewrite.qat as rqat            # also rewrite.quant.prepare_qat / convert_qat
+
+    qat = rqat.prepare_qat(model, (x,))           # rules/quant/qat.rw: fake quantizers, QAT layers
+    opt = torch.optim.SGD(qat.parameters(), lr=1e-3)
+    for x, y in batches:                          # ordinary training: qat is a GraphModule
+        loss = F.cross_entropy(qat(x), y)         # in train mode; gradients pass the
+        opt.zero_grad(); loss.backward(); opt.step()   # fake quantizers (straight-through)
+    int8 = rqat.convert(qat)                      # the same int8 kernels as rewrite.quant.convert
+
+``prepare_qat`` captures the model (``symbolic_trace`` or ``torch.export``), runs a
+ruleset of ``rules/quant/qat.rw`` on it and returns the result in training mode:
+
+* activation fake quantizers (torch's ``FakeQuantize``) where ``rules/quant/observe.rw``
+  puts observers, after the activation an int8 kernel fuses and after the batch
+  norm of a conv;
+* each quantized conv or linear replaced by a module that holds its weight as a
+  trainable parameter and fake-quantizes it on every call (8 bits, ruleset ``main``;
+  4 bits, ruleset ``w4``; per channel, symmetric). A conv and the batch norm after
+  it become one module that simulates the fold as torch.ao's ``ConvBn2d`` does: the
+  batch norm is NOT folded into constants (it keeps training on batch statistics);
+  its running statistics scale the weight that is fake-quantized, so in eval mode
+  the module computes exactly the folded conv the int8 model runs.
+
+The fake quantizers' ranges are initialised from the example inputs (or the
+``calibration`` batches) with batch norms in eval mode, as PTQ would calibrate.
+In training mode the activation ranges follow a moving average; in eval mode they
+stay fixed. The weight ranges are always those of the current weight.
+
+``convert`` does what a rule cannot, reading module state: each QAT layer becomes
+``conv(x, dequantize(w_int8), b)`` with the weight rounded as its fake quantizer
+rounds it (batch norm folded with its running statistics), and each activation fake
+quantizer an observer frozen at its scale and zero point. ``rewrite.quant.convert``
+then applies ``rules/quant/convert.rw`` and ``lower.rw``: the same int8 kernels,
+the same checks (int8 vs its QDQ reference by SQNR), the same coverage report.
+Weights of fewer than 8 bits are stored in int8 kernels using 2**bits levels.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Iterable
+
+import torch
+import torch.fx as fx
+from torch.ao.quantization.observer import ObserverBase
+
+from rewrite.flows import quant as ptq
+from rewrite.functions.qat import QATLayer, is_fake_quant_node, is_qat_layer_node
+
+__all__ = [
+    "prepare_qat", "calibrate", "convert", "qat_rules", "fake_quant_nodes", "qat_layers",
+    "FrozenObserver", "QATError",
+]
+
+_META = "rewrite.qat"
+
+
+class QATError(RuntimeError):
+    """The QAT flow cannot proceed (bad arguments, a model without fake quantizers)."""
+
+
+def qat_rules(ruleset: str | None = None) -> Any:
+    """The shipped ``rules/quant/qat.rw``, or one of its rulesets (``"main"``: 8-bit
+    weights, ``"w4"``: 4-bit weights)."""
+    return ptq.quant_rules("qat", ruleset)
+
+
+def fake_quant_nodes(gm: fx.GraphModule) -> list:
+    """The ``call_module`` nodes of activation fake quantizers, in graph order."""
+    return [n for n in gm.graph.nodes if is_fake_quant_node(n, gm)]
+
+
+def qat_layers(gm: fx.GraphModule) -> list:
+    """The ``call_module`` nodes of QAT convs and linears (``QATLayer``), in graph order."""
+    return [n for n in gm.graph.nodes if is_qat_layer_node(n, gm)]
+
+
+def _fq_config(mod: Any) -> tuple:
+    obs = mod.activation_post_process
+    return (type(mod), type(obs), mod.dtype, mod.qscheme, mod.quant_min, mod.quant_max)
+
+
+def _merge_fake_quants(gm: fx.GraphModule) -> int:
+    """One fake quantizer per tensor: the input rules insert one per consumer, so a
+    fake quantizer of the same value (or of a fake quantizer's output) with the same
+    configuration as an earlier one is replaced by it. Returns how many were merged."""
+    merged = 0
+    first: dict = {}
+    for node in list(gm.graph.nodes):
+        if not is_fake_quant_node(node, gm):
+            continue
+        config = _fq_config(gm.get_submodule(node.target))
+        src = node.args[0]
+        if is_fake_quant_node(src, gm) and _fq_config(gm.get_submodule(src.target)) == config:
+            keep = src
+        else:
+            keep = first.get((src, config))
+        if keep is None:
+            first[(src, config)] = node
+            continue
+        node.replace_all_uses_with(keep)
+        gm.graph.erase_node(node)
+        merged += 1
+    if merged:
+        gm.delete_all_unused_submodules()
+        gm.graph.lint()
+        gm.recompile()
+    return merged
+
+
+def _capture(model: Any, args: tuple, capture: str) -> fx.GraphModule:
+    from rewrite.capture import capture as capture_at
+
+    if capture not in ("fx", "export"):
+        raise ValueError(f"capture must be 'fx' or 'export', got {capture!r}")
+    if isinstance(model, fx.GraphModule):
+        gm = copy.deepcopy(model)
+    elif isinstance(model, torch.nn.Module):
+        # a copy in eval mode: batch norms are captured with their running statistics,
+        # and the caller's model keeps its mode (the input is never modified)
+        gm = capture_at(copy.deepcopy(model).eval(), args, capture)
+    else:
+        raise TypeError(f"prepare_qat takes an nn.Module or a GraphModule, got {type(model).__name__}")
+    _allow_train_eval(gm)
+    return gm
+
+
+def _allow_train_eval(gm: fx.GraphModule) -> None:
+    """``torch.export``'s module refuses ``train()`` / ``eval()``; a QAT model needs
+    both (batch norms and fake quantizers behave differently in each)."""
+    for name in ("train", "eval"):
+        if name in vars(gm):
+            delattr(gm, name)
+
+
+def _drop_unused_attributes(gm: fx.GraphModule) -> None:
+    """Erase ``get_attr`` nodes nothing reads (the weights of a layer the rules
+    replaced) and the submodules no node uses: the QAT model's parameters are the
+    ones it trains."""
+    for node in list(gm.graph.nodes):
+        if node.op == "get_attr" and not node.users:
+            gm.graph.erase_node(node)
+    gm.delete_all_unused_submodules()
+    used = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    for name, _ in list(gm.named_parameters(recurse=False)) + list(gm.named_buffers(recurse=False)):
+        if name not in used:
+            delattr(gm, name)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def prepare_qat(
+    model: Any,
+    example_inputs: Any,
+    *,
+    ruleset: str = "main",
+    rules: Any = None,
+    backend: str = "x86",
+    capture: str = "fx",
+    calibration: Iterable | None = None,
+    check: bool = False,
+) -> fx.GraphModule:
+    """Capture ``model`` and make it trainable with simulated quantization.
+
+    Args:
+        model: an ``nn.Module`` (captured with ``capture``; not modified) or a
+            ``GraphModule`` (from ``torch.fx.symbolic_trace`` or
+            ``torch.export.export(...).module()``; copied).
+        example_inputs: a tuple of inputs (or one tensor).
+        ruleset: which ruleset of the rule file: ``"main"`` (8-bit weights and
+            activations) or ``"w4"`` (4-bit weights, 8-bit activations).
+        rules: your own rule file (path or RuleSet) instead of ``rules/quant/qat.rw``:
+            the policy (layers to skip, bit widths, per-tensor weights, observer kind).
+        backend: the int8 engine ``convert`` will use (``rewrite.quant.BACKENDS``).
+        capture: ``"fx"`` (symbolic_trace) or ``"export"`` (``torch.export``, non-strict).
+        calibration: batches that initialise the fake quantizers' ranges (default:
+            the example inputs), run with batch norms in eval mode.
+        check: run the rewrite's equivalence check (every QAT rule is an intentional
+            change, so it compares little; off by default).
+
+    Returns:
+        A GraphModule in training mode: fake quantizers (``fake_quant_nodes``) and
+        QAT convs / linears (``qat_layers``) whose parameters are new tensors (the
+        model's are copied), trainable with any optimizer. Its
+        ``meta["rewrite.qat"]`` records the backend, ruleset, example inputs and
+        rule counts for ``convert``.
+    """
+    import rewrite
+
+    if backend not in ptq.BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {ptq.BACKENDS}")
+    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    loaded = qat_rules() if rules is None else rules if hasattr(rules, "sets") else rewrite.load(rules)
+    if ruleset not in loaded.sets:
+        raise ValueError(f"no ruleset {ruleset!r} in the QAT rules; they have {sorted(loaded.sets)}")
+    gm = _capture(model, args, capture)
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    with torch.no_grad():
+        ShapeProp(gm).propagate(*args)
+    result = loaded[ruleset].apply(gm, args, check=check, trials=1)
+    qat = result.graph_module
+    _allow_train_eval(qat)
+    _drop_unused_attributes(qat)
+    merged = _merge_fake_quants(qat)
+    if not fake_quant_nodes(qat):
+        raise QATError("the QAT rules inserted no fake quantizer: the model has no conv, linear, add, "
+                       "mul, cat or matmul they quantize")
+    for p in qat.parameters():
+        p.requires_grad_(True)
+    qat.meta[_META] = {"backend": backend, "ruleset": ruleset, "example_inputs": args,
+                       "counts": dict(result.counts), "merged": merged}
+    calibrate(qat, [args] if calibration is None else calibration)
+    qat.train()
+    return qat
+
+
+def calibrate(qat: fx.GraphModule, batches: Iterable) -> int:
+    """Set the fake quantizers' ranges from ``batches`` (each a tensor or a tuple
+    of inputs) as PTQ calibrates: batch norms in eval mode (their statistics
+    unchanged), fake quantizers observing, no gradients. The model's mode is
+    restored. Returns the number of batches."""
+    modes = {m: m.training for m in qat.modules()}
+    qat.eval()
+    for node in fake_quant_nodes(qat):
+        mod = qat.get_submodule(node.target)
+        mod.train()
+        mod.activation_post_process.reset_min_max_vals()
+    n = 0
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                qat(*(tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)))
+                n += 1
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+    return n
+
+
+class FrozenObserver(ObserverBase):
+    """An observer that has already decided: it returns its input and reports the
+    scale and zero point a trained fake quantizer ended with. ``convert`` puts one
+    where each activation fake quantizer was, for ``rewrite.quant.convert``."""
+
+    def __init__(self, scale: float, zero_point: int, dtype: Any, quant_min: int, quant_max: int) -> None:
+        super().__init__(dtype=dtype)
+        self.qscheme = torch.per_tensor_affine
+        self.quant_min, self.quant_max = int(quant_min), int(quant_max)
+        self.register_buffer("scale", torch.tensor([float(scale)]))
+        self.register_buffer("zero_point", torch.tensor([int(zero_point)]))
+        # the range these parameters represent (finite: "this observer saw data")
+        self.register_buffer("min_val", torch.tensor((quant_min - zero_point) * float(scale)))
+        self.register_buffer("max_val", torch.tensor((quant_max - zero_point) * float(scale)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @torch.jit.export
+    def calculate_qparams(self) -> tuple:
+        return self.scale.clone(), self.zero_point.clone()
+
+    def extra_repr(self) -> str:
+        return f"scale={float(self.scale):.6g}, zero_point={int(self.zero_point)}"
+
+
+def _freeze_layer(gm: fx.GraphModule, node: fx.Node, aten: bool) -> None:
+    """``QATLayer`` call -> ``conv(x, dequantize(w_int8), b)`` / ``linear(...)``."""
+    mod: QATLayer = gm.get_submodule(node.target)
+    q, bias = mod.frozen()
+    base = str(node.target).replace(".", "_")
+    wname, bname = f"{base}_weight_int8", f"{base}_bias"
+    gm.register_buffer(wname, q)
+    if bias is not None:
+        gm.register_buffer(bname, bias)
+    deq = torch.ops.aten.dequantize.self if aten else torch.dequantize
+    with gm.graph.inserting_before(node):
+        w = gm.graph.get_attr(wname)
+        wd = gm.graph.call_function(deq, (w,))
+        b = gm.graph.get_attr(bname) if bias is not None else None
+        if mod.kind == "conv":
+            target = getattr(torch.ops.aten, f"conv{mod.rank}d").default if aten else getattr(torch, f"conv{mod.rank}d")
+            padding = mod.padding
+            if isinstance(padding, str) and aten:
+                target = getattr(torch.ops.aten, f"conv{mod.rank}d").padding
+            new = gm.graph.call_function(target, (node.args[0], wd, b, _listed(mod.stride, aten, mod.rank),
+                                                  _listed(padding, aten, mod.rank), _listed(mod.dilation, aten, mod.rank), mod.groups))
+        else:
+            target = torch.ops.aten.linear.default if aten else torch.nn.functional.linear
+            new = gm.graph.call_function(target, (node.args[0], wd, b))
+    new.meta.update({k: v for k, v in node.meta.items() if k != "rewrite_facts"})
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+
+
+def _listed(value: Any, aten: bool, rank: int) -> Any:
+    """A conv's stride / padding / dilation as the op takes it: aten wants one int
+    per spatial dim in a list."""
+    if not aten or isinstance(value, str):
+        return value
+    if isinstance(value, int):
+        return [value] * rank
+    return list(value) if len(value) == rank else list(value) * rank
+
+
+def convert(qat: fx.GraphModule, **options: Any) -> Any:
+    """Turn a trained QAT model into an int8 model with ``rewrite.quant.convert``.
+
+    Args:
+        qat: what ``prepare_qat`` returned, trained (not modified).
+        options: passed to ``rewrite.quant.convert`` (``lower=False`` for the
+            reference QDQ model, ``check``, ``min_qdq_sqnr``, ``reference``...).
+
+    Returns:
+        What ``rewrite.quant.convert`` returns: the GraphModule running the same
+        ``torch.ops.quantized`` kernels as a PTQ model, its
+        ``meta["rewrite.quant"]`` with the quantization points, rule counts and
+        coverage. Its outputs match ``qat.eval()``'s within int8 kernel rounding.
+    """
+    from rewrite.ops import detect_dialect
+
+    state = qat.meta.get(_META)
+    if state is None:
+        raise QATError("convert takes the GraphModule prepare_qat returned (it has no QAT metadata)")
+    gm = copy.deepcopy(qat)
+    _allow_train_eval(gm)
+    gm.eval()
+    gm.requires_grad_(False)
+    aten = detect_dialect(gm) == "aten"
+    for node in qat_layers(gm):
+        _freeze_layer(gm, node, aten)
+    for node in fake_quant_nodes(gm):
+        fq = gm.get_submodule(node.target)
+        scale, zp = fq.scale, fq.zero_point
+        frozen = FrozenObserver(float(scale.reshape(-1)[0]), int(zp.reshape(-1)[0]), fq.dtype,
+                                fq.quant_min, fq.quant_max)
+        parent, _, leaf = str(node.target).rpartition(".")
+        setattr(gm.get_submodule(parent) if parent else gm, leaf, frozen)
+    gm.delete_all_unused_submodules()
+    gm.graph.lint()
+    gm.recompile()
+    gm.meta["rewrite.quant"] = {  # what rewrite.quant.prepare records for its convert
+        "backend": state["backend"], "ruleset": state["ruleset"], "example_inputs": state["example_inputs"]}
+    return ptq.convert(gm, **options)
