@@ -992,15 +992,16 @@ def _unexportable(gm: fx.GraphModule) -> tuple | None:
     an int8 kernel module holding torch's packed weights (a ScriptObject export
     cannot flatten), or an op on a quantized (quint8/qint8) tensor, which has no
     meta kernel."""
-    for node in gm.graph.nodes:
+    for node in gm.graph.nodes:  # the int8 kernels first: the reason the int8 form cannot export
         if node.op == "call_module":
             try:
                 mod = gm.get_submodule(node.target)
             except AttributeError:
                 continue
             if isinstance(mod, QuantizedModule):
-                packed = " with packed weights" if any(k == "_packed" for k in vars(mod)) else ""
+                packed = " with packed weights" if "_packed" in vars(mod) else ""
                 return node, f"calls torch.ops.quantized.{mod.op_name}{packed}"
+    for node in gm.graph.nodes:
         if node.op == "get_attr":
             try:
                 value = _attr(gm, str(node.target))
@@ -1131,6 +1132,10 @@ def add_quantize_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParse
     p.add_argument("--no-check", action="store_true",
                    help="skip the equivalence checks (fused and observed vs float, int8 vs QDQ)")
     p.add_argument("--save", help="torch.save the int8 GraphModule here")
+    p.add_argument("--pt2", metavar="PATH", help="also convert to the QDQ form and save its torch.export program here")
+    p.add_argument("--onnx", metavar="PATH",
+                   help="also convert to the QDQ form, export it to ONNX here (QuantizeLinear/DequantizeLinear) "
+                        "and run it in onnxruntime on the held-out batches (needs the onnx extra)")
     return p
 
 
@@ -1162,7 +1167,41 @@ def quantize_command(args: argparse.Namespace) -> int:
     if args.save:
         save(int8, args.save)
         print(f"saved the int8 GraphModule to {args.save}")
+    if args.pt2 or args.onnx:
+        try:
+            _export_command(args, observed, int8, inputs, held)
+        except QuantizationError as err:
+            print(f"rewrite: error: {err}", file=sys.stderr)
+            return 1
     return 0
+
+
+def _export_command(args: argparse.Namespace, observed: fx.GraphModule, int8: fx.GraphModule,
+                    inputs: tuple, held: list) -> None:
+    """``--pt2`` / ``--onnx``: the QDQ form of the same calibration, exported; its
+    SQNR against the int8 kernels and, for ONNX, onnxruntime's against eager."""
+    if args.onnx:
+        _require_onnx()
+    qdq = convert(observed, form="qdq", check=not args.no_check)
+    with torch.no_grad():
+        pairs = [p for b in held for p in _float_pairs(int8(*_as_args(b)), qdq(*_as_args(b)))]
+    db = min((sqnr(r, o) for r, o in pairs), default=math.inf)
+    print(f"\nQDQ form: {qdq.meta[_META]['coverage'].summary}; vs the int8 kernels: SQNR {db:.1f} dB")
+    if args.pt2:
+        export(qdq, inputs, args.pt2)
+        print(f"saved the QDQ form's torch.export program to {args.pt2}")
+    if args.onnx:
+        import onnx
+
+        export_onnx(qdq, inputs, args.onnx)
+        ops = [n.op_type for n in onnx.load(args.onnx).graph.node]
+        with torch.no_grad():
+            ort = [sqnr(r, o) for b in held for r, o in zip(
+                [t for t in pytree.tree_leaves(qdq(*_as_args(b))) if isinstance(t, torch.Tensor)],
+                run_onnx(args.onnx, b))]
+        print(f"saved ONNX to {args.onnx}: {ops.count('QuantizeLinear')} QuantizeLinear, "
+              f"{ops.count('DequantizeLinear')} DequantizeLinear; onnxruntime vs eager QDQ: "
+              f"SQNR {min(ort, default=math.inf):.1f} dB")
 
 
 def _main(argv: Sequence[str] | None = None) -> int:  # python -m rewrite.quant
@@ -1174,6 +1213,19 @@ def _main(argv: Sequence[str] | None = None) -> int:  # python -m rewrite.quant
     except ModelSpecError as err:
         print(f"rewrite: error: {err}", file=sys.stderr)
         return 2
+
+
+#: Quantization-aware training lives in ``rewrite.qat`` (rewrite/flows/qat.py), which
+#: imports this module; these names are lazy attributes resolved on first use.
+_QAT_NAMES = {"prepare_qat": "prepare_qat", "convert_qat": "convert", "calibrate_qat": "calibrate"}
+
+
+def __getattr__(name: str) -> Any:  # rewrite.quant.prepare_qat -> rewrite.qat.prepare_qat
+    if name in _QAT_NAMES:
+        import importlib
+
+        return getattr(importlib.import_module("rewrite.flows.qat"), _QAT_NAMES[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if __name__ == "__main__":
