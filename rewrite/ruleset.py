@@ -25,9 +25,8 @@ import torch
 import torch.fx as fx
 
 from rewrite.engine.compile import compile_rule
-from rewrite.engine.driver import Driver
-from rewrite.engine.facts import NEW_NODE_KEY
-from rewrite.engine.workspace import check_touched, gc_paused, working_copy
+from rewrite.engine.driver import Driver, Schedule
+from rewrite.engine.workspace import Journal, check_touched, gc_paused, shared_copy
 from rewrite.language import Program, ast, load_program, load_program_text
 from rewrite.ops import detect_dialect
 
@@ -91,10 +90,28 @@ class RewriteResult:
     rejected: tuple = ()
     copy_seconds: float = 0.0
     changes: tuple = ()
+    original: Any = attrs.field(default=None, repr=False, eq=False)  # the input graph, for report()
+    example_inputs: Any = attrs.field(default=None, repr=False, eq=False)
 
     @property
     def changed(self) -> bool:
         return bool(self.counts)
+
+    def report(self, example_inputs: tuple | None = None) -> Any:
+        """Original vs rewritten: nodes, FLOPs, elementwise ops, bytes, parameters,
+        peak activation memory, casts and int8 ops (``rewrite.analysis.compare``).
+
+        Both graphs are run once on ``example_inputs`` (default: those given to
+        ``apply``, else made from placeholder metadata). ``print(result.report())``
+        shows the table; ``.to_dict()`` gives plain data.
+        """
+        from rewrite.analysis import analyze, compare
+
+        if self.original is None or self.original is self.graph_module:
+            raise ValueError("report() needs the original graph, which apply(..., inplace=True) rewrote: "
+                             "analyze a copy before rewriting (rewrite.analysis.analyze)")
+        inputs = example_inputs if example_inputs is not None else self.example_inputs
+        return compare(analyze(self.original, inputs), analyze(self.graph_module, inputs), self.counts)
 
     def summary(self) -> str:
         """A table of per-rule counts and the equivalence verdict."""
@@ -118,10 +135,11 @@ class RewriteResult:
         return "\n".join(lines)
 
 
-def _schedule_tuple(s: Any) -> Any:
+def _schedule_of(s: Any) -> Any:
+    """A parsed schedule as the driver's ``Schedule`` record (references stay names)."""
     if isinstance(s, ast.ScheduleRef):
         return s.name
-    return (s.kind, tuple(_schedule_tuple(i) for i in s.items))
+    return Schedule(s.kind, tuple(_schedule_of(i) for i in s.items))
 
 
 class RuleSet:
@@ -129,7 +147,7 @@ class RuleSet:
 
     def __init__(self, rules: dict, sets: dict, schedule: Any, name: str = "") -> None:
         self.rules = rules  # name -> CompiledRule
-        self.sets = sets  # ruleset name -> schedule tuple
+        self.sets = sets  # ruleset name -> Schedule
         self.schedule = schedule
         self.name = name
 
@@ -137,8 +155,8 @@ class RuleSet:
     def from_program(cls, program: Program, name: str = "") -> "RuleSet":
         families = dict(program.families)
         rules = {r.name: compile_rule(r, i, families) for i, r in enumerate(program.rules)}
-        sets = {n: _schedule_tuple(s) for n, s in program.rulesets.items()}
-        schedule = sets["main"] if "main" in sets else ("fixpoint", tuple(rules))
+        sets = {n: _schedule_of(s) for n, s in program.rulesets.items()}
+        schedule = sets["main"] if "main" in sets else Schedule("fixpoint", tuple(rules))
         return cls(rules, sets, schedule, name)
 
     def __repr__(self) -> str:
@@ -155,7 +173,7 @@ class RuleSet:
         if name in self.sets:
             return RuleSet(self.rules, self.sets, self.sets[name], name)
         if name in self.rules:
-            return RuleSet(self.rules, self.sets, ("fixpoint", (name,)), name)
+            return RuleSet(self.rules, self.sets, Schedule("fixpoint", (name,)), name)
         raise KeyError(f"no rule or ruleset named {name!r}; have {sorted(self.sets) + sorted(self.rules)}")
 
     def only(self, rule: Any) -> "RuleSet":
@@ -164,7 +182,7 @@ class RuleSet:
         replaces the rule of that name)."""
         if isinstance(rule, str):
             return self[rule]
-        return RuleSet({**self.rules, rule.name: rule}, self.sets, ("fixpoint", (rule.name,)), rule.name)
+        return RuleSet({**self.rules, rule.name: rule}, self.sets, Schedule("fixpoint", (rule.name,)), rule.name)
 
     def __add__(self, other: "RuleSet") -> "RuleSet":
         """Run ``self`` then ``other``."""
@@ -174,7 +192,7 @@ class RuleSet:
                 raise ValueError(f"both rule sets define a different rule named {name!r}")
             rules[name] = rule
         sets = {**self.sets, **other.sets}
-        return RuleSet(rules, sets, ("seq", (self.schedule, other.schedule)), f"{self.name}+{other.name}")
+        return RuleSet(rules, sets, Schedule("seq", (self.schedule, other.schedule)), f"{self.name}+{other.name}")
 
     def _resolve(self, name: str) -> Any:
         if name in self.rules:
@@ -193,8 +211,9 @@ class RuleSet:
         max_rewrites: int | None = None,
         on_mismatch: str = "raise",
         shuffle_seed: int | None = None,
+        inplace: bool = False,
     ) -> RewriteResult:
-        """Apply the rule set to a copy of ``model``.
+        """Apply the rule set to a copy of ``model`` (or to ``model`` itself).
 
         Args:
             model: a ``torch.fx.GraphModule`` (from symbolic_trace, torch.export's
@@ -205,7 +224,8 @@ class RuleSet:
             example_inputs: inputs to the model; used for shape facts (when the
                 graph has no ``meta['val']``) and for the equivalence check.
             check: compare original and rewritten outputs on random inputs shaped
-                like ``example_inputs`` (trial 0 uses them as given).
+                like ``example_inputs`` (trial 0 uses them as given). The original
+                runs once per trial; bisection and re-runs reuse its outputs.
             trials, rtol, atol: passed to the check (tolerances default by dtype).
             max_rewrites: bound on rewrites before ``NonTerminationError``.
             on_mismatch: when the check fails, the first rewrite that broke it is
@@ -215,6 +235,14 @@ class RuleSet:
                 ``result.rejected``.
             shuffle_seed: visit the worklist in a random order (seeded), to find
                 rule sets whose result depends on the order.
+            inplace: rewrite ``model`` itself (a ``GraphModule``) and return it as
+                ``result.graph_module``. Every change is journaled: a failed check,
+                a ``skip-rule`` rollback, a bisection step or an exception puts the
+                module back exactly as it was (graph, node metadata, parameters,
+                buffers, submodules) before the error propagates. The default
+                (False) never modifies ``model``: the result is a copy of its graph
+                that shares its parameters and buffers (no rule writes a tensor:
+                a rule that changes a constant makes a new one).
 
         Returns:
             RewriteResult with ``graph_module`` and ``counts``.
@@ -231,12 +259,25 @@ class RuleSet:
         if on_mismatch not in ("raise", "skip-rule"):
             raise ValueError(f"on_mismatch must be 'raise' or 'skip-rule', not {on_mismatch!r}")
         if isinstance(model, torch.export.ExportedProgram):
+            if inplace:
+                raise ValueError("inplace=True needs a GraphModule, not an ExportedProgram: pass ep.module()")
             model = model.module()  # the module it runs as; the result is a GraphModule too
+        if inplace and not isinstance(model, fx.GraphModule):
+            raise ValueError(f"inplace=True needs a torch.fx.GraphModule, not {type(model).__name__}")
         original = model if isinstance(model, fx.GraphModule) else fx.symbolic_trace(model)
         self._warn_hidden(original)
         example_inputs = tuple(example_inputs) if example_inputs is not None else None
-        txn = _Transaction(self, original, example_inputs, max_rewrites, shuffle_seed)
+        txn = _Transaction(self, original, example_inputs, max_rewrites, shuffle_seed, inplace)
         txn.full_lint = check
+        try:
+            return self._apply(txn, model, original, example_inputs, check, trials, rtol, atol, on_mismatch)
+        except BaseException:
+            txn.rollback()  # in place: the module as it was; a copy: nothing to do
+            raise
+
+    def _apply(self, txn: "_Transaction", model: Any, original: fx.GraphModule, example_inputs: tuple | None,
+               check: bool, trials: int, rtol: float | None, atol: float | None,
+               on_mismatch: str) -> RewriteResult:
         gm, driver = txn.run()
         seconds, copy_seconds = txn.seconds, txn.copy_seconds
         report, rejected = None, []
@@ -244,15 +285,25 @@ class RuleSet:
             warnings.warn(
                 "rewrite: the equivalence check was skipped: pass example_inputs "
                 "(the graph records no input shapes)",
-                stacklevel=2,
+                stacklevel=3,
             )
         elif check and set(driver.counts) - self._changes():
-            from rewrite.trust.check import check_equivalence
+            from rewrite.trust.check import Reference, check_equivalence
 
             kind = self._tolerance_of(driver.counts)
             # Intentional changes (``change=True``) are not checked: the rewrite is
             # compared with the model after those rules alone.
-            reference = model if not set(driver.counts) & self._changes() else self._changed(original)
+            changes = set(driver.counts) & self._changes()
+            if txn.inplace:
+                # the model is the rewrite now: back to the original to run it once
+                # per trial, then the (deterministic) rewrite again
+                txn.restore()
+                base = original if not changes else self._changed(original)
+                reference = Reference(base, example_inputs, graph=original).prepare(trials)
+                gm, driver = txn.run()
+            else:
+                base = model if not changes else self._changed(original)
+                reference = Reference(base, example_inputs, graph=original)
 
             def verdict(candidate: fx.GraphModule) -> Any:
                 return check_equivalence(reference, candidate, example_inputs, trials=trials, rtol=rtol,
@@ -264,15 +315,16 @@ class RuleSet:
                 if on_mismatch == "raise" or culprit is None or len(rejected) >= _MAX_REJECTIONS:
                     raise EquivalenceError(report, dict(driver.counts), culprit, kind)
                 rejected.append(culprit)
-                warnings.warn(f"rewrite: rolled back {culprit}", stacklevel=2)
+                warnings.warn(f"rewrite: rolled back {culprit}", stacklevel=3)
                 txn.skip.add((culprit.rule, culprit.node))
                 gm, driver = txn.run()
                 report = verdict(gm) if driver.counts else None
                 if report is None:
                     break
+        txn.commit()
         changes = tuple(sorted(set(driver.counts) & self._changes()))
         return RewriteResult(gm, dict(driver.counts), dict(driver.stats), report, seconds, tuple(rejected),
-                             copy_seconds, changes)
+                             copy_seconds, changes, original=original, example_inputs=example_inputs)
 
     def scheduled_rules(self) -> tuple:
         """The names of the rules this set's schedule runs, in first-seen order."""
@@ -285,7 +337,7 @@ class RuleSet:
                 elif item in self.sets:
                     walk(self.sets[item])
             else:
-                for child in item[1]:
+                for child in item.items:
                     walk(child)
 
         walk(self.schedule)
@@ -308,7 +360,7 @@ class RuleSet:
         """The model with only the intentional changes applied: what the whole
         rewrite must stay equivalent to."""
         names = tuple(sorted(self._changes()))
-        only = RuleSet(self.rules, {}, ("fixpoint", names), f"{self.name}:changes")
+        only = RuleSet(self.rules, {}, Schedule("fixpoint", names), f"{self.name}:changes")
         return only.apply(original, check=False).graph_module
 
     def _tolerance_of(self, counts: dict) -> str:
@@ -378,48 +430,94 @@ class Rejection:
 
 
 class _Transaction:
-    """Replays a rewrite on fresh copies: in full, or stopped after k applications,
-    or with some applications skipped. The driver is deterministic, so the first k
-    applications of a replay are those of the full run."""
+    """The rewrite of one module, replayable: in full, stopped after k applications,
+    or with some applications skipped. Every replay starts from the module as given,
+    put back by the undo journal (``rewrite.engine.workspace.Journal``); the driver
+    is deterministic, so the first k applications of a replay are those of the full
+    run. The module is the caller's own (``inplace``) or a copy sharing its tensors
+    (``rewrite.engine.workspace.shared_copy``)."""
 
     def __init__(self, ruleset: "RuleSet", original: fx.GraphModule, example_inputs: Any,
-                 max_rewrites: int | None, shuffle_seed: int | None) -> None:
+                 max_rewrites: int | None, shuffle_seed: int | None, inplace: bool = False) -> None:
         self.ruleset = ruleset
         self.original = original
         self.example_inputs = example_inputs
         self.max_rewrites = max_rewrites
         self.shuffle_seed = shuffle_seed
+        self.inplace = inplace
         self.skip: set = set()
         self.full_lint = True
-        self.seconds = self.copy_seconds = 0.0
-
-    def run(self, limit: int | None = None) -> tuple:
-        """One replay on a fresh working copy (``rewrite.engine.workspace``): its code is
-        generated on first use. ``full_lint`` lints the whole graph; otherwise only
-        the nodes the rewrites created are checked."""
+        self.seconds = 0.0
         with gc_paused():
             start = time.perf_counter()
-            gm = working_copy(self.original)
+            self.gm = original if inplace else shared_copy(original)
             self.copy_seconds = time.perf_counter() - start
+        self._journal: Journal | None = None
+        self._stale = False  # the graph changed since its code was last generated
+        self._done = False
+
+    def run(self, limit: int | None = None, sync: bool = True) -> tuple:
+        """One replay from the module as given. ``full_lint`` lints the whole graph;
+        otherwise only the nodes the rewrites created are checked. ``sync``: make
+        the module's code follow the graph (lazily for copies)."""
+        gm = self.gm
+        with gc_paused():
             start = time.perf_counter()
-            referenced = _referenced_attrs(gm)
-            driver = Driver(gm, detect_dialect(gm), self.max_rewrites, self.example_inputs)
-            driver.limit, driver.skip = limit, set(self.skip)
-            if self.shuffle_seed is not None:
-                driver.shuffle = random.Random(self.shuffle_seed)
-            with torch.no_grad():
-                driver.run(self.ruleset.schedule, self.ruleset._resolve)
-            if driver.counts:
-                _remove_unused(gm, referenced)
-                for node in driver.created:
-                    node.meta.pop(NEW_NODE_KEY, None)
-                if self.full_lint:
-                    gm.graph.lint()
-                else:
-                    check_touched(gm.graph, driver.created)
-                gm.recompile()
+            if self._journal is None:
+                self._journal = Journal(gm)
+            else:
+                self._undo(keep_meta=True)
+            journal = self._journal.open()
+            try:
+                referenced = _referenced_attrs(gm)
+                driver = Driver(gm, detect_dialect(gm), self.max_rewrites, self.example_inputs, limit=limit,
+                                skip=self.skip, on_meta=journal.note_meta,
+                                shuffle=random.Random(self.shuffle_seed) if self.shuffle_seed is not None else None)
+                with torch.no_grad():
+                    driver.run(self.ruleset.schedule, self.ruleset._resolve)
+                if driver.counts:
+                    _remove_unused(gm, referenced)
+                    driver.facts.settle(driver.created)
+                    if self.full_lint:
+                        gm.graph.lint()
+                    else:
+                        check_touched(gm.graph, driver.created)
+            finally:
+                journal.close()
+            self._stale |= journal.changed
+            if sync:
+                self.sync()
             self.seconds = time.perf_counter() - start
         return gm, driver
+
+    def sync(self) -> None:
+        """Regenerate the module's code if its graph changed (lazily: a copy's code
+        is generated on first use; an eager GraphModule given in place now)."""
+        if self._stale:
+            self.gm.recompile()
+            self._stale = False
+
+    def _undo(self, keep_meta: bool) -> None:
+        if self._journal is not None:
+            self._stale |= self._journal.changed
+            self._journal.undo(keep_meta=keep_meta)
+
+    def restore(self) -> None:
+        """Back to the module as given (facts recorded on its nodes kept: a replay
+        reuses them), its code following its graph."""
+        self._undo(keep_meta=True)
+        self.sync()
+
+    def rollback(self) -> None:
+        """After a failure: an in-place module goes back exactly as it was given."""
+        if self.inplace and not self._done:
+            self._undo(keep_meta=False)
+            self.sync()
+            self._done = True
+
+    def commit(self) -> None:
+        self.sync()
+        self._done = True
 
     def bisect(self, verdict: Any, n: int) -> Rejection | None:
         """The first application after which the check fails (None if even the
@@ -437,7 +535,7 @@ class _Transaction:
             return None
         k, report, driver = failing
         rule_name, node_name = driver.history[k - 1]
-        before, _ = self.run(limit=k - 1)
+        before, _ = self.run(limit=k - 1, sync=False)
         node = next((n for n in before.graph.nodes if n.name == node_name), None)
         return Rejection(rule_name, node_name, self.ruleset.rules[rule_name].location, _source_of(node), report)
 

@@ -30,7 +30,20 @@ from rewrite.ops import lookup_op
 from rewrite.engine.prefilter import build_prefilter
 from rewrite.engine.replace import Replacer, ReplacementError, uses_root
 
-__all__ = ["Driver", "NonTerminationError", "RuleIndex", "RuleStats"]
+__all__ = ["Driver", "NonTerminationError", "RuleIndex", "RuleStats", "Schedule"]
+
+
+@attrs.frozen
+class Schedule:
+    """How a rule set runs: ``kind`` is ``"fixpoint"`` (repeat until nothing
+    applies), ``"once"`` (one sweep) or ``"seq"`` (each item in turn); ``items`` are
+    rule names, rule-set names or nested ``Schedule``s."""
+
+    kind: str = attrs.field(validator=attrs.validators.in_(("fixpoint", "once", "seq")))
+    items: tuple = attrs.field(converter=tuple)
+
+    def __repr__(self) -> str:
+        return f"{self.kind}({', '.join(i if isinstance(i, str) else repr(i) for i in self.items)})"
 
 
 class NonTerminationError(RuntimeError):
@@ -130,10 +143,30 @@ class Driver:
     """Runs rule schedules over one GraphModule (which it mutates: callers pass a copy)."""
 
     def __init__(
-        self, gm: fx.GraphModule, dialect: str, max_rewrites: int | None = None, example_inputs: tuple | None = None
+        self,
+        gm: fx.GraphModule,
+        dialect: str,
+        max_rewrites: int | None = None,
+        example_inputs: tuple | None = None,
+        *,
+        limit: int | None = None,
+        skip: Iterable = (),
+        shuffle: random.Random | None = None,
+        on_meta: Any = None,
     ) -> None:
+        """Args:
+            gm: the module to rewrite, in place.
+            dialect: how new nodes are spelled (``rewrite.ops.detect_dialect``).
+            max_rewrites: bound on rewrites before ``NonTerminationError``.
+            example_inputs: for shape facts on graphs that carry none.
+            limit: stop after this many rewrites (bisection replays).
+            skip: (rule name, root node name) pairs never applied (rolled back).
+            shuffle: visit the worklist in this random order (confluence tests).
+            on_meta: called as ``on_meta(node, key)`` before facts are recorded on
+                a node of the input graph (``rewrite.engine.workspace.Journal``).
+        """
         self.gm = gm
-        self.facts = GraphFacts(gm, example_inputs)
+        self.facts = GraphFacts(gm, example_inputs, on_meta=on_meta)
         self.matcher = Matcher(gm, self.facts)
         self.replacer = Replacer(gm, self.facts, dialect)
         self.counts: collections.Counter = collections.Counter()
@@ -143,11 +176,9 @@ class Driver:
         n = sum(1 for _ in gm.graph.nodes)
         self.max_rewrites = max_rewrites if max_rewrites is not None else 20 * n + 1000
         self.max_nodes = 10 * n + 1000  # growth without end stops here
-        # Transactions (see RuleSet.apply): stop after `limit` rewrites; never apply
-        # the (rule name, root node name) pairs in `skip`.
-        self.limit: int | None = None
-        self.skip: set = set()
-        self.shuffle: random.Random | None = None  # a random worklist order, to test confluence
+        self.limit = limit
+        self.skip = frozenset(skip)
+        self.shuffle = shuffle
         self._removed: dict = {}  # signature of a replaced node -> [history index, times recreated]
         self._inserted: set = set()  # (rule name, root) of insertions: the root stays, never again
 
@@ -275,11 +306,10 @@ class Driver:
             where,
         )
 
-    def run(self, schedule: Any, resolve: Any) -> bool:
-        """Run a schedule: ("fixpoint"|"once"|"seq", items) where items are rule
-        names, rule-set names or nested schedules; ``resolve(name)`` gives a
-        CompiledRule or a nested schedule."""
-        kind, items = schedule
+    def run(self, schedule: Schedule, resolve: Any) -> bool:
+        """Run a ``Schedule``: its items are rule names, rule-set names or nested
+        schedules; ``resolve(name)`` gives a CompiledRule or a nested Schedule."""
+        kind, items = schedule.kind, schedule.items
         if kind == "seq":
             changed = False
             for item in items:
@@ -289,7 +319,8 @@ class Driver:
         if not nested:
             return self.fixpoint(rules) if kind == "fixpoint" else self.once(rules)
         # Mixed rules and nested schedules: run them in order, repeated for fixpoint.
-        steps = ([("fixpoint" if kind == "fixpoint" else "once", tuple(r.name for r in rules))] if rules else []) + nested
+        steps = ([Schedule("fixpoint" if kind == "fixpoint" else "once", tuple(r.name for r in rules))]
+                 if rules else []) + nested
         changed_any = False
         for _ in range(self.max_rewrites):
             changed = False
@@ -301,10 +332,10 @@ class Driver:
         return changed_any
 
     @staticmethod
-    def _as_schedule(item: Any, resolve: Any) -> tuple:
+    def _as_schedule(item: Any, resolve: Any) -> Schedule:
         target = resolve(item) if isinstance(item, str) else item
         if isinstance(target, CompiledRule):
-            return ("fixpoint", (item,))
+            return Schedule("fixpoint", (item,))
         return target
 
     @staticmethod

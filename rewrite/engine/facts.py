@@ -65,8 +65,9 @@ def tensor_meta_of(node: fx.Node) -> Any:
 class GraphFacts:
     """Facts about one GraphModule under rewrite, cached where they are costly."""
 
-    def __init__(self, gm: fx.GraphModule, example_inputs: tuple | None = None) -> None:
+    def __init__(self, gm: fx.GraphModule, example_inputs: tuple | None = None, on_meta: Any = None) -> None:
         self.gm = gm
+        self._on_meta = on_meta  # told before facts are recorded on the input's nodes
         # Graphs from export and dynamo carry facts; symbolic_trace graphs get them
         # recorded from the example inputs on the first question about a node that
         # has none (also on a graph an earlier rewrite recorded facts on: its new
@@ -74,8 +75,9 @@ class GraphFacts:
         carried = _first_vals(gm, 8)
         self._example_inputs = None if carried or _carries(gm, "example_value") else example_inputs
         # Graphs whose values are FakeTensors (export, dynamo) get a FakeTensor
-        # ``val`` on every new node right away, for later consumers of the graph;
-        # elsewhere new nodes get facts only when a rule asks.
+        # ``val`` on every new node that survives the rewrite (``settle``), for later
+        # consumers of the graph; any node's facts are inferred earlier when a rule
+        # asks. Nodes created and replaced again meanwhile never cost a propagation.
         self.fake_mode = detect_fake_mode([v for v in carried if isinstance(v, torch.Tensor)])
 
     @functools.cached_property
@@ -125,12 +127,18 @@ class GraphFacts:
 
 
     def new_node(self, node: fx.Node) -> None:
-        """A node a rewrite created: infer its facts now (fake-mode graphs) or when
-        first asked."""
-        if self.fake_mode is not None:
-            self._infer(node, record=False)
-        else:
-            node.meta[NEW_NODE_KEY] = True
+        """A node a rewrite created: its facts are inferred when first asked, or by
+        ``settle`` at the end of the rewrite."""
+        node.meta[NEW_NODE_KEY] = True
+
+    def settle(self, nodes: Any) -> None:
+        """The end of a rewrite: created ``nodes`` still in the graph get the facts
+        the graph's other nodes carry (a FakeTensor ``val`` on export and dynamo
+        graphs, in creation order so inputs come first); the pending marks go."""
+        for node in nodes:
+            if node.meta.get(NEW_NODE_KEY) and not node._erased and self.fake_mode is not None:
+                self.meta(node, record=False)
+            node.meta.pop(NEW_NODE_KEY, None)
 
     def _infer(self, node: fx.Node, record: bool) -> None:
         """Facts of a new call from its inputs' facts: a FakeTensor ``val`` in the
@@ -178,7 +186,7 @@ class GraphFacts:
         inputs = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.clone(), inputs)
         try:
             with torch.no_grad(), preserved_state(self.gm), torch.random.fork_rng(devices=[]):
-                _FactRecorder(self.gm).run(*inputs)
+                _FactRecorder(self.gm, self._on_meta).run(*inputs)
         except Exception:  # noqa: BLE001 - facts are best-effort; rules needing them won't fire
             pass
 
@@ -233,13 +241,20 @@ def _carries(gm: fx.GraphModule, key: str) -> bool:
 
 
 class _FactRecorder(fx.Interpreter):
-    """Runs a graph once and records ``TensorFacts`` of every tensor value."""
+    """Runs a graph once and records ``TensorFacts`` of every tensor value
+    (``on_meta(node, key)`` is told first, for an undo journal)."""
+
+    def __init__(self, gm: fx.GraphModule, on_meta: Any = None) -> None:
+        super().__init__(gm)
+        self.on_meta = on_meta
 
     def run_node(self, n: fx.Node) -> Any:
         result = super().run_node(n)
         if n.op != "output" and not any(k in n.meta for k in _CARRIERS):
             facts = torch.utils._pytree.tree_map_only(torch.Tensor, TensorFacts.of, result)
             if facts is not None:
+                if self.on_meta is not None:
+                    self.on_meta(n, FACTS_KEY)
                 n.meta[FACTS_KEY] = facts
         return result
 

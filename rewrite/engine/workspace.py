@@ -20,13 +20,15 @@ import copy
 import functools
 import gc
 import threading
+import types
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import torch
 from torch import fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-__all__ = ["check_touched", "compile_now", "gc_paused", "working_copy"]
+__all__ = ["Journal", "check_touched", "compile_now", "gc_paused", "shared_copy", "working_copy"]
 
 
 def working_copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -139,3 +141,182 @@ def compile_now(gm: fx.GraphModule) -> fx.GraphModule:
     """Generate and compile ``gm``'s code now (a no-op for eager GraphModules)."""
     _LazyGraphModule.force_recompile(gm)
     return gm
+
+
+def shared_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` that shares its parameters and buffers: the graph is copied
+    (nodes, and ``node.meta`` one level deep, as ``copy.deepcopy`` does), every
+    submodule is a shallow copy (its own ``_parameters``/``_buffers``/``_modules``
+    tables, the same tensors), and the code is generated lazily.
+
+    Copy-on-write by construction: a rewrite never writes a tensor in place; a rule
+    that changes a constant registers a new tensor under a new name in the copy's
+    own tables, and removing an attribute removes it from the copy's table only.
+    What the copy costs is the graph: no tensor is copied. Other GraphModule
+    subclasses than fx's and torch.export's get ``working_copy`` (a deep copy)."""
+    base = next(t for t in type(gm).__mro__ if t.__qualname__.rpartition(".")[2] != "GraphModuleImpl")
+    lazy_type = _lazy_type_for(base)
+    if lazy_type is None:
+        return working_copy(gm)
+    memo: dict = {}
+    root = lazy_type.__new__(lazy_type)
+    memo[id(gm)] = root
+    _fill_shallow(gm, root, memo)
+    graph = copy.deepcopy(gm.graph)
+    root.__dict__["_graph"] = graph
+    graph.owning_module = root
+    root.meta = dict(getattr(gm, "meta", {}))
+    root.recompile()  # lazy: code is generated on first use
+    return root
+
+
+_TABLES = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
+
+
+def _shallow_module(m: torch.nn.Module, memo: dict) -> torch.nn.Module:
+    if id(m) in memo:
+        return memo[id(m)]
+    new = type(m).__new__(type(m))
+    memo[id(m)] = new
+    _fill_shallow(m, new, memo)
+    return new
+
+
+def _fill_shallow(m: torch.nn.Module, new: torch.nn.Module, memo: dict) -> None:
+    d = dict(m.__dict__)
+    for key in _TABLES:
+        if key in d:
+            d[key] = type(d[key])(d[key])
+    for key, value in d.items():
+        # methods bound to the original (torch.export's train/eval) bind to the copy
+        if isinstance(value, types.MethodType) and value.__self__ is m:
+            d[key] = types.MethodType(value.__func__, new)
+    if "_modules" in d:
+        d["_modules"] = {k: (None if v is None else _shallow_module(v, memo)) for k, v in d["_modules"].items()}
+    d.pop("_graph", None)
+    new.__dict__.update(d)
+
+
+class Journal:
+    """The undo journal of an in-place rewrite: every change a rewrite makes to one
+    GraphModule, recorded as it happens, so ``undo`` puts the module back exactly:
+    the graph (node order, names, arguments, metadata), parameters, buffers and
+    submodules (the same objects, in the same order).
+
+    Graph changes are recorded through the GraphModule's node hooks (create, erase,
+    replace-uses), so nothing that edits the graph while the journal is open can
+    escape it; module tables are snapshotted when the journal opens (they are small:
+    one entry per module); metadata written on nodes that existed before (facts
+    recorded from example inputs) through ``note_meta``.
+
+    Cost: proportional to what the rewrite changed, plus one entry per module."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.gm = gm
+        self.graph = gm.graph
+        self._entries: list = []
+        self._meta: list = []  # (node, key) written on pre-existing nodes
+        # users of nodes that lose a user (it is erased, or reads another node):
+        # restored in their order (a user regained would otherwise come last)
+        self._users: dict = {}
+        namespace = self.graph._graph_namespace
+        self._base_count = dict(namespace._base_count)
+        self._modules = [(m, {k: type(m.__dict__[k])(m.__dict__[k]) for k in _TABLES if k in m.__dict__},
+                          set(m.__dict__)) for m in gm.modules()]
+        self._open = False
+
+    @property
+    def changed(self) -> bool:
+        return bool(self._entries)
+
+    # -- recording
+
+    def open(self) -> "Journal":
+        if not self._open:
+            self.gm._register_create_node_hook(self._on_create)
+            self.gm._register_erase_node_hook(self._on_erase)
+            self.gm._register_replace_node_hook(self._on_replace)
+            self._open = True
+        return self
+
+    def close(self) -> None:
+        if self._open:
+            self.gm._unregister_create_node_hook(self._on_create)
+            self.gm._unregister_erase_node_hook(self._on_erase)
+            self.gm._unregister_replace_node_hook(self._on_replace)
+            self._open = False
+
+    def _on_create(self, node: fx.Node) -> None:
+        self._entries.append((0, node, None, None, None))
+
+    def _on_erase(self, node: fx.Node) -> None:
+        self._entries.append((1, node, node.prev, node.args, node.kwargs))
+        for i in node.all_input_nodes:
+            if i not in self._users:
+                self._users[i] = list(i.users)
+
+    def _on_replace(self, old: fx.Node, new: str, user: fx.Node) -> None:
+        self._entries.append((2, user, None, user.args, user.kwargs))
+        if old not in self._users:
+            self._users[old] = list(old.users)
+
+    def note_meta(self, node: fx.Node, key: str) -> None:
+        """``node.meta[key]`` is about to be set on a node that existed before."""
+        if key not in node.meta:
+            self._meta.append((node, key))
+
+    # -- undoing
+
+    def undo(self, keep_meta: bool = False) -> None:
+        """Put the module back as it was when the journal was made. ``keep_meta``
+        keeps metadata recorded on pre-existing nodes (facts of the original graph,
+        still true of it: a replay need not record them again)."""
+        was_open = self._open
+        self.close()
+        graph = self.graph
+        namespace = graph._graph_namespace
+        for kind, node, prev, args, kwargs in reversed(self._entries):
+            if kind == 0:  # created: its users were restored first (later entries)
+                if not node._erased:
+                    graph.erase_node(node)
+                namespace._used_names.discard(node.name)
+                namespace._obj_to_name.pop(node, None)
+            elif kind == 1:  # erased: back after the node that preceded it
+                prev.append(node)
+                node._erased = False
+                graph._len += 1
+                graph._find_nodes_lookup_table.insert(node)
+                node.args, node.kwargs = args, kwargs
+            else:  # a user that was made to read another node
+                node.args, node.kwargs = args, kwargs
+        self._entries.clear()
+        for node, order in self._users.items():
+            users = node.users
+            order = [u for u in order if u in users]  # users created meanwhile are gone
+            if list(users) != order and len(order) == len(users):
+                users.clear()
+                users.update(dict.fromkeys(order))
+        self._users.clear()
+        namespace._base_count.clear()
+        namespace._base_count.update(self._base_count)
+        for m, tables, keys in self._modules:
+            for key, saved in tables.items():
+                current = m.__dict__[key]
+                if not _same_table(current, saved):
+                    current.clear()
+                    current.update(saved)
+            for key in set(m.__dict__) - keys:
+                del m.__dict__[key]
+        if not keep_meta:
+            for node, key in reversed(self._meta):
+                node.meta.pop(key, None)
+            self._meta.clear()
+        if was_open:
+            self.open()
+
+
+def _same_table(a: Any, b: Any) -> bool:
+    """The same entries, in the same order, the same objects (never compares tensors)."""
+    if isinstance(a, set):
+        return a == b
+    return len(a) == len(b) and all(ka == kb and va is vb for (ka, va), (kb, vb) in zip(a.items(), b.items()))

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 from typing import Any, Callable, Dict, Iterable, Iterator, Mapping, Optional, Tuple, Union
 
 import attrs
@@ -52,7 +53,11 @@ from torch import fx
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from rewrite.ops.base import ConstRef
+from rewrite.ops.vocabulary import OPS, bind_node
+
 __all__ = [
+    "Reference",
     "TOLERANCES",
     "EXACT_TOLERANCES",
     "INT_AGREEMENT",
@@ -152,6 +157,9 @@ class EquivalenceReport:
     max_rel_error: float
     first_mismatch: Optional[Mismatch] = None
     int_agreement: Optional[float] = None  # see INT_AGREEMENT; None: integers compared exactly
+    #: trials not run because they could not tell anything a run trial did not:
+    #: their inputs equal an earlier trial's (no input the check can vary)
+    skipped: int = 0
 
     def __bool__(self) -> bool:
         return self.ok
@@ -160,6 +168,9 @@ class EquivalenceReport:
         errs = f"max abs error {self.max_abs_error:.3g}, max rel error {self.max_rel_error:.3g}"
         if self.int_agreement is not None:
             errs += f", integer outputs agree on {self.int_agreement:.1%}"
+        if self.skipped:
+            errs += (f"; {self.skipped} trial(s) skipped: their inputs would equal an earlier trial's "
+                     "(nothing the check can vary)")
         if self.ok:
             return f"equivalent over {self.trials} trial(s) ({errs})"
         return f"NOT equivalent: {self.first_mismatch} [{errs} over {self.trials} trial(s)]"
@@ -290,45 +301,43 @@ def _get_attr(gm: fx.GraphModule, target: str) -> Any:
     return obj
 
 
-_EMBEDDING_WEIGHT_FIRST = {torch.ops.aten.embedding.default, torch.embedding}
-_EMBEDDING_WEIGHT_SECOND = {torch.nn.functional.embedding}
-# op -> positional index of the running variance
-_BN_VAR_POS = {
-    torch.nn.functional.batch_norm: 2,
-    torch.batch_norm: 4,
-    torch.ops.aten.batch_norm.default: 4,
-    torch.ops.aten._native_batch_norm_legit_no_training.default: 4,
-    torch.ops.aten._native_batch_norm_legit.default: 4,
-    torch.ops.aten.native_batch_norm.default: 4,
-}
+def _operand_shape(value: Any, gm: fx.GraphModule) -> Optional[tuple]:
+    if isinstance(value, ConstRef):
+        try:
+            return tuple(_get_attr(gm, value.qualname).shape)
+        except AttributeError:
+            return None
+    return _node_shape(value, gm) if isinstance(value, fx.Node) else None
+
+
+def _bindings_reading(node: fx.Node, gm: fx.GraphModule) -> list:
+    """How each user of ``node`` binds to the vocabulary (through the ``getitem``
+    that a multi-output op like core ATen's batch norm is read by)."""
+    out = []
+    for user in node.users:
+        for candidate in (user, *(u for u in user.users if u.target is operator.getitem)):
+            out += bind_node(candidate, gm)
+    return out
 
 
 def _infer_range(node: fx.Node, gm: fx.GraphModule) -> Optional[Range]:
-    """Guess a valid value range from how the placeholder is used.
+    """Guess a valid value range from how the placeholder is used: the operand
+    ranges its users' vocabulary entries declare (``Instances.operand_ranges``).
 
-    Indices into an embedding stay below its number of rows; running
-    variances stay positive. Anything else: no constraint.
+    Indices into an embedding stay below its number of rows; running variances stay
+    positive. Anything else: no constraint.
     """
-    for user in node.users:
-        if user.op == "call_module":
-            mod = _get_attr(gm, user.target)
-            if isinstance(mod, torch.nn.Embedding) and user.args and user.args[0] is node:
-                return (0, mod.num_embeddings - 1)
-            if isinstance(mod, torch.nn.modules.batchnorm._BatchNorm):
+    for bound in _bindings_reading(node, gm):
+        spec = OPS[bound.op].instances if bound.op in OPS else None
+        for param, kind in (spec.operand_ranges if spec is not None else ()):
+            if bound.args.get(param) is not node:
                 continue
-        weight = None
-        if user.target in _EMBEDDING_WEIGHT_FIRST and len(user.args) > 1 and user.args[1] is node:
-            weight = user.args[0]
-        elif user.target in _EMBEDDING_WEIGHT_SECOND and user.args and user.args[0] is node:
-            weight = user.args[1] if len(user.args) > 1 else user.kwargs.get("weight")
-        if weight is not None:
-            shape = _node_shape(weight, gm)
-            if shape:
-                return (0, shape[0] - 1)
-        pos = _BN_VAR_POS.get(user.target)
-        if pos is not None:
-            if (len(user.args) > pos and user.args[pos] is node) or user.kwargs.get("running_var") is node:
+            if kind == "positive":
                 return (0.5, 1.5)
+            if kind.startswith("index:"):
+                shape = _operand_shape(bound.args.get(kind.split(":", 1)[1]), gm)
+                if shape:
+                    return (0, shape[0] - 1)
     if node.name.endswith("running_var") or node.name.endswith("running_var_"):
         return (0.5, 1.5)
     return None
@@ -696,6 +705,88 @@ def _side_effects(trial: int, ref: _Run, cand: _Run, kind: str, rtol: Optional[f
     return None
 
 
+def _same_inputs(a: Any, b: Any) -> bool:
+    la, lb = pytree.tree_leaves(a), pytree.tree_leaves(b)
+    if len(la) != len(lb):
+        return False
+    for x, y in zip(la, lb):
+        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+            return False
+        if isinstance(x, torch.Tensor):
+            if x is not y and (x.shape != y.shape or x.dtype != y.dtype or not _same_values(x, y)):
+                return False
+        elif x is not y and x != y:
+            return False
+    return True
+
+
+class Reference:
+    """The reference side of ``check_equivalence``, run once per trial and kept.
+
+    A rewrite checked several times against the same model (bisection replays,
+    ``on_mismatch="skip-rule"`` re-runs) compares each candidate with the outputs
+    the reference produced the first time, instead of running it again; an in-place
+    rewrite computes them before the model changes. Trials whose inputs equal an
+    earlier trial's (no input the check can vary: none, or only integers fixed by
+    their range) cannot tell anything new and are skipped (``report.skipped``).
+
+    Args: as ``check_equivalence``'s. ``graph``: the GraphModule whose placeholder
+    metadata describes the inputs when ``example_inputs`` is None (default: ``fn``).
+    """
+
+    def __init__(self, fn: Callable, example_inputs: Any = None, *, seed: int = 0,
+                 input_ranges: Optional[Mapping[InputKey, Range]] = None,
+                 fixed_inputs: Iterable[InputKey] = (), graph: Any = None) -> None:
+        self.fn = fn
+        self.example_inputs = example_inputs
+        self.seed = seed
+        self.input_ranges = input_ranges
+        self.fixed_inputs = tuple(fixed_inputs)
+        self.graph = graph if graph is not None else fn
+        self._inputs: Dict[int, Any] = {}
+        self._runs: Dict[int, _Run] = {}
+        self._repeats: Dict[int, bool] = {}
+
+    def inputs(self, trial: int) -> Any:
+        if trial not in self._inputs:
+            if self.example_inputs is None:
+                if not isinstance(self.graph, fx.GraphModule):
+                    raise ValueError("example_inputs is None and neither callable is a GraphModule")
+                made = inputs_from_graph(self.graph, self.seed + trial, input_ranges=self.input_ranges)
+            elif trial == 0:
+                made = self.example_inputs
+            else:
+                made = generate_inputs(self.example_inputs, self.seed + trial, input_ranges=self.input_ranges,
+                                       fixed_inputs=self.fixed_inputs)
+            self._inputs[trial] = made
+        return self._inputs[trial]
+
+    def repeats(self, trial: int) -> bool:
+        """Whether this trial's inputs equal an earlier trial's."""
+        if trial not in self._repeats:
+            mine = self.inputs(trial)
+            self._repeats[trial] = any(_same_inputs(mine, self.inputs(t)) for t in range(trial))
+        return self._repeats[trial]
+
+    def run(self, trial: int) -> _Run:
+        """The reference's run on this trial's inputs (computed once; its module
+        state is put back afterwards)."""
+        if trial not in self._runs:
+            with preserved_state(self.fn):
+                try:
+                    self._runs[trial] = _call(self.fn, self.inputs(trial), self.seed + trial)
+                except Exception as e:
+                    raise RuntimeError(f"reference failed on trial {trial} inputs: {type(e).__name__}: {e}") from e
+        return self._runs[trial]
+
+    def prepare(self, trials: int) -> "Reference":
+        """Run every trial now (before an in-place rewrite changes the model)."""
+        for t in range(trials):
+            if not self.repeats(t):
+                self.run(t)
+        return self
+
+
 def check_equivalence(reference: Callable, candidate: Callable, example_inputs: Any = None, *,
                       trials: int = 3, seed: int = 0, rtol: Optional[float] = None,
                       atol: Optional[float] = None,
@@ -720,33 +811,38 @@ def check_equivalence(reference: Callable, candidate: Callable, example_inputs: 
     ``int_agreement`` (default ``INT_AGREEMENT``), reported in the report. The check stops at the first trial with a
     mismatch. If the candidate raises, that is reported as a mismatch; if the
     reference raises, the inputs are at fault and the error propagates.
+
+    ``reference`` may be a ``Reference``: its runs are computed once and reused by
+    every check against it (its own inputs settings then apply). Trials whose
+    inputs equal an earlier trial's are skipped and counted in ``report.skipped``.
     """
     if tolerance not in _TABLES:
         raise ValueError(f"tolerance must be 'exact' or 'approx', not {tolerance!r}")
-    fixed = tuple(fixed_inputs)
-    if example_inputs is None:
-        gm = reference if isinstance(reference, fx.GraphModule) else candidate
-        if not isinstance(gm, fx.GraphModule):
+    if not isinstance(reference, Reference):
+        graph = reference if isinstance(reference, fx.GraphModule) else candidate
+        if example_inputs is None and not isinstance(graph, fx.GraphModule):
             raise ValueError("example_inputs is None and neither callable is a GraphModule")
-        make = lambda t: inputs_from_graph(gm, seed + t, input_ranges=input_ranges)  # noqa: E731
-    else:
-        make = lambda t: (example_inputs if t == 0 else generate_inputs(  # noqa: E731
-            example_inputs, seed + t, input_ranges=input_ranges, fixed_inputs=fixed))
+        reference = Reference(reference, example_inputs, seed=seed, input_ranges=input_ranges,
+                              fixed_inputs=fixed_inputs, graph=graph)
+    elif reference.example_inputs is None and not isinstance(reference.graph, fx.GraphModule):
+        reference.graph = candidate
+    seed = reference.seed
     worst_abs = worst_rel = 0.0
     agreed: Optional[float] = None
-    with preserved_state(reference, candidate):
+    skipped = 0
+    with preserved_state(candidate):
         for t in range(trials):
-            inputs = make(t)
-            try:
-                ref = _call(reference, inputs, seed + t)
-            except Exception as e:
-                raise RuntimeError(f"reference failed on trial {t} inputs: {type(e).__name__}: {e}") from e
+            if reference.repeats(t):
+                skipped += 1
+                continue
+            ref = reference.run(t)
+            inputs = reference.inputs(t)
             try:
                 cand = _call(candidate, inputs, seed + t)
             except Exception as e:
                 mm = Mismatch("output", t, None, None, math.inf, math.inf,
                               f"candidate raised {type(e).__name__}: {e}")
-                return EquivalenceReport(False, t + 1, math.inf, math.inf, mm)
+                return EquivalenceReport(False, t + 1, math.inf, math.inf, mm, skipped=skipped)
             low = _new_precision(ref, cand) if tolerance == "approx" else None
             bound = None if low is None else (INT_AGREEMENT if int_agreement is None else int_agreement)
             a, r, mm = _compare(t, ref.outputs, cand.outputs, tolerance, rtol, atol, low, agreement=bound)
@@ -758,8 +854,8 @@ def check_equivalence(reference: Callable, candidate: Callable, example_inputs: 
             if mm is None:
                 mm = _side_effects(t, ref, cand, tolerance, rtol, atol)
             if mm is not None:
-                return EquivalenceReport(False, t + 1, worst_abs, worst_rel, mm, agreed)
-    return EquivalenceReport(True, trials, worst_abs, worst_rel, None, agreed)
+                return EquivalenceReport(False, t + 1, worst_abs, worst_rel, mm, agreed, skipped)
+    return EquivalenceReport(True, trials, worst_abs, worst_rel, None, agreed, skipped)
 
 
 def assert_equivalent(reference: Callable, candidate: Callable, example_inputs: Any = None,
