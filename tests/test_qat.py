@@ -1,0 +1,361 @@
+"""Quantization-aware training from rule files (rules/quant/qat.rw, rewrite.qat).
+
+prepare_qat puts fake quantizers where PTQ's observe rules put observers (counted by
+the op each one watches, against rewrite.quant.prepare on the same model) and makes
+every quantized conv / linear a trainable QAT module; gradients reach every weight;
+after a few training steps convert gives the same int8 kernels as PTQ, whose outputs
+match the eval-mode QAT model; batch norms and fake quantizers behave as they should
+in train and eval mode; the policy written in a rule file (bit width, per-tensor
+weights, a layer kept in float, the observer) is honoured. On symbolic_trace and
+torch.export captures. No timing assertions.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.ao.quantization import FakeQuantizeBase
+from torch.ao.quantization.observer import MinMaxObserver, MovingAverageMinMaxObserver, ObserverBase
+
+import rewrite
+import rewrite.qat as rqat
+import rewrite.quant as rq
+from rewrite.functions.qat import QATConv, QATConvBn, QATLayer, QATLinear, weight_fake_quant
+from rewrite.functions.quant import QuantizedConv, QuantizedLinear, ops_of
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+CAPTURES = ["fx", "export"]
+#: what rewrite.quant.convert requires of int8 against its QDQ reference (dB)
+PTQ_SQNR_BOUND = 25.0
+
+
+class Net(nn.Module):
+    """conv+bn+relu, a residual block (conv+bn, add, relu), max pool, conv+relu
+    without batch norm, two linears."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.conv2, self.bn2 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.conv3 = nn.Conv2d(8, 8, 3, padding=1)
+        self.fc1 = nn.Linear(8 * 4 * 4, 16)
+        self.fc2 = nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.bn1(self.conv1(x)))
+        x = F.relu(x + self.bn2(self.conv2(x)))
+        x = F.max_pool2d(x, 2)
+        x = F.relu(self.conv3(x))
+        return self.fc2(F.relu(self.fc1(torch.flatten(x, 1))))
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    model = Net()
+    with torch.no_grad():  # batch norms with statistics of their own
+        for bn in (model.bn1, model.bn2):
+            bn.running_mean.uniform_(-0.2, 0.2)
+            bn.running_var.uniform_(0.5, 2.0)
+            bn.weight.uniform_(0.5, 1.5)
+            bn.bias.uniform_(-0.2, 0.2)
+    return model.eval()
+
+
+def _x(seed: int = 0, n: int = 8) -> torch.Tensor:
+    return torch.randn(n, 3, 8, 8, generator=torch.Generator().manual_seed(seed))
+
+
+def _calib() -> list:
+    return [(_x(100 + i),) for i in range(3)]
+
+
+def _train(qat: fx.GraphModule, steps: int = 4, lr: float = 0.05) -> None:
+    qat.train()
+    opt = torch.optim.SGD(qat.parameters(), lr=lr)
+    target = torch.arange(8) % 5
+    for i in range(steps):
+        loss = F.cross_entropy(qat(_x(10 + i)), target)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def _watched(gm: fx.GraphModule, nodes: list) -> collections.Counter:
+    """What each observer / fake quantizer watches: the op computing its input."""
+    out: collections.Counter = collections.Counter()
+    for node in nodes:
+        src = node.args[0]
+        if src.op == "placeholder":
+            out["input"] += 1
+        elif src.op == "call_module" and isinstance(gm.get_submodule(src.target), QATLayer):
+            out[gm.get_submodule(src.target).kind] += 1
+        else:
+            ops = set(ops_of(src, gm))
+            out[next(o for o in ("relu", "add", "conv", "linear", "max_pool2d") if o in ops)] += 1
+    return out
+
+
+@pytest.fixture(scope="module", params=CAPTURES)
+def prepared(request):
+    return request.param, rqat.prepare_qat(_net(), (_x(),), capture=request.param, calibration=_calib())
+
+
+# ---------------------------------------------------------------- prepare
+
+
+def test_fake_quantizers_go_where_the_observers_go(prepared):
+    capture, qat = prepared
+    observed = rq.prepare(_net(), (_x(),), capture=capture, check=False)
+    observers = [n for n in observed.graph.nodes
+                 if n.op == "call_module" and isinstance(observed.get_submodule(n.target), ObserverBase)]
+    fqs = rqat.fake_quant_nodes(qat)
+    # the model input; relu after conv1+bn1, after the residual add, after conv3, after fc1;
+    # conv2+bn2's output (what the add reads); fc2's output
+    expected = collections.Counter({"input": 1, "relu": 4, "conv": 1, "linear": 1})
+    assert _watched(observed, observers) == expected
+    assert _watched(qat, fqs) == expected
+    assert all(isinstance(qat.get_submodule(n.target), FakeQuantizeBase) for n in fqs)
+    # fake quantizers only, no observer
+    assert not any(isinstance(qat.get_submodule(n.target), ObserverBase) for n in qat.graph.nodes
+                   if n.op == "call_module")
+
+
+def test_every_quantized_layer_is_a_qat_module(prepared):
+    _, qat = prepared
+    layers = [qat.get_submodule(n.target) for n in rqat.qat_layers(qat)]
+    assert [type(m) for m in layers] == [QATConvBn, QATConvBn, QATConv, QATLinear, QATLinear]
+    # no float conv, linear or batch norm is left in the graph
+    for node in qat.graph.nodes:
+        assert not {"conv", "linear", "batch_norm"} & set(ops_of(node, qat)), node.format_node()
+    assert qat.training and qat.meta["rewrite.qat"]["ruleset"] == "main"
+    for m in layers:
+        fq = m.weight_fake_quant
+        assert (fq.quant_min, fq.quant_max, fq.qscheme) == (-128, 127, torch.per_channel_symmetric)
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_gradients_reach_every_weight(capture):
+    qat = rqat.prepare_qat(_net(), (_x(),), capture=capture, calibration=_calib())
+    names = dict(qat.named_parameters())
+    # conv and linear weights and biases, batch-norm scales and shifts: nothing else
+    assert len(names) == 2 * 5 + 2 * 2, sorted(names)
+    F.cross_entropy(qat(_x(1)), torch.arange(8) % 5).backward()
+    for name, p in names.items():
+        assert p.requires_grad and p.grad is not None, name
+        assert p.grad.abs().sum() > 0, name
+
+
+def test_the_input_model_is_not_modified():
+    model = _net().train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    qat = rqat.prepare_qat(model, (_x(),), calibration=_calib())
+    _train(qat)
+    assert model.training
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_rewrite_quant_names_the_qat_flow():
+    assert rq.prepare_qat is rqat.prepare_qat
+    assert rq.convert_qat is rqat.convert
+    with pytest.raises(AttributeError):
+        rq.prepare_qat_typo  # noqa: B018
+
+
+# ---------------------------------------------------------------- convert
+
+
+@pytest.mark.parametrize("capture, ruleset", [("fx", "main"), ("export", "main"), ("fx", "w4")])
+def test_convert_after_training_matches_the_fake_quant_model(capture, ruleset):
+    qat = rqat.prepare_qat(_net(), (_x(),), capture=capture, ruleset=ruleset, calibration=_calib())
+    _train(qat)
+    qat.eval()
+    int8, qdq = rqat.convert(qat, reference=True)
+    kinds = collections.Counter(type(m).__name__ for m in int8.modules() if isinstance(m, (QuantizedConv,
+                                                                                           QuantizedLinear)))
+    assert kinds == {"QuantizedConv": 3, "QuantizedLinear": 2}
+    assert int8.meta["rewrite.quant"]["coverage"].count() == (5, 5)
+    for seed in range(3):
+        x = _x(50 + seed)
+        with torch.no_grad():
+            ref, out, ref_qdq = qat(x), int8(x), qdq(x)
+        assert rq.sqnr(ref, out) >= PTQ_SQNR_BOUND
+        assert rq.sqnr(ref, ref_qdq) >= 60  # the QDQ model computes what the QAT model does
+    # the trained model is left as it was (convert works on a copy)
+    assert rqat.qat_layers(qat) and rqat.fake_quant_nodes(qat)
+
+
+def test_same_kernels_as_ptq():
+    ptq = rq.quantize(_net(), _calib(), (_x(),), check=False)
+    qat = rqat.prepare_qat(_net(), (_x(),), calibration=_calib())
+    _train(qat, steps=2)
+    int8 = rqat.convert(qat, check=False)
+
+    def kernels(gm):
+        return sorted(m.op_name for m in gm.modules() if hasattr(m, "op_name"))
+
+    assert kernels(int8) == kernels(ptq) and "conv2d_relu" in kernels(int8)
+
+
+def test_4bit_weights_use_16_levels():
+    qat = rqat.prepare_qat(_net(), (_x(),), ruleset="w4", calibration=_calib())
+    _train(qat, steps=2)
+    qdq = rqat.convert(qat, lower=False)
+    weights = [t for name, t in qdq.named_buffers() if t.is_quantized and t.dtype == torch.qint8]
+    assert len(weights) == 5
+    for w in weights:
+        ints = w.int_repr()
+        assert ints.min() >= -8 and ints.max() <= 7
+        assert ints.min() == -8 or ints.max() == 7  # the range is used
+
+
+def test_qdq_form_when_available():
+    import inspect
+
+    if "form" not in inspect.signature(rq.convert).parameters:
+        pytest.skip("rewrite.quant.convert has no form= yet")
+    qat = rqat.prepare_qat(_net(), (_x(),), calibration=_calib())
+    _train(qat, steps=2)
+    qat.eval()
+    qdq = rqat.convert(qat, form="qdq")
+    x = _x(7)
+    with torch.no_grad():
+        assert rq.sqnr(qat(x), qdq(x)) >= PTQ_SQNR_BOUND
+    assert not any(isinstance(m, (QuantizedConv, QuantizedLinear)) for m in qdq.modules())
+
+
+# ---------------------------------------------------------------- train and eval
+
+
+def test_batch_norm_trains_on_batch_statistics_and_evaluates_folded():
+    qat = rqat.prepare_qat(_net(), (_x(),), calibration=_calib())
+    layer = next(qat.get_submodule(n.target) for n in rqat.qat_layers(qat)
+                 if isinstance(qat.get_submodule(n.target), QATConvBn))
+    mean = layer.bn.running_mean.clone()
+    qat.eval()
+    with torch.no_grad():
+        qat(_x(3))
+    assert torch.equal(layer.bn.running_mean, mean)  # eval: running statistics untouched
+    qat.train()
+    with torch.no_grad():
+        qat(_x(3))
+    assert not torch.equal(layer.bn.running_mean, mean)  # train: batch statistics update them
+    # eval mode computes exactly the folded conv with the fake-quantized folded weight
+    layer.eval()
+    x = torch.randn(4, 3, 8, 8)
+    w, b = layer.folded()
+    expected = F.conv2d(x, layer.weight_fake_quant(w), b, 1, 1)
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+    # in train mode the output is normalized with the batch's own statistics
+    layer.train()
+    y = layer(x)
+    torch.testing.assert_close(y.mean((0, 2, 3)), layer.bn.bias, rtol=0, atol=1e-4)
+
+
+def test_activation_ranges_move_in_training_only():
+    qat = rqat.prepare_qat(_net(), (_x(),), calibration=_calib())
+    fq = qat.get_submodule(rqat.fake_quant_nodes(qat)[0].target)  # the model input's
+    scale = fq.scale.clone()
+    big = 10 * _x(4)
+    qat.eval()
+    with torch.no_grad():
+        out = qat(big)
+    assert torch.equal(fq.scale, scale)
+    # eval: each sample's output does not depend on the rest of the batch
+    with torch.no_grad():
+        torch.testing.assert_close(qat(big[:2]), out[:2])
+    qat.train()
+    with torch.no_grad():
+        qat(big)
+    assert fq.scale > scale  # a moving average towards the wider range
+
+
+@settings(max_examples=12, deadline=None)
+@given(bits=st.integers(2, 8), channels=st.integers(1, 6), per_channel=st.booleans(), seed=st.integers(0, 2**16))
+def test_weight_fake_quant_is_what_convert_stores(bits, channels, per_channel, seed):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(channels, 3, 3, 3, generator=gen) * torch.rand(channels, 1, 1, 1, generator=gen)
+    scheme = "per_channel_symmetric" if per_channel else "per_tensor_symmetric"
+    layer = QATConv(w, None, 1, 1, 1, 1, bits=bits, scheme=scheme).eval()
+    q, bias = layer.frozen()
+    assert bias is None
+    ints = q.int_repr()
+    assert ints.min() >= -(2 ** (bits - 1)) and ints.max() <= 2 ** (bits - 1) - 1
+    torch.testing.assert_close(q.dequantize(), layer.weight_fake_quant(layer.weight), rtol=0, atol=1e-6)
+    # the straight-through estimator: the gradient passes where the weight is not
+    # clamped to the integer range (the largest weight of a channel may be)
+    fq = layer.weight_fake_quant
+    layer.weight_fake_quant(layer.weight).sum().backward()
+    shape = (-1, 1, 1, 1) if per_channel else (1, 1, 1, 1)
+    q = torch.round(w * (1.0 / fq.scale.reshape(shape))) + fq.zero_point.reshape(shape)
+    in_range = ((q >= fq.quant_min) & (q <= fq.quant_max)).float()
+    assert torch.equal(layer.weight.grad, in_range)
+    assert in_range.mean() > 0.5
+
+
+# ---------------------------------------------------------------- policy in the rule file
+
+
+def _qat_text() -> str:
+    return (rewrite.rules_dir() / "quant" / "qat.rw").read_text()
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_a_layer_kept_in_float(capture):
+    text = _qat_text().replace(
+        'where activation(x) and const(w, b) and not output_fake_quantized(l)',
+        'where activation(x) and const(w, b) and not output_fake_quantized(l)\n'
+        '          and not module_name_matches(l, "fc2")')
+    assert "fc2" in text
+    rules = rewrite.parse(text, "qat_skip_fc2.rw")
+    qat = rqat.prepare_qat(_net(), (_x(),), capture=capture, rules=rules, calibration=_calib())
+    layers = [qat.get_submodule(n.target) for n in rqat.qat_layers(qat)]
+    assert len(layers) == 4 and sum(isinstance(m, QATLinear) for m in layers) == 1
+    _train(qat, steps=2)
+    int8 = rqat.convert(qat, check=False)
+    cov = int8.meta["rewrite.quant"]["coverage"]
+    assert cov.count("linear") == (1, 2) and [f.layer for f in cov.left_float] == ["fc2"]
+
+
+def test_per_tensor_weights_and_another_observer():
+    text = _qat_text().replace('8, "per_channel_symmetric")', '8, "per_tensor_symmetric")')
+    text = text.replace("=> activation_fake_quant(r)", '=> activation_fake_quant(r, "minmax")')
+    qat = rqat.prepare_qat(_net(), (_x(),), rules=rewrite.parse(text, "qat_pt.rw"), calibration=_calib())
+    for node in rqat.qat_layers(qat):
+        assert qat.get_submodule(node.target).weight_fake_quant.qscheme == torch.per_tensor_symmetric
+    observers = [qat.get_submodule(n.target).activation_post_process for n in rqat.fake_quant_nodes(qat)]
+    moving = [isinstance(o, MovingAverageMinMaxObserver) for o in observers]
+    assert all(isinstance(o, MinMaxObserver) for o in observers)
+    assert moving.count(False) == 4 and moving.count(True) == 3  # the relu outputs' are plain min/max
+    _train(qat, steps=2)
+    qat.eval()
+    int8 = rqat.convert(qat)
+    x = _x(9)
+    with torch.no_grad():
+        assert rq.sqnr(qat(x), int8(x)) >= PTQ_SQNR_BOUND
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_clear_errors():
+    with pytest.raises(ValueError, match="no ruleset 'w3'"):
+        rqat.prepare_qat(_net(), (_x(),), ruleset="w3")
+    with pytest.raises(ValueError, match="capture must be"):
+        rqat.prepare_qat(_net(), (_x(),), capture="jit")
+    with pytest.raises(ValueError, match="unknown backend"):
+        rqat.prepare_qat(_net(), (_x(),), backend="tpu")
+    with pytest.raises(rqat.QATError, match="prepare_qat returned"):
+        rqat.convert(fx.symbolic_trace(_net()))
+    with pytest.raises(ValueError, match="from 2 to 8"):
+        weight_fake_quant(9)
+    with pytest.raises(rqat.QATError, match="no fake quantizer"):
+        rqat.prepare_qat(nn.Sequential(nn.Tanh()), (torch.randn(2, 3),))
