@@ -6,6 +6,8 @@
     rewrite fmt [--check | --write] rules/*.rw    # print, check or rewrite in canonical form
     rewrite apply rules/fusion.rw --model rewrite.examples.cnn:demo_cnn_with_inputs
     rewrite explain rules/fusion.rw [--model M --capture export]
+    rewrite stats --model M [--capture export] [--by module|op] [--json]
+    rewrite show --model M [--rules rules/fusion.rw] -o graph.svg|graph.html
 
 Exit codes: 0 clean, 1 findings (rule errors, a failed equivalence check), 2 bad
 usage or an internal error.
@@ -139,7 +141,10 @@ def _cmd_apply(args: argparse.Namespace) -> int:
         return 1
     print(result.summary())
     print()
-    _print_changes(gm, result.graph_module)
+    if args.report:
+        print(result.report().table())
+    else:
+        _print_changes(gm, result.graph_module)
     if args.save:
         saved = save(result.graph_module, args.save, args.capture, inputs)
         kind = "ExportedProgram (torch.export.load reads it)" if saved.suffix == ".pt2" else "GraphModule"
@@ -255,6 +260,9 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--save", metavar="PATH", help="save the result: *.pt (torch.save of the GraphModule) for "
                    "--capture fx, *.pt2 (torch.export.save) for --capture export; never a partial file")
     a.add_argument("--print-code", action="store_true", help="print the rewritten graph's code")
+    a.add_argument("--report", action="store_true",
+                   help="compare original and rewritten: nodes, FLOPs, bytes, parameters, peak memory, casts, "
+                        "int8 ops (rewrite.analysis)")
     a.set_defaults(fn=_cmd_apply)
 
     e = sub.add_parser(
@@ -269,6 +277,27 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--capture", choices=("fx", "export"), default="fx")
     e.set_defaults(fn=_cmd_explain)
 
+    s = sub.add_parser("stats", help="per-node FLOPs, bytes, shapes and peak activation memory of a model's "
+                       "graph, with totals (rewrite.analysis)")
+    s.add_argument("--model", required=True, help="module:callable returning (model, example_inputs)")
+    s.add_argument("--capture", choices=("fx", "export", "export_core", "dynamo"), default="fx")
+    s.add_argument("--by", choices=("module", "op"), help="roll the table up by module path or by op")
+    s.add_argument("--depth", type=int, default=2, help="with --by module: module path components kept")
+    s.add_argument("--limit", type=int, help="print at most this many rows")
+    out = s.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="print plain data: nodes, totals, groups (--by, default op)")
+    out.add_argument("--csv", action="store_true", help="print one CSV row per node")
+    s.set_defaults(fn=_cmd_stats)
+
+    w = sub.add_parser("show", help="draw the graph as a DAG (SVG or a self-contained HTML viewer); with "
+                       "--rules, the before/after diff with rewritten regions labelled by rule")
+    w.add_argument("--model", required=True, help="module:callable returning (model, example_inputs)")
+    w.add_argument("--capture", choices=("fx", "export", "export_core", "dynamo"), default="fx")
+    w.add_argument("--rules", nargs="+", metavar="FILE", help="rule files to apply; draw before and after")
+    w.add_argument("--ruleset", help="with --rules: apply only this ruleset of the files")
+    w.add_argument("-o", "--output", required=True, help="out.svg or out.html")
+    w.set_defaults(fn=_cmd_show)
+
     # Its options live in rewrite.quant, which imports torch: parsed there, so that
     # the other commands start without torch.
     q = sub.add_parser(
@@ -279,6 +308,58 @@ def _parser() -> argparse.ArgumentParser:
     )
     q.set_defaults(fn=_cmd_quantize)  # main() hands it the raw arguments
     return p
+
+
+def _captured(spec: str, level: str) -> tuple:
+    """(graph module, the inputs to run it with) for a ``--model`` spec."""
+    from rewrite.capture import capture_with_inputs, load_model
+
+    model, inputs = load_model(spec)
+    return capture_with_inputs(model, inputs, level)
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    import json
+
+    from rewrite.analysis import analyze
+
+    gm, inputs = _captured(args.model, args.capture)
+    analysis = analyze(gm, inputs, show_progress=True)
+    if args.json:
+        groups = analysis.by_op() if args.by != "module" else analysis.by_module(args.depth)
+        data = {**analysis.to_dict(), "groups": [g.to_dict() for g in groups]}
+        print(json.dumps(data, indent=1))
+    elif args.csv:
+        sys.stdout.write(analysis.to_csv())
+    else:
+        print(analysis.table(by=args.by, depth=args.depth, limit=args.limit))
+    return 0
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    from rewrite.analysis.show import output_problem, render
+
+    problem = output_problem(args.output)
+    if problem:  # refused before any work
+        raise SystemExit(f"rewrite: error: -o {args.output}: {problem}")
+    gm, inputs = _captured(args.model, args.capture)
+    before = None
+    if args.rules:
+        import rewrite
+
+        rules = _load(args.rules)
+        if args.ruleset:
+            rules = rules[args.ruleset]
+        try:
+            result = rules.apply(gm, example_inputs=inputs)
+        except rewrite.EquivalenceError as err:
+            print(f"rewrite: error: {err}", file=sys.stderr)
+            return 1
+        before, gm = gm, result.graph_module
+        print(result.summary())
+    path = render(gm, args.output, inputs, before=before, show_progress=True)
+    print(f"wrote {path}")
+    return 0
 
 
 def _cmd_quantize(options: list) -> int:

@@ -29,9 +29,12 @@ from rewrite.ops import bind_node
 from rewrite.ops.base import ConstRef
 from rewrite.engine.aliasing import new_aliasing
 
-__all__ = ["Replacer", "ReplacementError", "uses_root"]
+__all__ = ["Replacer", "ReplacementError", "RULE_KEY", "uses_root"]
 
 _CARRIED_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "from_node")
+
+#: node meta key: ``(rule name, rule file position)`` of the rule that created the node.
+RULE_KEY = "rewrite_rule"
 
 
 def uses_root(match: Match) -> bool:
@@ -98,6 +101,8 @@ class Replacer:
                 raise ReplacementError(f"rule {match.rule.name!r} at {root.name}: {problem}")
         if result is root:
             return (), ()
+        for node in self._created:  # provenance, for rewrite.analysis and rewrite show
+            node.meta[RULE_KEY] = (match.rule.name, match.rule.location)
         if inserting:
             created = set(self._created)
             users = [u for u in root.users if u not in created]
