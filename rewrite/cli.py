@@ -337,11 +337,15 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    from rewrite.analysis.show import output_problem, render
+    from rewrite.analysis.show import ShowError, layout_program, output_problem, render
 
-    problem = output_problem(args.output)
+    try:
+        problem = output_problem(args.output) or (layout_program() and None)
+    except (ShowError, ImportError) as err:
+        problem = str(err)
     if problem:  # refused before any work
-        raise SystemExit(f"rewrite: error: -o {args.output}: {problem}")
+        print(f"rewrite: error: show -o {args.output}: {problem}", file=sys.stderr)
+        return 2
     gm, inputs = _captured(args.model, args.capture)
     before = None
     if args.rules:
