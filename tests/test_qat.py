@@ -309,14 +309,15 @@ def _qat_text() -> str:
 
 
 @pytest.mark.parametrize("capture", CAPTURES)
-def test_a_layer_kept_in_float(capture):
+def test_a_layer_kept_in_float(capture, tmp_path):
     text = _qat_text().replace(
         'where activation(x) and const(w, b) and not output_fake_quantized(l)',
         'where activation(x) and const(w, b) and not output_fake_quantized(l)\n'
         '          and not module_name_matches(l, "fc2")')
     assert "fc2" in text
-    rules = rewrite.parse(text, "qat_skip_fc2.rw")
-    qat = rqat.prepare_qat(_net(), (_x(),), capture=capture, rules=rules, calibration=_calib())
+    path = tmp_path / "qat_skip_fc2.rw"
+    path.write_text(text)
+    qat = rqat.prepare_qat(_net(), (_x(),), capture=capture, rules=str(path), calibration=_calib())
     layers = [qat.get_submodule(n.target) for n in rqat.qat_layers(qat)]
     assert len(layers) == 4 and sum(isinstance(m, QATLinear) for m in layers) == 1
     _train(qat, steps=2)
@@ -341,6 +342,29 @@ def test_per_tensor_weights_and_another_observer():
     x = _x(9)
     with torch.no_grad():
         assert rq.sqnr(qat(x), int8(x)) >= PTQ_SQNR_BOUND
+
+
+def test_activation_scale_for_the_int8_kernels():
+    from rewrite.functions.qat import activation_fake_quant
+    from rewrite.functions.quant import vnni_available
+
+    fq = activation_fake_quant()
+    obs = fq.activation_post_process
+    assert (fq.quant_min, fq.quant_max, fq.dtype) == (0, 255, torch.quint8)  # rounds to all 256 levels
+    assert (obs.quant_min, obs.quant_max) == ((0, 255) if vnni_available() else (0, 127))
+    x = torch.linspace(-1, 3, 101)
+    fq.train()
+    fq(x)
+    assert float(fq.scale) == pytest.approx(4 / (obs.quant_max - obs.quant_min), rel=1e-6)
+
+
+def test_every_qat_rule_is_an_intentional_change():
+    from rewrite.trust.verify import verify_rules
+
+    rules = rqat.qat_rules()
+    report = verify_rules(rules, max_examples=2)
+    assert {v.status for v in report.verdicts} == {"intentional"}
+    assert len(report.verdicts) == len(list(rules)) and report.ok
 
 
 # ---------------------------------------------------------------- errors
