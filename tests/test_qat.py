@@ -163,6 +163,17 @@ def test_the_input_model_is_not_modified():
         assert torch.equal(v, before[k]), k
 
 
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_a_captured_graph_module_is_copied(capture):
+    model = _net()
+    gm = fx.symbolic_trace(model.train()) if capture == "fx" else torch.export.export(
+        model.eval(), (_x(),), strict=False).module()
+    code = gm.code
+    qat = rqat.prepare_qat(gm, (_x(),), calibration=_calib())
+    assert len(rqat.qat_layers(qat)) == 5 and len(rqat.fake_quant_nodes(qat)) == 7
+    assert gm.code == code and not any(isinstance(m, QATLayer) for m in gm.modules())
+
+
 def test_rewrite_quant_names_the_qat_flow():
     assert rq.prepare_qat is rqat.prepare_qat
     assert rq.convert_qat is rqat.convert

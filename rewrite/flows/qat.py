@@ -117,6 +117,8 @@ def _capture(model: Any, args: tuple, capture: str) -> fx.GraphModule:
         raise ValueError(f"capture must be 'fx' or 'export', got {capture!r}")
     if isinstance(model, fx.GraphModule):
         gm = copy.deepcopy(model)
+        _allow_train_eval(gm)
+        gm.eval()  # batch norms read as they will be folded: with running statistics
     elif isinstance(model, torch.nn.Module):
         # a copy in eval mode: batch norms are captured with their running statistics,
         # and the caller's model keeps its mode (the input is never modified)
