@@ -67,11 +67,14 @@ def _first(out):
 
 def _assert_pt2e(gm, int8) -> None:
     """The QDQ form: one quantize/dequantize pair per quantized tensor of the int8
-    form, int8 weight constants, nothing quantized (no quint8 objects, no int8 kernels)."""
+    form (and one after each pooling / flatten the int8 form runs on int8), int8
+    weight constants, nothing quantized (no quint8 objects, no int8 kernels)."""
     ops = _targets(gm)
     points = len(int8.meta["rewrite.quant"]["points"])
-    assert ops["quantized_decomposed::quantize_per_tensor"] == points
-    assert ops["quantized_decomposed::dequantize_per_tensor"] == points
+    requantized = sum(gm.meta["rewrite.quant"]["convert_counts"].get(f"requantize_{op}", 0)
+                      for op in ("max_pool2d", "adaptive_avg_pool2d", "avg_pool2d", "flatten"))
+    assert ops["quantized_decomposed::quantize_per_tensor"] == points + requantized
+    assert ops["quantized_decomposed::dequantize_per_tensor"] == points + requantized
     low, total = int8.meta["rewrite.quant"]["coverage"].count()
     assert ops["quantized_decomposed::dequantize_per_channel"] == low > 0
     assert not any(isinstance(m, QuantizedModule) for m in gm.modules())
@@ -95,6 +98,9 @@ def test_qdq_form_on_the_bundled_cnn():
     qdq = rq.convert(observed, form="qdq")
     assert all(torch.equal(before[k], v) for k, v in observed.state_dict().items())  # not mutated
     _assert_pt2e(qdq, int8)
+    counts = qdq.meta["rewrite.quant"]["convert_counts"]
+    assert counts["requantize_max_pool2d"] == counts["requantize_adaptive_avg_pool2d"] == 1
+    assert counts["requantize_flatten"] == 1  # avgpool -> flatten -> fc: the fc reads int8
     assert qdq.meta["rewrite.quant"]["form"] == "qdq"
     assert qdq.meta["rewrite.quant"]["reference_sqnr"] > 60  # the quint8 reference, same numbers
     held = generate_inputs(inputs, seed=7)
