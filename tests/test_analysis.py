@@ -282,3 +282,30 @@ def test_apply_report(capsys):
     assert code == 0
     out = capsys.readouterr().out
     assert "peak activations" in out and "elementwise ops" in out
+
+
+# ---------------------------------------------------------------- progress
+
+
+class _Stream(io.StringIO):
+    def __init__(self, tty: bool) -> None:
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+def test_progress_only_on_a_terminal():
+    from rewrite.analysis.progress import progress
+
+    quiet = _Stream(tty=False)
+    bar = progress(10, "analyze", stream=quiet)
+    bar.update(10)
+    bar.close()
+    assert quiet.getvalue() == ""
+    tqdm = pytest.importorskip("tqdm")
+    shown = progress(10, "analyze", stream=_Stream(tty=True))
+    assert isinstance(shown, tqdm.tqdm)
+    shown.close()
+    assert not isinstance(progress(10, "analyze", enabled=False, stream=_Stream(tty=True)), tqdm.tqdm)
