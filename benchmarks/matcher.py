@@ -289,9 +289,9 @@ def _trace(fn: Callable) -> fx.GraphModule:
 class Run:
     """One rewriter on one graph."""
 
-    seconds: float  # rewrite time (the fastest of the repeats)
+    seconds: float  # the whole call, collection of its garbage included (the fastest of the repeats)
     counts: dict[str, int]
-    apply_seconds: float | None = None  # rewrite only: whole apply() call
+    inner_seconds: float | None = None  # rewrite only: RewriteResult.seconds (no copy, no check)
     copy_seconds: float | None = None  # rewrite only: apply's copy of the input
     complete: bool = True  # False: stopped at the budget
     work_done: int = 0  # calls / passes made
@@ -301,20 +301,22 @@ class Run:
 
 
 class Ours:
-    name = "rewrite"
+    """``rules.apply`` as a user calls it: the default (a copy of the input, its
+    tensors shared), ``inplace=True`` (on a module the caller owns: a fresh lazily
+    compiled copy made outside the timing, as every in-place peer gets), or with the
+    equivalence check (``check=True``, the default of ``apply``)."""
 
-    def __init__(self, rules_path: Path = RULES_PATH) -> None:
+    def __init__(self, rules_path: Path = RULES_PATH, inplace: bool = False, check: bool = False) -> None:
         self.rules = rewrite.load(str(rules_path))
+        self.inplace, self.check = inplace, check
+        self.name = "rewrite" + ("-inplace" if inplace else "") + ("+check" if check else "")
 
-    def run(self, gm: fx.GraphModule, example_inputs: Any, budget: float) -> Run:
+    def rewrite(self, gm: fx.GraphModule, budget: float, example_inputs: Any = None) -> Run:
         start = time.perf_counter()
-        result = self.rules.apply(gm, example_inputs=example_inputs, check=False)
+        result = self.rules.apply(gm, example_inputs=example_inputs, check=self.check, inplace=self.inplace)
+        gc.collect(1)  # the young garbage the call leaves (apply pauses the collector while it runs)
         wall = time.perf_counter() - start
-        return Run(result.seconds, dict(result.counts), apply_seconds=wall,
-                   copy_seconds=getattr(result, "copy_seconds", None))
-
-    def traced(self, gm: fx.GraphModule, example_inputs: Any) -> None:
-        self.rules.apply(gm, example_inputs=example_inputs, check=False)
+        return Run(wall, dict(result.counts), inner_seconds=result.seconds, copy_seconds=result.copy_seconds)
 
 
 class ReplacePattern:
@@ -325,7 +327,9 @@ class ReplacePattern:
         for rule in rules:
             for pattern, replacement in rule.variants:
                 filters = [self._filter(rule.where, _params(pattern))] if rule.where else None
-                self.calls.append((rule.name, _trace(pattern), _trace(replacement), filters))
+                # pre-traced Graphs (not GraphModules: a GraphModule replacement makes
+                # every call sweep the module's attributes), as the docs allow
+                self.calls.append((rule.name, _trace(pattern).graph, _trace(replacement).graph, filters))
 
     @staticmethod
     def _filter(where: Callable, names: list[str]) -> Callable:
@@ -351,6 +355,7 @@ class ReplacePattern:
                     return Run(time.perf_counter() - start, dict(+counts), complete=False, work_done=calls)
             if not changed:
                 break
+        gc.collect(1)
         return Run(time.perf_counter() - start, dict(+counts), work_done=calls)
 
 
@@ -426,6 +431,7 @@ class Inductor:
                     complete = False
                     break
         passes += complete
+        gc.collect(1)
         return Run(time.perf_counter() - start, dict(+self.counts), complete=complete, work_done=passes)
 
 
@@ -484,8 +490,6 @@ def _best_run(fn: Callable[[], Run], repeats: int, slow: float = 2.0, total: flo
         if runs[-1].seconds > slow or not runs[-1].complete or spent > total:
             break
     best = min(runs, key=lambda r: r.seconds)
-    if best.apply_seconds is not None:
-        best.apply_seconds = min(r.apply_seconds for r in runs)
     best.repeats = len(runs)
     return best
 
@@ -533,6 +537,9 @@ class GraphRow:
 
 
 def measure(bench: Bench, rewriters: dict[str, Any], args: Any, previous: dict[str, Run]) -> GraphRow:
+    """Every rewriter's whole call on ``bench``. ``rewrite`` and ``rewrite+check``
+    get the input itself (they copy it); every in-place rewriter (``rewrite-inplace``
+    and the peers) a fresh lazily compiled copy made outside the timing."""
     gm = bench.gm
     nodes = len(gm.graph.nodes)
     row = GraphRow(bench, nodes, _time(lambda: copy.deepcopy(gm), args.repeat),
@@ -543,29 +550,27 @@ def measure(bench: Bench, rewriters: dict[str, Any], args: Any, previous: dict[s
     row.codegen_s = _time(scratch.recompile, args.repeat)
     del scratch
 
-    ours = rewriters["rewrite"]
-    run = _best_run(lambda: ours.run(gm, bench.example_inputs, args.budget), args.repeat, slow=1e9)
-    if not args.no_memory:
-        run.peak_bytes = _traced_peak(lambda: ours.traced(gm, bench.example_inputs))[1]
-    row.runs["rewrite"] = run
-    print(f"  {bench.name}: rewrite {run.seconds * 1e3:.0f} ms, {sum(run.counts.values())} rewrites", flush=True)
-
-    for name, peer in rewriters.items():
-        if name == "rewrite":
-            continue
+    for name, rewriter in rewriters.items():
+        ours = isinstance(rewriter, Ours)
         if name.startswith("inductor") and bench.dialect != "aten":
             row.runs[name] = Run(math.nan, {}, complete=False, note="n/a: needs an ATen graph with FakeTensor vals")
             continue
-        if nodes > args.peer_max_nodes:
+        if not ours and nodes > args.peer_max_nodes:
             row.runs[name] = Run(math.nan, {}, complete=False, note=f"skipped: over --peer-max-nodes {args.peer_max_nodes}")
             continue
-        p = peer[bench.dialect] if isinstance(peer, dict) else peer
+        if ours and rewriter.check and nodes > args.check_max_nodes:
+            row.runs[name] = Run(math.nan, {}, complete=False, note=f"skipped: over --check-max-nodes {args.check_max_nodes}")
+            continue
+        p = rewriter[bench.dialect] if isinstance(rewriter, dict) else rewriter
+        in_place = not ours or rewriter.inplace
 
-        def once(p=p) -> Run:
-            work = working_copy(gm)
+        def once(p=p, in_place=in_place) -> Run:
+            work = working_copy(gm) if in_place else gm
+            if ours:
+                return p.rewrite(work, args.budget, bench.example_inputs)
             return p.rewrite(work, args.budget)
 
-        run = _best_run(once, args.repeat)
+        run = _best_run(once, args.repeat, slow=1e9 if ours else 2.0)
         if not run.complete:
             prev = previous.get(name)
             if prev is not None and prev.complete and prev.work_done:
@@ -577,7 +582,12 @@ def measure(bench: Bench, rewriters: dict[str, Any], args: Any, previous: dict[s
                 run.note = f"stopped at the {args.budget:.0f} s budget; no estimate"
                 run.seconds = math.nan
         elif not args.no_memory and run.seconds < args.mem_budget:
-            run.peak_bytes = _traced_peak(lambda p=p: p.rewrite(working_copy(gm), args.budget))[1]
+            # the call's own peak: for in-place rewriters the copy is made before the window
+            def traced(p=p, in_place=in_place) -> Any:
+                work = working_copy(gm) if in_place else gm
+                return _traced_peak(lambda: (p.rewrite(work, args.budget, bench.example_inputs) if ours
+                                             else p.rewrite(work, args.budget)))[1]
+            run.peak_bytes = traced()
         row.runs[name] = run
         print(f"  {bench.name}: {name} {run.seconds * 1e3:.0f} ms, {sum(run.counts.values())} rewrites"
               f"{' (' + run.note + ')' if run.note else ''}", flush=True)
@@ -619,27 +629,26 @@ def print_report(rows: list[GraphRow], args: Any) -> None:
               f"| {r.codegen_s * 1e3:.1f} | {_mb(r.graph_bytes)} | {_mb(r.deepcopy_bytes)} "
               f"| {_mb(r.deepcopy_peak)} |")
     print()
-    print("| graph | rewriter | rewrite ms | apply ms | us/node | x rewrite | rewrites | same rewrites | "
-          "rewrite / graph_copy | peak MB | peak / graph | peak / deepcopy peak |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| graph | rewriter | call ms | us/node | x rewrite-inplace | rewrites | same rewrites | "
+          "call / graph_copy | peak MB | peak / graph |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     notes = []
     for r in rows:
-        ours = r.runs["rewrite"].seconds
+        base = r.runs.get("rewrite-inplace", r.runs.get("rewrite"))
+        ours = base.seconds if base is not None else math.nan
         for name, run in r.runs.items():
             if math.isnan(run.seconds):
                 t = per = ratio = "-"
             else:
                 t = f"{run.seconds * 1e3:.1f}" + ("*" if not run.complete else "")
-                per = f"{run.seconds / r.nodes * 1e6:.1f}"
+                per = f"{run.seconds / r.nodes * 1e6:.2f}"
                 ratio = f"{run.seconds / ours:.1f}"
-            apply_ms = "-" if run.apply_seconds is None else f"{run.apply_seconds * 1e3:.1f}"
             vs_copy = "-" if math.isnan(run.seconds) else f"{run.seconds / r.graph_copy_s:.2f}"
             peak = run.peak_bytes
             n_rw = "-" if math.isnan(run.seconds) and not run.counts else str(sum(run.counts.values()))
-            print(f"| {r.bench.name} | {name} | {t} | {apply_ms} | {per} | {ratio} | {n_rw} "
+            print(f"| {r.bench.name} | {name} | {t} | {per} | {ratio} | {n_rw} "
                   f"| {_agreement(r, name)} | {vs_copy} | {_mb(peak)} "
-                  f"| {'-' if peak is None else f'{peak / r.graph_bytes:.2f}'} "
-                  f"| {'-' if peak is None else f'{peak / r.deepcopy_peak:.2f}'} |")
+                  f"| {'-' if peak is None else f'{peak / r.graph_bytes:.2f}'} |")
             if run.note:
                 notes.append(f"{r.bench.name}, {name}: {run.note}")
             if _agreement(r, name) == "NO":
@@ -656,13 +665,15 @@ def print_report(rows: list[GraphRow], args: Any) -> None:
         for n in notes:
             print(f"* {n}")
     print()
-    print("rewrite ms: rewrite = RewriteResult.seconds (without apply's copy of the input; apply ms has it);")
-    print("peers = fixpoint on a fresh copy (copy not timed). rewrite and inductor leave code generation to")
-    print("the first call (codegen ms: GraphModule.recompile of the graph); replace_pattern recompiles per call.")
-    print("* = extrapolated. same rewrites: per-rule counts equal to the planted ones (synthetic) or to rewrite's.")
-    print("peak: tracemalloc peak while turning the input into a rewritten copy (for peers the copy, made")
-    print("as apply makes its own, is inside the window); graph MB: memory held by a graph_copy of the graph;")
-    print("deepcopy MB / peak MB: held by / peak while making a deepcopy of the GraphModule (which compiles code).")
+    print("call ms: the whole user-visible call, the collection of the young garbage it leaves included")
+    print("(gc.collect(1) after it, inside the timing, for every rewriter). rewrite = apply(gm, check=False), which copies the")
+    print("input (graph copied, tensors shared); rewrite+check = apply(gm) with its default check; rewrite-inplace")
+    print("= apply(gm, check=False, inplace=True); the peers rewrite in place. Every in-place rewriter gets a fresh")
+    print("lazily compiled copy (made outside the timing): code generation is left to the first call for all")
+    print("(codegen ms above; replace_pattern's per-call recompile is then free). * = extrapolated.")
+    print("same rewrites: per-rule counts equal to the planted ones (synthetic) or to rewrite's.")
+    print("peak: tracemalloc peak of the call (for in-place rewriters the copy they are given is made before);")
+    print("graph MB: memory held by a graph_copy of the graph.")
     _targets(rows)
 
 
@@ -703,47 +714,81 @@ def print_load_times() -> None:
               f"| {cold_ms} |")
 
 
+def _met(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
 def _targets(rows: list[GraphRow]) -> None:
     print()
-    print("targets (issue 6):")
+    print("targets (issue 16; ratios of whole calls in this run):")
     by_name = {r.bench.name: r for r in rows}
     families = sorted({r.bench.family for r in rows if r.bench.family})
+
+    def secs(r: GraphRow, name: str) -> float:
+        run = r.runs.get(name)
+        return math.nan if run is None else run.seconds
+
     for fam in families:
         r10 = by_name.get(f"{fam}-10k")
         if r10 is not None:
-            ours = r10.runs["rewrite"].seconds
-            for peer, goal in (("replace_pattern", 20), ("inductor", 100)):
-                run = r10.runs.get(peer)
-                if run is None or math.isnan(run.seconds):
+            ours = secs(r10, "rewrite-inplace")
+            for peer, goal in (("replace_pattern", 20), ("inductor", 100), ("inductor-gp", 10)):
+                t = secs(r10, peer)
+                if math.isnan(t) or math.isnan(ours):
                     continue
-                ratio = run.seconds / ours
                 same = _agreement(r10, peer) == "yes"
-                print(f"  {fam}-10k: {ratio:6.1f}x faster than {peer:<16} (goal >= {goal}x): "
-                      f"{'met' if ratio >= goal else 'NOT met'}{'' if same else ' (rewrites differ!)'}")
+                print(f"  {fam}-10k: apply(inplace=True) {t / ours:6.1f}x faster than {peer:<16} (goal >= {goal}x): "
+                      f"{_met(t / ours >= goal)}{'' if same else ' (rewrites differ!)'}")
+            t_check, t_plain = secs(r10, "rewrite+check"), secs(r10, "rewrite")
+            if not math.isnan(t_check):
+                print(f"  {fam}-10k: apply with check = {t_check / t_plain:.2f}x check=False (goal <= 2): "
+                      f"{_met(t_check / t_plain <= 2)}")
         r1, r100 = by_name.get(f"{fam}-1k"), by_name.get(f"{fam}-100k")
         if r1 is not None and r100 is not None:
-            p1 = r1.runs["rewrite"].seconds / r1.nodes
-            p100 = r100.runs["rewrite"].seconds / r100.nodes
-            print(f"  {fam}: per-node time 100k / 1k = {p100 / p1:.2f} (goal <= 1.5): "
-                  f"{'met' if p100 / p1 <= 1.5 else 'NOT met'}")
-        for r in rows:
-            if r.bench.family != fam:
-                continue
-            run = r.runs["rewrite"]
-            vs = run.seconds / r.graph_copy_s
-            line = (f"  {r.bench.name}: fixpoint = {vs:.2f}x graph_copy (goal <= 3): {'met' if vs <= 3 else 'NOT met'}"
-                    f" ({run.seconds / r.deepcopy_s:.2f}x deepcopy)")
-            if run.peak_bytes is not None:
-                m = run.peak_bytes / r.graph_bytes
-                line += (f"; peak memory = {m:.2f}x graph (goal <= 2): {'met' if m <= 2 else 'NOT met'}"
-                         f" ({run.peak_bytes / r.deepcopy_peak:.2f}x the peak of deepcopy alone)")
-            print(line)
+            for name in ("rewrite-inplace", "rewrite"):
+                p1, p100 = secs(r1, name) / r1.nodes, secs(r100, name) / r100.nodes
+                if not math.isnan(p1 / p100):
+                    print(f"  {fam}: {name} per-node time 100k / 1k = {p100 / p1:.2f} (goal <= 1.5): "
+                          f"{_met(p100 / p1 <= 1.5)}")
+    for r in rows:
+        run = r.runs.get("rewrite")
+        if run is None or math.isnan(run.seconds):
+            continue
+        vs = run.seconds / r.graph_copy_s
+        line = f"  {r.bench.name}: apply (copy, no check) = {vs:.2f}x graph_copy (goal <= 1.5): {_met(vs <= 1.5)}"
+        if run.peak_bytes is not None:
+            m = run.peak_bytes / r.graph_bytes
+            line += f"; peak memory = {m:.2f}x graph (goal <= 1.5): {_met(m <= 1.5)}"
+        print(line)
+
+
+def check_cost(args: Any) -> None:
+    """The default check's cost where rules fire on a real model: fusion.rw on
+    ResNet-50 (symbolic_trace), apply() against apply(check=False), whole calls."""
+    from rewrite.examples.cnn import resnet50_with_inputs
+
+    model, (x,) = resnet50_with_inputs()
+    gm = fx.symbolic_trace(model.eval())
+    rules = rewrite.load("rules/fusion.rw")
+    times = {}
+    for check in (False, True):
+        def call(check=check) -> Any:
+            result = rules.apply(gm, example_inputs=(x,), check=check)
+            gc.collect(1)
+            return result
+        times[check] = _time(call, max(1, min(args.repeat, 3)))
+    result = rules.apply(gm, example_inputs=(x,))
+    print()
+    print(f"check cost: rules/fusion.rw on resnet50 (symbolic_trace), input {tuple(x.shape)}, "
+          f"{sum(result.counts.values())} rewrites; {result.equivalence}")
+    print(f"  apply(check=False) {times[False] * 1e3:.0f} ms; apply() {times[True] * 1e3:.0f} ms: "
+          f"{times[True] / times[False]:.2f}x (goal <= 2): {_met(times[True] / times[False] <= 2)}")
 
 
 def _phases(stats: pstats.Stats) -> list[tuple[str, float]]:
     """Cumulative seconds of the phases of apply, from a profile (by function name)."""
     wanted = [
-        ("copy of the input (workspace.working_copy)", "workspace.py", "working_copy"),
+        ("copy of the input (workspace.shared_copy)", "workspace.py", "shared_copy"),
         ("  of which GraphModule.__init__ of the copy", "graph_module.py", "__init__"),
         ("rules: Driver.run (match + replace)", "driver.py", "run"),
         ("  of which matching (Matcher.match)", "match.py", "match"),
@@ -791,7 +836,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="1000,10000,100000", help="synthetic graph sizes (nodes)")
     parser.add_argument("--families", default="transformer,conv", help="synthetic families (transformer, conv)")
-    parser.add_argument("--peers", default="replace_pattern,inductor",
+    parser.add_argument("--peers", default="replace_pattern,inductor,inductor-gp",
                         help=f"comma-separated from {', '.join(PEERS)}, or 'none'")
     parser.add_argument("--real", default="resnet50,gpt2,hf_resnet",
                         help="real graphs: resnet50, gpt2, hf_resnet, or 'none'")
@@ -803,6 +848,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="measure a peer's memory (a slow traced rerun) only when it took less than this")
     parser.add_argument("--peer-max-nodes", type=int, default=10**9, help="skip peers on larger graphs")
     parser.add_argument("--no-memory", action="store_true", help="skip the tracemalloc runs")
+    parser.add_argument("--check-max-nodes", type=int, default=20000,
+                        help="time apply with its default check only on graphs up to this size")
+    parser.add_argument("--no-check-cost", action="store_true", help="skip the ResNet-50 check-cost line")
     parser.add_argument("--profile", action="store_true",
                         help="cProfile rewrite's apply on the 10k graphs (or the largest) and print the top functions")
     parser.add_argument("--profile-top", type=int, default=25)
@@ -823,7 +871,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"built {len(benches)} graphs in {time.perf_counter() - start:.1f} s", flush=True)
 
     ours = Ours()
-    rewriters: dict[str, Any] = {"rewrite": ours}
+    rewriters: dict[str, Any] = {"rewrite": ours, "rewrite-inplace": Ours(inplace=True),
+                                 "rewrite+check": Ours(check=True)}
     aten_rules, torch_rules = peer_rules(_Aten), peer_rules(_Torch)
     if "replace_pattern" in peers:
         rewriters["replace_pattern"] = {"aten": ReplacePattern(aten_rules), "fx": ReplacePattern(torch_rules)}
@@ -842,6 +891,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             if run.complete:
                 previous[(bench.family, name)] = run
     print_report(rows, args)
+    if not args.no_check_cost:
+        check_cost(args)
     print_load_times()
 
     if args.profile:

@@ -299,7 +299,7 @@ class RuleSet:
                 # per trial, then the (deterministic) rewrite again
                 txn.restore()
                 base = original if not changes else self._changed(original)
-                reference = Reference(base, example_inputs, graph=original).prepare(trials)
+                reference = Reference(base, example_inputs, graph=original).prepare(trials, kind)
                 gm, driver = txn.run()
             else:
                 base = model if not changes else self._changed(original)
