@@ -64,12 +64,17 @@ def _verify(rulesets: list, max_examples: int, seed: int, allow_skipped: bool = 
     changes (``change=True``) are listed, not verified."""
     from rewrite.trust.verify import VerificationReport, verify_rule
 
+    from rewrite.analysis.progress import progress
+
     verdicts, seen = [], set()
+    bar = progress(sum(len(r) for r in rulesets), "verify", unit="rule")  # on a terminal only
     for rules in rulesets:
         for rule in rules:
+            bar.update(1)
             if rule.location not in seen:
                 seen.add(rule.location)
                 verdicts.append(verify_rule(rules, rule, max_examples=max_examples, seed=seed))
+    bar.close()
     report = VerificationReport(tuple(verdicts))
     print()
     print(report.table())

@@ -22,7 +22,7 @@ class _Silent:
         pass
 
 
-def progress(total: int, desc: str, *, enabled: bool = True, stream: Any = None) -> Any:
+def progress(total: int, desc: str, *, enabled: bool = True, stream: Any = None, unit: str = "node") -> Any:
     """An object with ``update(n)`` and ``close()``: a ``tqdm`` bar on a terminal
     (appearing only after two seconds), a silent stand-in otherwise."""
     stream = stream if stream is not None else sys.stderr
@@ -32,4 +32,4 @@ def progress(total: int, desc: str, *, enabled: bool = True, stream: Any = None)
         from tqdm import tqdm
     except ImportError:
         return _Silent()
-    return tqdm(total=total, desc=desc, file=stream, delay=2.0, leave=False, unit="node")
+    return tqdm(total=total, desc=desc, file=stream, delay=2.0, leave=False, unit=unit)
