@@ -4,7 +4,8 @@
     render(gm, "graph.svg", (x,))                        # one graph
     render(result.graph_module, "diff.html", (x,), before=gm)   # a rewrite's before/after
 
-Nodes are grouped in boxes by module (``nn_module_stack``, two levels deep) and carry a
+Nodes are grouped in boxes by module (``nn_module_stack``: one box per repeated block such as
+``layer1.0`` or ``encoder.layer.6``, else two levels deep) and carry a
 tooltip with their op, shape, dtype, FLOPs and bytes (``rewrite.analysis.analyze``).
 With ``before``, both graphs are drawn side by side: nodes the rewrite removed are red
 in "before", nodes it created are green in "after" and labelled with the rule that
@@ -73,7 +74,9 @@ def _module_of(stats: NodeStats) -> str:
     parts = stats.module.split(".") if stats.module else []
     if stats.kind == "call_module":  # the node is the module itself: draw it in its parent
         parts = parts[:-1]
-    return ".".join(parts[:_MODULE_DEPTH])
+    # one box per repeated block: up to the first index (layer1.0, encoder.layer.6), else two levels
+    index = next((i for i, p in enumerate(parts[:4]) if p.isdigit()), None)
+    return ".".join(parts[:index + 1] if index is not None else parts[:_MODULE_DEPTH])
 
 
 def _shape(stats: NodeStats) -> str:
