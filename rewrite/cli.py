@@ -126,6 +126,10 @@ def _cmd_apply(args: argparse.Namespace) -> int:
     problem = args.save and save_path_problem(args.save, args.capture)
     if problem:  # refused before any work
         raise SystemExit(f"rewrite: error: --save {args.save}: {problem}")
+    if args.report and args.capture == "dynamo":
+        print("rewrite: error: --report needs --capture fx or export (dynamo rewrites its graphs inside "
+              "torch.compile): use rewrite stats --capture dynamo for the figures", file=sys.stderr)
+        return 2
     model, inputs = load_model(args.model)
     if args.capture == "dynamo":
         results = []

@@ -309,3 +309,8 @@ def test_progress_only_on_a_terminal():
     assert isinstance(shown, tqdm.tqdm)
     shown.close()
     assert not isinstance(progress(10, "analyze", enabled=False, stream=_Stream(tty=True)), tqdm.tqdm)
+
+
+def test_apply_report_refuses_dynamo(capsys):
+    assert main(["apply", "rules/fusion.rw", "--model", _MODEL, "--capture", "dynamo", "--report"]) == 2
+    assert "--report needs --capture fx or export" in capsys.readouterr().err
