@@ -243,6 +243,36 @@ def test_qdq_form_when_available():
     assert not any(isinstance(m, (QuantizedConv, QuantizedLinear)) for m in qdq.modules())
 
 
+@pytest.mark.parametrize("name", ["hf_resnet", "hf_bert"])
+def test_models_from_transformers(name):
+    """transformers models (random weights, torch.export): fake quantizers where the
+    observers go, gradients to every weight, int8 outputs matching the QAT model."""
+    pytest.importorskip("transformers")
+    from torch.utils import _pytree as pytree
+
+    from rewrite.examples import hf
+
+    model, args = getattr(hf, name)()
+    qat = rqat.prepare_qat(model, args, capture="export")
+    observed = rq.prepare(model, args, capture="export", check=False)
+    n_observers = sum(isinstance(observed.get_submodule(n.target), ObserverBase)
+                      for n in observed.graph.nodes if n.op == "call_module")
+    assert len(rqat.fake_quant_nodes(qat)) == n_observers > 0
+
+    def floats(out):
+        return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+    sum(t.float().square().mean() for t in floats(qat(*args))).backward()
+    assert [n for n, p in qat.named_parameters() if p.grad is None] == []
+    qat.eval()
+    int8 = rqat.convert(qat)
+    low, total = int8.meta["rewrite.quant"]["coverage"].count()
+    assert low == total == len(rqat.qat_layers(qat))
+    with torch.no_grad():
+        for ref, out in zip(floats(qat(*args)), floats(int8(*args)), strict=True):
+            assert rq.sqnr(ref, out) >= PTQ_SQNR_BOUND
+
+
 # ---------------------------------------------------------------- train and eval
 
 

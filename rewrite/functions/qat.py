@@ -321,17 +321,26 @@ def _all_fake_quantized(node: fx.Node, gm: Any) -> bool:
     return bool(node.users) and all(is_fake_quant_node(u, gm) for u in node.users)
 
 
+def _through(node: fx.Node, gm: Any) -> Any:
+    """The input whose quantization ``node``'s output keeps: a passthrough op's
+    (pooling, relu, reshapes, zero padding), or a dropout's (the identity in eval
+    mode and in the int8 model; PTQ's cleanup rules delete it)."""
+    bound = ops_of(node, gm).get("dropout")
+    return bound.args.get("input") if bound is not None else passthrough_input(node, gm)
+
+
 @register_predicate()
 def fake_quantized(x: Value) -> bool:
     """``x`` comes out of a fake quantizer, directly or through passthrough ops
-    (pooling, relu, reshapes, zero padding) that keep its quantization parameters."""
+    (pooling, relu, reshapes, zero padding, dropout) that keep its quantization
+    parameters."""
     node, gm = x.node, x.facts.gm
     for _ in range(64):
         if node is None:
             return False
         if is_fake_quant_node(node, gm):
             return True
-        node = passthrough_input(node, gm)
+        node = _through(node, gm)
     return False
 
 
