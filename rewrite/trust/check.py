@@ -471,29 +471,45 @@ def _call(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool = True) -> _Run
     return _Run(out, args, written, state_written, state, frozenset(recorder.dtypes) if dtypes else frozenset())
 
 
+class _SavedState:
+    """Parameters and buffers of some modules as they were, and their modes: ``restore``
+    puts back what changed (parameters by version counter, buffers also by value:
+    kernels update some without bumping their version), as often as needed."""
+
+    def __init__(self, fns: Any) -> None:
+        self.saved, self.modes, seen = [], [], set()
+        for fn in fns:
+            if not isinstance(fn, torch.nn.Module):
+                continue
+            self.modes += [(m, m.training) for m in fn.modules()]
+            buffers = {id(t) for t in fn.buffers()}
+            for t in _state(fn).values():
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    self.saved.append([t, t._version, t.detach().clone(), id(t) in buffers])
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for entry in self.saved:
+                t, version, copy, buffer = entry
+                if t._version != version or (buffer and not _same_values(t, copy)):
+                    t.copy_(copy)
+                    entry[1] = t._version
+        for m, training in self.modes:
+            m.training = training
+
+
 @contextlib.contextmanager
-def preserved_state(*fns: Any) -> Iterator[None]:
+def preserved_state(*fns: Any) -> Iterator[_SavedState]:
     """Run a block and put every parameter and buffer of the given modules back as
     it was (values written in place, e.g. BatchNorm statistics in training mode,
-    are restored), and every submodule in the mode it was in."""
-    saved, seen, modes = [], set(), []
-    for fn in fns:
-        if not isinstance(fn, torch.nn.Module):
-            continue
-        modes += [(m, m.training) for m in fn.modules()]
-        for t in _state(fn).values():
-            if id(t) not in seen:
-                seen.add(id(t))
-                saved.append((t, t._version, t.detach().clone()))
+    are restored), and every submodule in the mode it was in. The block gets the
+    saved state: ``state.restore()`` puts it back midway too."""
+    state = _SavedState(fns)
     try:
-        yield
+        yield state
     finally:
-        with torch.no_grad():
-            for t, version, copy in saved:
-                if t._version != version or not _same_values(t, copy):
-                    t.copy_(copy)
-        for m, training in modes:
-            m.training = training
+        state.restore()
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -772,24 +788,29 @@ class Reference:
             self._repeats[trial] = any(_same_inputs(mine, self.inputs(t)) for t in range(trial))
         return self._repeats[trial]
 
-    def run(self, trial: int, dtypes: bool = True) -> _Run:
+    def run(self, trial: int, dtypes: bool = True, state: Optional[_SavedState] = None) -> _Run:
         """The reference's run on this trial's inputs (computed once; its module
-        state is put back afterwards). ``dtypes``: record the floating dtypes its
+        state is put back afterwards: by ``state.restore()`` when given, a saved
+        state covering the reference). ``dtypes``: record the floating dtypes its
         ops compute in (approximate checks need them)."""
         if trial not in self._runs or (dtypes and not self._with_dtypes[trial]):
-            with preserved_state(self.fn):
+            with (preserved_state(self.fn) if state is None else contextlib.nullcontext()):
                 try:
                     self._runs[trial] = _call(self.fn, self.inputs(trial), self.seed + trial, dtypes)
                 except Exception as e:
                     raise RuntimeError(f"reference failed on trial {trial} inputs: {type(e).__name__}: {e}") from e
+                finally:
+                    if state is not None:
+                        state.restore()
             self._with_dtypes[trial] = dtypes
         return self._runs[trial]
 
     def prepare(self, trials: int, tolerance: str = "approx") -> "Reference":
         """Run every trial now (before an in-place rewrite changes the model)."""
-        for t in range(trials):
-            if not self.repeats(t):
-                self.run(t, dtypes=tolerance == "approx")
+        with preserved_state(self.fn) as state:
+            for t in range(trials):
+                if not self.repeats(t):
+                    self.run(t, dtypes=tolerance == "approx", state=state)
         return self
 
 
@@ -836,13 +857,15 @@ def check_equivalence(reference: Callable, candidate: Callable, example_inputs: 
     worst_abs = worst_rel = 0.0
     agreed: Optional[float] = None
     skipped = 0
-    with preserved_state(candidate):
+    # One saved state for both (a copy shares the reference's tensors), put back
+    # after every run: each starts from the state as it was.
+    with preserved_state(reference.fn, candidate) as state:
         for t in range(trials):
             if reference.repeats(t):
                 skipped += 1
                 continue
             dtypes = tolerance == "approx"
-            ref = reference.run(t, dtypes)
+            ref = reference.run(t, dtypes, state)
             inputs = reference.inputs(t)
             try:
                 cand = _call(candidate, inputs, seed + t, dtypes)
@@ -850,6 +873,8 @@ def check_equivalence(reference: Callable, candidate: Callable, example_inputs: 
                 mm = Mismatch("output", t, None, None, math.inf, math.inf,
                               f"candidate raised {type(e).__name__}: {e}")
                 return EquivalenceReport(False, t + 1, math.inf, math.inf, mm, skipped=skipped)
+            finally:
+                state.restore()
             low = _new_precision(ref, cand) if tolerance == "approx" else None
             bound = None if low is None else (INT_AGREEMENT if int_agreement is None else int_agreement)
             a, r, mm = _compare(t, ref.outputs, cand.outputs, tolerance, rtol, atol, low, agreement=bound)
