@@ -314,3 +314,20 @@ def test_progress_only_on_a_terminal():
 def test_apply_report_refuses_dynamo(capsys):
     assert main(["apply", "rules/fusion.rw", "--model", _MODEL, "--capture", "dynamo", "--report"]) == 2
     assert "--report needs --capture fx or export" in capsys.readouterr().err
+
+
+def test_int8_kernels_keep_the_float_flops_and_quarter_the_weights():
+    from rewrite.flows.quant import quantize
+
+    model, inputs = resnet_tiny_with_inputs()
+    calibration = [(torch.randn_like(inputs[0]),) for _ in range(2)]
+    int8 = quantize(model, calibration, inputs, form="int8")
+    before, after = analyze(fx.symbolic_trace(model), inputs), analyze(int8, inputs)
+    assert after.totals.flops == before.totals.flops  # each int8 conv/linear counted as its float op
+    convs = [n for n in after.nodes if n.op == "QuantizedConv"]
+    assert len(convs) == 17 and all(n.flops > 0 and n.param_bytes > 0 for n in convs)
+    float_weights = sum(p.numel() for name, p in model.named_parameters()
+                        if name.endswith("weight") and p.dim() > 1)
+    assert after.totals.param_bytes < before.totals.param_bytes / 3
+    assert after.totals.param_bytes >= float_weights  # one byte per weight, plus biases
+    assert after.totals.int8_ops >= 18

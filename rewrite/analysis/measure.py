@@ -15,6 +15,9 @@
   that removes a batch norm shows up;
 * bytes read (every distinct tensor input, parameters included) and written (the
   outputs; nothing for a view), parameter bytes, and arithmetic intensity;
+* int8 kernels (``quantized::conv2d``, ``quantized::linear``), whose prepacked weights
+  FlopCounterMode cannot see into, counted with the registry's formula for the float
+  op they compute on the unpacked weight; the packed weight counts as parameters;
 * whether the output is a view of an input or written in place.
 
 Peak activation memory comes from a liveness walk over the same run: a tensor's
@@ -333,6 +336,7 @@ class _Counter(TorchDispatchMode):
         super().__init__()
         self.flops = 0
         self.mutated = False
+        self.packed: dict = {}  # id of a prepacked int8 weight -> its bytes (weight + bias)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -351,7 +355,31 @@ class _Counter(TorchDispatchMode):
         formula = flop_registry.get(func._overloadpacket)
         if formula is not None:
             self.flops += int(formula(*args, **kwargs, out_val=out))
+        elif func.namespace == "quantized":
+            self._int8_kernel(func, args, out)
         return out
+
+    def _int8_kernel(self, func, args, out) -> None:
+        """``quantized::conv*``/``linear*`` take a prepacked weight FlopCounterMode
+        cannot see into: count them with the registry's formula for the float op
+        they compute (conv -> aten.convolution, linear -> aten.mm) on the unpacked
+        weight, and note the packed weight's bytes as parameters."""
+        packed = next((a for a in args if isinstance(a, torch.ScriptObject) and hasattr(a, "unpack")), None)
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if packed is None or x is None or not isinstance(out, torch.Tensor):
+            return
+        weight, bias = packed.unpack()[:2]
+        self.packed[id(packed)] = _nbytes(weight) + (_nbytes(bias) if isinstance(bias, torch.Tensor) else 0)
+        name = func._schema.name.split("::")[-1]
+        if name.startswith("conv") and hasattr(packed, "stride"):
+            self.flops += int(flop_registry[torch.ops.aten.convolution](
+                x, weight, bias, packed.stride(), packed.padding(), packed.dilation(), bool(packed.transpose()),
+                None, packed.groups(), out_val=out))
+        elif name.startswith("linear"):
+            rows = x.numel() // x.shape[-1]
+            self.flops += int(flop_registry[torch.ops.aten.mm](
+                torch.empty(rows, x.shape[-1], device="meta"), torch.empty(weight.shape[::-1], device="meta"),
+                out_val=torch.empty(rows, weight.shape[0], device="meta")))
 
 
 def _tensors(value: Any) -> list:
@@ -427,6 +455,7 @@ class _Runner(fx.Interpreter):
         self.params = params  # storage keys of parameters and buffers
         self.records: list = []
         self.values: dict = {}
+        self.packed: dict = {}  # prepacked int8 weights seen: id -> bytes
         self._progress = progress(len(gm.graph.nodes), "analyze", enabled=show_progress)
 
     def run_node(self, n: fx.Node) -> Any:
@@ -437,7 +466,8 @@ class _Runner(fx.Interpreter):
         else:
             out = super().run_node(n)
         self.values[n] = out
-        self.records.append((n, counter.flops, counter.mutated))
+        self.packed.update(counter.packed)
+        self.records.append((n, counter.flops, counter.mutated, sum(counter.packed.values())))
         self._progress.update(1)
         return out
 
@@ -507,7 +537,7 @@ def _summarize(gm: fx.GraphModule, runner: _Runner, lifted: set) -> GraphAnalysi
     seen_params: dict = {}
     inputs: set = set()
     counts = collections.Counter()
-    for i, (node, flops, mutated) in enumerate(runner.records):
+    for i, (node, flops, mutated, packed) in enumerate(runner.records):
         order[node] = i
         out = values.get(node)
         outs = _tensors(out)
@@ -535,13 +565,14 @@ def _summarize(gm: fx.GraphModule, runner: _Runner, lifted: set) -> GraphAnalysi
                 if key in params:
                     param_bytes += _nbytes(t)
                     seen_params[key] = _storage_bytes(t)
+            param_bytes += packed
             out_keys = [_storage_key(t) for t in outs]
             aliased = bool(outs) and all(k in in_keys for k in out_keys)
             if aliased and not mutated:
                 alias = "view"
             else:
                 alias = "inplace" if aliased else ""
-                read = sum(_nbytes(t) for t in distinct)
+                read = sum(_nbytes(t) for t in distinct) + packed
                 written = sum(_nbytes(t) for t in outs)
                 if not flops and node.target is not operator.getitem and outs:
                     elementwise = sum(t.numel() for t in outs)
@@ -567,7 +598,7 @@ def _summarize(gm: fx.GraphModule, runner: _Runner, lifted: set) -> GraphAnalysi
         elementwise=sum(r.elementwise for r in compute),
         bytes_read=sum(r.bytes_read for r in compute),
         bytes_written=sum(r.bytes_written for r in compute),
-        param_bytes=sum(seen_params.values()),
+        param_bytes=sum(seen_params.values()) + sum(runner.packed.values()),
         peak_bytes=peak,
         casts=counts["casts"],
         int8_ops=counts["int8_ops"],
