@@ -153,6 +153,17 @@ def test_gradients_reach_every_weight(capture):
         assert p.grad.abs().sum() > 0, name
 
 
+def test_frozen_weights_stay_frozen():
+    model = _net()
+    model.conv3.weight.requires_grad_(False)
+    model.fc2.requires_grad_(False)
+    qat = rqat.prepare_qat(model, (_x(),), calibration=_calib())
+    frozen = {n for n, p in qat.named_parameters() if not p.requires_grad}
+    conv3, fc2 = (str(n.target) for n in rqat.qat_layers(qat)[2::2])  # graph order: bn1, bn2, conv3, fc1, fc2
+    assert frozen == {f"{conv3}.weight", f"{fc2}.weight", f"{fc2}.bias"}
+    assert len(list(qat.parameters())) == 14
+
+
 def test_the_input_model_is_not_modified():
     model = _net().train()
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -210,8 +210,6 @@ def prepare_qat(
     if not fake_quant_nodes(qat):
         raise QATError("the QAT rules inserted no fake quantizer: the model has no conv, linear, add, "
                        "mul, cat or matmul they quantize")
-    for p in qat.parameters():
-        p.requires_grad_(True)
     qat.meta[_META] = {"backend": backend, "ruleset": ruleset, "example_inputs": args,
                        "counts": dict(result.counts), "merged": merged}
     calibrate(qat, [args] if calibration is None else calibration)

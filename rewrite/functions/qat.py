@@ -112,7 +112,11 @@ class TrainableBatchNorm(nn.modules.batchnorm._BatchNorm):
 
 
 def _param(t: Any) -> nn.Parameter | None:
-    return None if t is None else nn.Parameter(torch.as_tensor(t).detach().clone().float())
+    """A trainable copy of a model tensor; one the model had frozen stays frozen."""
+    if t is None:
+        return None
+    frozen = isinstance(t, torch.Tensor) and isinstance(t, nn.Parameter) and not t.requires_grad
+    return nn.Parameter(torch.as_tensor(t).detach().clone().float(), requires_grad=not frozen)
 
 
 def _conv_fn(rank: int) -> Any:
