@@ -1,19 +1,26 @@
 """Benchmark: matcher speed against torch.fx's replace_pattern and Inductor's pattern matcher.
 
 The same 23 rewrites (``benchmarks/matcher_rules.rw``: the 16 shipped cleanup rules
-and 7 structural rules) run three ways, each to its fixpoint, on the same graphs:
+and 7 structural rules; roots from the commonest ops, ``add``/``mul``/``view``, to
+rare ones, ``cat``/``abs``/``squeeze``) run each to its fixpoint, on the same graphs.
+Every time is the whole user-visible call plus ``gc.collect(1)`` (the young garbage
+it leaves; ``apply`` pauses the collector while it runs):
 
 ``rewrite``
-    this project: ``rewrite.load(rules).apply(gm, check=False)``. "rewrite ms" is
-    ``RewriteResult.seconds`` (matching, replacing, dropping what became unused,
-    lint, recompile); "apply ms" is the wall time of the whole call, which also
-    copies the input (``apply`` never mutates it).
+    this project: ``rewrite.load(rules).apply(gm, check=False)``, which copies the
+    input (graph copied, tensors shared: ``apply`` never mutates it).
+``rewrite-inplace``
+    ``apply(gm, check=False, inplace=True)`` on a fresh copy made outside the
+    timing, as every in-place peer gets.
+``rewrite+check``
+    ``apply(gm)``: the default, with the randomized equivalence check.
 ``replace_pattern``
     ``torch.fx.subgraph_rewriter.replace_pattern_with_filters`` once per pattern,
-    all patterns repeated until none matches, on a fresh copy (not timed). Where
-    clauses become match filters; each commutative order and each op spelling
+    all patterns repeated until none matches, in place on a fresh copy (not timed).
+    Where clauses become match filters; each commutative order and each op spelling
     (``view``/``reshape``, ``_to_copy``/``to``) is one more pattern. Pattern and
-    replacement graphs are traced once, outside the timing.
+    replacement are pre-traced ``Graph``s (traced once, outside the timing; a
+    ``GraphModule`` replacement would make every call sweep the module's attributes).
 ``inductor``
     ``torch._inductor.pattern_matcher.PatternMatcherPass`` applied until it makes
     no replacement, on a fresh copy, with lazily compiled graph modules as Inductor

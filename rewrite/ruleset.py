@@ -7,6 +7,7 @@ Example::
     result = rules.apply(graph_module, example_inputs=(x,))
     result.graph_module      # the rewritten torch.fx.GraphModule (a new object)
     result.counts            # {"conv_bn": 53, ...}
+    rules.apply(graph_module, example_inputs=(x,), inplace=True)  # rewrites graph_module itself
 
 Rule sets are values: ``rewrite.load("rules/fusion.rw") + rewrite.load("rules/cleanup.rw")``
 runs one after the other; ``rules["fusion"]`` selects a ``ruleset`` declared in the file.
@@ -63,8 +64,10 @@ class RewriteResult:
     """What ``RuleSet.apply`` returns.
 
     Attributes:
-        graph_module: the rewritten GraphModule (the input is never modified). It
-            is a ``torch.fx._lazy_graph_module._LazyGraphModule``: its Python code is
+        graph_module: the rewritten GraphModule: with ``inplace=True`` the input
+            itself; otherwise a new one (the input is never modified) that shares
+            the input's unchanged parameters and buffers, and is a
+            ``torch.fx._lazy_graph_module._LazyGraphModule``: its Python code is
             generated once, on the first call, ``.code``, ``print`` or ``torch.save``
             (``rewrite.engine.workspace.compile_now`` forces it; ``torch.jit.script`` needs
             ``fx.GraphModule(gm, gm.graph)`` first, as for any lazy graph module).
@@ -76,7 +79,7 @@ class RewriteResult:
             the created nodes); not the copy, not code generation, not the check.
         rejected: applications rolled back because they broke equivalence
             (``on_mismatch="skip-rule"``), as ``Rejection`` records.
-        copy_seconds: wall time of copying the input (the input is never mutated).
+        copy_seconds: wall time of copying the input's graph (0 with ``inplace=True``).
         changes: names of the rules that fired and are declared intentional
             changes (``change=True``): the check compared the rewrite with the
             model after those rules alone.

@@ -311,3 +311,47 @@ def test_driver_settings_are_constructor_arguments():
     driver.run(rules.schedule, lambda name: rules.rules.get(name) or rules.sets[name])
     assert driver.counts == {"r": 1}  # the limit held
     assert sum(n.target is torch.relu for n in gm.graph.nodes) == 2
+
+
+class _Holder(nn.Module):
+    """Holds the weight it is built from, as a trainable parameter."""
+
+    def __init__(self, weight):
+        super().__init__()
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight)
+
+
+@rewrite.register_module(inputs=("x",))
+def inplace_test_holder(x=None, weight=None):
+    return _Holder(weight)
+
+
+class Lin(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3, bias=False)
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.fc.weight)
+
+
+def test_a_module_built_from_a_parameter_holds_its_own_copy():
+    # the result shares the input's parameters, so a module a rule builds from one
+    # gets a copy: training it leaves the input alone
+    x = torch.randn(2, 4)
+    gm = fx.symbolic_trace(Lin())
+    weight = gm.fc.weight
+    before = weight.detach().clone()
+    rules = rewrite.parse("rule hold: linear(x, w) where const(w) => inplace_test_holder(x, w)\n")
+    result = rules.apply(gm, example_inputs=(x,))
+    assert result.counts == {"hold": 1}
+    held = [m for m in result.graph_module.modules() if isinstance(m, _Holder)]
+    assert len(held) == 1 and held[0].weight is not weight
+    assert isinstance(held[0].weight, nn.Parameter) and held[0].weight.requires_grad
+    torch.testing.assert_close(result.graph_module(x), gm(x))
+    with torch.no_grad():
+        held[0].weight.add_(1.0)
+    assert torch.equal(weight, before)

@@ -42,6 +42,18 @@ def uses_root(match: Match) -> bool:
     return any(match.env.get(v) is match.root for v in match.rule.replacement_vars)
 
 
+def _own(value: Any) -> Any:
+    """``value`` with every tensor in it replaced by a copy (parameters stay
+    parameters, with their ``requires_grad``)."""
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, torch.nn.Parameter):
+            return torch.nn.Parameter(t.detach().clone(), requires_grad=t.requires_grad)
+        return t.detach().clone()
+
+    return torch.utils._pytree.tree_map_only(torch.Tensor, copy, value)
+
+
 class ReplacementError(Exception):
     """A replacement could not be built (its rewrite-time function failed)."""
 
@@ -133,7 +145,10 @@ class Replacer:
             return value
         if isinstance(r, RModule):
             inputs = tuple(self._build(i, env, root) for i in r.inputs)
-            config = {k: self._evaluate(v, env) for k, v in r.config.items()}
+            # tensors the module is built from are its own copies: the rewritten
+            # model shares the input's parameters, and a module may train or
+            # update what it holds (copy-on-write)
+            config = {k: _own(self._evaluate(v, env)) for k, v in r.config.items()}
             module = r.spec.fn(**config)
             name = self._fresh_name(f"{r.spec.name}_{root.name}")
             self.gm.add_submodule(name, module)

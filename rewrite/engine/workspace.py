@@ -8,6 +8,11 @@ copy is a ``torch.fx._lazy_graph_module._LazyGraphModule`` (what Inductor uses f
 the same reason): its code is generated on first call, on ``.code``, ``print`` or
 ``torch.save``, once, for the final graph.
 
+``apply`` itself uses ``shared_copy``: the graph is copied, the tensors shared (no
+rule writes a tensor; a changed constant is a new one). ``Journal`` is the undo
+journal of a rewrite made in place (``apply(..., inplace=True)``, and every replay
+of a transaction): it puts the module back exactly after a failure.
+
 ``gc_paused`` stops the cyclic garbage collector while a rewrite allocates: a
 graph of 10k nodes with FakeTensor metadata holds millions of tracked objects, and
 the full collections that ordinary allocation triggers cost as much as matching.
