@@ -331,3 +331,17 @@ def test_int8_kernels_keep_the_float_flops_and_quarter_the_weights():
     assert after.totals.param_bytes < before.totals.param_bytes / 3
     assert after.totals.param_bytes >= float_weights  # one byte per weight, plus biases
     assert after.totals.int8_ops >= 18
+
+
+def test_amp_report_counts_the_casts_it_inserted():
+    hf = pytest.importorskip("rewrite.examples.hf")
+    pytest.importorskip("transformers")
+    model, inputs = hf.hf_bert()
+    gm, args = capture_with_inputs(model, inputs, "export")
+    result = rewrite.load("rules/amp_fp16.rw").apply(gm, example_inputs=args, check=False)
+    report = result.report()
+    casts = [n for n in result.graph_module.graph.nodes if n.target == torch.ops.aten.to.dtype]
+    assert report.after.totals.casts == len(casts) > 0 and report.before.totals.casts == 0
+    assert report.after.totals.flops == report.before.totals.flops
+    assert any(n.dtype == "float16" for n in report.after.nodes if n.op == "linear")
+    assert report.delta("param_bytes") < 0  # weights stored in float16
