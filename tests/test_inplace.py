@@ -355,3 +355,22 @@ def test_a_module_built_from_a_parameter_holds_its_own_copy():
     with torch.no_grad():
         held[0].weight.add_(1.0)
     assert torch.equal(weight, before)
+
+
+SHIPPED = ["fusion.rw", "cleanup.rw", "amp_bf16.rw", "amp_fp16.rw", "quant/observe.rw"]
+
+
+@pytest.mark.parametrize("path", SHIPPED)
+@pytest.mark.parametrize("level", ["fx", "export"])
+def test_every_shipped_rule_set_rewrites_the_same_in_place(path, level):
+    model, inputs = demo_cnn_with_inputs()
+    gm = capture(model.eval(), inputs, level)
+    rules = rewrite.load(path)
+    copied = rules.apply(gm, example_inputs=inputs, check=False)
+    before = snapshot(gm)
+    assert_restored(gm, before)
+    result = rules.apply(gm, example_inputs=inputs, check=False, inplace=True)
+    assert result.counts == copied.counts
+    assert graph_text(gm) == graph_text(copied.graph_module)
+    assert sorted(n for n, _ in gm.named_modules()) == sorted(n for n, _ in copied.graph_module.named_modules())
+    assert list(gm.state_dict()) == list(copied.graph_module.state_dict())
