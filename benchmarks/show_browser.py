@@ -67,6 +67,9 @@ def main() -> int:
     load_s = time.perf_counter() - start
     subprocess.run([browser, *flags, f"--screenshot={out / (args.model + '.png')}", url],
                    capture_output=True, timeout=300)
+    folded = subprocess.run([browser, *flags, "--dump-dom", f"{page.resolve().as_uri()}#collapse"],
+                            capture_output=True, text=True, timeout=300).stdout
+    in_modules = re.findall(r'data-hidden="(\d+)"', folded)
     checks = {
         "the script ran": 'data-ready="1"' in dom,
         "every node drawn": re.search(r'data-nodes="(\d+)"', dom) is not None
@@ -74,6 +77,8 @@ def main() -> int:
         "search found the node": re.search(r'data-hits="([1-9]\d*)"', dom) is not None,
         "search focused it": re.search(rf'id="node:(before|after)/{wanted}" class="node[^"]*current', dom) is not None,
         "rewrite highlighted": all(f"[{rule}]" in dom for rule in created),
+        "folding every module hides their nodes": bool(in_modules) and 0 < int(in_modules[0]) < nodes
+        and folded.count('class="node hidden"') == int(in_modules[0]) and 'cluster collapsed' in folded,
     }
     print(f"{args.model}: rules fired {dict(result.counts)}; {nodes} nodes (before + after); render {render_s:.1f} s; "
           f"page {page.stat().st_size / 2**20:.1f} MiB; Chromium load+script {load_s:.1f} s")
