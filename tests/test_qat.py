@@ -222,9 +222,10 @@ def test_same_kernels_as_ptq():
     int8 = rqat.convert(qat, check=False)
 
     def kernels(gm):
-        return sorted(m.op_name for m in gm.modules() if hasattr(m, "op_name"))
+        return sorted((name, m.op_name) for name, m in gm.named_modules() if hasattr(m, "op_name"))
 
-    assert kernels(int8) == kernels(ptq) and "conv2d_relu" in kernels(int8)
+    # the same kernels, named after the same layers (conv1_conv_relu, fc2_linear...)
+    assert kernels(int8) == kernels(ptq) and ("conv1_conv_relu", "conv2d_relu") in kernels(int8)
 
 
 def test_4bit_weights_use_16_levels():

@@ -153,6 +153,19 @@ def _drop_unused_attributes(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
+def _name_layers(captured: fx.GraphModule, qat: fx.GraphModule) -> None:
+    """Give each QAT layer the dotted path of the conv / linear it replaced
+    (``layer.name = "conv1"``), found by its weight among the captured model's
+    parameters: ``convert`` names the int8 modules after it, as PTQ does (a conv's
+    QAT module otherwise carries its batch norm's path, the node the rule rewrote)."""
+    params = [(name, t) for name, t in captured.named_parameters() if name.endswith("weight")]
+    for node in qat_layers(qat):
+        mod = qat.get_submodule(node.target)
+        same = [name for name, t in params if t.shape == mod.weight.shape and torch.equal(t, mod.weight)]
+        if len(same) == 1:
+            mod.layer = same[0][: -len(".weight")] if same[0].endswith(".weight") else same[0]
+
+
 def prepare_qat(
     model: Any,
     example_inputs: Any,
@@ -204,6 +217,7 @@ def prepare_qat(
         ShapeProp(gm).propagate(*args)
     result = loaded[ruleset].apply(gm, args, check=check, trials=1)
     qat = result.graph_module
+    _name_layers(gm, qat)
     _allow_train_eval(qat)
     _drop_unused_attributes(qat)
     merged = _merge_fake_quants(qat)
@@ -291,6 +305,11 @@ def _freeze_layer(gm: fx.GraphModule, node: fx.Node, aten: bool) -> None:
             target = torch.ops.aten.linear.default if aten else torch.nn.functional.linear
             new = gm.graph.call_function(target, (node.args[0], wd, b))
     new.meta.update({k: v for k, v in node.meta.items() if k != "rewrite_facts"})
+    layer = getattr(mod, "layer", None)
+    if layer:  # what the int8 module is named after (rewrite.functions.quant.module_path)
+        stack = dict(new.meta.get("nn_module_stack") or {})
+        stack[f"rewrite.qat.{layer}"] = (layer, "Conv" if mod.kind == "conv" else "Linear")
+        new.meta["nn_module_stack"] = stack
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
 
