@@ -432,6 +432,8 @@ def test_clear_errors():
         rqat.prepare_qat(_net(), (_x(),), backend="tpu")
     with pytest.raises(rqat.QATError, match="prepare_qat returned"):
         rqat.convert(fx.symbolic_trace(_net()))
+    with pytest.raises(rqat.QATError, match="no batch"):
+        rqat.prepare_qat(_net(), (_x(),), calibration=[])
     with pytest.raises(ValueError, match="from 2 to 8"):
         weight_fake_quant(9)
     with pytest.raises(rqat.QATError, match="no fake quantizer"):

@@ -155,7 +155,7 @@ def _drop_unused_attributes(gm: fx.GraphModule) -> None:
 
 def _name_layers(captured: fx.GraphModule, qat: fx.GraphModule) -> None:
     """Give each QAT layer the dotted path of the conv / linear it replaced
-    (``layer.name = "conv1"``), found by its weight among the captured model's
+    (``module.layer = "conv1"``), found by its weight among the captured model's
     parameters: ``convert`` names the int8 modules after it, as PTQ does (a conv's
     QAT module otherwise carries its batch norm's path, the node the rule rewrote)."""
     params = [(name, t) for name, t in captured.named_parameters() if name.endswith("weight")]
@@ -251,6 +251,8 @@ def calibrate(qat: fx.GraphModule, batches: Iterable) -> int:
     finally:
         for m, mode in modes.items():
             m.training = mode
+    if n == 0:
+        raise QATError("calibrate got no batch: the fake quantizers need at least one to set their ranges")
     return n
 
 
