@@ -98,7 +98,10 @@ def rules_with_weight_bits(bits: int):
     """The shipped qat.rw with ruleset w4's weight rules at another bit width: the
     policy is a literal in the rule file."""
     text = (rewrite.rules_dir() / "quant" / "qat.rw").read_text()
-    text = text.replace('4, "per_channel_symmetric")', f'{bits}, "per_channel_symmetric")')
+    old = '4, "per_channel_symmetric")'
+    if text.count(old) != 3:
+        raise SystemExit(f"expected the 3 weight rules of ruleset w4 in qat.rw, found {text.count(old)}")
+    text = text.replace(old, f'{bits}, "per_channel_symmetric")')
     return rewrite.parse(text, f"qat_w{bits}.rw")
 
 
