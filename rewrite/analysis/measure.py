@@ -455,7 +455,7 @@ class _Runner(fx.Interpreter):
         self.params = params  # storage keys of parameters and buffers
         self.records: list = []
         self.values: dict = {}
-        self.packed: dict = {}  # prepacked int8 weights seen: id -> bytes
+        self.packed: dict = {}  # node name -> bytes of the prepacked int8 weights it read
         self._progress = progress(len(gm.graph.nodes), "analyze", enabled=show_progress)
 
     def run_node(self, n: fx.Node) -> Any:
@@ -466,7 +466,8 @@ class _Runner(fx.Interpreter):
         else:
             out = super().run_node(n)
         self.values[n] = out
-        self.packed.update(counter.packed)
+        if counter.packed:  # per node: a ScriptObject's id is not stable across calls
+            self.packed[n.name] = sum(counter.packed.values())
         self.records.append((n, counter.flops, counter.mutated, sum(counter.packed.values())))
         self._progress.update(1)
         return out
