@@ -230,7 +230,8 @@ class GraphAnalysis:
             raise ValueError(f"by must be None, 'op' or 'module', not {by!r}")
         if limit is not None:
             rows = rows[:limit]
-        lines = [_row(head)] + [_row(tuple(_human(v) for v in r)) for r in rows]
+        text = 3 if by is None else 1
+        lines = [_row(head, text)] + [_row(tuple(_human(v) for v in r), text) for r in rows]
         t = self.totals
         lines.append("")
         lines.append(f"nodes {t.nodes}  FLOPs {_human(t.flops)}  elementwise {_human(t.elementwise)}  "
@@ -255,9 +256,17 @@ def _group(nodes: Iterable[NodeStats], key: Any) -> tuple:
 # ---------------------------------------------------------------- formatting
 
 
-def _row(cells: tuple) -> str:
-    first, *rest = (str(c) for c in cells)
-    return f"{first[:40]:<40} " + " ".join(f"{c[:22]:>12}" if i else f"{c[:22]:<22}" for i, c in enumerate(rest))
+def _row(cells: tuple, text_columns: int) -> str:
+    """The first column 40 wide, the next text columns 20 wide, numbers right-aligned."""
+    out = []
+    for i, cell in enumerate(str(c) for c in cells):
+        if i == 0:
+            out.append(f"{cell[:40]:<40}")
+        elif i < text_columns:
+            out.append(f"{cell[:20]:<20}")
+        else:
+            out.append(f"{cell[:12]:>12}")
+    return " ".join(out)
 
 
 def _human(v: Any) -> str:
