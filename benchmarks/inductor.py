@@ -10,7 +10,8 @@ Two models, inference (``torch.no_grad``), Inductor's freezing on for every vari
   batch 1, 128 tokens.
 
 Variants, each compiled once, then timed round-robin (one call of each in turn,
-``--runs`` rounds, median):
+``--runs`` rounds, median); ``eager`` and ``eager autocast`` (the model itself, in
+float32 / under autocast) are there for context:
 
 * ``inductor``: ``torch.compile(model)`` (Inductor alone);
 * ``rules+inductor``: ``torch.compile(model, backend=rewrite.backend(fusion+cleanup,
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import statistics
 import time
 from typing import Any, Callable
@@ -84,6 +86,13 @@ def variants(model: torch.nn.Module, args: tuple, fusion_cleanup: Any, amp: Any)
         ("amp rules+inductor", lambda rec: rewrite.backend(amp, compiler="inductor", check=False, on_result=rec),
          False, "inductor autocast"),
     ]
+    for name, autocast in (("eager", False), ("eager autocast", True)):  # context: no compile
+        ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
+        fn = functools.partial(_run, model, ctx)
+        with torch.no_grad():
+            result = fn(args)
+        out.append((name, lambda *a, fn=fn: fn(a), 0.0, None, _errors(result, ref),
+                    "inductor autocast" if autocast else "inductor"))
     for name, make, autocast, peer in specs:
         results: list = []
         backend = make(results.append) if make.__code__.co_argcount else make()
