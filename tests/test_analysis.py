@@ -345,3 +345,16 @@ def test_amp_report_counts_the_casts_it_inserted():
     assert report.after.totals.flops == report.before.totals.flops
     assert any(n.dtype == "float16" for n in report.after.nodes if n.op == "linear")
     assert report.delta("param_bytes") < 0  # weights stored in float16
+
+
+def test_readme_samples(capsys):
+    """The figures the README shows for resnet_tiny."""
+    assert main(["stats", "--model", _MODEL, "--limit", "2"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"conv1 +conv +2x8x16x16 +1\.20M +0 +29\.28k +16\.38k +4\.70k", out)
+    assert ("nodes 55  FLOPs 2.93M  elementwise 53.50k  read 887.64 KiB  written 310.58 KiB  params 521.14 KiB  "
+            "peak activations 48.00 KiB (at layer1_0_downsample_1)") in out
+    assert main(["apply", "rules/fusion.rw", "--model", _MODEL, "--report"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"elementwise ops +53\.504k +27\.520k +-48\.6%", out)
+    assert re.search(r"parameters +521\.14 KiB +506\.85 KiB +-2\.7%", out)
