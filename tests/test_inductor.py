@@ -186,3 +186,26 @@ def test_backend_takes_a_compiler_callable():
     (gm,) = compiled_graphs
     assert sum(1 for n in gm.graph.nodes if n.target is torch.relu) == 1
     torch.testing.assert_close(out, model(x))
+
+
+def test_readme_example_runs_as_written(tmp_path, monkeypatch, recorder):
+    """README "Inductor and torch.export": the code block, on the tiny ResNet."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Inductor and torch.export", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    model, (x,) = resnet_tiny_with_inputs()
+    monkeypatch.chdir(tmp_path)
+    namespace = {"rewrite": rewrite, "torch": torch, "model": model, "x": x,
+                 "gm": torch.fx.symbolic_trace(model)}
+    with inductor_config.patch(post_grad_custom_pre_pass=None), torch.no_grad():
+        exec(compile(code, "<README.md: Inductor and torch.export>", "exec"), namespace)  # noqa: S102
+        assert isinstance(inductor_config.post_grad_custom_pre_pass, torch._inductor.custom_graph_pass.CustomGraphPass)
+        out = namespace["fast"](x)
+        loaded = torch.export.load(tmp_path / "model.pt2").module()(x)
+        expected = model(x)
+    assert namespace["result"].counts == {"conv_bn": 17}
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(loaded, expected, rtol=1e-4, atol=1e-4)
