@@ -374,3 +374,42 @@ def test_every_shipped_rule_set_rewrites_the_same_in_place(path, level):
     assert graph_text(gm) == graph_text(copied.graph_module)
     assert sorted(n for n, _ in gm.named_modules()) == sorted(n for n, _ in copied.graph_module.named_modules())
     assert list(gm.state_dict()) == list(copied.graph_module.state_dict())
+
+
+# ---------------------------------------------------------------- the check: once per trial
+
+
+class Ids(nn.Module):
+    def forward(self, ids):
+        return torch.relu(torch.relu(ids.float() * 2))
+
+
+def test_trials_that_cannot_tell_are_skipped_and_reported():
+    ids = torch.full((3,), 4, dtype=torch.long)  # an integer input in [4, 4]: every trial the same
+    rules = rewrite.parse("rule rr: relu(relu(x)) => relu(x)\n")
+    result = rules.apply(fx.symbolic_trace(Ids()), example_inputs=(ids,))
+    assert result.counts == {"rr": 1}
+    report = result.equivalence
+    assert report.ok and report.skipped == 2
+    assert "2 trial(s) skipped" in str(report)
+    varied = rules.apply(fx.symbolic_trace(Ids()), example_inputs=(torch.arange(3),))
+    assert varied.equivalence.ok and varied.equivalence.skipped == 0
+
+
+def test_the_reference_runs_once_per_trial_across_bisection(tmp_path, monkeypatch):
+    import rewrite.trust.check as check
+
+    calls = {"reference": 0, "candidate": 0}
+    real = check._call
+    gm = capture(Net().eval(), (X,), "export")
+
+    def counting(fn, inputs, seed, dtypes=True):
+        calls["reference" if fn is gm else "candidate"] += 1
+        return real(fn, inputs, seed, dtypes)
+
+    monkeypatch.setattr(check, "_call", counting)
+    with pytest.raises(rewrite.EquivalenceError):
+        _broken(tmp_path).apply(gm, example_inputs=(X,))
+    # bisection ran several candidates; the original at most once per trial
+    assert calls["candidate"] >= 3
+    assert 1 <= calls["reference"] <= 3
