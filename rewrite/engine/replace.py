@@ -202,7 +202,9 @@ class Replacer:
             self.gm.register_buffer(name, tensor)
         self._new_attrs.append(name)
         node = self.graph.get_attr(name)  # facts come from the tensor itself
-        if self.facts.fake_mode is not None:  # export/dynamo/Inductor graphs: every value carries a val
+        # export/dynamo/Inductor graphs: every value carries a val (a quantized tensor has
+        # no fake form, "quantized nyi in meta tensors": rewrite.quant's int8 weights)
+        if self.facts.fake_mode is not None and not tensor.is_quantized:
             node.meta["val"] = self.facts.fake_mode.from_tensor(tensor, static_shapes=True)
         self._created.append(node)
         return node
