@@ -434,6 +434,29 @@ def _new_precision(ref: _Run, cand: _Run) -> Optional[torch.dtype]:
     return max(new, key=lambda d: TOLERANCES.get(d, _DEFAULT_TOL))
 
 
+_META_KEYS = ("val", "example_value", "rewrite_facts", "tensor_meta")
+
+
+def _static_dtypes(fn: Any) -> Optional[frozenset]:
+    """The floating dtypes a GraphModule's ops compute in, read from the metadata
+    its nodes carry (export and dynamo graphs, rewritten ones included), or None
+    when a call node carries none (then the ops are watched as they run)."""
+    if not isinstance(fn, fx.GraphModule):
+        return None
+    out = set()
+    for node in fn.graph.nodes:
+        if not node.op.startswith("call_"):
+            continue
+        val = next((node.meta[k] for k in _META_KEYS if node.meta.get(k) is not None), None)
+        if val is None:
+            return None
+        for leaf in pytree.tree_leaves(val):
+            dtype = getattr(leaf, "dtype", None)
+            if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+                out.add(dtype)
+    return frozenset(out)
+
+
 def _call(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool = True) -> _Run:
     """Run ``fn`` on a private copy of ``inputs`` with a fixed RNG state.
 
@@ -454,7 +477,8 @@ def _call(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool = True) -> _Run
     # The floating dtypes ops compute in matter only to approximate checks (a
     # lower precision loosens the tolerance); recording them dispatches every op
     # through Python, which costs more than the op on small tensors: on request only.
-    recorder = _DtypeRecorder() if dtypes else contextlib.nullcontext()
+    static = _static_dtypes(fn) if dtypes else None
+    recorder = _DtypeRecorder() if dtypes and static is None else contextlib.nullcontext()
     with torch.no_grad(), torch.random.fork_rng(devices=[]), recorder:
         torch.manual_seed(rng_seed)
         if isinstance(args, dict):
@@ -468,7 +492,8 @@ def _call(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool = True) -> _Run
     state_written = {name: t.detach().clone() for name, t in state.items()
                      if t._version != versions[name]
                      or (name in buffers_before and not _same_values(t, buffers_before[name]))}
-    return _Run(out, args, written, state_written, state, frozenset(recorder.dtypes) if dtypes else frozenset())
+    seen = static if static is not None else (frozenset(recorder.dtypes) if dtypes else frozenset())
+    return _Run(out, args, written, state_written, state, seen)
 
 
 class _SavedState:
