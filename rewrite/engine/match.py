@@ -25,9 +25,10 @@ from rewrite.language import ast
 from rewrite.engine.aliasing import alias_class, caller_owned, storage_base
 from rewrite.ops import bind_node, node_key
 from rewrite.ops.effects import written_args
+from rewrite.ops.forms import same_arg
 from rewrite.ops.base import ConstRef
 
-__all__ = ["Match", "Matcher", "Refusal", "literal_equal", "match_bindings", "match_nodes", "COMPILED", "UNKNOWN"]
+__all__ = ["Match", "Matcher", "Refusal", "match_bindings", "match_nodes", "COMPILED", "UNKNOWN"]
 
 #: Use the straight-line matching path; ``REWRITE_INTERPRET=1`` turns it off so
 #: every pattern element goes through the reference interpreter.
@@ -72,28 +73,6 @@ class Refusal:
         self.kind, self.detail = kind, detail
 
 
-def literal_equal(a: Any, b: Any) -> bool:
-    """Equality of literals as graphs spell them: lists equal tuples, an int equals
-    an int tuple of that value everywhere (``stride=1`` vs ``(1, 1)``), bools are
-    not ints."""
-    if isinstance(a, bool) or isinstance(b, bool):
-        return type(a) is type(b) and a == b
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(literal_equal(x, y) for x, y in zip(a, b))
-    if isinstance(a, int) and isinstance(b, (list, tuple)):
-        return len(b) > 0 and all(literal_equal(a, y) for y in b)
-    if isinstance(b, int) and isinstance(a, (list, tuple)):
-        return literal_equal(b, a)
-    if isinstance(a, (fx.Node, ConstRef, torch.Tensor)) or isinstance(b, (fx.Node, ConstRef, torch.Tensor)):
-        return False
-    try:
-        return type(a) is type(b) and a == b or (
-            isinstance(a, (int, float)) and isinstance(b, (int, float)) and a == b
-        )
-    except Exception:  # noqa: BLE001 - exotic literal types compare unequal
-        return False
-
-
 def _same_operand(a: Any, b: Any) -> bool:
     if isinstance(a, fx.Node) or isinstance(b, fx.Node):
         if a is b:
@@ -103,7 +82,7 @@ def _same_operand(a: Any, b: Any) -> bool:
         return qa is not None and qa == qb
     if isinstance(a, ConstRef) or isinstance(b, ConstRef):
         return a == b
-    return literal_equal(a, b)
+    return same_arg(a, b)
 
 
 class Matcher:
@@ -218,7 +197,7 @@ class Matcher:
         elif isinstance(p, PWild):
             yield env
         elif isinstance(p, (PLit, PDefault)):
-            if literal_equal(p.value, operand):
+            if same_arg(p.value, operand):
                 yield env
         elif isinstance(p, PSeq):
             if isinstance(operand, (list, tuple)) and len(operand) == len(p.items):
@@ -252,7 +231,7 @@ class Matcher:
         recursion only for nested calls and sequences. Same results as the
         interpreter (``compiled=False``), which tests compare."""
         for name, value in alt.literals:
-            if not literal_equal(value, args[name]):
+            if not same_arg(value, args[name]):
                 return
         for name, var in alt.variables:
             operand = args[name]
@@ -282,15 +261,9 @@ class Matcher:
     @staticmethod
     def _arg_orders(alt: Any, bound: Any) -> Iterator[tuple]:
         yield alt.args
-        opdef = alt.opdef
-        if not opdef.commutative:
-            return
-        names = [p.name for p in opdef.params if p.tensor][:2]
-        if len(names) < 2 or not literal_equal(bound.args.get("alpha", 1), 1):
-            return
-        a, b = names
-        swap = {a: b, b: a}
-        yield tuple((swap.get(name, name), pat) for name, pat in alt.args)
+        swapped = alt.opdef.commuted(alt.args)
+        if swapped is not None and same_arg(bound.args.get("alpha", 1), 1):  # x + 2*y does not commute
+            yield swapped
 
     def _match_args(self, pairs: tuple, env: dict) -> Iterator[dict]:
         if not pairs:
@@ -420,7 +393,7 @@ def _contains(a: Any, b: Any) -> bool:
 
 
 _COMPARE = {
-    "==": lambda a, b: literal_equal(a, b) if not isinstance(a, Value) else _same_operand(a.operand, getattr(b, "operand", b)),
+    "==": lambda a, b: same_arg(a, b) if not isinstance(a, Value) else _same_operand(a.operand, getattr(b, "operand", b)),
     "!=": lambda a, b: not _COMPARE["=="](a, b),
     "<": operator.lt,
     "<=": operator.le,

@@ -26,6 +26,7 @@ from torch import fx
 from rewrite.engine.compile import CompiledRule, PAlt, PCall, PDefault, PLit
 from rewrite.ops import forms_for_key
 from rewrite.ops.base import FunctionForm, MethodForm
+from rewrite.ops.forms import same_arg
 
 __all__ = ["build_prefilter"]
 
@@ -76,14 +77,8 @@ def _forms_at(alt: PAlt, key: Any) -> list:
 def _orders(alt: PAlt) -> list:
     """The argument orders the matcher tries: as written, and for commutative ops
     the first two tensor parameters swapped."""
-    orders = [alt.args]
-    if alt.opdef.commutative:
-        names = [p.name for p in alt.opdef.params if p.tensor][:2]
-        if len(names) == 2:
-            a, b = names
-            swap = {a: b, b: a}
-            orders.append(tuple((swap.get(name, name), pat) for name, pat in alt.args))
-    return orders
+    swapped = alt.opdef.commuted(alt.args)
+    return [alt.args] if swapped is None else [alt.args, swapped]
 
 
 def _needs(form: Any, order: tuple) -> tuple:
@@ -126,7 +121,6 @@ def _keys_of(pat: PCall) -> frozenset:
 
 
 def _checker(options: tuple) -> Prefilter:
-    from rewrite.engine.match import literal_equal
 
     def check(matcher: Any, node: fx.Node) -> bool:
         args, kwargs = node.args, node.kwargs
@@ -138,7 +132,7 @@ def _checker(options: tuple) -> Prefilter:
                     if need.keys is not None:
                         if not isinstance(value, fx.Node) or matcher.key(value) not in need.keys:
                             break
-                    elif value is not _ABSENT and not literal_equal(need.literal, value):
+                    elif value is not _ABSENT and not same_arg(need.literal, value):
                         break
                 else:
                     return True

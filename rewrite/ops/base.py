@@ -30,7 +30,7 @@ import attrs
 import torch.fx as fx
 
 __all__ = [
-    "REQUIRED", "Param", "OpDef", "ConstRef", "Bound", "Form", "FunctionForm",
+    "REQUIRED", "Param", "Instances", "OpDef", "ConstRef", "Bound", "Form", "FunctionForm",
     "MethodForm", "ModuleForm", "GetitemForm", "Emitter", "node_key", "bind_signature",
 ]
 
@@ -86,6 +86,32 @@ def node_key(node: fx.Node, gm: Any) -> Any:
 
 
 @attrs.frozen
+class Instances:
+    """How rule verification builds calls of an op (``rewrite.trust.instances``).
+
+    Attributes:
+        family: the generator that draws the op's arguments from the shapes it
+            is given (``"unary"``, ``"binary"``, ``"conv"``, ...); the families are
+            listed in ``rewrite.trust.instances.FAMILIES``. A new op of a known
+            shape names a family here and needs nothing else.
+        input_range: (lo, hi) of values drawn for its tensor operands: the op's
+            domain (``sqrt``: positive).
+        literals: ``(param, values)`` pairs: attribute values verification samples
+            (``("eps", (1e-5, 1e-3))``). A tuple of values is sampled from; ``bool``
+            draws both truth values.
+        operand_ranges: ``(param, range)`` pairs the equivalence check keeps its
+            random inputs in when a placeholder feeds that operand: ``"positive"``
+            (a running variance) or ``"index:<param>"`` (an index below the row
+            count of that operand: an embedding's indices).
+    """
+
+    family: str
+    input_range: tuple = (-4.0, 4.0)
+    literals: tuple = ()
+    operand_ranges: tuple = ()
+
+
+@attrs.frozen
 class OpDef:
     """A canonical op.
 
@@ -102,6 +128,8 @@ class OpDef:
         writes: ``(param, flag)`` pairs: parameters the emitted op writes in place,
             when parameter ``flag`` is true (None: always); ``batch_norm`` writes
             its running statistics in training mode. See ``rewrite.ops.effects``.
+        instances: how verification builds calls of it (``Instances``); None: no
+            generator (rules matching it are reported unverified).
     """
 
     name: str
@@ -113,10 +141,27 @@ class OpDef:
     doc: str = ""
     writes: tuple = ()
     qualified: bool = False
+    instances: Instances | None = None
 
     @functools.cached_property
     def param_names(self) -> tuple:
         return tuple(p.name for p in self.params)
+
+    @functools.cached_property
+    def _commuting(self) -> dict | None:
+        names = [p.name for p in self.params if p.tensor][:2]
+        if not self.commutative or len(names) < 2:
+            return None
+        return {names[0]: names[1], names[1]: names[0]}
+
+    def commuted(self, args: tuple) -> tuple | None:
+        """``(name, value)`` pairs with the two commuting operands swapped (the first
+        two tensor parameters of a commutative op); None when the op does not commute.
+        The one place the matcher and its prefilter learn argument orders from."""
+        swap = self._commuting
+        if swap is None:
+            return None
+        return tuple((swap.get(name, name), value) for name, value in args)
 
     def param(self, name: str) -> Param | None:
         for p in self.params:

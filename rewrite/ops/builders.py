@@ -158,16 +158,22 @@ def _emitter(opdef_ref: list, spec: Any, dialect: str) -> Emitter:
 
 
 def op(name: str, signature: str, *specs: Any, torch: Any, aten: Any, commutative: bool = False,
-       elementwise: bool = False, doc: str = "", writes: tuple = ()) -> OpDef:
+       elementwise: bool = False, doc: str = "", writes: tuple = (), instances: Any = None) -> OpDef:
     """One canonical op: its signature (``"input: T, other: T, alpha=1"``), its
     surfaces, and how to emit it in each dialect (a qualified name of one of its
-    ``fn``/``method`` surfaces, or ``f(args, facts) -> name`` or ``(name, args)``)."""
+    ``fn``/``method`` surfaces, or ``f(args, facts) -> name`` or ``(name, args)``),
+    and how verification builds calls of it (``instances``: an ``Instances``, or a
+    family name)."""
+    if isinstance(instances, str):
+        instances = Instances(instances)
     return make_op(name, _params(signature), specs, torch=torch, aten=aten,
-                   commutative=commutative, elementwise=elementwise, doc=doc, writes=writes)
+                   commutative=commutative, elementwise=elementwise, doc=doc, writes=writes,
+                   instances=instances)
 
 
 def make_op(name: str, params: tuple, specs: Any, *, torch: Any, aten: Any, commutative: bool = False,
-            elementwise: bool = False, doc: str = "", writes: tuple = (), qualified: bool = False) -> OpDef:
+            elementwise: bool = False, doc: str = "", writes: tuple = (), qualified: bool = False,
+            instances: Any = None) -> OpDef:
     """``op`` with the signature given as ``Param``s and ``specs`` as a list of spec lists."""
     by_name = {p.name: p for p in params}
     forms, seen = [], {}
@@ -184,7 +190,7 @@ def make_op(name: str, params: tuple, specs: Any, *, torch: Any, aten: Any, comm
     ref: list = []
     opdef = OpDef(name, params, commutative, elementwise, tuple(forms),
                   {"torch": _emitter(ref, torch, "torch"), "aten": _emitter(ref, aten, "aten")}, doc,
-                  tuple(writes), qualified)
+                  tuple(writes), qualified, instances)
     ref.append(opdef)
     targets = emittable(opdef.forms)
     for spec in (torch, aten):

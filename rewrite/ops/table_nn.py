@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 
 from rewrite.ops import modules
+from rewrite.ops.base import Instances
 from rewrite.ops.builders import fn, item, method, module, op
 from rewrite.ops.forms import EmitError
 from rewrite.ops.resolve import resolve
@@ -119,6 +120,7 @@ OPS = [
        fn("aten.convolution.default", "torch.convolution", guards={"transposed": False},
           ignore={"output_padding"}, fill={"output_padding": [0]}, convert=_CONV_LISTS),
        module("nn.Conv1d", "nn.Conv2d", "nn.Conv3d", extract=modules.conv),
+       instances=Instances("conv"),
        torch=_by_rank("torch.conv{}d", "torch.convolution"),
        aten=_by_rank("aten.conv{}d.default", "aten.convolution.default", "aten.conv{}d.padding"),
        doc="1d/2d/3d convolution (rank from the weight)"),
@@ -130,6 +132,7 @@ OPS = [
        fn("aten.conv_transpose1d.default", "aten.conv_transpose2d.input", "aten.conv_transpose3d.input"),
        fn("aten.convolution.default", "torch.convolution", guards={"transposed": True}, convert=_CONV_LISTS),
        module("nn.ConvTranspose1d", "nn.ConvTranspose2d", "nn.ConvTranspose3d", extract=modules.conv_transpose),
+       instances=Instances("conv_transpose"),
        torch=_by_rank("torch.conv_transpose{}d", "torch.convolution"),
        aten=_by_rank("aten.conv_transpose{}d.input", "aten.convolution.default",
                      rank_names={1: "aten.conv_transpose1d.default"}),
@@ -140,6 +143,7 @@ OPS = [
     op("linear", "input: T, weight: T, bias: T = None",
        fn("F.linear", "torch._C._nn.linear", "aten.linear.default"),
        module("nn.Linear", extract=modules.linear),
+       instances=Instances("linear"),
        torch="F.linear", aten="aten.linear.default",
        doc="y = x @ weight.T + bias (core ATen spells it addmm/mm + permute)"),
 
@@ -157,6 +161,7 @@ OPS = [
        item("aten._native_batch_norm_legit.default"),
        item("aten._native_batch_norm_legit.no_stats", fixed={"running_mean": None, "running_var": None}),
        item("aten.native_batch_norm.default"),
+       instances=Instances("batch_norm", literals=(("training", (False,)), ("momentum", (0.1, 0.01)), ("eps", (1e-5, 1e-3, 0.1))), operand_ranges=(("running_var", "positive"),)),
        torch="F.batch_norm", aten="aten.batch_norm.default",
        writes=(("running_mean", "training"), ("running_var", "training")),
        doc="batch normalization (eval: running stats; training: batch stats, updates the running ones)"),
@@ -166,6 +171,7 @@ OPS = [
        fn("torch.layer_norm", "aten.layer_norm.default", ignore={"cudnn_enable"}, fill={"cudnn_enable": False}),
        item("aten.native_layer_norm.default"),
        module("nn.LayerNorm", extract=modules.layer_norm),
+       instances=Instances("layer_norm", literals=(("eps", (1e-5, 1e-3)),)),
        torch="F.layer_norm", aten="aten.layer_norm.default",
        doc="layer normalization over the trailing normalized_shape dims"),
 
@@ -174,6 +180,7 @@ OPS = [
        fn("torch.group_norm", "aten.group_norm.default", ignore={"cudnn_enabled"}, fill={"cudnn_enabled": False}),
        item("aten.native_group_norm.default", rename={"group": "num_groups"}, ignore={"N", "C", "HxW"}),
        module("nn.GroupNorm", extract=modules.group_norm),
+       instances=Instances("group_norm", literals=(("eps", (1e-5, 1e-3)),)),
        torch="F.group_norm", aten="aten.group_norm.default",
        doc="group normalization"),
 
@@ -181,30 +188,39 @@ OPS = [
     # In-place twins (F.relu(x, inplace=True), x.relu_(), aten.relu_) bind to the same
     # op; `rewrite.ops.vocabulary.mutates_input` tells them apart.
     op("relu", "input: T", standard("relu"), module("nn.ReLU", extract=modules.unary),
+       instances=Instances("unary"),
        torch="torch.relu", aten="aten.relu.default", elementwise=True, doc="max(x, 0)"),
     op("gelu", "input: T, approximate='none'", standard("gelu"), module("nn.GELU", extract=modules.gelu),
+       instances=Instances("unary", literals=(("approximate", ("none", "tanh")),)),
        torch="F.gelu", aten="aten.gelu.default", elementwise=True, doc="Gaussian error linear unit"),
     op("prelu", "input: T, weight: T",
        fn("F.prelu", "torch.prelu", sig="input, weight"), fn("aten.prelu.default"),  # not _prelu_kernel: it broadcasts weight elementwise
        module("nn.PReLU", extract=modules.prelu),
+       instances=Instances("prelu"),
        torch="F.prelu", aten="aten.prelu.default", doc="max(x, 0) + weight * min(x, 0), weight per channel"),
     op("silu", "input: T", standard("silu"), module("nn.SiLU", extract=modules.unary),
+       instances=Instances("unary"),
        torch="F.silu", aten="aten.silu.default", elementwise=True, doc="x * sigmoid(x)"),
     op("sigmoid", "input: T", standard("sigmoid"), module("nn.Sigmoid", extract=modules.unary),
+       instances=Instances("unary"),
        torch="torch.sigmoid", aten="aten.sigmoid.default", elementwise=True, doc="1 / (1 + exp(-x))"),
     op("tanh", "input: T", standard("tanh"), module("nn.Tanh", extract=modules.unary),
+       instances=Instances("unary"),
        torch="torch.tanh", aten="aten.tanh.default", elementwise=True, doc="hyperbolic tangent"),
     op("hardswish", "input: T", standard("hardswish"), module("nn.Hardswish", extract=modules.unary),
+       instances=Instances("unary"),
        torch="F.hardswish", aten="aten.hardswish.default", elementwise=True, doc="x * relu6(x + 3) / 6"),
     op("hardtanh", "input: T, min_val=-1.0, max_val=1.0", standard("hardtanh"),
        module("nn.Hardtanh", extract=modules.hardtanh),
        module("nn.ReLU6", extract=modules.hardtanh, named=False),  # a Hardtanh(0, 6) subclass
+       instances=Instances("unary", literals=(("min_val", (-1.0, 0.0, -2.0, -0.1, -1e5)), ("max_val", (1.0, 6.0, 2.0, 0.1, 1e5)))),
        torch="F.hardtanh", aten="aten.hardtanh.default", elementwise=True, doc="clamp(x, min_val, max_val)"),
     # relu6 is also hardtanh(x, 0, 6): nn.ReLU6 calls F.hardtanh, and export records that
     op("relu6", "input: T", standard("relu6"),
        fn("F.hardtanh", "aten.hardtanh.default", "aten.hardtanh_.default",
           guards={"min_val": 0.0, "max_val": 6.0}, named=False),
        module("nn.ReLU6", extract=modules.unary),
+       instances=Instances("unary"),
        torch="F.relu6", aten="aten.relu6.default", elementwise=True, doc="min(max(x, 0), 6)"),
 
     # ---- dropout and identity ------------------------------------------------
@@ -213,10 +229,12 @@ OPS = [
        fn("torch.dropout", "aten.dropout.default", rename={"train": "training"}),
        item("aten.native_dropout.default", rename={"train": "training"}),
        module("nn.Dropout", extract=modules.dropout),
+       instances=Instances("unary", literals=(("p", (0.0, 0.1, 0.5)), ("training", (False,)))),
        torch="F.dropout", aten="aten.dropout.default",
        doc="zero elements with probability p when training (identity otherwise)"),
     op("identity", "input: T",
        fn("aten.alias.default"), module("nn.Identity", extract=modules.unary),
+       instances=Instances("unary"),
        torch="aten.alias.default", aten="aten.alias.default", doc="returns its input"),
 
     # ---- pooling -------------------------------------------------------------
@@ -226,17 +244,20 @@ OPS = [
        fn("torch.max_pool2d", "aten.max_pool2d.default", convert=_POOL_STRIDE),
        item("aten.max_pool2d_with_indices.default", convert=_POOL_STRIDE),
        module("nn.MaxPool2d", extract=modules.max_pool2d),
+       instances=Instances("pool", literals=(("ceil_mode", bool),)),
        torch="F.max_pool2d", aten="aten.max_pool2d.default", doc="2d max pooling"),
     op("avg_pool2d",
        "input: T, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True, "
        "divisor_override=None",
        fn("F.avg_pool2d", "aten.avg_pool2d.default", convert=_POOL_STRIDE),
        module("nn.AvgPool2d", extract=modules.avg_pool2d),
+       instances=Instances("pool", literals=(("ceil_mode", bool), ("count_include_pad", bool))),
        torch="F.avg_pool2d", aten="aten.avg_pool2d.default", doc="2d average pooling"),
     op("adaptive_avg_pool2d", "input: T, output_size",
        fn("F.adaptive_avg_pool2d", "torch._C._nn.adaptive_avg_pool2d",
           "aten.adaptive_avg_pool2d.default", "aten._adaptive_avg_pool2d.default"),
        module("nn.AdaptiveAvgPool2d", extract=modules.adaptive_avg_pool2d),
+       instances=Instances("adaptive_pool"),
        torch="F.adaptive_avg_pool2d", aten="aten.adaptive_avg_pool2d.default",
        doc="2d average pooling to a fixed output size"),
 
@@ -249,11 +270,13 @@ OPS = [
        fn("torch.embedding", "aten.embedding.default", rename={"indices": "input"},
           convert={"padding_idx": (lambda v: None if v == -1 else v, _same)}),
        module("nn.Embedding", extract=modules.embedding),
+       instances=Instances("embedding", operand_ranges=(("input", "index:weight"),)),
        torch="F.embedding", aten=_embedding_aten, doc="rows of weight indexed by input"),
     op("scaled_dot_product_attention",
        "query: T, key: T, value: T, attn_mask: T = None, dropout_p=0.0, is_causal=False, "
        "scale=None, enable_gqa=False",
        fn("F.scaled_dot_product_attention", "aten.scaled_dot_product_attention.default"),
+       instances=Instances("attention"),
        torch="F.scaled_dot_product_attention", aten="aten.scaled_dot_product_attention.default",
        doc="softmax(q @ k.T * scale + mask) @ v"),
 ]

@@ -6,7 +6,8 @@ the pattern bottom-up into a fresh graph with the vocabulary's own emitters
 (``opdef.emit["torch"]`` or ``["aten"]``, drawn), so it is a graph the engine meets
 in practice: a symbolic_trace/dynamo spelling or a torch.export one.
 
-Per-op generators, keyed by canonical op name (``GENERATORS``), draw what the pattern
+Generator families (``FAMILIES``; an op names its family in its vocabulary entry,
+``OpDef.instances``, with its input range and attribute values), draw what the pattern
 leaves open so that shapes fit (a batch norm after a conv gets the conv's channel
 count; a linear's weight matches its input), attribute values (strides, groups,
 eps) and values (positive running variances). They also propose the values a rule's
@@ -40,11 +41,12 @@ Where-clause hints (``Plan``): ``produced_by(y, "conv", ...)``, ``dequantized(x)
 ``rank(x) == N`` and ``dtype(w) != torch.T`` shape what is drawn. Shapes drawn apart
 may coincide (``cat([to(a), to(b)])`` needs it).
 
-Adding an op: write ``@_gen("name") def _name(ctx, a): ...`` returning the values of
-the parameters it draws (``a.tensor``, ``a.optional``, ``a.lit`` keep what the pattern
-fixed; ``a.seed`` is the value a parent drew for this call, when it was deferred), or
-add its attribute strategies to ``_literal_strategies``. Ops outside the vocabulary are
-keyed by their qualified name (``"aten.slice"``, ``"F.pad"``, ``"torch.addbmm"``).
+Adding an op of a known shape: name its family in its table entry
+(``instances=Instances("unary", input_range=(0.25, 4.0))``). A new shape: write
+``@_family("name") def _name(ctx, a): ...`` returning the values of the parameters it
+draws (``a.tensor``, ``a.optional``, ``a.lit`` keep what the pattern fixed; ``a.seed``
+is the value a parent drew for this call, when it was deferred). Qualified ops outside
+the vocabulary map to a family in ``OUTSIDE_VOCABULARY``.
 
 Needs ``hypothesis`` (a test extra), imported on first use.
 """
@@ -63,7 +65,8 @@ from rewrite.engine.compile import DTYPES, CompiledRule, PCall, PDefault, PLit, 
 from rewrite.language import ast
 from rewrite.ops.base import REQUIRED
 
-__all__ = ["Instance", "GENERATORS", "instances", "rule_tolerance", "Plan", "plan_for", "draw_instance",
+__all__ = ["Instance", "FAMILIES", "OUTSIDE_VOCABULARY", "literal_strategy", "generator_for", "instances",
+           "rule_tolerance", "Plan", "plan_for", "draw_instance",
            "hypothesis_api", "strategies"]
 
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -271,7 +274,7 @@ def _pattern_ops(p: Any) -> list:
     while todo:
         p = todo.pop()
         if isinstance(p, PCall):
-            gens = [(alt.opdef.name, _generator(alt.opdef)) for alt in p.alts]
+            gens = [(alt.opdef.name, generator_for(alt.opdef)) for alt in p.alts]
             if not any(g for _, g in gens):
                 out += gens
             else:
@@ -361,8 +364,10 @@ class _Args:
     pattern, nested calls, literals) and ``_FREE`` ones the generator draws."""
 
     def __init__(self, ctx: _Ctx, op: str, given: dict, producers: dict, seed: Any = None,
-                 variables: dict | None = None, plan: Plan | None = None) -> None:
+                 variables: dict | None = None, plan: Plan | None = None, spec: Any = None) -> None:
         self.ctx, self.op, self.given, self.producers = ctx, op, given, producers
+        # the op's domain, from its vocabulary entry (sqrt: positive)
+        self.input_range = spec.input_range if spec is not None else (-4.0, 4.0)
         # the value a parent drew for this call's output (see _Builder.call: deferred)
         self.seed = seed
         self.variables, self.plan = variables or {}, plan
@@ -441,58 +446,41 @@ def _rank(v: Any) -> int:
     return len(s)
 
 
-GENERATORS: dict = {}
+#: generator family -> function(ctx, args) -> {param: value}. An op names its family
+#: in its vocabulary entry (``OpDef.instances``); see ``rewrite.ops.base.Instances``.
+FAMILIES: dict = {}
+#: qualified ops outside the vocabulary (no table entry to carry a family) -> family
+OUTSIDE_VOCABULARY = {
+    "aten.slice": "slice", "F.pad": "pad", "aten.pad": "pad", "aten.constant_pad_nd": "pad",
+    "torch.constant_pad_nd": "pad", "torch.addbmm": "addbmm", "aten.addbmm": "addbmm",
+    "torch.fake_quantize_per_tensor_affine": "fake_quantize",
+    "aten.fake_quantize_per_tensor_affine": "fake_quantize",
+}
 
 
-def _gen(*names: str) -> Callable:
+def _family(name: str) -> Callable:
     def deco(fn: Callable) -> Callable:
-        for n in names:
-            GENERATORS[n] = fn
+        FAMILIES[name] = fn
         return fn
     return deco
 
 
-def _literal_strategies() -> dict:
-    """(op, param) -> strategy for attribute values no generator derives from shapes."""
-    st = strategies()
-    alpha = st.sampled_from([1, 2, -1, 0.5])
-    return {
-        ("gelu", "approximate"): st.sampled_from(["none", "tanh"]),
-        ("dropout", "p"): st.sampled_from([0.0, 0.1, 0.5]),
-        ("dropout", "training"): st.just(False),
-        # bounds a model writes, some not representable in a narrower float (0.1,
-        # 1e-6), some past float16's range (1e5)
-        ("hardtanh", "min_val"): st.sampled_from([-1.0, 0.0, -2.0, -0.1, -1e5]),
-        ("hardtanh", "max_val"): st.sampled_from([1.0, 6.0, 2.0, 0.1, 1e5]),
-        ("clamp", "min"): st.sampled_from([None, -1.0, 0.0, 1e-6, 1e5]),
-        ("clamp", "max"): st.sampled_from([None, 1.0, 2.0, 0.1, -1e5]),
-        ("add", "alpha"): alpha,
-        ("sub", "alpha"): alpha,
-        ("div", "rounding_mode"): st.sampled_from([None, "trunc", "floor"]),
-        ("batch_norm", "training"): st.just(False),
-        ("batch_norm", "momentum"): st.sampled_from([0.1, 0.01]),
-        ("batch_norm", "eps"): st.sampled_from([1e-5, 1e-3, 0.1]),
-        ("layer_norm", "eps"): st.sampled_from([1e-5, 1e-3]),
-        ("group_norm", "eps"): st.sampled_from([1e-5, 1e-3]),
-        ("addmm", "beta"): st.sampled_from([1, 0.5]),
-        ("addmm", "alpha"): st.sampled_from([1, 2]),
-        ("baddbmm", "beta"): st.sampled_from([1, 0.5]),
-        ("baddbmm", "alpha"): st.sampled_from([1, 2]),
-        ("mean", "keepdim"): st.booleans(),
-        ("max_pool2d", "ceil_mode"): st.booleans(),
-        ("avg_pool2d", "ceil_mode"): st.booleans(),
-        ("avg_pool2d", "count_include_pad"): st.booleans(),
-    }
+def literal_strategy(spec: Any, param: str) -> Any:
+    """The hypothesis strategy for an attribute literal of an op, from the values its
+    vocabulary entry lists (``Instances.literals``); None when it lists none."""
+    if spec is None:
+        return None
+    for name, values in spec.literals:
+        if name == param:
+            st = strategies()
+            return st.booleans() if values is bool else st.sampled_from(list(values))
+    return None
 
 
-_POSITIVE = {"sqrt", "rsqrt", "reciprocal"}
-
-
-@_gen("relu", "gelu", "silu", "sigmoid", "tanh", "hardswish", "relu6", "hardtanh", "neg", "abs", "exp",
-      "sqrt", "rsqrt", "reciprocal", "clamp", "identity", "dropout", "contiguous", "clone")
+@_family("unary")
 def _unary(ctx: _Ctx, a: _Args) -> dict:
-    lo = 0.25 if a.op in _POSITIVE else -4.0
-    return {"input": a.tensor("input", ctx.shape, lo=lo)}
+    lo, hi = a.input_range
+    return {"input": a.tensor("input", ctx.shape, lo=lo, hi=hi)}
 
 
 def _operand_like(ctx: _Ctx, a: _Args, shape: tuple) -> Any:
@@ -503,7 +491,7 @@ def _operand_like(ctx: _Ctx, a: _Args, shape: tuple) -> Any:
     return a.fresh({"same": shape, "suffix": shape[1:], "0-dim": ()}[kind])
 
 
-@_gen("add", "sub", "mul", "div", "pow")
+@_family("binary")
 def _binary(ctx: _Ctx, a: _Args) -> dict:
     first, second = ("input", "exponent") if a.op == "pow" else ("input", "other")
     x, y = a.get(first), a.get(second)
@@ -541,14 +529,14 @@ def _permutation(ctx: _Ctx, a: _Args, rank: int) -> tuple:
     return tuple(ctx.draw(strategies().permutations(range(rank))))
 
 
-@_gen("permute")
+@_family("permute")
 def _permute(ctx: _Ctx, a: _Args) -> dict:
     dims = a.get("dims")
     x = a.tensor("input", lambda: ctx.shape(1, 4) if dims is _FREE else ctx.shape(len(dims), len(dims)))
     return {"input": x, "dims": a.lit("dims", lambda: _permutation(ctx, a, _rank(x)))}
 
 
-@_gen("transpose")
+@_family("transpose")
 def _transpose(ctx: _Ctx, a: _Args) -> dict:
     x = a.tensor("input", lambda: ctx.shape(1, 4))
     r = _rank(x)
@@ -569,7 +557,7 @@ def _transpose(ctx: _Ctx, a: _Args) -> dict:
     return {"input": x, "dim0": a.lit("dim0", lambda: d0), "dim1": a.lit("dim1", lambda: d1)}
 
 
-@_gen("getitem")
+@_family("getitem")
 def _getitem(ctx: _Ctx, a: _Args) -> dict:
     x = a.tensor("input", lambda: ctx.shape(1, 3))
     return {"input": x, "index": a.lit("index", lambda: _index(ctx, _shape(x) or ()))}
@@ -597,7 +585,7 @@ def _index(ctx: _Ctx, shape: tuple) -> Any:
     return (None, one(shape[0]))
 
 
-@_gen("select")
+@_family("select")
 def _select(ctx: _Ctx, a: _Args) -> dict:
     x = a.tensor("input", lambda: ctx.shape(1, 4))
     r = _rank(x)
@@ -608,7 +596,7 @@ def _select(ctx: _Ctx, a: _Args) -> dict:
     return {"input": x, "dim": dim, "index": a.lit("index", lambda: ctx.int(-n, n - 1))}
 
 
-@_gen("aten.slice")
+@_family("slice")
 def _slice(ctx: _Ctx, a: _Args) -> dict:
     """``aten.slice(x, dim, start, end, step)``: export's spelling of ``x[a:b:c]``
     (bounds past the ends are clamped)."""
@@ -622,7 +610,7 @@ def _slice(ctx: _Ctx, a: _Args) -> dict:
             "step": a.lit("step", lambda: ctx.pick([1, 2]))}
 
 
-@_gen("F.pad", "aten.pad", "aten.constant_pad_nd", "torch.constant_pad_nd")
+@_family("pad")
 def _pad(ctx: _Ctx, a: _Args) -> dict:
     """Padding amounts (last dim first) for up to three dims, cropping too; a pad
     the where clause wants symmetric (``symmetric_pad(x, p)``) pads exactly the
@@ -661,7 +649,7 @@ def _tensor_list(ctx: _Ctx, a: _Args, min_rank: int) -> tuple:
     return items, (_shape(known) if known is not None else ctx.shape(min_rank, 3))
 
 
-@_gen("stack")
+@_family("stack")
 def _stack(ctx: _Ctx, a: _Args) -> dict:
     items, shape = _tensor_list(ctx, a, min_rank=0)
     out = [a.fresh(shape) if t is _FREE else t for t in items]
@@ -670,7 +658,7 @@ def _stack(ctx: _Ctx, a: _Args) -> dict:
             "dim": a.lit("dim", lambda: ctx.int(-r - 1, r))}
 
 
-@_gen("prelu")
+@_family("prelu")
 def _prelu(ctx: _Ctx, a: _Args) -> dict:
     """A weight of one slope, or one per channel (dim 1; nn.PReLU(num_parameters=C))."""
     x = a.tensor("input", lambda: ctx.shape(1, 4))
@@ -679,7 +667,7 @@ def _prelu(ctx: _Ctx, a: _Args) -> dict:
     return {"input": x, "weight": a.tensor("weight", lambda: (ctx.pick([1, c]),), lo=-1.0, hi=1.0)}
 
 
-@_gen("scaled_dot_product_attention")
+@_family("attention")
 def _sdpa(ctx: _Ctx, a: _Args) -> dict:
     """q (..., L, E), k (..., S, E), v (..., S, Ev); no mask, a bool mask (True:
     attend) or a float one added to the scores, broadcast over the batch dims;
@@ -712,7 +700,7 @@ def _sdpa(ctx: _Ctx, a: _Args) -> dict:
             "enable_gqa": a.lit("enable_gqa", lambda: False)}
 
 
-@_gen("t")
+@_family("t")
 def _t(ctx: _Ctx, a: _Args) -> dict:
     return {"input": a.tensor("input", lambda: ctx.shape(1, 2))}
 
@@ -727,13 +715,13 @@ def _target_shape(ctx: _Ctx, shape: tuple) -> tuple:
     return ctx.pick(options)
 
 
-@_gen("reshape", "view")
+@_family("reshape")
 def _reshape(ctx: _Ctx, a: _Args) -> dict:
     x = a.tensor("input", lambda: ctx.shape(1, 4))
     return {"input": x, "shape": a.lit("shape", lambda: _target_shape(ctx, _shape(x) or ()))}
 
 
-@_gen("flatten")
+@_family("flatten")
 def _flatten(ctx: _Ctx, a: _Args) -> dict:
     x = a.tensor("input", lambda: ctx.shape(1, 4))
     r = max(_rank(x), 1)
@@ -741,21 +729,21 @@ def _flatten(ctx: _Ctx, a: _Args) -> dict:
     return {"input": x, "start_dim": start, "end_dim": a.lit("end_dim", lambda: ctx.pick([-1, r - 1]))}
 
 
-@_gen("unsqueeze")
+@_family("unsqueeze")
 def _unsqueeze(ctx: _Ctx, a: _Args) -> dict:
     x = a.tensor("input", lambda: ctx.shape(0, 3))
     r = _rank(x)
     return {"input": x, "dim": a.lit("dim", lambda: ctx.int(-r - 1, r))}
 
 
-@_gen("squeeze")
+@_family("squeeze")
 def _squeeze(ctx: _Ctx, a: _Args) -> dict:
     x = a.tensor("input", lambda: ctx.shape(1, 4, dim_hi=2))
     r = _rank(x)
     return {"input": x, "dim": a.lit("dim", lambda: ctx.pick([None, ctx.int(-r, r - 1)]))}
 
 
-@_gen("expand")
+@_family("expand")
 def _expand(ctx: _Ctx, a: _Args) -> dict:
     x = a.tensor("input", lambda: ctx.shape(1, 3, dim_hi=2))
     shape = _shape(x) or ()
@@ -763,7 +751,7 @@ def _expand(ctx: _Ctx, a: _Args) -> dict:
     return {"input": x, "size": a.lit("size", lambda: ctx.pick([shape, grown, (2, *shape)]))}
 
 
-@_gen("cat")
+@_family("cat")
 def _cat(ctx: _Ctx, a: _Args) -> dict:
     items, shape = _tensor_list(ctx, a, min_rank=1)
     dim = a.lit("dim", lambda: ctx.int(-len(shape), len(shape) - 1) if shape else 0)
@@ -790,7 +778,7 @@ _WIDER = {
 }
 
 
-@_gen("to")
+@_family("to")
 def _to(ctx: _Ctx, a: _Args) -> dict:
     x = a.tensor("input", ctx.shape)
     kind, prev = a.producer("input")
@@ -886,17 +874,17 @@ def _conv_common(ctx: _Ctx, a: _Args, transposed: bool) -> dict:
     return out
 
 
-@_gen("conv")
+@_family("conv")
 def _conv(ctx: _Ctx, a: _Args) -> dict:
     return _conv_common(ctx, a, transposed=False)
 
 
-@_gen("conv_transpose")
+@_family("conv_transpose")
 def _conv_transpose(ctx: _Ctx, a: _Args) -> dict:
     return _conv_common(ctx, a, transposed=True)
 
 
-@_gen("linear")
+@_family("linear")
 def _linear(ctx: _Ctx, a: _Args) -> dict:
     x, w = a.get("input"), a.get("weight")
     n_in = _shape(x)[-1] if _shape(x) else (_shape(w)[1] if _shape(w) else ctx.int(1, 4))
@@ -910,7 +898,7 @@ def _linear(ctx: _Ctx, a: _Args) -> dict:
     return {"input": x, "weight": a.tensor("weight", (n_out, n_in)), "bias": a.optional("bias", (n_out,))}
 
 
-@_gen("batch_norm")
+@_family("batch_norm")
 def _batch_norm(ctx: _Ctx, a: _Args) -> dict:
     x = a.tensor("input", lambda: ctx.shape(2, 4))
     s = _shape(x)
@@ -922,7 +910,7 @@ def _batch_norm(ctx: _Ctx, a: _Args) -> dict:
             "weight": a.optional("weight", c), "bias": a.optional("bias", c)}
 
 
-@_gen("layer_norm")
+@_family("layer_norm")
 def _layer_norm(ctx: _Ctx, a: _Args) -> dict:
     x = a.tensor("input", lambda: ctx.shape(1, 4))
     s = _shape(x) or ()
@@ -931,7 +919,7 @@ def _layer_norm(ctx: _Ctx, a: _Args) -> dict:
             "weight": a.optional("weight", tuple(shape)), "bias": a.optional("bias", tuple(shape))}
 
 
-@_gen("group_norm")
+@_family("group_norm")
 def _group_norm(ctx: _Ctx, a: _Args) -> dict:
     groups = a.get("num_groups")
     g = groups if isinstance(groups, int) else ctx.int(1, 2)
@@ -941,18 +929,31 @@ def _group_norm(ctx: _Ctx, a: _Args) -> dict:
             "weight": a.optional("weight", c), "bias": a.optional("bias", c)}
 
 
-@_gen("softmax")
+@_family("softmax")
 def _softmax(ctx: _Ctx, a: _Args) -> dict:
     x = a.tensor("input", lambda: ctx.shape(1, 4))
     r = _rank(x)
     return {"input": x, "dim": a.lit("dim", lambda: ctx.int(-r, r - 1) if r else 0)}
 
 
-@_gen("mean")
-def _mean(ctx: _Ctx, a: _Args) -> dict:
+@_family("reduce")
+def _reduce(ctx: _Ctx, a: _Args) -> dict:
     x = a.tensor("input", lambda: ctx.shape(1, 4))
     r = _rank(x)
     return {"input": x, "dim": a.lit("dim", lambda: ctx.pick([None, ctx.int(-r, r - 1) if r else 0]))}
+
+
+@_family("embedding")
+def _embedding(ctx: _Ctx, a: _Args) -> dict:
+    """Rows of a float table picked by int64 indices below its row count."""
+    weight = a.tensor("weight", lambda: (ctx.int(1, 5), ctx.int(1, 4)))
+    rows = (_shape(weight) or (0,))[0]
+    indices = a.get("input")
+    if indices is _FREE:
+        shape = ctx.shape(1, 2)
+        indices = ctx.tensor(shape, 0, max(rows - 1, 0), dtype=torch.int64)
+    return {"input": indices, "weight": weight,
+            "padding_idx": a.lit("padding_idx", lambda: ctx.pick([None, ctx.int(0, max(rows - 1, 0))]))}
 
 
 def _pool(ctx: _Ctx, a: _Args, adaptive: bool = False) -> dict:
@@ -964,12 +965,11 @@ def _pool(ctx: _Ctx, a: _Args, adaptive: bool = False) -> dict:
             "padding": a.lit("padding", lambda: 0 if k == 1 else ctx.pick([0, 1]))}
 
 
-GENERATORS["max_pool2d"] = _pool
-GENERATORS["avg_pool2d"] = _pool
-GENERATORS["adaptive_avg_pool2d"] = lambda ctx, a: _pool(ctx, a, adaptive=True)
+FAMILIES["pool"] = _pool
+FAMILIES["adaptive_pool"] = lambda ctx, a: _pool(ctx, a, adaptive=True)
 
 
-@_gen("mm", "matmul")
+@_family("mm")
 def _mm(ctx: _Ctx, a: _Args) -> dict:
     second = "mat2" if a.op == "mm" else "other"
     x, y = a.get("input"), a.get(second)
@@ -978,7 +978,7 @@ def _mm(ctx: _Ctx, a: _Args) -> dict:
     return {"input": x, second: a.tensor(second, lambda: (k, ctx.int(1, 4)))}
 
 
-@_gen("bmm")
+@_family("bmm")
 def _bmm(ctx: _Ctx, a: _Args) -> dict:
     x, y = a.get("input"), a.get("mat2")
     b, k = (_shape(x)[0], _shape(x)[2]) if _shape(x) else ((_shape(y)[0], _shape(y)[1]) if _shape(y)
@@ -987,7 +987,7 @@ def _bmm(ctx: _Ctx, a: _Args) -> dict:
     return {"input": x, "mat2": a.tensor("mat2", lambda: (b, k, ctx.int(1, 3)))}
 
 
-@_gen("addmm", "baddbmm")
+@_family("addmm")
 def _addmm(ctx: _Ctx, a: _Args) -> dict:
     m1, m2 = ("mat1", "mat2") if a.op == "addmm" else ("batch1", "batch2")
     inner = _mm if a.op == "addmm" else _bmm
@@ -999,7 +999,7 @@ def _addmm(ctx: _Ctx, a: _Args) -> dict:
     return {"input": bias, m1: prod["input"], m2: prod["mat2"]}
 
 
-@_gen("torch.addbmm", "aten.addbmm")
+@_family("addbmm")
 def _addbmm(ctx: _Ctx, a: _Args) -> dict:
     """input (n, p) or a broadcast of it, batch1 (b, n, m), batch2 (b, m, p)."""
     sub = _Args(ctx, "bmm", {"input": a.get("batch1"), "mat2": a.get("batch2")}, a.producers)
@@ -1013,7 +1013,7 @@ def _addbmm(ctx: _Ctx, a: _Args) -> dict:
 # ---------------------------------------------------------------- quantization
 
 
-@_gen("dequantize")
+@_family("dequantize")
 def _dequantize(ctx: _Ctx, a: _Args) -> dict:
     """A quantized input: the value the consumer drew (or a fresh one) quantized
     with torch's observers, per-tensor affine quint8 for activations, per-channel
@@ -1030,7 +1030,7 @@ def _dequantize(ctx: _Ctx, a: _Args) -> dict:
     return {"input": x}
 
 
-@_gen("quantize_per_tensor")
+@_family("quantize")
 def _quantize(ctx: _Ctx, a: _Args) -> dict:
     """Scale and zero point from torch's MinMaxObserver on the input (or half or
     twice that scale), or those of the quantized tensor the input was dequantized
@@ -1057,7 +1057,7 @@ def _quantize(ctx: _Ctx, a: _Args) -> dict:
             "dtype": dtype}
 
 
-@_gen("torch.fake_quantize_per_tensor_affine", "aten.fake_quantize_per_tensor_affine")
+@_family("fake_quantize")
 def _fake_quantize(ctx: _Ctx, a: _Args) -> dict:
     """What a calibrated observer stands for: scale and zero point from torch's
     MinMaxObserver over [quant_min, quant_max] (quint8 or qint8 ranges)."""
@@ -1087,15 +1087,20 @@ def _generic(opdef: Any) -> Callable | None:
     return gen
 
 
-def _generator(opdef: Any) -> Callable | None:
-    """The op's generator; ops outside the vocabulary (``aten.hardsigmoid``) get the
-    generic one when they can, vocabulary ops without a generator get none."""
+def generator_for(opdef: Any) -> Callable | None:
+    """The op's generator: its vocabulary entry's family; a qualified op outside the
+    vocabulary (``aten.hardsigmoid``) gets its listed family or the generic one when it
+    can; a vocabulary op without ``instances`` gets none (its rules go unverified)."""
     from rewrite.ops import op_names
 
-    found = GENERATORS.get(opdef.name)
-    if found is None and opdef.name not in op_names():
-        found = _generic(opdef)
-    return found
+    if opdef.instances is not None:
+        return FAMILIES[opdef.instances.family]
+    family = OUTSIDE_VOCABULARY.get(opdef.name)
+    if family is not None:
+        return FAMILIES[family]
+    if opdef.name not in op_names():
+        return _generic(opdef)
+    return None
 
 
 # ================================================================ building instances
@@ -1126,7 +1131,6 @@ class _Builder:
         self.producers: dict = {}  # id(tensor) -> (op name, arguments)
         self.env: dict = {}  # variable -> node or literal
         self.inputs: list = []
-        self.literals = _literal_strategies()
 
     # -- values the generator gets
 
@@ -1237,7 +1241,7 @@ class _Builder:
     # -- one call
 
     def call(self, p: PCall, seed: Any = None) -> fx.Node:
-        alts = [alt for alt in p.alts if _generator(alt.opdef) is not None]
+        alts = [alt for alt in p.alts if generator_for(alt.opdef) is not None]
         alt = self.ctx.pick(range(len(alts))) if len(alts) > 1 else 0
         alt = alts[alt]
         opdef, pats = alt.opdef, dict(alt.args)
@@ -1256,9 +1260,9 @@ class _Builder:
             inner = dict(pat.alts[0].args).get("input") if isinstance(pat, PCall) else None
             if isinstance(inner, PVar):
                 variables[name] = inner.name
-        args = _Args(self.ctx, opdef.name, given, self.producers, seed, variables, self.plan)
+        args = _Args(self.ctx, opdef.name, given, self.producers, seed, variables, self.plan, opdef.instances)
         try:
-            drawn = _generator(opdef)(self.ctx, args)
+            drawn = generator_for(opdef)(self.ctx, args)
         except (TypeError, ValueError, IndexError, KeyError, AttributeError, ZeroDivisionError,
                 RuntimeError) as err:
             # values the pattern fixed that the generator cannot build around
@@ -1267,7 +1271,7 @@ class _Builder:
         for param in opdef.params:
             v = drawn.get(param.name, given[param.name])
             if v is _FREE:
-                strategy = self.literals.get((opdef.name, param.name))
+                strategy = literal_strategy(opdef.instances, param.name)
                 if strategy is not None:
                     v = self.ctx.draw(strategy)
                 elif param.default is not REQUIRED:
