@@ -163,3 +163,34 @@ def test_domain_restricted_ops_are_also_drawn_outside_their_domain():
     assert ok.ok, ok.table()
     bad = rewrite.parse('rule exp_log(tolerance="approx"): exp(log(x)) where is_float(x) => x')
     assert [v.status for v in verify_rules(bad, max_examples=30, seed=0).verdicts] == ["counterexample"]
+
+
+def test_docs_reference_is_generated_from_the_registry_and_vocabulary():
+    """docs/language.md's op and function lists are ``rewrite.reference``'s output:
+    adding an op or a built-in function without regenerating them fails here
+    (fix: ``python -m rewrite.reference --write docs/language.md``)."""
+    from pathlib import Path
+
+    from rewrite.functions.registry import function_names
+    from rewrite.reference import reference_markdown, replace_reference
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "language.md").read_text(encoding="utf-8")
+    assert replace_reference(docs) == docs
+    section = reference_markdown()
+    assert all(f"| `{name}` |" in section for name in OPS)
+    for name in ("const", "is_float", "same_shape", "module_name", "conv_bn_weight", "minmax_observer"):
+        assert name in function_names() and f"| `{name}(" in section
+
+
+def test_module_name_query_reads_the_module_path():
+    """``module_name(x)`` (a registered query) gives the dotted path of the module a
+    value came from, so a rule can single out one layer."""
+    import rewrite
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4), torch.nn.ReLU())
+    x = torch.randn(2, 4)
+    rules = rewrite.parse('rule r: relu(x) where module_name(x) == "2" => clamp(x, 0.0, None)')
+    for gm in (torch.fx.symbolic_trace(model), torch.export.export(model, (x,)).module()):
+        result = rules.apply(gm, example_inputs=(x,))
+        assert result.counts.get("r") == 1
+        torch.testing.assert_close(result.graph_module(x), model(x))

@@ -26,7 +26,7 @@ import attrs
 
 __all__ = [
     "FunctionSpec", "register_predicate", "register_query", "register_constant",
-    "register_module", "lookup_function", "function_names", "KINDS",
+    "register_module", "lookup_function", "function_names", "KINDS", "BUILTIN_MODULES",
 ]
 
 KINDS = ("predicate", "query", "constant", "module")
@@ -127,7 +127,7 @@ def function_names(kind: str | None = None) -> list:
 
 
 #: Modules whose import registers built-in functions; one line per library area.
-_BUILTIN_MODULES = ("rewrite.functions.builtins", "rewrite.functions.amp", "rewrite.functions.quant",
+BUILTIN_MODULES = ("rewrite.functions.builtins", "rewrite.functions.amp", "rewrite.functions.quant",
                     "rewrite.functions.qat")
 
 
@@ -142,6 +142,6 @@ def _ensure_builtins() -> None:
         return
     import importlib
 
-    for name in _BUILTIN_MODULES:
+    for name in BUILTIN_MODULES:
         importlib.import_module(name)
     _builtins_loaded = True
