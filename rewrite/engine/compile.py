@@ -18,14 +18,16 @@ variables) so most failing candidates are rejected before any recursion.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import attrs
 import torch
 
+from rewrite.engine.dtypes import DTYPES
+from rewrite.engine.where import compile_where
 from rewrite.functions.registry import FunctionSpec, lookup_function
 from rewrite.language import ast
-from rewrite.language.parser import DTYPES as DTYPE_NAMES
 from rewrite.ops import OpDef, lookup_op
 from rewrite.ops.base import REQUIRED
 
@@ -39,12 +41,6 @@ class CompileError(Exception):
     """A rule that passed the checker but cannot be compiled (a bug or an unsupported
     construct); carries the rule's source position."""
 
-
-#: ``torch.<name>`` dtype literals: the parser's table of names (one table; the
-#: parser stays torch-free), each mapped to its torch dtype. A name this torch build
-#: lacks fails at load with a positioned error (``rewrite.language.check``).
-DTYPES = {name: getattr(torch, name) for name in sorted(DTYPE_NAMES)
-          if isinstance(getattr(torch, name, None), torch.dtype)}
 
 # ---------------------------------------------------------------- pattern records
 
@@ -156,8 +152,8 @@ class RModule:
 
 @attrs.frozen(eq=False)
 class CompiledRule:
-    """A rule ready to match: pattern tree, where clause (AST, interpreted),
-    replacement tree, and the root index keys."""
+    """A rule ready to match: pattern tree, where clause (AST, and the closure it
+    compiles to: ``where_fn(env, facts)``), replacement tree, and the root index keys."""
 
     name: str
     rule: ast.Rule
@@ -170,6 +166,12 @@ class CompiledRule:
     root_ops: frozenset  # canonical op names
     root_keys: frozenset  # node keys, for qualified (non-canonical) roots
     replacement_vars: frozenset  # variables the replacement uses (kept nodes)
+
+    @functools.cached_property
+    def where_fn(self) -> Any:
+        """The where clause compiled to a closure ``f(env, facts)`` (None: no clause);
+        ``compile_rule`` builds it, so matching never walks the AST."""
+        return None if self.where is None else compile_where(self.where)
 
     @property
     def location(self) -> str:
@@ -312,7 +314,7 @@ def compile_rule(rule: ast.Rule, order: int, families: dict) -> CompiledRule:
             root_ops.add(alt.opdef.name)
         else:
             root_keys.update(form.key for form in alt.opdef.forms)
-    return CompiledRule(
+    compiled = CompiledRule(
         name=rule.name,
         rule=rule,
         pattern=pattern,
@@ -325,3 +327,5 @@ def compile_rule(rule: ast.Rule, order: int, families: dict) -> CompiledRule:
         root_keys=frozenset(root_keys),
         replacement_vars=frozenset(rb.vars),
     )
+    compiled.where_fn  # noqa: B018 - compiled now, not on the first match
+    return compiled

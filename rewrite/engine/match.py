@@ -18,9 +18,9 @@ from typing import Any, Iterator
 import torch
 import torch.fx as fx
 
-from rewrite.engine.compile import DTYPES, CompiledRule, PCall, PDefault, PLit, PSeq, PVar, PWild
-from rewrite.engine.facts import GraphFacts, Value
-from rewrite.functions.registry import lookup_function
+from rewrite.engine.compile import CompiledRule, PCall, PDefault, PLit, PSeq, PVar, PWild
+from rewrite.engine.facts import GraphFacts
+from rewrite.engine.where import UNKNOWN, where_function
 from rewrite.language import ast
 from rewrite.engine.aliasing import alias_class, caller_owned, storage_base
 from rewrite.ops import bind_node, node_key
@@ -153,7 +153,7 @@ class Matcher:
 
     def match(self, rule: CompiledRule, node: fx.Node) -> Match | None:
         for env in self._match(rule.pattern, node, {_NODES: ()}):
-            if rule.where is not None and not self.where_holds(rule.where, env):
+            if rule.where_fn is not None and not self._holds(rule.where_fn, env):
                 continue
             if not rule.shared and self.interior_escape(rule, env) is not None:
                 continue
@@ -165,7 +165,7 @@ class Matcher:
         order ``match`` tries them, up to the one it takes (refusal None): what
         ``match`` decides, with the reason for each refusal (a ``Refusal``)."""
         for env in self._match(rule.pattern, node, {_NODES: ()}):
-            if rule.where is not None and not self.where_holds(rule.where, env):
+            if rule.where_fn is not None and not self._holds(rule.where_fn, env):
                 yield env, Refusal("where", self.failed_conjunct(rule.where, env))
                 continue
             escape = None if rule.shared else self.interior_escape(rule, env)
@@ -304,101 +304,12 @@ class Matcher:
         return where
 
     def where_holds(self, expr: Any, env: dict) -> bool:
-        """The where clause holds: True, not False and not unknown."""
+        """The where clause (or a part of it) holds: True, not False and not unknown.
+        ``expr`` runs as the closure it compiles to (``rewrite.engine.where``)."""
+        return self._holds(where_function(expr), env)
+
+    def _holds(self, where_fn: Any, env: dict) -> bool:
         try:
-            return self._eval(expr, env) is True
+            return where_fn(env, self.facts) is True
         except Exception:  # noqa: BLE001 - an undecidable constraint does not hold
             return False
-
-    def _eval(self, e: Any, env: dict) -> Any:
-        """Three-valued: a condition is True, False or ``UNKNOWN`` (a fact nobody
-        knows: a query or predicate that returned None). ``not UNKNOWN`` and any
-        comparison with an unknown side are ``UNKNOWN``, so a rule never fires on a
-        fact it could not establish, negated or not."""
-        if isinstance(e, ast.BoolOp):
-            values = [self._truth(self._eval(i, env)) for i in e.items]
-            decisive = False if e.op == "and" else True
-            if any(v is decisive for v in values):
-                return decisive
-            return UNKNOWN if any(v is UNKNOWN for v in values) else not decisive
-        if isinstance(e, ast.Not):
-            value = self._truth(self._eval(e.expr, env))
-            return value if value is UNKNOWN else not value
-        if isinstance(e, ast.Compare):
-            left, right = self._side(e.left, env), self._side(e.right, env)
-            if left is UNKNOWN or right is UNKNOWN:
-                return UNKNOWN
-            return bool(_COMPARE[e.op](left, right))
-        if isinstance(e, ast.Call):
-            spec = lookup_function(e.op.names[0])
-            args = [self._value(a, env) for a in e.args]
-            kwargs = {kw.name: self._value(kw.value, env) for kw in e.kwargs}
-            result = spec.fn(*args, **kwargs)
-            return UNKNOWN if result is None else result
-        if isinstance(e, ast.Index):
-            base = self._side(e.expr, env)
-            index = self._side(e.index, env)
-            if base is UNKNOWN or index is UNKNOWN:
-                return UNKNOWN
-            return base[index]
-        return self._value(e, env)
-
-    def _side(self, e: Any, env: dict) -> Any:
-        """A comparison operand as a plain value (literal None stays None: only a
-        fact nobody knows is UNKNOWN)."""
-        v = self._eval(e, env)
-        return v if v is UNKNOWN else _plain(v)
-
-    @staticmethod
-    def _truth(v: Any) -> Any:
-        if v is UNKNOWN:
-            return UNKNOWN
-        return bool(_plain(v))
-
-    def _value(self, e: Any, env: dict) -> Any:
-        if isinstance(e, ast.Var):
-            return Value(env[e.name], self.facts)
-        if isinstance(e, ast.Literal):
-            return Value(e.value, self.facts)
-        if isinstance(e, ast.DTypeLit):
-            return Value(DTYPES[e.name], self.facts)
-        if isinstance(e, (ast.TupleLit, ast.ListLit)):
-            items = tuple(self._side(i, env) for i in e.items)
-            return UNKNOWN if any(i is UNKNOWN for i in items) else Value(items, self.facts)
-        return self._eval(e, env)
-
-
-class _Unknown:
-    """The truth value of a fact nobody knows."""
-
-    def __repr__(self) -> str:
-        return "UNKNOWN"
-
-    def __bool__(self) -> bool:  # never silently taken as True or False
-        raise TypeError("an unknown fact has no truth value")
-
-
-UNKNOWN: Any = _Unknown()
-
-
-def _plain(v: Any) -> Any:
-    """A comparable Python value: literals unwrapped from Value; graph values stay."""
-    if isinstance(v, Value):
-        return v.operand if v.is_literal else v
-    return v
-
-
-def _contains(a: Any, b: Any) -> bool:
-    return a in b
-
-
-_COMPARE = {
-    "==": lambda a, b: same_arg(a, b) if not isinstance(a, Value) else _same_operand(a.operand, getattr(b, "operand", b)),
-    "!=": lambda a, b: not _COMPARE["=="](a, b),
-    "<": operator.lt,
-    "<=": operator.le,
-    ">": operator.gt,
-    ">=": operator.ge,
-    "in": _contains,
-    "not in": lambda a, b: not _contains(a, b),
-}

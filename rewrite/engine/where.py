@@ -1,0 +1,193 @@
+"""Where clauses compiled to closures.
+
+A rule's ``where`` clause is turned once, when the rule is compiled, into nested
+Python closures ``f(env, facts) -> True | False | UNKNOWN``; matching calls them
+instead of walking the AST on every candidate. Registered functions are looked up at
+compile time too (the rule file was checked, so they exist).
+
+Semantics (three-valued, as docs/language.md states): a query or predicate that
+returns None is ``UNKNOWN``; ``not UNKNOWN`` and any comparison with an unknown side
+are ``UNKNOWN``; ``and`` is False if any side is False, else UNKNOWN if any is; ``or``
+dually. A rule fires only on True.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable
+
+from rewrite.engine.dtypes import DTYPES
+from rewrite.engine.facts import Value
+from rewrite.functions.registry import lookup_function
+from rewrite.language import ast
+from rewrite.ops.forms import same_arg
+
+__all__ = ["UNKNOWN", "compile_where", "where_function", "plain"]
+
+
+class _Unknown:
+    """The truth value of a fact nobody knows."""
+
+    def __repr__(self) -> str:
+        return "UNKNOWN"
+
+    def __bool__(self) -> bool:  # never silently taken as True or False
+        raise TypeError("an unknown fact has no truth value")
+
+
+UNKNOWN: Any = _Unknown()
+
+Compiled = Callable[[dict, Any], Any]
+
+
+def plain(v: Any) -> Any:
+    """A comparable Python value: literals unwrapped from Value; graph values stay."""
+    if isinstance(v, Value):
+        return v.operand if v.is_literal else v
+    return v
+
+
+def _same_operand(a: Any, b: Any) -> bool:
+    import torch.fx as fx
+
+    if isinstance(a, fx.Node) or isinstance(b, fx.Node):
+        if a is b:
+            return True
+    return same_arg(a, b)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, Value):
+        return _same_operand(a.operand, getattr(b, "operand", b))
+    return same_arg(a, b)
+
+
+_COMPARE = {
+    "==": _equal,
+    "!=": lambda a, b: not _equal(a, b),
+    "<": operator.lt,
+    "<=": operator.le,
+    ">": operator.gt,
+    ">=": operator.ge,
+    "in": lambda a, b: a in b,
+    "not in": lambda a, b: a not in b,
+}
+
+
+def _truth(v: Any) -> Any:
+    return UNKNOWN if v is UNKNOWN else bool(plain(v))
+
+
+def _side(f: Compiled) -> Compiled:
+    """A comparison operand as a plain value (a literal None stays None: only a fact
+    nobody knows is UNKNOWN)."""
+
+    def side(env: dict, facts: Any) -> Any:
+        v = f(env, facts)
+        return v if v is UNKNOWN else plain(v)
+    return side
+
+
+def _bool_op(op: str, items: list) -> Compiled:
+    decisive = op != "and"  # and: False decides; or: True decides
+    # `and` stops at the first False (a later conjunct that would raise makes the
+    # clause not hold either way); `or` evaluates every side, so a side that raises
+    # still makes the clause not hold, as it always has
+    stop = op == "and"
+
+    def bool_op(env: dict, facts: Any) -> Any:
+        unknown = decided = False
+        for item in items:
+            v = _truth(item(env, facts))
+            if v is UNKNOWN:
+                unknown = True
+            elif v is decisive:
+                if stop:
+                    return decisive
+                decided = True
+        if decided:
+            return decisive
+        return UNKNOWN if unknown else not decisive
+    return bool_op
+
+
+def _eval(e: Any) -> Compiled:
+    """Compile a condition (a where clause or a part of it)."""
+    if isinstance(e, ast.BoolOp):
+        return _bool_op(e.op, [_eval(i) for i in e.items])
+    if isinstance(e, ast.Not):
+        inner = _eval(e.expr)
+
+        def negate(env: dict, facts: Any) -> Any:
+            v = _truth(inner(env, facts))
+            return v if v is UNKNOWN else not v
+        return negate
+    if isinstance(e, ast.Compare):
+        left, right, compare = _side(_eval(e.left)), _side(_eval(e.right)), _COMPARE[e.op]
+
+        def comparison(env: dict, facts: Any) -> Any:
+            a, b = left(env, facts), right(env, facts)
+            if a is UNKNOWN or b is UNKNOWN:
+                return UNKNOWN
+            return bool(compare(a, b))
+        return comparison
+    if isinstance(e, ast.Call):
+        spec = lookup_function(e.op.names[0])
+        if spec is None:  # a checked rule names registered functions only
+            raise ValueError(f"unknown function {e.op.names[0]!r} in a where clause")
+        fn = spec.fn
+        args = [_value(a) for a in e.args]
+        kwargs = [(kw.name, _value(kw.value)) for kw in e.kwargs]
+
+        def call(env: dict, facts: Any) -> Any:
+            result = fn(*[a(env, facts) for a in args], **{k: v(env, facts) for k, v in kwargs})
+            return UNKNOWN if result is None else result
+        return call
+    if isinstance(e, ast.Index):
+        base, index = _side(_eval(e.expr)), _side(_eval(e.index))
+
+        def indexing(env: dict, facts: Any) -> Any:
+            b, i = base(env, facts), index(env, facts)
+            if b is UNKNOWN or i is UNKNOWN:
+                return UNKNOWN
+            return b[i]
+        return indexing
+    return _value(e)
+
+
+def _value(e: Any) -> Compiled:
+    """Compile an argument: variables and literals become ``Value``s."""
+    if isinstance(e, ast.Var):
+        name = e.name
+        return lambda env, facts: Value(env[name], facts)
+    if isinstance(e, ast.Literal):
+        literal = e.value
+        return lambda env, facts: Value(literal, facts)
+    if isinstance(e, ast.DTypeLit):
+        dtype = DTYPES[e.name]
+        return lambda env, facts: Value(dtype, facts)
+    if isinstance(e, (ast.TupleLit, ast.ListLit)):
+        items = [_side(_eval(i)) for i in e.items]
+
+        def sequence(env: dict, facts: Any) -> Any:
+            values = tuple(i(env, facts) for i in items)
+            return UNKNOWN if any(v is UNKNOWN for v in values) else Value(values, facts)
+        return sequence
+    return _eval(e)
+
+
+def compile_where(expr: Any) -> Compiled:
+    """``expr`` (a where clause's AST) as a closure ``f(env, facts)``."""
+    return _eval(expr)
+
+
+_CACHE: dict = {}
+
+
+def where_function(expr: Any) -> Compiled:
+    """The compiled closure of ``expr``, compiled once per AST node (rules keep their
+    where clause for their lifetime; the cache holds the node, so ids stay unique)."""
+    hit = _CACHE.get(id(expr))
+    if hit is None or hit[0] is not expr:
+        hit = _CACHE[id(expr)] = (expr, compile_where(expr))
+    return hit[1]
