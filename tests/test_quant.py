@@ -450,3 +450,12 @@ def test_quantize_a_model_with_integer_outputs():
     state = int8.meta["rewrite.quant"]
     assert state["qdq_agreement"] >= 0.9 and state["lower_counts"]
     assert int8(x).dtype == torch.int64 and int8(x).shape == (8,)
+
+
+def test_quantize_leaves_the_callers_training_mode_alone():
+    """prepare captures eval mode without switching the caller's model to eval."""
+    model, (x,) = resnet_tiny_with_inputs()
+    model.train()
+    observed = rq.prepare(model, (x,))
+    assert model.training and all(m.training for m in model.modules())
+    assert not any(m.training for m in observed.modules() if isinstance(m, torch.nn.BatchNorm2d))

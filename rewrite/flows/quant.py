@@ -167,7 +167,12 @@ def _capture(model: Any, example_inputs: tuple, capture: str) -> fx.GraphModule:
         return model
     if capture not in ("fx", "export"):
         raise ValueError(f"capture must be 'fx' or 'export', got {capture!r}")
-    return capture_at(model.eval(), example_inputs, capture)
+    if any(m.training for m in model.modules()):
+        # quantization captures eval mode; the caller's model keeps its own mode (a
+        # symbolic_trace graph shares submodules with it, so flipping them back after
+        # the capture would flip the graph too): capture an eval-mode copy
+        model = copy.deepcopy(model).eval()
+    return capture_at(model, example_inputs, capture)
 
 
 def _record_shapes(gm: fx.GraphModule, args: tuple) -> None:
