@@ -390,7 +390,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         args = _parser().parse_args(argv)
         run = functools.partial(args.fn, args)
-    from rewrite.capture import ModelSpecError
+    from rewrite.capture import ExportError, ModelSpecError
     from rewrite.language import RuleError
 
     try:
@@ -398,7 +398,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RuleError as err:
         print(str(err), file=sys.stderr)
         return 1
-    except ModelSpecError as err:
+    except (ModelSpecError, ExportError) as err:  # the user's model or result, not a bug here
         print(f"rewrite: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
