@@ -83,31 +83,9 @@ def _fq_config(mod: Any) -> tuple:
 
 
 def _merge_fake_quants(gm: fx.GraphModule) -> int:
-    """One fake quantizer per tensor: the input rules insert one per consumer, so a
-    fake quantizer of the same value (or of a fake quantizer's output) with the same
-    configuration as an earlier one is replaced by it. Returns how many were merged."""
-    merged = 0
-    first: dict = {}
-    for node in list(gm.graph.nodes):
-        if not is_fake_quant_node(node, gm):
-            continue
-        config = _fq_config(gm.get_submodule(node.target))
-        src = node.args[0]
-        if is_fake_quant_node(src, gm) and _fq_config(gm.get_submodule(src.target)) == config:
-            keep = src
-        else:
-            keep = first.get((src, config))
-        if keep is None:
-            first[(src, config)] = node
-            continue
-        node.replace_all_uses_with(keep)
-        gm.graph.erase_node(node)
-        merged += 1
-    if merged:
-        gm.delete_all_unused_submodules()
-        gm.graph.lint()
-        gm.recompile()
-    return merged
+    """One fake quantizer per tensor: the input rules insert one per consumer (see
+    ``rewrite.quant.merge_duplicate_points``)."""
+    return ptq.merge_duplicate_points(gm, is_fake_quant_node, _fq_config)
 
 
 def _capture(model: Any, args: tuple, capture: str) -> fx.GraphModule:

@@ -75,7 +75,7 @@ __all__ = [
     "prepare", "calibrate", "convert", "quantize", "accuracy_report", "sqnr", "QuantizationError",
     "QuantPoint", "LayerSQNR", "AccuracyReport", "quant_rules", "quantize_command",
     "add_quantize_arguments", "save", "BACKENDS", "coverage", "Coverage", "FloatLayer", "FORMS",
-    "export", "export_onnx", "run_onnx",
+    "export", "export_onnx", "run_onnx", "merge_duplicate_points",
 ]
 
 BACKENDS = ("x86", "onednn", "fbgemm")
@@ -192,32 +192,38 @@ def _observer_config(mod: Any) -> tuple:
             getattr(mod, "quant_max", None), getattr(mod, "bins", None))
 
 
-def _merge_observers(gm: fx.GraphModule) -> int:
-    """One observer per tensor: an observer that watches the same value as an
-    earlier one with the same configuration, or watches an observer's output, is
-    replaced by it. Returns how many were merged."""
+def merge_duplicate_points(gm: fx.GraphModule, is_point: Any, config: Any) -> int:
+    """One quantization point per tensor: a point module (``is_point(node, gm)``:
+    an observer, a fake quantizer) that watches the same value as an earlier one
+    with the same ``config(module)``, or watches such a point's output, is replaced
+    by it. Returns how many were merged."""
     merged = 0
     first: dict = {}
     for node in list(gm.graph.nodes):
-        if not is_observer_node(node, gm):
+        if not is_point(node, gm):
             continue
-        config = _observer_config(gm.get_submodule(node.target))
+        key = config(gm.get_submodule(node.target))
         src = node.args[0]
-        keep = None
-        if is_observer_node(src, gm) and _observer_config(gm.get_submodule(src.target)) == config:
+        if is_point(src, gm) and config(gm.get_submodule(src.target)) == key:
             keep = src
         else:
-            keep = first.get((src, config))
+            keep = first.get((src, key))
         if keep is None:
-            first[(src, config)] = node
+            first[(src, key)] = node
             continue
         node.replace_all_uses_with(keep)
         gm.graph.erase_node(node)
         merged += 1
     if merged:
         gm.delete_all_unused_submodules()
+        gm.graph.lint()
         gm.recompile()
     return merged
+
+
+def _merge_observers(gm: fx.GraphModule) -> int:
+    """One observer per tensor (see ``merge_duplicate_points``)."""
+    return merge_duplicate_points(gm, is_observer_node, _observer_config)
 
 
 def _reset_observer(mod: Any) -> None:
