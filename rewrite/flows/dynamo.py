@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import functools
 import hashlib
+import operator
 import re
 from pathlib import Path
 from typing import Any, Callable
@@ -331,10 +332,7 @@ def _has_attr(gm: fx.GraphModule, qualname: str) -> bool:
 
 
 def _fetch(gm: fx.GraphModule, qualname: str) -> Any:
-    obj: Any = gm
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj
+    return operator.attrgetter(qualname)(gm)
 
 
 @functools.lru_cache(maxsize=1)

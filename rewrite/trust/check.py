@@ -295,10 +295,7 @@ def _node_shape(node: Any, gm: fx.GraphModule) -> Optional[Tuple[int, ...]]:
 
 
 def _get_attr(gm: fx.GraphModule, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
+    return operator.attrgetter(target)(gm)
 
 
 def _operand_shape(value: Any, gm: fx.GraphModule) -> Optional[tuple]:
