@@ -459,3 +459,18 @@ def test_quantize_leaves_the_callers_training_mode_alone():
     observed = rq.prepare(model, (x,))
     assert model.training and all(m.training for m in model.modules())
     assert not any(m.training for m in observed.modules() if isinstance(m, torch.nn.BatchNorm2d))
+
+
+def test_inserted_observers_and_what_reads_them_carry_fake_values_on_export():
+    """New nodes' FakeTensor vals are settled lazily; observers (data-dependent
+    forwards, no fake run) take their input's, so the adds reading them get one and
+    convert's where clauses (dtype(x) == torch.float32) still hold on residual adds."""
+    model, (x,) = resnet_tiny_with_inputs()
+    observed = rq.prepare(model, (x,), capture="export", check=False)
+    missing = [n.name for n in observed.graph.nodes
+               if n.op in ("call_function", "call_module") and n.name != "_guards_fn" and "val" not in n.meta]
+    assert missing == []
+    rq.calibrate(observed, [(x,)])
+    int8 = rq.convert(observed, check=False)
+    assert int8.meta["rewrite.quant"]["lower_counts"].get("lower_add_relu", 0) + \
+        int8.meta["rewrite.quant"]["lower_counts"].get("lower_add", 0) > 0

@@ -8,6 +8,7 @@ plus the ``GraphFacts`` of the graph being rewritten.
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any
 
@@ -140,6 +141,25 @@ class GraphFacts:
                 self.meta(node, record=False)
             node.meta.pop(NEW_NODE_KEY, None)
 
+    def _callable(self, node: fx.Node, fake: bool) -> Any:
+        """What the node calls, runnable on fake or meta tensors: an inserted module
+        (an observer, a fake quantizer) is run as a copy whose tensors are fake (or on
+        the meta device), so inferring its output never touches its real state."""
+        if node.op != "call_module":
+            return node.target
+        module = self.gm.get_submodule(node.target)
+        from torch.ao.quantization import FakeQuantizeBase, ObserverBase
+
+        if isinstance(module, (ObserverBase, FakeQuantizeBase)):
+            # returns its input (their forward is data-dependent: no fake run)
+            return lambda x, *args, **kwargs: torch.empty_like(x)
+        if fake:
+            from torch._subclasses.fake_tensor import FakeCopyMode
+
+            with FakeCopyMode(self.fake_mode):
+                return copy.deepcopy(module)
+        return copy.deepcopy(module).to("meta")
+
     def _infer(self, node: fx.Node, record: bool) -> None:
         """Facts of a new call from its inputs' facts: a FakeTensor ``val`` in the
         graph's fake mode, else ``TensorFacts`` from running the op on meta tensors.
@@ -156,16 +176,17 @@ class GraphFacts:
         if self.fake_mode is not None:
             try:
                 env = {n: _fake(self.fake_mode, v) for n, v in zip(inputs, values)}
+                target = self._callable(node, fake=True)
                 with self.fake_mode:
                     args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
-                    node.meta["val"] = node.target(*args, **kwargs)
+                    node.meta["val"] = target(*args, **kwargs)
                 return
             except Exception:  # noqa: BLE001 - e.g. inputs from another fake mode: use meta tensors
                 pass
         try:
             env = {n: _on_meta(v) for n, v in zip(inputs, values)}
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
-            out = node.target(*args, **kwargs)
+            out = self._callable(node, fake=False)(*args, **kwargs)
         except Exception:  # noqa: BLE001 - facts are best-effort
             return
         metas = [m for m in metas if m is not None]

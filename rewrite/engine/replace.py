@@ -232,7 +232,7 @@ class Replacer:
         for key in _CARRIED_META:
             if key in root.meta:
                 node.meta[key] = root.meta[key]
-        if op == "call_function":
+        if op in ("call_function", "call_module"):
             self.facts.new_node(node)
         self._created.append(node)
         return node
