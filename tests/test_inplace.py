@@ -19,6 +19,7 @@ import rewrite.engine.facts
 from rewrite.capture import capture
 from rewrite.engine.driver import NonTerminationError, Schedule
 from rewrite.examples.cnn import demo_cnn_with_inputs, resnet_tiny_with_inputs
+from tests.test_transactions import BROKEN, Net
 
 
 @functools.lru_cache(maxsize=None)
@@ -164,25 +165,7 @@ def test_default_shares_tensors_and_never_writes_them(name, factory, level):
 # ---------------------------------------------------------------- rollback
 
 
-BROKEN = """
-import "fusion.rw"
-# wrong on purpose: sigmoid is not relu
-rule broken: sigmoid(x) => relu(x)
-"""
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3)
-        self.bn = nn.BatchNorm2d(4)
-        self.conv2 = nn.Conv2d(4, 4, 1)
-        self.bn2 = nn.BatchNorm2d(4)
-
-    def forward(self, x):
-        y = self.bn(self.conv(x))
-        y = torch.sigmoid(y)
-        return self.bn2(self.conv2(y))
+# the broken rule file and the model of the transaction tests (sigmoid -> relu is wrong)
 
 
 X = torch.randn(2, 3, 8, 8)

@@ -527,6 +527,8 @@ SAMPLES = {
     "neg": ({"input": _t(3)}, lambda a: -a["input"]),
     "abs": ({"input": _t(3)}, lambda a: a["input"].abs()),
     "exp": ({"input": _t(3)}, lambda a: a["input"].exp()),
+    "erf": ({"input": _t(3)}, lambda a: a["input"].erf()),
+    "log": ({"input": _t(3).abs() + 0.5}, lambda a: a["input"].log()),
     "sqrt": ({"input": _t(3).abs()}, lambda a: a["input"].sqrt()),
     "rsqrt": ({"input": _t(3).abs() + 1}, lambda a: 1 / a["input"].sqrt()),
     "reciprocal": ({"input": _t(3).abs() + 1}, lambda a: 1 / a["input"]),

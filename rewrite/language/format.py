@@ -229,17 +229,31 @@ def _layout(e: Any, col: int, prefix: str, suffix: str = "") -> list:
     return [text]
 
 
+_MIN_ROOM = 40  # columns after a call's ( below which its arguments hang
+
+
 def _layout_call(e: Any, col: int, prefix: str, suffix: str) -> list:
-    """Arguments packed greedily, continuation lines aligned after the ``(``."""
+    """Arguments packed greedily, continuation lines aligned after the ``(``; when
+    the ``(`` leaves less than ``_MIN_ROOM`` columns (a long qualified callee, deep
+    nesting), the arguments hang on the next lines, indented four from the call's
+    column. One layout per call, chosen before laying out the arguments: trying both
+    would double the work at every level of nesting."""
     callee = e.op.names[0] if len(e.op.names) == 1 else "(" + " | ".join(e.op.names) + ")"
     head = " " * col + prefix + callee + "("
-    inner = len(head)
     args = [("", a) for a in e.args] + [(f"{k.name}=", k.value) for k in e.kwargs]
     if e.rest:
         args.append(("", None))
     if not args:
         return [head + ")" + suffix]
-    lines, cur, fresh = [], head, True
+    hang = col + 4
+    if WIDTH - len(head) < _MIN_ROOM and len(head) > hang:  # one layout, decided up front
+        return [head] + _pack_args(args, " " * hang, hang, suffix, fresh=True)
+    return _pack_args(args, head, len(head), suffix, fresh=True)
+
+
+def _pack_args(args: list, cur: str, inner: int, suffix: str, fresh: bool) -> list:
+    """``args`` after ``cur`` (the head or an indent), continuation lines at ``inner``."""
+    lines = []
     for i, (kw, value) in enumerate(args):
         end = ")" + suffix if i == len(args) - 1 else ","
         piece = kw + ("..." if value is None else format_expr(value)) + end
