@@ -520,17 +520,22 @@ def convert(
                 raise QuantizationError(
                     f"the int8 model's integer outputs agree with its reference QDQ model on "
                     f"{agreement:.1%} of elements < {_MIN_AGREEMENT:.0%}")
-        db = min((sqnr(r, o) for r, o in pairs), default=math.inf)
-        state["qdq_sqnr"] = db
-        if db < min_qdq_sqnr:
-            raise QuantizationError(
-                f"the int8 model disagrees with its reference QDQ model: SQNR {db:.1f} dB "
-                f"< {min_qdq_sqnr} dB (lowering rules: {dict(low_result.counts)})")
+        state["qdq_sqnr"] = _require_sqnr(pairs, min_qdq_sqnr, "the int8 model",
+                                          f"lowering rules: {dict(low_result.counts)}")
     int8.meta[_META] = state
     if reference:
         qdq.meta[_META] = dict(state)
         return int8, qdq
     return int8
+
+
+def _require_sqnr(pairs: Any, floor: float, what: str, rules: str) -> float:
+    """The lowest SQNR of (reference, output) pairs; below ``floor`` it is an error."""
+    db = min((sqnr(r, o) for r, o in pairs), default=math.inf)
+    if db < floor:
+        raise QuantizationError(f"{what} disagrees with its reference QDQ model: SQNR {db:.1f} dB "
+                                f"< {floor} dB ({rules})")
+    return db
 
 
 def _convert_pt2e(gm: fx.GraphModule, args: Any, state: dict, points: list, convert_rules: Any,
@@ -544,12 +549,9 @@ def _convert_pt2e(gm: fx.GraphModule, args: Any, state: dict, points: list, conv
             warnings.simplefilter("ignore", UserWarning)  # quantized dtypes are deprecated
             ref = _as_rules(convert_rules, "convert").apply(gm, args, check=False).graph_module
         with torch.no_grad():
-            db = min((sqnr(r, o) for r, o in _float_pairs(ref(*args), pt2e(*args))), default=math.inf)
-        state["reference_sqnr"] = db
-        if db < min_sqnr:
-            raise QuantizationError(
-                f"the QDQ (PT2E) model disagrees with its reference QDQ model: SQNR {db:.1f} dB "
-                f"< {min_sqnr} dB (rules: {dict(result.counts)})")
+            pairs = _float_pairs(ref(*args), pt2e(*args))
+        state["reference_sqnr"] = _require_sqnr(pairs, min_sqnr, "the QDQ (PT2E) model",
+                                                f"rules: {dict(result.counts)}")
     pt2e.meta[_META] = state
     return pt2e
 

@@ -38,6 +38,7 @@ from rewrite.functions.quant import (
     FiniteMovingAverageMinMaxObserver,
     ops_of,
     passthrough_input,
+    reaches,
     vnni_available,
 )
 from rewrite.functions.registry import register_module, register_predicate
@@ -338,14 +339,7 @@ def fake_quantized(x: Value) -> bool:
     """``x`` comes out of a fake quantizer, directly or through passthrough ops
     (pooling, relu, reshapes, zero padding, dropout) that keep its quantization
     parameters."""
-    node, gm = x.node, x.facts.gm
-    for _ in range(64):
-        if node is None:
-            return False
-        if is_fake_quant_node(node, gm):
-            return True
-        node = _through(node, gm)
-    return False
+    return reaches(x.node, x.facts.gm, is_fake_quant_node, _through)
 
 
 @register_predicate()

@@ -52,7 +52,7 @@ __all__ = [
     "QuantizedBinary", "QuantizedCat", "QuantizedPad", "is_observer_node", "module_path", "module_type", "qparams_of",
     "passthrough_input", "vnni_available", "FiniteHistogramObserver", "FiniteMinMaxObserver",
     "FiniteMovingAverageMinMaxObserver", "conv_padding_ints", "conv_padding_problem",
-    "DECOMPOSED_QUANTIZE", "DECOMPOSED_DEQUANTIZE", "is_quantize", "is_dequantize",
+    "DECOMPOSED_QUANTIZE", "DECOMPOSED_DEQUANTIZE", "is_quantize", "is_dequantize", "reaches",
 ]
 
 #: Ops that run on quantized tensors with their input's scale and zero point: an
@@ -274,17 +274,23 @@ def produced_by(x: Value, *ops: Value) -> bool:
     return bool(set(ops_of(x.node, _gm(x))) & {o.literal for o in ops})
 
 
+def reaches(node: Any, gm: Any, hit: Any, step: Any = None, limit: int = 64) -> bool:
+    """``hit(node, gm)`` holds for ``node`` or for what it reads through at most
+    ``limit`` passthrough steps (``step(node, gm)``: ``passthrough_input`` unless given)."""
+    step = step or passthrough_input
+    for _ in range(limit):
+        if node is None:
+            return False
+        if hit(node, gm):
+            return True
+        node = step(node, gm)
+    return False
+
+
 @register_predicate()
 def dequantized(x: Value) -> bool:
     """``x`` is a ``dequantize`` output, directly or through passthrough ops."""
-    node, gm = x.node, _gm(x)
-    for _ in range(64):
-        if node is None:
-            return False
-        if is_dequantize(node, gm):
-            return True
-        node = passthrough_input(node, gm)
-    return False
+    return reaches(x.node, _gm(x), is_dequantize)
 
 
 @register_predicate()
