@@ -528,6 +528,8 @@ SAMPLES = {
     "abs": ({"input": _t(3)}, lambda a: a["input"].abs()),
     "exp": ({"input": _t(3)}, lambda a: a["input"].exp()),
     "erf": ({"input": _t(3)}, lambda a: a["input"].erf()),
+    "rms_norm": ({"input": _t(2, 3, 4), "normalized_shape": (4,), "weight": _t(4), "eps": 1e-6},
+                 lambda a: F.rms_norm(a["input"], [4], a["weight"], 1e-6)),
     "log": ({"input": _t(3).abs() + 0.5}, lambda a: a["input"].log()),
     "sqrt": ({"input": _t(3).abs()}, lambda a: a["input"].sqrt()),
     "rsqrt": ({"input": _t(3).abs() + 1}, lambda a: 1 / a["input"].sqrt()),

@@ -119,6 +119,11 @@ def layer_norm(module: Any, node: fx.Node, qualname: str) -> dict | None:
     )
 
 
+def rms_norm(module: Any, node: fx.Node, qualname: str) -> dict | None:
+    return _with_input(node, normalized_shape=tuple(module.normalized_shape),
+                       weight=_ref(module, qualname, "weight"), eps=module.eps)
+
+
 def group_norm(module: Any, node: fx.Node, qualname: str) -> dict | None:
     return _with_input(
         node, num_groups=module.num_groups, weight=_ref(module, qualname, "weight"),

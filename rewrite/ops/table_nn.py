@@ -175,6 +175,14 @@ OPS = [
        torch="F.layer_norm", aten="aten.layer_norm.default",
        doc="layer normalization over the trailing normalized_shape dims"),
 
+    # RMSNorm (torch >= 2.4): x * rsqrt(mean(x^2, trailing dims) + eps) * weight; eps=None is finfo(x).eps
+    op("rms_norm", "input: T, normalized_shape, weight: T = None, eps=None",
+       fn("F.rms_norm", "torch.rms_norm", "aten.rms_norm.default"),
+       module("nn.RMSNorm", extract=modules.rms_norm),
+       instances=Instances("layer_norm", literals=(("eps", (None, 1e-6, 1e-5)),)),
+       torch="F.rms_norm", aten="aten.rms_norm.default",
+       doc="root-mean-square normalization over the trailing normalized_shape dims"),
+
     op("group_norm", "input: T, num_groups, weight: T = None, bias: T = None, eps=1e-5",
        fn("F.group_norm"),
        fn("torch.group_norm", "aten.group_norm.default", ignore={"cudnn_enabled"}, fill={"cudnn_enabled": False}),
