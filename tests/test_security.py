@@ -32,6 +32,10 @@ NAMES = [
     "Tensor.__reduce_ex__", "aten.__dict__", "torch._C._get_tracing_state", "operator.attrgetter",
     "operator.methodcaller", "nn.Sequential", "torch.nn.modules.module.Module", "F.torch.load",
     "torch.from_file", "torch.frombuffer", "Tensor.tolist", "Tensor.numpy", "Tensor.storage",
+    # torch.library namespaces: torch's own (file readers, collectives, profiling), unregistered ones
+    "debugprims.load_tensor", "torch.ops.debugprims.load_tensor", "c10d.send", "torch.ops.c10d.barrier",
+    "profiler._record_function_enter", "torch.ops.higher_order.cond", "os.path.join", "mylib_not_loaded.f",
+    "torch.ops.aten.from_file",
 ]
 
 PLACES = {
@@ -157,6 +161,23 @@ FROM_FILE_RULE = (
     'rule r: relu(x) => add(clamp(x, 0.0), mul(aten.sum.default(aten.fill_.Scalar('
     'aten.from_file.default("{path}", True, 5, dtype=torch.uint8), 88)), 0))'
 )
+
+
+def test_custom_op_names_are_looked_up_never_imported(nothing_runs):
+    """A library namespace is looked up in the dispatcher's registry: naming one that
+    is not registered imports nothing and leaves no trace on ``torch.ops``; a
+    registered op that writes its argument is refused, saying why."""
+    from rewrite.ops import op_refusal
+
+    for text in ("rule r: mylib_not_loaded.f(x) => x", "rule r: torch.ops.mylib_not_loaded.f.default(x) => x"):
+        err = _rejected(text, {"E102"})
+        assert "import the module" in err.diagnostics[0].help
+    assert "mylib_not_loaded" not in dir(torch.ops)
+    lib = torch.library.Library("rwsecurity", "DEF")
+    lib.define("scribble(Tensor(a!) x) -> Tensor(a!)")
+    err = _rejected("rule r: relu(x) => rwsecurity.scribble(x)", {"E102"})
+    assert "refused" in err.diagnostics[0].message and "writes its argument 'x'" in err.diagnostics[0].message
+    assert lookup_op("rwsecurity.scribble") is None and op_refusal("rwsecurity.scribble") is not None
 
 
 def test_aten_from_file_is_not_an_op():

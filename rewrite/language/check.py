@@ -328,8 +328,11 @@ class _Checker:
             if kind == "function":
                 self.error(span, f"'{member}' is a {found.kind}, not an op; a family lists ops", "E104")
             elif kind is None and self.scope.complete:
-                self.error(span, f"unknown op '{member}' in family '{f.name}'", "E101",
-                           help=self._suggest(member, self._ops_and_families(), _vocabulary().lookup_op))
+                refused = _vocabulary().op_refusal(member)
+                self.error(span, f"{refused.message} (in family '{f.name}')" if refused else
+                           f"unknown op '{member}' in family '{f.name}'", "E101",
+                           help=refused.help if refused else
+                           self._suggest(member, self._ops_and_families(), _vocabulary().lookup_op))
 
     def ruleset(self, d: ast.RuleSetDecl) -> None:
         self._schedule(d.schedule)
@@ -541,8 +544,10 @@ class _Checker:
             self.error(span, f"'{name}' is a {found.kind}, not an op; a pattern can only call ops and families",
                        "E104", help=f"use it in the {where}")
         elif self.scope.complete:
-            self.error(span, f"unknown op '{name}'", "E102",
-                       help=self._suggest(name, self._ops_and_families(), _vocabulary().lookup_op))
+            refused = _vocabulary().op_refusal(name)  # a torch.library op: say why it is not one
+            self.error(span, refused.message if refused else f"unknown op '{name}'", "E102",
+                       help=refused.help if refused else
+                       self._suggest(name, self._ops_and_families(), _vocabulary().lookup_op))
 
     def _call_in_where(self, c: ast.Call, name: str, span: Any, kind: str | None, found: Any) -> None:
         if kind == "function" and found.kind in ("predicate", "query"):
@@ -570,8 +575,9 @@ class _Checker:
         else:
             reg = _registry()
             names = list(_vocabulary().op_names()) + reg.function_names("constant") + reg.function_names("module")
-            self.error(span, f"unknown op or function '{name}'", "E102",
-                       help=self._suggest(name, names, _vocabulary().lookup_op))
+            refused = _vocabulary().op_refusal(name)  # a torch.library op: say why it is not one
+            self.error(span, refused.message if refused else f"unknown op or function '{name}'", "E102",
+                       help=refused.help if refused else self._suggest(name, names, _vocabulary().lookup_op))
 
     # ------------------------------------------------------ effects
 

@@ -11,10 +11,12 @@ from rewrite.ops.vocabulary import (
     forms_for_key,
     lookup_op,
     mutates_input,
+    op_refusal,
     op_names,
 )
 
 __all__ = [
     "REQUIRED", "Bound", "ConstRef", "OpDef", "Param", "node_key", "bind_node",
     "detect_dialect", "forms_for_key", "lookup_op", "mutates_input", "op_names",
+    "op_refusal",
 ]

@@ -30,7 +30,7 @@ from rewrite.ops.base import REQUIRED, Emitter, ModuleForm, OpDef, Param
 from rewrite.ops.forms import EmitError, Fn, Item, Method, call_for
 from rewrite.ops.resolve import Sig, parse_sig, resolve, signature_of
 
-__all__ = ["Spec", "Module", "fn", "method", "module", "item", "op", "make_op", "emittable"]
+__all__ = ["Spec", "Module", "fn", "method", "module", "item", "op", "make_op", "emittable", "sig_params"]
 
 
 @attrs.frozen
@@ -126,6 +126,15 @@ def _build(spec: Spec, opname: str, params: dict) -> list:
 def _params(signature: str) -> tuple:
     sig = parse_sig(signature)
     return tuple(Param(n, sig.defaults.get(n, REQUIRED), n in sig.tensors) for n in sig.names)
+
+
+def sig_params(sig: Sig, dropped: tuple = ()) -> tuple:
+    """A target's signature as canonical ``Param``s: ``self`` is ``input`` (the forms
+    rename it so), ``dropped`` names left out. How ops built from a schema get theirs."""
+    return tuple(
+        Param("input" if n == "self" else n, sig.defaults.get(n, REQUIRED), n in sig.tensors)
+        for n in sig.names if n not in dropped
+    )
 
 
 def emittable(forms: tuple) -> dict:

@@ -87,7 +87,15 @@ def may_alias(node: fx.Node, gm: Any) -> bool:
         return False
     if isinstance(target, torch._ops.OpOverload):
         return any(r.alias_info is not None for r in target._schema.returns)
+    if isinstance(target, torch._ops.OpOverloadPacket):  # torch.ops.mylib.f(x): any overload's schema
+        return any(r.alias_info is not None for ov in _overloads(target) for r in ov._schema.returns)
     return op_name(target) in ALIASING_NAMES or target is operator.getitem or bool(written_args(node, gm))
+
+
+def _overloads(packet: Any) -> list:
+    """The overloads a call of ``packet`` may dispatch to (a call never picks ``out=``)."""
+    found = (getattr(packet, name) for name in packet.overloads())
+    return [ov for ov in found if not any(a.is_out for a in ov._schema.arguments)]
 
 
 def always_aliases(node: fx.Node, gm: Any) -> bool:
@@ -142,6 +150,8 @@ def target_writes(target: Any) -> tuple:
     descriptor (``torch.Tensor.add_``) or a method name (``"add_"``)."""
     if isinstance(target, torch._ops.OpOverload):
         return _schema_written(target)
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return tuple(dict.fromkeys(w for ov in _overloads(target) for w in _schema_written(ov)))
     if isinstance(target, str):
         return _named_written(target)
     name = getattr(target, "__name__", "")

@@ -16,7 +16,12 @@ is, after ``rewrite.ops.resolve.normalize_qualname`` rejects dunders:
 * ``Tensor.<m>``: a public method of ``torch.Tensor`` with an aten op of the same name;
 * ``operator.<f>``: arithmetic, comparison and ``getitem`` only;
 * ``quantized_decomposed.<op>``: the PT2E quantize/dequantize ops (per tensor and
-  per channel, default overload), what ``torch.export`` and ONNX export read.
+  per channel, default overload), what ``torch.export`` and ONNX export read;
+* ``<namespace>.<op>[.<overload>]`` (also ``torch.ops.<namespace>...``): an op a
+  library registered with ``torch.library``, looked up in the dispatcher's registry
+  only; ops that write an argument, have ``out=`` arguments, side effects or draw
+  random numbers are refused, as are torch's own namespaces. See
+  ``rewrite.ops.custom`` for the full allow/deny rules.
 
 A name without an overload takes the signature of the default overload (or the
 first that takes a tensor first); ``aten.sum.dim_IntList`` names another. An aten
@@ -34,8 +39,9 @@ import types
 import torch
 import torch.nn.functional as F
 
-from rewrite.ops.base import REQUIRED, OpDef, Param
-from rewrite.ops.builders import make_op, fn, method
+from rewrite.ops.base import OpDef
+from rewrite.ops.builders import fn, make_op, method, sig_params
+from rewrite.ops.custom import custom_opdef, library_name
 from rewrite.ops.resolve import Sig, aten_overload, resolve, schema_sig, signature_of
 
 __all__ = ["generic_opdef", "OPERATOR_ALLOWED", "DECOMPOSED_ALLOWED"]
@@ -50,15 +56,8 @@ OPERATOR_ALLOWED = frozenset(_UNARY + _BINARY + ("getitem",))
 _DROPPED = ("inplace", "_stacklevel")
 
 
-def _params(sig: Sig) -> tuple:
-    return tuple(
-        Param("input" if n == "self" else n, sig.defaults.get(n, REQUIRED), n in sig.tensors)
-        for n in sig.names if n not in _DROPPED
-    )
-
-
 def _build(name: str, sig: Sig, specs: list, emit: str) -> OpDef:
-    return make_op(name, _params(sig), [specs], torch=emit, aten=emit,
+    return make_op(name, sig_params(sig, _DROPPED), [specs], torch=emit, aten=emit,
                    doc=f"{name} (from its schema; not in the vocabulary)", qualified=True)
 
 
@@ -133,6 +132,8 @@ def generic_opdef(qualname: str) -> OpDef | None:
     root, *parts = qualname.split(".")
     if any("__" in p for p in parts):
         return None
+    if library_name(qualname) is not None:
+        return custom_opdef(qualname)
     try:
         if root == "aten":
             return _aten(parts)

@@ -26,7 +26,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Sig", "normalize_qualname", "resolve", "signature_of", "parse_sig", "aten_overload"]
+__all__ = ["Sig", "ROOTS", "normalize_qualname", "resolve", "signature_of", "parse_sig", "aten_overload"]
 
 _ROOTS = {
     "aten": lambda: torch.ops.aten,
@@ -37,6 +37,11 @@ _ROOTS = {
     "operator": lambda: operator,
     "quantized_decomposed": lambda: _decomposed_ops(),
 }
+
+
+#: the roots of qualified names the vocabulary knows; any other root names a
+#: ``torch.library`` namespace (``rewrite.ops.custom``)
+ROOTS = frozenset(_ROOTS)
 
 
 def _decomposed_ops() -> Any:
@@ -54,6 +59,7 @@ _PREFIXES = (
     ("nn.functional.", "F."),
     ("torch.nn.", "nn."),
     ("torch.Tensor.", "Tensor."),
+    ("torch.ops.", ""),  # a torch.library namespace: torch.ops.mylib.f -> mylib.f
 )
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+$")
@@ -72,9 +78,11 @@ def normalize_qualname(name: str) -> str | None:
 
 
 def resolve(qualname: str) -> Any:
-    """The object a (trusted, table) qualified name denotes; raises on failure."""
+    """The object a (trusted, table) qualified name denotes; raises on failure. A
+    root that is not one of the table's (``mylib.f``) is a ``torch.ops`` namespace:
+    ``rewrite.ops.custom`` checks the registry before it resolves such a name."""
     root, *path = qualname.split(".")
-    obj = _ROOTS[root]()
+    obj = _ROOTS[root]() if root in _ROOTS else getattr(torch.ops, root)
     for part in path:
         obj = getattr(obj, part)
     return obj
@@ -214,6 +222,8 @@ def signature_of(qualname: str, target: Any, overload: str | None = None) -> Sig
     """
     if isinstance(target, torch._ops.OpOverload):
         return schema_sig(target)
+    if isinstance(target, torch._ops.OpOverloadPacket):  # called as torch.ops.ns.f(...)
+        return schema_sig(getattr(target, overload or "default"))
     if inspect.isfunction(target):
         return _inspect_sig(target)
     leaf = qualname.rsplit(".", 1)[-1]

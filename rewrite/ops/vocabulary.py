@@ -30,13 +30,15 @@ import torch.fx as fx
 from rewrite.ops import table_nn, table_tensor
 from rewrite.ops.base import Emitter, MethodForm, OpDef, node_key
 from rewrite.ops.builders import emittable
+from rewrite.ops.custom import INTERNAL_NAMESPACES, Refusal, refusal
 from rewrite.ops.effects import written_args
 from rewrite.ops.forms import EmitError, call_for
 from rewrite.ops.generic import generic_opdef
 from rewrite.ops.resolve import normalize_qualname
 
 __all__ = [
-    "OPS", "lookup_op", "op_names", "forms_for_key", "bind_node", "detect_dialect", "mutates_input",
+    "OPS", "lookup_op", "op_refusal", "op_names", "forms_for_key", "bind_node", "detect_dialect",
+    "mutates_input",
 ]
 
 OPS: dict = {o.name: o for o in (*table_nn.OPS, *table_tensor.OPS)}
@@ -96,8 +98,9 @@ def detect_dialect(gm: Any) -> str:
     for node in gm.graph.nodes:
         if node.op == "call_function":
             target = node.target
-            if isinstance(target, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
-                aten += 1
+            if isinstance(target, torch._ops.HigherOrderOperator) or (
+                    isinstance(target, torch._ops.OpOverload) and target.namespace in INTERNAL_NAMESPACES):
+                aten += 1  # a custom op's overload is what every capture level records: no vote
             elif getattr(target, "__module__", None) not in ("_operator", "operator", "builtins", "math"):
                 torch_level += 1
         elif node.op == "call_method" or (node.op == "call_module" and forms_for_key(node_key(node, gm))):
@@ -206,3 +209,11 @@ def lookup_op(name: str) -> OpDef | None:
         return pinned
     # built afresh each time, so only canonical ops satisfy lookup_op(op.name) is op
     return generic_opdef(qualname)
+
+
+def op_refusal(name: str) -> Refusal | None:
+    """Why ``name``, which ``lookup_op`` does not resolve, is not an op when it names
+    a ``torch.library`` op (refused: it mutates, has side effects...; or its library
+    is not registered): the diagnostic's message and hint. None otherwise."""
+    qualname = normalize_qualname(name)
+    return None if qualname is None else refusal(qualname)
