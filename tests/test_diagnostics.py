@@ -135,7 +135,7 @@ def test_did_you_mean():
     ("rule in: relu(x) => x", ("E001", "1:6", "'in' is a reserved word and cannot be used as a name",
                                "choose another name")),
     ("rlue r: relu(x) => x", ("E001", "1:1",
-                              "unexpected 'rlue'; expected 'family', 'import', 'rule', 'ruleset' or end of file",
+                              "unexpected 'rlue'; expected 'family', 'import', 'param', 'rule', 'ruleset' or end of file",
                               "did you mean 'rule'?")),
     ("rule r: f(x y) => x", ("E001", "1:13", "unexpected 'y'; expected ')' or ','", None)),
     # errors found while building the AST
@@ -266,6 +266,11 @@ def test_documented_error_examples_are_exact(code, example, output, tmp_path, mo
         (tmp_path / "a.rw").write_text(a)
         (tmp_path / "b.rw").write_text("# b.rw\n" + b)
         paths = ["a.rw"]
+    elif "# policy.rw\n" in example:  # E410, E412: an import of a parametrized file
+        main, policy = example.split("# policy.rw\n")
+        (tmp_path / "example.rw").write_text(main)
+        (tmp_path / "policy.rw").write_text(policy)
+        paths = ["example.rw"]
     else:
         (tmp_path / "example.rw").write_text(example)
         paths = ["example.rw"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import operator
 import random
 import time
 from typing import Any, Iterable
@@ -23,7 +24,7 @@ from typing import Any, Iterable
 import attrs
 import torch.fx as fx
 
-from rewrite.engine.compile import CompiledRule, PCall, PSeq
+from rewrite.engine.compile import CompiledRule, PCall, PResults, PSeq
 from rewrite.engine.facts import GraphFacts
 from rewrite.engine.match import Matcher
 from rewrite.ops import lookup_op
@@ -77,6 +78,8 @@ def _depth(p: Any) -> int:
         return 1 + max((_depth(a) for alt in p.alts for _, a in alt.args), default=0)
     if isinstance(p, PSeq):
         return max((_depth(i) for i in p.items), default=0)
+    if isinstance(p, PResults):  # the list, its getitems, the op
+        return 1 + _depth(p.call)
     return 0
 
 
@@ -240,7 +243,10 @@ class Driver:
             stats.seconds += time.perf_counter() - start
             if match is None:
                 continue
-            users_before = list(node.users)
+            # a multi-output root's results are read through getitems: their
+            # readers are the ones that get new inputs
+            users_before = list(node.users) + [u for g in node.users if g.target is operator.getitem
+                                               for u in g.users]
             signature = _signature(node)
             insertion = uses_root(match)
             try:
@@ -315,7 +321,7 @@ class Driver:
             for item in items:
                 changed |= self.run(self._as_schedule(item, resolve), resolve)
             return changed
-        rules, nested = self._split(items, resolve)
+        rules, nested = self._split(items, resolve, join=kind == "fixpoint")
         if not nested:
             return self.fixpoint(rules) if kind == "fixpoint" else self.once(rules)
         # Mixed rules and nested schedules: run them in order, repeated for fixpoint.
@@ -338,13 +344,21 @@ class Driver:
             return Schedule("fixpoint", (item,))
         return target
 
-    @staticmethod
-    def _split(items: tuple, resolve: Any) -> tuple:
+    @classmethod
+    def _split(cls, items: tuple, resolve: Any, join: bool = False) -> tuple:
+        """``(rules, nested schedules)`` of ``items``. With ``join`` (a fixpoint), a
+        nested fixpoint's items join this one: ``fixpoint(a, s)`` with ``s =
+        fixpoint(b, c)`` is one fixpoint over a, b and c, so a rule set can be built
+        from shared parts (amp_bf16.rw's policy) and still run as one."""
         rules, nested = [], []
         for item in items:
             target = resolve(item) if isinstance(item, str) else item
             if isinstance(target, CompiledRule):
                 rules.append(target)
+            elif join and target.kind == "fixpoint":
+                inner_rules, inner_nested = cls._split(target.items, resolve, join=True)
+                rules += [r for r in inner_rules if r not in rules]
+                nested += inner_nested
             else:
                 nested.append(target)
         return rules, nested

@@ -8,6 +8,7 @@ by ``cast`` (``rewrite.functions.builtins``) or ``cast_channels_last`` below.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -41,3 +42,19 @@ def cast_channels_last(t: Any, dtype: Any) -> Any:
     if out.dim() == 4:
         out = out.contiguous(memory_format=torch.channels_last)
     return out
+
+
+@register_predicate()
+def fits(x: Value, dtype: Value) -> bool | None:
+    """None, or a number ``dtype`` holds without overflow (within its largest finite
+    value, or an infinity): a clamp bound or pad value moved into float16 must not
+    turn into inf (65504 is float16's largest value)."""
+    if x.is_literal and x.operand is None:
+        return True
+    if not (x.is_literal and isinstance(x.operand, (int, float)) and not isinstance(x.operand, bool)):
+        return None if not x.is_literal else False
+    target = dtype.literal if dtype.is_literal else None
+    if not isinstance(target, torch.dtype) or not target.is_floating_point:
+        return None
+    v = float(x.operand)
+    return math.isinf(v) or abs(v) <= torch.finfo(target).max

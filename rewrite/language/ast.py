@@ -28,8 +28,8 @@ import attrs
 
 __all__ = [
     "Span", "Var", "Wildcard", "Literal", "DTypeLit", "TupleLit", "ListLit", "OpRef",
-    "Call", "Keyword", "As", "Compare", "BoolOp", "Not", "Index", "Expr",
-    "RuleOption", "Rule", "Family", "Import", "ScheduleRef", "Schedule", "RuleSetDecl",
+    "Call", "Keyword", "As", "AsTuple", "Compare", "BoolOp", "Not", "Index", "Expr",
+    "RuleOption", "Rule", "Family", "Binding", "Import", "Param", "ScheduleRef", "Schedule", "RuleSetDecl",
     "Module",
 ]
 
@@ -147,6 +147,18 @@ class As:
 
 
 @attrs.frozen
+class AsTuple:
+    """``pattern as (a, b, _)``: binds the results of a multi-output op (what the
+    graph reads through ``getitem(node, i)``) to names, ``_`` for a result the rule
+    ignores. As a pattern's root it names the results the replacement replaces; as
+    an argument it matches the list of all of them (``cat(split(x, s, d) as (a, b), d)``)."""
+
+    expr: "Expr"
+    names: tuple  # of str; "_" for an ignored result
+    span: Span | None = _span()
+
+
+@attrs.frozen
 class Compare:
     """``left OP right`` with OP in ``== != < <= > >= in``."""
 
@@ -180,7 +192,7 @@ class Index:
     span: Span | None = _span()
 
 
-Expr = Union[Var, Wildcard, Literal, DTypeLit, TupleLit, ListLit, Call, As, Compare, BoolOp, Not, Index]
+Expr = Union[Var, Wildcard, Literal, DTypeLit, TupleLit, ListLit, Call, As, AsTuple, Compare, BoolOp, Not, Index]
 
 
 # ---------------------------------------------------------------- declarations
@@ -227,10 +239,30 @@ class Family:
 
 
 @attrs.frozen
+class Binding:
+    """``name = value [as tag]`` in an import: binds the imported file's ``param name``
+    to a literal ``value``; ``tag`` replaces the word ``name`` in its declarations' names."""
+
+    name: str
+    value: "Expr"
+    tag: str | None = None
+    span: Span | None = _span()
+
+
+@attrs.frozen
 class Import:
-    """``import "path.rw"``: path relative to the importing file."""
+    """``import "path.rw" [with bindings]``: path relative to the importing file."""
 
     path: str
+    span: Span | None = _span()
+    bindings: tuple = ()  # of Binding
+
+
+@attrs.frozen
+class Param:
+    """``param name``: a value the importing file binds (``import ... with name = v``)."""
+
+    name: str
     span: Span | None = _span()
 
 
@@ -266,5 +298,5 @@ class Module:
     """One parsed rule file: its declarations in source order."""
 
     path: str
-    items: tuple  # of Import | Family | Rule | RuleSetDecl
+    items: tuple  # of Import | Param | Family | Rule | RuleSetDecl
     source: str = attrs.field(default="", eq=False, repr=False)

@@ -156,8 +156,20 @@ class _Builder(Transformer):
         return items
 
     def import_decl(self, meta, children):
-        (tok,) = children
-        return ast.Import(self._string(tok), span=self._s(meta))
+        tok, *bindings = children
+        return ast.Import(self._string(tok), span=self._s(meta),
+                          bindings=tuple(b for b in bindings if b is not None))
+
+    def binding(self, meta, children):
+        name, value = children
+        tag = None
+        if isinstance(value, ast.As):  # `lowp = torch.bfloat16 as bf16`
+            value, tag = value.expr, value.name
+        return ast.Binding(str(name), value, tag, span=self._s(meta))
+
+    def param_decl(self, meta, children):
+        (name,) = children
+        return ast.Param(str(name), span=self._s(meta))
 
     def family_decl(self, meta, children):
         name, *members = children
@@ -223,6 +235,10 @@ class _Builder(Transformer):
     def as_name(self, meta, children):
         expr, name = children
         return ast.As(expr, str(name), span=self._s(meta))
+
+    def as_tuple(self, meta, children):
+        expr, *names = (c for c in children if c is not None)
+        return ast.AsTuple(expr, tuple(str(n) for n in names), span=self._s(meta))
 
     def index(self, meta, children):
         expr, idx = children

@@ -26,7 +26,7 @@ def _level(e: object) -> int:
         return _NOT
     if isinstance(e, ast.Compare):
         return _CMP
-    if isinstance(e, ast.As):
+    if isinstance(e, (ast.As, ast.AsTuple)):
         return _AS
     return _POSTFIX
 
@@ -59,6 +59,8 @@ def format_expr(e: object) -> str:
         return f"{_callee(e.op)}({', '.join(parts)})"
     if isinstance(e, ast.As):
         return f"{_wrap(e.expr, _POSTFIX)} as {e.name}"
+    if isinstance(e, ast.AsTuple):
+        return f"{_wrap(e.expr, _POSTFIX)} as ({', '.join(e.names)})"
     if isinstance(e, ast.Compare):
         return f"{_wrap(e.left, _AS)} {e.op} {_wrap(e.right, _AS)}"
     if isinstance(e, ast.BoolOp):
@@ -110,7 +112,7 @@ def format_rule(r: ast.Rule, doc: bool = True) -> str:
 
 def _option_value(value: object) -> str:
     if isinstance(value, (ast.Var, ast.Wildcard, ast.Literal, ast.DTypeLit, ast.TupleLit, ast.ListLit,
-                          ast.Call, ast.As, ast.Compare, ast.BoolOp, ast.Not, ast.Index)):
+                          ast.Call, ast.As, ast.AsTuple, ast.Compare, ast.BoolOp, ast.Not, ast.Index)):
         return format_expr(value)
     return _literal(value)
 
@@ -118,7 +120,11 @@ def _option_value(value: object) -> str:
 def format_item(item: object) -> str:
     """One declaration as rule text."""
     if isinstance(item, ast.Import):
-        return f"import {_literal(item.path)}"
+        bindings = ", ".join(f"{b.name} = {format_expr(b.value)}" + (f" as {b.tag}" if b.tag else "")
+                             for b in item.bindings)
+        return f"import {_literal(item.path)}" + (f" with {bindings}" if bindings else "")
+    if isinstance(item, ast.Param):
+        return f"param {item.name}"
     if isinstance(item, ast.Family):
         return f"family {item.name} = {' | '.join(item.ops)}"
     if isinstance(item, ast.Rule):

@@ -24,6 +24,7 @@ import attrs
 from rewrite.language import ast
 from rewrite.language.check import Scope, check_declarations, check_module, expand_families
 from rewrite.language.diagnostics import Diagnostic, RuleError, did_you_mean, sort_diagnostics
+from rewrite.language.params import binding_key, declared_params, instantiate, unbound_diagnostics
 from rewrite.language.parser import parse_module
 
 __all__ = ["Program", "load_program", "load_program_text"]
@@ -112,9 +113,13 @@ class _Loader:
         self.diags: list = []
         self.sources: dict = {}
 
-    def load_file(self, path: Path, display: str, import_span: ast.Span | None) -> str | None:
-        """Read and load one file; the key of the file, or None if unreadable."""
+    def load_file(self, path: Path, display: str, import_span: ast.Span | None,
+                  imp: ast.Import | None = None) -> str | None:
+        """Read and load one file (an instance of it, for an import with bindings);
+        the key of the file, or None if unreadable."""
         key = os.path.realpath(path)
+        if imp is not None and imp.bindings:
+            key = f"{key}?{binding_key(imp.bindings)}"
         if key in self.files:
             return key
         try:
@@ -125,7 +130,7 @@ class _Loader:
         except OSError as exc:
             self._unreadable(display, import_span, exc.strerror or str(exc), path)
             return None
-        self.load_source(text, display, key, path.parent)
+        self.load_source(text, display, key, path.parent, imp)
         return key
 
     def _unreadable(self, display: str, span: ast.Span | None, why: str, path: Path | None = None) -> None:
@@ -139,12 +144,20 @@ class _Loader:
         else:
             self.diags.append(Diagnostic(span, f"cannot import '{display}': {why}", "E402", help=hint))
 
-    def load_source(self, text: str, display: str, key: str, base: Path) -> None:
+    def load_source(self, text: str, display: str, key: str, base: Path, imp: ast.Import | None = None) -> None:
         f = _File(display, key)
         self.files[key] = f
         self.sources[display] = text
         module, diags = parse_module(text, display)
         self.diags += diags
+        if module is not None and (declared_params(module) or (imp is not None and imp.bindings)):
+            if imp is None:
+                self.diags += unbound_diagnostics(module, display)
+                module = None
+            else:
+                module, diags = instantiate(module, imp.bindings, imp.path, imp.span)
+                self.diags += diags
+                module = None if diags else module
         f.module = module
         if module is not None:
             self.stack.append(key)
@@ -169,8 +182,9 @@ class _Loader:
                                          help="imports name rule files, e.g. import \"cleanup.rw\""))
             f.complete = False
             return
-        if key in self.stack:
-            chain = [self.files[k].display for k in self.stack[self.stack.index(key):]] + [display]
+        loading = [k.split("?")[0] for k in self.stack]  # an instance is its file
+        if key in loading:
+            chain = [self.files[k].display for k in self.stack[loading.index(key):]] + [display]
             self.diags.append(Diagnostic(imp.span, f"import cycle: {' -> '.join(chain)}", "E403",
                                          help="move the shared declarations into a file both can import"))
             return
@@ -181,12 +195,12 @@ class _Loader:
                                          help="imports name rule files, e.g. import \"cleanup.rw\""))
             f.complete = False
             return
-        if key not in self.files and not exists:
+        if not exists:
             why = "is a directory" if is_dir else "no such file"
             self._unreadable(display, imp.span, why, target)
             f.complete = False
             return
-        loaded = self.load_file(target, display, imp.span)
+        loaded = self.load_file(target, display, imp.span, imp)
         if loaded is None:
             f.complete = False
         else:

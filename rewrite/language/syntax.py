@@ -22,7 +22,7 @@ __all__ = ["syntax_diagnostic"]
 
 _DESCRIBE = {"NAME": "a name", "INT": "an integer", "FLOAT": "a number",
              "STRING": "a string", "ELLIPSIS": "'...'", "$END": "end of file"}
-_DECL_KEYWORDS = ("rule", "family", "ruleset", "import")
+_DECL_KEYWORDS = ("rule", "family", "ruleset", "import", "param")
 _CLOSER = {"(": ")", "[": "]"}
 # When one of these is expected, list only them: they are what the user most
 # likely forgot, and the full set (every operator that could continue an

@@ -1,0 +1,120 @@
+"""Parametrized rule files: ``param`` declarations bound by ``import ... with``.
+
+One policy, several instances: ``rules/amp/policy.rw`` declares ``param lowp`` and
+writes its rules with ``lowp`` where the low-precision dtype goes; ``amp_bf16.rw``
+imports it ``with lowp = torch.bfloat16 as bf16`` and ``amp_fp16.rw`` ``with lowp =
+torch.float16 as fp16``. A fix to a shared rule lands once.
+
+Instantiating is substitution on the parsed file, before it is checked:
+
+* every variable named like a parameter becomes the bound value (a literal: number,
+  string, bool, None, dtype, or a tuple/list of them), so ``to(x, lowp)`` reads
+  ``to(x, torch.bfloat16)``;
+* with ``as tag``, the word ``lowp`` in the names the file declares (rules, rulesets,
+  families, split at ``_``) becomes ``tag``: ``conv_lowp_nobias`` is
+  ``conv_bf16_nobias``, so two instances can live in one program and keep the rule
+  names users already know.
+
+A parametrized file is only usable through an import that binds every parameter;
+checking it then reports errors at the policy file's own lines.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from rewrite.language import ast
+from rewrite.language.diagnostics import Diagnostic, did_you_mean
+
+__all__ = ["declared_params", "binding_key", "instantiate", "unbound_diagnostics"]
+
+_LITERALS = (ast.Literal, ast.DTypeLit)
+
+
+def declared_params(module: ast.Module) -> list:
+    """The ``param`` declarations of a parsed file."""
+    return [item for item in module.items if isinstance(item, ast.Param)]
+
+
+def binding_key(bindings: tuple) -> str:
+    """A stable text for a set of bindings: one loaded instance per distinct key."""
+    from rewrite.language.printer import format_expr
+    return ",".join(f"{b.name}={format_expr(b.value)} as {b.tag}" for b in sorted(bindings, key=lambda b: b.name))
+
+
+def _is_literal(value: Any) -> bool:
+    if isinstance(value, _LITERALS):
+        return True
+    return isinstance(value, (ast.TupleLit, ast.ListLit)) and all(_is_literal(i) for i in value.items)
+
+
+def unbound_diagnostics(module: ast.Module, display: str) -> list:
+    """E411 for each parameter of a file loaded without an import that binds it."""
+    return [Diagnostic(p.span, f"'{display}' takes parameter '{p.name}', which nothing binds", "E411",
+                       help=f'load it through an import that binds it: import "{display}" with {p.name} = ...')
+            for p in declared_params(module)]
+
+
+def instantiate(module: ast.Module, bindings: tuple, display: str, import_span: Any) -> tuple:
+    """``(module with the bindings substituted, diagnostics)``."""
+    params = {p.name for p in declared_params(module)}
+    diags: list = []
+    bound: dict = {}
+    for b in bindings:
+        if b.name not in params:
+            hint = did_you_mean(b.name, params) or (
+                f"'{display}' declares {', '.join(sorted(params))}" if params else f"'{display}' declares no param")
+            diags.append(Diagnostic(b.span, f"'{display}' has no parameter '{b.name}'", "E410", help=hint))
+        elif b.name in bound:
+            diags.append(Diagnostic(b.span, f"parameter '{b.name}' bound twice", "E410",
+                                    help="bind each parameter once"))
+        elif not _is_literal(b.value):
+            diags.append(Diagnostic(b.value.span or b.span, f"parameter '{b.name}' must be bound to a literal",
+                                    "E412", help="a number, string, True/False/None, a dtype such as "
+                                                 "torch.bfloat16, or a tuple or list of them"))
+        else:
+            bound[b.name] = b
+    for name in sorted(params - {b.name for b in bindings}):
+        diags.append(Diagnostic(import_span, f"'{display}' takes parameter '{name}'; this import does not bind it",
+                                "E411", help=f'import "{display}" with {name} = ...'))
+    if diags:
+        return module, diags
+    values = {name: b.value for name, b in bound.items()}
+    words = {name: b.tag for name, b in bound.items() if b.tag}
+    declared = {item.name for item in module.items if isinstance(item, (ast.Rule, ast.RuleSetDecl, ast.Family))}
+    renames = {n: _rename(n, words) for n in declared}
+    items = tuple(_substitute(item, values, renames) for item in module.items if not isinstance(item, ast.Param))
+    return attrs.evolve(module, items=items), []
+
+
+def _rename(name: str, words: dict) -> str:
+    return "_".join(words.get(part, part) for part in name.split("_"))
+
+
+def _substitute(node: Any, values: dict, renames: dict) -> Any:
+    """``node`` with parameter variables replaced by their values and the file's own
+    declarations (and references to them) renamed."""
+    if isinstance(node, tuple):
+        return tuple(_substitute(n, values, renames) for n in node)
+    if isinstance(node, ast.Var) and node.name in values:
+        return attrs.evolve(values[node.name], span=node.span)  # errors point at the use
+    if isinstance(node, (ast.Rule, ast.RuleSetDecl, ast.Family, ast.ScheduleRef)):
+        node = attrs.evolve(node, name=renames.get(node.name, node.name))
+    elif isinstance(node, ast.OpRef):
+        node = attrs.evolve(node, names=tuple(renames.get(n, n) for n in node.names))
+    if not attrs.has(type(node)):
+        return node
+    changes = {}
+    for field in attrs.fields(type(node)):
+        if field.name in ("span", "name_span", "name_spans", "op_spans", "name", "names"):
+            continue
+        value = getattr(node, field.name)
+        if isinstance(value, tuple) or attrs.has(type(value)):
+            new = _substitute(value, values, renames)
+            if new is not value:
+                changes[field.name] = new
+    if isinstance(node, ast.Family):
+        changes["ops"] = tuple(renames.get(n, n) for n in node.ops)
+    return attrs.evolve(node, **changes) if changes else node
