@@ -71,6 +71,24 @@ def test_fmt_normalizes_spacing_and_keeps_comments_where_they_are():
         "rule c: f(x) => x\nrule d: neg(neg(y)) => y\nrule e: add(x, \"# no comment\") => x\n")
 
 
+def test_fmt_layout_of_a_long_multi_output_rule():
+    text = ("rule layer_norm_from_native: aten.native_layer_norm(input, normalized_shape, weight, bias, eps) "
+            "as (y, _, _) where single_use(y) => (layer_norm(input, normalized_shape, weight, bias, eps), _, _)\n")
+    formatted = format_source(text)
+    assert formatted == (
+        "rule layer_norm_from_native:\n"
+        "    aten.native_layer_norm(input, normalized_shape, weight, bias, eps) as (y, _, _)\n"
+        "    where single_use(y)\n"
+        "    => (layer_norm(input, normalized_shape, weight, bias, eps), _, _)\n"
+    )
+    assert parse_text(formatted) == parse_text(text)
+    long = "rule r: cat(aten.split_with_sizes.default(some_long_input_name, [1, 2, 3, 4, 5, 6, 7], dim) " \
+           "as (a, b, c, d, e, f, g), dim) where single_use(a) and single_use(b) => some_long_input_name\n"
+    formatted = format_source(long)
+    assert parse_text(formatted) == parse_text(long) and format_source(formatted) == formatted
+    assert all(len(line) <= 100 for line in formatted.splitlines())
+
+
 def test_fmt_of_an_empty_file():
     assert format_source("") == ""
     assert format_source("\n\n# only a comment\n\n") == "# only a comment\n"
@@ -98,6 +116,7 @@ def _compound(children):
         st.lists(children, max_size=3).map(lambda xs: ast.TupleLit(tuple(xs))),
         st.lists(children, max_size=3).map(lambda xs: ast.ListLit(tuple(xs))),
         st.builds(ast.As, calls, _names),
+        st.builds(ast.AsTuple, calls, st.lists(st.one_of(_names, st.just("_")), min_size=2, max_size=4).map(tuple)),
         st.builds(ast.Compare, st.sampled_from(["==", "!=", "<", "<=", ">", ">=", "in", "not in"]),
                   children, children),
         st.builds(ast.BoolOp, st.sampled_from(["and", "or"]), st.lists(children, min_size=2, max_size=3).map(tuple)),

@@ -189,6 +189,48 @@ def test_as_on_the_root_is_allowed():
     assert isinstance(prog.rules[0].pattern, ast.As)
 
 
+# ---------------------------------------------------------------- multi-output ops
+
+
+def test_multi_output_rules_check():
+    ok("rule r: aten.max.dim(x, d, k) as (_, _) => (aten.amax(x, [d], k), aten.argmax(x, d, k))")
+    ok("rule r: aten.max.dim(x, d, k) as (v, _) where single_use(v) => (aten.amax(x, [d], k), _)")
+    ok("rule r: aten.native_layer_norm(x, s, w, b, eps) as (_, _, _) => (layer_norm(x, s, w, b, eps), _, _)")
+    ok("rule r: aten.split.Tensor(x, 2, d) as (_, _) where shape(x)[d] == 4 => aten.chunk(x, 2, d)")
+    ok("rule r: cat(aten.split.Tensor(_, _, d) as (a, b), d) where single_use(a) => add(a, b)")
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("rule r: aten.max.dim(x, d, k) as (_, _) => (aten.amax(x, [d], k), _, _)",
+     ("E305", "1:44", "the pattern binds 2 results but the replacement gives 3 values")),
+    ("rule r: aten.max.dim(x, d, k) as (_, _, _) => (x, _, _)",
+     ("E305", "1:9", "'aten.max.dim' returns 2 values; the pattern binds 3")),
+    ("rule r: relu(x) as (_, _) => (x, _)",
+     ("E305", "1:9", "'relu' returns one value; 'as (...)' binds the results of an op that returns several")),
+    ("rule r: relu(x) => (x, x)",
+     ("E305", "1:20", "a tuple replacement needs a pattern whose root binds the results of a multi-output op")),
+    ("rule r: aten.max.dim(x, d, k) as (_, _) => relu(x)",
+     ("E305", "1:44", "'relu' returns one value; the pattern binds 2 results")),
+    ("rule r: aten.max.dim(x, d, k) as (_, _) => aten.topk(x, 1, d, k)", None),
+    ("rule r: aten.max.dim(x, d, k) as (_, _) => x",
+     ("E305", "1:44", "the pattern binds 2 results; a replacement for them is a tuple of values or a call of "
+                      "a multi-output op, not variable 'x'")),
+    ("rule r: aten.max.dim(x, d, k) as (v, _) => (v, _)",
+     ("E305", "1:45", "'v' is a result of the matched op, which the replacement replaces")),
+    ("rule r: aten.max.dim(x, d, k) as (v, v) => (x, _)",
+     ("E303", "1:9", "'v' is bound twice; each result needs a new name")),
+    ("rule r: aten.max.dim(v, d, k) as (v, _) => (d, _)",
+     ("E303", "1:9", "'v' is bound twice; each result needs a new name")),
+    ("rule r: relu(x) => relu(x) as (a, b)", ("E304", "1:20", "'as (...)' can only be used in a pattern")),
+    ("rule r: aten.max.dim(x, d, k) as (v, _) => (x, _)", ("E302", "1:9", "unused pattern variable 'v'")),
+])
+def test_multi_output_diagnostics(text, expected):
+    if expected is None:  # topk also returns 2 values: fine
+        ok(text)
+    else:
+        assert expected in diags(text)
+
+
 # ---------------------------------------------------------------- placement
 
 

@@ -154,6 +154,25 @@ def test_as_names_interior_and_root():
     assert p == ast.As(call("relu", ast.As(call("conv", V("x"), V("w")), "c")), "r")
 
 
+def test_tuple_binding_of_results():
+    p = pattern("split(x, 2, 0) as (a, _, b)")
+    assert p == ast.AsTuple(call("split", V("x"), L(2), L(0)), ("a", "_", "b"))
+    assert pattern("split(x, 2, 0) as (a, b,)") == ast.AsTuple(call("split", V("x"), L(2), L(0)), ("a", "b"))
+    arg = pattern("cat(split(x, s, d) as (_, _), d)")
+    assert arg == call("cat", ast.AsTuple(call("split", V("x"), V("s"), V("d")), ("_", "_")), V("d"))
+    r = rule("rule r: max(x, 1) as (v, _) => (amax(x, 1), _)")
+    assert r.replacement == ast.TupleLit((call("amax", V("x"), L(1)), W()))
+    assert format_expr(r.pattern) == "max(x, 1) as (v, _)"
+
+
+def test_tuple_binding_needs_two_names():
+    from rewrite.language import RuleError
+
+    for text in ("rule r: split(x) as (a) => x", "rule r: split(x) as () => x", "rule r: split(x) as (a, 1) => x"):
+        with pytest.raises(RuleError):
+            parse_text(text)
+
+
 def test_alternatives_and_qualified_callees():
     assert pattern("(relu | gelu)(x)") == call(("relu", "gelu"), V("x"))
     assert pattern("(relu | F.gelu | aten.silu.default)(x)").op == op("relu", "F.gelu", "aten.silu.default")
@@ -285,6 +304,8 @@ def _extend(children):
         st.lists(children, max_size=3).map(lambda xs: ast.ListLit(tuple(xs))),
         st.builds(ast.As, st.builds(ast.Call, callee, st.lists(children, max_size=2).map(tuple),
                                     st.just(())), _names),
+        st.builds(ast.AsTuple, st.builds(ast.Call, callee, st.lists(children, max_size=2).map(tuple), st.just(())),
+                  st.lists(st.one_of(_names, st.just("_")), min_size=2, max_size=3).map(tuple)),
         st.builds(ast.Compare, st.sampled_from(["==", "!=", "<", "<=", ">", ">=", "in", "not in"]),
                   children, children),
         st.builds(ast.BoolOp, st.sampled_from(["and", "or"]), st.lists(children, min_size=2, max_size=3).map(tuple)),

@@ -25,6 +25,7 @@ import attrs
 import torch
 
 from rewrite.engine.dtypes import DTYPES
+from rewrite.engine.outputs import results_opdef
 from rewrite.engine.where import compile_where
 from rewrite.functions.registry import FunctionSpec, lookup_function
 from rewrite.language import ast
@@ -32,8 +33,8 @@ from rewrite.ops import OpDef, lookup_op
 from rewrite.ops.base import REQUIRED
 
 __all__ = [
-    "PCall", "PVar", "PWild", "PLit", "PDefault", "PSeq", "ROp", "RVar", "RLit", "RSeq",
-    "RConst", "RModule", "CompiledRule", "compile_rule", "CompileError", "DTYPES",
+    "PCall", "PVar", "PWild", "PLit", "PDefault", "PSeq", "PResults", "ROp", "RVar", "RLit", "RSeq",
+    "RConst", "RModule", "RResults", "CompiledRule", "compile_rule", "CompileError", "DTYPES",
 ]
 
 
@@ -97,7 +98,7 @@ class PAlt:
     def of(cls, opdef: OpDef, canonical: bool, args: tuple) -> "PAlt":
         literals = tuple((n, p.value) for n, p in args if isinstance(p, (PLit, PDefault)))
         variables = tuple((n, p.name) for n, p in args if isinstance(p, PVar))
-        nested = tuple((n, p) for n, p in args if isinstance(p, (PCall, PSeq)))
+        nested = tuple((n, p) for n, p in args if isinstance(p, (PCall, PSeq, PResults)))
         return cls(opdef, canonical, args, literals, variables, nested)
 
 
@@ -106,6 +107,17 @@ class PCall:
     alts: tuple  # of PAlt
     name: str | None  # the `as` name, if any
     span: Any = attrs.field(default=None, eq=False)
+    # `as (a, _, c)`: names of the op's results ("_": ignored); None for one value
+    results: tuple | None = None
+
+
+@attrs.frozen
+class PResults:
+    """``op(...) as (a, b)`` as an argument: matches the list of all the op's
+    results, in order (``[getitem(n, 0), getitem(n, 1)]``); ``call.results`` names them."""
+
+    call: PCall
+    span: Any = attrs.field(**_SPAN)
 
 
 # ---------------------------------------------------------------- replacement records
@@ -131,6 +143,14 @@ class RSeq:
 class ROp:
     opdef: OpDef
     args: dict  # canonical param -> R*
+
+
+@attrs.frozen
+class RResults:
+    """A tuple replacing the results of a multi-output root, one item per result
+    (None: ``_``, a result the replacement does not provide)."""
+
+    items: tuple
 
 
 @attrs.frozen
@@ -178,13 +198,15 @@ class CompiledRule:
         return str(self.rule.span) if self.rule.span else "<rule>"
 
 
-def _resolve_ops(names: tuple, families: dict) -> list:
+def _resolve_ops(names: tuple, families: dict, results: bool = False) -> list:
     out: list = []
     for name in names:
         for member in families.get(name, (name,)):
             opdef = lookup_op(member)
             if opdef is None:
                 raise CompileError(f"unknown op {member!r}")
+            if results:
+                opdef = results_opdef(member, opdef)
             if opdef not in out:
                 out.append(opdef)
     return out
@@ -195,7 +217,7 @@ def _cost(p: Any) -> int:
         return 0
     if isinstance(p, PSeq):
         return 1
-    if isinstance(p, PCall):
+    if isinstance(p, (PCall, PResults)):
         return 2
     return 3
 
@@ -210,6 +232,8 @@ class _PatternBuilder:
             if not isinstance(inner, PCall):
                 raise CompileError("'as' names an op call; use a plain variable instead")
             return attrs.evolve(inner, name=e.name)
+        if isinstance(e, ast.AsTuple):
+            return PResults(self.results(e), e.span)
         if isinstance(e, ast.Call):
             return self.call(e)
         if isinstance(e, ast.Var):
@@ -224,9 +248,14 @@ class _PatternBuilder:
             return PSeq(tuple(self.build(i) for i in e.items), e.span)
         raise CompileError(f"{type(e).__name__} cannot appear in a pattern")
 
-    def call(self, e: ast.Call) -> PCall:
+    def results(self, e: ast.AsTuple) -> PCall:
+        if not isinstance(e.expr, ast.Call):
+            raise CompileError("'as (...)' binds the results of an op call")
+        return attrs.evolve(self.call(e.expr, results=True), results=tuple(e.names))
+
+    def call(self, e: ast.Call, results: bool = False) -> PCall:
         alts = []
-        for opdef in _resolve_ops(e.op.names, self.families):
+        for opdef in _resolve_ops(e.op.names, self.families, results):
             given = dict(zip(opdef.param_names, (self.build(a) for a in e.args)))
             for kw in e.kwargs:
                 given[kw.name] = self.build(kw.value)
@@ -299,11 +328,19 @@ class _ReplacementBuilder:
 def compile_rule(rule: ast.Rule, order: int, families: dict) -> CompiledRule:
     """Compile one checked rule. Raises CompileError with the rule's position."""
     try:
-        pattern = _PatternBuilder(families).build(rule.pattern)
+        pb = _PatternBuilder(families)
+        multi = isinstance(rule.pattern, ast.AsTuple)
+        pattern = pb.results(rule.pattern) if multi else pb.build(rule.pattern)
         if not isinstance(pattern, PCall):
             raise CompileError("a pattern must be an op call at its root")
         rb = _ReplacementBuilder(families)
-        replacement = rb.build(rule.replacement)
+        if multi and isinstance(rule.replacement, ast.TupleLit):
+            replacement = RResults(tuple(None if isinstance(i, ast.Wildcard) else rb.build(i)
+                                         for i in rule.replacement.items))
+            if len(replacement.items) != len(pattern.results):
+                raise CompileError("the replacement gives another number of values than the pattern binds")
+        else:
+            replacement = rb.build(rule.replacement)
         if isinstance(replacement, (RLit, RSeq)):
             raise CompileError("a replacement must produce a graph value (an op, a variable, a module or a constant)")
     except CompileError as err:

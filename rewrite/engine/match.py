@@ -18,8 +18,9 @@ from typing import Any, Iterator
 import torch
 import torch.fx as fx
 
-from rewrite.engine.compile import CompiledRule, PCall, PDefault, PLit, PSeq, PVar, PWild
+from rewrite.engine.compile import CompiledRule, PCall, PDefault, PLit, PResults, PSeq, PVar, PWild, RResults
 from rewrite.engine.facts import GraphFacts
+from rewrite.engine.outputs import getitem_users, result_count
 from rewrite.engine.where import UNKNOWN, where_function
 from rewrite.language import ast
 from rewrite.engine.aliasing import alias_class, caller_owned, storage_base
@@ -152,7 +153,7 @@ class Matcher:
     # -- matching
 
     def match(self, rule: CompiledRule, node: fx.Node) -> Match | None:
-        for env in self._match(rule.pattern, node, {_NODES: ()}):
+        for env in self._match_root(rule, node):
             if rule.where_fn is not None and not self._holds(rule.where_fn, env):
                 continue
             if not rule.shared and self.interior_escape(rule, env) is not None:
@@ -164,7 +165,7 @@ class Matcher:
         """``(env, refusal)`` for each structural match of ``rule`` at ``node`` in the
         order ``match`` tries them, up to the one it takes (refusal None): what
         ``match`` decides, with the reason for each refusal (a ``Refusal``)."""
-        for env in self._match(rule.pattern, node, {_NODES: ()}):
+        for env in self._match_root(rule, node):
             if rule.where_fn is not None and not self._holds(rule.where_fn, env):
                 yield env, Refusal("where", self.failed_conjunct(rule.where, env))
                 continue
@@ -174,6 +175,46 @@ class Matcher:
                 continue
             yield env, None
             return
+
+    def _match_root(self, rule: CompiledRule, node: fx.Node) -> Iterator[dict]:
+        p = rule.pattern
+        for env in self._match(p, node, {_NODES: ()}):
+            if p.results is not None:
+                env = self._root_results(rule, node, env)
+                if env is None:
+                    return  # the results are the node's, whatever the arguments bound
+            yield env
+
+    def _root_results(self, rule: CompiledRule, node: fx.Node, env: dict) -> dict | None:
+        """A multi-output root ``op(...) as (a, b)``: the node has as many results
+        (when known; else no getitem reads one beyond them), every result the
+        replacement does not provide is unused, and the value is read whole only
+        when the replacement is one multi-output call (then its count must be
+        known). The names bind the getitem nodes."""
+        names = rule.pattern.results
+        n = len(names)
+        count = result_count(node, self.facts)
+        if count is not None and count != n:
+            return None
+        users = getitem_users(node)
+        if users is None:  # returned or passed on whole
+            if isinstance(rule.replacement, RResults) or count != n:
+                return None
+            users = {}
+            for user in node.users:
+                if user.target is operator.getitem and len(user.args) == 2 and isinstance(user.args[1], int):
+                    users.setdefault(user.args[1], []).append(user)
+        if any(i >= n for i in users):
+            return None
+        if isinstance(rule.replacement, RResults):
+            for i, getitems in users.items():
+                if rule.replacement.items[i] is None and any(g.users for g in getitems):
+                    return None  # a result the replacement does not provide is read
+        env = dict(env)
+        for i, name in enumerate(names):
+            if name != "_" and i in users:
+                env[name] = users[i][0]
+        return env
 
     def _match_reporting(self, p: Any, operand: Any, env: dict) -> Iterator[dict]:
         produced = False
@@ -202,6 +243,8 @@ class Matcher:
         elif isinstance(p, PSeq):
             if isinstance(operand, (list, tuple)) and len(operand) == len(p.items):
                 yield from self._match_args(tuple(zip(p.items, operand)), env)
+        elif isinstance(p, PResults):
+            yield from self._match_results(p, operand, env)
         else:  # pragma: no cover - compile produces only the kinds above
             raise TypeError(f"unknown pattern {p!r}")
 
@@ -225,6 +268,36 @@ class Matcher:
                 for order in self._arg_orders(alt, bound):
                     pairs = tuple((pat, bound.args[name]) for name, pat in order)
                     yield from self._match_args(pairs, env2)
+
+    def _match_results(self, p: PResults, operand: Any, env: dict) -> Iterator[dict]:
+        """``op(...) as (a, b)`` as an argument: ``operand`` is the list
+        ``[getitem(n, 0), getitem(n, 1)]`` of all the results of one node ``n``
+        (its result count known and equal), and ``n`` matches the call."""
+        names = p.call.results
+        if not isinstance(operand, (list, tuple)) or len(operand) != len(names):
+            return
+        producer = None
+        for i, item in enumerate(operand):
+            if not (isinstance(item, fx.Node) and item.op == "call_function" and item.target is operator.getitem
+                    and len(item.args) == 2 and not item.kwargs and type(item.args[1]) is int
+                    and item.args[1] == i and (producer is None or item.args[0] is producer)):
+                return
+            producer = item.args[0]
+        if not isinstance(producer, fx.Node) or result_count(producer, self.facts) != len(names):
+            return
+        if any(item in env[_NODES] for item in operand):
+            return
+        env = dict(env)
+        env[_NODES] = env[_NODES] + tuple(operand)
+        for name, item in zip(names, operand):
+            if name == "_":
+                continue
+            if name in env:
+                if not _same_operand(env[name], item):
+                    return
+            else:
+                env[name] = item
+        yield from self._match_call(p.call, producer, env)
 
     def _match_straight(self, alt: Any, args: dict, env: dict) -> Iterator[dict]:
         """The compiled path: literal checks and variable bindings in a plain loop,

@@ -22,9 +22,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from rewrite.engine.compile import RConst, RLit, RModule, ROp, RSeq, RVar
+from rewrite.engine.compile import RConst, RLit, RModule, ROp, RResults, RSeq, RVar
 from rewrite.engine.facts import FACTS_KEY, GraphFacts
 from rewrite.engine.match import Match
+from rewrite.engine.outputs import getitem_users, result_count
 from rewrite.ops import bind_node
 from rewrite.ops.base import ConstRef
 from rewrite.engine.aliasing import new_aliasing
@@ -90,6 +91,8 @@ class Replacer:
         root = match.root
         self._created, self._new_attrs = [], []
         self._covered = match.nodes
+        if isinstance(match.rule.replacement, RResults):
+            return self._apply_results(match)
         inserting = uses_root(match)
         try:
             with self.graph.inserting_before(root.next if inserting else root):
@@ -106,6 +109,11 @@ class Replacer:
             for key in ("val", FACTS_KEY):
                 if key in root.meta:
                     result.meta[key] = root.meta[key]
+        results = match.rule.pattern.results
+        if results is not None and result is not root and result_count(result, self.facts) != len(results):
+            self._undo()  # one call standing for all the results must have as many
+            raise ReplacementError(f"rule {match.rule.name!r} at {root.name}: the replacement's number of "
+                                   f"results is not known to be {len(results)}")
         if result is not root:
             problem = new_aliasing(root, result, self._created, self.gm)
             if problem is not None:
@@ -121,6 +129,33 @@ class Replacer:
             root.replace_all_uses_with(result, delete_user_cb=lambda user: user not in created)
             return tuple(self._created), tuple(users)
         root.replace_all_uses_with(result)
+        touched = self._retire(match)
+        return tuple(self._created), touched
+
+    def _apply_results(self, match: Match) -> tuple:
+        """A multi-output root replaced result by result: each ``getitem(root, i)``
+        that is read is rewired to the replacement's ``i``-th value (the matcher
+        made sure every read result has one), then the root and its getitems go."""
+        root, items = match.root, match.rule.replacement.items
+        read = {i: gs for i, gs in (getitem_users(root) or {}).items() if any(g.users for g in gs)}
+        try:
+            with self.graph.inserting_before(root):
+                values = {i: self._build(items[i], match.env, root) for i in sorted(read)}
+        except Exception as err:
+            self._undo()
+            raise ReplacementError(f"rule {match.rule.name!r} at {root.name}: {err}") from err
+        for i, value in values.items():
+            problem = None if isinstance(value, fx.Node) else f"value {i} is not a graph value"
+            for getitem in read[i]:
+                problem = problem or new_aliasing(getitem, value, self._created, self.gm)
+            if problem is not None:
+                self._undo()
+                raise ReplacementError(f"rule {match.rule.name!r} at {root.name}: {problem}")
+        for node in self._created:
+            node.meta[RULE_KEY] = (match.rule.name, match.rule.location)
+        for i, value in values.items():
+            for getitem in read[i]:
+                getitem.replace_all_uses_with(value)
         touched = self._retire(match)
         return tuple(self._created), touched
 

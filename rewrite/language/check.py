@@ -98,7 +98,7 @@ def check_declarations(modules: list) -> list:
     rulesets: dict = {}
     for module in modules:
         for item in module.items:
-            if isinstance(item, ast.Import):
+            if isinstance(item, (ast.Import, ast.Param)):
                 continue
             where = item.name_span or item.span
             if item.name in first:
@@ -194,7 +194,7 @@ def _walk(e: object) -> Iterator:
     elif isinstance(e, (ast.TupleLit, ast.ListLit, ast.BoolOp)):
         for i in e.items:
             yield from _walk(i)
-    elif isinstance(e, (ast.As, ast.Not)):
+    elif isinstance(e, (ast.As, ast.AsTuple, ast.Not)):
         yield from _walk(e.expr)
     elif isinstance(e, ast.Compare):
         yield from _walk(e.left)
@@ -220,6 +220,8 @@ def _certainly_matches(pattern: object, term: object, env: dict, canonical: Any)
     "not certainly", never "certainly not"."""
     if isinstance(pattern, ast.Wildcard):
         return True
+    if isinstance(pattern, ast.AsTuple):
+        return False  # matches results through getitem: never a term's own shape
     if isinstance(pattern, ast.Var):
         if pattern.name in env:
             return env[pattern.name] == term
@@ -258,7 +260,7 @@ def _as_name_span(e: ast.As) -> ast.Span | None:
 
 
 _WHAT = {ast.Compare: "a comparison", ast.BoolOp: "'{op}'", ast.Not: "'not'", ast.Index: "indexing",
-         ast.As: "'as'", ast.Wildcard: "'_'"}
+         ast.As: "'as'", ast.AsTuple: "'as (...)'", ast.Wildcard: "'_'"}
 
 
 def _what(e: object) -> str:
@@ -359,15 +361,22 @@ class _Checker:
         self._options(r)
         self.bound, self.used = {}, set()
         self._bind(r.pattern)
-        root = r.pattern.expr if isinstance(r.pattern, ast.As) else r.pattern
+        root = r.pattern.expr if isinstance(r.pattern, (ast.As, ast.AsTuple)) else r.pattern
         if not isinstance(root, ast.Call):
             self.error(_span_of(root), f"a pattern must be an op call, found {_describe(root)}", "E304",
                        help="write the op whose output the rule rewrites, e.g. relu(x)")
         self.check(r.pattern, _PATTERN)
         if r.where is not None:
             self.check(r.where, _WHERE)
-        self.check(r.replacement, _REPLACEMENT)
-        self._replacement_root(r.replacement)
+        if isinstance(r.pattern, ast.AsTuple) and isinstance(r.replacement, ast.TupleLit):
+            for item in r.replacement.items:  # `_`: a result the replacement does not provide
+                if not isinstance(item, ast.Wildcard):
+                    self.check(item, _REPLACEMENT)
+                    self._replacement_root(item)
+        else:
+            self.check(r.replacement, _REPLACEMENT)
+            self._replacement_root(r.replacement, r.pattern)
+        self._results(r)
         self._unused(r)
         if len(self.diags) == errors_before:
             self._endless(r)
@@ -406,14 +415,88 @@ class _Checker:
             return frozenset((f"={name}",) if found.qualified else (found.name,))
         return frozenset()
 
-    def _replacement_root(self, e: object) -> None:
+    def _replacement_root(self, e: object, pattern: object = None) -> None:
         """The replacement stands for the matched node, so it must be a graph value:
         a variable, an op call, a module function, or a rewrite-time constant whose
         tensor becomes a new constant of the module (not a literal)."""
-        if isinstance(e, (ast.Literal, ast.DTypeLit, ast.TupleLit, ast.ListLit)):
+        if isinstance(e, ast.TupleLit) and pattern is not None:
+            self.error(e.span, "a tuple replacement needs a pattern whose root binds the results of a "
+                               "multi-output op", "E305",
+                       help="bind the root op's results in the pattern, e.g. split(x, 2, 0) as (a, b) "
+                            "=> (e1, e2)")
+        elif isinstance(e, (ast.Literal, ast.DTypeLit, ast.TupleLit, ast.ListLit)):
             self.error(e.span, f"a replacement must produce a graph value, found {_describe(e)}", "E304",
                        help="build the value with an op, return a variable bound by the pattern, "
                             "or compute a constant tensor with a constant function")
+
+    # ------------------------------------------------------ multi-output roots
+
+    def _results(self, r: ast.Rule) -> None:
+        """A pattern root ``op(...) as (a, b)`` is replaced result by result: the
+        replacement is a tuple of as many values (``_`` for one it does not
+        provide) or one call of a multi-output op; it cannot read the results it
+        replaces (``a``, ``b``: they go away)."""
+        if not isinstance(r.pattern, ast.AsTuple):
+            return
+        names, rep = r.pattern.names, r.replacement
+        if isinstance(rep, ast.TupleLit):
+            if len(rep.items) != len(names):
+                self.error(rep.span, f"the pattern binds {len(names)} results but the replacement gives "
+                                     f"{len(rep.items)} values", "E305",
+                           help="give one value per result, in order; write _ for a result the "
+                                "replacement does not provide (it must then be unused)")
+        elif isinstance(rep, ast.Call) and len(rep.op.names) == 1:
+            kind, found = self.resolve(rep.op.names[0])
+            if kind == "op":
+                from rewrite.engine.outputs import fixed_count, single_output
+
+                count = fixed_count(found)
+                if single_output(found):
+                    self.error(rep.span, f"'{rep.op.names[0]}' returns one value; the pattern binds "
+                                         f"{len(names)} results", "E305",
+                               help="write a tuple of values, one per result: "
+                                    f"({', '.join(['...'] * len(names))})")
+                elif count is not None and count != len(names):
+                    self.error(rep.span, f"'{rep.op.names[0]}' returns {count} values; the pattern binds "
+                                         f"{len(names)} results", "E305",
+                               help="bind as many results as the replacement returns")
+            elif kind == "function":
+                self.error(rep.span, f"'{rep.op.names[0]}' makes one value; the pattern binds "
+                                     f"{len(names)} results", "E305",
+                           help="write a tuple of values, one per result")
+        elif isinstance(rep, ast.Var):
+            self.error(_span_of(rep), f"the pattern binds {len(names)} results; a replacement for them is a "
+                                      f"tuple of values or a call of a multi-output op, not {_describe(rep)}",
+                       "E305", help=f"write ({', '.join(['...'] * len(names))})")
+        replaced = set(names) - {"_"}
+        for e in _walk(rep):
+            if isinstance(e, ast.Var) and e.name in replaced:
+                self.error(e.span, f"'{e.name}' is a result of the matched op, which the replacement "
+                                   "replaces", "E305",
+                           help="build the values from the op's inputs; its results can be tested in "
+                                "the where clause")
+
+    def _tuple_binding(self, e: ast.AsTuple) -> None:
+        """``op(...) as (a, b)``: the op returns several values, as many as named
+        when its schema fixes the number."""
+        if not isinstance(e.expr, ast.Call):
+            self.error(e.span, f"'as (...)' binds the results of an op call, not {_describe(e.expr)}", "E304",
+                       help="write op(...) as (a, b)")
+            return
+        from rewrite.engine.outputs import fixed_count, results_opdef, single_output
+
+        for name in e.expr.op.names:
+            kind, found = self.resolve(name)
+            if kind != "op":
+                continue
+            found = results_opdef(name, found)
+            count = fixed_count(found)
+            if single_output(found):
+                self.error(e.span, f"'{name}' returns one value; 'as (...)' binds the results of an op that "
+                                   "returns several", "E305", help="name its value with 'as name'")
+            elif count is not None and count != len(e.names):
+                self.error(e.span, f"'{name}' returns {count} values; the pattern binds {len(e.names)}", "E305",
+                           help=f"bind all {count}, writing _ for those the rule ignores")
 
     def _options(self, r: ast.Rule) -> None:
         seen = set()
@@ -444,6 +527,16 @@ class _Checker:
                 self.bound.setdefault(e.name, e.span)
         as_spans: dict = {}
         for e in _walk(pattern):
+            if isinstance(e, ast.AsTuple):
+                for name in e.names:
+                    if name == "_":
+                        continue
+                    if name in as_spans or name in var_spans:
+                        self.error(e.span, f"'{name}' is bound twice; each result needs a new name", "E303",
+                                   help="give each result its own name, or _ to ignore it")
+                    as_spans.setdefault(name, e.span)
+                    self.bound.setdefault(name, e.span)
+                continue
             if not isinstance(e, ast.As):
                 continue
             span = _as_name_span(e)
@@ -460,6 +553,12 @@ class _Checker:
         counts: dict = {}
         spans: dict = {}
         for e in _walk(r.pattern):
+            if isinstance(e, ast.AsTuple):
+                for name in e.names:
+                    if name != "_":
+                        counts[name] = counts.get(name, 0) + 1
+                        spans.setdefault(name, e.span)
+                continue
             name = e.name if isinstance(e, (ast.Var, ast.As)) else None
             if name is not None:
                 counts[name] = counts.get(name, 0) + 1
@@ -501,6 +600,16 @@ class _Checker:
                 self.error(_as_name_span(e), f"'as' can only name a call, not {_describe(e.expr)}", "E304",
                            help="a variable already names what it matches")
             self.check(e.expr, place)
+        elif isinstance(e, ast.AsTuple):
+            if place != _PATTERN:
+                self.error(e.span, "'as (...)' can only be used in a pattern", "E304",
+                           help="bind the results in the pattern and use the names here")
+            else:
+                self._tuple_binding(e)
+            if isinstance(e.expr, ast.Call):
+                self.call(e.expr, place, results=True)
+            else:
+                self.check(e.expr, place)
         elif isinstance(e, ast.Call):
             self.call(e, place)
         elif isinstance(e, ast.DTypeLit):
@@ -516,7 +625,7 @@ class _Checker:
             for child in _children(e):
                 self.check(child, place)
 
-    def call(self, c: ast.Call, place: str) -> None:
+    def call(self, c: ast.Call, place: str, results: bool = False) -> None:
         self._duplicate_keywords(c)
         if len(c.op.names) > 1 and place != _PATTERN:
             self.error(c.op.span, "alternatives can only be used in a pattern", "E304",
@@ -527,6 +636,10 @@ class _Checker:
         spans = c.op.name_spans if len(c.op.name_spans) == len(c.op.names) else (c.op.span,) * len(c.op.names)
         for name, span in zip(c.op.names, spans):
             kind, found = self.resolve(name)
+            if results and kind == "op":
+                from rewrite.engine.outputs import results_opdef
+
+                found = results_opdef(name, found)
             getattr(self, "_call_in_" + place.split()[0])(c, name, span, kind, found)
         for a in c.args:
             self.check(a, place)

@@ -212,6 +212,8 @@ def _layout(e: Any, col: int, prefix: str, suffix: str = "") -> list:
     name_suffix = ""
     if isinstance(e, ast.As) and isinstance(e.expr, ast.Call):
         e, name_suffix = e.expr, f" as {e.name}"
+    elif isinstance(e, ast.AsTuple) and isinstance(e.expr, ast.Call):
+        e, name_suffix = e.expr, f" as ({', '.join(e.names)})"
     if isinstance(e, ast.Call):
         return _layout_call(e, col, prefix, name_suffix + suffix)
     if isinstance(e, ast.BoolOp):

@@ -47,7 +47,7 @@ NESTING_CODE = "E001"
 # do not count, so the depth is the one a reader sees: ``[[1]]`` and ``f(g(x))``
 # nest 2 deep, ``not x[0][1]`` 3 deep.
 _LEVELS = frozenset({
-    "or_test", "and_test", "not_op", "compare", "as_name", "index", "call",
+    "or_test", "and_test", "not_op", "compare", "as_name", "as_tuple", "index", "call",
     "list_lit", "tuple_lit", "schedule",
 })
 
@@ -103,7 +103,7 @@ def _children(node: Any) -> tuple | None:
         return tuple(node.args) + tuple(node.kwargs)
     if isinstance(node, ast.Keyword):
         return (node.value,)
-    if isinstance(node, (ast.As, ast.Not)):
+    if isinstance(node, (ast.As, ast.AsTuple, ast.Not)):
         return (node.expr,)
     if isinstance(node, ast.Compare):
         return (node.left, node.right)
