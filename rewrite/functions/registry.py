@@ -128,7 +128,7 @@ def function_names(kind: str | None = None) -> list:
 
 #: Modules whose import registers built-in functions; one line per library area.
 BUILTIN_MODULES = ("rewrite.functions.builtins", "rewrite.functions.amp", "rewrite.functions.quant",
-                    "rewrite.functions.qat")
+                    "rewrite.functions.qat", "rewrite.functions.transformer")
 
 
 _builtins_loaded = False
