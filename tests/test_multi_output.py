@@ -330,3 +330,32 @@ def test_one_result_through_getitem():
     assert result.counts == {"second_piece": 1}
     assert torch.ops.aten.split.Tensor not in _targets(result.graph_module)
     _same(gm, result.graph_module, inputs)
+
+
+# ------------------------------------------------------------------ verification
+
+GOOD = MAX_TO_AMAX + NATIVE_LAYER_NORM + CAT_OF_PIECES + CHUNK_TO_SPLIT + ONLY_VALUES
+
+
+@pytest.mark.parametrize("name", ["max_to_amax", "layer_norm_from_native", "cat_split", "cat_chunk",
+                                  "chunk_to_split", "max_values"])
+def test_multi_output_rules_verify(name):
+    from rewrite.trust.verify import verify_rule
+
+    v = verify_rule(rewrite.parse(GOOD, "multi.rw"), name, max_examples=8, seed=0)
+    assert v.status == "ok" and v.checked >= 3, v
+
+
+@pytest.mark.parametrize("text", [
+    # amin is not max
+    "rule bad: aten.max.dim(x, d, k) as (_, _) => (aten.amin(x, [d], k), aten.argmax(x, d, k))",
+    # the second piece is not the first
+    "rule bad: aten.split.Tensor(x, s, d) as (_, _) => (aten.slice.Tensor(x, d, 0, s), aten.slice.Tensor(x, d, 0, s))",
+    # the pieces in the other order
+    "rule bad: cat(aten.split.Tensor(_, _, d) as (a, b), d) => cat([b, a], d)",
+])
+def test_wrong_multi_output_rules_get_a_counterexample(text):
+    from rewrite.trust.verify import verify_rule
+
+    v = verify_rule(rewrite.parse(text, "bad.rw"), "bad", max_examples=30, seed=0)
+    assert v.status == "counterexample", v

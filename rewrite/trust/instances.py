@@ -55,13 +55,15 @@ from __future__ import annotations
 
 import keyword
 import math
+import operator
 from typing import Any, Callable
 
 import attrs
 import torch
 import torch.fx as fx
 
-from rewrite.engine.compile import DTYPES, CompiledRule, PCall, PDefault, PLit, PSeq, PVar, PWild, RConst, RModule, ROp, RSeq
+from rewrite.engine.compile import (DTYPES, CompiledRule, PCall, PDefault, PLit, PResults, PSeq, PVar, PWild, RConst,
+                                    RModule, ROp, RResults, RSeq)
 from rewrite.language import ast
 from rewrite.ops.base import REQUIRED
 
@@ -423,6 +425,13 @@ class _Args:
         return self.producers.get(id(v), (None, {}))
 
 
+def _tensors(out: Any) -> bool:
+    """A tensor, or the tuple of tensors of a multi-output op (split, max, topk)."""
+    if isinstance(out, (list, tuple)):
+        return bool(out) and all(isinstance(t, torch.Tensor) for t in out)
+    return isinstance(out, torch.Tensor)
+
+
 def _leaves(values: Any) -> list:
     """The non-sequence values in nested lists and tuples, in order."""
     out, todo = [], list(values)[::-1]
@@ -455,6 +464,7 @@ OUTSIDE_VOCABULARY = {
     "torch.constant_pad_nd": "pad", "torch.addbmm": "addbmm", "aten.addbmm": "addbmm",
     "torch.fake_quantize_per_tensor_affine": "fake_quantize",
     "aten.fake_quantize_per_tensor_affine": "fake_quantize",
+    "aten.native_layer_norm": "layer_norm",  # as (y, mean, rstd): layer_norm's arguments
 }
 
 
@@ -562,6 +572,8 @@ def _transpose(ctx: _Ctx, a: _Args) -> dict:
 @_family("getitem")
 def _getitem(ctx: _Ctx, a: _Args) -> dict:
     x = a.tensor("input", lambda: ctx.shape(1, 3))
+    if isinstance(x, (list, tuple)):  # one result of a multi-output op (split, max, topk)
+        return {"input": x, "index": a.lit("index", lambda: ctx.int(-len(x), len(x) - 1))}
     return {"input": x, "index": a.lit("index", lambda: _index(ctx, _shape(x) or ()))}
 
 
@@ -637,6 +649,125 @@ def _pad(ctx: _Ctx, a: _Args) -> dict:
         out["mode"] = a.lit("mode", lambda: ctx.pick(["constant", "reflect", "replicate", "circular"]))
     out["value"] = a.lit("value", lambda: ctx.pick([0 if constant_nd else None, 0.0, 1.5, -2.0, 0.1, 1e5]))
     return out
+
+
+@_family("as")
+def _as(ctx: _Ctx, a: _Args) -> dict:
+    """``reshape_as``, ``expand_as``, ``type_as``: ``other`` has a shape the input
+    reshapes or expands to, or (type_as) any dtype, the input's own included."""
+    x = a.tensor("input", lambda: ctx.shape(1, 3, dim_hi=3))
+    shape = _shape(x) or ()
+    if a.op == "type_as":
+        dtype = ctx.pick([x.dtype, *_ALL]) if isinstance(x, torch.Tensor) else ctx.dtype
+        return {"input": x, "other": a.get("other") if not a.free("other")
+                else ctx.tensor(ctx.shape(), dtype=dtype)}
+    if a.op == "reshape_as":  # the same number of elements
+        target = ctx.pick([shape, tuple(reversed(shape)), (1, *shape), (math.prod(shape),)])
+    else:
+        target = ctx.pick([shape, tuple(ctx.int(1, 3) if d == 1 else d for d in shape), (2, *shape)])
+    return {"input": x, "other": a.tensor("other", target)}
+
+
+@_family("glu")
+def _glu(ctx: _Ctx, a: _Args) -> dict:
+    """An input whose size along ``dim`` is even (glu halves it)."""
+    dim = a.get("dim")
+    x = a.get("input")
+    if x is _FREE:
+        shape = list(ctx.shape(1, 3))
+        d = dim if isinstance(dim, int) else ctx.int(-len(shape), len(shape) - 1)
+        shape[d] = 2 * ctx.int(1, 2)
+        x, dim = a.fresh(tuple(shape)), d
+    r = _rank(x)
+    evens = [d for d in range(-r, r) if x.shape[d] % 2 == 0]
+    if not evens:
+        raise _Discard("glu needs an even-sized dim")
+    return {"input": x, "dim": a.lit("dim", lambda: ctx.pick(evens))}
+
+
+@_family("masked_fill")
+def _masked_fill(ctx: _Ctx, a: _Args) -> dict:
+    """A bool mask of the input's shape (or a broadcasting suffix of it) and a fill
+    value: a number, or a 0-dim tensor of the input's dtype."""
+    x = a.tensor("input", lambda: ctx.shape(1, 3))
+    shape = _shape(x) or ()
+    mask = a.get("mask")
+    if mask is _FREE:
+        mask = ctx.tensor(ctx.pick([shape, shape[1:]]), dtype=torch.bool)
+    value = a.get("value")
+    if value is _FREE:
+        value = ctx.pick([0.0, -1.0, 1e4, -math.inf, "tensor"] if a.dtype.is_floating_point else [0, 1, -1])
+        if value == "tensor":
+            value = a.fresh(())
+    return {"input": x, "mask": mask, "value": value}
+
+
+#: einsum equations verification draws (letters get sizes; given operands fix theirs)
+_EQUATIONS = ("ij,jk->ik", "bij,bjk->bik", "bhqd,bhkd->bhqk", "ij,kj->ik", "bnd,dh->bnh", "ij->ji", "i,i->",
+              "ii->i", "bij->bj", "i,j->ij")
+
+
+@_family("einsum")
+def _einsum(ctx: _Ctx, a: _Args) -> dict:
+    equation = a.lit("equation", lambda: ctx.pick(_EQUATIONS))
+    if not isinstance(equation, str) or "." in equation:
+        raise _Discard("einsum equation without ellipsis expected")
+    inputs = equation.replace(" ", "").split("->")[0].split(",")
+    given = a.get("tensors")
+    given = [_FREE] * len(inputs) if given is _FREE else list(given)
+    if len(given) != len(inputs):
+        raise _Discard("einsum operand count differs from the equation")
+    sizes: dict = {}
+    for letters, t in zip(inputs, given):
+        if isinstance(t, torch.Tensor):
+            if t.dim() != len(letters):
+                raise _Discard("einsum operand rank differs from the equation")
+            for c, d in zip(letters, t.shape):
+                sizes.setdefault(c, d)
+    tensors = [t if isinstance(t, torch.Tensor)
+               else a.fresh(tuple(sizes.setdefault(c, ctx.int(1, 3)) for c in letters))
+               for letters, t in zip(inputs, given)]
+    return {"equation": equation, "tensors": tensors}
+
+
+@_family("reduce_dims")
+def _reduce_dims(ctx: _Ctx, a: _Args) -> dict:
+    """A reduction over an int dim (``max``) or an int/tuple of dims (``amax``; () is
+    every dim)."""
+    x = a.tensor("input", lambda: ctx.shape(1, 4))
+    r = max(_rank(x), 1)
+    one = lambda: ctx.int(-r, r - 1)  # noqa: E731
+    if a.op == "max":
+        return {"input": x, "dim": a.lit("dim", one)}
+    return {"input": x, "dim": a.lit("dim", lambda: ctx.pick([one(), (), (one(),), tuple(range(r))]))}
+
+
+@_family("topk")
+def _topk(ctx: _Ctx, a: _Args) -> dict:
+    x = a.tensor("input", lambda: ctx.shape(1, 3))
+    r = max(_rank(x), 1)
+    dim = a.lit("dim", lambda: ctx.pick([-1, ctx.int(-r, r - 1)]))
+    n = x.shape[dim] if x.dim() else 1
+    return {"input": x, "dim": dim, "k": a.lit("k", lambda: ctx.int(0, n))}
+
+
+@_family("split")
+def _split(ctx: _Ctx, a: _Args) -> dict:
+    """``split``: a piece size, or sizes that sum to the dim; ``chunk``: a count."""
+    x = a.tensor("input", lambda: ctx.shape(1, 3))
+    r = max(_rank(x), 1)
+    dim = a.lit("dim", lambda: ctx.int(-r, r - 1))
+    n = x.shape[dim] if x.dim() else 1
+    if a.op == "chunk":
+        return {"input": x, "dim": dim, "chunks": a.lit("chunks", lambda: ctx.int(1, n + 1))}
+
+    def sizes() -> Any:
+        if ctx.coin():
+            return ctx.int(1, max(n, 1))
+        cut = sorted(ctx.int(0, n) for _ in range(ctx.int(0, 2)))
+        return [b - e for b, e in zip([*cut, n], [0, *cut])]
+
+    return {"input": x, "dim": dim, "split_size": a.lit("split_size", sizes)}
 
 
 def _tensor_list(ctx: _Ctx, a: _Args, min_rank: int) -> tuple:
@@ -917,8 +1048,11 @@ def _layer_norm(ctx: _Ctx, a: _Args) -> dict:
     x = a.tensor("input", lambda: ctx.shape(1, 4))
     s = _shape(x) or ()
     shape = a.lit("normalized_shape", lambda: s[len(s) - ctx.int(1, max(len(s), 1)):])
-    return {"input": x, "normalized_shape": shape,
-            "weight": a.optional("weight", tuple(shape)), "bias": a.optional("bias", tuple(shape))}
+    out = {"input": x, "normalized_shape": shape,
+           "weight": a.optional("weight", tuple(shape)), "bias": a.optional("bias", tuple(shape))}
+    if a.free("eps") and a.op == "aten.native_layer_norm":  # no default in its schema
+        out["eps"] = ctx.pick([1e-5, 1e-3])
+    return out
 
 
 @_family("group_norm")
@@ -1149,7 +1283,27 @@ class _Builder:
             return self.values[self.call(p)]
         if isinstance(p, PSeq):
             return [self.given(i) for i in p.items]
+        if isinstance(p, PResults):  # all the results, read through getitems
+            return [self.values[g] for g in self.results(self.call(p.call), p.call.results)]
         raise _Discard(f"unsupported pattern {p!r}")
+
+    def results(self, node: fx.Node, names: tuple, wanted: Any = None) -> list:
+        """``getitem(node, i)`` for each result (those in ``wanted``, when given),
+        binding the names of ``op(...) as (a, b)``."""
+        out = self.values[node]
+        if not isinstance(out, (list, tuple)) or len(out) != len(names):
+            raise _Discard(f"{len(names)} results wanted, the op gave "
+                           f"{len(out) if isinstance(out, (list, tuple)) else 1}")
+        getitems = []
+        for i, (name, value) in enumerate(zip(names, out)):
+            if wanted is not None and i not in wanted:
+                continue
+            g = self.graph.call_function(operator.getitem, (node, i))
+            self.values[g], self.node_of[id(value)] = value, g
+            if name != "_":
+                self.env[name] = g
+            getitems.append(g)
+        return getitems
 
     def _concrete(self, v: Any) -> Any:
         if isinstance(v, fx.Node):
@@ -1179,6 +1333,8 @@ class _Builder:
                 node = self._leaf(v, var)
             return node
         if isinstance(v, (list, tuple)):
+            if id(v) in self.node_of:  # the results of a multi-output op (split, max): its node
+                return self.node_of[id(v)]
             return type(v)(self._operand(i, None) for i in v)
         return v
 
@@ -1302,8 +1458,8 @@ class _Builder:
                 out = target(*concrete[0], **concrete[1])
         except Exception as err:  # noqa: BLE001 - shapes or values that do not fit
             raise _Discard(f"{opdef.name}: {type(err).__name__}: {err}") from None
-        if not isinstance(out, torch.Tensor):
-            raise _Discard(f"{opdef.name} did not return a tensor")
+        if not _tensors(out):
+            raise _Discard(f"{opdef.name} did not return a tensor (or a tuple of them)")
         self.values[node], self.node_of[id(out)] = out, node
         self.producers[id(out)] = (opdef.name, values)
         if p.name is not None:
@@ -1320,6 +1476,9 @@ class _Builder:
         # the graph return a module constant (rewrite.engine.replace refuses), and folds
         # into constants must still be verifiable. A root the where clause wants
         # quantized (output_quantized(c)) is quantized first.
+        results = self.plan.rule.pattern.results
+        if results is not None:  # a multi-output root: the results the replacement gives
+            return self._finish_results(root, results)
         last = root
         value = self.values[root]
         if name is not None and name in self.plan.quantized_outputs and _is_float(value):
@@ -1330,6 +1489,21 @@ class _Builder:
         out = self.graph.call_function(clone, (last,))
         self.values[out] = self.values[last]
         self.graph.output(out)
+        gm = fx.GraphModule(self.root, self.graph)
+        bindings = {k: self._concrete(v) for k, v in self.env.items()}
+        return Instance(self.plan.rule.name, gm, tuple(self.inputs), bindings, self.ctx.dtype, self.dialect)
+
+
+    def _finish_results(self, root: fx.Node, names: tuple) -> Instance:
+        replacement = self.plan.rule.replacement
+        given = range(len(names)) if not isinstance(replacement, RResults) else \
+            [i for i, item in enumerate(replacement.items) if item is not None]
+        clone = torch.ops.aten.clone.default if self.dialect == "aten" else torch.clone
+        outs = []
+        for g in self.results(root, names, set(given)):
+            outs.append(self.graph.call_function(clone, (g,)))
+            self.values[outs[-1]] = self.values[g]
+        self.graph.output(tuple(outs))
         gm = fx.GraphModule(self.root, self.graph)
         bindings = {k: self._concrete(v) for k, v in self.env.items()}
         return Instance(self.plan.rule.name, gm, tuple(self.inputs), bindings, self.ctx.dtype, self.dialect)
