@@ -50,6 +50,13 @@ def _runs(inst) -> object:
     ("dequantize(_)", "dequantize"),
     ("quantize_per_tensor(_, _, _, _)", "quantize_per_tensor"),
     ("torch.fake_quantize_per_tensor_affine(_, _, _, _, _)", "fake_quantize_per_tensor_affine"),
+    # issue 13's vocabulary
+    ("leaky_relu(_, _)", "leaky_relu"), ("glu(_, _)", "glu"), ("sin(_)", "sin"), ("cos(_)", "cos"),
+    ("masked_fill(_, _, _)", "masked_fill"), ("einsum(_, _)", "einsum"), ("amax(_, _, _)", "amax"),
+    ("getitem(max(_, _, _), 0)", "max"), ("getitem(topk(_, _, _, _, _), 1)", "topk"),
+    ("linalg_vector_norm(_, _, _, _)", "vector_norm"), ("reshape_as(_, _)", "reshape_as"),
+    ("expand_as(_, _)", "expand_as"), ("type_as(_, _)", "type_as"), ("getitem(split(_, _, _), 0)", "split"),
+    ("getitem(chunk(_, _, _), -1)", "chunk"), ("slice(_, _, _, _, _)", "slice"), ("pad(_, _, _, _)", "pad"),
 ])
 def test_every_new_op_gets_valid_instances(pattern, op):
     _, rule = _rule(f"rule r: {pattern} as out => out")

@@ -567,7 +567,29 @@ SAMPLES = {
     "quantize_per_tensor": ({"input": _t(4), "scale": 0.1, "zero_point": 0, "dtype": torch.quint8},
                             lambda a: torch.quantize_per_tensor(a["input"], 0.1, 0, torch.quint8)),
     "dequantize": ({"input": _quantized(_t(4))}, lambda a: a["input"].dequantize()),
+    "leaky_relu": ({"input": _t(5), "negative_slope": 0.2}, lambda a: F.leaky_relu(a["input"], 0.2)),
+    "glu": ({"input": _t(3, 4), "dim": 1}, lambda a: a["input"][:, :2] * a["input"][:, 2:].sigmoid()),
+    "sin": ({"input": _t(3)}, lambda a: a["input"].sin()),
+    "cos": ({"input": _t(3)}, lambda a: a["input"].cos()),
+    "masked_fill": ({"input": _t(3, 4), "mask": _t(3, 4) > 0, "value": -1.0},
+                    lambda a: torch.where(a["mask"], -1.0, a["input"])),
+    "einsum": ({"equation": "ij,kj->ik", "tensors": [_t(2, 3), _t(4, 3)]},
+               lambda a: a["tensors"][0] @ a["tensors"][1].T),
+    "amax": ({"input": _t(2, 3, 4), "dim": (0, 2), "keepdim": True},
+             lambda a: a["input"].max(2, keepdim=True).values.max(0, keepdim=True).values),
+    "max": ({"input": _t(2, 3), "dim": 1}, lambda a: tuple(torch.sort(a["input"], 1, descending=True))[0][:, 0]),
+    "topk": ({"input": _t(2, 5), "k": 2}, lambda a: torch.sort(a["input"], -1, descending=True).values[:, :2]),
+    "linalg_vector_norm": ({"input": _t(2, 3), "dim": -1}, lambda a: (a["input"] ** 2).sum(-1).sqrt()),
+    "reshape_as": ({"input": _t(2, 6), "other": _t(3, 4)}, lambda a: a["input"].reshape(3, 4)),
+    "expand_as": ({"input": _t(3, 1), "other": _t(3, 4)}, lambda a: a["input"].repeat(1, 4)),
+    "type_as": ({"input": _t(3), "other": _t(2).double()}, lambda a: a["input"].double()),
+    "split": ({"input": _t(5, 2), "split_size": [2, 3]}, lambda a: a["input"][:2]),
+    "chunk": ({"input": _t(4, 2), "chunks": 2, "dim": 0}, lambda a: a["input"][:2]),
+    "slice": ({"input": _t(3, 5), "dim": 1, "start": 1, "end": 4}, lambda a: a["input"][:, 1:4]),
+    "pad": ({"input": _t(2, 3), "pad": [1, 2]}, lambda a: torch.cat([torch.zeros(2, 1), a["input"], torch.zeros(2, 2)], 1)),
 }
+#: multi-output ops: the sample's reference is their first result
+MULTI_OUTPUT = {"split", "chunk", "max", "topk"}
 
 
 def emit_graph(op: str, dialect: str, sample: dict) -> tuple:
@@ -604,8 +626,11 @@ def test_emit_runs_and_binds_back(op: str, dialect: str) -> None:
     if dialect == "aten":
         assert isinstance(node.target, torch._ops.OpOverload) or node.target is operator.getitem
     else:
-        assert not isinstance(node.target, torch._ops.OpOverload) or op == "identity"
+        assert not isinstance(node.target, torch._ops.OpOverload) or op in ("identity", "slice")
     got = gm(*inputs)
+    if op in MULTI_OUTPUT:
+        assert isinstance(got, (tuple, list)) and len(got) >= 2, got  # aten returns a list
+        got = got[0]
     want = reference(sample)
     if got.is_quantized:
         got, want = got.dequantize(), want.dequantize()
@@ -754,3 +779,82 @@ def test_prelu_kernel_is_not_prelu() -> None:
 
     gm = fx.symbolic_trace(M())
     assert not bindings(gm, "prelu")
+
+
+# ---- issue 13's vocabulary at every capture level ---------------------------------
+
+
+class Vocabulary13(nn.Module):
+    """Each new op spelled as user code writes it (function, method, module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.act = nn.LeakyReLU(0.1)
+        self.gate = nn.GLU(-1)
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        y = F.leaky_relu(x, 0.2) + self.act(x) + x.sin() + torch.cos(x)
+        y = y.masked_fill(x > 0, -1.0) + torch.einsum("bij,bkj->bik", x, x).sum()
+        g = self.gate(x) + F.glu(x, -1)
+        a, b = torch.split(x, 2, -1)
+        c, d = x.chunk(2, -1)
+        e, f = x.split([1, 3], -1)
+        m = x.amax(-1) + torch.max(x, -1)[0] + x.topk(2)[0].sum(-1) + torch.linalg.vector_norm(x, 2, -1)
+        s = x[:, 1:3]
+        z = (g + a * c + b.reshape_as(d)).sum() + e.expand_as(f).type_as(f).sum()
+        return y.sum() + z + m.sum() + s.sum() + F.pad(x, (1, 1)).sum()
+
+
+_NEW_OPS = {"leaky_relu": 2, "sin": 1, "cos": 1, "masked_fill": 1, "einsum": 1, "glu": 2, "split": 2,
+            "chunk": 1, "amax": 1, "max": 1, "topk": 1, "linalg_vector_norm": 1, "reshape_as": 1,
+            "expand_as": 1, "type_as": 1, "pad": 1}
+
+
+@pytest.mark.parametrize("level", ["symbolic", "dynamo", "export"])
+def test_issue13_ops_bind_at_every_level(level: str) -> None:
+    gm = capture(Vocabulary13(), (torch.randn(2, 3, 4),), (level,))[level]
+    found = {op: len(bindings(gm, op)) for op in _NEW_OPS}
+    assert found == _NEW_OPS, found
+    assert len(bindings(gm, "slice")) == (level == "export")  # x[:, 1:3] is getitem before export
+    split_sizes = sorted(str(b.args["split_size"]) for _, b in bindings(gm, "split"))
+    assert split_sizes == ["2", "[1, 3]"]
+
+
+def test_issue13_ops_in_core_aten() -> None:
+    """What run_decompositions keeps: split_with_sizes (split and chunk), slice,
+    constant_pad_nd (pad), amax, max.dim, topk, the activations."""
+    gm = capture(Vocabulary13(), (torch.randn(2, 3, 4),), ("core",))["core"]
+    found = {op: len(bindings(gm, op)) for op in ("split", "slice", "pad", "amax", "max", "topk", "leaky_relu",
+                                                  "sin", "cos", "linalg_vector_norm")}
+    assert all(found.values()), found
+    assert all(b.args["mode"] == "constant" for _, b in bindings(gm, "pad"))
+
+
+def test_issue13_rules_fire_and_verify() -> None:
+    import rewrite
+    from rewrite.trust.verify import verify_rules
+
+    rules = rewrite.parse('''
+rule lrelu_one: leaky_relu(x, 1.0) => clone(x)
+rule max_values: getitem(max(x, d, k), 0) => amax(x, d, k)
+rule cast_reshape_as: reshape_as(to(x, t), y) => to(reshape_as(x, y), t)
+rule einsum_mm(tolerance="approx"): einsum("ij,jk->ik", [a, b]) where is_float(a) => mm(a, b)
+rule pad_zero: pad(x, [0, 0], "constant", _) => clone(x)
+''')
+    report = verify_rules(rules, max_examples=15, seed=0)
+    assert {v.status for v in report.verdicts} == {"ok"}, report.table()
+    # leaky_relu(-inf, 0) is nan (-inf * 0), relu(-inf) is 0: verification finds it
+    wrong = rewrite.parse("rule bad: leaky_relu(x, 0.0) => relu(x)")
+    assert [v.status for v in verify_rules(wrong, max_examples=30, seed=0).verdicts] == ["counterexample"]
+
+    class Net13(nn.Module):
+        def forward(self, x):
+            return torch.max(x, 1)[0] + F.leaky_relu(x, 1.0).sum(1) + torch.einsum("ij,jk->ik", x, x.T).sum(1)
+
+    x = torch.randn(3, 3)
+    for level in ("symbolic", "export"):
+        gm = capture(Net13(), (x,), (level,))[level]
+        result = rules.apply(gm, example_inputs=(x,))
+        assert result.counts == {"lrelu_one": 1, "max_values": 1, "einsum_mm": 1}, (level, result.counts)
+        out = result.graph_module(x)
+        torch.testing.assert_close(out[0] if isinstance(out, (tuple, list)) else out, Net13()(x))

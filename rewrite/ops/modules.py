@@ -23,7 +23,7 @@ from rewrite.ops.base import ConstRef
 __all__ = [
     "unary", "conv", "conv_transpose", "linear", "batch_norm", "layer_norm", "group_norm",
     "gelu", "hardtanh", "dropout", "flatten", "softmax", "max_pool2d", "avg_pool2d",
-    "adaptive_avg_pool2d", "embedding",
+    "adaptive_avg_pool2d", "embedding", "leaky_relu", "glu",
 ]
 
 
@@ -55,6 +55,14 @@ def unary(module: Any, node: fx.Node, qualname: str) -> dict | None:
 
 def gelu(module: Any, node: fx.Node, qualname: str) -> dict | None:
     return _with_input(node, approximate=module.approximate)
+
+
+def leaky_relu(module: Any, node: fx.Node, qualname: str) -> dict | None:
+    return _with_input(node, negative_slope=module.negative_slope)
+
+
+def glu(module: Any, node: fx.Node, qualname: str) -> dict | None:
+    return _with_input(node, dim=module.dim)
 
 
 def hardtanh(module: Any, node: fx.Node, qualname: str) -> dict | None:

@@ -223,6 +223,15 @@ OPS = [
        module("nn.ReLU6", extract=modules.hardtanh, named=False),  # a Hardtanh(0, 6) subclass
        instances=Instances("unary", literals=(("min_val", (-1.0, 0.0, -2.0, -0.1, -1e5)), ("max_val", (1.0, 6.0, 2.0, 0.1, 1e5)))),
        torch="F.hardtanh", aten="aten.hardtanh.default", elementwise=True, doc="clamp(x, min_val, max_val)"),
+    op("leaky_relu", "input: T, negative_slope=0.01", standard("leaky_relu"),
+       module("nn.LeakyReLU", extract=modules.leaky_relu),
+       instances=Instances("unary", literals=(("negative_slope", (0.01, 0.2, 0.0, 1.0, -0.5)),)),
+       torch="F.leaky_relu", aten="aten.leaky_relu.default", elementwise=True,
+       doc="max(x, 0) + negative_slope * min(x, 0)"),
+    # glu halves `dim`: first half * sigmoid(second half); core ATen spells it slice, sigmoid, mul
+    op("glu", "input: T, dim=-1", fn("F.glu", "aten.glu.default"), module("nn.GLU", extract=modules.glu),
+       instances=Instances("glu"),
+       torch="F.glu", aten="aten.glu.default", doc="a * sigmoid(b), a and b the halves of input along dim"),
     # relu6 is also hardtanh(x, 0, 6): nn.ReLU6 calls F.hardtanh, and export records that
     op("relu6", "input: T", standard("relu6"),
        fn("F.hardtanh", "aten.hardtanh.default", "aten.hardtanh_.default",

@@ -76,6 +76,27 @@ def _cast(method_name: str, dtype: torch.dtype) -> list:
 
 _TO_GUARDS = {"non_blocking": False, "copy": False, "memory_format": _PRESERVE}
 
+
+def _int_dim(args: dict) -> bool:
+    """``torch.max(x, 1)`` reduces a dim; ``torch.max(x, y)`` is an elementwise maximum."""
+    return isinstance(args.get("dim"), int) and not isinstance(args.get("dim"), bool)
+
+
+def _split_aten(args: dict, facts: Callable) -> str:
+    return "aten.split.Tensor" if isinstance(args["split_size"], int) else "aten.split_with_sizes.default"
+
+
+def _masked_fill_aten(args: dict, facts: Callable) -> str:
+    return "aten.masked_fill.Tensor" if _is_node(args["value"]) else "aten.masked_fill.Scalar"
+
+
+def _as_tuple(value: Any) -> Any:
+    """One operand (a lone node) or several: always a tuple, as aten's list."""
+    return (value,) if isinstance(value, fx.Node) else tuple(value) if isinstance(value, list) else value
+
+
+_TENSOR_LIST = {"tensors": (_as_tuple, list)}
+
 OPS = [
     # ---- arithmetic ----------------------------------------------------------
     # x + y, x += y, torch.add, x.add, x.add_, aten.add.{Tensor,Scalar}: add(x, y, alpha=1)
@@ -128,6 +149,18 @@ OPS = [
     op("log", "input: T", standard("log"),
        instances=Instances("unary", input_range=(0.25, 4.0)),
        torch="torch.log", aten="aten.log.default", elementwise=True, doc="natural logarithm"),
+    op("sin", "input: T", standard("sin"),
+       instances=Instances("unary"),
+       torch="torch.sin", aten="aten.sin.default", elementwise=True, doc="sine"),
+    op("cos", "input: T", standard("cos"),
+       instances=Instances("unary"),
+       torch="torch.cos", aten="aten.cos.default", elementwise=True, doc="cosine"),
+    # x.masked_fill(mask, v): v a number (aten .Scalar) or a 0-dim tensor (.Tensor)
+    op("masked_fill", "input: T, mask: T, value",
+       standard("masked_fill"), fn("aten.masked_fill.Scalar", "aten.masked_fill.Tensor", "aten.masked_fill_.Scalar",
+                                   "aten.masked_fill_.Tensor"),
+       instances=Instances("masked_fill"),
+       torch="torch.masked_fill", aten=_masked_fill_aten, doc="input with value where mask is true"),
     op("sqrt", "input: T", standard("sqrt"),
        instances=Instances("unary", input_range=(0.25, 4.0)),
        torch="torch.sqrt", aten="aten.sqrt.default", elementwise=True, doc="x ** 0.5"),
@@ -165,6 +198,13 @@ OPS = [
        instances=Instances("addmm", literals=(("beta", (1, 0.5)), ("alpha", (1, 2)))),
        torch="torch.baddbmm", aten="aten.baddbmm.default", doc="beta * input + alpha * (batch1 @ batch2)"),
 
+    # torch.einsum(eq, a, b) takes varargs (or one list); aten.einsum takes the list
+    op("einsum", "equation, tensors: T",
+       fn("torch.einsum", sig="equation, *operands", rename={"operands": "tensors"}, convert=_TENSOR_LIST),
+       fn("aten.einsum.default", guards={"path": None}, convert=_TENSOR_LIST),
+       instances=Instances("einsum"),
+       torch="torch.einsum", aten="aten.einsum.default", doc="Einstein summation over the tensors"),
+
     # ---- reductions and softmax ----------------------------------------------
     op("mean", "input: T, dim=None, keepdim=False",
        fn("torch.mean", sig="input, dim=None, keepdim=False, *, dtype=None", guards={"dtype": None}),
@@ -178,6 +218,27 @@ OPS = [
        fn("aten.sum.default", "aten.sum.dim_IntList", guards={"dtype": None}),
        instances=Instances("reduce", literals=(("keepdim", bool),)),
        torch="torch.sum", aten=_sum_aten, doc="sum over dim (all dims when None)"),
+    op("amax", "input: T, dim=(), keepdim=False", standard("amax"),
+       instances=Instances("reduce_dims", literals=(("keepdim", bool),)),
+       torch="torch.amax", aten="aten.amax.default", doc="maximum over dim (all dims when empty)"),
+    # max(x, dim) returns (values, indices); torch.max(x) and torch.max(x, y) are other ops
+    op("max", "input: T, dim, keepdim=False",
+       fn("torch.max", sig="input, dim, keepdim=False", check=_int_dim),
+       method("max", sig="self, dim, keepdim=False", check=_int_dim),
+       fn("aten.max.dim"),
+       instances=Instances("reduce_dims", literals=(("keepdim", bool),)),
+       torch="torch.max", aten="aten.max.dim", doc="(values, indices) of the maximum along dim"),
+    op("topk", "input: T, k, dim=-1, largest=True, sorted=True", standard("topk"),
+       instances=Instances("topk", literals=(("largest", bool),)),
+       torch="torch.topk", aten="aten.topk.default", doc="(values, indices) of the k largest (or smallest) along dim"),
+    # torch.norm / x.norm dispatch on p and dim in Python: not bound; export records this
+    op("linalg_vector_norm", "input: T, ord=2, dim=None, keepdim=False",
+       fn("torch.linalg.vector_norm", sig="input, ord=2, dim=None, keepdim=False, *, dtype=None",
+          guards={"dtype": None}),
+       fn("aten.linalg_vector_norm.default", guards={"dtype": None}),
+       instances=Instances("reduce", literals=(("ord", (2, 1, float("inf"), 3)), ("keepdim", bool))),
+       torch="torch.linalg.vector_norm", aten="aten.linalg_vector_norm.default",
+       doc="(sum |x| ** ord) ** (1 / ord) over dim (all dims when None)"),
     # F.softmax carries _stacklevel; core ATen's _softmax carries half_to_float
     op("softmax", "input: T, dim, dtype=None",
        fn("F.softmax", ignore={"_stacklevel"}),
@@ -226,6 +287,33 @@ OPS = [
        fn("aten.expand.default", guards={"implicit": False}),
        instances=Instances("expand"),
        torch="Tensor.expand", aten="aten.expand.default", doc="broadcast to size without copying"),
+    op("reshape_as", "input: T, other: T", method("reshape_as"), fn("aten.reshape_as.default"),
+       instances=Instances("as"),
+       torch="Tensor.reshape_as", aten="aten.reshape_as.default", doc="reshape(input, other.shape)"),
+    op("expand_as", "input: T, other: T", method("expand_as"), fn("aten.expand_as.default"),
+       instances=Instances("as"),
+       torch="Tensor.expand_as", aten="aten.expand_as.default", doc="expand(input, other.shape)"),
+    # split_size: an int (pieces of that size) or a list of sizes; returns a tuple
+    op("split", "input: T, split_size, dim=0",
+       fn("torch.split", rename={"tensor": "input", "split_size_or_sections": "split_size"}),
+       method("split"),
+       fn("aten.split.Tensor", "aten.split.sizes"),
+       fn("aten.split_with_sizes.default", rename={"split_sizes": "split_size"}),
+       instances=Instances("split"),
+       torch="torch.split", aten=_split_aten, doc="pieces of input along dim (a tuple)"),
+    op("chunk", "input: T, chunks, dim=0", standard("chunk"),
+       instances=Instances("split"),
+       torch="torch.chunk", aten="aten.chunk.default", doc="input in `chunks` pieces along dim (a tuple)"),
+    # x[a:b:c] is getitem at the fx level; export spells it aten.slice
+    op("slice", "input: T, dim=0, start=None, end=None, step=1", fn("aten.slice.Tensor"),
+       instances=Instances("slice"),
+       torch="aten.slice.Tensor", aten="aten.slice.Tensor", doc="input[start:end:step] along dim"),
+    # F.pad (dynamo: torch._C._nn.pad); core ATen's constant_pad_nd is pad(mode="constant")
+    op("pad", "input: T, pad, mode='constant', value=None",
+       fn("F.pad", "torch._C._nn.pad", "aten.pad.default"),
+       fn("aten.constant_pad_nd.default", fixed={"mode": "constant"}, defaults={"value": None}, named=False),
+       instances=Instances("pad"),
+       torch="F.pad", aten="aten.pad.default", doc="input padded by pad (last dim first)"),
     # core ATen writes x.contiguous() as clone(x, memory_format=contiguous_format)
     op("contiguous", "input: T",
        method("contiguous", sig="self, memory_format=None", guards={"memory_format": torch.contiguous_format},
@@ -260,11 +348,17 @@ OPS = [
        _cast("bfloat16", torch.bfloat16), _cast("int", torch.int32), _cast("long", torch.int64),
        _cast("bool", torch.bool),
        fn("aten.to.dtype", guards=_TO_GUARDS),
+       fn("aten.to.dtype_layout", check=_is_dtype, guards={**_TO_GUARDS, "layout": OneOf(None, torch.strided),
+                                                           "device": None, "pin_memory": None}),
        fn("aten._to_copy.default", check=_is_dtype, guards={
            "layout": OneOf(None, torch.strided), "device": None, "pin_memory": None,
            "non_blocking": False, "memory_format": _PRESERVE}),
        instances=Instances("to"),
        torch="Tensor.to", aten="aten.to.dtype", doc="cast to dtype"),
+
+    op("type_as", "input: T, other: T", method("type_as"), fn("aten.type_as.default"),
+       instances=Instances("as"),
+       torch="Tensor.type_as", aten="aten.type_as.default", doc="input cast to other's dtype"),
 
     # ---- indexing ------------------------------------------------------------
     op("select", "input: T, dim, index",
