@@ -14,6 +14,7 @@ from torch import nn
 
 import rewrite
 from rewrite.capture import capture_with_inputs
+from rewrite.ops import lookup_op
 
 
 def _targets(gm):
@@ -359,3 +360,29 @@ def test_wrong_multi_output_rules_get_a_counterexample(text):
 
     v = verify_rule(rewrite.parse(text, "bad.rw"), "bad", max_examples=30, seed=0)
     assert v.status == "counterexample", v
+
+
+# ------------------------------------------------------------------ canonical names
+
+_CANONICAL = all(lookup_op(n) is not None for n in ("max", "split"))
+
+
+class MaxAndPieces(nn.Module):
+    def forward(self, x):
+        v, i = torch.max(x, 1)
+        a, b = torch.split(x, 2, 1)
+        return v * 2, i, torch.cat([a, b], 1) + 1
+
+
+@pytest.mark.skipif(not _CANONICAL, reason="the vocabulary has no canonical max/split yet")
+@pytest.mark.parametrize("level", ["fx", "dynamo", "export", "export_core"])
+def test_canonical_multi_output_ops_at_every_level(level):
+    text = """
+    rule max_to_amax: max(x, d, k) as (_, _) => (aten.amax(x, [d], k), aten.argmax(x, d, k))
+    rule cat_split: cat(split(x, _, d) as (_, _), d) => x
+    """
+    gm, inputs, result = _apply(text, MaxAndPieces(), torch.randn(3, 4), level)
+    assert result.counts == {"max_to_amax": 1, "cat_split": 1}
+    names = _names(result.graph_module)
+    assert "cat" not in " ".join(names) and "getitem" not in names
+    _same(gm, result.graph_module, inputs)
