@@ -55,6 +55,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from rewrite.ops.base import ConstRef
 from rewrite.ops.vocabulary import OPS, bind_node
+from rewrite.trust.tolerance import (
+    EXACT_TOLERANCES,
+    TOLERANCES,
+    Tolerance,
+    compare_tensors,
+    local_scale,
+    loosest,
+)
 
 __all__ = [
     "Reference",
@@ -72,49 +80,12 @@ __all__ = [
     "inputs_from_graph",
 ]
 
-#: dtype -> (rtol, atol_base) for approximate rewrites (folds, casts to lower
-#: precision); atol = atol_base * max(1, local scale of the reference).
-TOLERANCES: Dict[torch.dtype, Tuple[float, float]] = {
-    torch.float64: (1e-7, 1e-7),
-    torch.complex128: (1e-7, 1e-7),
-    torch.float32: (1e-3, 1e-3),
-    torch.complex64: (1e-3, 1e-3),
-    torch.float16: (1e-3, 1e-3),
-    torch.bfloat16: (1.6e-2, 1.6e-2),
-}
-_DEFAULT_TOL = (1e-3, 1e-3)
-#: dtype -> (rtol, atol_base) for exact rewrites: only rounding may differ.
-EXACT_TOLERANCES: Dict[torch.dtype, Tuple[float, float]] = {
-    torch.float64: (1e-10, 1e-10),
-    torch.complex128: (1e-10, 1e-10),
-    torch.float32: (1e-5, 1e-5),
-    torch.complex64: (1e-5, 1e-5),
-    torch.float16: (2e-3, 2e-3),
-    torch.bfloat16: (1.6e-2, 1.6e-2),
-}
-_TABLES = {"approx": TOLERANCES, "exact": EXACT_TOLERANCES}
-#: Approximate rewrites: the local scale of an element is at least this fraction of
-#: the tensor's largest value. Where a dtype's rounding is close to its tolerance
-#: (half precision), rounding of large inputs can dominate a small element, and only
-#: the tensor's scale is safe (1.0). Exact rewrites always use the tensor's scale
-#: (their tolerances are rounding-tight).
 #: A rewrite that newly computes in lower precision (bfloat16 for a float32 model) may
 #: flip an integer output computed from floats (argmax, codebook indices) where two
 #: candidates are within rounding: such integer outputs pass when at least this share
 #: of their elements is equal. Exact runs, and approximate ones in the model's own
 #: precision, compare integers exactly.
 INT_AGREEMENT = 0.95
-
-#: Neighbours on each side along a dim that make up an element's surroundings.
-_SCALE_RADIUS = 2
-#: Exact rewrites: the local scale is at least this fraction of the tensor's largest value.
-EXACT_SCALE_FLOOR = 0.1
-SCALE_FLOOR: Dict[torch.dtype, float] = {
-    torch.float64: 1e-2,
-    torch.complex128: 1e-2,
-    torch.float32: 1e-2,
-    torch.complex64: 1e-2,
-}
 
 #: Range for integer placeholders when neither an example nor the graph bounds them.
 DEFAULT_INT_RANGE = (0, 3)
@@ -428,7 +399,7 @@ def _new_precision(ref: _Run, cand: _Run) -> Optional[torch.dtype]:
     new = cand.dtypes - ref.dtypes
     if not new:
         return None
-    return max(new, key=lambda d: TOLERANCES.get(d, _DEFAULT_TOL))
+    return loosest(new)
 
 
 _META_KEYS = ("val", "example_value", "rewrite_facts", "tensor_meta")
@@ -540,107 +511,23 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
         a.is_floating_point() and ((a == b) | (torch.isnan(a) & torch.isnan(b))).all()))
 
 
-def _tolerance(dtype: torch.dtype, kind: str, rtol: Optional[float],
-               atol: Optional[float]) -> Tuple[float, float]:
-    """(rtol, atol_base) for ``dtype`` and the kind of rewrite; an explicit ``rtol``
-    or ``atol`` overrides the table (``atol`` is then absolute)."""
-    base_rtol, base_atol = _TABLES[kind].get(dtype, _DEFAULT_TOL)
-    return (base_rtol if rtol is None else rtol, base_atol if atol is None else atol)
-
-
-def _window_max(mag: torch.Tensor, dim: int, radius: int) -> torch.Tensor:
-    """The largest value within ``radius`` elements along ``dim`` of each element."""
-    moved = mag.movedim(dim, -1)
-    n = moved.shape[-1]
-    flat = moved.reshape(-1, 1, n)
-    pooled = torch.nn.functional.max_pool1d(flat, 2 * radius + 1, stride=1, padding=radius)
-    return pooled.reshape(moved.shape).movedim(-1, dim)
-
-
-def local_scale(ref: torch.Tensor, floor: float = 1e-2, radius: int = _SCALE_RADIUS) -> torch.Tensor:
-    """Per element, the magnitude of the reference around it: over the tensor's
-    dims, the smallest of the largest ``|ref|`` within ``radius`` elements along
-    that dim, and at least ``floor`` times the largest ``|ref|`` of the tensor
-    (``floor >= 1``: the tensor's largest value everywhere). Non-finite values do
-    not count. A column of scores next to a column of box coordinates, or a run of
-    scores concatenated before the boxes, keeps the scores' scale."""
-    mag = ref.abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).to(torch.float64)
-    if mag.dim() == 0 or mag.numel() == 0:
-        return mag
-    if floor >= 1.0:
-        return mag.max().expand_as(mag)
-    scale = None
-    for dim in range(mag.dim()):
-        along = _window_max(mag, dim, radius)
-        scale = along if scale is None else torch.minimum(scale, along)
-    return torch.maximum(scale, mag.max() * floor)
-
-
 def _compare_tensor(path: str, trial: int, ref: torch.Tensor, cand: Any, kind: str,
                     rtol: Optional[float], atol: Optional[float],
                     compute_dtype: Optional[torch.dtype] = None,
                     agreement: Optional[float] = None) -> Tuple[float, float, Optional[Mismatch]]:
-    """Compare one tensor; ``compute_dtype``, the lowest precision the candidate
-    computed in (a rewrite to bfloat16 casts back to float32 at the end), loosens
-    the tolerance to that dtype's when it is looser than the output's."""
+    """Compare one tensor (``rewrite.trust.tolerance``); ``compute_dtype``, the lowest
+    precision the candidate computed in (a rewrite to bfloat16 casts back to float32
+    at the end), loosens the tolerance to that dtype's when it is looser than the
+    output's."""
+    tol_dtype = ref.dtype
+    if compute_dtype is not None and compute_dtype.is_floating_point and ref.is_floating_point():
+        tol_dtype = loosest((ref.dtype, compute_dtype), kind)
+    max_abs, max_rel, problem = compare_tensors(ref, cand, Tolerance.of(tol_dtype, kind, rtol, atol), agreement)
+    if problem is None:
+        return max_abs, max_rel, None
     shape, dtype = tuple(ref.shape), str(ref.dtype).replace("torch.", "")
-
-    def bad(msg: str, abs_err: float = math.inf, rel_err: float = math.inf):
-        return abs_err, rel_err, Mismatch(path, trial, shape, dtype, abs_err, rel_err, msg)
-
-    if not isinstance(cand, torch.Tensor):
-        return bad(f"expected a tensor, got {type(cand).__name__}")
-    if tuple(cand.shape) != shape:
-        return bad(f"shape {tuple(cand.shape)} != expected {shape}")
-    if cand.dtype != ref.dtype:
-        return bad(f"dtype {str(cand.dtype).replace('torch.', '')} != expected {dtype}")
-    r, c = ref.detach().cpu(), cand.detach().cpu()
-    if r.numel() == 0:
-        return 0.0, 0.0, None
-    if not _is_float(r.dtype):
-        diff = (r.long() - c.long()).abs() if r.dtype != torch.bool else (r != c).long()
-        max_abs = float(diff.max())
-        scale = max(1.0, float(r.long().abs().max())) if r.dtype != torch.bool else 1.0
-        if max_abs:
-            n = int((diff != 0).sum())
-            if agreement is not None and 1 - n / r.numel() >= agreement:
-                return 0.0, 0.0, None  # within the agreement rate a lower precision allows
-            required = f"agreement >= {agreement:.0%} required" if agreement is not None else "exact match required"
-            return bad(f"{n} of {r.numel()} elements differ ({required})", max_abs, max_abs / scale)
-        return 0.0, 0.0, None
-    r64 = r.to(torch.complex128 if r.dtype.is_complex else torch.float64)
-    c64 = c.to(r64.dtype)
-    both_nan = torch.isnan(r64) & torch.isnan(c64)
-    same_inf = torch.isinf(r64) & (r64 == c64)
-    special = both_nan | same_inf
-    newly_special = torch.isfinite(r64) & ~torch.isfinite(c64)
-    if bool(newly_special.any()):
-        n = int(newly_special.sum())
-        return bad(f"{n} of {r.numel()} elements are finite in the original and inf/nan in the rewrite")
-    finite_ref = r64[torch.isfinite(r64)]
-    scale = float(finite_ref.abs().max()) if finite_ref.numel() else 0.0
-    tol_dtype = r.dtype if compute_dtype is None or not compute_dtype.is_floating_point else max(
-        (r.dtype, compute_dtype), key=lambda d: _TABLES[kind].get(d, _DEFAULT_TOL))
-    rt, at = _tolerance(tol_dtype, kind, rtol, atol)
-    floor = EXACT_SCALE_FLOOR if kind == "exact" else SCALE_FLOOR.get(tol_dtype, 1.0)
-    allowed_abs = at if atol is not None else at * local_scale(r64, floor).clamp(min=1.0)
-    diff = (r64 - c64).abs()
-    diff = torch.where(special, torch.zeros_like(diff), diff)
-    diff = torch.nan_to_num(diff, nan=math.inf)
-    max_abs = float(diff.max())
-    max_rel = max_abs / scale if scale > 0 else max_abs
-    violating = diff > allowed_abs + rt * r64.abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-    if bool(violating.any()):
-        n = int(violating.sum())
-        worst = int(torch.argmax(torch.where(violating, diff - allowed_abs, torch.full_like(diff, -math.inf))))
-        at_worst = float(allowed_abs.flatten()[worst]) if isinstance(allowed_abs, torch.Tensor) else at
-        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), r.shape)) if r.dim() else ()
-        how = "absolute" if atol is not None else "x local scale"
-        return bad(f"{n} of {r.numel()} elements outside {kind} tolerance (rtol={rt:.3g}, atol={at:.3g} {how}"
-                   f"); at {list(index)}: expected {float(r64.flatten()[worst].real):.6g}, got "
-                   f"{float(c64.flatten()[worst].real):.6g} (allowed abs diff {at_worst:.3g}); "
-                   f"max abs diff {max_abs:.3g}, max rel diff {max_rel:.3g}", max_abs, max_rel)
-    return max_abs, max_rel, None
+    return problem.abs_error, problem.rel_error, Mismatch(path, trial, shape, dtype, problem.abs_error,
+                                                          problem.rel_error, problem.message)
 
 
 def _compare(trial: int, ref_out: Any, cand_out: Any, kind: str, rtol: Optional[float],
@@ -865,7 +752,7 @@ def check_equivalence(reference: Callable, candidate: Callable, example_inputs: 
     every check against it (its own inputs settings then apply). Trials whose
     inputs equal an earlier trial's are skipped and counted in ``report.skipped``.
     """
-    if tolerance not in _TABLES:
+    if tolerance not in ("exact", "approx"):
         raise ValueError(f"tolerance must be 'exact' or 'approx', not {tolerance!r}")
     if not isinstance(reference, Reference):
         graph = reference if isinstance(reference, fx.GraphModule) else candidate

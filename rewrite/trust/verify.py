@@ -75,6 +75,7 @@ from torch.utils import _pytree as pytree
 from rewrite.engine.compile import CompiledRule
 from rewrite.trust.instances import (Instance, Plan, draw_instance, hypothesis_api, instances, plan_for, quantized_engines,
                                rule_tolerance, strategies)
+from rewrite.trust.tolerance import Tolerance, compare_tensors, loosest, newly_nonfinite
 
 __all__ = [
     "RuleVerdict", "Counterexample", "VerificationReport", "Instance",
@@ -414,11 +415,9 @@ def _engine(name: str | None) -> Any:
 
 def _lowest_precision(values: list) -> torch.dtype:
     """The floating dtype with the loosest tolerance among the values computed."""
-    from rewrite.trust.check import TOLERANCES
-
     dtypes = {t.dtype for v in values for t in pytree.tree_leaves(v)
               if isinstance(t, torch.Tensor) and t.dtype.is_floating_point}
-    return max(dtypes, key=lambda d: TOLERANCES.get(d, (1e-3, 1e-3)), default=torch.float64)
+    return loosest(dtypes) or torch.float64
 
 
 def _narrowest(values: list) -> torch.dtype | None:
@@ -454,14 +453,10 @@ def _run_rounded(gm: fx.GraphModule, inputs: tuple, dtype: torch.dtype) -> Any:
 def _overflow(ref: Any, got: Any) -> str | None:
     """A value finite in ``ref`` and inf or NaN in ``got``: wrong whatever the tolerance."""
     for i, (r, g) in enumerate(zip(pytree.tree_leaves(ref), pytree.tree_leaves(got))):
-        if (isinstance(r, torch.Tensor) and isinstance(g, torch.Tensor) and r.shape == g.shape
-                and not r.is_quantized and not g.is_quantized
-                and r.dtype.is_floating_point and g.dtype.is_floating_point):
-            bad = torch.isfinite(r) & ~torch.isfinite(g)
-            if bool(bad.any()):
-                return (f"output {i}: {int(bad.sum())} of {r.numel()} elements finite in the original are "
-                        f"inf or nan in the rewritten graph (wrong whatever the tolerance); "
-                        f"{_first(bad, r, g)}")
+        if isinstance(r, torch.Tensor) and isinstance(g, torch.Tensor) and g.is_floating_point():
+            problem = newly_nonfinite(r, g)
+            if problem is not None:
+                return f"output {i}: {problem.message}"
     return None
 
 
@@ -475,24 +470,17 @@ def _quantum(values: list) -> float:
 
 
 def _differ(ref: Any, got: Any, tolerance: str, low: torch.dtype, quantum: float = 0.0) -> str | None:
-    """None when ``got`` equals ``ref`` (exact) or is within tolerance (approx).
-
-    Whatever the tolerance: shapes and dtypes must be the same (an integer output
-    that became float is a mismatch); integer and bool outputs are compared
-    exactly; a value finite in ``ref`` must be finite in ``got`` (a rewrite that
-    overflows to inf, or makes a NaN, is wrong however close the rest is);
-    quantized outputs must have the same quantization parameters and, approximate
-    rules, integer values at most one step apart (one rounding), exact rules equal
-    ones. Floating outputs: exact rules bit for bit (NaN = NaN, -0.0 = 0.0),
-    approximate ones within ``TOLERANCES`` at dtype ``low``, or within one
-    ``quantum`` when a graph rounds through int8 values of that step (a float
-    op moved onto int8 values rounds its result to their grid)."""
-    from rewrite.trust.check import TOLERANCES
-
+    """None when ``got`` equals ``ref`` (exact) or is within tolerance (approx), by
+    ``rewrite.trust.tolerance``: exact rules bit for bit (NaN = NaN, -0.0 = 0.0),
+    approximate ones within ``TOLERANCES`` at dtype ``low`` scaled by each output's
+    largest value, or within one ``quantum`` when a graph rounds through int8 values
+    of that step (a float op moved onto int8 values rounds its result to their grid).
+    Structure, shapes and dtypes must match; integers are compared exactly."""
     ref_leaves, ref_spec = pytree.tree_flatten(ref)
     got_leaves, got_spec = pytree.tree_flatten(got)
     if ref_spec != got_spec:
         return f"output structure differs: {ref_spec} vs {got_spec}"
+    tol = Tolerance.bitwise() if tolerance == "exact" else Tolerance.of(low, "approx", floor=1.0, quantum=quantum)
     for i, (r, g) in enumerate(zip(ref_leaves, got_leaves)):
         if not isinstance(r, torch.Tensor):
             if r != g:
@@ -500,93 +488,17 @@ def _differ(ref: Any, got: Any, tolerance: str, low: torch.dtype, quantum: float
             continue
         if not isinstance(g, torch.Tensor) or g.shape != r.shape or g.dtype != r.dtype:
             return f"output {i}: expected {_meta(r)}, got {_meta(g)}"
-        if r.is_quantized:
-            problem = _differ_quantized(r, g, tolerance)
-            if problem is not None:
-                return f"output {i}: {problem}"
-            continue
-        if not r.dtype.is_floating_point and not r.dtype.is_complex:
-            same = r == g
-            if not bool(same.all()):
-                n = int((~same).sum())
-                return (f"output {i}: {n} of {r.numel()} elements differ ({_dtype_name(r.dtype)} output: "
-                        f"compared exactly); {_first(~same, r, g)}")
-            continue
-        r64, g64 = r.detach().to(torch.float64), g.detach().to(torch.float64)
-        overflow = torch.isfinite(r64) & ~torch.isfinite(g64)
-        if bool(overflow.any()):
-            return (f"output {i}: {int(overflow.sum())} of {r.numel()} elements finite in the original are "
-                    f"inf or nan in the rewritten graph (wrong whatever the tolerance); "
-                    f"{_first(overflow, r, g)}")
-        same = (r64 == g64) | (torch.isnan(r64) & torch.isnan(g64))
-        if tolerance == "exact":
-            if not bool(same.all()):
-                n = int((~same).sum())
-                return f"output {i}: {n} of {r.numel()} elements differ (exact rule); {_first(~same, r, g)}"
-            continue
-        rtol, atol_base = TOLERANCES.get(low, (1e-3, 1e-3))
-        finite = r64[torch.isfinite(r64)]
-        scale = float(finite.abs().max()) if finite.numel() else 0.0
-        atol = atol_base * max(1.0, scale)
-        precision = _dtype_name(low)
-        if quantum > atol:
-            atol, precision = quantum, f"one int8 step {quantum:.3g}"
-        diff = torch.where(same, torch.zeros_like(r64), (r64 - g64).abs().nan_to_num(nan=math.inf))
-        bad = diff > atol + rtol * r64.abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-        if bool(bad.any()):
-            return (f"output {i}: {int(bad.sum())} of {r.numel()} elements outside tolerance "
-                    f"(max abs diff {float(diff.max()):.3g}; rtol {rtol:.3g}, atol {atol:.3g} "
-                    f"for {precision}); {_first(bad, r, g)}")
+        _, _, problem = compare_tensors(r, g, tol)
+        if problem is not None:
+            return f"output {i}: {problem.message}"
     return None
 
 
-def _differ_quantized(r: torch.Tensor, g: torch.Tensor, tolerance: str) -> str | None:
-    """Quantized outputs: same scheme and parameters; integer values equal (exact)
-    or at most one step apart (approx: the two graphs may round a value on either
-    side of a step)."""
-    if r.qscheme() != g.qscheme():
-        return f"quantization scheme {r.qscheme()} became {g.qscheme()}"
-    if r.qscheme() in (torch.per_tensor_affine, torch.per_tensor_symmetric):
-        if r.q_scale() != g.q_scale() or r.q_zero_point() != g.q_zero_point():
-            return (f"quantization parameters (scale {r.q_scale():.6g}, zero point {r.q_zero_point()}) "
-                    f"became (scale {g.q_scale():.6g}, zero point {g.q_zero_point()})")
-    elif not (torch.equal(r.q_per_channel_scales(), g.q_per_channel_scales())
-              and torch.equal(r.q_per_channel_zero_points(), g.q_per_channel_zero_points())
-              and r.q_per_channel_axis() == g.q_per_channel_axis()):
-        return "per-channel quantization parameters differ"
-    ri, gi = r.int_repr().to(torch.int64), g.int_repr().to(torch.int64)
-    steps = (ri - gi).abs()
-    allowed = 0 if tolerance == "exact" else 1
-    bad = steps > allowed
-    if bool(bad.any()):
-        what = "differ (exact rule)" if allowed == 0 else "more than one quantization step apart"
-        return (f"{int(bad.sum())} of {r.numel()} quantized elements {what} (max {int(steps.max())} steps); "
-                f"{_first(bad, ri, gi)}")
-    return None
+# ---------------------------------------------------------------- printing
 
 
 def _dtype_name(d: torch.dtype) -> str:
     return str(d).replace("torch.", "")
-
-
-def _first(mask: torch.Tensor, r: torch.Tensor, g: torch.Tensor) -> str:
-    """``at [i, j]: expected a, got b`` for the first element where ``mask`` holds."""
-    index = tuple(int(i) for i in mask.nonzero()[0]) if mask.dim() else ()
-    where = f"[{', '.join(map(str, index))}]" if index else "the value"
-    return f"at {where}: expected {_scalar(r[index])}, got {_scalar(g[index])}"
-
-
-def _scalar(t: torch.Tensor) -> str:
-    if t.is_quantized:
-        return f"{float(t.dequantize()):.6g} (int {int(t.int_repr())})"
-    if t.dtype == torch.bool:
-        return str(bool(t))
-    if not t.dtype.is_floating_point:
-        return str(int(t))
-    return f"{float(t):.6g}"
-
-
-# ---------------------------------------------------------------- printing
 
 
 def _meta(v: Any) -> str:
