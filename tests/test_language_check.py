@@ -218,11 +218,11 @@ def test_multi_output_rules_check():
     ("rule r: aten.max.dim(x, d, k) as (v, _) => (v, _)",
      ("E305", "1:45", "'v' is a result of the matched op, which the replacement replaces")),
     ("rule r: aten.max.dim(x, d, k) as (v, v) => (x, _)",
-     ("E303", "1:9", "'v' is bound twice; each result needs a new name")),
+     ("E303", "1:38", "'v' is bound twice; each result needs a new name")),
     ("rule r: aten.max.dim(v, d, k) as (v, _) => (d, _)",
-     ("E303", "1:9", "'v' is bound twice; each result needs a new name")),
+     ("E303", "1:35", "'v' is bound twice; each result needs a new name")),
     ("rule r: relu(x) => relu(x) as (a, b)", ("E304", "1:20", "'as (...)' can only be used in a pattern")),
-    ("rule r: aten.max.dim(x, d, k) as (v, _) => (x, _)", ("E302", "1:9", "unused pattern variable 'v'")),
+    ("rule r: aten.max.dim(x, d, k) as (v, _) => (x, _)", ("E302", "1:35", "unused pattern variable 'v'")),
 ])
 def test_multi_output_diagnostics(text, expected):
     if expected is None:  # topk also returns 2 values: fine

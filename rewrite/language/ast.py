@@ -156,6 +156,7 @@ class AsTuple:
     expr: "Expr"
     names: tuple  # of str; "_" for an ignored result
     span: Span | None = _span()
+    name_spans: tuple = attrs.field(default=(), eq=False, repr=False)  # one Span per name
 
 
 @attrs.frozen

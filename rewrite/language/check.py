@@ -259,6 +259,11 @@ def _as_name_span(e: ast.As) -> ast.Span | None:
     return ast.Span(s.path, s.end_line, max(s.end_col - len(e.name), 1), s.end_line, s.end_col)
 
 
+def _result_spans(e: ast.AsTuple) -> tuple:
+    """One span per name of ``op(...) as (a, b)`` (the whole binding when unknown)."""
+    return e.name_spans if len(e.name_spans) == len(e.names) else (e.span,) * len(e.names)
+
+
 _WHAT = {ast.Compare: "a comparison", ast.BoolOp: "'{op}'", ast.Not: "'not'", ast.Index: "indexing",
          ast.As: "'as'", ast.AsTuple: "'as (...)'", ast.Wildcard: "'_'"}
 
@@ -528,14 +533,14 @@ class _Checker:
         as_spans: dict = {}
         for e in _walk(pattern):
             if isinstance(e, ast.AsTuple):
-                for name in e.names:
+                for name, span in zip(e.names, _result_spans(e)):
                     if name == "_":
                         continue
                     if name in as_spans or name in var_spans:
-                        self.error(e.span, f"'{name}' is bound twice; each result needs a new name", "E303",
+                        self.error(span, f"'{name}' is bound twice; each result needs a new name", "E303",
                                    help="give each result its own name, or _ to ignore it")
-                    as_spans.setdefault(name, e.span)
-                    self.bound.setdefault(name, e.span)
+                    as_spans.setdefault(name, span)
+                    self.bound.setdefault(name, span)
                 continue
             if not isinstance(e, ast.As):
                 continue
@@ -554,10 +559,10 @@ class _Checker:
         spans: dict = {}
         for e in _walk(r.pattern):
             if isinstance(e, ast.AsTuple):
-                for name in e.names:
+                for name, span in zip(e.names, _result_spans(e)):
                     if name != "_":
                         counts[name] = counts.get(name, 0) + 1
-                        spans.setdefault(name, e.span)
+                        spans.setdefault(name, span)
                 continue
             name = e.name if isinstance(e, (ast.Var, ast.As)) else None
             if name is not None:

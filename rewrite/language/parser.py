@@ -238,7 +238,8 @@ class _Builder(Transformer):
 
     def as_tuple(self, meta, children):
         expr, *names = (c for c in children if c is not None)
-        return ast.AsTuple(expr, tuple(str(n) for n in names), span=self._s(meta))
+        return ast.AsTuple(expr, tuple(str(n) for n in names), span=self._s(meta),
+                           name_spans=tuple(self._tok(n) for n in names))
 
     def index(self, meta, children):
         expr, idx = children
