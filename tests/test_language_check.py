@@ -198,6 +198,7 @@ def test_multi_output_rules_check():
     ok("rule r: aten.native_layer_norm(x, s, w, b, eps) as (_, _, _) => (layer_norm(x, s, w, b, eps), _, _)")
     ok("rule r: aten.split.Tensor(x, 2, d) as (_, _) where shape(x)[d] == 4 => aten.chunk(x, 2, d)")
     ok("rule r: cat(aten.split.Tensor(_, _, d) as (a, b), d) where single_use(a) => add(a, b)")
+    ok("rule r: add(cat(aten.split.Tensor(x, _, d) as (a, _), d), a) => add(x, a)")  # the same value
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -386,3 +386,31 @@ def test_canonical_multi_output_ops_at_every_level(level):
     names = _names(result.graph_module)
     assert "cat" not in " ".join(names) and "getitem" not in names
     _same(gm, result.graph_module, inputs)
+
+
+class PieceReadTwice(nn.Module):
+    def forward(self, x):
+        a, b = torch.split(x, 2, 1)
+        return torch.cat([a, b], 1) + a.repeat(1, 2)
+
+
+def test_a_result_named_again_in_the_pattern_is_the_same_value():
+    text = """
+    rule r: add(cat(aten.split.Tensor(x, _, d) as (a, _), d), aten.repeat(a, r)) => add(x, aten.repeat(a, r))
+    """
+    gm, inputs, result = _apply(text, PieceReadTwice(), torch.randn(3, 4), "export")
+    assert result.counts == {"r": 1}
+    after = _targets(result.graph_module)
+    assert torch.ops.aten.cat.default not in after and after.count(operator.getitem) == 1  # a stays
+    _same(gm, result.graph_module, inputs)
+    other = """
+    rule r: add(cat(aten.split.Tensor(x, _, d) as (a, _), d), aten.repeat(a, r)) => add(x, aten.repeat(a, r))
+    """
+
+    class OtherPiece(nn.Module):
+        def forward(self, x):
+            a, b = torch.split(x, 2, 1)
+            return torch.cat([a, b], 1) + b.repeat(1, 2)
+
+    gm, inputs, result = _apply(other, OtherPiece(), torch.randn(3, 4), "export")
+    assert result.counts == {}

@@ -213,6 +213,8 @@ class Matcher:
         env = dict(env)
         for i, name in enumerate(names):
             if name != "_" and i in users:
+                if name in env and env[name] is not users[i][0]:
+                    return None
                 env[name] = users[i][0]
         return env
 

@@ -536,7 +536,9 @@ class _Checker:
                 for name, span in zip(e.names, _result_spans(e)):
                     if name == "_":
                         continue
-                    if name in as_spans or name in var_spans:
+                    # a result named again in the pattern is the same value (an argument's
+                    # results only: a root's are read outside the match)
+                    if name in as_spans or (name in var_spans and e is pattern):
                         self.error(span, f"'{name}' is bound twice; each result needs a new name", "E303",
                                    help="give each result its own name, or _ to ignore it")
                     as_spans.setdefault(name, span)
