@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import importlib
 import sys
 from typing import Any, Sequence
 
@@ -235,6 +236,9 @@ def _cmd_fmt(args: argparse.Namespace) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rewrite", description="Declarative rewrite rules for PyTorch graphs.")
+    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                   help="import this Python module first (before the command; repeatable): it registers the "
+                        "torch.library custom ops or rewrite functions the rule files name")
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("check", help="parse and check rule files; exit 1 on any error")
@@ -385,6 +389,10 @@ def _cmd_quantize(options: list) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``rewrite`` console script and ``python -m rewrite``."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    imports = []
+    while argv[:1] == ["--import"] and len(argv) >= 2 or argv[:1] and argv[0].startswith("--import="):
+        imports.append(argv[1] if argv[0] == "--import" else argv[0].split("=", 1)[1])
+        argv = argv[2:] if argv[0] == "--import" else argv[1:]
     if argv[:1] == ["quantize"]:
         run = functools.partial(_cmd_quantize, argv[1:])
     else:
@@ -393,6 +401,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from rewrite.capture import ExportError, ModelSpecError
     from rewrite.language import RuleError
 
+    for module in imports:  # the user's own code, named on the command line (never by a rule file)
+        try:
+            importlib.import_module(module)
+        except Exception as err:  # noqa: BLE001 - the user's module failed: say so, no traceback
+            print(f"rewrite: error: --import {module}: {type(err).__name__}: {err}", file=sys.stderr)
+            return 2
     try:
         return run()
     except RuleError as err:

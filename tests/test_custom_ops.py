@@ -254,3 +254,31 @@ def test_effects_read_a_packet_calls_schema():
              if isinstance(n.target, torch._ops.OpOverloadPacket)}
     assert facts == {torch.ops.rwtest3.view_it: (True, ()), torch.ops.aten.relu: (False, ()),
                      torch.ops.aten.relu_: (True, (0,))}
+
+
+def test_cli_import_registers_a_library_before_the_rule_files_load(tmp_path):
+    """In a fresh process the library exists only if ``rewrite --import MODULE`` imports it."""
+    import subprocess
+    import sys
+
+    (tmp_path / "cli_ops_lib.py").write_text(
+        "import torch\n"
+        "@torch.library.custom_op('rwcli::myrelu', mutates_args=())\n"
+        "def myrelu(x: torch.Tensor) -> torch.Tensor:\n"
+        "    return x.relu()\n"
+        "@myrelu.register_fake\n"
+        "def _(x):\n"
+        "    return torch.empty_like(x)\n")
+    (tmp_path / "r.rw").write_text("rule unwrap: rwcli.myrelu(x) => relu(x)\n")
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "rewrite", *args], cwd=tmp_path, capture_output=True,
+                              text=True, env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)})
+
+    without = cli("check", "r.rw")
+    assert without.returncode == 1 and "rewrite --import MODULE" in without.stderr
+    with_lib = cli("--import", "cli_ops_lib", "check", "--verify", "--max-examples", "5", "r.rw")
+    assert with_lib.returncode == 0, with_lib.stderr
+    assert "1 ok" in with_lib.stdout
+    missing = cli("--import", "no_such_module_here", "check", "r.rw")
+    assert missing.returncode == 2 and "No module named" in missing.stderr

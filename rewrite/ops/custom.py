@@ -120,7 +120,8 @@ def _lookup(qualname: str) -> tuple:
     if not ops:
         return None, Refusal(f"unknown op '{written}'",
                              f"no operator library '{ns}' is registered: import the module that defines it "
-                             "(torch.library.custom_op / Library) before loading the rule file")
+                             "(torch.library.custom_op / Library) before loading the rule file; on the command line: "
+                             "rewrite --import MODULE ...")
     if name not in ops or (overload is not None and overload not in ops[name]):
         known = sorted(f"{ns}.{n}" for n in ops)
         return None, Refusal(f"unknown op '{written}'", f"library '{ns}' registers {', '.join(known[:8])}"
