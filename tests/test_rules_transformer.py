@@ -100,10 +100,15 @@ def gpt2():
     return GPT2Model(config).eval(), _tokens()
 
 
+@functools.lru_cache(maxsize=None)
+def hf_rewritten(build):
+    """One capture and rewrite per model, shared by the tests that count in it."""
+    return rewritten(*build())
+
+
 @pytest.mark.parametrize("build", [bert, llama, vit, gpt2], ids=["bert", "llama", "vit", "gpt2"])
 def test_every_eager_attention_becomes_sdpa(build):
-    model, args = build()
-    result, before, after = rewritten(model, args)
+    result, before, after = hf_rewritten(build)
     assert before["matmul"] == 2 * LAYERS and before["softmax"] == LAYERS
     attention = sum(n for name, n in result.counts.items() if name.startswith("attention_") and "dropout" not in name)
     assert attention == LAYERS
@@ -112,8 +117,7 @@ def test_every_eager_attention_becomes_sdpa(build):
 
 
 def test_llama_rms_norms_become_rms_norm():
-    model, args = llama()
-    result, before, after = rewritten(model, args)
+    result, before, after = hf_rewritten(llama)
     norms = 2 * LAYERS + 1  # input and post-attention norm per layer, one final
     assert before["rsqrt"] == norms and before["pow"] == norms
     assert result.counts["rms_norm_cast"] == norms
@@ -122,8 +126,7 @@ def test_llama_rms_norms_become_rms_norm():
 
 
 def test_gpt2_gelu_new_becomes_tanh_gelu():
-    model, args = gpt2()
-    result, before, after = rewritten(model, args)
+    result, before, after = hf_rewritten(gpt2)
     assert before["tanh"] == LAYERS and before["gelu"] == 0
     assert result.counts["gelu_tanh"] == LAYERS
     gm = result.graph_module
