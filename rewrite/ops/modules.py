@@ -57,6 +57,15 @@ def gelu(module: Any, node: fx.Node, qualname: str) -> dict | None:
     return _with_input(node, approximate=module.approximate)
 
 
+def upsample(module: Any, node: fx.Node, qualname: str) -> dict | None:
+    """``nn.Upsample``: F.interpolate with the module's settings (recompute_scale_factor
+    changes the computation: not bound)."""
+    if module.recompute_scale_factor:
+        return None
+    return _with_input(node, size=module.size, scale_factor=module.scale_factor, mode=module.mode,
+                       align_corners=module.align_corners)
+
+
 def leaky_relu(module: Any, node: fx.Node, qualname: str) -> dict | None:
     return _with_input(node, negative_slope=module.negative_slope)
 

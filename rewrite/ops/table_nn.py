@@ -75,6 +75,37 @@ def _by_rank(pattern: str, fallback: str, padding_overload: str | None = None,
     return choose
 
 
+_UPSAMPLE = {("nearest", 1): "aten.upsample_nearest1d.vec", ("nearest", 2): "aten.upsample_nearest2d.vec",
+             ("nearest", 3): "aten.upsample_nearest3d.vec", ("linear", 1): "aten.upsample_linear1d.vec",
+             ("bilinear", 2): "aten.upsample_bilinear2d.vec", ("bicubic", 2): "aten.upsample_bicubic2d.vec",
+             ("trilinear", 3): "aten.upsample_trilinear3d.vec",
+             ("nearest-exact", 1): "aten._upsample_nearest_exact1d.vec",
+             ("nearest-exact", 2): "aten._upsample_nearest_exact2d.vec",
+             ("nearest-exact", 3): "aten._upsample_nearest_exact3d.vec"}
+_NEAREST = ("nearest", "nearest-exact")
+
+
+def _upsample_aten(args: dict, facts: Callable) -> tuple:
+    """The aten kernel of a mode and spatial rank (the input's rank - 2, from its
+    metadata, else the length of a per-dim size or scale); a size or scale given once
+    is given per spatial dim, as aten takes it."""
+    info = facts(args["input"]) if isinstance(args["input"], fx.Node) else args["input"]
+    rank = getattr(info, "ndim", None)
+    rank = None if rank is None else rank - 2
+    for per_dim in (args["size"], args["scale_factor"]):  # a size or scale written per dim
+        if rank is None and isinstance(per_dim, (list, tuple)):
+            rank = len(per_dim)
+    name = _UPSAMPLE.get((args["mode"], rank))
+    if name is None:
+        raise EmitError(f"interpolate: no aten kernel for mode {args['mode']!r} on a rank-{rank} input")
+    size, scale = args["size"], args["scale_factor"]
+    out = dict(args, size=[size] * rank if isinstance(size, int) else size,
+               scale_factor=[float(scale)] * rank if isinstance(scale, (int, float)) else scale)
+    if args["mode"] not in _NEAREST:
+        out["align_corners"] = bool(args["align_corners"])
+    return name, out
+
+
 def _as_list(value: Any) -> Any:
     """``aten.convolution`` takes int lists; a single int broadcasts as ``[int]``."""
     return [value] if isinstance(value, int) else value
@@ -289,6 +320,18 @@ OPS = [
        module("nn.Embedding", extract=modules.embedding),
        instances=Instances("embedding", operand_ranges=(("input", "index:weight"),)),
        torch="F.embedding", aten=_embedding_aten, doc="rows of weight indexed by input"),
+    # F.interpolate / nn.Upsample; export records aten.upsample_<mode><rank>d.vec (sizes and
+    # scales per spatial dim; align_corners False, not None, for the interpolating modes)
+    op("interpolate", "input: T, size=None, scale_factor=None, mode='nearest', align_corners=None",
+       fn("F.interpolate", guards={"recompute_scale_factor": None, "antialias": False}),
+       module("nn.Upsample", extract=modules.upsample),
+       *[fn(name, rename={"output_size": "size", "scale_factors": "scale_factor"},
+            fixed={"mode": mode, **({"align_corners": None} if mode in _NEAREST else {})})
+         for (mode, _), name in _UPSAMPLE.items()],
+       instances=Instances("interpolate"),
+       torch="F.interpolate", aten=_upsample_aten,
+       doc="resize the spatial dims (nearest, linear, bilinear, bicubic, trilinear)"),
+
     op("scaled_dot_product_attention",
        "query: T, key: T, value: T, attn_mask: T = None, dropout_p=0.0, is_causal=False, "
        "scale=None, enable_gqa=False",

@@ -651,6 +651,35 @@ def _pad(ctx: _Ctx, a: _Args) -> dict:
     return out
 
 
+_RESIZE_MODES = {1: ("nearest", "nearest-exact", "linear"), 2: ("nearest", "nearest-exact", "bilinear", "bicubic"),
+                 3: ("nearest", "nearest-exact", "trilinear")}
+
+
+@_family("interpolate")
+def _interpolate(ctx: _Ctx, a: _Args) -> dict:
+    """A batch of 1 to 3 spatial dims, resized by a size or by a scale factor (one for
+    every dim, or one per dim), in a mode that rank has; align_corners only where the
+    mode interpolates."""
+    x = a.tensor("input", lambda: (ctx.int(1, 2), ctx.int(1, 2), *[ctx.int(1, 4) for _ in range(ctx.int(1, 3))]))
+    rank = _rank(x) - 2
+    if rank not in _RESIZE_MODES:
+        raise _Discard("interpolate takes a 3-d to 5-d input")
+    mode = a.lit("mode", lambda: ctx.pick(_RESIZE_MODES[rank]))
+    if mode not in _RESIZE_MODES[rank] or not a.dtype.is_floating_point:
+        raise _Discard(f"mode {mode!r} on a rank-{rank} input")
+    by_size = a.free("scale_factor") and (not a.free("size") or ctx.coin())
+    size = a.lit("size", lambda: (ctx.pick([ctx.int(1, 6), [ctx.int(1, 6) for _ in range(rank)]])
+                                  if by_size else None))
+    scale = a.lit("scale_factor", lambda: None if size is not None else
+                  ctx.pick([ctx.pick([2, 2.0, 0.5, 1.5]), [ctx.pick([2.0, 0.5, 1.0]) for _ in range(rank)]]))
+    if (size is None) == (scale is None):
+        raise _Discard("interpolate takes a size or a scale factor")
+    corners = a.lit("align_corners", lambda: None if mode.startswith("nearest") else ctx.pick([None, False, True]))
+    if corners is not None and mode.startswith("nearest"):
+        raise _Discard("align_corners with a nearest mode")
+    return {"input": x, "size": size, "scale_factor": scale, "mode": mode, "align_corners": corners}
+
+
 @_family("as")
 def _as(ctx: _Ctx, a: _Args) -> dict:
     """``reshape_as``, ``expand_as``, ``type_as``: ``other`` has a shape the input
