@@ -348,6 +348,194 @@ def cast(t: Any, dtype: Any) -> Any:
     return t.to(dtype) if isinstance(t, torch.Tensor) else t
 
 
+# -- batch norms folded through views, into the op after them, into parallel branches
+# (rules/fusion.rw). An eval-mode batch norm is an affine map per channel:
+# bn(x) = x * s + t with s = gamma / sqrt(var + eps) and t = beta - mean * s.
+
+
+def _bn_affine(mean: Any, var: Any, gamma: Any, beta: Any, eps: float) -> tuple:
+    """``(s, t)`` with ``bn(x) == x * s + t`` per channel (gamma, beta None: 1, 0)."""
+    s = torch.rsqrt(var + eps)
+    if gamma is not None:
+        s = s * gamma
+    t = -mean * s
+    if beta is not None:
+        t = t + beta
+    return s.detach(), t.detach()
+
+
+def _per_weight_entry(v: Any, w: Any, groups: int) -> Any:
+    """A per-input-channel vector laid out like ``w[:, :, 0, ...]`` (out, in/groups):
+    output channel o of a grouped conv reads input channels of group o // (out/groups)."""
+    out_channels, in_per_group = w.shape[0], w.shape[1]
+    return v.reshape(groups, in_per_group).repeat_interleave(out_channels // groups, dim=0)
+
+
+@register_constant()
+def bn_conv_weight(w: Any, groups: int, mean: Any, var: Any, gamma: Any, beta: Any, eps: float) -> Any:
+    """Weight of an unpadded ``conv`` whose input is an eval-mode ``batch_norm``:
+    every input channel's taps scaled by its ``s``."""
+    s, _ = _bn_affine(mean, var, gamma, beta, eps)
+    scale = _per_weight_entry(s, w, groups).reshape(w.shape[:2] + (1,) * (w.dim() - 2))
+    return (w * scale).detach()
+
+
+@register_constant()
+def bn_conv_bias(w: Any, b: Any, groups: int, mean: Any, var: Any, gamma: Any, beta: Any, eps: float) -> Any:
+    """Bias of an unpadded ``conv`` whose input is an eval-mode ``batch_norm``: the
+    conv of the constant shift ``t`` (every tap reads it) added to ``b``."""
+    _, t = _bn_affine(mean, var, gamma, beta, eps)
+    shift = (w.sum(dim=tuple(range(2, w.dim()))) * _per_weight_entry(t, w, groups)).sum(dim=1)
+    return (shift if b is None else b + shift).detach()
+
+
+@register_constant()
+def bn_linear_weight(w: Any, mean: Any, var: Any, gamma: Any, beta: Any, eps: float) -> Any:
+    """Weight of a ``linear`` whose 2-d input is an eval-mode ``batch_norm``: each
+    input feature's column scaled by its ``s``."""
+    s, _ = _bn_affine(mean, var, gamma, beta, eps)
+    return (w * s).detach()
+
+
+@register_constant()
+def bn_linear_bias(w: Any, b: Any, mean: Any, var: Any, gamma: Any, beta: Any, eps: float) -> Any:
+    """Bias of a ``linear`` whose 2-d input is an eval-mode ``batch_norm``: ``b + w @ t``."""
+    _, t = _bn_affine(mean, var, gamma, beta, eps)
+    shift = w @ t
+    return (shift if b is None else b + shift).detach()
+
+
+@register_constant()
+def conv_identity_weight(w: Any, groups: int, mean: Any, var: Any, gamma: Any, beta: Any, eps: float) -> Any:
+    """Weight of ``conv(x) + batch_norm(x)`` as one conv (RepVGG's identity branch):
+    ``s`` added to each output channel's centre tap on its own input channel."""
+    s, _ = _bn_affine(mean, var, gamma, beta, eps)
+    out = w.detach().clone()
+    centre = tuple(k // 2 for k in w.shape[2:])
+    in_per_group = w.shape[1]
+    for o in range(w.shape[0]):
+        out[(o, o % in_per_group) + centre] += s[o]
+    return out
+
+
+@register_constant()
+def conv_identity_bias(b: Any, mean: Any, var: Any, gamma: Any, beta: Any, eps: float) -> Any:
+    """Bias of ``conv(x) + batch_norm(x)`` as one conv: ``b + t``."""
+    _, t = _bn_affine(mean, var, gamma, beta, eps)
+    return (t if b is None else b + t).detach()
+
+
+def _spatial(v: Any, n: int) -> tuple | None:
+    """An int-or-list conv argument (stride, padding, dilation) as ``n`` ints, or None
+    (``"same"``, a wrong length)."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return (v,) * n
+    if isinstance(v, (list, tuple)) and all(isinstance(d, int) and not isinstance(d, bool) for d in v):
+        return tuple(v) * n if len(v) == 1 else (tuple(v) if len(v) == n else None)
+    return None
+
+
+def _merged_layout(k1: tuple, p1: tuple, k2: tuple, p2: tuple, d: tuple) -> tuple | None:
+    """``(K, P, a1, a2)`` per spatial dim: one kernel of size K and padding P whose taps
+    a1.. and a2.. are the two kernels' taps, both centred (so every output position
+    reads the same inputs), K the larger kernel; None when they do not line up."""
+    out = []
+    for ka, pa, kb, pb, dd in zip(k1, p1, k2, p2, d):
+        big, pad = max(ka, kb), max(pa, pb)
+        if (pad - pa) % dd or (pad - pb) % dd:
+            return None
+        a, b = (pad - pa) // dd, (pad - pb) // dd
+        if 2 * a != big - ka or 2 * b != big - kb:
+            return None
+        out.append((big, pad, a, b))
+    return tuple(zip(*out)) if out else None
+
+
+@register_constant()
+def merged_conv_weight(w1: Any, p1: Any, w2: Any, p2: Any, dilation: Any) -> Any:
+    """Weight of ``conv(x, w1) + conv(x, w2)`` (same stride, dilation, groups; centred
+    kernels) as one conv: the smaller kernel zero-padded to the larger, then added."""
+    n = w1.dim() - 2
+    layout = _merged_layout(tuple(w1.shape[2:]), _spatial(p1, n), tuple(w2.shape[2:]), _spatial(p2, n),
+                            _spatial(dilation, n))
+    big, _, a1, a2 = layout
+    out = torch.zeros(tuple(w1.shape[:2]) + tuple(big), dtype=w1.dtype)
+    for w, at in ((w1, a1), (w2, a2)):
+        index = (slice(None), slice(None)) + tuple(slice(o, o + k) for o, k in zip(at, w.shape[2:]))
+        out[index] += w.detach()
+    return out
+
+
+@register_constant()
+def merged_conv_bias(b1: Any, b2: Any) -> Any:
+    """Bias of ``conv(x, w1, b1) + conv(x, w2, b2)`` as one conv (None for no bias)."""
+    if b1 is None or b2 is None:
+        return b2 if b1 is None else b1
+    return (b1 + b2).detach()
+
+
+@register_constant()
+def merged_conv_padding(w1: Any, p1: Any, w2: Any, p2: Any, dilation: Any) -> Any:
+    """Padding of ``conv(x, w1) + conv(x, w2)`` as one conv: the larger kernel's."""
+    n = w1.dim() - 2
+    layout = _merged_layout(tuple(w1.shape[2:]), _spatial(p1, n), tuple(w2.shape[2:]), _spatial(p2, n),
+                            _spatial(dilation, n))
+    return list(layout[1])
+
+
+def _tensor_shape(v: Value) -> tuple | None:
+    """The shape of a constant tensor or a graph value, or None."""
+    m = v.meta
+    return None if m is None else tuple(m.shape)
+
+
+@register_predicate()
+def no_padding(padding: Value) -> bool:
+    """A conv ``padding`` of zeros (``0``, ``[0, 0]``, ``"valid"``): every tap reads
+    the input itself, so an affine map of the input passes through the conv."""
+    p = padding.literal if padding.is_literal else None
+    if p == "valid":
+        return True
+    pads = _spatial(p, 1) if not isinstance(p, (list, tuple)) else _spatial(p, len(p))
+    return pads is not None and not any(pads)
+
+
+@register_predicate()
+def centre_tap_identity(w: Value, stride: Value, padding: Value, dilation: Value) -> bool:
+    """A conv with weight ``w`` whose centre tap reads the output position itself:
+    stride 1, odd kernel, padding = dilation * (k - 1) / 2 on every spatial dim, so
+    ``x`` is the conv of a kernel with one centre entry (the identity branch)."""
+    k = _tensor_shape(w)
+    if k is None:
+        return None
+    k = k[2:]
+    n = len(k)
+    s, p, d = (_spatial(v.literal, n) if v.is_literal else None for v in (stride, padding, dilation))
+    if s is None or p is None or d is None:
+        return False
+    return all(ss == 1 and kk % 2 == 1 and pp == dd * (kk - 1) // 2 for ss, kk, pp, dd in zip(s, k, p, d))
+
+
+@register_predicate()
+def convs_merge(w1: Value, p1: Value, w2: Value, p2: Value, dilation: Value) -> bool:
+    """Two convs of one input (same stride, dilation, groups) with weights ``w1``,
+    ``w2`` are one conv: both kernels centred in the larger one, which covers the
+    smaller on every spatial dim (the merged conv costs what the larger did)."""
+    k1, k2 = _tensor_shape(w1), _tensor_shape(w2)
+    if k1 is None or k2 is None:
+        return None
+    if len(k1) != len(k2) or k1[:2] != k2[:2]:
+        return False
+    n = len(k1) - 2
+    pads = [_spatial(v.literal, n) if v.is_literal else None for v in (p1, p2, dilation)]
+    if any(v is None for v in pads):
+        return False
+    layout = _merged_layout(k1[2:], pads[0], k2[2:], pads[1], pads[2])
+    return layout is not None and tuple(layout[0]) in (k1[2:], k2[2:])
+
+
 # ---------------------------------------------------------------- modules (inserted)
 
 
