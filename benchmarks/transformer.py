@@ -22,9 +22,12 @@ call of each variant in turn, ``--runs`` rounds, median):
   same way: the peer that writes sdpa by hand.
 
 Chain (``--chain``, 128 tokens): ``transformer.rw`` then ``rules/amp_bf16.rw`` on the
-same graph: the canonical ``scaled_dot_product_attention`` is one op the AMP rules
-run in bfloat16 (counted from the nodes' dtypes), timed against the eager model
-under ``torch.autocast("cpu", torch.bfloat16)`` (the peer) and the fp32 rewrite.
+same graph, then saved as ``.pt2`` (``rewrite.capture.save``) and loaded back with
+``torch.export.load``, what a runtime receives: the canonical
+``scaled_dot_product_attention`` is one op the AMP rules run in bfloat16 (counted
+from the nodes' dtypes, in the rewritten graph and in the loaded program), timed
+against the eager model under ``torch.autocast("cpu", torch.bfloat16)`` (the peer),
+AMP alone on the written-out graph, and the fp32 rewrite.
 
 ``torch.export`` inserts ``aten._assert_tensor_metadata`` after every ``.to()``; the
 engine counts it as a reader of the softmax and of RMSNorm's product, so this script
@@ -38,12 +41,14 @@ from __future__ import annotations
 import argparse
 import collections
 import statistics
+import tempfile
 import time
 from typing import Any, Callable
 
 import torch
 
 import rewrite
+import rewrite.capture
 from rewrite.ops import bind_node
 
 
@@ -174,13 +179,19 @@ def bench_chain(name: str, runs: int, rules: Any, amp: Any) -> None:
     lowered = amp.apply(canonical, example_inputs=args, trials=1).graph_module
     chain_s = time.perf_counter() - t
     direct = amp.apply(gm, example_inputs=args, trials=1).graph_module  # AMP without transformer.rw
+    with tempfile.TemporaryDirectory() as tmp:
+        t = time.perf_counter()
+        rewrite.capture.save(lowered, f"{tmp}/model.pt2", level="export", example_inputs=args)
+        loaded = torch.export.load(f"{tmp}/model.pt2").module()
+        save_s = time.perf_counter() - t
 
     def autocast() -> Any:
         with torch.autocast("cpu", torch.bfloat16):
             return model(*args)
 
     med = round_robin({"autocast": autocast, "fp32 rules": lambda: canonical(*args),
-                       "rules+amp": lambda: lowered(*args), "amp only": lambda: direct(*args)}, runs)
+                       "rules+amp": lambda: lowered(*args), "amp only": lambda: direct(*args),
+                       "pt2": lambda: loaded(*args)}, runs)
     with torch.no_grad():
         ref = first(model(*args)).float()
         err = ((first(lowered(*args)).float() - ref).abs().max() / ref.abs().max()).item()
@@ -188,9 +199,10 @@ def bench_chain(name: str, runs: int, rules: Any, amp: Any) -> None:
                       if b and b[0].op in ("matmul", "bmm", "linear", "mm", "addmm")
                       and getattr(n.meta.get("val"), "dtype", None) == torch.float32)
     print(f"| {name} | sdpa {dict(sdpa_dtypes(lowered))} of {expected['attention']} | {f32_matmuls} | "
-          f"{chain_s:.1f} | {med['autocast'] * 1e3:.0f} | {med['fp32 rules'] * 1e3:.0f} | "
-          f"{med['amp only'] * 1e3:.0f} | {med['rules+amp'] * 1e3:.0f} | "
-          f"{med['autocast'] / med['rules+amp']:.2f} | {err:.1e} |", flush=True)
+          f"{dict(sdpa_dtypes(loaded))} | {chain_s:.1f} | {save_s:.1f} | {med['autocast'] * 1e3:.0f} | "
+          f"{med['fp32 rules'] * 1e3:.0f} | {med['amp only'] * 1e3:.0f} | {med['rules+amp'] * 1e3:.0f} | "
+          f"{med['pt2'] * 1e3:.0f} | {med['autocast'] / med['rules+amp']:.2f} | "
+          f"{med['amp only'] / med['rules+amp']:.2f} | {err:.1e} |", flush=True)
 
 
 def main() -> None:
@@ -208,14 +220,15 @@ def main() -> None:
           "| hf sdpa ms | eager/rules | hf sdpa/rules | max abs err |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in opts.models.split(","):
-        for seq in (int(s) for s in opts.tokens.split(",")):
+        for seq in (int(s) for s in opts.tokens.split(",") if s):
             bench_model(name, seq, opts.runs, rules)
     if opts.chain:
         amp = rewrite.load("rules/amp_bf16.rw")
         print("\nchain at 128 tokens: transformer.rw -> amp_bf16.rw\n")
-        print("| model | sdpa nodes by input dtype | float32 matmul-class left | rewrite s | autocast ms "
-              "| fp32 rules ms | amp only ms | rules+amp ms | autocast/(rules+amp) | max rel err vs fp32 |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("| model | sdpa nodes by input dtype | float32 matmul-class left | sdpa in the loaded .pt2 "
+              "| rewrite s | save+load s | autocast ms | fp32 rules ms | amp only ms | rules+amp ms | .pt2 ms "
+              "| autocast/(rules+amp) | amp only/(rules+amp) | max rel err vs fp32 |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for name in ("bert-base", "llama-small"):
             bench_chain(name, opts.runs, rules, amp)
 
