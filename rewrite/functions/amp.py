@@ -58,3 +58,32 @@ def fits(x: Value, dtype: Value) -> bool | None:
         return None
     v = float(x.operand)
     return math.isinf(v) or abs(v) <= torch.finfo(target).max
+
+
+def _einsum_terms(equation: str) -> tuple[list[str], str] | None:
+    """The operand index strings and the output's of an einsum equation (the
+    implicit output: indices written once, sorted); None if it is not one."""
+    eq = equation.replace(" ", "").replace("...", "")
+    lhs, arrow, out = eq.partition("->")
+    terms = lhs.split(",")
+    if not all(t.isalpha() or t == "" for t in terms + [out]):
+        return None
+    if not arrow:
+        letters = "".join(terms)
+        out = "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+    return terms, out
+
+
+@register_predicate()
+def contracts(equation: Value) -> bool | None:
+    """A two-operand einsum equation with an index both operands share and the
+    output drops ("bij,bjk->bik"): torch's CPU einsum computes it with bmm, which
+    CPU autocast runs in bfloat16. Without one ("i,j->ij", "i,i->i") it is a mul,
+    which autocast leaves in float32."""
+    if not (equation.is_literal and isinstance(equation.operand, str)):
+        return None
+    parsed = _einsum_terms(equation.operand)
+    if parsed is None or len(parsed[0]) != 2:
+        return False
+    (a, b), out = parsed
+    return bool((set(a) & set(b)) - set(out))
