@@ -16,7 +16,7 @@ import torch
 from rewrite.engine.facts import Value
 from rewrite.functions.registry import register_constant, register_predicate
 
-__all__: list = []  # everything here is reached through the registry
+__all__ = ["einsum_contracts"]  # the rest is reached through the registry
 
 
 @register_predicate()
@@ -74,16 +74,22 @@ def _einsum_terms(equation: str) -> tuple[list[str], str] | None:
     return terms, out
 
 
-@register_predicate()
-def contracts(equation: Value) -> bool | None:
+def einsum_contracts(equation: str) -> bool:
     """A two-operand einsum equation with an index both operands share and the
     output drops ("bij,bjk->bik"): torch's CPU einsum computes it with bmm, which
     CPU autocast runs in bfloat16. Without one ("i,j->ij", "i,i->i") it is a mul,
     which autocast leaves in float32."""
-    if not (equation.is_literal and isinstance(equation.operand, str)):
-        return None
-    parsed = _einsum_terms(equation.operand)
+    parsed = _einsum_terms(equation)
     if parsed is None or len(parsed[0]) != 2:
         return False
     (a, b), out = parsed
     return bool((set(a) & set(b)) - set(out))
+
+
+@register_predicate()
+def contracts(equation: Value) -> bool | None:
+    """A two-operand einsum equation with a summed index both operands share
+    (``einsum_contracts``): the einsums autocast runs in lower precision on CPU."""
+    if not (equation.is_literal and isinstance(equation.operand, str)):
+        return None
+    return einsum_contracts(equation.operand)
