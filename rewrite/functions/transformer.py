@@ -116,6 +116,20 @@ def positive_number(x: Value) -> bool:
 
 
 @register_predicate()
+def positive_scalar(x: Value) -> bool:
+    """A positive number: a literal (as ``positive_number``) or a constant 0-d tensor
+    (an eps kept in a buffer). A 0-d tensor never changes the dtype of the tensor it
+    is added to, so ``mean(x^2) + eps`` keeps x's dtype either way."""
+    if x.is_literal:
+        return positive_number(x)
+    if not x.is_const:
+        return None if x.meta is None else False  # a graph value: its number is not known
+    t = x.facts.constant_of(x.operand)
+    return (isinstance(t, torch.Tensor) and t.dim() == 0 and t.dtype != torch.bool
+            and not t.is_complex() and bool(t > 0))
+
+
+@register_predicate()
 def keeps_dtype(x: Value, dtype: Value) -> bool:
     """A ``dtype=`` argument (softmax's) that changes nothing: None, or ``x``'s own
     dtype (HF's ``softmax(x, dim=-1, dtype=torch.float32)`` on a float32 x)."""
@@ -143,6 +157,12 @@ def norm_weight(w: Value, x: Value) -> bool:
 def norm_shape(w: Any) -> Any:
     """``normalized_shape`` for a norm whose per-feature weight is ``w``: ``[len(w)]``."""
     return list(w.shape)
+
+
+@register_constant()
+def as_number(x: Any) -> Any:
+    """A number or a 0-d tensor as a Python float: ops' ``eps=`` takes a number."""
+    return float(x)
 
 
 @register_constant()
