@@ -306,6 +306,23 @@ def test_rms_norm_written_out_becomes_rms_norm(level):
     assert after["rms_norm"] == 1 and after["rsqrt"] == after["mean"] == 0
 
 
+class BufferEps(RMSNorm):
+    """eps kept in a 0-d buffer (exported as a constant): its value is read at rewrite time."""
+
+    def __init__(self, eps):
+        super().__init__()
+        self.register_buffer("eps_t", torch.tensor(eps))
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps_t))
+
+
+@pytest.mark.parametrize("eps, fires", [(1e-6, True), (-1e-6, False)])
+def test_rms_norm_eps_in_a_buffer(eps, fires):
+    _, _, after = rewritten(BufferEps(eps), _x(3, 16))
+    assert after["rms_norm"] == int(fires) and after["rsqrt"] == int(not fires)
+
+
 @pytest.mark.parametrize("model", [RMSNorm(form="dim"), RMSNorm(form="eps"), RMSNorm(form="keepdim"),
                                    LayerNorm(form="dim")], ids=["rms-dim", "rms-eps", "rms-keepdim", "ln-dim"])
 def test_norm_rules_do_not_fire(model):
