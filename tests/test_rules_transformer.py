@@ -31,6 +31,15 @@ def ops(gm):
     return collections.Counter(b[0].op for n in gm.graph.nodes for b in [bind_node(n, gm)] if b)
 
 
+def kinds_of(counts):
+    """Rewrites per kind: every attention rule counts as one attention."""
+    out = collections.Counter()
+    for name, n in counts.items():
+        if name.startswith("attention_") and "dropout" not in name:
+            out["attention"] += n
+    return out
+
+
 def without_metadata_asserts(gm):
     """torch.export puts ``aten._assert_tensor_metadata`` after each ``.to()``: a user of
     the softmax and of RMSNorm's product that no rule may name, so the engine sees those
@@ -110,8 +119,7 @@ def hf_rewritten(build):
 def test_every_eager_attention_becomes_sdpa(build):
     result, before, after = hf_rewritten(build)
     assert before["matmul"] == 2 * LAYERS and before["softmax"] == LAYERS
-    attention = sum(n for name, n in result.counts.items() if name.startswith("attention_") and "dropout" not in name)
-    assert attention == LAYERS
+    assert kinds_of(result.counts)["attention"] == LAYERS
     assert after["scaled_dot_product_attention"] == LAYERS
     assert after["softmax"] == 0 and after["matmul"] == 0
 
@@ -144,6 +152,24 @@ def test_grouped_query_attention_becomes_sdpa_on_the_repeated_heads():
     assert after["scaled_dot_product_attention"] == LAYERS and after["softmax"] == 0
     assert after["expand"] == before["expand"]
     assert after["rms_norm"] == 2 * LAYERS + 1
+
+
+def test_llama_under_torch_compile():
+    """The same rewrites on dynamo's graph, through rewrite.backend (which freezes the
+    parameters dynamo passes as inputs, so the norm weights are constants)."""
+    model, args = llama()
+    results = []
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=rewrite.backend(rules(), on_result=results.append))
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(*args).last_hidden_state, model(*args).last_hidden_state,
+                                   rtol=1e-4, atol=1e-5)
+    torch._dynamo.reset()
+    assert len(results) == 1
+    assert results[0].counts["rms_norm_cast"] == 2 * LAYERS + 1
+    assert kinds_of(results[0].counts)["attention"] == LAYERS
+    after = ops(results[0].graph_module)
+    assert after["scaled_dot_product_attention"] == LAYERS and after["softmax"] == after["rsqrt"] == 0
 
 
 # ---------------------------------------------------------------- hand-written modules
