@@ -26,6 +26,23 @@ __all__ = ["GraphFacts", "Value", "TensorFacts", "FACTS_KEY", "NEW_NODE_KEY", "f
 FACTS_KEY = "rewrite_facts"
 
 
+#: Ops that only check a value's metadata at run time: torch.export puts an
+#: ``aten._assert_tensor_metadata`` after each ``.to()``. They read a value without
+#: using it, so they do not keep it alive: a rewrite that removes the value removes
+#: its checks, and they count as no reader for ``single_use`` or interior nodes.
+METADATA_CHECKS = frozenset({torch.ops.aten._assert_tensor_metadata.default})
+
+
+def is_metadata_check(node: fx.Node) -> bool:
+    """``node`` only checks the metadata of its input (see ``METADATA_CHECKS``)."""
+    return node.op == "call_function" and node.target in METADATA_CHECKS
+
+
+def readers(node: fx.Node) -> list:
+    """The users of ``node`` that use its value (metadata checks left out)."""
+    return [u for u in node.users if not is_metadata_check(u)]
+
+
 @attrs.frozen
 class TensorFacts:
     """Shape, dtype and device of a tensor value: what rules ask about, recorded on
@@ -324,4 +341,4 @@ class Value:
 
     @property
     def users(self) -> int:
-        return len(self.operand.users) if isinstance(self.operand, fx.Node) else 0
+        return len(readers(self.operand)) if isinstance(self.operand, fx.Node) else 0

@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from rewrite.engine.compile import CompiledRule, PCall, PDefault, PLit, PResults, PSeq, PVar, PWild, RResults
-from rewrite.engine.facts import GraphFacts
+from rewrite.engine.facts import GraphFacts, is_metadata_check
 from rewrite.engine.outputs import getitem_users, result_count
 from rewrite.engine.where import UNKNOWN, where_function
 from rewrite.language import ast
@@ -366,6 +366,8 @@ class Matcher:
                     continue
                 if user.target is operator.getitem and not user.users:
                     continue  # an unused output of a multi-output op
+                if is_metadata_check(user):
+                    continue  # goes with the node (export's check after a .to())
                 return n, user
         return None
 

@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 
 from rewrite.engine.compile import RConst, RLit, RModule, ROp, RResults, RSeq, RVar
-from rewrite.engine.facts import FACTS_KEY, GraphFacts
+from rewrite.engine.facts import FACTS_KEY, GraphFacts, is_metadata_check
 from rewrite.engine.match import Match
 from rewrite.engine.outputs import getitem_users, result_count
 from rewrite.ops import bind_node
@@ -296,6 +296,9 @@ class Replacer:
                 continue
             for user in list(node.users):
                 if user.target is operator.getitem and not user.users:
+                    self.graph.erase_node(user)
+            if all(is_metadata_check(u) for u in node.users):  # nothing reads it: its checks go too
+                for user in list(node.users):
                     self.graph.erase_node(user)
             if not node.users:
                 touched.extend(n for n in node.all_input_nodes)
