@@ -181,7 +181,14 @@ def test_duplicate_as_names():
     assert diags("rule r: add(relu(x) as c, relu(y) as c) => add(x, y)") == [
         ("E303", "1:38", "'c' names two nodes with 'as'")]
     assert diags("rule r: add(relu(x) as x, y) => y") == [
-        ("E303", "1:24", "'x' is already a pattern variable; 'as' needs a new name")]
+        ("E303", "1:24", "'x' names a node that would read itself")]
+
+
+def test_an_as_name_written_again_is_the_same_node():
+    """A value the pattern reads twice (a layer norm's x - mean): the `as` name written
+    again elsewhere in the pattern is that node, in either order."""
+    ok("rule r: div(sub(x, mean(x, -1, True)) as d, sqrt(mean(mul(d, d), -1, True))) => d")
+    ok("rule r: add(d, relu(neg(y)) as d) => add(d, y)")
 
 
 def test_as_on_the_root_is_allowed():

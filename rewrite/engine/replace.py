@@ -291,18 +291,22 @@ class Replacer:
         """Erase matched nodes left without users; return nodes whose use counts
         changed (the producers of what was erased), for the worklist."""
         touched = []
-        for node in match.nodes:  # pattern order: users before their inputs
-            if node._erased:  # fx keeps node.graph set on erased nodes
-                continue
-            for user in list(node.users):
-                if user.target is operator.getitem and not user.users:
-                    self.graph.erase_node(user)
-            if all(is_metadata_check(u) for u in node.users):  # nothing reads it: its checks go too
+        erased = True
+        while erased:  # pattern order is users first, but a node read twice (a name the
+            erased = False  # pattern writes again) may meet a reader still to be erased
+            for node in match.nodes:
+                if node._erased:  # fx keeps node.graph set on erased nodes
+                    continue
                 for user in list(node.users):
-                    self.graph.erase_node(user)
-            if not node.users:
-                touched.extend(n for n in node.all_input_nodes)
-                self.graph.erase_node(node)
+                    if user.target is operator.getitem and not user.users:
+                        self.graph.erase_node(user)
+                if all(is_metadata_check(u) for u in node.users):  # nothing reads it: its checks go too
+                    for user in list(node.users):
+                        self.graph.erase_node(user)
+                if not node.users:
+                    touched.extend(n for n in node.all_input_nodes)
+                    self.graph.erase_node(node)
+                    erased = True
         return tuple(n for n in touched if not n._erased)
 
     def _undo(self) -> None:

@@ -550,9 +550,12 @@ class _Checker:
             if e.name in as_spans:
                 self.error(span, f"'{e.name}' names two nodes with 'as'", "E303",
                            help="give each named node its own name")
-            elif e.name in var_spans:
-                self.error(span, f"'{e.name}' is already a pattern variable; 'as' needs a new name", "E303",
-                           help="a repeated variable already means the same value; drop 'as' or rename")
+            elif any(isinstance(v, ast.Var) and v.name == e.name for v in _walk(e.expr)):
+                self.error(span, f"'{e.name}' names a node that would read itself", "E303",
+                           help="a name bound by 'as' may be written again elsewhere in the pattern "
+                                "(the same node), not inside what it names")
+            # (a variable of the same name elsewhere in the pattern is that same node: a
+            # value the pattern reads twice, as a written-out layer norm reads x - mean)
             as_spans.setdefault(e.name, span)
             self.bound.setdefault(e.name, span)
 
