@@ -35,7 +35,9 @@ FALLTHROUGH = {
     "sin": torch.sin,
     "cos": torch.cos,
     "erf": torch.erf,
-    "masked_fill": lambda t: t.masked_fill(t > 0.5, -1.0),
+    # (a mask that does not depend on the lowered values: `t > 0.5` on a bfloat16 t flips
+    # wherever rounding crosses the threshold, the model's own precision question)
+    "masked_fill": lambda t: t.masked_fill(torch.arange(8) % 3 == 0, -1.0),
     "reshape_as": lambda t: t.flatten(0, 1).reshape_as(t),
     "expand_as": lambda t: t[:, :1].expand_as(t),
     "slice": lambda t: torch.cat([t[:, 1:], t[:, :1]], 1),

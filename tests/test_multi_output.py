@@ -414,3 +414,30 @@ def test_a_result_named_again_in_the_pattern_is_the_same_value():
 
     gm, inputs, result = _apply(other, OtherPiece(), torch.randn(3, 4), "export")
     assert result.counts == {}
+
+
+@pytest.mark.parametrize("level", ["fx", "export"])
+def test_the_results_of_a_split_a_rewrite_created_have_facts(level):
+    """A later rule asks the dtype of a piece of a split the engine just created: the
+    getitem's facts are inferred from the new node's list of results."""
+    import torch.fx as fx
+
+    from rewrite.engine.facts import GraphFacts
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return torch.relu(x)
+
+    x = torch.randn(3, 4)
+    gm = fx.symbolic_trace(M()) if level == "fx" else torch.export.export(M(), (x,), strict=False).module()
+    facts = GraphFacts(gm, (x,))
+    relu = next(n for n in gm.graph.nodes if n.op == "call_function")
+    target = torch.split if level == "fx" else torch.ops.aten.split.Tensor
+    with gm.graph.inserting_after(relu):
+        split = gm.graph.call_function(target, (relu, 2, -1))
+    with gm.graph.inserting_after(split):
+        piece = gm.graph.call_function(operator.getitem, (split, 1))
+    for node in (split, piece):
+        facts.new_node(node)
+    meta = facts.meta(piece)
+    assert meta is not None and tuple(meta.shape) == (3, 2) and meta.dtype == torch.float32

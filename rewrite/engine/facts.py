@@ -158,6 +158,16 @@ class GraphFacts:
                 self.meta(node, record=False)
             node.meta.pop(NEW_NODE_KEY, None)
 
+    def _tensors_of(self, node: fx.Node, record: bool) -> Any:
+        """``meta`` of a node, or the list of its results' facts for a multi-output
+        node (``getitem`` of a split a rewrite created reads them)."""
+        m = self.meta(node, record)
+        if m is None:
+            val = tensor_meta_of(node)
+            if isinstance(val, (list, tuple)) and val and all(hasattr(v, "shape") for v in val):
+                return val
+        return m
+
     def _callable(self, node: fx.Node, fake: bool) -> Any:
         """What the node calls, runnable on fake or meta tensors: an inserted module
         (an observer, a fake quantizer) is run as a copy whose tensors are fake (or on
@@ -183,7 +193,7 @@ class GraphFacts:
         Best-effort: nothing when an input has no facts or the op no meta kernel."""
         inputs = node.all_input_nodes
         try:
-            metas = [self.meta(n, record) for n in inputs]
+            metas = [self._tensors_of(n, record) for n in inputs]
         except RecursionError:
             return
         # Non-tensor inputs (a recorded ``x.shape``, an int) are used as they are.
@@ -192,7 +202,7 @@ class GraphFacts:
             return
         if self.fake_mode is not None:
             try:
-                env = {n: _fake(self.fake_mode, v) for n, v in zip(inputs, values)}
+                env = {n: _each(_fake, self.fake_mode, v) for n, v in zip(inputs, values)}
                 target = self._callable(node, fake=True)
                 with self.fake_mode:
                     args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
@@ -201,12 +211,12 @@ class GraphFacts:
             except Exception:  # noqa: BLE001 - e.g. inputs from another fake mode: use meta tensors
                 pass
         try:
-            env = {n: _on_meta(v) for n, v in zip(inputs, values)}
+            env = {n: _each(lambda _, t: _on_meta(t), None, v) for n, v in zip(inputs, values)}
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
             out = self._callable(node, fake=False)(*args, **kwargs)
         except Exception:  # noqa: BLE001 - facts are best-effort
             return
-        metas = [m for m in metas if m is not None]
+        metas = [m for m in metas if m is not None and not isinstance(m, (list, tuple))]
         device = next((m.device for m in metas if getattr(m, "device", None) is not None), torch.device("cpu"))
         node.meta[FACTS_KEY] = torch.utils._pytree.tree_map_only(
             torch.Tensor, lambda t: TensorFacts(tuple(t.shape), t.dtype, torch.device(device)), out
@@ -252,6 +262,13 @@ def _fake(mode: Any, v: Any) -> Any:
         return mode.from_tensor(v, static_shapes=True)
     with mode:
         return torch.empty(tuple(v.shape), dtype=v.dtype)
+
+
+def _each(convert: Any, mode: Any, v: Any) -> Any:
+    """``convert(mode, v)``, element by element for the results of a multi-output node."""
+    if isinstance(v, (list, tuple)):
+        return type(v)(convert(mode, t) for t in v)
+    return convert(mode, v)
 
 
 def _on_meta(v: Any) -> Any:
