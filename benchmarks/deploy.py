@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import statistics
 import sys
 import tempfile
 import time
@@ -48,6 +47,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
 import rewrite.quant as rq
 from rewrite.examples.cnn import resnet50_with_inputs
 from rewrite.trust.check import generate_inputs
+from timing import round_robin_ms
 
 
 def _first(out: Any) -> torch.Tensor:
@@ -87,21 +87,6 @@ def _ort_fn(sess: Any) -> Callable:
         return torch.from_numpy(sess.run(None, feed)[0])
 
     return run
-
-
-def _latency(fns: Dict[str, Callable], args: tuple, runs: int, warmup: int) -> Dict[str, float]:
-    samples: Dict[str, List[float]] = {name: [] for name in fns}
-    names = list(fns)
-    with torch.inference_mode():
-        for _ in range(warmup):
-            for name in names:
-                fns[name](*args)
-        for i in range(runs):
-            for name in names[i % len(names):] + names[: i % len(names)]:
-                start = time.perf_counter()
-                fns[name](*args)
-                samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(s) * 1e3 for name, s in samples.items()}
 
 
 def _sqnr(reference: Callable, fn: Callable, batches: list) -> float:
@@ -170,7 +155,7 @@ def bench(name: str, model: torch.nn.Module, inputs: tuple, capture: str, rulese
             kernels[label] = _kernels(opt)
         fns = dict(sessions)
         fns["torch int8 (ours)"] = int8
-        ms = _latency(fns, inputs, args.runs, args.warmup)
+        ms = round_robin_ms(fns, inputs, args.runs, args.warmup)
         for label in fns:
             rows.append((threads, label, ms[label], ms["ort fp32"] / ms[label],
                          ms[label] / ms["ort int8 (ORT quantizer)"], _sqnr(model, fns[label], held)))

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import statistics
 import sys
 import time
 import warnings
@@ -33,6 +32,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
 from rewrite.capture import capture
 from rewrite.examples.cnn import randomize_batchnorm
 from rewrite.ops import bind_node
+from timing import round_robin_ms
 
 
 def _levit(small: bool) -> Any:
@@ -72,21 +72,6 @@ def _ops(gm: torch.fx.GraphModule) -> collections.Counter:
     return collections.Counter(b[0].op for n in gm.graph.nodes for b in [bind_node(n, gm)] if b)
 
 
-def _latency(variants: Dict[str, Callable], args: Tuple, runs: int, warmup: int) -> Dict[str, float]:
-    samples: Dict[str, List[float]] = {name: [] for name in variants}
-    names = list(variants)
-    with torch.inference_mode():
-        for _ in range(warmup):
-            for name in names:
-                variants[name](*args)
-        for i in range(runs):
-            for name in names[i % len(names):] + names[: i % len(names)]:
-                start = time.perf_counter()
-                variants[name](*args)
-                samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(s) for name, s in samples.items()}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=20)
@@ -113,11 +98,11 @@ def main() -> None:
         result = rules.apply(gm, example_inputs=args)  # checked: raises if the outputs differ
         before, after = _ops(gm), _ops(result.graph_module)
         modules = sum(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
-        times = _latency({"captured": gm, "fused": result.graph_module}, args, opts.runs, opts.warmup)
+        times = round_robin_ms({"captured": gm, "fused": result.graph_module}, args, opts.runs, opts.warmup)
         fired = ", ".join(f"{k} {v}" for k, v in sorted(result.counts.items()))
         print(f"{name:<12} {modules:>10} {before['batch_norm']:>9} {after['batch_norm']:>8} "
-              f"{before['conv']:>4}->{after['conv']:<4} {times['captured'] * 1e3:>11.2f} "
-              f"{times['fused'] * 1e3:>9.2f} {times['fused'] / times['captured']:>6.2f}  {fired}")
+              f"{before['conv']:>4}->{after['conv']:<4} {times['captured']:>11.2f} "
+              f"{times['fused']:>9.2f} {times['fused'] / times['captured']:>6.2f}  {fired}")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import sys
 import time
 import warnings
@@ -44,6 +43,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
 import rewrite.quant as rq
 from rewrite.trust.check import generate_inputs
 from rewrite.examples.cnn import randomize_batchnorm, resnet50_with_inputs
+from timing import round_robin_ms
 
 
 class Variant:
@@ -57,22 +57,6 @@ class Variant:
         if self.engine is not None:
             torch.backends.quantized.engine = self.engine
         return self.fn(*args)
-
-
-def _latency(variants: Dict[str, Variant], args: tuple, runs: int, warmup: int) -> Dict[str, float]:
-    samples: Dict[str, List[float]] = {name: [] for name in variants}
-    names = list(variants)
-    with torch.inference_mode():
-        for _ in range(warmup):
-            for name in names:
-                variants[name](*args)
-        for i in range(runs):
-            order = names[i % len(names):] + names[: i % len(names)]
-            for name in order:
-                start = time.perf_counter()
-                variants[name](*args)
-                samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(s) * 1e3 for name, s in samples.items()}
 
 
 def _sqnr(reference: Callable, candidate: Variant, batches: list) -> List[float]:
@@ -153,7 +137,7 @@ def bench_resnet50(args: argparse.Namespace, threads: List[int]) -> None:
     print("|---|---|---|---|---|---|")
     for n in threads:
         torch.set_num_threads(n)
-        med = _latency(variants, inputs, args.runs, args.warmup)
+        med = round_robin_ms(variants, inputs, args.runs, args.warmup)
         for name, ms in med.items():
             backend = name.split()[-1]
             peer = med.get(f"torch.ao {backend}")
@@ -185,7 +169,7 @@ def _export_table(title: str, model: Any, inputs: tuple, threads: List[int], arg
     print("|---|---|---|---|")
     for n in threads:
         torch.set_num_threads(n)
-        med = _latency(variants, inputs, args.runs, args.warmup)
+        med = round_robin_ms(variants, inputs, args.runs, args.warmup)
         print(f"| {n} | {med['fp32 eager']:.1f} | {med['rewrite x86 int8']:.1f} | "
               f"{med['fp32 eager'] / med['rewrite x86 int8']:.2f}x |")
     print()
