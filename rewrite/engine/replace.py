@@ -291,10 +291,10 @@ class Replacer:
         """Erase matched nodes left without users; return nodes whose use counts
         changed (the producers of what was erased), for the worklist."""
         touched = []
-        erased = True
-        while erased:  # pattern order is users first, but a node read twice (a name the
-            erased = False  # pattern writes again) may meet a reader still to be erased
-            for node in match.nodes:
+        pending = list(match.nodes)  # pattern order: users first; a node read twice (a name the
+        while pending:  # pattern writes again) may meet a reader still to be erased: retry those
+            left = []
+            for node in pending:
                 if node._erased:  # fx keeps node.graph set on erased nodes
                     continue
                 for user in list(node.users):
@@ -303,10 +303,14 @@ class Replacer:
                 if all(is_metadata_check(u) for u in node.users):  # nothing reads it: its checks go too
                     for user in list(node.users):
                         self.graph.erase_node(user)
-                if not node.users:
+                if node.users:
+                    left.append(node)
+                else:
                     touched.extend(n for n in node.all_input_nodes)
                     self.graph.erase_node(node)
-                    erased = True
+            if len(left) == len(pending):
+                break
+            pending = left
         return tuple(n for n in touched if not n._erased)
 
     def _undo(self) -> None:
