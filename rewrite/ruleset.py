@@ -472,14 +472,13 @@ class _Transaction:
                 self._undo(keep_meta=True)
             journal = self._journal.open()
             try:
-                referenced = _referenced_attrs(gm)
                 driver = Driver(gm, detect_dialect(gm), self.max_rewrites, self.example_inputs, limit=limit,
                                 skip=self.skip, on_meta=journal.note_meta,
                                 shuffle=random.Random(self.shuffle_seed) if self.shuffle_seed is not None else None)
                 with torch.no_grad():
                     driver.run(self.ruleset.schedule, self.ruleset._resolve)
                 if driver.counts:
-                    _remove_unused(gm, referenced)
+                    _remove_unused(gm, driver.replacer.released_nodes, driver.replacer.released_targets)
                     driver.facts.settle(driver.created)
                     if self.full_lint:
                         gm.graph.lint()
@@ -574,16 +573,21 @@ def _referenced_attrs(gm: fx.GraphModule) -> set:
     return {n.target for op in ("get_attr", "call_module") for n in graph.find_nodes(op=op, sort=False)}
 
 
-def _remove_unused(gm: fx.GraphModule, referenced_before: set) -> None:
-    """Erase unused get_attr nodes, then delete parameters, buffers and submodules the
-    rewrite left unreferenced (only ones the graph referenced before)."""
-    for node in gm.graph.find_nodes(op="get_attr"):
-        if not node.users and node.target in referenced_before:
+def _remove_unused(gm: fx.GraphModule, released_nodes: list, released_targets: set) -> None:
+    """Erase the get_attr nodes the rewrite left without readers, then delete the
+    parameters, buffers and submodules it left unreferenced (only ones whose last
+    reference it erased: the cost follows the rewrite, not the graph)."""
+    targets = set(released_targets)
+    for node in released_nodes:
+        if not node._erased and not node.users:
+            targets.add(node.target)
             gm.graph.erase_node(node)
-    now = _referenced_attrs(gm)
-    if not referenced_before - now:
+    if not targets:
         return
-    for name in sorted(referenced_before - now, key=len, reverse=True):
+    now = _referenced_attrs(gm)
+    if not targets - now:
+        return
+    for name in sorted(targets - now, key=len, reverse=True):
         if any(r == name or r.startswith(name + ".") or name.startswith(r + ".") for r in now):
             continue
         owner_name, _, attr = name.rpartition(".")

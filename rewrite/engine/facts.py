@@ -18,6 +18,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 
+from rewrite.engine.shapes import fresh_like, like_input
 from rewrite.ops.base import ConstRef
 
 __all__ = ["GraphFacts", "Value", "TensorFacts", "FACTS_KEY", "NEW_NODE_KEY", "fetch_attr", "tensor_meta_of"]
@@ -203,6 +204,10 @@ class GraphFacts:
         if self.fake_mode is not None:
             try:
                 env = {n: _each(_fake, self.fake_mode, v) for n, v in zip(inputs, values)}
+                same = like_input(node, env)  # elementwise on dense inputs: no dispatch needed
+                if same is not None and same.fake_mode is self.fake_mode:
+                    node.meta["val"] = fresh_like(same)
+                    return
                 target = self._callable(node, fake=True)
                 with self.fake_mode:
                     args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)

@@ -70,6 +70,10 @@ class Replacer:
         self._created: list = []
         self._covered: tuple = ()
         self._new_attrs: list = []
+        #: targets of get_attr and call_module nodes rewrites erased, and get_attr
+        #: nodes they left without readers: what may now be unreferenced
+        self.released_targets: set = set()
+        self.released_nodes: list = []
 
     @functools.cached_property
     def _taken_names(self) -> set:
@@ -306,7 +310,12 @@ class Replacer:
                 if node.users:
                     left.append(node)
                 else:
-                    touched.extend(n for n in node.all_input_nodes)
+                    for n in node.all_input_nodes:
+                        touched.append(n)
+                        if n.op == "get_attr":
+                            self.released_nodes.append(n)
+                    if node.op in ("get_attr", "call_module"):
+                        self.released_targets.add(node.target)
                     self.graph.erase_node(node)
             if len(left) == len(pending):
                 break

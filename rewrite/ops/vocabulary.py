@@ -95,17 +95,33 @@ def detect_dialect(gm: Any) -> str:
     """``"aten"`` for ``torch.export`` graphs (call_function targets are
     ``OpOverload``s), ``"torch"`` for ``symbolic_trace`` and dynamo graphs."""
     aten = torch_level = 0
-    for node in gm.graph.nodes:
-        if node.op == "call_function":
-            target = node.target
+    for op, target, nodes in _nodes_by_target(gm.graph):
+        if op == "call_function":
             if isinstance(target, torch._ops.HigherOrderOperator) or (
                     isinstance(target, torch._ops.OpOverload) and target.namespace in INTERNAL_NAMESPACES):
-                aten += 1  # a custom op's overload is what every capture level records: no vote
+                aten += len(nodes)  # a custom op's overload is what every capture level records: no vote
             elif getattr(target, "__module__", None) not in ("_operator", "operator", "builtins", "math"):
-                torch_level += 1
-        elif node.op == "call_method" or (node.op == "call_module" and forms_for_key(node_key(node, gm))):
-            torch_level += 1
+                torch_level += len(nodes)
+        elif op == "call_method":
+            torch_level += len(nodes)
+        elif op == "call_module":
+            torch_level += sum(1 for node in nodes if forms_for_key(node_key(node, gm)))
     return "aten" if aten and aten >= torch_level else "torch"
+
+
+def _nodes_by_target(graph: Any) -> Any:
+    """``(op, target, nodes)`` groups of a graph's call nodes (target None for
+    methods and modules), read from the graph's own find_nodes index, so a 10k-node
+    graph costs one look per distinct target rather than one per node."""
+    table = getattr(getattr(graph, "_find_nodes_lookup_table", None), "table", None)
+    if table is None:  # another torch: group by hand
+        table = {}
+        for node in graph.nodes:
+            key = (node.op, node.target if node.op == "call_function" else None)
+            table.setdefault(key, {})[node] = None
+    for (op, target), nodes in list(table.items()):
+        if op in _CALLS and nodes:
+            yield op, target, nodes
 
 
 def mutates_input(node: fx.Node, gm: Any) -> bool:

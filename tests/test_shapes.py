@@ -1,0 +1,115 @@
+"""The elementwise shortcut for new nodes' ``val`` (rewrite.engine.shapes) gives what
+running the op on fake tensors gives, or declines."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from rewrite.engine.shapes import fresh_like, like_input
+
+aten = torch.ops.aten
+
+UNARY = [aten.neg.default, aten.abs.default, aten.relu.default, aten.sigmoid.default, aten.tanh.default,
+         aten.silu.default, aten.exp.default, aten.rsqrt.default, aten.hardswish.default, torch.neg, torch.sigmoid,
+         F.silu, F.gelu, operator.neg, "relu", "sigmoid", "neg"]
+BINARY = [aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.maximum.default, torch.add,
+          torch.mul, operator.add, operator.sub, operator.truediv, "add", "mul", "div"]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool,
+          torch.uint8]
+
+
+def _make(mode: FakeTensorMode, shape: tuple, dtype: torch.dtype, layout: str) -> torch.Tensor:
+    with mode:
+        if layout == "channels_last" and len(shape) == 4:
+            return torch.empty(shape, dtype=dtype).to(memory_format=torch.channels_last)
+        if layout == "transposed" and len(shape) >= 2:
+            return torch.empty(shape[::-1], dtype=dtype).transpose(0, -1)
+        if layout == "expanded" and shape:
+            return torch.empty((1,) + tuple(shape[1:]), dtype=dtype).expand(shape)
+        if layout == "odd_unit_stride" and 1 in shape:
+            i = shape.index(1)
+            t = torch.empty(shape, dtype=dtype)
+            stride = list(t.stride())
+            stride[i] = 7
+            return torch.empty_strided(shape, stride, dtype=dtype)
+        return torch.empty(shape, dtype=dtype)
+
+
+def _node(target, args, kwargs=None):
+    g = fx.Graph()
+    ins = [g.placeholder(f"x{i}") if isinstance(a, torch.Tensor) else a for i, a in enumerate(args)]
+    op = "call_method" if isinstance(target, str) else "call_function"
+    node = g.create_node(op, target, tuple(ins), kwargs or {})
+    values = {n: a for n, a in zip(ins, args) if isinstance(n, fx.Node)}
+    return node, values
+
+
+def _real(mode, target, args, kwargs):
+    with mode:
+        if isinstance(target, str):
+            return getattr(args[0], target)(*args[1:], **kwargs)
+        return target(*args, **kwargs)
+
+
+def _agrees(mode, target, args, kwargs=None):
+    kwargs = kwargs or {}
+    node, values = _node(target, args, kwargs)
+    same = like_input(node, values)
+    if same is None:
+        return False
+    try:
+        real = _real(mode, target, args, kwargs)
+    except Exception:  # noqa: BLE001 - the op refuses these inputs: the shortcut must not answer
+        pytest.fail(f"shortcut answered for {target} on inputs the op refuses")
+    got = fresh_like(same)
+    assert (got.shape, got.stride(), got.dtype, got.device) == (real.shape, real.stride(), real.dtype, real.device)
+    assert got.fake_mode is mode and got.untyped_storage() is not same.untyped_storage()
+    return True
+
+
+shapes = st.lists(st.integers(1, 4), min_size=0, max_size=4).map(tuple)
+layouts = st.sampled_from(["contiguous", "channels_last", "transposed", "expanded", "odd_unit_stride"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(UNARY), shapes, st.sampled_from(DTYPES), layouts)
+def test_unary_shortcut_matches_fake_propagation(target, shape, dtype, layout):
+    mode = FakeTensorMode()
+    x = _make(mode, shape, dtype, layout)
+    _agrees(mode, target, (x,))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(BINARY), shapes, shapes, st.sampled_from(DTYPES), st.sampled_from(DTYPES), layouts, layouts,
+       st.sampled_from([None, 2, 0.5, True]))
+def test_binary_shortcut_matches_fake_propagation(target, s1, s2, d1, d2, l1, l2, scalar):
+    mode = FakeTensorMode()
+    x = _make(mode, s1, d1, l1)
+    y = scalar if scalar is not None else _make(mode, s2, d2, l2)
+    _agrees(mode, target, (x, y))
+
+
+def test_shortcut_answers_the_common_cases_and_declines_the_rest():
+    mode = FakeTensorMode()
+    x = _make(mode, (2, 3, 4, 5), torch.float32, "contiguous")
+    cl = _make(mode, (2, 3, 4, 5), torch.float32, "channels_last")
+    assert _agrees(mode, aten.neg.default, (x,))
+    assert _agrees(mode, aten.sub.Tensor, (x, x))
+    assert _agrees(mode, aten.mul.Tensor, (cl, 0.5))
+    assert _agrees(mode, aten.gelu.default, (x,), {"approximate": "tanh"})
+    # broadcasting, promotion, in-place flags, integer inputs to float ops: declined
+    y = _make(mode, (3, 4, 5), torch.float32, "contiguous")
+    assert like_input(*_node(aten.add.Tensor, (x, y))) is None
+    assert like_input(*_node(aten.add.Tensor, (x, _make(mode, (2, 3, 4, 5), torch.float16, "contiguous")))) is None
+    assert like_input(*_node(F.relu, (x, True))) is None
+    assert like_input(*_node(aten.sigmoid.default, (_make(mode, (3,), torch.int64, "contiguous"),))) is None
+    assert like_input(*_node(aten.div.Tensor, (x, x), {"rounding_mode": "floor"})) is None
+    assert like_input(*_node(aten.add.Tensor, (x, cl))) is None  # different strides
