@@ -23,6 +23,7 @@ from typing import Any, Iterable
 
 import attrs
 import torch.fx as fx
+from torch._ops import OpOverload
 
 from rewrite.engine.compile import CompiledRule, PCall, PResults, PSeq
 from rewrite.engine.facts import GraphFacts
@@ -107,6 +108,9 @@ def _users_within(nodes: tuple, depth: int) -> tuple:
     return tuple(out)
 
 
+_CALLS = frozenset({"call_function", "call_method", "call_module"})
+
+
 class RuleIndex:
     """Rules by the node keys their root can bind: ``("call_function", torch.relu)``,
     ``("call_method", "relu")``, ``("call_module", nn.ReLU)``... A node whose key
@@ -127,9 +131,17 @@ class RuleIndex:
             for k, v in by_key.items()
         }
         self.depth = max((_depth(r.pattern) for r in rules), default=1)
+        # call_function targets by identity: an OpOverload hashes in Python (slow),
+        # and compares by identity anyway
+        self._by_function = {id(target): entry for (op, target), entry in self.by_key.items()
+                             if op == "call_function"}
 
     def candidates(self, matcher: Matcher, node: fx.Node) -> tuple:
         """(rule, prefilter) pairs for ``node``, in priority then file order."""
+        if node.op == "call_function":
+            found = self._by_function.get(id(node.target))
+            if found is not None or isinstance(node.target, OpOverload):
+                return found or ()
         try:
             return self.by_key.get(matcher.key(node), ())
         except TypeError:  # an unhashable call target: no rule can name it
@@ -176,7 +188,7 @@ class Driver:
         self.stats: dict = collections.defaultdict(RuleStats)
         self.history: list = []  # (rule name, root node name) per applied rewrite
         self.created: list = []  # every node a rewrite created (some erased later)
-        n = sum(1 for _ in gm.graph.nodes)
+        n = len(gm.graph.nodes)
         self.max_rewrites = max_rewrites if max_rewrites is not None else 20 * n + 1000
         self.max_nodes = 10 * n + 1000  # growth without end stops here
         self.limit = limit
@@ -190,7 +202,10 @@ class Driver:
     def fixpoint(self, rules: list) -> bool:
         """Rewrite until no rule applies anywhere. Returns whether anything changed."""
         index = _index_of(tuple(rules), self.matcher.compiled)
-        nodes = [n for n in self.gm.graph.nodes if n.op.startswith("call_")]
+        matcher = self.matcher
+        # only nodes some rule's root can bind: a node without candidates would
+        # cost a visit and decide nothing (the order of the others is unchanged)
+        nodes = [n for n in self.gm.graph.nodes if n.op in _CALLS and index.candidates(matcher, n)]
         if self.shuffle is not None:
             self.shuffle.shuffle(nodes)
         queue = collections.deque(nodes)
@@ -205,13 +220,12 @@ class Driver:
             if result is None:
                 continue
             changed = True
-            fresh = [n for n in result if n not in queued and not n._erased and n.op.startswith("call_")]
+            fresh = [n for n in dict.fromkeys(result) if n not in queued and not n._erased and n.op in _CALLS
+                     and index.candidates(matcher, n)]
             if self.shuffle is not None:
                 self.shuffle.shuffle(fresh)
-            for n in fresh:
-                if n not in queued:
-                    queue.append(n)
-                    queued.add(n)
+            queue.extend(fresh)
+            queued.update(fresh)
         return changed
 
     def once(self, rules: list) -> bool:
@@ -219,7 +233,7 @@ class Driver:
         index = _index_of(tuple(rules), self.matcher.compiled)
         changed = False
         for node in list(self.gm.graph.nodes):
-            if not node._erased and node.op.startswith("call_"):
+            if not node._erased and node.op in _CALLS:
                 changed |= self._rewrite_at(index, node) is not None
         return changed
 

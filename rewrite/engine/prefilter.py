@@ -120,19 +120,39 @@ def _keys_of(pat: PCall) -> frozenset:
     return frozenset(keys)
 
 
+def _producer_test(keys: frozenset) -> Callable[[Any, Any], bool]:
+    """``test(matcher, value)``: value is a node with one of ``keys``. Function
+    targets are compared by identity (what an OpOverload's equality is; hashing
+    one runs Python code), other keys through the matcher's node key."""
+    functions = frozenset(id(t) for op, t in keys if op == "call_function")
+    others = frozenset(k for k in keys if k[0] != "call_function")
+
+    def test(matcher: Any, value: Any) -> bool:
+        if not isinstance(value, fx.Node):
+            return False
+        if value.op == "call_function":
+            return id(value.target) in functions
+        return bool(others) and matcher.key(value) in others
+
+    return test
+
+
 def _checker(options: tuple) -> Prefilter:
+    # (index, keyword, producer test or None, literal) per need, per option
+    compiled = tuple(tuple((need.index, need.kwarg, None if need.keys is None else _producer_test(need.keys),
+                            need.literal) for need in needs) for needs in options)
 
     def check(matcher: Any, node: fx.Node) -> bool:
-        args, kwargs = node.args, node.kwargs
+        args = node.args
         n = len(args)
         try:
-            for needs in options:
-                for need in needs:
-                    value = args[need.index] if need.index < n else kwargs.get(need.kwarg, _ABSENT)
-                    if need.keys is not None:
-                        if not isinstance(value, fx.Node) or matcher.key(value) not in need.keys:
+            for needs in compiled:
+                for index, kwarg, producer, literal in needs:
+                    value = args[index] if index < n else node.kwargs.get(kwarg, _ABSENT)
+                    if producer is not None:
+                        if not producer(matcher, value):
                             break
-                    elif value is not _ABSENT and not same_arg(need.literal, value):
+                    elif value is not _ABSENT and not same_arg(literal, value):
                         break
                 else:
                     return True
