@@ -619,3 +619,28 @@ def test_export_graphs_with_dynamic_shapes_keep_fake_values_on_new_nodes():
     assert result.counts.get("conv_bn") == 1
     convs = [n for n in result.graph_module.graph.nodes if n.op == "call_function" and "conv" in str(n.target)]
     assert convs and all(isinstance(n.meta.get("val"), torch.Tensor) for n in convs)
+
+
+def test_hooks_and_tables_of_the_result_are_its_own():
+    """The default result shares tensors with the input, never module tables: a
+    hook registered on a result's submodule, a parameter deleted or a buffer set
+    there, leaves the input model as it was."""
+    model, (x,) = demo_cnn_with_inputs()
+    gm = fx.symbolic_trace(model.eval())
+    before = gm(x)
+    result = rewrite.load("rules/fusion.rw").apply(gm, (x,), check=False).graph_module
+    for (name, original), (_, copy_) in zip(gm.named_modules(), result.named_modules()):
+        assert original is not copy_ or name == ""
+        for key, value in vars(original).items():
+            if isinstance(value, (dict, set, list)):
+                assert vars(copy_)[key] is not value, (name, key)
+    calls = []
+    first = next(m for m in result.modules() if isinstance(m, nn.Conv2d))
+    first.register_forward_hook(lambda *a: calls.append(1))
+    first.register_buffer("extra", torch.zeros(1))
+    result(x)
+    assert calls
+    calls.clear()
+    torch.testing.assert_close(gm(x), before)
+    assert not calls  # the input's conv has no hook
+    assert all("extra" not in m._buffers for m in gm.modules())

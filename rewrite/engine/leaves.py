@@ -44,15 +44,15 @@ def hidden_ops(gm: fx.GraphModule, root_ops: Iterable[str]) -> dict:
     wanted = frozenset(root_ops)
     out: dict = {}
     seen: set = set()
-    for node in gm.graph.nodes:
-        if node.op != "call_module" or node.target in seen:
+    for node in gm.graph.find_nodes(op="call_module"):
+        if node.target in seen:
             continue
         seen.add(node.target)
         try:
             module = gm.get_submodule(node.target)
         except AttributeError:
             continue
-        if bind_node(node, gm):
+        if not module._modules or bind_node(node, gm):  # nothing inside, or read as an op
             continue  # the vocabulary reads this module as an op
         inside: collections.Counter = collections.Counter()
         for sub in module.modules():

@@ -21,6 +21,7 @@ the full collections that ordinary allocation triggers cost as much as matching.
 from __future__ import annotations
 
 import contextlib
+import collections
 import copy
 import functools
 import gc
@@ -176,6 +177,7 @@ def shared_copy(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 _TABLES = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
+_OWN_TABLE_TYPES = (dict, collections.OrderedDict, set, list)
 
 
 def _shallow_module(m: torch.nn.Module, memo: dict) -> torch.nn.Module:
@@ -189,9 +191,12 @@ def _shallow_module(m: torch.nn.Module, memo: dict) -> torch.nn.Module:
 
 def _fill_shallow(m: torch.nn.Module, new: torch.nn.Module, memo: dict) -> None:
     d = dict(m.__dict__)
-    for key in _TABLES:
-        if key in d:
-            d[key] = type(d[key])(d[key])
+    for key, value in d.items():
+        # every table of the module (parameters, buffers, submodules, hook
+        # registries...) is the copy's own: registering a hook on the result or
+        # deleting one of its parameters leaves the input as it was
+        if type(value) in _OWN_TABLE_TYPES:
+            d[key] = type(value)(value)
     for key, value in d.items():
         # methods bound to the original (torch.export's train/eval) bind to the copy
         if isinstance(value, types.MethodType) and value.__self__ is m:

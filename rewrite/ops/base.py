@@ -72,6 +72,21 @@ class Bound:
     interior: tuple = ()
 
 
+def submodule(gm: Any, target: str) -> Any:
+    """``gm.get_submodule(target)`` through the module tables directly (no
+    ``Module.__getattr__`` per path step: symbolic_trace graphs ask once per
+    ``call_module`` node and rule). Raises AttributeError like get_submodule."""
+    module = gm
+    try:
+        for part in target.split("."):
+            module = module._modules[part]
+    except (KeyError, AttributeError):
+        return gm.get_submodule(target)
+    if module is None:
+        return gm.get_submodule(target)
+    return module
+
+
 def node_key(node: fx.Node, gm: Any) -> Any:
     """The index key of a node: what forms are looked up by.
 
@@ -79,7 +94,7 @@ def node_key(node: fx.Node, gm: Any) -> Any:
     """
     if node.op == "call_module":
         try:
-            return ("call_module", type(gm.get_submodule(node.target)))
+            return ("call_module", type(submodule(gm, node.target)))
         except AttributeError:
             return ("call_module", None)
     return (node.op, node.target)
@@ -280,7 +295,7 @@ class ModuleForm:
         return ("call_module", self.module_cls)
 
     def bind(self, node: fx.Node, gm: Any, opdef: OpDef) -> Bound | None:
-        module = gm.get_submodule(node.target)
+        module = submodule(gm, node.target)
         raw = self.extract(module, node, node.target)
         if raw is None:
             return None

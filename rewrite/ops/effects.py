@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from rewrite.ops.base import submodule
+
 __all__ = [
     "VIEW_NAMES", "ALIASING_NAMES", "ALIASING_MODULES", "op_name", "may_alias", "always_aliases",
     "written_args", "target_writes", "opdef_writes", "opdef_may_alias",
@@ -67,7 +69,7 @@ def op_name(target: Any) -> str:
 
 def _module(node: fx.Node, gm: Any) -> Any:
     try:
-        return gm.get_submodule(node.target)
+        return submodule(gm, node.target)
     except AttributeError:
         return None
 
