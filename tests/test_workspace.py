@@ -644,3 +644,40 @@ def test_hooks_and_tables_of_the_result_are_its_own():
     torch.testing.assert_close(gm(x), before)
     assert not calls  # the input's conv has no hook
     assert all("extra" not in m._buffers for m in gm.modules())
+
+
+def _graphs_for_copy():
+    model, (x,) = demo_cnn_with_inputs()
+    yield fx.symbolic_trace(model.eval()).graph
+    yield torch.export.export(model.eval(), (x,)).module().graph
+
+    class Odd(nn.Module):
+        def forward(self, x, list_):  # a placeholder named like a builtin
+            y = x + 1
+            return [y.relu(), list_ * 2], {"k": y}
+
+    yield fx.symbolic_trace(Odd()).graph
+
+
+@pytest.mark.parametrize("index", range(3))
+def test_copy_graph_is_what_deepcopy_gives(index):
+    from rewrite.engine.workspace import copy_graph
+    import copy as copy_module
+
+    graph = list(_graphs_for_copy())[index]
+    expected, got = copy_module.deepcopy(graph), copy_graph(graph)
+    got.lint()
+    assert [n.name for n in got.nodes] == [n.name for n in expected.nodes]
+    for a, b in zip(expected.nodes, got.nodes):
+        assert (a.op, a.target, a.type, str(a.args), str(a.kwargs)) == (b.op, b.target, b.type, str(b.args), str(b.kwargs))
+        assert a.meta == b.meta and b.graph is got
+        assert [u.name for u in a.users] == [u.name for u in b.users]
+    for src, copied in zip(graph.nodes, got.nodes):
+        assert copied.meta is not src.meta and copied is not src
+    assert expected.python_code("self").src == got.python_code("self").src
+    # new nodes get fresh names, never one the copied graph used
+    with got.inserting_before(next(iter(got.nodes)).next):
+        fresh = [got.create_node("call_function", torch.relu, (next(iter(got.nodes)),)) for _ in range(3)]
+    names = [n.name for n in got.nodes]
+    assert len(names) == len(set(names)) and all(f.name not in {n.name for n in graph.nodes} for f in fresh)
+    assert not set(n for n in got.nodes) & set(graph.nodes)
