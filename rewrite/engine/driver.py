@@ -29,6 +29,7 @@ from rewrite.engine.compile import CompiledRule, PCall, PResults, PSeq
 from rewrite.engine.facts import GraphFacts
 from rewrite.engine.match import Matcher
 from rewrite.ops import lookup_op
+from rewrite.ops.vocabulary import CALL_OPS
 from rewrite.engine.prefilter import build_prefilter
 from rewrite.engine.replace import Replacer, ReplacementError, uses_root
 
@@ -106,9 +107,6 @@ def _users_within(nodes: tuple, depth: int) -> tuple:
         frontier = [u for n in frontier for u in n.users]
         out.extend(frontier)
     return tuple(out)
-
-
-_CALLS = frozenset({"call_function", "call_method", "call_module"})
 
 
 class RuleIndex:
@@ -205,7 +203,7 @@ class Driver:
         matcher = self.matcher
         # only nodes some rule's root can bind: a node without candidates would
         # cost a visit and decide nothing (the order of the others is unchanged)
-        nodes = [n for n in self.gm.graph.nodes if n.op in _CALLS and index.candidates(matcher, n)]
+        nodes = [n for n in self.gm.graph.nodes if n.op in CALL_OPS and index.candidates(matcher, n)]
         if self.shuffle is not None:
             self.shuffle.shuffle(nodes)
         queue = collections.deque(nodes)
@@ -220,7 +218,7 @@ class Driver:
             if result is None:
                 continue
             changed = True
-            fresh = [n for n in dict.fromkeys(result) if n not in queued and not n._erased and n.op in _CALLS
+            fresh = [n for n in dict.fromkeys(result) if n not in queued and not n._erased and n.op in CALL_OPS
                      and index.candidates(matcher, n)]
             if self.shuffle is not None:
                 self.shuffle.shuffle(fresh)
@@ -233,7 +231,7 @@ class Driver:
         index = _index_of(tuple(rules), self.matcher.compiled)
         changed = False
         for node in list(self.gm.graph.nodes):
-            if not node._erased and node.op in _CALLS:
+            if not node._erased and node.op in CALL_OPS:
                 changed |= self._rewrite_at(index, node) is not None
         return changed
 

@@ -52,8 +52,8 @@ def hidden_ops(gm: fx.GraphModule, root_ops: Iterable[str]) -> dict:
             module = gm.get_submodule(node.target)
         except AttributeError:
             continue
-        if not module._modules or bind_node(node, gm):  # nothing inside, or read as an op
-            continue  # the vocabulary reads this module as an op
+        if not module._modules or bind_node(node, gm):
+            continue  # nothing inside it, or the vocabulary reads it as an op
         inside: collections.Counter = collections.Counter()
         for sub in module.modules():
             if sub is module:

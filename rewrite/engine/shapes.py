@@ -84,7 +84,7 @@ def _dense(t: Any) -> bool:
 
 
 def _kind(node: fx.Node) -> Any:
-    key = node.target if node.op == "call_function" else node.target if node.op == "call_method" else None
+    key = node.target
     try:
         if key in _SAME_ANY:
             return "any"

@@ -20,8 +20,8 @@ the full collections that ordinary allocation triggers cost as much as matching.
 
 from __future__ import annotations
 
-import contextlib
 import collections
+import contextlib
 import copy
 import functools
 import gc
@@ -31,9 +31,9 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from torch.fx.graph import _illegal_names
 from torch import fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
+from torch.fx.graph import _illegal_names
 
 __all__ = ["Journal", "check_touched", "compile_now", "gc_paused", "shared_copy", "working_copy"]
 

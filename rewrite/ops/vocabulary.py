@@ -57,7 +57,8 @@ def _build_indexes() -> tuple:
 
 
 _BY_KEY, _BY_QUALNAME = _build_indexes()
-_CALLS = frozenset({"call_function", "call_method", "call_module"})
+#: The node ops that call something (what rules can match at).
+CALL_OPS = frozenset({"call_function", "call_method", "call_module"})
 
 
 def op_names() -> list:
@@ -81,7 +82,7 @@ def bind_node(node: fx.Node, gm: Any) -> tuple:
     Placeholders, outputs, attributes, unknown targets and modules the vocabulary
     does not know (``torch.export``'s ``_guards_fn``) bind to nothing.
     """
-    if node.op not in _CALLS:
+    if node.op not in CALL_OPS:
         return ()
     out = []
     for opdef, form in forms_for_key(node_key(node, gm)):
@@ -120,7 +121,7 @@ def _nodes_by_target(graph: Any) -> Any:
             key = (node.op, node.target if node.op == "call_function" else None)
             table.setdefault(key, {})[node] = None
     for (op, target), nodes in list(table.items()):
-        if op in _CALLS and nodes:
+        if op in CALL_OPS and nodes:
             yield op, target, nodes
 
 
