@@ -386,9 +386,9 @@ def test_the_reference_runs_once_per_trial_across_bisection(tmp_path, monkeypatc
     real = check._call
     gm = capture(Net().eval(), (X,), "export")
 
-    def counting(fn, inputs, seed, dtypes=True):
+    def counting(fn, inputs, seed, *rest):
         calls["reference" if fn is gm else "candidate"] += 1
-        return real(fn, inputs, seed, dtypes)
+        return real(fn, inputs, seed, *rest)
 
     monkeypatch.setattr(check, "_call", counting)
     with pytest.raises(rewrite.EquivalenceError):

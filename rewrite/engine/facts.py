@@ -238,7 +238,7 @@ class GraphFacts:
         # no side effects (a model may write its input, or its BatchNorm statistics)
         inputs = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.clone(), inputs)
         try:
-            with torch.no_grad(), preserved_state(self.gm), torch.random.fork_rng(devices=[]):
+            with torch.no_grad(), preserved_state(self.gm, runs_only=True), torch.random.fork_rng(devices=[]):
                 _FactRecorder(self.gm, self._on_meta).run(*inputs)
         except Exception:  # noqa: BLE001 - facts are best-effort; rules needing them won't fire
             pass

@@ -34,7 +34,8 @@ from rewrite.ops.base import submodule
 
 __all__ = [
     "VIEW_NAMES", "ALIASING_NAMES", "ALIASING_MODULES", "op_name", "may_alias", "always_aliases",
-    "written_args", "target_writes", "opdef_writes", "opdef_may_alias",
+    "written_args", "target_writes", "opdef_writes", "opdef_may_alias", "module_writes_own_state",
+    "state_writes",
 ]
 
 #: Ops whose result is always a view of their first input.
@@ -139,6 +140,8 @@ def _named_written(name: str) -> tuple:
     for in-place ops) without a schema writes its first argument."""
     from rewrite.ops.resolve import aten_overload
 
+    if name in ("__setitem__", "__delitem__"):
+        return ((0, "input"),)
     if not name.endswith("_") or name.startswith("_"):
         return ()
     overload = aten_overload(name)
@@ -158,7 +161,7 @@ def target_writes(target: Any) -> tuple:
         return _named_written(target)
     name = getattr(target, "__name__", "")
     if getattr(operator, name, None) is target:
-        return ((0, "input"),) if name in _INPLACE_OPERATORS else ()
+        return ((0, "input"),) if name in _INPLACE_OPERATORS or name in ("setitem", "delitem") else ()
     return _named_written(name)
 
 
@@ -228,3 +231,114 @@ def opdef_may_alias(opdef: Any) -> bool:
         elif target is None or op_name(target) in ALIASING_NAMES or target is operator.getitem:
             return True
     return False
+
+
+# Module types whose forward writes nothing but its input (``inplace=True``), with
+# the exceptions ``module_writes_own_state`` lists: torch's own leaf modules.
+_TORCH_MODULES = "torch.nn.modules."
+_NORM_NAMES = ("batch_norm", "instance_norm", "embedding")  # schemas that do not say they write
+
+
+def module_writes_own_state(module: Any) -> bool:
+    """Whether calling ``module`` may write its own parameters or buffers: BatchNorm
+    and InstanceNorm updating running statistics (training mode), an embedding
+    renormalizing rows (``max_norm``), and any module that is not one of torch's own
+    leaf modules (a user module, an observer, a container, an RNN, a lazy module)."""
+    kind = type(module)
+    if not kind.__module__.startswith(_TORCH_MODULES) or isinstance(module, (
+            torch.nn.modules.lazy.LazyModuleMixin, torch.nn.RNNBase, torch.nn.Sequential,
+            torch.nn.ModuleList, torch.nn.ModuleDict)):
+        return True
+    if isinstance(module, torch.nn.modules.batchnorm._NormBase):
+        return module.training and module.track_running_stats
+    return getattr(module, "max_norm", None) is not None
+
+
+def _call_writes_all(node: fx.Node) -> bool:
+    """Calls whose schema (or lack of one) hides writes: batch/instance norm running
+    statistics, embedding renormalization; a ``out=``; Python functions outside torch."""
+    target = node.target
+    if node.op != "call_function" or getattr(operator, getattr(target, "__name__", ""), None) is target:
+        return False
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        name = target._schema.name if isinstance(target, torch._ops.OpOverload) else target._qualified_op_name
+    else:
+        name = getattr(target, "__name__", "")
+        if not (getattr(target, "__module__", None) or "torch").startswith("torch"):
+            return True
+    return "out" in node.kwargs or any(part in name for part in _NORM_NAMES)
+
+
+def _inplace_flag(node: fx.Node) -> bool:
+    """``F.relu(x, True)``: a Python function's ``inplace`` parameter given a value
+    that is not literally False."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(node.target).parameters)
+    except (TypeError, ValueError):
+        return False
+    if "inplace" not in params:
+        return False
+    i = params.index("inplace")
+    value = node.kwargs.get("inplace", node.args[i] if i < len(node.args) else False)
+    return value is not False
+
+
+def state_writes(gm: Any) -> "frozenset[int] | None":
+    """The ids of the parameters and buffers running ``gm`` may write in place, or
+    None when that is unknown (a call whose effects no schema or name list tells).
+
+    A value may alias the state tensors its get_attr reads and, through ops that may
+    return (a view of) an argument, the state its arguments alias; a node that writes
+    an argument may write every state tensor that argument aliases; a module that
+    writes its own state (``module_writes_own_state``) may write all of it and
+    everything its arguments alias."""
+    if not isinstance(gm, fx.GraphModule):
+        return None
+    aliases: dict = {}
+    written: set = set()
+
+    def of(value: Any) -> set:
+        found: set = set()
+        fx.node.map_arg(value, lambda n: found.update(aliases.get(n, ())))
+        return found
+
+    for node in gm.graph.nodes:
+        op = node.op
+        if op == "get_attr":
+            obj = _attr(gm, node.target)
+            if isinstance(obj, torch.Tensor):
+                aliases[node] = {id(obj)}
+            elif isinstance(obj, torch.nn.Module):
+                aliases[node] = {id(t) for t in [*obj.parameters(), *obj.buffers()]}
+            continue
+        if op not in ("call_function", "call_method", "call_module"):
+            continue
+        args = of((node.args, node.kwargs))
+        if not args and op != "call_module":
+            continue  # nothing it reads aliases state: it cannot write any
+        if op == "call_module":
+            module = _module(node, gm)
+            if module is None:
+                return None
+            if module_writes_own_state(module):
+                own = {id(t) for t in [*module.parameters(), *module.buffers()]}
+                written |= own | args
+                aliases[node] = own | args
+                continue
+        elif _call_writes_all(node) or (op == "call_function" and _inplace_flag(node)):
+            written |= args
+        for position in written_args(node, gm):
+            arg = node.args[position] if isinstance(position, int) else node.kwargs[position]
+            written |= of(arg)
+        if may_alias(node, gm):
+            aliases[node] = args
+    return frozenset(written)
+
+
+def _attr(gm: Any, target: str) -> Any:
+    obj = gm
+    for atom in target.split("."):
+        obj = getattr(obj, atom, None)
+    return obj

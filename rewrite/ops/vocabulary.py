@@ -38,7 +38,7 @@ from rewrite.ops.resolve import normalize_qualname
 
 __all__ = [
     "OPS", "lookup_op", "op_refusal", "op_names", "forms_for_key", "bind_node", "detect_dialect",
-    "mutates_input",
+    "mutates_input", "nodes_by_target", "CALL_OPS",
 ]
 
 OPS: dict = {o.name: o for o in (*table_nn.OPS, *table_tensor.OPS)}
@@ -96,7 +96,7 @@ def detect_dialect(gm: Any) -> str:
     """``"aten"`` for ``torch.export`` graphs (call_function targets are
     ``OpOverload``s), ``"torch"`` for ``symbolic_trace`` and dynamo graphs."""
     aten = torch_level = 0
-    for op, target, nodes in _nodes_by_target(gm.graph):
+    for op, target, nodes in nodes_by_target(gm.graph):
         if op == "call_function":
             if isinstance(target, torch._ops.HigherOrderOperator) or (
                     isinstance(target, torch._ops.OpOverload) and target.namespace in INTERNAL_NAMESPACES):
@@ -110,7 +110,7 @@ def detect_dialect(gm: Any) -> str:
     return "aten" if aten and aten >= torch_level else "torch"
 
 
-def _nodes_by_target(graph: Any) -> Any:
+def nodes_by_target(graph: Any) -> Any:
     """``(op, target, nodes)`` groups of a graph's call nodes (target None for
     methods and modules), read from the graph's own find_nodes index, so a 10k-node
     graph costs one look per distinct target rather than one per node."""

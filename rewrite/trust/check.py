@@ -54,7 +54,9 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rewrite.ops.base import ConstRef
+from rewrite.ops.effects import state_writes
 from rewrite.ops.vocabulary import OPS, bind_node
+from rewrite.trust.runner import running_as_graph
 from rewrite.trust.tolerance import (
     EXACT_TOLERANCES,
     TOLERANCES,
@@ -403,6 +405,8 @@ def _new_precision(ref: _Run, cand: _Run) -> Optional[torch.dtype]:
 
 
 _META_KEYS = ("val", "example_value", "rewrite_facts", "tensor_meta")
+_UNKNOWN = object()
+_CALL_OPS = frozenset(("call_function", "call_module", "call_method"))
 
 
 def _static_dtypes(fn: Any) -> Optional[frozenset]:
@@ -413,25 +417,32 @@ def _static_dtypes(fn: Any) -> Optional[frozenset]:
         return None
     out = set()
     for node in fn.graph.nodes:
-        if not node.op.startswith("call_"):
+        if node.op not in _CALL_OPS:
             continue
-        val = next((node.meta[k] for k in _META_KEYS if node.meta.get(k) is not None), None)
+        meta = node.meta
+        val = meta.get("val")
         if val is None:
-            return None
+            val = next((meta[k] for k in _META_KEYS if meta.get(k) is not None), None)
+            if val is None:
+                return None
+        if isinstance(val, torch.Tensor):  # most nodes: one tensor
+            out.add(val.dtype)
+            continue
         for leaf in pytree.tree_leaves(val):
             dtype = getattr(leaf, "dtype", None)
-            if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+            if isinstance(dtype, torch.dtype):
                 out.add(dtype)
-    return frozenset(out)
+    return frozenset(d for d in out if d.is_floating_point)
 
 
-def _call(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool = True) -> _Run:
+def _call(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool = True, static: Any = _UNKNOWN) -> _Run:
     """Run ``fn`` on a private copy of ``inputs`` with a fixed RNG state.
 
     The fixed seed makes stochastic ops (dropout in training mode) draw the
     same numbers in the reference and the candidate; ``fork_rng`` leaves the
     caller's RNG untouched. Version counters tell which inputs and which
-    parameters/buffers the call wrote in place.
+    parameters/buffers the call wrote in place. ``static``: ``_static_dtypes(fn)``,
+    when the caller has it (reading every node's metadata is not free on big graphs).
     """
     args = _clone(inputs)
     leaves = pytree.tree_leaves(args)
@@ -445,7 +456,8 @@ def _call(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool = True) -> _Run
     # The floating dtypes ops compute in matter only to approximate checks (a
     # lower precision loosens the tolerance); recording them dispatches every op
     # through Python, which costs more than the op on small tensors: on request only.
-    static = _static_dtypes(fn) if dtypes else None
+    if static is _UNKNOWN:
+        static = _static_dtypes(fn) if dtypes else None
     recorder = _DtypeRecorder() if dtypes and static is None else contextlib.nullcontext()
     with torch.no_grad(), torch.random.fork_rng(devices=[]), recorder:
         torch.manual_seed(rng_seed)
@@ -467,17 +479,23 @@ def _call(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool = True) -> _Run
 class _SavedState:
     """Parameters and buffers of some modules as they were, and their modes: ``restore``
     puts back what changed (parameters by version counter, buffers also by value:
-    kernels update some without bumping their version), as often as needed."""
+    kernels update some without bumping their version), as often as needed.
+    ``runs_only``: the block does nothing but call the modules, so a GraphModule's
+    state its graph cannot write is not saved (cloning ResNet-50's 25M parameters
+    costs more than the rest of the check's bookkeeping)."""
 
-    def __init__(self, fns: Any) -> None:
+    def __init__(self, fns: Any, runs_only: bool = False) -> None:
         self.saved, self.modes, seen = [], [], set()
         for fn in fns:
             if not isinstance(fn, torch.nn.Module):
                 continue
             self.modes += [(m, m.training) for m in fn.modules()]
             buffers = {id(t) for t in fn.buffers()}
+            # A block that only runs graphs can write only what their nodes may
+            # write (rewrite.ops.effects.state_writes): ResNet-50 in eval mode, nothing.
+            writable = state_writes(fn) if runs_only else None
             for t in _state(fn).values():
-                if id(t) not in seen:
+                if id(t) not in seen and (writable is None or id(t) in writable):
                     seen.add(id(t))
                     self.saved.append([t, t._version, t.detach().clone(), id(t) in buffers])
 
@@ -493,12 +511,14 @@ class _SavedState:
 
 
 @contextlib.contextmanager
-def preserved_state(*fns: Any) -> Iterator[_SavedState]:
+def preserved_state(*fns: Any, runs_only: bool = False) -> Iterator[_SavedState]:
     """Run a block and put every parameter and buffer of the given modules back as
     it was (values written in place, e.g. BatchNorm statistics in training mode,
     are restored), and every submodule in the mode it was in. The block gets the
-    saved state: ``state.restore()`` puts it back midway too."""
-    state = _SavedState(fns)
+    saved state: ``state.restore()`` puts it back midway too. ``runs_only=True``:
+    the block only calls the modules, so what their graphs cannot write is not
+    saved (see ``_SavedState``)."""
+    state = _SavedState(fns, runs_only)
     try:
         yield state
     finally:
@@ -675,6 +695,7 @@ class Reference:
         self._runs: Dict[int, _Run] = {}
         self._with_dtypes: Dict[int, bool] = {}
         self._repeats: Dict[int, bool] = {}
+        self._static: Any = _UNKNOWN
 
     def inputs(self, trial: int) -> Any:
         if trial not in self._inputs:
@@ -703,9 +724,13 @@ class Reference:
         state covering the reference). ``dtypes``: record the floating dtypes its
         ops compute in (approximate checks need them)."""
         if trial not in self._runs or (dtypes and not self._with_dtypes[trial]):
-            with (preserved_state(self.fn) if state is None else contextlib.nullcontext()):
+            if dtypes and self._static is _UNKNOWN:
+                self._static = _static_dtypes(self.fn)
+            with (preserved_state(self.fn, runs_only=True) if state is None else contextlib.nullcontext()), \
+                    running_as_graph(self.fn) as fn:
                 try:
-                    self._runs[trial] = _call(self.fn, self.inputs(trial), self.seed + trial, dtypes)
+                    self._runs[trial] = _call(fn, self.inputs(trial), self.seed + trial, dtypes,
+                                              self._static if dtypes else None)
                 except Exception as e:
                     raise RuntimeError(f"reference failed on trial {trial} inputs: {type(e).__name__}: {e}") from e
                 finally:
@@ -716,7 +741,7 @@ class Reference:
 
     def prepare(self, trials: int, tolerance: str = "approx") -> "Reference":
         """Run every trial now (before an in-place rewrite changes the model)."""
-        with preserved_state(self.fn) as state:
+        with preserved_state(self.fn, runs_only=True) as state, running_as_graph(self.fn):
             for t in range(trials):
                 if not self.repeats(t):
                     self.run(t, dtypes=tolerance == "approx", state=state)
@@ -768,16 +793,19 @@ def check_equivalence(reference: Callable, candidate: Callable, example_inputs: 
     skipped = 0
     # One saved state for both (a copy shares the reference's tensors), put back
     # after every run: each starts from the state as it was.
-    with preserved_state(reference.fn, candidate) as state:
+    dtypes = tolerance == "approx"
+    static = _static_dtypes(candidate) if dtypes else None
+    # Modules waiting for their code run their graphs instead (rewrite.trust.runner).
+    with preserved_state(reference.fn, candidate, runs_only=True) as state, running_as_graph(reference.fn), \
+            running_as_graph(candidate) as run_candidate:
         for t in range(trials):
             if reference.repeats(t):
                 skipped += 1
                 continue
-            dtypes = tolerance == "approx"
             ref = reference.run(t, dtypes, state)
             inputs = reference.inputs(t)
             try:
-                cand = _call(candidate, inputs, seed + t, dtypes)
+                cand = _call(run_candidate, inputs, seed + t, dtypes, static)
             except Exception as e:
                 mm = Mismatch("output", t, None, None, math.inf, math.inf,
                               f"candidate raised {type(e).__name__}: {e}")

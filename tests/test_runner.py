@@ -1,0 +1,263 @@
+"""The check's runs without code generation (``rewrite.trust.runner``) and the
+module state it saves (``rewrite.ops.effects.state_writes``).
+
+A fresh rewrite is a lazily compiled GraphModule; the check runs its graph node by
+node instead of generating its code. These tests hold the runner to the generated
+code (same outputs, same hooks, the module left untouched) and the state analysis to
+what running a graph can actually write: whatever it may write is saved and put back.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import fx, nn
+from torch.fx._lazy_graph_module import _LazyGraphModule
+
+import rewrite
+from rewrite.engine.workspace import working_copy
+from rewrite.examples.cnn import demo_cnn_with_inputs, resnet50_with_inputs
+from rewrite.ops.effects import state_writes
+from rewrite.trust.check import check_equivalence, preserved_state
+from rewrite.trust.runner import GraphRunner, running_as_graph, waits_for_code
+
+
+def _leaves(x):
+    return torch.utils._pytree.tree_leaves(x)
+
+
+def _same(a, b) -> bool:
+    la, lb = _leaves(a), _leaves(b)
+    return len(la) == len(lb) and all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(la, lb))
+
+
+class Mixed(nn.Module):
+    """call_module, call_method, get_attr, a nested list argument, kwargs, getitem."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("shift", torch.arange(4.0))
+
+    def forward(self, x, y=None):
+        a = self.lin(x).relu()
+        parts = torch.split(a, 2, dim=-1)
+        b = torch.cat([parts[1], parts[0]], dim=-1) + self.shift
+        return {"out": b.sum(dim=-1, keepdim=True), "pair": (a, x.transpose(0, 1))}
+
+
+def lazy(gm: fx.GraphModule) -> fx.GraphModule:
+    return working_copy(gm)
+
+
+@settings(max_examples=15, deadline=None)
+@given(rows=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_runner_matches_generated_code_on_traced_graphs(rows, seed):
+    torch.manual_seed(seed)
+    gm = fx.symbolic_trace(Mixed())
+    x = torch.randn(rows, 4)
+    runner = GraphRunner(gm)
+    assert _same(runner(x), gm(x))
+
+
+def test_runner_matches_export_module_with_its_hooks():
+    model, (x,) = demo_cnn_with_inputs()
+    ep = torch.export.export(model.eval(), (x,))
+    module = ep.module()
+    copy = lazy(module)
+    assert waits_for_code(copy)
+    with torch.no_grad(), running_as_graph(copy) as run:
+        got = run(x)
+        # export's input check (a forward pre-hook) still runs around the graph
+        with pytest.raises(Exception):
+            run(torch.randn(2, 5, 7))
+    assert _same(got, module(x))
+    # left as it was: still waiting for its code, no forward of its own
+    assert waits_for_code(copy) and "forward" not in vars(copy)
+
+
+def test_running_as_graph_leaves_compiled_and_plain_modules_alone():
+    gm = fx.symbolic_trace(Mixed())
+    assert not waits_for_code(gm)  # compiled already: runs its code
+    with running_as_graph(gm) as run:
+        assert run is gm and "forward" not in vars(gm)
+    plain = Mixed()
+    with running_as_graph(plain) as run:
+        assert run is plain
+
+
+def test_hooks_run_once_around_the_runner():
+    gm = lazy(fx.symbolic_trace(Mixed()))
+    calls = []
+    gm.register_forward_hook(lambda m, args, out: calls.append("post"))
+    gm.register_forward_pre_hook(lambda m, args: calls.append("pre"))
+    with running_as_graph(gm) as run:
+        run(torch.randn(2, 4))
+    assert calls == ["pre", "post"]
+    assert waits_for_code(gm)
+
+
+def test_keyword_call_falls_back_to_generated_code():
+    base = fx.symbolic_trace(Mixed())
+    gm = lazy(base)
+    x = torch.randn(3, 4)
+    with running_as_graph(gm) as run:
+        out = run(x=x)
+    assert _same(out, base(x=x))
+
+
+def test_check_of_a_rewrite_generates_no_code():
+    """apply() with the check leaves the code to the first call, as check=False does."""
+    model, (x,) = demo_cnn_with_inputs()
+    gm = fx.symbolic_trace(model.eval())
+    result = rewrite.load("rules/fusion.rw").apply(gm, example_inputs=(x,))
+    assert result.counts and result.equivalence.ok
+    assert isinstance(result.graph_module, _LazyGraphModule)
+    assert waits_for_code(result.graph_module)
+    torch.testing.assert_close(result.graph_module(x), gm(x), rtol=1e-4, atol=1e-4)
+
+
+def test_the_check_still_catches_a_wrong_candidate_run_as_a_graph():
+    gm = fx.symbolic_trace(Mixed())
+    wrong = lazy(gm)
+    for node in wrong.graph.nodes:
+        if node.target == "relu":
+            node.target = "sigmoid"
+    wrong.recompile()  # lazily: still waits for its code
+    assert waits_for_code(wrong)
+    report = check_equivalence(gm, wrong, (torch.randn(3, 4),))
+    assert not report.ok and waits_for_code(wrong)
+
+
+# ---------------------------------------------------------------- state_writes
+
+
+def _graph_module(build, **state) -> fx.GraphModule:
+    root = nn.Module()
+    for name, t in state.items():
+        if isinstance(t, nn.Parameter):
+            root.register_parameter(name, t)
+        else:
+            root.register_buffer(name, t)
+    g = fx.Graph()
+    build(g)
+    return fx.GraphModule(root, g)
+
+
+def test_eval_resnet_writes_no_state_and_train_writes_batch_norm_statistics():
+    model, _ = resnet50_with_inputs()
+    assert state_writes(fx.symbolic_trace(model.eval())) == frozenset()
+    gm = fx.symbolic_trace(model.train())
+    written = state_writes(gm)
+    stats = {id(m.running_mean) for m in gm.modules() if isinstance(m, nn.BatchNorm2d)}
+    assert stats and stats <= written
+    convs = {id(m.weight) for m in gm.modules() if isinstance(m, nn.Conv2d)}
+    assert not convs & written
+
+
+def _write_through_slice(g):
+    x, p = g.placeholder("x"), g.get_attr("p")
+    part = g.call_function(operator.getitem, (p, slice(0, 2)))
+    g.call_function(operator.setitem, (part, 0, 5.0))
+    g.output(g.call_function(operator.add, (x, p)))
+
+
+def _functional_batch_norm(g):
+    x, rm, rv = g.placeholder("x"), g.get_attr("rm"), g.get_attr("rv")
+    g.output(g.call_function(F.batch_norm, (x, rm, rv), {"training": True}))
+
+
+def _aten_batch_norm(g):
+    x, rm, rv = g.placeholder("x"), g.get_attr("rm"), g.get_attr("rv")
+    g.output(g.call_function(torch.ops.aten.batch_norm.default,
+                             (x, None, None, rm, rv, True, 0.1, 1e-5, False)))
+
+
+def _positional_inplace(g):
+    g.placeholder("x")
+    p = g.get_attr("p")
+    v = g.call_method("view", (p, -1))
+    g.output(g.call_function(F.relu, (v, True)))
+
+
+def _method_inplace(g):
+    x, p = g.placeholder("x"), g.get_attr("p")
+    g.call_method("mul_", (g.call_function(torch.ops.aten.t.default, (p,)), 2.0))
+    g.output(g.call_function(operator.mul, (x, 2)))
+
+
+@pytest.mark.parametrize("build,names", [
+    (_write_through_slice, ["p"]),
+    (_functional_batch_norm, ["rm", "rv"]),
+    (_aten_batch_norm, ["rm", "rv"]),
+    (_positional_inplace, ["p"]),
+    (_method_inplace, ["p"]),
+])
+def test_writes_the_graph_hides_are_found_and_undone(build, names):
+    state = {"p": torch.tensor([[1.0], [-1.0], [2.0], [-3.0]]), "rm": torch.zeros(4), "rv": torch.ones(4)}
+    gm = _graph_module(build, **state)
+    written = state_writes(gm)
+    assert {id(getattr(gm, n)) for n in names} <= written
+    before = {n: t.clone() for n, t in state.items()}
+    x = torch.randn(3, 4, 2) if "rm" in names else torch.randn(4, 1)
+    with preserved_state(gm, runs_only=True):
+        with torch.no_grad():
+            gm(x)
+        assert any(not torch.equal(getattr(gm, n), before[n]) for n in names)  # it did write
+    for n in names:
+        assert torch.equal(getattr(gm, n), before[n]), n
+
+
+def test_unknown_calls_and_user_modules_make_everything_writable():
+    def opaque(t):
+        return t
+
+    gm = _graph_module(lambda g: g.output(g.call_function(opaque, (g.get_attr("p"),))), p=torch.ones(2))
+    assert state_writes(gm) == frozenset({id(gm.p)})  # a Python function may write its arguments
+
+    class Counter(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("n", torch.zeros(()))
+
+        def forward(self, x):
+            self.n.add_(1)
+            return x
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.counter = Counter()
+
+        def forward(self, x):
+            return self.counter(x) * 2
+
+    class KeepCounter(fx.Tracer):  # the user module stays a call_module node
+        def is_leaf_module(self, m, qualname):
+            return isinstance(m, Counter) or super().is_leaf_module(m, qualname)
+
+    outer = Outer()
+    traced = fx.GraphModule(outer, KeepCounter().trace(outer))
+    assert any(n.op == "call_module" for n in traced.graph.nodes)
+    assert id(traced.counter.n) in state_writes(traced)
+    with preserved_state(traced, runs_only=True):
+        traced(torch.ones(2))
+        assert traced.counter.n.item() == 1
+    assert traced.counter.n.item() == 0
+
+
+def test_apply_with_check_leaves_a_state_writing_model_as_it_was():
+    """BatchNorm in training mode through the whole default apply: the input's
+    statistics after the check are bit for bit what they were."""
+    model, (x,) = demo_cnn_with_inputs()
+    gm = fx.symbolic_trace(model.train())
+    before = {k: v.clone() for k, v in gm.state_dict().items()}
+    rewrite.load("rules/cleanup.rw").apply(gm, example_inputs=(x,))
+    after = gm.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
