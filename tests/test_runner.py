@@ -261,3 +261,17 @@ def test_apply_with_check_leaves_a_state_writing_model_as_it_was():
     rewrite.load("rules/cleanup.rw").apply(gm, example_inputs=(x,))
     after = gm.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def _eval_norms(g):
+    x, w, b, rm, rv = (g.placeholder("x"), g.get_attr("p"), g.get_attr("p"), g.get_attr("rm"), g.get_attr("rv"))
+    y = g.call_function(torch.ops.aten.batch_norm.default, (x, None, None, rm, rv, False, 0.1, 1e-5, False))
+    z = g.call_function(torch.ops.aten._native_batch_norm_legit_no_training.default, (y, None, None, rm, rv, 0.1, 1e-5))
+    g.output(g.call_function(operator.getitem, (z, 0)))
+
+
+def test_eval_mode_norms_write_nothing():
+    """What a schema does not say is read from the call: batch norm writes its
+    running statistics only with training set (precision: eval graphs save nothing)."""
+    gm = _graph_module(_eval_norms, p=torch.ones(4), rm=torch.zeros(4), rv=torch.ones(4))
+    assert state_writes(gm) == frozenset()

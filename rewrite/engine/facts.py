@@ -19,7 +19,7 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 
 from rewrite.engine.shapes import fresh_like, like_input
-from rewrite.ops.base import ConstRef
+from rewrite.ops.base import ConstRef, attribute
 
 __all__ = ["GraphFacts", "Value", "TensorFacts", "FACTS_KEY", "NEW_NODE_KEY", "fetch_attr", "tensor_meta_of"]
 
@@ -63,12 +63,7 @@ class TensorFacts:
         return cls(tuple(t.shape), t.dtype, t.device)
 
 
-def fetch_attr(root: torch.nn.Module, qualname: str) -> Any:
-    """``root.a.b.c`` by dotted name, as ``get_attr`` nodes and ConstRefs name them."""
-    obj: Any = root
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj
+fetch_attr = attribute  # ``root.a.b.c`` by dotted name (rewrite.ops.base.attribute)
 
 
 def tensor_meta_of(node: fx.Node) -> Any:

@@ -27,10 +27,11 @@ import functools
 from typing import Any, Callable
 
 import attrs
+import torch
 import torch.fx as fx
 
 __all__ = [
-    "REQUIRED", "Param", "Instances", "OpDef", "ConstRef", "Bound", "Form", "FunctionForm",
+    "REQUIRED", "Param", "Instances", "OpDef", "ConstRef", "Bound", "Form", "FunctionForm", "attribute",
     "MethodForm", "ModuleForm", "GetitemForm", "Emitter", "node_key", "bind_signature",
 ]
 
@@ -85,6 +86,26 @@ def submodule(gm: Any, target: str) -> Any:
     if module is None:
         return gm.get_submodule(target)
     return module
+
+
+def attribute(root: Any, qualname: str) -> Any:
+    """``root.a.b.c`` by dotted name, as get_attr nodes and constants name them:
+    through the module tables (parameters, buffers, submodules) without
+    ``Module.__getattr__``, other attributes by ``getattr``. Raises AttributeError."""
+    obj = root
+    for part in qualname.split("."):
+        tables = getattr(obj, "__dict__", None)
+        if isinstance(obj, torch.nn.Module) and tables is not None:
+            found = tables["_parameters"].get(part)
+            if found is None:
+                found = tables["_buffers"].get(part)
+                if found is None:
+                    found = tables["_modules"].get(part)
+            if found is not None:
+                obj = found
+                continue
+        obj = getattr(obj, part)
+    return obj
 
 
 def node_key(node: fx.Node, gm: Any) -> Any:

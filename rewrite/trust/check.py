@@ -53,7 +53,7 @@ from torch import fx
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rewrite.ops.base import ConstRef
+from rewrite.ops.base import ConstRef, attribute
 from rewrite.ops.effects import state_writes
 from rewrite.ops.vocabulary import OPS, bind_node
 from rewrite.trust.runner import running_as_graph
@@ -259,7 +259,7 @@ def _node_shape(node: Any, gm: fx.GraphModule) -> Optional[Tuple[int, ...]]:
             return tuple(_concrete(s) for s in tm.shape)
         if node.op == "get_attr":
             try:
-                obj = _get_attr(gm, node.target)
+                obj = attribute(gm, node.target)
                 if isinstance(obj, torch.Tensor):
                     return tuple(obj.shape)
             except AttributeError:
@@ -267,14 +267,10 @@ def _node_shape(node: Any, gm: fx.GraphModule) -> Optional[Tuple[int, ...]]:
     return None
 
 
-def _get_attr(gm: fx.GraphModule, target: str) -> Any:
-    return operator.attrgetter(target)(gm)
-
-
 def _operand_shape(value: Any, gm: fx.GraphModule) -> Optional[tuple]:
     if isinstance(value, ConstRef):
         try:
-            return tuple(_get_attr(gm, value.qualname).shape)
+            return tuple(attribute(gm, value.qualname).shape)
         except AttributeError:
             return None
     return _node_shape(value, gm) if isinstance(value, fx.Node) else None
@@ -369,8 +365,8 @@ def _state(fn: Any) -> Dict[str, torch.Tensor]:
 @attrs.frozen
 class _Run:
     """One call: its outputs, its private inputs as they are after the call, which
-    of them it wrote, which module state it wrote, and the floating dtypes its ops
-    computed in."""
+    of them it wrote, which module state it wrote, the module's state and the
+    storages it holds, and the floating dtypes its ops computed in."""
 
     outputs: Any
     inputs: Any
@@ -378,6 +374,35 @@ class _Run:
     state_written: Dict[str, torch.Tensor]
     state: Dict[str, torch.Tensor]
     dtypes: frozenset = frozenset()
+    storages: frozenset = frozenset()
+
+
+@attrs.frozen
+class _Watch:
+    """What the check needs to know of one callable before running it, worked out
+    once per check rather than per run (on a 10k-node graph with 5k parameters each
+    piece costs several milliseconds): its parameters and buffers by name and the
+    storages they hold, the names a run may write (all of them unless the graph
+    tells otherwise: ``rewrite.ops.effects.state_writes``) and which of those are
+    buffers, and the floating dtypes its nodes' metadata records (None: unknown)."""
+
+    state: Dict[str, torch.Tensor]
+    storages: frozenset
+    writable: Optional[frozenset]
+    watched: Tuple[str, ...]
+    buffers: frozenset
+    static: Optional[frozenset]
+
+    @classmethod
+    def of(cls, fn: Any, dtypes: bool = True) -> "_Watch":
+        """``dtypes``: read the static dtypes (approximate checks need them)."""
+        state = _state(fn)
+        writable = state_writes(fn)
+        watched = tuple(name for name, t in state.items() if writable is None or id(t) in writable)
+        buffer_ids = {id(t) for t in fn.buffers()} if isinstance(fn, torch.nn.Module) else set()
+        return cls(state, frozenset(_storage(t) for t in state.values()) - {None}, writable, watched,
+                   frozenset(name for name in watched if id(state[name]) in buffer_ids),
+                   _static_dtypes(fn) if dtypes else None)
 
 
 class _DtypeRecorder(TorchDispatchMode):
@@ -405,7 +430,6 @@ def _new_precision(ref: _Run, cand: _Run) -> Optional[torch.dtype]:
 
 
 _META_KEYS = ("val", "example_value", "rewrite_facts", "tensor_meta")
-_UNKNOWN = object()
 _CALL_OPS = frozenset(("call_function", "call_module", "call_method"))
 
 
@@ -435,29 +459,28 @@ def _static_dtypes(fn: Any) -> Optional[frozenset]:
     return frozenset(d for d in out if d.is_floating_point)
 
 
-def _call(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool = True, static: Any = _UNKNOWN) -> _Run:
+def _call(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool = True, watch: Optional[_Watch] = None) -> _Run:
     """Run ``fn`` on a private copy of ``inputs`` with a fixed RNG state.
 
     The fixed seed makes stochastic ops (dropout in training mode) draw the
     same numbers in the reference and the candidate; ``fork_rng`` leaves the
     caller's RNG untouched. Version counters tell which inputs and which
-    parameters/buffers the call wrote in place. ``static``: ``_static_dtypes(fn)``,
-    when the caller has it (reading every node's metadata is not free on big graphs).
+    parameters/buffers the call wrote in place. ``watch``: ``_Watch.of(fn, dtypes)``
+    when the caller has it.
     """
+    watch = watch if watch is not None else _Watch.of(fn, dtypes)
     args = _clone(inputs)
     leaves = pytree.tree_leaves(args)
     before = [t._version if isinstance(t, torch.Tensor) else None for t in leaves]
-    state = _state(fn)
-    versions = {name: t._version for name, t in state.items()}
+    state = watch.state
+    versions = {name: state[name]._version for name in watch.watched}
     # Kernels update some buffers without bumping their version (batch norm's running
     # statistics): buffers are compared by value; parameters by version counter.
-    buffers = dict(fn.named_buffers(remove_duplicate=False)) if isinstance(fn, torch.nn.Module) else {}
-    buffers_before = {name: t.detach().clone() for name, t in buffers.items()}
+    buffers_before = {name: state[name].detach().clone() for name in watch.buffers}
     # The floating dtypes ops compute in matter only to approximate checks (a
     # lower precision loosens the tolerance); recording them dispatches every op
     # through Python, which costs more than the op on small tensors: on request only.
-    if static is _UNKNOWN:
-        static = _static_dtypes(fn) if dtypes else None
+    static = watch.static if dtypes else None
     recorder = _DtypeRecorder() if dtypes and static is None else contextlib.nullcontext()
     with torch.no_grad(), torch.random.fork_rng(devices=[]), recorder:
         torch.manual_seed(rng_seed)
@@ -469,11 +492,11 @@ def _call(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool = True, static:
             out = fn(args)
     written = frozenset(i for i, (t, v) in enumerate(zip(leaves, before))
                         if isinstance(t, torch.Tensor) and t._version != v)
-    state_written = {name: t.detach().clone() for name, t in state.items()
-                     if t._version != versions[name]
-                     or (name in buffers_before and not _same_values(t, buffers_before[name]))}
+    state_written = {name: state[name].detach().clone() for name in watch.watched
+                     if state[name]._version != versions[name]
+                     or (name in buffers_before and not _same_values(state[name], buffers_before[name]))}
     seen = static if static is not None else (frozenset(recorder.dtypes) if dtypes else frozenset())
-    return _Run(out, args, written, state_written, state, seen)
+    return _Run(out, args, written, state_written, state, seen, watch.storages)
 
 
 class _SavedState:
@@ -484,17 +507,21 @@ class _SavedState:
     state its graph cannot write is not saved (cloning ResNet-50's 25M parameters
     costs more than the rest of the check's bookkeeping)."""
 
-    def __init__(self, fns: Any, runs_only: bool = False) -> None:
+    def __init__(self, fns: Any, runs_only: bool = False, watches: Iterable[Optional[_Watch]] = ()) -> None:
         self.saved, self.modes, seen = [], [], set()
-        for fn in fns:
+        watches = list(watches)
+        for i, fn in enumerate(fns):
             if not isinstance(fn, torch.nn.Module):
                 continue
             self.modes += [(m, m.training) for m in fn.modules()]
-            buffers = {id(t) for t in fn.buffers()}
             # A block that only runs graphs can write only what their nodes may
             # write (rewrite.ops.effects.state_writes): ResNet-50 in eval mode, nothing.
-            writable = state_writes(fn) if runs_only else None
-            for t in _state(fn).values():
+            watch = watches[i] if i < len(watches) else None
+            writable = None if not runs_only else watch.writable if watch is not None else state_writes(fn)
+            if writable is not None and not writable:
+                continue
+            buffers = {id(t) for t in fn.buffers()}
+            for t in (watch.state if watch is not None else _state(fn)).values():
                 if id(t) not in seen and (writable is None or id(t) in writable):
                     seen.add(id(t))
                     self.saved.append([t, t._version, t.detach().clone(), id(t) in buffers])
@@ -511,14 +538,14 @@ class _SavedState:
 
 
 @contextlib.contextmanager
-def preserved_state(*fns: Any, runs_only: bool = False) -> Iterator[_SavedState]:
+def preserved_state(*fns: Any, runs_only: bool = False, watches: Iterable[Any] = ()) -> Iterator[_SavedState]:
     """Run a block and put every parameter and buffer of the given modules back as
     it was (values written in place, e.g. BatchNorm statistics in training mode,
     are restored), and every submodule in the mode it was in. The block gets the
     saved state: ``state.restore()`` puts it back midway too. ``runs_only=True``:
     the block only calls the modules, so what their graphs cannot write is not
-    saved (see ``_SavedState``)."""
-    state = _SavedState(fns, runs_only)
+    saved (see ``_SavedState``); ``watches``: their ``_Watch``es, when known."""
+    state = _SavedState(fns, runs_only, watches)
     try:
         yield state
     finally:
@@ -602,7 +629,7 @@ def _sharing(run: _Run) -> set:
         ptr = _storage(t)
         if ptr is not None:
             inputs.setdefault(ptr, i)
-    state = {_storage(t) for t in run.state.values()} - {None}
+    state = run.storages
     out, seen = set(), {}
     for kp, t in pytree.tree_flatten_with_path(run.outputs)[0]:
         ptr, path = _storage(t), "output" + pytree.keystr(kp)
@@ -695,7 +722,7 @@ class Reference:
         self._runs: Dict[int, _Run] = {}
         self._with_dtypes: Dict[int, bool] = {}
         self._repeats: Dict[int, bool] = {}
-        self._static: Any = _UNKNOWN
+        self._watch: Optional[_Watch] = None
 
     def inputs(self, trial: int) -> Any:
         if trial not in self._inputs:
@@ -724,13 +751,11 @@ class Reference:
         state covering the reference). ``dtypes``: record the floating dtypes its
         ops compute in (approximate checks need them)."""
         if trial not in self._runs or (dtypes and not self._with_dtypes[trial]):
-            if dtypes and self._static is _UNKNOWN:
-                self._static = _static_dtypes(self.fn)
-            with (preserved_state(self.fn, runs_only=True) if state is None else contextlib.nullcontext()), \
-                    running_as_graph(self.fn) as fn:
+            watch = self.watch()
+            with (preserved_state(self.fn, runs_only=True, watches=(watch,)) if state is None
+                  else contextlib.nullcontext()), running_as_graph(self.fn) as fn:
                 try:
-                    self._runs[trial] = _call(fn, self.inputs(trial), self.seed + trial, dtypes,
-                                              self._static if dtypes else None)
+                    self._runs[trial] = _call(fn, self.inputs(trial), self.seed + trial, dtypes, watch)
                 except Exception as e:
                     raise RuntimeError(f"reference failed on trial {trial} inputs: {type(e).__name__}: {e}") from e
                 finally:
@@ -739,9 +764,17 @@ class Reference:
             self._with_dtypes[trial] = dtypes
         return self._runs[trial]
 
+    def watch(self) -> _Watch:
+        """What the check watches of the reference (worked out on its first run: an
+        in-place rewrite changes the module's graph afterwards)."""
+        if self._watch is None:
+            self._watch = _Watch.of(self.fn)
+        return self._watch
+
     def prepare(self, trials: int, tolerance: str = "approx") -> "Reference":
         """Run every trial now (before an in-place rewrite changes the model)."""
-        with preserved_state(self.fn, runs_only=True) as state, running_as_graph(self.fn):
+        with preserved_state(self.fn, runs_only=True, watches=(self.watch(),)) as state, \
+                running_as_graph(self.fn):
             for t in range(trials):
                 if not self.repeats(t):
                     self.run(t, dtypes=tolerance == "approx", state=state)
@@ -794,10 +827,13 @@ def check_equivalence(reference: Callable, candidate: Callable, example_inputs: 
     # One saved state for both (a copy shares the reference's tensors), put back
     # after every run: each starts from the state as it was.
     dtypes = tolerance == "approx"
-    static = _static_dtypes(candidate) if dtypes else None
+    watch = _Watch.of(candidate, dtypes)
     # Modules waiting for their code run their graphs instead (rewrite.trust.runner).
-    with preserved_state(reference.fn, candidate, runs_only=True) as state, running_as_graph(reference.fn), \
-            running_as_graph(candidate) as run_candidate:
+    # In place, the reference ran before the module became the candidate: its watch
+    # describes a graph the module no longer has.
+    watches = (watch, None if reference.fn is candidate else reference.watch())
+    with preserved_state(candidate, reference.fn, runs_only=True, watches=watches) as state, \
+            running_as_graph(reference.fn), running_as_graph(candidate) as run_candidate:
         for t in range(trials):
             if reference.repeats(t):
                 skipped += 1
@@ -805,7 +841,7 @@ def check_equivalence(reference: Callable, candidate: Callable, example_inputs: 
             ref = reference.run(t, dtypes, state)
             inputs = reference.inputs(t)
             try:
-                cand = _call(run_candidate, inputs, seed + t, dtypes, static)
+                cand = _call(run_candidate, inputs, seed + t, dtypes, watch)
             except Exception as e:
                 mm = Mismatch("output", t, None, None, math.inf, math.inf,
                               f"candidate raised {type(e).__name__}: {e}")

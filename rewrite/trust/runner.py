@@ -23,6 +23,8 @@ from torch import fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.node import map_arg
 
+from rewrite.ops.base import attribute
+
 __all__ = ["GraphRunner", "running_as_graph", "waits_for_code"]
 
 # What a step does
@@ -124,20 +126,13 @@ def _step(gm: fx.GraphModule, node: fx.Node, dead: Tuple[fx.Node, ...]) -> tuple
         kind = _VARARGS if str(target).startswith("*") else _PLACEHOLDER
         return (node, kind, target, node.args[0] if node.args else _MISSING, None, dead)
     if op == "get_attr":
-        return (node, _GET_ATTR, _fetch(gm, target), None, None, dead)
+        return (node, _GET_ATTR, attribute(gm, target), None, None, dead)
     if op == "call_function":
         return (node, _CALL, target, node.args, node.kwargs, dead)
     if op == "call_module":
-        return (node, _CALL, _fetch(gm, target), node.args, node.kwargs, dead)
+        return (node, _CALL, attribute(gm, target), node.args, node.kwargs, dead)
     if op == "call_method":
         return (node, _CALL_METHOD, target, node.args, node.kwargs, dead)
     if op == "output":
         return (node, _OUTPUT, None, node.args, None, dead)
     raise NotImplementedError(f"node op {op!r}")
-
-
-def _fetch(gm: fx.GraphModule, target: str) -> Any:
-    obj: Any = gm
-    for atom in target.split("."):
-        obj = getattr(obj, atom)
-    return obj
