@@ -30,6 +30,7 @@ from rewrite.ops.forms import same_arg
 
 __all__ = ["build_prefilter"]
 
+_NODE = fx.Node
 _ABSENT = object()
 
 #: ``check(matcher, node) -> bool``: False only if the rule cannot match at node.
@@ -152,8 +153,8 @@ def _checker(options: tuple) -> Prefilter:
                     if producer is not None:
                         if not producer(matcher, value):
                             break
-                    elif value is not _ABSENT and not same_arg(literal, value):
-                        break
+                    elif value is not _ABSENT and (value.__class__ is _NODE or not same_arg(literal, value)):
+                        break  # a literal is never a node
                 else:
                     return True
         except TypeError:  # an unhashable target: let the matcher decide
