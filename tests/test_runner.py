@@ -275,3 +275,31 @@ def test_eval_mode_norms_write_nothing():
     running statistics only with training set (precision: eval graphs save nothing)."""
     gm = _graph_module(_eval_norms, p=torch.ones(4), rm=torch.zeros(4), rv=torch.ones(4))
     assert state_writes(gm) == frozenset()
+
+
+def test_higher_order_ops_may_write_what_they_get():
+    """A cond's branches are graphs of their own: whatever it is given may be written."""
+
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("b", torch.zeros(3))
+
+        def forward(self, x):
+            return torch.cond(x.sum() > 0, lambda x, b: x + b, lambda x, b: x - b, (x, self.b))
+
+    gm = torch.export.export(Branchy(), (torch.randn(3),)).module()
+    hops = [n for n in gm.graph.nodes if isinstance(n.target, torch._ops.HigherOrderOperator)]
+    assert hops
+    assert id(gm.b) in state_writes(gm)
+
+
+def test_boxed_calling_convention_is_not_run_as_a_graph():
+    from torch.fx.graph import CodeGen
+
+    class Boxed(CodeGen):  # stands for Inductor's: the runner does not know it
+        pass
+
+    gm = lazy(fx.symbolic_trace(Mixed()))
+    gm.graph.set_codegen(Boxed())
+    assert not waits_for_code(gm)

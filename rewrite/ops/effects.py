@@ -257,12 +257,13 @@ def _call_writes_all(node: fx.Node) -> bool:
     """Calls that may write their arguments without a schema saying so: batch and
     instance norm updating running statistics (``training`` / ``use_input_stats``
     not literally False), ``F.embedding`` renormalizing rows (``max_norm``), an
-    ``out=``, and Python functions from outside torch."""
+    ``out=``, higher-order ops (``cond``, ``while_loop``: their subgraphs), and
+    Python functions from outside torch."""
     target = node.target
     if node.op != "call_function" or getattr(operator, getattr(target, "__name__", ""), None) is target:
         return False
-    if "out" in node.kwargs:
-        return True
+    if "out" in node.kwargs or isinstance(target, torch._ops.HigherOrderOperator):
+        return True  # a higher-order op runs subgraphs, which may write anything they get
     if isinstance(target, torch._ops.OpOverload):
         name = target._schema.name
     elif isinstance(target, torch._ops.OpOverloadPacket):

@@ -21,11 +21,14 @@ from typing import Any, Iterator, List, Tuple
 
 from torch import fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
+from torch.fx.graph import CodeGen, _PyTreeCodeGen
 from torch.fx.node import map_arg
 
 from rewrite.ops.base import attribute
 
 __all__ = ["GraphRunner", "running_as_graph", "waits_for_code"]
+
+_KNOWN_CODEGENS = (CodeGen, _PyTreeCodeGen)
 
 # What a step does
 _CALL, _CALL_METHOD, _GET_ATTR, _PLACEHOLDER, _VARARGS, _OUTPUT = range(6)
@@ -33,9 +36,11 @@ _CALL, _CALL_METHOD, _GET_ATTR, _PLACEHOLDER, _VARARGS, _OUTPUT = range(6)
 
 def waits_for_code(fn: Any) -> bool:
     """Whether ``fn`` is a lazily compiled GraphModule whose code is not generated
-    yet and whose ``forward`` is the generated one (nothing overrides it)."""
+    yet, whose ``forward`` is the generated one (nothing overrides it), and whose
+    calling convention the runner knows (plain, or export's pytree flattening; not
+    Inductor's boxed one, which takes a list and empties it)."""
     return (isinstance(fn, _LazyGraphModule) and "forward" not in vars(fn)
-            and type(fn)._needs_recompile())
+            and type(fn.graph._codegen) in _KNOWN_CODEGENS and type(fn)._needs_recompile())
 
 
 class GraphRunner:
