@@ -5,7 +5,7 @@ Python code of a 10k-node graph (what a lazily compiled GraphModule's first call
 does) costs as much as four or five runs of it. A ``GraphRunner`` plans the run
 once (what each node calls, which values die after it) and then makes the same
 calls the generated ``forward`` would, in the same order, with the same input and
-output processing (export's pytree flattening): about 10-20% slower than the
+output processing (export's pytree flattening): about 10-25% slower than the
 generated code on small tensors, and nothing to compile. The code is still
 generated when the caller first calls the result, as with ``check=False``.
 
