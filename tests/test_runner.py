@@ -303,3 +303,57 @@ def test_boxed_calling_convention_is_not_run_as_a_graph():
     gm = lazy(fx.symbolic_trace(Mixed()))
     gm.graph.set_codegen(Boxed())
     assert not waits_for_code(gm)
+
+
+def _iadd_method(g):
+    x, p = g.placeholder("x"), g.get_attr("p")
+    g.call_method("__iadd__", (p, x))
+    g.output(g.call_function(operator.mul, (x, 2)))
+
+
+def _list_of_parameters(g):
+    x, ps = g.placeholder("x"), g.get_attr("ps")
+    first = g.call_function(operator.getitem, (ps, 0))
+    g.call_method("mul_", (first, 3.0))
+    g.output(g.call_function(operator.mul, (x, 2)))
+
+
+def test_more_hidden_writes_are_found():
+    gm = _graph_module(_iadd_method, p=torch.ones(4, 1))
+    assert id(gm.p) in state_writes(gm)
+    root = nn.Module()
+    root.w = nn.Parameter(torch.ones(2))
+    root.ps = [root.w]
+    g = fx.Graph()
+    _list_of_parameters(g)
+    gm = fx.GraphModule(root, g)
+    assert id(root.w) in state_writes(gm)  # the list the graph reads holds it
+
+
+def test_hooks_make_state_writable():
+    """A hook runs besides the graph: on a leaf module, all its state may be written;
+    on the root, anything (export's own input checks excepted)."""
+    gm = fx.symbolic_trace(nn.Sequential(nn.Linear(2, 2)))
+    assert state_writes(gm) == frozenset()
+    gm.get_submodule("0").register_forward_pre_hook(lambda m, args: None)
+    assert id(gm.get_submodule("0").weight) in state_writes(gm)
+    plain = fx.symbolic_trace(nn.Sequential(nn.Linear(2, 2)))
+    plain.register_forward_hook(lambda m, args, out: None)
+    assert state_writes(plain) is None
+    model, (x,) = demo_cnn_with_inputs()
+    exported = torch.export.export(model.eval(), (x,)).module()
+    assert exported._forward_pre_hooks and state_writes(exported) is not None
+
+
+def test_a_call_given_a_module_may_run_it():
+    class Inner(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn = nn.BatchNorm1d(2)
+
+    root = Inner().train()
+    g = fx.Graph()
+    x, bn = g.placeholder("x"), g.get_attr("bn")
+    g.output(g.call_method("forward", (bn, x)))
+    gm = fx.GraphModule(root, g)
+    assert id(gm.bn.running_mean) in state_writes(gm)

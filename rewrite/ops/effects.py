@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.utils import _pytree as pytree
 
 from rewrite.ops.base import attribute, submodule
 
@@ -140,8 +141,9 @@ def _named_written(name: str) -> tuple:
     for in-place ops) without a schema writes its first argument."""
     from rewrite.ops.resolve import aten_overload
 
-    if name in ("__setitem__", "__delitem__"):
-        return ((0, "input"),)
+    if name in ("__setitem__", "__delitem__") or (name.startswith("__i") and name.endswith("__")
+                                                 and getattr(operator, name, None) is not None):
+        return ((0, "input"),)  # x[i] = v; x.__iadd__(y)
     if not name.endswith("_") or name.startswith("_"):
         return ()
     overload = aten_overload(name)
@@ -241,9 +243,12 @@ _TORCH_MODULES = "torch.nn.modules."
 def module_writes_own_state(module: Any) -> bool:
     """Whether calling ``module`` may write its own parameters or buffers: BatchNorm
     and InstanceNorm updating running statistics (training mode), an embedding
-    renormalizing rows (``max_norm``), and any module that is not one of torch's own
-    leaf modules (a user module, an observer, a container, an RNN, a lazy module)."""
+    renormalizing rows (``max_norm``), a module with forward hooks, and any module
+    that is not one of torch's own leaf modules (a user module, an observer, a
+    container, an RNN, a lazy module)."""
     kind = type(module)
+    if module._forward_hooks or module._forward_pre_hooks or _global_hooks():
+        return True  # a hook may do anything (the old spectral_norm updates a buffer)
     if not kind.__module__.startswith(_TORCH_MODULES) or isinstance(module, (
             torch.nn.modules.lazy.LazyModuleMixin, torch.nn.RNNBase, torch.nn.Sequential,
             torch.nn.ModuleList, torch.nn.ModuleDict)):
@@ -251,6 +256,16 @@ def module_writes_own_state(module: Any) -> bool:
     if isinstance(module, torch.nn.modules.batchnorm._NormBase):
         return module.training and module.track_running_stats
     return getattr(module, "max_norm", None) is not None
+
+
+# Hooks torch.export puts on ``ep.module()``: input checks, no writes.
+_HARMLESS_HOOK_MODULES = frozenset({"torch.export._unlift"})
+
+
+def _global_hooks() -> bool:
+    from torch.nn.modules import module as nn_module
+
+    return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
 
 
 def _call_writes_all(node: fx.Node) -> bool:
@@ -323,10 +338,13 @@ def state_writes(gm: Any) -> "frozenset[int] | None":
     an argument may write every state tensor that argument aliases; a module that
     writes its own state (``module_writes_own_state``) may write all of it and
     everything its arguments alias. About 4 us per node that reads state."""
-    if not isinstance(gm, fx.GraphModule):
-        return None
+    if not isinstance(gm, fx.GraphModule) or _global_hooks() or any(
+            getattr(hook, "__module__", None) not in _HARMLESS_HOOK_MODULES
+            for hook in [*gm._forward_pre_hooks.values(), *gm._forward_hooks.values()]):
+        return None  # something besides the graph runs: it may write anything
     aliases: dict = {}
     written: set = set()
+    modules: set = set()  # get_attr nodes that read a module
     overloads: dict = {}  # aten overload -> (writes all its arguments, may alias, schema writes)
 
     def of(value: Any) -> set:
@@ -342,16 +360,23 @@ def state_writes(gm: Any) -> "frozenset[int] | None":
                 aliases[node] = {id(obj)}
             elif isinstance(obj, torch.nn.Module):
                 aliases[node] = {id(t) for t in [*obj.parameters(), *obj.buffers()]}
+                modules.add(node)
+            elif obj is not None:  # a list or dict of tensors (parameters among them)
+                aliases[node] = {id(t) for t in pytree.tree_leaves(obj) if isinstance(t, torch.Tensor)}
             continue
         if op not in ("call_function", "call_method", "call_module"):
             continue
         args: set = set()
+        given_module = False
         for used in node._input_nodes:
             found = aliases.get(used)
             if found:
                 args |= found
+            given_module = given_module or used in modules
         if not args and op != "call_module":
             continue  # nothing it reads aliases state: it cannot write any
+        if given_module:  # a call given a module may run it (functional_call, x.forward())
+            written |= args
         target = node.target
         if isinstance(target, torch._ops.OpOverload) and "out" not in node.kwargs:
             info = overloads.get(target)
