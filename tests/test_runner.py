@@ -357,3 +357,17 @@ def test_a_call_given_a_module_may_run_it():
     g.output(g.call_method("forward", (bn, x)))
     gm = fx.GraphModule(root, g)
     assert id(gm.bn.running_mean) in state_writes(gm)
+
+
+def test_each_norm_call_is_read_on_its_own():
+    """Whether batch norm writes is a property of the call (its training flag), not of
+    the op: an eval-mode call first does not hide a training-mode one after it."""
+
+    def build(g):
+        x, rm, rv = g.placeholder("x"), g.get_attr("rm"), g.get_attr("rv")
+        bn = torch.ops.aten.batch_norm.default
+        y = g.call_function(bn, (x, None, None, g.get_attr("p"), g.get_attr("p"), False, 0.1, 1e-5, False))
+        g.output(g.call_function(bn, (y, None, None, rm, rv, True, 0.1, 1e-5, False)))
+
+    gm = _graph_module(build, p=torch.ones(4), rm=torch.zeros(4), rv=torch.ones(4))
+    assert state_writes(gm) == {id(gm.rm), id(gm.rv)}

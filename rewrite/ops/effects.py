@@ -275,12 +275,16 @@ def _call_writes_all(node: fx.Node) -> bool:
     ``out=``, higher-order ops (``cond``, ``while_loop``: their subgraphs), and
     Python functions from outside torch."""
     target = node.target
-    if node.op != "call_function" or getattr(operator, getattr(target, "__name__", ""), None) is target:
+    if node.op != "call_function":
         return False
-    if "out" in node.kwargs or isinstance(target, torch._ops.HigherOrderOperator):
+    if isinstance(target, torch._ops.OpOverload):  # the common case first, cheaply
+        name = target._name  # "aten::batch_norm"
+        if "out" in node.kwargs:
+            return True
+    elif getattr(operator, getattr(target, "__name__", ""), None) is target:
+        return False
+    elif "out" in node.kwargs or isinstance(target, torch._ops.HigherOrderOperator):
         return True  # a higher-order op runs subgraphs, which may write anything they get
-    if isinstance(target, torch._ops.OpOverload):
-        name = target._schema.name
     elif isinstance(target, torch._ops.OpOverloadPacket):
         name = target._qualified_op_name
     else:
@@ -345,7 +349,7 @@ def state_writes(gm: Any) -> "frozenset[int] | None":
     aliases: dict = {}
     written: set = set()
     modules: set = set()  # get_attr nodes that read a module
-    overloads: dict = {}  # aten overload -> (writes all its arguments, may alias, schema writes)
+    aliasing_overloads: dict = {}  # aten overload -> whether its result may alias an argument
 
     def of(value: Any) -> set:
         found: set = set()
@@ -377,22 +381,6 @@ def state_writes(gm: Any) -> "frozenset[int] | None":
             continue  # nothing it reads aliases state: it cannot write any
         if given_module:  # a call given a module may run it (functional_call, x.forward())
             written |= args
-        target = node.target
-        if isinstance(target, torch._ops.OpOverload) and "out" not in node.kwargs:
-            info = overloads.get(target)
-            if info is None:
-                info = overloads[target] = (_call_writes_all(node), may_alias(node, gm), _schema_written(target))
-            writes_all, aliasing, schema = info
-            if writes_all:
-                written |= args
-            for position, name in schema:
-                if position < len(node.args):
-                    written |= of(node.args[position])
-                elif name in node.kwargs:
-                    written |= of(node.kwargs[name])
-            if aliasing:
-                aliases[node] = args
-            continue
         if op == "call_module":
             module = _module(node, gm)
             if module is None:
@@ -407,7 +395,14 @@ def state_writes(gm: Any) -> "frozenset[int] | None":
         for position in written_args(node, gm):
             arg = node.args[position] if isinstance(position, int) else node.kwargs[position]
             written |= of(arg)
-        if may_alias(node, gm):
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload):  # its schema answers for every node
+            aliasing = aliasing_overloads.get(target)
+            if aliasing is None:
+                aliasing = aliasing_overloads[target] = may_alias(node, gm)
+        else:
+            aliasing = may_alias(node, gm)
+        if aliasing:
             aliases[node] = args
     return frozenset(written)
 

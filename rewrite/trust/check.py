@@ -55,7 +55,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from rewrite.ops.base import ConstRef, attribute
 from rewrite.ops.effects import state_writes
-from rewrite.ops.vocabulary import OPS, bind_node
+from rewrite.ops.vocabulary import CALL_OPS, OPS, bind_node
 from rewrite.trust.runner import running_as_graph
 from rewrite.trust.tolerance import (
     EXACT_TOLERANCES,
@@ -430,7 +430,6 @@ def _new_precision(ref: _Run, cand: _Run) -> Optional[torch.dtype]:
 
 
 _META_KEYS = ("val", "example_value", "rewrite_facts", "tensor_meta")
-_CALL_OPS = frozenset(("call_function", "call_module", "call_method"))
 
 
 def _static_dtypes(fn: Any) -> Optional[frozenset]:
@@ -441,7 +440,7 @@ def _static_dtypes(fn: Any) -> Optional[frozenset]:
         return None
     out = set()
     for node in fn.graph.nodes:
-        if node.op not in _CALL_OPS:
+        if node.op not in CALL_OPS:
             continue
         meta = node.meta
         val = meta.get("val")
