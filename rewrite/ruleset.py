@@ -271,7 +271,7 @@ class RuleSet:
         self._warn_hidden(original)
         example_inputs = tuple(example_inputs) if example_inputs is not None else None
         txn = _Transaction(self, original, example_inputs, max_rewrites, shuffle_seed, inplace)
-        txn.full_lint = check
+        txn.full_lint = txn.replayable = check
         try:
             return self._apply(txn, model, original, example_inputs, check, trials, rtol, atol, on_mismatch)
         except BaseException:
@@ -450,6 +450,7 @@ class _Transaction:
         self.inplace = inplace
         self.skip: set = set()
         self.full_lint = True
+        self.replayable = True  # False: never replayed (no check), so a copy needs no undo
         self.seconds = 0.0
         with gc_paused():
             start = time.perf_counter()
@@ -467,7 +468,8 @@ class _Transaction:
         with gc_paused():
             start = time.perf_counter()
             if self._journal is None:
-                self._journal = Journal(gm)
+                # a copy rewritten without the check is never replayed nor rolled back
+                self._journal = Journal(gm, modules=self.inplace or self.replayable)
             else:
                 self._undo(keep_meta=True)
             journal = self._journal.open()

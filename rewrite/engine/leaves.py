@@ -40,6 +40,7 @@ def hidden_ops(gm: fx.GraphModule, root_ops: Iterable[str]) -> dict:
     bound: ops a module computes from its own parameters (MultiheadAttention's
     input projection) have no submodule to count."""
     from rewrite.ops import bind_node
+    from rewrite.ops.base import submodule
 
     wanted = frozenset(root_ops)
     out: dict = {}
@@ -49,7 +50,7 @@ def hidden_ops(gm: fx.GraphModule, root_ops: Iterable[str]) -> dict:
             continue
         seen.add(node.target)
         try:
-            module = gm.get_submodule(node.target)
+            module = submodule(gm, node.target)
         except AttributeError:
             continue
         if not module._modules or bind_node(node, gm):

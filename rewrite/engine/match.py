@@ -25,6 +25,7 @@ from rewrite.engine.where import UNKNOWN, where_function
 from rewrite.language import ast
 from rewrite.engine.aliasing import alias_class, caller_owned, storage_base
 from rewrite.ops import bind_node, node_key
+from rewrite.ops.vocabulary import forms_for_key
 from rewrite.ops.effects import written_args
 from rewrite.ops.forms import same_arg
 from rewrite.ops.base import ConstRef
@@ -101,6 +102,7 @@ class Matcher:
         self._bindings: dict = {}
         self._inplace_ok: dict = {}
         self._module_keys: dict = {}
+        self._names_by_key: dict = {}
         if on_failure is not None:
             self._on_failure = on_failure
             self._match = self._match_reporting  # recursion goes through it too
@@ -141,6 +143,17 @@ class Matcher:
         after = alias_class(node, self.gm)  # the written value's readers from here on
         before = alias_class(base, self.gm, exclude=frozenset(after))
         return all(user in before or user is node for n in before for user in n.users)
+
+    def _op_names(self, node: fx.Node) -> frozenset:
+        """Names of the ops some form of the node's target may bind as."""
+        key = self.key(node)
+        try:
+            names = self._names_by_key.get(key)
+        except TypeError:  # an unhashable target binds to nothing
+            return frozenset()
+        if names is None:
+            names = self._names_by_key[key] = frozenset(opdef.name for opdef, _ in forms_for_key(key))
+        return names
 
     def key(self, node: fx.Node) -> Any:
         if node.op == "call_module":
@@ -253,7 +266,7 @@ class Matcher:
     def _match_call(self, p: PCall, node: Any, env: dict) -> Iterator[dict]:
         if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method", "call_module"):
             return
-        if node in env[_NODES] or not self.rewritable(node):
+        if node in env[_NODES]:
             return
         for alt in p.alts:
             for bound in self._alt_bindings(alt, node):
@@ -265,11 +278,16 @@ class Matcher:
                         continue
                     env2[p.name] = node
                 if self.compiled and not alt.opdef.commutative:
-                    yield from self._match_straight(alt, bound.args, env2)
-                    continue
-                for order in self._arg_orders(alt, bound):
-                    pairs = tuple((pat, bound.args[name]) for name, pat in order)
-                    yield from self._match_args(pairs, env2)
+                    matches = self._match_straight(alt, bound.args, env2)
+                else:
+                    matches = (env3 for order in self._arg_orders(alt, bound)
+                               for env3 in self._match_args(tuple((pat, bound.args[name]) for name, pat in order), env2))
+                for env3 in matches:
+                    # asked only once the structure fits: the alias analysis behind
+                    # it costs more than most failed matches
+                    if not self.rewritable(node):
+                        return
+                    yield env3
 
     def _match_results(self, p: PResults, operand: Any, env: dict) -> Iterator[dict]:
         """``op(...) as (a, b)`` as an argument: ``operand`` is the list
@@ -322,6 +340,8 @@ class Matcher:
 
     def _alt_bindings(self, alt: Any, node: fx.Node) -> Iterator:
         if alt.canonical:
+            if alt.opdef.name not in self._op_names(node):
+                return  # no form of the node's target binds as this op: skip binding it
             for bound in self.bindings(node):
                 if bound.op == alt.opdef.name:
                     yield bound
