@@ -5,6 +5,7 @@ rewriting (and always restored), and the local lint of created nodes that
 
 from __future__ import annotations
 
+import collections
 import gc
 import io
 import sys
@@ -681,3 +682,53 @@ def test_copy_graph_is_what_deepcopy_gives(index):
     names = [n.name for n in got.nodes]
     assert len(names) == len(set(names)) and all(f.name not in {n.name for n in graph.nodes} for f in fresh)
     assert not set(n for n in got.nodes) & set(graph.nodes)
+
+
+def test_shallow_module_tables_are_fresh_and_keep_their_types():
+    """Empty hook registries are made fresh (not copied) but stay OrderedDicts: a
+    hook registered with ``prepend=True`` (``move_to_end``) still works on the copy
+    and never reaches the input; filled tables are copied with their entries."""
+    from rewrite.engine.workspace import shared_copy
+
+    model, (x,) = demo_cnn_with_inputs()
+    gm = fx.symbolic_trace(model.eval())
+    conv = next(m for m in gm.modules() if isinstance(m, nn.Conv2d))
+    conv.register_forward_pre_hook(lambda *a: None)  # one filled registry
+    copy_ = shared_copy(gm)
+    for original, copied in zip(gm.modules(), copy_.modules()):
+        for key, value in vars(original).items():
+            if type(value) in (dict, collections.OrderedDict, set, list):
+                assert type(vars(copied)[key]) is type(value), key
+                assert vars(copied)[key] is not value, key
+                if key == "_modules":  # the copy's own submodules, under the same names
+                    assert list(vars(copied)[key]) == list(value)
+                    assert all(c is not o for c, o in zip(vars(copied)[key].values(), value.values()))
+                else:
+                    assert vars(copied)[key] == value, key
+    copied_conv = next(m for m in copy_.modules() if isinstance(m, nn.Conv2d))
+    order = []
+    copied_conv.register_forward_hook(lambda *a: order.append("second"))
+    copied_conv.register_forward_hook(lambda *a: order.append("first"), prepend=True)
+    copy_(x)
+    assert order == ["first", "second"]
+    assert not conv._forward_hooks and len(conv._forward_pre_hooks) == 1
+
+
+def test_a_journal_without_module_tables_refuses_to_undo():
+    """A copy rewritten with check=False is never replayed: its journal skips the
+    module snapshot, and asking it to undo is an error, not a partial undo."""
+    from rewrite.engine.workspace import Journal, shared_copy
+
+    model, (x,) = demo_cnn_with_inputs()
+    gm = shared_copy(fx.symbolic_trace(model.eval()))
+    journal = Journal(gm, modules=False).open()
+    gm.graph.call_function(torch.relu, (next(iter(gm.graph.nodes)),))
+    journal.close()
+    assert journal.changed
+    with pytest.raises(RuntimeError, match="cannot undo"):
+        journal.undo()
+    full = Journal(gm).open()
+    node = gm.graph.call_function(torch.relu, (next(iter(gm.graph.nodes)),))
+    full.close()
+    full.undo()
+    assert node not in set(gm.graph.nodes)
