@@ -105,8 +105,78 @@ def _pack_varargs(args: tuple, at: int) -> tuple:
     return args[:at] + (tuple(rest),)
 
 
+_PLANS: dict = {}  # (id(form), id(opdef)) -> _Plan, or False where the general path is needed
+
+
+@attrs.frozen
+class _Plan:
+    """Where each canonical argument of a plain form comes from, worked out once:
+    ``slots`` are ``(name, signature index or None, value when absent)`` in the
+    op's parameter order; ``max_args`` bounds the positional arguments that map
+    to a parameter (one more is an argument the op has no name for)."""
+
+    slots: tuple
+    max_args: int
+
+
+def _plan_for(form: Any, opdef: OpDef) -> "_Plan | None":
+    key = (id(form), id(opdef))
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = _make_plan(form, opdef) or False
+    return plan or None
+
+
+def _make_plan(form: Any, opdef: OpDef) -> "_Plan | None":
+    """The plan of a form without varargs, guards, checks or conversions (most
+    forms), or None. Binding through it gives what the general path gives
+    (``tests/test_ops.py`` compares them on every form)."""
+    if form.varargs is not None or form.guards or form.check is not None or form.convert:
+        return None
+    names = set(opdef.param_names)
+    if any(name not in names for name in form.fixed):
+        return None
+    position: dict = {}
+    max_args = len(form.signature)
+    for i, target_name in enumerate(form.signature):
+        if target_name in form.ignore:
+            continue
+        name = form.rename.get(target_name, target_name)
+        if name in position:
+            return None  # two target parameters under one name: the general path decides
+        position[name] = i
+        if name not in names:
+            max_args = min(max_args, i)
+    slots = []
+    for p in opdef.params:
+        if p.name in form.fixed:
+            slots.append((p.name, None, form.fixed[p.name]))
+        else:
+            slots.append((p.name, position.get(p.name), p.default))
+    return _Plan(tuple(slots), max_args)
+
+
 def _normalize_ext(form: Any, args: tuple, kwargs: dict, opdef: OpDef) -> dict | None:
     """``_FormBase._normalize`` plus varargs, ``OneOf`` guards, checks, conversions."""
+    if not kwargs:
+        plan = _plan_for(form, opdef)
+        if plan is not None:  # the common case, a few times faster
+            if len(args) > plan.max_args:
+                return None
+            n = len(args)
+            out = {}
+            for name, index, absent in plan.slots:
+                if index is not None and index < n:
+                    out[name] = args[index]
+                elif absent is REQUIRED:
+                    return None
+                else:
+                    out[name] = absent
+            return out
+    return _normalize_general(form, args, kwargs, opdef)
+
+
+def _normalize_general(form: Any, args: tuple, kwargs: dict, opdef: OpDef) -> dict | None:
     if form.varargs is not None:
         args = _pack_varargs(tuple(args), form.signature.index(form.varargs))
     raw = bind_signature(form.signature, tuple(args), dict(kwargs))
