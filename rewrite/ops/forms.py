@@ -123,11 +123,11 @@ def _plan_for(form: Any, opdef: OpDef) -> "_Plan | None":
     key = (id(form), id(opdef))
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _PLANS[key] = _make_plan(form, opdef) or False
+        plan = _PLANS[key] = binding_plan(form, opdef) or False
     return plan or None
 
 
-def _make_plan(form: Any, opdef: OpDef) -> "_Plan | None":
+def binding_plan(form: Any, opdef: OpDef) -> "_Plan | None":
     """The plan of a form without varargs, guards, checks or conversions (most
     forms), or None. Binding through it gives what the general path gives
     (``tests/test_ops.py`` compares them on every form)."""
@@ -173,10 +173,11 @@ def _normalize_ext(form: Any, args: tuple, kwargs: dict, opdef: OpDef) -> dict |
                 else:
                     out[name] = absent
             return out
-    return _normalize_general(form, args, kwargs, opdef)
+    return normalize_general(form, args, kwargs, opdef)
 
 
-def _normalize_general(form: Any, args: tuple, kwargs: dict, opdef: OpDef) -> dict | None:
+def normalize_general(form: Any, args: tuple, kwargs: dict, opdef: OpDef) -> dict | None:
+    """Binding without a plan: every feature of the extended forms, any call."""
     if form.varargs is not None:
         args = _pack_varargs(tuple(args), form.signature.index(form.varargs))
     raw = bind_signature(form.signature, tuple(args), dict(kwargs))
