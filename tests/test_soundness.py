@@ -1642,3 +1642,50 @@ def test_beyond_inplace_pattern_twin_keeps_input_write():
         xa, xb = x.clone(), x.clone()
         assert_same_outputs(gm(xa), result.graph_module(xb))
         assert torch.equal(xa, xb), f"input write dropped ({result.counts})\n{result.graph_module.code}"
+
+
+# -- a value written by item assignment (operator.setitem) after a cleanup candidate
+
+def _setitem_graph(kind: str, returned: bool) -> fx.GraphModule:
+    """``y = <identity-like op of x>; y[0] = 5; return y + 1`` (and ``y``), by hand
+    (symbolic_trace cannot trace item assignment): ``y[0] = 5`` writes ``y``, so
+    replacing ``y`` by ``x`` would write the caller's input, unless ``y`` was a
+    view of ``x`` already (then the original writes it too)."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    build = {
+        "mul_one": lambda: g.call_function(operator.mul, (x, 1.0)),
+        "reshape_noop": lambda: g.call_method("reshape", (x, (4, 3))),
+        "contiguous_twice": lambda: g.call_method("contiguous", (g.call_method("contiguous", (x,)),)),
+        "to_same_dtype": lambda: g.call_method("to", (x, torch.float32)),
+        "permute_twice": lambda: g.call_method("permute", (g.call_method("permute", (x, (1, 0))), (1, 0))),
+        "view_of_add_zero": lambda: g.call_method("view", (g.call_function(operator.add, (x, 0)), -1)),
+        "neg_neg": lambda: g.call_function(operator.neg, (g.call_function(operator.neg, (x,)),)),
+    }
+    y = build[kind]()
+    g.call_function(operator.setitem, (y, 0, 5.0))
+    out = g.call_function(operator.add, (y, 1.0))
+    g.output((out, y) if returned else (out,))
+    return fx.GraphModule(nn.Module(), g)
+
+
+@pytest.mark.parametrize("returned", [False, True])
+@pytest.mark.parametrize("check", [False, True])
+@pytest.mark.parametrize("kind", ["mul_one", "reshape_noop", "contiguous_twice", "to_same_dtype", "permute_twice",
+                                  "view_of_add_zero", "neg_neg"])
+def test_item_assignment_after_a_cleanup_candidate(kind, check, returned):
+    """With or without the check, the rewrite returns what the original returns and
+    leaves the caller's input as the original leaves it (written through a view, or
+    not at all). An op that makes a fresh tensor whose result is written is never
+    replaced by its input (without ``setitem`` known as a write, ``check=False``
+    wrote the caller's input here)."""
+    gm = _setitem_graph(kind, returned)
+    x = torch.randn(4, 3)
+    result = rewrite.load("rules/cleanup.rw").apply(gm, (x.clone(),), check=check)
+    a, b = x.clone(), x.clone()
+    expected, got = gm(a), result.graph_module(b)
+    for e, o in zip(expected, got):
+        torch.testing.assert_close(o, e, rtol=0, atol=0)
+    torch.testing.assert_close(b, a, rtol=0, atol=0)
+    if kind in ("mul_one", "view_of_add_zero", "neg_neg"):  # y is a fresh tensor: never x
+        assert not result.counts
