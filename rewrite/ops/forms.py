@@ -105,7 +105,9 @@ def _pack_varargs(args: tuple, at: int) -> tuple:
     return args[:at] + (tuple(rest),)
 
 
-_PLANS: dict = {}  # (id(form), id(opdef)) -> _Plan, or False where the general path is needed
+# (id(form), id(opdef)) -> (form, opdef, _Plan or False where the general path is
+# needed); holding the pair keeps its ids from being reused by ops registered later
+_PLANS: dict = {}
 
 
 @attrs.frozen
@@ -121,10 +123,10 @@ class _Plan:
 
 def _plan_for(form: Any, opdef: OpDef) -> "_Plan | None":
     key = (id(form), id(opdef))
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _PLANS[key] = binding_plan(form, opdef) or False
-    return plan or None
+    entry = _PLANS.get(key)
+    if entry is None:
+        entry = _PLANS[key] = (form, opdef, binding_plan(form, opdef) or False)
+    return entry[2] or None
 
 
 def binding_plan(form: Any, opdef: OpDef) -> "_Plan | None":
