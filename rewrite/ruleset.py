@@ -270,8 +270,7 @@ class RuleSet:
         original = model if isinstance(model, fx.GraphModule) else fx.symbolic_trace(model)
         self._warn_hidden(original)
         example_inputs = tuple(example_inputs) if example_inputs is not None else None
-        txn = _Transaction(self, original, example_inputs, max_rewrites, shuffle_seed, inplace)
-        txn.full_lint = txn.replayable = check
+        txn = _Transaction(self, original, example_inputs, max_rewrites, shuffle_seed, inplace, checked=check)
         try:
             return self._apply(txn, model, original, example_inputs, check, trials, rtol, atol, on_mismatch)
         except BaseException:
@@ -441,7 +440,8 @@ class _Transaction:
     (``rewrite.engine.workspace.shared_copy``)."""
 
     def __init__(self, ruleset: "RuleSet", original: fx.GraphModule, example_inputs: Any,
-                 max_rewrites: int | None, shuffle_seed: int | None, inplace: bool = False) -> None:
+                 max_rewrites: int | None, shuffle_seed: int | None, inplace: bool = False,
+                 checked: bool = True) -> None:
         self.ruleset = ruleset
         self.original = original
         self.example_inputs = example_inputs
@@ -449,8 +449,10 @@ class _Transaction:
         self.shuffle_seed = shuffle_seed
         self.inplace = inplace
         self.skip: set = set()
-        self.full_lint = True
-        self.replayable = True  # False: never replayed (no check), so a copy needs no undo
+        # checked: the whole graph is linted and replays may follow (bisection,
+        # skip-rule); unchecked, only created nodes are linted and a copy is never
+        # replayed, so its journal needs no module snapshot
+        self.checked = checked
         self.seconds = 0.0
         with gc_paused():
             start = time.perf_counter()
@@ -461,15 +463,14 @@ class _Transaction:
         self._done = False
 
     def run(self, limit: int | None = None, sync: bool = True) -> tuple:
-        """One replay from the module as given. ``full_lint`` lints the whole graph;
+        """One replay from the module as given. ``checked`` lints the whole graph;
         otherwise only the nodes the rewrites created are checked. ``sync``: make
         the module's code follow the graph (lazily for copies)."""
         gm = self.gm
         with gc_paused():
             start = time.perf_counter()
             if self._journal is None:
-                # a copy rewritten without the check is never replayed nor rolled back
-                self._journal = Journal(gm, modules=self.inplace or self.replayable)
+                self._journal = Journal(gm, modules=self.inplace or self.checked)
             else:
                 self._undo(keep_meta=True)
             journal = self._journal.open()
@@ -482,7 +483,7 @@ class _Transaction:
                 if driver.counts:
                     _remove_unused(gm, driver.replacer.released_nodes, driver.replacer.released_targets)
                     driver.facts.settle(driver.created)
-                    if self.full_lint:
+                    if self.checked:
                         gm.graph.lint()
                     else:
                         check_touched(gm.graph, driver.created)

@@ -24,8 +24,7 @@ from rewrite.engine.outputs import getitem_users, result_count
 from rewrite.engine.where import UNKNOWN, where_function
 from rewrite.language import ast
 from rewrite.engine.aliasing import alias_class, caller_owned, storage_base
-from rewrite.ops import bind_node, node_key
-from rewrite.ops.vocabulary import forms_for_key
+from rewrite.ops import bind_node, forms_for_key, node_key
 from rewrite.ops.effects import written_args
 from rewrite.ops.forms import same_arg
 from rewrite.ops.base import ConstRef
