@@ -732,3 +732,72 @@ def test_a_journal_without_module_tables_refuses_to_undo():
     full.close()
     full.undo()
     assert node not in set(gm.graph.nodes)
+
+
+class _NoGradRegion(nn.Module):
+    """torch.export puts the no_grad block in a subgraph run by a higher-order op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x) * 1.0
+        with torch.no_grad():
+            y = torch.relu(torch.relu(h)) * 1.0
+        return y + h
+
+
+class _Branches(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x) + 0.0
+        return torch.cond(h.sum() > 0, lambda t: torch.relu(t) * 1.0, lambda t: t - 0.0, (h,))
+
+
+def _subgraph_modules(gm: fx.GraphModule) -> dict:
+    return {name: m for name, m in gm.named_modules() if isinstance(m, fx.GraphModule) and m is not gm}
+
+
+@pytest.mark.parametrize("model_type", [_NoGradRegion, _Branches])
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("check", [True, False])
+def test_modules_with_subgraphs_copy_and_rewrite(model_type, inplace, check):
+    """A subgraph GraphModule (a higher-order op's) is copied with its graph: the
+    result runs, computes what the input computes (gradients included), and the
+    input's subgraphs keep their own graphs and code."""
+    import copy
+
+    from rewrite.engine.workspace import shared_copy
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 4)
+    exported = torch.export.export(model_type(), (x,)).module()
+    subgraphs = _subgraph_modules(exported)
+    assert subgraphs  # the higher-order op's subgraph is there
+    before = {name: ([n.format_node() for n in m.graph.nodes], m.code) for name, m in subgraphs.items()}
+
+    copied = shared_copy(exported)
+    for name, m in _subgraph_modules(copied).items():
+        assert m is not subgraphs[name] and m.graph is not subgraphs[name].graph
+        assert m.graph.owning_module is m
+        assert [n.format_node() for n in m.graph.nodes] == before[name][0]
+    assert torch.equal(copied(x), exported(x))
+
+    model = copy.deepcopy(exported) if inplace else exported
+    result = rewrite.load("rules/cleanup.rw").apply(model, (x,), check=check, inplace=inplace)
+    assert result.counts.get("mul_one", 0) + result.counts.get("add_zero", 0) >= 1
+    got = result.graph_module
+    assert torch.equal(got(x), exported(x))
+    for name, m in subgraphs.items():  # the input's subgraphs are as they were
+        assert ([n.format_node() for n in m.graph.nodes], m.code) == before[name]
+
+    def bias_grad(module):
+        module.zero_grad(set_to_none=True)
+        module(x).sum().backward()
+        return module.lin.bias.grad.clone()
+
+    assert torch.equal(bias_grad(got), bias_grad(exported))

@@ -154,18 +154,25 @@ def shared_copy(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of ``gm`` that shares its parameters and buffers: the graph is copied
     (nodes, and ``node.meta`` one level deep, as ``copy.deepcopy`` does), every
     submodule is a shallow copy (its own ``_parameters``/``_buffers``/``_modules``
-    tables, the same tensors), and the code is generated lazily.
+    tables, the same tensors), and the code is generated lazily. A GraphModule
+    among the submodules (the subgraph a higher-order op such as
+    ``wrap_with_set_grad_enabled`` or ``cond`` runs) is copied the same way, graph
+    included.
 
     Copy-on-write by construction: a rewrite never writes a tensor in place; a rule
     that changes a constant registers a new tensor under a new name in the copy's
     own tables, and removing an attribute removes it from the copy's table only.
     What the copy costs is the graph: no tensor is copied. Other GraphModule
     subclasses than fx's and torch.export's get ``working_copy`` (a deep copy)."""
+    return _graph_module_copy(gm, {})
+
+
+def _graph_module_copy(gm: fx.GraphModule, memo: dict) -> fx.GraphModule:
     base = next(t for t in type(gm).__mro__ if t.__qualname__.rpartition(".")[2] != "GraphModuleImpl")
     lazy_type = _lazy_type_for(base)
     if lazy_type is None:
-        return working_copy(gm)
-    memo: dict = {}
+        copied = memo[id(gm)] = working_copy(gm)
+        return copied
     root = lazy_type.__new__(lazy_type)
     memo[id(gm)] = root
     _fill_shallow(gm, root, memo)
@@ -219,6 +226,8 @@ _OWN_TABLE_TYPES = frozenset({dict, collections.OrderedDict, set, list})
 def _shallow_module(m: torch.nn.Module, memo: dict) -> torch.nn.Module:
     if id(m) in memo:
         return memo[id(m)]
+    if isinstance(m, fx.GraphModule):  # a subgraph: its own graph and code, as the root's
+        return _graph_module_copy(m, memo)
     new = type(m).__new__(type(m))
     memo[id(m)] = new
     _fill_shallow(m, new, memo)
@@ -244,7 +253,7 @@ def _fill_shallow(m: torch.nn.Module, new: torch.nn.Module, memo: dict) -> None:
         for key, child in modules.items():
             if child is not None:
                 modules[key] = _shallow_module(child, memo)
-    d.pop("_graph", None)
+    d.pop("_graph", None)  # a GraphModule's: its caller sets a copy
     new.__dict__.update(d)
 
 
