@@ -30,8 +30,8 @@ __all__ = ["GraphRunner", "running_as_graph", "waits_for_code"]
 
 _KNOWN_CODEGENS = (CodeGen, _PyTreeCodeGen)
 
-# What a step does
-_CALL, _CALL_METHOD, _GET_ATTR, _PLACEHOLDER, _VARARGS, _OUTPUT = range(6)
+# What a step does (_CALL_LISTS: a call whose arguments hold lists or dicts)
+_CALL, _CALL_METHOD, _GET_ATTR, _PLACEHOLDER, _VARARGS, _OUTPUT, _CALL_LISTS = range(7)
 
 
 def waits_for_code(fn: Any) -> bool:
@@ -72,6 +72,8 @@ class GraphRunner:
         for node, kind, target, a, kw, dead in self.steps:
             if kind == _CALL:
                 value = target(*map_arg(a, get), **map_arg(kw, get))
+            elif kind == _CALL_LISTS:
+                value = target(*plain(map_arg(a, get)), **plain(map_arg(kw, get)))
             elif kind == _GET_ATTR:
                 value = target
             elif kind == _CALL_METHOD:
@@ -86,7 +88,7 @@ class GraphRunner:
             elif kind == _VARARGS:
                 value = tuple(inputs)
             else:
-                return self.codegen.process_outputs(map_arg(a, get)[0])
+                return self.codegen.process_outputs(plain(map_arg(a, get)[0]))
             env[node] = value
             for gone in dead:
                 del env[gone]
@@ -115,6 +117,36 @@ def running_as_graph(fn: Any) -> Iterator[Any]:
         fn.__dict__.pop("forward", None)
 
 
+def _holds_lists(value: Any) -> bool:
+    if isinstance(value, (list, dict)):
+        return True
+    if isinstance(value, tuple):
+        return any(_holds_lists(v) for v in value)
+    return False
+
+
+def plain(value: Any) -> Any:
+    """``value`` with fx's immutable lists and dicts (what ``map_arg`` builds) made
+    the plain ones the generated code builds (``[a, b]``, ``{"k": v}``): a caller or a
+    function may tell them apart (an output's pytree structure, ``list.append``)."""
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        items = [plain(v) for v in value]
+        if type(value) is tuple:
+            return tuple(items)
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value
+
+
+def _method(name: str) -> Any:
+    def call(self_obj: Any, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self_obj, name)(*args, **kwargs)
+    return call
+
+
 class _Missing:
     def __repr__(self) -> str:
         return "<missing>"
@@ -132,11 +164,15 @@ def _step(gm: fx.GraphModule, node: fx.Node, dead: Tuple[fx.Node, ...]) -> tuple
         return (node, kind, target, node.args[0] if node.args else _MISSING, None, dead)
     if op == "get_attr":
         return (node, _GET_ATTR, attribute(gm, target), None, None, dead)
+    lists = _holds_lists((node.args, node.kwargs))
     if op == "call_function":
-        return (node, _CALL, target, node.args, node.kwargs, dead)
+        return (node, _CALL_LISTS if lists else _CALL, target, node.args, node.kwargs, dead)
     if op == "call_module":
-        return (node, _CALL, attribute(gm, target), node.args, node.kwargs, dead)
+        return (node, _CALL_LISTS if lists else _CALL, attribute(gm, target), node.args, node.kwargs, dead)
     if op == "call_method":
+        if lists:
+            return (node, _CALL_LISTS, _method(target), node.args,
+                    node.kwargs, dead)
         return (node, _CALL_METHOD, target, node.args, node.kwargs, dead)
     if op == "output":
         return (node, _OUTPUT, None, node.args, None, dead)
