@@ -338,3 +338,57 @@ def test_generate_inputs_preserves_structure_and_is_deterministic(exs, seed):
 @given(ex=example_tensors())
 def test_self_equivalence_over_random_inputs(ex):
     assert check_equivalence(lambda t: t.clone(), lambda t: t.clone(), (ex,)).ok
+
+
+# ---------------------------------------------------------------- what the check does not see
+# README, "What it cannot promise": these pin the limits it states.
+
+
+class _Detached(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h.detach() * 2 + h
+
+
+def test_the_check_compares_forward_values_not_gradients():
+    import rewrite
+
+    x = torch.randn(2, 4)
+    gm = torch.export.export(_Detached(), (x,), strict=False).module()
+    result = rewrite.parse("rule undetach: aten.detach.default(x) => x\n").apply(gm, (x,))
+    assert result.counts == {"undetach": 1} and result.equivalence.ok  # passes the check...
+
+    def bias_grad(module):
+        module.zero_grad(set_to_none=True)
+        module(x).sum().backward()
+        return module.lin.bias.grad
+
+    assert torch.equal(bias_grad(gm), torch.full((4,), 2.0))
+    assert torch.equal(bias_grad(result.graph_module), torch.full((4,), 6.0))  # ...and changes gradients
+
+
+class _ConvDropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(torch.relu(self.conv(x)))
+
+
+def test_dropout_after_a_layout_change_fails_the_check_in_train_mode_only():
+    import rewrite
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, 8)
+    amp = rewrite.load("rules/amp_bf16.rw")
+    model = _ConvDropout()
+    train = fx.symbolic_trace(model.train())
+    with pytest.raises(rewrite.EquivalenceError):  # channels_last weights: the masks land elsewhere
+        amp.apply(train, (x,))
+    assert amp.apply(fx.symbolic_trace(model.eval()), (x,)).equivalence.ok
