@@ -209,3 +209,22 @@ def test_readme_example_runs_as_written(tmp_path, monkeypatch, recorder):
     assert namespace["result"].counts == {"conv_bn": 17}
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(loaded, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_the_backend_is_for_inference_weights_frozen_no_gradients():
+    """README: a folded weight never sees a later change, no gradient reaches them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).eval()
+    x = torch.randn(2, 3, 8, 8)
+    torch._dynamo.reset()
+    results = []
+    compiled = torch.compile(model, backend=rewrite.backend(rewrite.load("rules/fusion.rw"),
+                                                             on_result=results.append))
+    out = compiled(x)
+    assert [r.counts for r in results] == [{"conv_bn": 1}]
+    assert any(p.requires_grad for p in model.parameters()) and not out.requires_grad
+    with torch.no_grad():
+        model[1].weight.mul_(2.0)
+    torch.testing.assert_close(compiled(x), out)  # the fold made before the change
+    assert not torch.allclose(model(x), out)
+    torch._dynamo.reset()
