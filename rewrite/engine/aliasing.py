@@ -29,9 +29,10 @@ from typing import Any
 
 import torch.fx as fx
 
-from rewrite.ops.effects import always_aliases, may_alias, written_args
+from rewrite.ops.effects import always_aliases, may_alias, target_writes, written_args
+from rewrite.ops.vocabulary import nodes_by_target
 
-__all__ = ["storage_base", "alias_class", "new_aliasing", "caller_owned"]
+__all__ = ["storage_base", "alias_class", "new_aliasing", "caller_owned", "graph_writes"]
 
 
 def storage_base(node: Any, gm: Any, through: Any = may_alias) -> Any:
@@ -86,10 +87,14 @@ def _read_outside(cls: set, allowed: set) -> bool:
     return any(user not in cls and user not in allowed for n in cls for user in n.users)
 
 
-def new_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any) -> str | None:
+def new_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any, writes: bool = True) -> str | None:
     """Why replacing ``root`` by ``result`` would let the caller observe new memory
     sharing, or None when it would not. ``created``: the nodes the replacement built
-    (they will compute ``root``'s value)."""
+    (they will compute ``root``'s value). ``writes=False``: no node of the graph
+    writes an argument in place (``graph_writes``), so only outputs can observe the
+    sharing: the class of ``result``'s memory is then walked only when ``root``'s
+    value is returned (a value read by thousands of nodes is not walked once per
+    rewrite of one of them)."""
     base = storage_base(result, gm)
     created = frozenset(created)
     if not isinstance(base, fx.Node) or (base in created and not caller_owned(base)):
@@ -98,19 +103,37 @@ def new_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any) -> str |
     if base is before:
         return None  # root already was (a view of) that memory
     mine = alias_class(root, gm)
-    theirs = alias_class(base, gm, exclude=frozenset(mine) | created)
     if base in mine:
         return None
-    escapes, written = _escapes(mine), _written(mine, gm)
+    escapes = _escapes(mine)
+    written = writes and _written(mine, gm)
     what = {"placeholder": "the graph input", "get_attr": "the module constant"}.get(base.op, "the value")
     what = f"{what} {base.target if base.op == 'get_attr' else base.name!r}"
     if caller_owned(base) and (escapes or written):
         verb = "returned by the graph" if escapes else "written in place"
         return f"its result would be {what} itself, and it is {verb}: the rewrite would alias it"
+    if not writes and not escapes:
+        return None  # nothing is written, and root's value is not returned
+    theirs = alias_class(base, gm, exclude=frozenset(mine) | created)
     if written and _read_outside(theirs, created | mine):
         return f"its result is written in place and would share memory with {what}, which is read elsewhere"
-    if _written(theirs, gm):
+    if writes and _written(theirs, gm):
         return f"its result would share memory with {what}, which is written in place"
     if escapes and _escapes(theirs):
         return f"its result and {what} are both returned by the graph: the outputs would alias each other"
     return None
+
+
+def graph_writes(gm: Any) -> bool:
+    """Whether some node of ``gm``'s graph writes an argument in place
+    (``rewrite.ops.effects.written_args``), looked up by target: a call_function
+    target that writes nothing by its schema or name writes only when given
+    ``inplace=True``."""
+    for op, target, nodes in nodes_by_target(gm.graph):
+        if op == "call_function" and not target_writes(target):
+            if any(n.kwargs.get("inplace") is True for n in nodes):
+                return True
+            continue
+        if any(written_args(n, gm) for n in nodes):
+            return True
+    return False

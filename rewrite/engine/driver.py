@@ -26,7 +26,8 @@ import torch.fx as fx
 from torch._ops import OpOverload
 
 from rewrite.engine.compile import CompiledRule, PCall, PResults, PSeq
-from rewrite.engine.facts import GraphFacts
+from rewrite.language import ast
+from rewrite.engine.facts import GraphFacts, is_metadata_check
 from rewrite.engine.match import Matcher
 from rewrite.ops import lookup_op
 from rewrite.ops.vocabulary import CALL_OPS, nodes_by_target
@@ -85,6 +86,68 @@ def _depth(p: Any) -> int:
     return 0
 
 
+def _cover(p: Any) -> int:
+    """At least the number of nodes a match of pattern ``p`` covers: each call and
+    the getitem a multi-output form reads it through, and the results it names."""
+    if isinstance(p, PCall):
+        args = max((sum(_cover(a) for _, a in alt.args) for alt in p.alts), default=0)
+        return 2 + args + len(getattr(p, "results", None) or ())
+    if isinstance(p, PSeq):
+        return sum(_cover(i) for i in p.items)
+    if isinstance(p, PResults):
+        return 1 + _cover(p.call)
+    return 0
+
+
+# Where-clause functions that read only their arguments' own facts (kind, shape,
+# dtype, value), never how many nodes read them: a clause that calls only these
+# cannot change when another node stops reading one of its values.
+_LOCAL_FUNCTIONS = frozenset({
+    "const", "is_param", "is_buffer", "is_literal", "is_none", "is_tensor", "is_float", "same_shape",
+    "same_dtype", "is_observer", "is_identity_perm", "perms_cancel", "is_noop_transpose",
+    "transposes_cancel", "reshape_is_noop", "broadcasts_to", "lossless_cast", "dtype", "rank", "shape",
+    "numel", "device", "value",
+})
+
+
+def _reads_users(rule: CompiledRule) -> bool:
+    """Whether the rule's where clause may depend on how many nodes read a value
+    (``single_use``, ``users``, a user-registered function: anything not known local)."""
+    found = []
+
+    def walk(x: Any) -> None:
+        if isinstance(x, ast.Call):
+            found.extend(x.op.names)
+        if attrs.has(type(x)):
+            for field in attrs.fields(type(x)):
+                walk(getattr(x, field.name))
+        elif isinstance(x, (tuple, list)):
+            for item in x:
+                walk(item)
+
+    walk(rule.where)
+    return any(name not in _LOCAL_FUNCTIONS for name in found)
+
+
+def _may_be_interior(node: fx.Node, most: int) -> bool:
+    """Whether ``node`` can be an interior node of a match covering at most ``most``
+    nodes: every user that would keep it alive (not an unused getitem, not a
+    metadata check) must be in the match. Stops counting past ``most``, so a value
+    read by thousands of nodes costs ``most`` steps, not thousands."""
+    if len(node.users) <= most:
+        return True
+    count = 0
+    for user in node.users:
+        if user.target is operator.getitem and not user.users:
+            continue
+        if is_metadata_check(user):
+            continue
+        count += 1
+        if count > most:
+            return False
+    return True
+
+
 def _signature(node: fx.Node) -> tuple:
     """What a node computes, locally: its op, target and inputs (by name)."""
 
@@ -129,6 +192,10 @@ class RuleIndex:
             for k, v in by_key.items()
         }
         self.depth = max((_depth(r.pattern) for r in rules), default=1)
+        # a producer read by more nodes than any match covers cannot become an
+        # interior node when it loses a reader, unless a where clause counts readers
+        self.cover = None if any(_reads_users(r) for r in rules) else max(
+            (_cover(r.pattern) for r in rules), default=1)
         # call_function targets by identity: an OpOverload hashes in Python (slow),
         # and compares by identity anyway
         self._by_function = {id(target): entry for (op, target), entry in self.by_key.items()
@@ -295,8 +362,11 @@ class Driver:
             for p in producers:
                 self.matcher.forget(p)
             # Producers lost users, so matches that were blocked by the interior-use
-            # check may now hold: revisit their users down to the deepest pattern.
-            unblocked = _users_within(producers, index.depth)
+            # check may now hold: revisit their users down to the deepest pattern
+            # (those of a producer still read by more nodes than a match covers
+            # stay blocked).
+            unblocked = _users_within(producers if index.cover is None else tuple(
+                p for p in producers if _may_be_interior(p, index.cover)), index.depth)
             return tuple(created) + tuple(users_before) + tuple(producers) + unblocked
         return None
 

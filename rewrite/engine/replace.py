@@ -28,7 +28,8 @@ from rewrite.engine.match import Match
 from rewrite.engine.outputs import getitem_users, result_count
 from rewrite.ops import bind_node
 from rewrite.ops.base import ConstRef
-from rewrite.engine.aliasing import new_aliasing
+from rewrite.engine.aliasing import graph_writes, new_aliasing
+from rewrite.ops.effects import written_args
 
 __all__ = ["Replacer", "ReplacementError", "RULE_KEY", "uses_root"]
 
@@ -74,6 +75,17 @@ class Replacer:
         #: nodes they left without readers: what may now be unreferenced
         self.released_targets: set = set()
         self.released_nodes: list = []
+        self._writes: bool | None = None  # whether some node writes in place (None: not asked yet)
+
+    def _graph_writes(self) -> bool:
+        """Whether some node of the graph writes an argument in place: asked once,
+        then kept up to date with the nodes rewrites create (erased writers are not
+        subtracted: a stale True only costs the full alias walk)."""
+        if self._writes is None:
+            self._writes = graph_writes(self.gm)
+        elif not self._writes and any(written_args(n, self.gm) for n in self._created):
+            self._writes = True
+        return self._writes
 
     @functools.cached_property
     def _taken_names(self) -> set:
@@ -119,7 +131,7 @@ class Replacer:
             raise ReplacementError(f"rule {match.rule.name!r} at {root.name}: the replacement's number of "
                                    f"results is not known to be {len(results)}")
         if result is not root:
-            problem = new_aliasing(root, result, self._created, self.gm)
+            problem = new_aliasing(root, result, self._created, self.gm, self._graph_writes())
             if problem is not None:
                 self._undo()
                 raise ReplacementError(f"rule {match.rule.name!r} at {root.name}: {problem}")
@@ -151,7 +163,7 @@ class Replacer:
         for i, value in values.items():
             problem = None if isinstance(value, fx.Node) else f"value {i} is not a graph value"
             for getitem in read[i]:
-                problem = problem or new_aliasing(getitem, value, self._created, self.gm)
+                problem = problem or new_aliasing(getitem, value, self._created, self.gm, self._graph_writes())
             if problem is not None:
                 self._undo()
                 raise ReplacementError(f"rule {match.rule.name!r} at {root.name}: {problem}")
