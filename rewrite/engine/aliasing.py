@@ -87,14 +87,18 @@ def _read_outside(cls: set, allowed: set) -> bool:
     return any(user not in cls and user not in allowed for n in cls for user in n.users)
 
 
-def new_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any, writes: bool = True) -> str | None:
+def new_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any, writes: bool = True,
+                 classes: dict | None = None) -> str | None:
     """Why replacing ``root`` by ``result`` would let the caller observe new memory
     sharing, or None when it would not. ``created``: the nodes the replacement built
     (they will compute ``root``'s value). ``writes=False``: no node of the graph
     writes an argument in place (``graph_writes``), so only outputs can observe the
     sharing: the class of ``result``'s memory is then walked only when ``root``'s
     value is returned (a value read by thousands of nodes is not walked once per
-    rewrite of one of them)."""
+    rewrite of one of them). ``classes``: alias classes by storage base, kept by the
+    caller while the graph does not change (emptied when it does), used when the
+    replacement created nothing: refusing the same rewrite at each of a value's
+    thousand readers walks that value's class once."""
     base = storage_base(result, gm)
     created = frozenset(created)
     if not isinstance(base, fx.Node) or (base in created and not caller_owned(base)):
@@ -114,12 +118,24 @@ def new_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any, writes: 
         return f"its result would be {what} itself, and it is {verb}: the rewrite would alias it"
     if not writes and not escapes:
         return None  # nothing is written, and root's value is not returned
-    theirs = alias_class(base, gm, exclude=frozenset(mine) | created)
+    known = None  # (escapes, written) of the class, when it is a cached one
+    if classes is not None and not created:
+        if base not in classes:
+            full = frozenset(alias_class(base, gm))
+            classes[base] = (full, _escapes(full), writes and _written(full, gm))
+        full, full_escapes, full_written = classes[base]
+        # the walk that stops at root's class reaches the same nodes when it never meets it
+        if full.isdisjoint(mine):
+            theirs, known = full, (full_escapes, full_written)
+        else:
+            theirs = alias_class(base, gm, exclude=frozenset(mine))
+    else:
+        theirs = alias_class(base, gm, exclude=frozenset(mine) | created)
     if written and _read_outside(theirs, created | mine):
         return f"its result is written in place and would share memory with {what}, which is read elsewhere"
-    if writes and _written(theirs, gm):
+    if writes and (known[1] if known is not None else _written(theirs, gm)):
         return f"its result would share memory with {what}, which is written in place"
-    if escapes and _escapes(theirs):
+    if escapes and (known[0] if known is not None else _escapes(theirs)):
         return f"its result and {what} are both returned by the graph: the outputs would alias each other"
     return None
 

@@ -76,6 +76,7 @@ class Replacer:
         self.released_targets: set = set()
         self.released_nodes: list = []
         self._writes: bool | None = None  # whether some node writes in place (None: not asked yet)
+        self._classes: dict = {}  # alias classes while the graph is unchanged (new_aliasing)
 
     def _graph_writes(self) -> bool:
         """Whether some node of the graph writes an argument in place: asked once,
@@ -131,12 +132,13 @@ class Replacer:
             raise ReplacementError(f"rule {match.rule.name!r} at {root.name}: the replacement's number of "
                                    f"results is not known to be {len(results)}")
         if result is not root:
-            problem = new_aliasing(root, result, self._created, self.gm, self._graph_writes())
+            problem = new_aliasing(root, result, self._created, self.gm, self._graph_writes(), self._classes)
             if problem is not None:
                 self._undo()
                 raise ReplacementError(f"rule {match.rule.name!r} at {root.name}: {problem}")
         if result is root:
             return (), ()
+        self._classes.clear()  # the graph changes from here on
         for node in self._created:  # provenance, for rewrite.analysis and rewrite show
             node.meta[RULE_KEY] = (match.rule.name, match.rule.location)
         if inserting:
@@ -163,10 +165,12 @@ class Replacer:
         for i, value in values.items():
             problem = None if isinstance(value, fx.Node) else f"value {i} is not a graph value"
             for getitem in read[i]:
-                problem = problem or new_aliasing(getitem, value, self._created, self.gm, self._graph_writes())
+                problem = problem or new_aliasing(getitem, value, self._created, self.gm, self._graph_writes(),
+                                                  self._classes)
             if problem is not None:
                 self._undo()
                 raise ReplacementError(f"rule {match.rule.name!r} at {root.name}: {problem}")
+        self._classes.clear()  # the graph changes from here on
         for node in self._created:
             node.meta[RULE_KEY] = (match.rule.name, match.rule.location)
         for i, value in values.items():
@@ -335,6 +339,8 @@ class Replacer:
         return tuple(n for n in touched if not n._erased)
 
     def _undo(self) -> None:
+        if self._created:
+            self._classes.clear()
         for node in reversed(self._created):
             if not node.users:
                 self.graph.erase_node(node)

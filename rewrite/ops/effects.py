@@ -89,11 +89,32 @@ def may_alias(node: fx.Node, gm: Any) -> bool:
                 or bool(getattr(module, "inplace", False)))
     if node.op not in ("call_function", "call_method"):
         return False
+    by_schema, aliases = _target_aliasing(target)
+    return aliases or (not by_schema and bool(written_args(node, gm)))
+
+
+def _target_aliasing(target: Any) -> tuple:
+    """(answered by a schema, may alias) for a call target, cached by identity: an
+    alias walk asks it for every reader of a value (an OpOverload hashes in Python)."""
+    key = target if isinstance(target, str) else id(target)
+    entry = _ALIASING.get(key)
+    if entry is not None and (entry[0] is target or isinstance(target, str)):
+        return entry[1]
     if isinstance(target, torch._ops.OpOverload):
-        return any(r.alias_info is not None for r in target._schema.returns)
-    if isinstance(target, torch._ops.OpOverloadPacket):  # torch.ops.mylib.f(x): any overload's schema
-        return any(r.alias_info is not None for ov in _overloads(target) for r in ov._schema.returns)
-    return op_name(target) in ALIASING_NAMES or target is operator.getitem or bool(written_args(node, gm))
+        answer = (True, any(r.alias_info is not None for r in target._schema.returns))
+    elif isinstance(target, torch._ops.OpOverloadPacket):  # torch.ops.mylib.f(x): any overload's schema
+        answer = (True, any(r.alias_info is not None for ov in _overloads(target) for r in ov._schema.returns))
+    else:
+        answer = (False, op_name(target) in ALIASING_NAMES or target is operator.getitem)
+    if len(_ALIASING) > _CACHE_LIMIT:
+        _ALIASING.clear()
+    _ALIASING[key] = (target, answer)
+    return answer
+
+
+_CACHE_LIMIT = 4096  # distinct call targets remembered (functions of many traced graphs)
+_ALIASING: dict = {}  # target (id, or a method name) -> (target, (by schema, may alias))
+_WRITES: dict = {}  # id(target) -> (target, target_writes(target))
 
 
 def _overloads(packet: Any) -> list:
@@ -155,12 +176,23 @@ def target_writes(target: Any) -> tuple:
     """(position, name) of the arguments a call target writes in place. ``target``
     is an aten overload, a torch function, an ``operator`` function, a method
     descriptor (``torch.Tensor.add_``) or a method name (``"add_"``)."""
+    if isinstance(target, str):
+        return _named_written(target)
+    entry = _WRITES.get(id(target))
+    if entry is not None and entry[0] is target:
+        return entry[1]
+    if len(_WRITES) > _CACHE_LIMIT:
+        _WRITES.clear()
+    written = _target_writes(target)
+    _WRITES[id(target)] = (target, written)
+    return written
+
+
+def _target_writes(target: Any) -> tuple:
     if isinstance(target, torch._ops.OpOverload):
         return _schema_written(target)
     if isinstance(target, torch._ops.OpOverloadPacket):
         return tuple(dict.fromkeys(w for ov in _overloads(target) for w in _schema_written(ov)))
-    if isinstance(target, str):
-        return _named_written(target)
     name = getattr(target, "__name__", "")
     if getattr(operator, name, None) is target:
         return ((0, "input"),) if name in _INPLACE_OPERATORS or name in ("setitem", "delitem") else ()
