@@ -590,8 +590,16 @@ def _remove_unused(gm: fx.GraphModule, released_nodes: list, released_targets: s
     now = _referenced_attrs(gm)
     if not targets - now:
         return
+    # a name still in use, one under it (``a`` of ``a.b``) or one over it (``a.b`` of
+    # ``a``) stays: by dotted prefix, not by comparing every pair (amp releases
+    # thousands of weights while thousands stay referenced)
+    used_or_under = set(now)
+    for r in now:
+        parts = r.split(".")
+        used_or_under.update(".".join(parts[:i]) for i in range(1, len(parts)))
     for name in sorted(targets - now, key=len, reverse=True):
-        if any(r == name or r.startswith(name + ".") or name.startswith(r + ".") for r in now):
+        parts = name.split(".")
+        if name in used_or_under or any(".".join(parts[:i]) in now for i in range(1, len(parts))):
             continue
         owner_name, _, attr = name.rpartition(".")
         try:
