@@ -116,3 +116,13 @@ def test_fan_out_benchmark_runs_and_both_rewriters_agree(capsys, monkeypatch):
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 20 |") or
             line.startswith("| 40 |")]
     assert len(rows) == 2
+
+
+def test_rule_set_scaling_benchmark_runs(capsys, monkeypatch):
+    """benchmarks/rule_set_scaling.py prints a row per rule file and graph family."""
+    scaling = _load("bench_rule_set_scaling", "rule_set_scaling.py")
+    monkeypatch.setattr(sys, "argv", ["rule_set_scaling.py", "--sizes", "200,400",
+                                      "--files", "rules/cleanup.rw,rules/fusion.rw"])
+    scaling.main()
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| rules/")]
+    assert len(rows) == 4
