@@ -35,17 +35,7 @@ from torch.fx.subgraph_rewriter import replace_pattern_with_filters
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import rewrite  # noqa: E402
-
-
-def fan_out_graph(n: int) -> fx.GraphModule:
-    g = fx.Graph()
-    v = g.call_function(torch.tanh, (g.placeholder("x"),))
-    acc = None
-    for _ in range(n):
-        y = g.call_function(torch.add, (v, 0.0))
-        acc = y if acc is None else g.call_function(torch.add, (acc, y))
-    g.output(acc)
-    return fx.GraphModule(torch.nn.Module(), g)
+from rewrite.examples.wide import fan_out_graph  # noqa: E402
 
 
 def _graph(fn) -> fx.Graph:

@@ -8,6 +8,7 @@ import torch
 import torch.fx as fx
 
 import rewrite
+from rewrite.examples.wide import fan_out_graph
 from tests.fx_helpers import Fn
 
 
@@ -244,18 +245,6 @@ def test_apply_accepts_an_exported_program():
     assert torch.allclose(result.graph_module(x), model(x), atol=1e-5)
 
 
-def _fan_out(n: int) -> fx.GraphModule:
-    """One value read by ``n`` nodes, each ``v + 0.0``, summed in a chain."""
-    g = fx.Graph()
-    v = g.call_function(torch.tanh, (g.placeholder("x"),))
-    acc = None
-    for _ in range(n):
-        y = g.call_function(torch.add, (v, 0.0))
-        acc = y if acc is None else g.call_function(torch.add, (acc, y))
-    g.output(acc)
-    return fx.GraphModule(torch.nn.Module(), g)
-
-
 def test_rewriting_the_readers_of_a_widely_read_value_is_linear(monkeypatch):
     """Each `v + 0.0 => v` rewrite used to walk all of v's readers twice (alias
     analysis, then revisiting them): quadratic, 5 minutes for 8000 readers. Counted
@@ -280,7 +269,7 @@ def test_rewriting_the_readers_of_a_widely_read_value_is_linear(monkeypatch):
     per_reader = []
     for n in (200, 400, 800):
         calls.update(may_alias=0, visits=0)
-        result = rules.apply(_fan_out(n), (torch.randn(4),), check=False)
+        result = rules.apply(fan_out_graph(n), (torch.randn(4),), check=False)
         assert result.counts == {"add_zero": n}
         assert sum(node.target is torch.add for node in result.graph_module.graph.nodes) == n - 1
         per_reader.append((calls["may_alias"] / n, calls["visits"] / n))
