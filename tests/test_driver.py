@@ -277,7 +277,13 @@ def test_rewriting_the_readers_of_a_widely_read_value_is_linear(monkeypatch):
         assert large[0] <= small[0] * 1.2 + 1 and large[1] <= small[1] * 1.2 + 1, per_reader
 
 
-def test_readers_counted_by_a_where_clause_are_revisited_at_any_fan_out():
+@rewrite.register_predicate("test_at_most_12_readers")  # not local=True: it may count readers
+def _at_most_12_readers(x) -> bool:
+    return x.users <= 12
+
+
+@pytest.mark.parametrize("clause", ["users(x) <= 12", "test_at_most_12_readers(x)"])
+def test_readers_counted_by_a_where_clause_are_revisited_at_any_fan_out(clause):
     """A clause that counts readers (`users`, `single_use`, a registered function)
     can change when a value loses one, however many it still has: the value's
     readers are revisited then (without a counting clause, only values with fewer
@@ -292,8 +298,8 @@ def test_readers_counted_by_a_where_clause_are_revisited_at_any_fan_out():
     g.output(acc)
     text = """
     rule drop: add(a, mul(_, 0)) => a
-    rule lone: sigmoid(x) where users(x) <= 12 => relu(x)
-    """
+    rule lone: sigmoid(x) where CLAUSE => relu(x)
+    """.replace("CLAUSE", clause)
     result = rewrite.parse(text).apply(fx.GraphModule(torch.nn.Module(), g), (X,), check=False)
     assert result.counts == {"drop": 10, "lone": 1}  # 21 readers, then 11
 

@@ -32,6 +32,7 @@ from rewrite.engine.match import Matcher
 from rewrite.ops import lookup_op
 from rewrite.ops.vocabulary import CALL_OPS, nodes_by_target
 from rewrite.engine.prefilter import build_prefilter
+from rewrite.functions.registry import lookup_function
 from rewrite.engine.replace import Replacer, ReplacementError, uses_root
 
 __all__ = ["Driver", "NonTerminationError", "RuleIndex", "RuleStats", "Schedule"]
@@ -99,20 +100,9 @@ def _cover(p: Any) -> int:
     return 0
 
 
-# Where-clause functions that read only their arguments' own facts (kind, shape,
-# dtype, value), never how many nodes read them: a clause that calls only these
-# cannot change when another node stops reading one of its values.
-_LOCAL_FUNCTIONS = frozenset({
-    "const", "is_param", "is_buffer", "is_literal", "is_none", "is_tensor", "is_float", "same_shape",
-    "same_dtype", "is_observer", "is_identity_perm", "perms_cancel", "is_noop_transpose",
-    "transposes_cancel", "reshape_is_noop", "broadcasts_to", "lossless_cast", "dtype", "rank", "shape",
-    "numel", "device", "value",
-})
-
-
 def _reads_users(rule: CompiledRule) -> bool:
     """Whether the rule's where clause may depend on how many nodes read a value
-    (``single_use``, ``users``, a user-registered function: anything not known local)."""
+    (``single_use``, ``users``, a function not registered ``local=True``)."""
     found = []
 
     def walk(x: Any) -> None:
@@ -126,7 +116,8 @@ def _reads_users(rule: CompiledRule) -> bool:
                 walk(item)
 
     walk(rule.where)
-    return any(name not in _LOCAL_FUNCTIONS for name in found)
+    specs = (lookup_function(name) for name in found)
+    return any(spec is None or not spec.local for spec in specs)
 
 
 def _may_be_interior(node: fx.Node, most: int) -> bool:

@@ -30,37 +30,37 @@ __all__: list = []  # everything here is reached through the registry
 # ---------------------------------------------------------------- predicates
 
 
-@register_predicate()
+@register_predicate(local=True)
 def const(*values: Value) -> bool:
     """All arguments are constants: parameters, buffers or literals."""
     return all(v.is_const for v in values)
 
 
-@register_predicate()
+@register_predicate(local=True)
 def is_param(x: Value) -> bool:
     """A parameter of the module (not a buffer, not a literal)."""
     return x.qualname is not None and x.qualname in x.facts.param_names
 
 
-@register_predicate()
+@register_predicate(local=True)
 def is_buffer(x: Value) -> bool:
     """A buffer of the module (running statistics, frozen weights)."""
     return x.qualname is not None and x.qualname not in x.facts.param_names
 
 
-@register_predicate()
+@register_predicate(local=True)
 def is_literal(x: Value) -> bool:
     """A literal written in the graph (int, float, bool, None, tuple...)."""
     return x.is_literal
 
 
-@register_predicate()
+@register_predicate(local=True)
 def is_none(x: Value) -> bool:
     """The literal None (e.g. a conv without bias)."""
     return x.is_literal and x.operand is None
 
 
-@register_predicate()
+@register_predicate(local=True)
 def is_tensor(x: Value) -> bool:
     """A tensor: a graph value or a constant tensor."""
     return x.meta is not None or x.node is not None
@@ -72,7 +72,7 @@ def single_use(x: Value) -> bool:
     return x.node is not None and x.users == 1
 
 
-@register_predicate()
+@register_predicate(local=True)
 def is_float(x: Value) -> bool:
     """A floating-point tensor (known from shape information)."""
     m = x.meta
@@ -81,7 +81,7 @@ def is_float(x: Value) -> bool:
     return m.dtype.is_floating_point
 
 
-@register_predicate()
+@register_predicate(local=True)
 def same_shape(a: Value, b: Value) -> bool:
     """Both tensors have the same, known shape."""
     ma, mb = a.meta, b.meta
@@ -90,7 +90,7 @@ def same_shape(a: Value, b: Value) -> bool:
     return tuple(ma.shape) == tuple(mb.shape)
 
 
-@register_predicate()
+@register_predicate(local=True)
 def same_dtype(a: Value, b: Value) -> bool:
     """Both tensors have the same, known dtype."""
     ma, mb = a.meta, b.meta
@@ -99,7 +99,7 @@ def same_dtype(a: Value, b: Value) -> bool:
     return ma.dtype == mb.dtype
 
 
-@register_predicate()
+@register_predicate(local=True)
 def is_observer(x: Value) -> bool:
     """The value is produced by a quantization observer or stub module."""
     node = x.node
@@ -112,14 +112,14 @@ def is_observer(x: Value) -> bool:
     return isinstance(mod, (ObserverBase, QuantStub, DeQuantStub))
 
 
-@register_predicate()
+@register_predicate(local=True)
 def is_identity_perm(dims: Value) -> bool:
     """A permutation literal that leaves every dim in place: (0, 1, 2, ...)."""
     d = dims.literal
     return isinstance(d, (list, tuple)) and list(d) == list(range(len(d)))
 
 
-@register_predicate()
+@register_predicate(local=True)
 def perms_cancel(a: Value, b: Value) -> bool:
     """Applying permutation ``a`` then ``b`` gives the identity."""
     pa, pb = a.literal, b.literal
@@ -132,7 +132,7 @@ def perms_cancel(a: Value, b: Value) -> bool:
         return False
 
 
-@register_predicate()
+@register_predicate(local=True)
 def is_noop_transpose(x: Value, d0: Value, d1: Value) -> bool:
     """``transpose(x, d0, d1)`` with d0 and d1 the same dim (rank known)."""
     m = x.meta
@@ -144,7 +144,7 @@ def is_noop_transpose(x: Value, d0: Value, d1: Value) -> bool:
     return a % len(m.shape) == b % len(m.shape)
 
 
-@register_predicate()
+@register_predicate(local=True)
 def transposes_cancel(x: Value, a0: Value, a1: Value, b0: Value, b1: Value) -> bool:
     """``transpose(transpose(x, a0, a1), b0, b1)`` is the identity: same dim pair."""
     m = x.meta
@@ -157,7 +157,7 @@ def transposes_cancel(x: Value, a0: Value, a1: Value, b0: Value, b1: Value) -> b
     return {dims[0] % r, dims[1] % r} == {dims[2] % r, dims[3] % r}
 
 
-@register_predicate()
+@register_predicate(local=True)
 def reshape_is_noop(x: Value, shape: Value) -> bool:
     """Reshaping ``x`` to ``shape`` keeps its known shape exactly."""
     m, s = x.meta, shape.literal
@@ -171,7 +171,7 @@ def reshape_is_noop(x: Value, shape: Value) -> bool:
     return all(d == h or d == -1 for d, h in zip(s, have))
 
 
-@register_predicate()
+@register_predicate(local=True)
 def broadcasts_to(x: Value, y: Value) -> bool:
     """``y`` (a tensor or scalar) broadcast against ``x`` leaves x's known shape and
     dtype unchanged, so ``x + 0``-style identities are exact."""
@@ -192,7 +192,7 @@ _FLOAT_WIDTH = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.flo
 _INT_BITS = {torch.bool: 1, torch.uint8: 8, torch.int8: 8, torch.int16: 16, torch.int32: 32, torch.int64: 64}
 
 
-@register_predicate()
+@register_predicate(local=True)
 def lossless_cast(x: Value, to: Value) -> bool:
     """Casting ``x`` (dtype known) to dtype ``to`` keeps every value exactly, so a
     cast back restores it (bf16 -> f32, f16 -> f32, f32 -> f64, int8 -> int32...)."""
@@ -227,28 +227,28 @@ def users(x: Value) -> int:
     return x.users
 
 
-@register_query()
+@register_query(local=True)
 def dtype(x: Value) -> Any:
     """The tensor's dtype, or None when unknown."""
     m = x.meta
     return None if m is None else m.dtype
 
 
-@register_query()
+@register_query(local=True)
 def rank(x: Value) -> Any:
     """The tensor's number of dims, or None when unknown."""
     m = x.meta
     return None if m is None else len(m.shape)
 
 
-@register_query()
+@register_query(local=True)
 def shape(x: Value) -> Any:
     """The tensor's shape as a tuple, or None when unknown."""
     m = x.meta
     return None if m is None else tuple(m.shape)
 
 
-@register_query()
+@register_query(local=True)
 def numel(x: Value) -> Any:
     """The tensor's number of elements, or None when unknown."""
     m = x.meta
@@ -260,7 +260,7 @@ def numel(x: Value) -> Any:
     return n
 
 
-@register_query()
+@register_query(local=True)
 def device(x: Value) -> Any:
     """The tensor's device type as a string (``"cpu"``, ``"cuda"``), or None."""
     m = x.meta
@@ -268,7 +268,7 @@ def device(x: Value) -> Any:
     return None if dev is None else torch.device(dev).type
 
 
-@register_query()
+@register_query(local=True)
 def value(x: Value) -> Any:
     """The literal itself (for comparing a bound literal: ``value(p) == 0.0``)."""
     return x.literal
@@ -491,7 +491,7 @@ def _tensor_shape(v: Value) -> tuple | None:
     return None if m is None else tuple(m.shape)
 
 
-@register_predicate()
+@register_predicate(local=True)
 def no_padding(padding: Value) -> bool:
     """A conv ``padding`` of zeros (``0``, ``[0, 0]``, ``"valid"``): every tap reads
     the input itself, so an affine map of the input passes through the conv."""
@@ -502,7 +502,7 @@ def no_padding(padding: Value) -> bool:
     return pads is not None and not any(pads)
 
 
-@register_predicate()
+@register_predicate(local=True)
 def centre_tap_identity(w: Value, stride: Value, padding: Value, dilation: Value) -> bool:
     """A conv with weight ``w`` whose centre tap reads the output position itself:
     stride 1, odd kernel, padding = dilation * (k - 1) / 2 on every spatial dim, so
@@ -518,7 +518,7 @@ def centre_tap_identity(w: Value, stride: Value, padding: Value, dilation: Value
     return all(ss == 1 and kk % 2 == 1 and pp == dd * (kk - 1) // 2 for ss, kk, pp, dd in zip(s, k, p, d))
 
 
-@register_predicate()
+@register_predicate(local=True)
 def convs_merge(w1: Value, p1: Value, w2: Value, p2: Value, dilation: Value) -> bool:
     """Two convs of one input (same stride, dilation, groups) with weights ``w1``,
     ``w2`` are one conv: both kernels centred in the larger one, which covers the

@@ -46,6 +46,7 @@ class FunctionSpec:
     variadic: bool = False
     inputs: tuple = ()
     doc: str = ""
+    local: bool = False  # reads only its arguments' own facts, never how many nodes read them
 
     def accepts(self, n_positional: int, keywords: tuple) -> str | None:
         """None if a call with this many positional args and these keywords fits,
@@ -65,7 +66,7 @@ class FunctionSpec:
 _REGISTRY: dict[str, FunctionSpec] = {}
 
 
-def _register(kind: str, name: str | None, inputs: tuple = ()) -> Callable:
+def _register(kind: str, name: str | None, inputs: tuple = (), local: bool = False) -> Callable:
     def deco(fn: Callable) -> Callable:
         sig = inspect.signature(fn)
         params, required, variadic = [], 0, False
@@ -80,14 +81,19 @@ def _register(kind: str, name: str | None, inputs: tuple = ()) -> Callable:
                 required = len(params)
         key = name or fn.__name__
         doc = (inspect.getdoc(fn) or "").split("\n")[0]
-        _REGISTRY[key] = FunctionSpec(key, fn, kind, tuple(params), required, variadic, tuple(inputs), doc)
+        _REGISTRY[key] = FunctionSpec(key, fn, kind, tuple(params), required, variadic, tuple(inputs), doc, local)
         return fn
 
     return deco
 
 
-def register_predicate(name: str | None = None) -> Callable:
+def register_predicate(name: str | None = None, *, local: bool = False) -> Callable:
     """Decorator: a ``where`` predicate taking ``Value`` arguments, returning bool.
+
+    ``local=True`` declares that it reads only its arguments' own facts (kind,
+    shape, dtype, value), never how many nodes read them (``users``): the fixpoint
+    then need not revisit a widely read value's readers each time it loses one. The
+    default assumes it may.
 
     Example::
 
@@ -95,12 +101,13 @@ def register_predicate(name: str | None = None) -> Callable:
         def is_depthwise(groups, weight):
             return groups.literal == weight.shape[0]
     """
-    return _register("predicate", name)
+    return _register("predicate", name, local=local)
 
 
-def register_query(name: str | None = None) -> Callable:
-    """Decorator: a ``where`` query taking ``Value`` arguments, returning a value."""
-    return _register("query", name)
+def register_query(name: str | None = None, *, local: bool = False) -> Callable:
+    """Decorator: a ``where`` query taking ``Value`` arguments, returning a value
+    (``local``: as for ``register_predicate``)."""
+    return _register("query", name, local=local)
 
 
 def register_constant(name: str | None = None) -> Callable:
