@@ -113,3 +113,55 @@ def test_shortcut_answers_the_common_cases_and_declines_the_rest():
     assert like_input(*_node(aten.sigmoid.default, (_make(mode, (3,), torch.int64, "contiguous"),))) is None
     assert like_input(*_node(aten.div.Tensor, (x, x), {"rounding_mode": "floor"})) is None
     assert like_input(*_node(aten.add.Tensor, (x, cl))) is None  # different strides
+
+
+FLOATS = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+CASTS = [
+    (aten.to.dtype, lambda d: ((d,), {})),
+    (aten.to.dtype, lambda d: ((d, False, False), {})),
+    (aten.to.dtype, lambda d: ((d,), {"memory_format": torch.preserve_format})),
+    (aten._to_copy.default, lambda d: ((), {"dtype": d})),
+    (aten._to_copy.default, lambda d: ((), {"dtype": d, "layout": torch.strided, "device": None})),
+    (aten.to.dtype, lambda d: ((d,), {"memory_format": torch.contiguous_format})),  # declined
+    (aten._to_copy.default, lambda d: ((), {"dtype": d, "device": torch.device("cpu")})),  # declined
+    (aten.to.dtype, lambda d: ((d, False, True, torch.channels_last), {})),  # declined
+]
+
+
+@settings(max_examples=150, deadline=None)
+@given(shape=shapes, layout=layouts, src=st.sampled_from(DTYPES), dst=st.sampled_from(DTYPES),
+       which=st.integers(0, len(CASTS) - 1))
+def test_cast_shortcut_gives_what_fake_propagation_gives(shape, layout, src, dst, which):
+    """A cast's shortcut ``val`` has the real propagation's shape, strides, dtype and
+    device, in fresh storage; it answers only for dense floating-to-floating casts
+    that change the dtype and pass nothing that moves or re-lays the result."""
+    from rewrite.engine.shapes import cast_of, fresh_cast
+
+    mode = FakeTensorMode()
+    x = _make(mode, shape, src, layout)
+    target, extra = CASTS[which]
+    args, kwargs = extra(dst)
+    node, values = _node(target, (x, *args), kwargs)
+    found = cast_of(node, values)
+    if found is None:
+        return
+    assert which < 5 and src != dst and src.is_floating_point and dst.is_floating_point
+    real = _real(mode, target, (x, *args), kwargs)
+    got = fresh_cast(*found)
+    assert (got.shape, got.stride(), got.dtype, got.device) == (real.shape, real.stride(), real.dtype, real.device)
+    assert got.fake_mode is mode and got.untyped_storage() is not x.untyped_storage()
+
+
+def test_cast_shortcut_answers_for_the_casts_amp_inserts():
+    mode = FakeTensorMode()
+    x = _make(mode, (2, 3, 4, 4), torch.float32, "channels_last")
+    for target, (args, kwargs) in ((aten.to.dtype, ((torch.bfloat16,), {})),
+                                   (aten._to_copy.default, ((), {"dtype": torch.float16}))):
+        from rewrite.engine.shapes import cast_of
+
+        node, values = _node(target, (x, *args), kwargs)
+        assert cast_of(node, values) is not None
+    same, _ = _node(aten.to.dtype, (x, torch.float32))  # to the same dtype: the input itself
+    from rewrite.engine.shapes import cast_of
+
+    assert cast_of(same, {same.args[0]: x}) is None

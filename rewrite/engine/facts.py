@@ -18,7 +18,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 
-from rewrite.engine.shapes import fresh_like, like_input
+from rewrite.engine.shapes import cast_of, fresh_cast, fresh_like, like_input
 from rewrite.ops.base import ConstRef, attribute
 
 __all__ = ["GraphFacts", "Value", "TensorFacts", "FACTS_KEY", "NEW_NODE_KEY", "fetch_attr", "tensor_meta_of"]
@@ -202,6 +202,10 @@ class GraphFacts:
                 same = like_input(node, env)  # elementwise on dense inputs: no dispatch needed
                 if same is not None and same.fake_mode is self.fake_mode:
                     node.meta["val"] = fresh_like(same)
+                    return
+                cast = cast_of(node, env)  # a float cast of a dense input: likewise
+                if cast is not None and cast[0].fake_mode is self.fake_mode:
+                    node.meta["val"] = fresh_cast(*cast)
                     return
                 target = self._callable(node, fake=True)
                 with self.fake_mode:

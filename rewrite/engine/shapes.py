@@ -9,7 +9,9 @@ the same shape, dtype and device and exactly the canonical contiguous (or
 channels_last) strides, so TensorIterator's output strides are those strides too;
 scalars are plain Python numbers that cannot change the result dtype. Anything
 else (broadcasting, type promotion, views, integer inputs to a float-valued op)
-returns None and the caller runs the op on fake tensors.
+returns None and the caller runs the op on fake tensors. A cast of such a tensor
+from one floating dtype to another (``aten.to.dtype``, ``aten._to_copy``: what the
+AMP rules insert around every op) is the same tensor in the new dtype (``cast_of``).
 ``tests/test_shapes.py`` compares every shortcut with the real propagation.
 """
 
@@ -23,7 +25,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["like_input", "fresh_like"]
+__all__ = ["cast_of", "fresh_cast", "like_input", "fresh_like"]
 
 aten = torch.ops.aten
 
@@ -142,4 +144,55 @@ def like_input(node: fx.Node, values: dict) -> Any:
 def fresh_like(t: FakeTensor) -> FakeTensor:
     """A new FakeTensor with ``t``'s shape, strides, dtype and device, in its mode."""
     meta = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="meta")
+    return FakeTensor(t.fake_mode, meta, t.device)
+
+
+#: Casts whose result is a new tensor like the input but for its dtype (aten.to.dtype
+#: only when the dtype changes: to the same dtype it returns the input itself).
+_CASTS = {aten.to.dtype, aten._to_copy.default}
+#: A cast's other arguments, at the values that leave the result like the input.
+_CAST_NEUTRAL = {"non_blocking": (False,), "copy": (False, True), "memory_format": (None, torch.preserve_format),
+                 "layout": (None, torch.strided), "pin_memory": (None, False), "device": (None,)}
+
+
+def cast_of(node: fx.Node, values: dict) -> Any:
+    """``(input FakeTensor, dtype)`` when ``node`` casts a densely strided floating
+    tensor to another floating dtype and nothing else (``aten.to.dtype(x, dtype)``,
+    ``aten._to_copy(x, dtype=...)``): the result has the input's shape, strides and
+    device in the new dtype. None otherwise (the caller runs the op on fake tensors)."""
+    target = node.target
+    if node.op != "call_function" or target not in _CASTS or not node.args:
+        return None
+    x = values.get(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+    if not isinstance(x, FakeTensor):
+        return None
+    kwargs = dict(node.kwargs)
+    if target is aten.to.dtype:
+        if len(node.args) < 2:
+            return None
+        dtype = node.args[1]
+        rest = dict(zip(("non_blocking", "copy", "memory_format"), node.args[2:]))
+        if len(node.args) > 5 or set(rest) & set(kwargs):
+            return None
+        kwargs.update(rest)
+    else:
+        if len(node.args) != 1:
+            return None
+        dtype = kwargs.pop("dtype", None)
+    if not isinstance(dtype, torch.dtype) or dtype == x.dtype:
+        return None
+    if not (dtype.is_floating_point and x.dtype.is_floating_point):
+        return None
+    for key, value in kwargs.items():
+        if key not in _CAST_NEUTRAL or not any(value is v or (value == v and type(value) is type(v))
+                                               for v in _CAST_NEUTRAL[key]):
+            return None
+    if x.requires_grad or not _dense(x):
+        return None
+    return x, dtype
+
+
+def fresh_cast(t: FakeTensor, dtype: torch.dtype) -> FakeTensor:
+    """A new FakeTensor with ``t``'s shape, strides and device in ``dtype``."""
+    meta = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=dtype, device="meta")
     return FakeTensor(t.fake_mode, meta, t.device)
