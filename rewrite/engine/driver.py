@@ -26,13 +26,13 @@ import torch.fx as fx
 from torch._ops import OpOverload
 
 from rewrite.engine.compile import CompiledRule, PCall, PResults, PSeq
-from rewrite.language import ast
 from rewrite.engine.facts import GraphFacts, is_metadata_check
 from rewrite.engine.match import Matcher
 from rewrite.ops import lookup_op
 from rewrite.ops.vocabulary import CALL_OPS, nodes_by_target
 from rewrite.engine.prefilter import build_prefilter
 from rewrite.functions.registry import lookup_function
+from rewrite.language import ast
 from rewrite.engine.replace import Replacer, ReplacementError, uses_root
 
 __all__ = ["Driver", "NonTerminationError", "RuleIndex", "RuleStats", "Schedule"]
@@ -103,19 +103,7 @@ def _cover(p: Any) -> int:
 def _reads_users(rule: CompiledRule) -> bool:
     """Whether the rule's where clause may depend on how many nodes read a value
     (``single_use``, ``users``, a function not registered ``local=True``)."""
-    found = []
-
-    def walk(x: Any) -> None:
-        if isinstance(x, ast.Call):
-            found.extend(x.op.names)
-        if attrs.has(type(x)):
-            for field in attrs.fields(type(x)):
-                walk(getattr(x, field.name))
-        elif isinstance(x, (tuple, list)):
-            for item in x:
-                walk(item)
-
-    walk(rule.where)
+    found = [name for e in ast.walk(rule.where) if isinstance(e, ast.Call) for name in e.op.names]
     specs = (lookup_function(name) for name in found)
     return any(spec is None or not spec.local for spec in specs)
 

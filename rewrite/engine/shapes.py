@@ -143,8 +143,7 @@ def like_input(node: fx.Node, values: dict) -> Any:
 
 def fresh_like(t: FakeTensor) -> FakeTensor:
     """A new FakeTensor with ``t``'s shape, strides, dtype and device, in its mode."""
-    meta = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="meta")
-    return FakeTensor(t.fake_mode, meta, t.device)
+    return fresh_cast(t, t.dtype)
 
 
 #: Casts whose result is a new tensor like the input but for its dtype (aten.to.dtype

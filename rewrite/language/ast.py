@@ -22,11 +22,12 @@ A rule file, printed back::
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Iterator, Union
 
 import attrs
 
 __all__ = [
+    "walk",
     "Span", "Var", "Wildcard", "Literal", "DTypeLit", "TupleLit", "ListLit", "OpRef",
     "Call", "Keyword", "As", "AsTuple", "Compare", "BoolOp", "Not", "Index", "Expr",
     "RuleOption", "Rule", "Family", "Binding", "Import", "Param", "ScheduleRef", "Schedule", "RuleSetDecl",
@@ -301,3 +302,24 @@ class Module:
     path: str
     items: tuple  # of Import | Param | Family | Rule | RuleSetDecl
     source: str = attrs.field(default="", eq=False, repr=False)
+
+
+def walk(e: object) -> Iterator:
+    """Every expression node under ``e`` (inclusive), parents first."""
+    yield e
+    if isinstance(e, Call):
+        for a in e.args:
+            yield from walk(a)
+        for k in e.kwargs:
+            yield from walk(k.value)
+    elif isinstance(e, (TupleLit, ListLit, BoolOp)):
+        for i in e.items:
+            yield from walk(i)
+    elif isinstance(e, (As, AsTuple, Not)):
+        yield from walk(e.expr)
+    elif isinstance(e, Compare):
+        yield from walk(e.left)
+        yield from walk(e.right)
+    elif isinstance(e, Index):
+        yield from walk(e.expr)
+        yield from walk(e.index)

@@ -183,27 +183,6 @@ def expand_families(families: dict) -> dict:
 # ---------------------------------------------------------------- per rule
 
 
-def _walk(e: object) -> Iterator:
-    """Every expression node under ``e`` (inclusive), parents first."""
-    yield e
-    if isinstance(e, ast.Call):
-        for a in e.args:
-            yield from _walk(a)
-        for k in e.kwargs:
-            yield from _walk(k.value)
-    elif isinstance(e, (ast.TupleLit, ast.ListLit, ast.BoolOp)):
-        for i in e.items:
-            yield from _walk(i)
-    elif isinstance(e, (ast.As, ast.AsTuple, ast.Not)):
-        yield from _walk(e.expr)
-    elif isinstance(e, ast.Compare):
-        yield from _walk(e.left)
-        yield from _walk(e.right)
-    elif isinstance(e, ast.Index):
-        yield from _walk(e.expr)
-        yield from _walk(e.index)
-
-
 def _once_refs(s: ast.Schedule) -> Iterator:
     """The references listed directly inside a ``once(...)`` of schedule ``s``."""
     for item in s.items:
@@ -395,7 +374,7 @@ class _Checker:
             return
         if r.name in self._run_once:
             return
-        for term in _walk(r.replacement):
+        for term in ast.walk(r.replacement):
             if isinstance(term, ast.Call) and _certainly_matches(r.pattern, term, {}, self._canonical):
                 self.error(term.span, f"rule '{r.name}' never settles: its pattern matches the "
                                       f"{format_expr(term)} it builds, so it rewrites its own output forever",
@@ -474,7 +453,7 @@ class _Checker:
                                       f"tuple of values or a call of a multi-output op, not {_describe(rep)}",
                        "E305", help=f"write ({', '.join(['...'] * len(names))})")
         replaced = set(names) - {"_"}
-        for e in _walk(rep):
+        for e in ast.walk(rep):
             if isinstance(e, ast.Var) and e.name in replaced:
                 self.error(e.span, f"'{e.name}' is a result of the matched op, which the replacement "
                                    "replaces", "E305",
@@ -526,12 +505,12 @@ class _Checker:
     def _bind(self, pattern: object) -> None:
         """Record the pattern's variables; report names bound twice by ``as``."""
         var_spans: dict = {}
-        for e in _walk(pattern):
+        for e in ast.walk(pattern):
             if isinstance(e, ast.Var):
                 var_spans.setdefault(e.name, e.span)
                 self.bound.setdefault(e.name, e.span)
         as_spans: dict = {}
-        for e in _walk(pattern):
+        for e in ast.walk(pattern):
             if isinstance(e, ast.AsTuple):
                 for name, span in zip(e.names, _result_spans(e)):
                     if name == "_":
@@ -550,7 +529,7 @@ class _Checker:
             if e.name in as_spans:
                 self.error(span, f"'{e.name}' names two nodes with 'as'", "E303",
                            help="give each named node its own name")
-            elif any(isinstance(v, ast.Var) and v.name == e.name for v in _walk(e.expr)):
+            elif any(isinstance(v, ast.Var) and v.name == e.name for v in ast.walk(e.expr)):
                 self.error(span, f"'{e.name}' names a node that would read itself", "E303",
                            help="a name bound by 'as' may be written again elsewhere in the pattern "
                                 "(the same node), not inside what it names")
@@ -562,7 +541,7 @@ class _Checker:
     def _unused(self, r: ast.Rule) -> None:
         counts: dict = {}
         spans: dict = {}
-        for e in _walk(r.pattern):
+        for e in ast.walk(r.pattern):
             if isinstance(e, ast.AsTuple):
                 for name, span in zip(e.names, _result_spans(e)):
                     if name != "_":
