@@ -41,10 +41,13 @@ class EquivalenceError(AssertionError):
 
     def __init__(self, report: Any, counts: dict, culprit: Any = None, tolerance: str = "exact") -> None:
         fired = ", ".join(f"{name} x{n}" for name, n in sorted(counts.items())) or "none"
-        message = f"rewrite changed the model's outputs: {report}; rules that fired: {fired}"
+        mm = getattr(report, "first_mismatch", None)
+        what = "outputs"
+        if mm is not None and (mm.path.startswith("gradient") or mm.message.startswith("gradients")):
+            what = "gradients"
+        message = f"rewrite changed the model's {what}: {report}; rules that fired: {fired}"
         if culprit is not None:
             message += f"; the first application that broke it: {culprit}"
-        mm = getattr(report, "first_mismatch", None)
         if tolerance == "approx" and mm is not None and 0 < mm.max_rel_error < 0.1:
             message += (
                 f". Approximate rules fired: the outputs differ by {mm.max_rel_error:.2g} of their scale, "
@@ -296,12 +299,16 @@ class RuleSet:
             # Intentional changes (``change=True``) are not checked: the rewrite is
             # compared with the model after those rules alone.
             changes = set(driver.counts) & self._changes()
+            # a rule that names a stop-gradient, a rounding or a quantizer may keep
+            # every value and change the gradients: compare a backward pass too
+            # (later replays only skip applications: never a rule this run did not fire)
+            gradients = self._touches_gradients(set(driver.counts) - changes)
             if txn.inplace:
                 # the model is the rewrite now: back to the original to run it once
                 # per trial, then the (deterministic) rewrite again
                 txn.restore()
                 base = original if not changes else self._changed(original)
-                reference = Reference(base, example_inputs, graph=original).prepare(trials, kind)
+                reference = Reference(base, example_inputs, graph=original).prepare(trials, kind, gradients)
                 gm, driver = txn.run()
             else:
                 base = model if not changes else self._changed(original)
@@ -309,7 +316,7 @@ class RuleSet:
 
             def verdict(candidate: fx.GraphModule) -> Any:
                 return check_equivalence(reference, candidate, example_inputs, trials=trials, rtol=rtol,
-                                         atol=atol, tolerance=kind)
+                                         atol=atol, tolerance=kind, gradients=gradients)
 
             report = verdict(gm)
             while not report.ok:
@@ -364,6 +371,13 @@ class RuleSet:
         names = tuple(sorted(self._changes()))
         only = RuleSet(self.rules, {}, Schedule("fixpoint", names), f"{self.name}:changes")
         return only.apply(original, check=False).graph_module
+
+    def _touches_gradients(self, fired: set) -> bool:
+        """Whether a rule that fired may change gradients without changing a value
+        (``rewrite.trust.gradients.touches_gradients``)."""
+        from rewrite.trust.gradients import touches_gradients
+
+        return any(touches_gradients(self.rules[name]) for name in fired if name in self.rules)
 
     def _tolerance_of(self, counts: dict) -> str:
         """``"exact"`` when every rule that fired is exact (only rounding may differ),

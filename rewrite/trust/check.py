@@ -57,6 +57,7 @@ from rewrite.engine.workspace import gc_paused
 from rewrite.ops.base import ConstRef, attribute
 from rewrite.ops.effects import state_writes
 from rewrite.ops.vocabulary import CALL_OPS, OPS, bind_node
+from rewrite.trust.gradients import GradientRun, gradient_run
 from rewrite.trust.runner import running_as_graph
 from rewrite.trust.tolerance import (
     EXACT_TOLERANCES,
@@ -723,6 +724,7 @@ class Reference:
         self._with_dtypes: Dict[int, bool] = {}
         self._repeats: Dict[int, bool] = {}
         self._watch: Optional[_Watch] = None
+        self._gradients: Optional[Tuple[Optional[GradientRun], Optional[str]]] = None
 
     def inputs(self, trial: int) -> Any:
         if trial not in self._inputs:
@@ -764,6 +766,23 @@ class Reference:
             self._with_dtypes[trial] = dtypes
         return self._runs[trial]
 
+    def gradients(self, state: Optional[_SavedState] = None) -> Tuple[Optional[GradientRun], Optional[str]]:
+        """The reference's backward pass on trial 0's inputs (``rewrite.trust.gradients``),
+        computed once: ``(run, None)``, or ``(None, why)`` when there is nothing to
+        compare (no gradient reaches an output, or its backward fails)."""
+        if self._gradients is None:
+            with (preserved_state(self.fn, runs_only=True, watches=(self.watch(),)) if state is None
+                  else contextlib.nullcontext()), running_as_graph(self.fn) as fn:
+                try:
+                    run = gradient_run(fn, self.inputs(0), self.seed)
+                    self._gradients = (run, None if run is not None else "no gradient reaches an output")
+                except Exception as e:  # noqa: BLE001 - no gradient to preserve
+                    self._gradients = (None, f"the original's backward failed: {type(e).__name__}: {e}")
+                finally:
+                    if state is not None:
+                        state.restore()
+        return self._gradients
+
     def watch(self) -> _Watch:
         """What the check watches of the reference (worked out on its first run: an
         in-place rewrite changes the module's graph afterwards)."""
@@ -771,13 +790,16 @@ class Reference:
             self._watch = _Watch.of(self.fn)
         return self._watch
 
-    def prepare(self, trials: int, tolerance: str = "approx") -> "Reference":
-        """Run every trial now (before an in-place rewrite changes the model)."""
+    def prepare(self, trials: int, tolerance: str = "approx", gradients: bool = False) -> "Reference":
+        """Run every trial now (before an in-place rewrite changes the model), and
+        the backward pass too when ``gradients``."""
         with gc_paused(), preserved_state(self.fn, runs_only=True, watches=(self.watch(),)) as state, \
                 running_as_graph(self.fn):
             for t in range(trials):
                 if not self.repeats(t):
                     self.run(t, dtypes=tolerance == "approx", state=state)
+            if gradients:
+                self.gradients(state)
         return self
 
 
@@ -786,7 +808,7 @@ def check_equivalence(reference: Callable, candidate: Callable, example_inputs: 
                       atol: Optional[float] = None,
                       input_ranges: Optional[Mapping[InputKey, Range]] = None,
                       fixed_inputs: Iterable[InputKey] = (), tolerance: str = "approx",
-                      int_agreement: Optional[float] = None) -> EquivalenceReport:
+                      int_agreement: Optional[float] = None, gradients: bool = False) -> EquivalenceReport:
     """Run ``reference`` and ``candidate`` on the same inputs and compare what the
     caller observes: outputs, inputs written in place, module state written in
     place, and memory shared between outputs, inputs and module constants.
@@ -824,11 +846,12 @@ def check_equivalence(reference: Callable, candidate: Callable, example_inputs: 
     # live object again and again (a full collection on a 10k-node graph: ~0.4 s)
     # for garbage that reference counting frees anyway.
     with gc_paused():
-        return _check(reference, candidate, trials, rtol, atol, tolerance, int_agreement)
+        return _check(reference, candidate, trials, rtol, atol, tolerance, int_agreement, gradients)
 
 
 def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optional[float],
-           atol: Optional[float], tolerance: str, int_agreement: Optional[float]) -> EquivalenceReport:
+           atol: Optional[float], tolerance: str, int_agreement: Optional[float],
+           gradients: bool = False) -> EquivalenceReport:
     seed = reference.seed
     worst_abs = worst_rel = 0.0
     agreed: Optional[float] = None
@@ -841,6 +864,7 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
     # In place, the reference ran before the module became the candidate: its watch
     # describes a graph the module no longer has.
     watches = (watch, None if reference.fn is candidate else reference.watch())
+    low0: Optional[torch.dtype] = None
     with preserved_state(candidate, reference.fn, runs_only=True, watches=watches) as state, \
             running_as_graph(reference.fn), running_as_graph(candidate) as run_candidate:
         for t in range(trials):
@@ -869,7 +893,53 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
                 mm = _side_effects(t, ref, cand, tolerance, rtol, atol)
             if mm is not None:
                 return EquivalenceReport(False, t + 1, worst_abs, worst_rel, mm, agreed, skipped)
+            if t == 0:
+                low0 = low
+        if gradients:
+            mm = _gradient_mismatch(reference, run_candidate, state, tolerance, rtol, atol, low0)
+            if mm is not None:
+                return EquivalenceReport(False, trials, worst_abs, worst_rel, mm, agreed, skipped)
     return EquivalenceReport(True, trials, worst_abs, worst_rel, None, agreed, skipped)
+
+
+def _gradient_mismatch(reference: "Reference", candidate: Callable, state: _SavedState, kind: str,
+                       rtol: Optional[float], atol: Optional[float],
+                       compute_dtype: Optional[torch.dtype]) -> Optional[Mismatch]:
+    """The first difference in one backward pass on trial 0's inputs: an output
+    gradients reach in one model only, or a gradient of an input or of a parameter
+    both models train that differs."""
+    ref, _ = reference.gradients(state)
+    if ref is None:
+        return None  # no gradient in the original to preserve
+    try:
+        cand = gradient_run(candidate, reference.inputs(0), reference.seed)
+    except Exception as e:  # noqa: BLE001 - reported as the mismatch
+        return Mismatch("gradients", 0, None, None, math.inf, math.inf,
+                        f"the rewrite's backward raised {type(e).__name__}: {e}")
+    finally:
+        state.restore()
+    cand_reached = dict(cand.reached) if cand is not None else {}
+    for path, reached in ref.reached:
+        if cand_reached.get(path, False) != reached:
+            who = "the original, not in the rewrite" if reached else "the rewrite, not in the original"
+            return Mismatch("output" + path, 0, None, None, math.inf, math.inf,
+                            f"gradients reach this output in {who}")
+    if cand is None:
+        return None
+    for i, grad in ref.inputs.items():
+        other = cand.inputs.get(i)
+        if other is not None:
+            _, _, mm = _compare_tensor(f"gradient of input {i}", 0, grad, other, kind, rtol, atol, compute_dtype)
+            if mm is not None:
+                return mm
+    for name, (tensor_id, grad) in ref.params.items():
+        mine = cand.params.get(name)
+        if mine is not None and mine[0] == tensor_id:  # the same parameter, still trained
+            _, _, mm = _compare_tensor(f"gradient of parameter {name}", 0, grad, mine[1], kind, rtol, atol,
+                                       compute_dtype)
+            if mm is not None:
+                return mm
+    return None
 
 
 def assert_equivalent(reference: Callable, candidate: Callable, example_inputs: Any = None,

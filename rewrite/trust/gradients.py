@@ -1,0 +1,149 @@
+"""Gradients in the equivalence check.
+
+Some rewrites keep every forward value and change the gradients: removing a
+``detach`` (gradients now flow where the original stopped them), putting a
+rounding where a straight-through fake quantizer was (gradients become zero),
+moving a grad-mode switch. The forward comparison cannot see that, so when a rule
+that fired names such an op (``touches_gradients``, read from the compiled rule:
+its pattern or its replacement), the check also compares one backward pass on the
+first trial's inputs (``gradient_run``): which floating outputs gradients reach,
+and the vector-Jacobian product of a fixed random cotangent with respect to every
+floating input and every trainable parameter both models hold.
+
+Rules that touch none of these ops cost nothing here: a fusion or a cast rewrite
+is not run backward.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Dict, Optional, Tuple
+
+import attrs
+import torch
+from torch.utils import _pytree as pytree
+
+from rewrite.engine.compile import (
+    CompiledRule,
+    PAlt,
+    PCall,
+    PResults,
+    PSeq,
+    RModule,
+    ROp,
+    RResults,
+    RSeq,
+)
+
+__all__ = ["GRADIENT_OPS", "GradientRun", "gradient_run", "touches_gradients"]
+
+#: Name parts (``aten.detach.default`` -> ``detach``) of ops whose gradient differs
+#: from what their forward values suggest: stop-gradients, grad-mode switches,
+#: piecewise-constant ops (zero gradient almost everywhere), quantizers (no
+#: gradient) and fake quantizers (straight-through gradients).
+GRADIENT_OPS = frozenset({
+    "detach", "detach_", "detach_copy", "requires_grad_", "_set_grad_enabled", "set_grad_enabled",
+    "wrap_with_set_grad_enabled", "no_grad", "enable_grad", "inference_mode",
+    "round", "floor", "ceil", "trunc", "fix", "sign", "sgn", "signbit", "heaviside", "floor_divide",
+})
+#: Substrings that mark quantizer and fake-quantizer ops and modules.
+_GRADIENT_WORDS = ("quantize", "fake_quant", "fakequant")
+
+
+def _gradient_name(name: str) -> bool:
+    for part in name.split("."):
+        low = part.lower()
+        if low in GRADIENT_OPS or any(word in low for word in _GRADIENT_WORDS):
+            return True
+    return False
+
+
+def _names(node: Any) -> Any:
+    """Op, module and function names a compiled pattern or replacement calls."""
+    if isinstance(node, PCall):
+        for alt in node.alts:
+            yield from _names(alt)
+    elif isinstance(node, PAlt):
+        yield node.opdef.name
+        for _, pattern in node.args:
+            yield from _names(pattern)
+    elif isinstance(node, PResults):
+        yield from _names(node.call)
+    elif isinstance(node, (PSeq, RSeq, RResults)):
+        for item in node.items:
+            yield from _names(item)
+    elif isinstance(node, ROp):
+        yield node.opdef.name
+        for value in node.args.values():
+            yield from _names(value)
+    elif isinstance(node, RModule):
+        yield node.spec.name
+        for value in node.inputs:
+            yield from _names(value)
+
+
+@functools.lru_cache(maxsize=4096)
+def touches_gradients(rule: CompiledRule) -> bool:
+    """Whether ``rule`` matches or emits an op in ``GRADIENT_OPS`` (or a quantizer):
+    the rewrite may change gradients without changing a forward value."""
+    return any(_gradient_name(name) for part in (rule.pattern, rule.replacement) for name in _names(part))
+
+
+@attrs.frozen
+class GradientRun:
+    """One forward and backward pass: per floating output (by path) whether a
+    gradient reaches it, the cotangent-weighted gradient of each floating input
+    leaf (by index) and of each trainable parameter (by name, with the tensor's
+    id: a parameter a rewrite folded away is not compared)."""
+
+    reached: Tuple[Tuple[str, bool], ...]
+    inputs: Dict[int, torch.Tensor]
+    params: Dict[str, Tuple[int, torch.Tensor]]
+
+
+def _floating(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+
+
+def gradient_run(fn: Any, inputs: Any, seed: int) -> Optional[GradientRun]:
+    """Run ``fn`` on copies of ``inputs`` that require grad (the floating ones) with
+    gradients enabled, then backward from the floating outputs with a random
+    cotangent drawn from ``seed`` (the same for any two models whose outputs have
+    the same shapes). None when no gradient reaches any output. Parameters'
+    ``.grad`` fields are not touched (``torch.autograd.grad``); the caller restores
+    module state the forward wrote (batch-norm statistics in training mode)."""
+    args = pytree.tree_map(lambda t: t.detach().clone().requires_grad_(True) if _floating(t)
+                           else (t.clone() if isinstance(t, torch.Tensor) else t), inputs)
+    leaves = pytree.tree_leaves(args)
+    params = {}
+    if isinstance(fn, torch.nn.Module):
+        params = {name: p for name, p in fn.named_parameters(remove_duplicate=False)
+                  if p.requires_grad and _floating(p)}
+    with torch.enable_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if isinstance(args, dict):
+            out = fn(**args)
+        elif isinstance(args, (tuple, list)):
+            out = fn(*args)
+        else:
+            out = fn(args)
+    flat = [(pytree.keystr(kp), t) for kp, t in pytree.tree_flatten_with_path(out)[0] if _floating(t)]
+    reached = tuple((path, bool(t.requires_grad)) for path, t in flat)
+    generator = torch.Generator().manual_seed(seed)
+    cotangents = [torch.randn(t.shape, generator=generator, dtype=torch.float64).to(t.dtype) for _, t in flat]
+    outs = [(t, c) for (_, t), c in zip(flat, cotangents) if t.requires_grad]
+    if not outs:
+        return None
+    wrt_inputs = [(i, t) for i, t in enumerate(leaves) if _floating(t)]
+    wrt = [t for _, t in wrt_inputs] + list(params.values())
+    grads = torch.autograd.grad([t for t, _ in outs], wrt, [c for _, c in outs], allow_unused=True)
+
+    def dense(g: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(like).detach() if g is None else g.detach()
+
+    n = len(wrt_inputs)
+    return GradientRun(
+        reached,
+        {i: dense(g, t) for (i, t), g in zip(wrt_inputs, grads[:n])},
+        {name: (id(p), dense(g, p)) for (name, p), g in zip(params.items(), grads[n:])},
+    )
