@@ -21,6 +21,7 @@ caller observes (values, storage, buffers).
 
 from __future__ import annotations
 
+import copy
 import functools
 import operator
 import re
@@ -1689,3 +1690,73 @@ def test_item_assignment_after_a_cleanup_candidate(kind, check, returned):
     torch.testing.assert_close(b, a, rtol=0, atol=0)
     if kind in ("mul_one", "view_of_add_zero", "neg_neg"):  # y is a fresh tensor: never x
         assert not result.counts
+
+
+# ---------------------------------------------------------------- folds of state the graph writes
+
+
+class _LinearEMA(nn.Module):
+    """Reads a weight, then updates it in place (an EMA-style state update)."""
+
+    def __init__(self, before: bool = False):
+        super().__init__()
+        self.register_buffer("w", torch.randn(8, 8))
+        self.register_buffer("b", torch.randn(8))
+        self.before = before
+
+    def forward(self, x):
+        if self.before:
+            self.w.mul_(0.5)
+        y = torch.nn.functional.linear(x, self.w, self.b)
+        if not self.before:
+            self.w.mul_(0.5)
+        return y
+
+
+class _ConvBNDecay(nn.Module):
+    """conv + BN whose conv weight the model decays in place on every call."""
+
+    def __init__(self, before: bool = False):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 1)
+        self.bn = nn.BatchNorm2d(4).eval()
+        self.bn.running_var.uniform_(0.5, 2)
+        self.bn.running_mean.normal_()
+        self.before = before
+
+    def forward(self, x):
+        if self.before:
+            with torch.no_grad():
+                self.conv.weight.mul_(0.5)
+        y = self.bn(self.conv(x))
+        if not self.before:
+            with torch.no_grad():
+                self.conv.weight.mul_(0.5)
+        return y
+
+
+@pytest.mark.parametrize("before", [False, True])
+@pytest.mark.parametrize("level", ["fx", "export"])
+@pytest.mark.parametrize("case", ["amp_bf16", "fusion"])
+def test_state_the_graph_writes_is_never_folded(case, level, before):
+    model, x, file = ((_LinearEMA(before), torch.randn(4, 8), "amp_bf16.rw") if case == "amp_bf16"
+                      else (_ConvBNDecay(before), torch.randn(2, 3, 4, 4), "fusion.rw"))
+    model.eval()
+    gm = fx.symbolic_trace(model) if level == "fx" else torch.export.export(model, (x,), strict=False).module()
+    reference = copy.deepcopy(gm)
+    result = rewrite.load(file).apply(gm, (x,), check=False)
+    rewritten = result.graph_module
+    assert "conv_bn" not in result.counts  # (amp_bf16 still folds the cast of the bias nobody writes)
+    with torch.no_grad():
+        for _ in range(3):  # every call reads the state the previous one wrote
+            want, got = reference(x), rewritten(x)
+            assert ((want - got).abs().max() / want.abs().max()).item() < 0.02
+
+
+def test_const_is_false_for_state_the_graph_writes():
+    from rewrite.engine.facts import GraphFacts
+
+    gm = torch.export.export(_LinearEMA(), (torch.randn(4, 8),), strict=False).module()
+    facts = GraphFacts(gm)
+    reads = {n.target: n for n in gm.graph.nodes if n.op == "get_attr"}
+    assert not facts.is_const(reads["w"]) and facts.is_const(reads["b"])

@@ -20,6 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from rewrite.engine.shapes import cast_of, fresh_cast, fresh_like, like_input
 from rewrite.ops.base import ConstRef, attribute
+from rewrite.ops.effects import state_writes
 
 __all__ = ["GraphFacts", "Value", "TensorFacts", "FACTS_KEY", "NEW_NODE_KEY", "fetch_attr", "tensor_meta_of"]
 
@@ -112,13 +113,32 @@ class GraphFacts:
         return operand
 
     def is_const(self, operand: Any) -> bool:
+        """A literal, or a parameter/buffer the graph never writes in place (an
+        EMA update, running statistics in training mode): a rule may fold its value
+        at rewrite time only if every call reads that same value."""
         if isinstance(operand, ConstRef):
-            return True
+            return self._unwritten(operand.qualname)
         if isinstance(operand, fx.Node):
-            return operand.op == "get_attr"
+            return operand.op == "get_attr" and self._unwritten(operand.target)
         if isinstance(operand, (list, tuple)):
             return all(self.is_const(o) for o in operand)
         return True
+
+    def _unwritten(self, qualname: str) -> bool:
+        try:
+            value = fetch_attr(self.gm, qualname)
+        except AttributeError:
+            return False
+        if not isinstance(value, torch.Tensor):
+            return True
+        written = self._written_state
+        return written is not None and id(value) not in written
+
+    @functools.cached_property
+    def _written_state(self) -> frozenset | None:
+        """Ids of the state tensors the graph may write (None: unknown), worked out
+        once: rewrites add no writes to existing state (E105)."""
+        return state_writes(self.gm)
 
     def meta(self, operand: Any, record: bool = True) -> Any:
         """A tensor-like with .shape/.dtype/.device for the operand, or None.
