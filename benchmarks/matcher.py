@@ -128,6 +128,11 @@ def _rank(v: Any) -> int | None:
     return None if m is None else len(m.shape)
 
 
+def _contiguous_x(e: dict) -> bool:
+    m = _val(e["x"])
+    return m is not None and hasattr(m, "is_contiguous") and m.is_contiguous()
+
+
 def _ints(*xs: Any) -> bool:
     return all(isinstance(x, int) and not isinstance(x, bool) for x in xs)
 
@@ -265,7 +270,8 @@ def peer_rules(o: Any) -> list[PeerRule]:
         PeerRule("permute_permute", ((lambda x, p, q: o.permute(o.permute(x, p), q), lambda x, p, q: x),),
                  _perms_cancel, fixed=False),
         PeerRule("permute_identity", ((lambda x, p: o.permute(x, p), lambda x, p: x),), _identity_perm, fixed=False),
-        PeerRule("reshape_reshape", tuple(view_pair(a, b) for a in o.views for b in o.views), fixed=False),
+        PeerRule("reshape_reshape", tuple(view_pair(a, b) for a in o.views for b in o.views), _contiguous_x,
+                 fixed=False),
         PeerRule("reshape_noop", tuple(view_one(v) for v in o.views), _reshape_noop, fixed=False),
         PeerRule("cat_single", tuple(cat_one(c) for c in o.cats), fixed=False),
         PeerRule("to_same_dtype", tuple(to_one(t) for t in o.tos), _to_same, fixed=False),

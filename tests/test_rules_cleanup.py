@@ -115,3 +115,29 @@ def test_cleanup_never_returns_the_callers_input(rule):
     fresh_in_eager = model(x).untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
     if fresh_in_eager:
         assert out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr(), result.counts
+
+
+@pytest.mark.parametrize("level", ["fx", "export"])
+@pytest.mark.parametrize("check", [False, True])
+def test_reshape_reshape_keeps_the_copy_of_a_non_contiguous_tensor(level, check):
+    # eager: reshape(12) of the transposed tensor copies, so the result is contiguous;
+    # reshape(x.t(), (3, 4)) would be x.t() itself (strides (1, 3)): a later .view fails
+    def f(x):
+        return (x.t().reshape(12).reshape(3, 4) + 1).view(12)
+
+    x = torch.randn(4, 3)
+    model = Fn(f)
+    gm = fx.symbolic_trace(model) if level == "fx" else torch.export.export(model, (x,)).module()
+    result = cleanup().apply(gm, example_inputs=(x,), check=check)
+    assert "reshape_reshape" not in result.counts
+    out = result.graph_module(x)
+    assert torch.equal(out, f(x)) and out.is_contiguous()
+
+
+def test_reshape_reshape_fires_on_a_contiguous_tensor_recorded_by_symbolic_trace():
+    x = torch.randn(4, 3)
+    model = Fn(lambda x: torch.tanh(x).reshape(12).reshape(3, 4) + 1)
+    result = cleanup().apply(fx.symbolic_trace(model), example_inputs=(x,))
+    assert result.counts.get("reshape_reshape") == 1
+    out = result.graph_module(x)
+    assert torch.equal(out, model(x)) and out.is_contiguous()

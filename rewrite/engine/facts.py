@@ -54,6 +54,7 @@ class TensorFacts:
     shape: tuple
     dtype: torch.dtype
     device: torch.device
+    contiguous: bool | None = None  # laid out row-major (None: not recorded)
 
     @property
     def ndim(self) -> int:
@@ -61,7 +62,7 @@ class TensorFacts:
 
     @classmethod
     def of(cls, t: Any) -> "TensorFacts":
-        return cls(tuple(t.shape), t.dtype, t.device)
+        return cls(tuple(t.shape), t.dtype, t.device, t.is_contiguous())
 
 
 fetch_attr = attribute  # ``root.a.b.c`` by dotted name (rewrite.ops.base.attribute)
@@ -243,7 +244,7 @@ class GraphFacts:
         metas = [m for m in metas if m is not None and not isinstance(m, (list, tuple))]
         device = next((m.device for m in metas if getattr(m, "device", None) is not None), torch.device("cpu"))
         node.meta[FACTS_KEY] = torch.utils._pytree.tree_map_only(
-            torch.Tensor, lambda t: TensorFacts(tuple(t.shape), t.dtype, torch.device(device)), out
+            torch.Tensor, lambda t: TensorFacts(tuple(t.shape), t.dtype, torch.device(device), t.is_contiguous()), out
         )
 
     def _record(self, node: fx.Node) -> None:

@@ -82,6 +82,23 @@ def is_float(x: Value) -> bool:
 
 
 @register_predicate(local=True)
+def is_contiguous(x: Value) -> bool:
+    """A tensor laid out contiguously (row-major; known from its recorded strides).
+    Rules that skip a copy rely on it: a reshape of a transposed tensor copies into
+    a contiguous one, the tensor itself keeps its strides (``out.view(-1)`` fails)."""
+    m = x.meta
+    if m is None:
+        return False if x.is_literal else None
+    recorded = getattr(m, "contiguous", None)  # TensorFacts (symbolic_trace graphs)
+    if isinstance(recorded, bool):
+        return recorded
+    try:
+        return bool(m.is_contiguous())
+    except (AttributeError, TypeError, RuntimeError, NotImplementedError):  # metadata without strides
+        return None
+
+
+@register_predicate(local=True)
 def same_shape(a: Value, b: Value) -> bool:
     """Both tensors have the same, known shape."""
     ma, mb = a.meta, b.meta
