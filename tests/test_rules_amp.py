@@ -517,3 +517,33 @@ def test_integer_outputs_downstream_of_bfloat16_pass_on_agreement():
     # the same flips in a float32 rewrite are a failure: integers are exact there
     flip = lambda x: (body(x), body(x).argmax(-1).flip(0))  # noqa: E731
     assert not check_equivalence(Classify(), flip, (x,), tolerance="approx").ok
+
+
+def _unet_block(i, o):
+    return nn.Sequential(nn.Conv2d(i, o, 3, padding=1), nn.ReLU(), nn.Conv2d(o, o, 3, padding=1),
+                         nn.GroupNorm(2, o), nn.SiLU())
+
+
+class _SmallUNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.d1, self.d2, self.mid = _unet_block(3, 8), _unet_block(8, 16), _unet_block(16, 16)
+        self.up1, self.u1 = nn.ConvTranspose2d(16, 16, 2, 2), _unet_block(32, 8)
+        self.up2, self.u2 = nn.Upsample(scale_factor=2, mode="bilinear"), _unet_block(16, 8)
+        self.out = nn.Conv2d(8, 2, 1)
+
+    def forward(self, x):
+        a = self.d1(x)
+        b = self.d2(F.max_pool2d(a, 2))
+        m = self.mid(F.max_pool2d(b, 2))
+        u = self.u1(torch.cat([self.up1(m), b], 1))
+        return self.out(self.u2(torch.cat([self.up2(u), a], 1)))
+
+
+def test_amp_fp16_passes_its_default_check_on_a_deep_conv_net():
+    # float16 rounding over ~13 layers: held to float16's tolerance (the tie with
+    # float32's table entry once made the check use float32's scale floor)
+    torch.manual_seed(0)
+    model, x = _SmallUNet().eval(), torch.randn(1, 3, 16, 16)
+    result = rewrite.load("amp_fp16.rw").apply(fx.symbolic_trace(model), (x,))
+    assert result.counts["conv_fp16"] == 11 and result.equivalence.ok

@@ -65,3 +65,13 @@ def test_quantized_values_may_be_one_step_apart_only_when_approximate():
     got = torch.quantize_per_tensor(torch.tensor([0.0, 1.1]), 0.1, 0, torch.qint8)
     assert compare_tensors(ref, got, Tolerance.of(torch.float32, "approx"))[2] is None
     assert compare_tensors(ref, got, Tolerance.bitwise())[2] is not None
+
+
+def test_loosest_prefers_the_lower_precision_on_a_tie():
+    from rewrite.trust.tolerance import EXACT_TOLERANCES, loosest
+
+    for kind, table in (("approx", TOLERANCES), ("exact", EXACT_TOLERANCES)):
+        for order in ([torch.float32, torch.float16], [torch.float16, torch.float32]):
+            assert loosest(order, kind) == torch.float16
+    # a rewrite to float16 is never held tighter than float16's own rounding
+    assert TOLERANCES[torch.float16] >= EXACT_TOLERANCES[torch.float16]

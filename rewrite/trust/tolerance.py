@@ -36,7 +36,9 @@ TOLERANCES: Dict[torch.dtype, Tuple[float, float]] = {
     torch.complex128: (1e-7, 1e-7),
     torch.float32: (1e-3, 1e-3),
     torch.complex64: (1e-3, 1e-3),
-    torch.float16: (1e-3, 1e-3),
+    # half precision: about two units in the last place at 1.0, as for exact rewrites
+    # (a rewrite to float16 is never held tighter than float16's own rounding)
+    torch.float16: (2e-3, 2e-3),
     torch.bfloat16: (1.6e-2, 1.6e-2),
 }
 #: dtype -> (rtol, atol_base) for exact rewrites: only rounding may differ.
@@ -68,9 +70,16 @@ SCALE_FLOOR: Dict[torch.dtype, float] = {
 
 
 def loosest(dtypes, kind: str = "approx") -> Optional[torch.dtype]:
-    """The dtype with the loosest tolerance of ``kind`` among ``dtypes`` (None if empty)."""
+    """The dtype with the loosest tolerance of ``kind`` among ``dtypes`` (None if empty);
+    of two with the same entry (float16 and float32 for approximate rewrites), the
+    lower precision, whose scale floor is the looser (``SCALE_FLOOR``)."""
     table = _TABLES[kind]
-    return max(dtypes, key=lambda d: table.get(d, DEFAULT_TOLERANCE), default=None)
+
+    def key(d: torch.dtype) -> tuple:
+        eps = torch.finfo(d).eps if d.is_floating_point or d.is_complex else 0.0
+        return table.get(d, DEFAULT_TOLERANCE), eps
+
+    return max(dtypes, key=key, default=None)
 
 
 @attrs.frozen
