@@ -547,3 +547,26 @@ def test_amp_fp16_passes_its_default_check_on_a_deep_conv_net():
     model, x = _SmallUNet().eval(), torch.randn(1, 3, 16, 16)
     result = rewrite.load("amp_fp16.rw").apply(fx.symbolic_trace(model), (x,))
     assert result.counts["conv_fp16"] == 11 and result.equivalence.ok
+
+
+class _FlattenByView(nn.Module):
+    """A classic CNN head: ``x.view(x.size(0), -1)`` after the convolutions."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2, self.fc = nn.Conv2d(3, 8, 3), nn.Conv2d(8, 8, 3), nn.Linear(8 * 4 * 4, 10)
+
+    def forward(self, x):
+        x = torch.max_pool2d(torch.relu(self.c2(torch.relu(self.c1(x)))), 2)
+        return self.fc(x.view(x.size(0), -1))
+
+
+@pytest.mark.parametrize("file", ["amp_bf16.rw", "amp_fp16.rw"])
+@pytest.mark.parametrize("level", ["fx", "export"])
+def test_amp_views_a_channels_last_convolution_output(file, level):
+    # the channels_last weights make the convolutions' outputs channels_last, which
+    # .view cannot flatten: the lowered view is a reshape (the cast after it copies anyway)
+    model, x = _FlattenByView().eval(), torch.randn(2, 3, 12, 12)
+    gm = fx.symbolic_trace(model) if level == "fx" else torch.export.export(model, (x,), strict=False).module()
+    result = rewrite.load(file).apply(gm, (x,))
+    assert result.equivalence.ok and sum(v for k, v in result.counts.items() if k.startswith("view_")) == 1
