@@ -264,13 +264,24 @@ class RuleSet:
         """
         if on_mismatch not in ("raise", "skip-rule"):
             raise ValueError(f"on_mismatch must be 'raise' or 'skip-rule', not {on_mismatch!r}")
+        if check and (not isinstance(trials, int) or trials < 1):
+            raise ValueError(f"trials must be a positive int when check=True, not {trials!r}")
+        for name, tol in (("rtol", rtol), ("atol", atol)):
+            if tol is not None and not (isinstance(tol, (int, float)) and tol >= 0):
+                raise ValueError(f"{name} must be a non-negative number, not {tol!r}")
+        if not isinstance(model, (torch.nn.Module, torch.export.ExportedProgram)):
+            raise TypeError(f"apply needs a torch.fx.GraphModule, a torch.export.ExportedProgram or an "
+                            f"nn.Module, not {type(model).__name__}")
+        if isinstance(model, torch.jit.ScriptModule):
+            raise TypeError("apply cannot rewrite a TorchScript module: pass the nn.Module itself, or its "
+                            "torch.export.export(model, args).module()")
         if isinstance(model, torch.export.ExportedProgram):
             if inplace:
                 raise ValueError("inplace=True needs a GraphModule, not an ExportedProgram: pass ep.module()")
             model = model.module()  # the module it runs as; the result is a GraphModule too
         if inplace and not isinstance(model, fx.GraphModule):
             raise ValueError(f"inplace=True needs a torch.fx.GraphModule, not {type(model).__name__}")
-        original = model if isinstance(model, fx.GraphModule) else fx.symbolic_trace(model)
+        original = model if isinstance(model, fx.GraphModule) else _symbolic_trace(model)
         self._warn_hidden(original)
         example_inputs = tuple(example_inputs) if example_inputs is not None else None
         txn = _Transaction(self, original, example_inputs, max_rewrites, shuffle_seed, inplace, checked=check)
@@ -420,11 +431,23 @@ class RuleSet:
         """
         from rewrite.trust.explain import explain
 
-        gm = model if isinstance(model, fx.GraphModule) else fx.symbolic_trace(model)
+        gm = model if isinstance(model, fx.GraphModule) else _symbolic_trace(model)
         return explain(self, gm, rule, node, example_inputs, limit)
 
 
 _MAX_REJECTIONS = 16
+
+
+def _symbolic_trace(model: torch.nn.Module) -> fx.GraphModule:
+    """``torch.fx.symbolic_trace(model)``, its failures told in the user's terms."""
+    try:
+        return fx.symbolic_trace(model)
+    except Exception as err:  # noqa: BLE001 - any tracing failure: say what to do instead
+        raise TypeError(
+            f"could not capture {type(model).__name__} with torch.fx.symbolic_trace "
+            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); capture it yourself, "
+            "e.g. torch.export.export(model, example_inputs, strict=False).module(), and pass that"
+        ) from err
 
 
 @attrs.frozen

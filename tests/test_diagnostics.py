@@ -9,8 +9,10 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+import rewrite
 from rewrite.language import Diagnostic, RuleError, ast, format_diagnostic, load_program, load_program_text, parse_text
 from rewrite.language.diagnostics import did_you_mean
 
@@ -291,3 +293,56 @@ def test_documented_rule_text_parses():
     # The opening example is a whole program: it must also pass the checker.
     opening = "\n".join(line for line in blocks[0].splitlines() if not line.startswith("import"))
     assert [r.name for r in load_program_text(opening).rules] == ["mul_one", "conv_bn", "act_then_id", "cast_same"]
+
+
+# ---------------------------------------------------------------- API misuse: told, not a traceback
+
+
+def _tiny():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)).eval()
+    return model, torch.randn(1, 3, 8, 8)
+
+
+def test_apply_refuses_what_it_cannot_rewrite_with_a_clear_error():
+    rules = rewrite.load("fusion.rw")
+    model, x = _tiny()
+    with pytest.raises(TypeError, match="needs a torch.fx.GraphModule.*not str"):
+        rules.apply("model", (x,))
+    with pytest.raises(TypeError, match="TorchScript"):
+        rules.apply(torch.jit.script(model), (x,))
+
+    class Untraceable(torch.nn.Module):
+        def forward(self, x):
+            return x * 2 if x.sum() > 0 else x  # control flow on a value
+
+    with pytest.raises(TypeError, match="could not capture Untraceable.*torch.export.export"):
+        rules.apply(Untraceable(), (x,))
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"trials": 0}, "trials must be a positive int"),
+    ({"rtol": -1.0}, "rtol must be a non-negative number"),
+    ({"atol": float("nan")}, "atol must be a non-negative number"),
+])
+def test_apply_refuses_bad_check_options(options, message):
+    model, x = _tiny()
+    with pytest.raises(ValueError, match=message):
+        rewrite.load("fusion.rw").apply(torch.fx.symbolic_trace(model), (x,), **options)
+
+
+def test_backend_and_inductor_pass_take_a_rule_set_or_its_path():
+    with pytest.raises(TypeError, match="needs a RuleSet"):
+        rewrite.backend(42)
+    with pytest.raises(TypeError, match="needs a RuleSet"):
+        rewrite.inductor_pass(["fusion.rw"])
+    model, x = _tiny()
+    path = str(rewrite.rules_dir() / "fusion.rw")
+    compiled = torch.compile(model, backend=rewrite.backend(path))
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+
+
+def test_explain_names_the_rules_it_has():
+    model, _ = _tiny()
+    with pytest.raises(KeyError, match="no rule named 'nope'; have .*conv_bn"):
+        rewrite.load("fusion.rw").explain(torch.fx.symbolic_trace(model), rule="nope")

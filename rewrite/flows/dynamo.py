@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import functools
 import hashlib
+import os
 import operator
 import re
 from pathlib import Path
@@ -139,6 +140,7 @@ def backend(rules: Any, *, compiler: Any = "python", check: bool = True, on_resu
         rules = rewrite.load("rules/fusion.rw", "rules/cleanup.rw")
         fast = torch.compile(model.eval(), backend=rewrite.backend(rules, compiler="inductor"))
     """
+    rules = _as_ruleset(rules, "backend")
     compile_graph = _compiler(compiler)
 
     def compile_fn(gm: fx.GraphModule, example_inputs: list) -> Callable:
@@ -249,7 +251,21 @@ def inductor_pass(rules: Any, *, check: bool = False, on_result: Callable | None
         with torch._inductor.config.patch(post_grad_custom_pre_pass=rewrite.inductor_pass(rules)):
             torch.compile(model)(x)
     """
-    return _rules_pass_class()(rules, check=check, on_result=on_result, **apply_options)
+    return _rules_pass_class()(_as_ruleset(rules, "inductor_pass"), check=check, on_result=on_result,
+                               **apply_options)
+
+
+def _as_ruleset(rules: Any, where: str) -> Any:
+    """A RuleSet, or a rule file's path loaded as one (``rewrite.load``); anything
+    else is refused here, not inside torch.compile."""
+    from rewrite.ruleset import RuleSet, load
+
+    if isinstance(rules, (str, os.PathLike)):
+        return load(str(rules))
+    if not isinstance(rules, RuleSet):
+        raise TypeError(f"rewrite.{where} needs a RuleSet (rewrite.load(...)) or a rule file's path, "
+                        f"not {type(rules).__name__}")
+    return rules
 
 
 def _transplant(source: fx.GraphModule, target: fx.GraphModule) -> None:

@@ -201,6 +201,8 @@ def explain(ruleset: Any, model: fx.GraphModule, rule: str | None = None, node: 
     Returns ``Explanations``: a list that prints as text."""
     gm = copy.deepcopy(model)
     facts = GraphFacts(gm, example_inputs)
+    if rule is not None and rule not in ruleset.rules:
+        raise KeyError(f"no rule named {rule!r}; have {sorted(ruleset.rules)}")
     rules = [ruleset.rules[rule]] if rule is not None else list(ruleset.rules.values())
     if node is not None:
         nodes = [n for n in gm.graph.nodes if n.name == node]
