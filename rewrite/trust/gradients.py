@@ -23,18 +23,6 @@ import attrs
 import torch
 from torch.utils import _pytree as pytree
 
-from rewrite.engine.compile import (
-    CompiledRule,
-    PAlt,
-    PCall,
-    PResults,
-    PSeq,
-    RModule,
-    ROp,
-    RResults,
-    RSeq,
-)
-
 __all__ = ["GRADIENT_OPS", "GradientRun", "gradient_run", "touches_gradients"]
 
 #: Name parts (``aten.detach.default`` -> ``detach``) of ops whose gradient differs
@@ -59,32 +47,30 @@ def _gradient_name(name: str) -> bool:
 
 
 def _names(node: Any) -> Any:
-    """Op, module and function names a compiled pattern or replacement calls."""
-    if isinstance(node, PCall):
-        for alt in node.alts:
-            yield from _names(alt)
-    elif isinstance(node, PAlt):
-        yield node.opdef.name
-        for _, pattern in node.args:
-            yield from _names(pattern)
-    elif isinstance(node, PResults):
-        yield from _names(node.call)
-    elif isinstance(node, (PSeq, RSeq, RResults)):
-        for item in node.items:
+    """Op and module names a compiled pattern or replacement calls (read by shape:
+    ``PCall.alts``, ``PAlt``/``ROp.opdef``, ``RModule.spec``, and their operands)."""
+    if isinstance(node, (list, tuple)):
+        for item in node:
             yield from _names(item)
-    elif isinstance(node, ROp):
-        yield node.opdef.name
-        for value in node.args.values():
-            yield from _names(value)
-    elif isinstance(node, RModule):
-        yield node.spec.name
-        for value in node.inputs:
-            yield from _names(value)
+        return
+    if isinstance(node, dict):
+        yield from _names(tuple(node.values()))
+        return
+    opdef = getattr(node, "opdef", None)
+    if opdef is not None:
+        yield opdef.name
+    spec = getattr(node, "spec", None)
+    if spec is not None and hasattr(node, "inputs"):  # an inserted module (not a rewrite-time constant)
+        yield spec.name
+    for field in ("alts", "args", "call", "items", "inputs"):
+        child = getattr(node, field, None)
+        if child is not None and not isinstance(child, (str, bytes)):
+            yield from _names(child)
 
 
 @functools.lru_cache(maxsize=4096)
-def touches_gradients(rule: CompiledRule) -> bool:
-    """Whether ``rule`` matches or emits an op in ``GRADIENT_OPS`` (or a quantizer):
+def touches_gradients(rule: Any) -> bool:
+    """Whether ``rule`` (a ``CompiledRule``) matches or emits an op in ``GRADIENT_OPS`` (or a quantizer):
     the rewrite may change gradients without changing a forward value."""
     return any(_gradient_name(name) for part in (rule.pattern, rule.replacement) for name in _names(part))
 
