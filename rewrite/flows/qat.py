@@ -260,19 +260,24 @@ class FrozenObserver(ObserverBase):
         return f"scale={float(self.scale):.6g}, zero_point={int(self.zero_point)}"
 
 
-def _freeze_layer(gm: fx.GraphModule, node: fx.Node, aten: bool) -> None:
-    """``QATLayer`` call -> ``conv(x, dequantize(w_int8), b)`` / ``linear(...)``."""
+def _freeze_layer(gm: fx.GraphModule, node: fx.Node, aten: bool, qdq: bool = False) -> None:
+    """``QATLayer`` call -> ``conv(x, dequantize(w_int8), b)`` / ``linear(...)``; with
+    ``qdq`` (the PT2E form ``export`` and ``export_onnx`` take) the weight is a plain
+    int8 tensor read through ``quantized_decomposed.dequantize_per_channel`` /
+    ``_per_tensor`` with its scales, as ``convert.rw``'s ``conv_weight_pt2e`` writes it."""
     mod: QATLayer = gm.get_submodule(node.target)
     q, bias = mod.frozen()
     base = str(node.target).replace(".", "_")
     wname, bname = f"{base}_weight_int8", f"{base}_bias"
-    gm.register_buffer(wname, q)
+    gm.register_buffer(wname, q.int_repr() if qdq else q)
     if bias is not None:
         gm.register_buffer(bname, bias)
-    deq = torch.ops.aten.dequantize.self if aten else torch.dequantize
     with gm.graph.inserting_before(node):
         w = gm.graph.get_attr(wname)
-        wd = gm.graph.call_function(deq, (w,))
+        if qdq:
+            wd = _pt2e_dequantize(gm, w, q, base, mod.weight_fake_quant)
+        else:
+            wd = gm.graph.call_function(torch.ops.aten.dequantize.self if aten else torch.dequantize, (w,))
         b = gm.graph.get_attr(bname) if bias is not None else None
         if mod.kind == "conv":
             target = getattr(torch.ops.aten, f"conv{mod.rank}d").default if aten else getattr(torch, f"conv{mod.rank}d")
@@ -292,6 +297,23 @@ def _freeze_layer(gm: fx.GraphModule, node: fx.Node, aten: bool) -> None:
         new.meta["nn_module_stack"] = stack
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
+
+
+def _pt2e_dequantize(gm: fx.GraphModule, w: fx.Node, q: torch.Tensor, base: str, fq: Any) -> fx.Node:
+    """``quantized_decomposed.dequantize_per_*(w, ...)`` of the int8 weight ``w``
+    read as ``q`` (a per-channel or per-tensor ``qint8``) within ``fq``'s range."""
+    import torch.ao.quantization.fx._decomposed  # noqa: F401 - registers quantized_decomposed
+
+    ops = torch.ops.quantized_decomposed
+    lo, hi = fq.quant_min, fq.quant_max
+    if q.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric):
+        scales, zps = f"{base}_weight_scales", f"{base}_weight_zero_points"
+        gm.register_buffer(scales, q.q_per_channel_scales().float())
+        gm.register_buffer(zps, q.q_per_channel_zero_points().long())
+        args = (w, gm.graph.get_attr(scales), gm.graph.get_attr(zps), q.q_per_channel_axis(), lo, hi, torch.int8)
+        return gm.graph.call_function(ops.dequantize_per_channel.default, args)
+    return gm.graph.call_function(ops.dequantize_per_tensor.default,
+                                  (w, float(q.q_scale()), int(q.q_zero_point()), lo, hi, torch.int8))
 
 
 def _listed(value: Any, aten: bool, rank: int) -> Any:
@@ -328,8 +350,9 @@ def convert(qat: fx.GraphModule, **options: Any) -> Any:
     gm.eval()
     gm.requires_grad_(False)
     aten = detect_dialect(gm) == "aten"
+    qdq = options.get("form") == "qdq"
     for node in qat_layers(gm):
-        _freeze_layer(gm, node, aten)
+        _freeze_layer(gm, node, aten, qdq)
     for node in fake_quant_nodes(gm):
         fq = gm.get_submodule(node.target)
         scale, zp = fq.scale, fq.zero_point
