@@ -323,3 +323,13 @@ def test_random_expressions_round_trip(e):
     text = format_expr(e)
     parsed = rule(f"rule r: f(x) where {text} => x").where
     assert parsed == e, text
+
+
+def test_reserved_words_name_members_after_a_dot():
+    import rewrite
+
+    for text in ("rule r: torch.where(_, x, x) => x\n", "rule r: aten.where.self(_, x, x) => x\n",
+                 "rule r: torch.ops.aten.where.self(_, x, x) => x\n"):
+        assert list(rewrite.parse(text).rules) == ["r"]
+    with pytest.raises(rewrite.RuleError, match="reserved word"):
+        rewrite.parse("rule where: relu(x) => x\n")

@@ -249,6 +249,9 @@ class _Builder(Transformer):
         return ast.OpRef(tuple(c.text for c in children), span=self._s(meta),
                          name_spans=tuple(c.span for c in children))
 
+    def member(self, meta, children):
+        return str(children[0])
+
     def dotted(self, meta, children):
         return _Dotted(".".join(str(c) for c in children), self._s(meta))
 

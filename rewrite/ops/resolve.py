@@ -152,6 +152,9 @@ def schema_sig(overload: Any, self_name: str = "self") -> Sig:
 
 
 _PREFERRED_OVERLOADS = ("default", "Tensor", "int", "input", "self", "using_ints", "dim")
+#: ops whose ``default`` overload is not how Python calls them: ``torch.where(c, x, y)``
+#: is ``where.self`` (``where.default`` is the one-argument ``nonzero`` form)
+_PYTHON_OVERLOADS = {"where": "self"}
 
 
 def aten_overload(name: str, overload: str | None = None) -> Any | None:
@@ -170,7 +173,8 @@ def aten_overload(name: str, overload: str | None = None) -> Any | None:
     if overload is not None:
         ordered = [overload] if overload in names else []
     else:
-        ordered = [n for n in _PREFERRED_OVERLOADS if n in names] + [n for n in names if "out" not in n]
+        preferred = (_PYTHON_OVERLOADS[name],) if name in _PYTHON_OVERLOADS else _PREFERRED_OVERLOADS
+        ordered = [n for n in preferred if n in names] + [n for n in names if "out" not in n]
     for ov in ordered:
         # Only ops that compute on a tensor they are given: this skips TorchScript
         # scalar overloads (add.default(int a, int b)) and, for safety, factories
