@@ -1760,3 +1760,32 @@ def test_const_is_false_for_state_the_graph_writes():
     facts = GraphFacts(gm)
     reads = {n.target: n for n in gm.graph.nodes if n.op == "get_attr"}
     assert not facts.is_const(reads["w"]) and facts.is_const(reads["b"])
+
+
+# writes that no schema annotates: a flag argument (training, use_input_stats, max_norm),
+# an out= argument, a backward pass
+FLAGGED_WRITES = [
+    "batch_norm(x, m, v, g, b, training=False, eps=e, ...) => F.batch_norm(x, m, v, g, b, True, 0.1, e)",
+    "batch_norm(x, m, v, g, b, training=False, eps=e, ...) => "
+    "getitem(aten.native_batch_norm(x, g, b, m, v, True, 0.1, e), 0)",
+    "batch_norm(x, m, v, g, b, training=False, eps=e, ...) => aten.batch_norm(x, g, b, m, v, True, 0.1, e, False)",
+    "batch_norm(x, m, v, g, b, training=False, eps=e, ...) => aten.instance_norm(x, g, b, m, v, True, 0.1, e, False)",
+    "batch_norm(x, m, v, g, b, training=False, eps=e, ...) => F.instance_norm(x, m, v, g, b, True, 0.1, e)",
+    "sigmoid(x) => F.normalize(x, 2.0, 1, 1e-12, x)",
+    "embedding(i, w) => embedding(i, w, None, 1.0)",
+    "embedding(i, w) => F.embedding(i, w, None, 2.0)",
+]
+
+
+@pytest.mark.parametrize("rule", FLAGGED_WRITES)
+def test_writes_behind_a_flag_are_refused_at_load(rule):
+    _assert_rejected(f"rule r: {rule}\n", "<string>:1:")
+
+
+@pytest.mark.parametrize("rule", [
+    "batch_norm(x, m, v, g, b, training=False, eps=e, ...) => F.batch_norm(x, m, v, g, b, False, 0.1, e)",
+    "embedding(i, w) => embedding(i, w, None, None)",
+    "sigmoid(x) => F.normalize(x, 2.0, 1, 1e-12)",
+])
+def test_the_same_ops_without_the_write_load(rule):
+    assert list(rewrite.parse(f"rule r: {rule}\n").rules) == ["r"]

@@ -226,17 +226,39 @@ def opdef_writes(opdef: Any) -> tuple:
     or is None. Canonical ops emit their functional form: what their entry's
     ``writes`` says. A qualified name emits exactly its target: what its schema
     says (``aten.mul_.Scalar`` writes ``input``)."""
-    if not opdef.qualified:
-        return tuple(opdef.writes)
     out: dict = {}
-    for form in opdef.forms:
-        target = _form_target(form)
-        if target is None:
-            continue
-        rename = getattr(form, "rename", {}) or {}
-        for _, name in target_writes(target):
-            out.setdefault(rename.get(name, name), None)
+    if not opdef.qualified:
+        out.update(dict(opdef.writes))
+    else:
+        for form in opdef.forms:
+            target = _form_target(form)
+            if target is None:
+                continue
+            rename = getattr(form, "rename", {}) or {}
+            for _, name in target_writes(target):
+                out.setdefault(rename.get(name, name), None)
+    params = set(opdef.param_names)
+    for part in opdef.name.split("."):
+        written, flag = _FLAGGED_WRITES.get(part, ((), None))
+        for name in written:
+            if name in params and (flag is None or flag in params):
+                out.setdefault(name, flag)
+    if "out" in params:  # an out= argument is written whatever the op
+        out.setdefault("out", None)
     return tuple(out.items())
+
+
+#: Ops that write an argument their schema does not annotate: (written parameters,
+#: the parameter that must be true (not None, not False) for the write, or None).
+_FLAGGED_WRITES = {
+    name: (("running_mean", "running_var"), "training")
+    for name in ("batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_batch_norm_impl_index",
+                 "_batch_norm_with_update", "cudnn_batch_norm", "miopen_batch_norm")
+} | {
+    "instance_norm": (("running_mean", "running_var"), "use_input_stats"),
+    "embedding": (("weight",), "max_norm"),  # renormalizes the rows it reads
+    "backward": (("self", "tensors", "input"), None),  # accumulates into the leaves' .grad
+}
 
 
 def _form_target(form: Any) -> Any:
