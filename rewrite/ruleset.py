@@ -27,6 +27,7 @@ import torch.fx as fx
 
 from rewrite.engine.compile import compile_rule
 from rewrite.engine.driver import Driver, Schedule
+from rewrite.engine.layout import output_values, restore_output_layouts
 from rewrite.engine.workspace import Journal, check_touched, gc_paused, shared_copy
 from rewrite.language import Program, ast, load_program, load_program_text
 from rewrite.ops import detect_dialect
@@ -515,10 +516,12 @@ class _Transaction:
                 driver = Driver(gm, detect_dialect(gm), self.max_rewrites, self.example_inputs, limit=limit,
                                 skip=self.skip, on_meta=journal.note_meta,
                                 shuffle=random.Random(self.shuffle_seed) if self.shuffle_seed is not None else None)
+                outputs = output_values(gm)
                 with torch.no_grad():
                     driver.run(self.ruleset.schedule, self.ruleset._resolve)
                 if driver.counts:
                     _remove_unused(gm, driver.replacer.released_nodes, driver.replacer.released_targets)
+                    driver.created.extend(restore_output_layouts(gm, driver.facts, outputs, detect_dialect(gm)))
                     driver.facts.settle(driver.created)
                     if self.checked:
                         gm.graph.lint()

@@ -346,3 +346,12 @@ def test_explain_names_the_rules_it_has():
     model, _ = _tiny()
     with pytest.raises(KeyError, match="no rule named 'nope'; have .*conv_bn"):
         rewrite.load("fusion.rw").explain(torch.fx.symbolic_trace(model), rule="nope")
+
+
+def test_a_where_clause_after_the_replacement_says_where_it_goes():
+    with pytest.raises(RuleError) as info:
+        rewrite.parse("rule r: add(x, 0) => x where is_float(x)\n")
+    text = str(info.value)
+    assert ":1:24:" in text and "between the pattern and '=>'" in text
+    with pytest.raises(RuleError, match="reserved word"):
+        rewrite.parse("rule where: relu(x) => x\n")

@@ -75,3 +75,29 @@ def test_loosest_prefers_the_lower_precision_on_a_tie():
             assert loosest(order, kind) == torch.float16
     # a rewrite to float16 is never held tighter than float16's own rounding
     assert TOLERANCES[torch.float16] >= EXACT_TOLERANCES[torch.float16]
+
+
+@settings(max_examples=30, deadline=None)
+@given(fill=st.sampled_from([torch.finfo(torch.float32).min, -1e9, -1e4, 3e38]),
+       masked=st.floats(0.1, 0.95), kind=st.sampled_from(["exact", "approx"]), seed=st.integers(0, 1000))
+def test_a_wrong_value_next_to_mask_fills_is_caught(fill, masked, kind, seed):
+    # HF-style masking: sigmoid scores with masked positions filled with a huge value;
+    # a wrong rule (tanh for sigmoid) must not hide behind the fill's magnitude
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(6, 16, generator=g)
+    mask = torch.rand(6, 16, generator=g) < masked
+    mask[0, 0] = False  # at least one score
+    ref = torch.sigmoid(x).masked_fill(mask, fill)
+    wrong = torch.tanh(x).masked_fill(mask, fill)
+    _, _, problem = compare_tensors(ref, wrong, Tolerance.of(torch.float32, kind))
+    assert problem is not None
+
+
+def test_rounding_next_to_mask_fills_still_passes():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 16, generator=g, dtype=torch.float64)
+    mask = torch.rand(6, 16, generator=g) < 0.5
+    fill = torch.finfo(torch.float32).min
+    ref = torch.softmax(x, -1).float().masked_fill(mask, fill)
+    rounded = (torch.softmax(x, -1).float() * (1 + 1e-7)).masked_fill(mask, fill)
+    assert compare_tensors(ref, rounded, Tolerance.of(torch.float32, "exact"))[2] is None

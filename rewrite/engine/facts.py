@@ -55,6 +55,7 @@ class TensorFacts:
     dtype: torch.dtype
     device: torch.device
     contiguous: bool | None = None  # laid out row-major (None: not recorded)
+    stride: tuple | None = None
 
     @property
     def ndim(self) -> int:
@@ -62,7 +63,9 @@ class TensorFacts:
 
     @classmethod
     def of(cls, t: Any) -> "TensorFacts":
-        return cls(tuple(t.shape), t.dtype, t.device, t.is_contiguous())
+        strided = t.layout == torch.strided
+        return cls(tuple(t.shape), t.dtype, t.device, t.is_contiguous() if strided else None,
+                   tuple(t.stride()) if strided else None)
 
 
 fetch_attr = attribute  # ``root.a.b.c`` by dotted name (rewrite.ops.base.attribute)
@@ -244,7 +247,8 @@ class GraphFacts:
         metas = [m for m in metas if m is not None and not isinstance(m, (list, tuple))]
         device = next((m.device for m in metas if getattr(m, "device", None) is not None), torch.device("cpu"))
         node.meta[FACTS_KEY] = torch.utils._pytree.tree_map_only(
-            torch.Tensor, lambda t: TensorFacts(tuple(t.shape), t.dtype, torch.device(device), t.is_contiguous()), out
+            torch.Tensor, lambda t: TensorFacts(tuple(t.shape), t.dtype, torch.device(device), t.is_contiguous(),
+                                                tuple(t.stride())), out
         )
 
     def _record(self, node: fx.Node) -> None:
@@ -297,7 +301,14 @@ def _each(convert: Any, mode: Any, v: Any) -> Any:
 
 
 def _on_meta(v: Any) -> Any:
+    """A meta tensor with ``v``'s shape, dtype and (when known) strides: layouts
+    propagate (a channels_last weight makes a channels_last convolution output)."""
     if hasattr(v, "shape") and hasattr(v, "dtype"):
+        stride = getattr(v, "stride", None)
+        if callable(stride) and getattr(v, "layout", None) == torch.strided:
+            stride = tuple(stride())
+        if isinstance(stride, tuple) and len(stride) == len(v.shape):
+            return torch.empty_strided(tuple(v.shape), stride, dtype=v.dtype, device="meta")
         return torch.empty(tuple(v.shape), dtype=v.dtype, device="meta")
     return v
 

@@ -83,6 +83,7 @@ class _Context:
     def __init__(self, parser: lark.Lark, text: str, stop: int):
         self.open: list = []  # (char, Token)
         self.in_where = False
+        self.in_replacement = False  # after a rule's '=>'
         self.rule_name: str | None = None
         self.last: str | None = None  # the text of the last token before the error
         previous = None
@@ -91,13 +92,13 @@ class _Context:
                 if tok.start_pos >= stop:
                     break
                 if tok.type == "RULE":
-                    self.in_where, self.rule_name = False, None
+                    self.in_where, self.in_replacement, self.rule_name = False, False, None
                 elif previous is not None and previous.type == "RULE" and tok.type == "NAME":
                     self.rule_name = str(tok)
                 elif tok.type == "WHERE":
                     self.in_where = True
                 elif str(tok) == "=>":
-                    self.in_where = False
+                    self.in_where, self.in_replacement = False, True
                 if str(tok) in _CLOSER:
                     self.open.append((str(tok), tok))
                 elif str(tok) in (")", "]") and self.open:
@@ -155,6 +156,10 @@ def _bad_token(exc: UnexpectedToken, text: str, path: str, parser: lark.Lark) ->
                           help=_RULE_SHAPE)
     if at_end:
         return Diagnostic(span, "unexpected end of file" + _expecting(expected), "E004")
+    if str(tok) == "where" and ctx.in_replacement:
+        return Diagnostic(span, "unexpected 'where' after the replacement", "E001",
+                          help="the condition goes between the pattern and '=>': "
+                               "rule name: PATTERN where CONDITION => REPLACEMENT")
     if tok.type != "NAME" and str(tok).isidentifier() and "NAME" in expected:
         return Diagnostic(span, f"'{tok}' is a reserved word and cannot be used as a name", "E001",
                           help="choose another name")

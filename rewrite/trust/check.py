@@ -654,6 +654,9 @@ def _side_effects(trial: int, ref: _Run, cand: _Run, kind: str, rtol: Optional[f
         return Mismatch(path, trial, None, None, math.inf, math.inf,
                         f"shares memory with {other} in the rewrite, not in the original "
                         "(writing into one would change the other)")
+    layout = _layout_change(ref.outputs, cand.outputs, trial)
+    if layout is not None:
+        return layout
     ref_inputs, cand_inputs = pytree.tree_leaves(ref.inputs), pytree.tree_leaves(cand.inputs)
     for i in sorted(ref.inputs_written | cand.inputs_written):
         if i not in ref.inputs_written:
@@ -678,6 +681,35 @@ def _side_effects(trial: int, ref: _Run, cand: _Run, kind: str, rtol: Optional[f
                                    cand.state_written[name], kind, rtol, atol)
         if mm is not None:
             return mm
+    return None
+
+
+def _layout(t: torch.Tensor) -> str:
+    if t.is_contiguous():
+        return "contiguous"
+    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):
+        return "channels_last"
+    if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d):
+        return "channels_last_3d"
+    return "strided"
+
+
+def _layout_change(ref_out: Any, cand_out: Any, trial: int) -> Optional[Mismatch]:
+    """An output laid out contiguously (or channels_last) in the original and not so
+    in the rewrite: the caller sees it (``out.view(-1)`` fails, ``is_contiguous()``
+    changes). An original output with other strides may become any layout."""
+    ref_leaves = pytree.tree_flatten_with_path(ref_out)[0]
+    cand_leaves = pytree.tree_leaves(cand_out)
+    for (kp, r), c in zip(ref_leaves, cand_leaves):
+        if not (isinstance(r, torch.Tensor) and isinstance(c, torch.Tensor)) or r.shape != c.shape \
+                or r.numel() < 2 or r.layout != torch.strided or c.layout != torch.strided:
+            continue
+        mine, theirs = _layout(r), _layout(c)
+        if mine != "strided" and mine != theirs:
+            return Mismatch("output" + pytree.keystr(kp), trial, tuple(r.shape), str(r.dtype).replace("torch.", ""),
+                            0.0, 0.0, f"memory layout changed: {mine} (strides {tuple(r.stride())}) in the original, "
+                                      f"{theirs} (strides {tuple(c.stride())}) in the rewrite (out.view() or "
+                                      "is_contiguous() would tell)")
     return None
 
 

@@ -1,0 +1,123 @@
+"""Outputs keep their memory layout.
+
+A rewrite may change how an output is laid out while keeping its values: removing a
+copy that made it contiguous, or computing it in channels_last (the AMP files store
+convolution weights channels_last, and the layout follows the activations to the
+output). The caller sees that (``out.view(-1)`` fails, ``out.is_contiguous()``
+changes), so after the rules have run, an output that was contiguous (or
+channels_last) and no longer is gets one copy back into that layout, right before
+the graph returns it. Inside the graph the layout is free: ops compute the same
+values whatever the strides (``view`` excepted, which the rules that skip copies
+check with ``is_contiguous``).
+
+Layouts are read from the facts nodes carry (FakeTensor ``val``, or the
+``contiguous`` flag of recorded ``TensorFacts``); an output whose layout is unknown
+on either side is left as it is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from rewrite.engine.facts import GraphFacts, fetch_attr, tensor_meta_of
+from rewrite.engine.replace import RULE_KEY
+
+__all__ = ["output_values", "restore_output_layouts"]
+
+_FORMATS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last,
+            "channels_last_3d": torch.channels_last_3d}
+
+
+def output_values(gm: fx.GraphModule) -> list:
+    """The nodes the graph returns, in output order (what ``restore_output_layouts``
+    compares against after the rewrite)."""
+    out = next((n for n in reversed(gm.graph.nodes) if n.op == "output"), None)
+    if out is None:
+        return []
+    found: list = []
+    fx.node.map_arg(out.args, found.append)
+    return found
+
+
+def _has_strided_constants(gm: fx.GraphModule) -> bool:
+    """Whether a tensor the graph reads through get_attr is not contiguous (the AMP
+    files' channels_last weights): then new values' layouts cannot be inferred."""
+    for node in gm.graph.find_nodes(op="get_attr"):
+        value = fetch_attr(gm, node.target)
+        if isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_contiguous():
+            return True
+    return False
+
+
+def _layout(meta: Any) -> str | None:
+    """``"contiguous"``, ``"channels_last"``, ``"channels_last_3d"``, ``"strided"``
+    (anything else), or None when the facts do not say."""
+    if meta is None:
+        return None
+    recorded = getattr(meta, "contiguous", None)
+    if isinstance(recorded, bool):  # TensorFacts: contiguity only
+        return "contiguous" if recorded else "strided"
+    if not isinstance(meta, torch.Tensor) or meta.layout != torch.strided or meta.numel() < 2:
+        return None
+    try:
+        if meta.is_contiguous():
+            return "contiguous"
+        if meta.dim() == 4 and meta.is_contiguous(memory_format=torch.channels_last):
+            return "channels_last"
+        if meta.dim() == 5 and meta.is_contiguous(memory_format=torch.channels_last_3d):
+            return "channels_last_3d"
+    except (RuntimeError, NotImplementedError):  # symbolic strides
+        return None
+    return "strided"
+
+
+def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, dialect: str) -> list:
+    """Copy each output whose layout the rewrite changed back into the layout it had
+    (``before``: ``output_values`` of the graph before the rewrite, same order).
+    Returns the nodes created. Runs before ``GraphFacts.settle``, while new nodes'
+    facts can still be inferred."""
+    after = output_values(gm)
+    if len(after) != len(before):
+        return []
+    out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    originals = set(before)
+    created, fixed = [], {}
+    strided_constants = None
+    for old, new in zip(before, after):
+        if old is new or new in fixed:
+            continue
+        want = _layout(tensor_meta_of(old))
+        if want not in _FORMATS:
+            continue
+        if new.op == "placeholder" or new in originals or RULE_KEY not in new.meta:
+            # a value of the original graph: its recorded layout is what it computed
+            if _layout(tensor_meta_of(new)) in (want, None):
+                continue
+        else:
+            # a new value: its layout is inferred on meta tensors, whose kernels do not
+            # choose layouts as CPU kernels do (a channels_last weight gives a
+            # channels_last convolution on CPU, a contiguous one on meta)
+            if strided_constants is None:
+                strided_constants = _has_strided_constants(gm)
+            inferred = _layout(facts.meta(new, record=False))
+            if not strided_constants and inferred in (want, None):
+                continue  # unknown (a quantized kernel's output): the check compares it
+        with gm.graph.inserting_before(out_node):
+            # contiguous(): a copy only when the value is not laid out so already
+            if dialect == "aten":
+                copy = gm.graph.call_function(torch.ops.aten.contiguous.default, (new,),
+                                              {"memory_format": _FORMATS[want]})
+            else:
+                copy = gm.graph.call_method("contiguous", (new,), {"memory_format": _FORMATS[want]})
+        for key in ("stack_trace", "nn_module_stack"):
+            if key in new.meta:
+                copy.meta[key] = new.meta[key]
+        facts.new_node(copy)  # its val comes with the other new nodes' (GraphFacts.settle)
+        fixed[new] = copy
+        created.append(copy)
+    for new, copy in fixed.items():
+        out_node.replace_input_with(new, copy)  # through the replace hooks: an undo journal sees it
+    return created

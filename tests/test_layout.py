@@ -1,0 +1,80 @@
+"""Outputs keep their memory layout (``rewrite.engine.layout``), and the check
+compares it: a caller's ``out.view(-1)`` or ``out.is_contiguous()`` sees it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import fx, nn
+
+import rewrite
+from rewrite.trust.check import check_equivalence
+
+
+class _Fn(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+class _ConvHead(nn.Module):
+    """A network whose output is a convolution's (a segmentation head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.c2(torch.relu(self.c1(x)))
+
+
+def _capture(model, x, level):
+    return fx.symbolic_trace(model) if level == "fx" else torch.export.export(model, (x,), strict=False).module()
+
+
+def test_the_check_reports_an_output_that_is_no_longer_contiguous():
+    x = (torch.randn(4, 3),)
+    report = check_equivalence(lambda t: (t + 1).t().contiguous(), lambda t: (t + 1).t(), x)
+    assert not report.ok and "memory layout changed: contiguous" in str(report)
+    # an original output with arbitrary strides may come back contiguous
+    assert check_equivalence(lambda t: (t + 1).t(), lambda t: (t + 1).t().contiguous(), x).ok
+    report = check_equivalence(lambda t: torch.randn(1, 3, 4, 4).contiguous(memory_format=torch.channels_last) + t,
+                               lambda t: torch.randn(1, 3, 4, 4) + t, (torch.zeros(1, 3, 4, 4),))
+    assert not report.ok and "channels_last" in str(report)
+
+
+@pytest.mark.parametrize("file", ["amp_bf16.rw", "amp_fp16.rw"])
+@pytest.mark.parametrize("level", ["fx", "export"])
+def test_amp_returns_a_convolution_output_in_the_layout_eager_does(file, level):
+    # the AMP files store convolution weights channels_last: the last convolution's
+    # output is channels_last until it is copied back for the caller
+    model, x = _ConvHead().eval(), torch.randn(1, 3, 16, 16)
+    result = rewrite.load(file).apply(_capture(model, x, level), (x,))
+    out = result.graph_module(x)
+    assert result.counts["to_roundtrip"] >= 1 and result.equivalence.ok
+    assert out.is_contiguous() and out.view(-1).numel() == out.numel()
+
+
+@pytest.mark.parametrize("level", ["fx", "export"])
+def test_removing_the_copy_that_made_an_output_contiguous_is_repaired_or_refused(level):
+    model, x = _Fn(lambda t: (t + 1).t().contiguous()), torch.randn(4, 3)
+    rules = rewrite.parse("rule drop: Tensor.contiguous(x) => x\nrule drop_aten: aten.clone.default(x, ...) => x\n")
+    try:
+        result = rules.apply(_capture(model, x, level), (x,))
+    except rewrite.EquivalenceError as err:  # refused: the check saw the layout change
+        assert "memory layout changed" in str(err)
+        return
+    out = result.graph_module(x)
+    assert out.is_contiguous() and torch.equal(out, model(x))
+
+
+def test_an_unchanged_layout_adds_no_copy():
+    model, x = _Fn(lambda t: torch.tanh(t) * 1.0), torch.randn(4, 3)
+    gm = fx.symbolic_trace(model)
+    result = rewrite.load("cleanup.rw").apply(gm, (x,))
+    assert result.counts == {"mul_one": 1}
+    assert len(result.graph_module.graph.nodes) == len(gm.graph.nodes) - 1
+    assert "contiguous" not in result.graph_module.code
