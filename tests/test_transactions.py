@@ -200,4 +200,8 @@ def test_a_constant_never_replaces_a_value_the_graph_returns_or_writes(model_cls
         again = again[1] if isinstance(again, tuple) else again
         want = model_cls()(x)
     torch.testing.assert_close(again, want[1] if isinstance(want, tuple) else want)
-    assert sum(s.failed for s in result.stats.values()) >= 1
+    # never applied: refused when built (returned), or not a constant at all (the cast
+    # may alias the parameter, which the graph then writes: const(w) is false)
+    assert not result.counts
+    if model_cls is _ReturnsCast:
+        assert sum(s.failed for s in result.stats.values()) >= 1
