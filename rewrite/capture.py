@@ -25,6 +25,7 @@ with, so tests run each rule set on the graphs of all four levels:
 
 from __future__ import annotations
 
+import copy
 import importlib
 import os
 import sys
@@ -262,6 +263,40 @@ def save_path_problem(path: Any, level: str) -> str | None:
     return None
 
 
+def picklable(gm: fx.GraphModule) -> fx.GraphModule:
+    """A plain GraphModule computing what ``gm`` does, sharing its modules and tensors
+    (``gm`` is not changed), that ``torch.save`` can write: what fx cannot pickle goes.
+    String type annotations on placeholders are dropped; an emitted
+    ``torch.Tensor.m(x, ...)`` call becomes ``x.m(...)`` (fx would write its import as
+    ``from torch._C import TensorBase.m``); a ``torch.export`` capture's input guard
+    (``_guards_fn``, a local function) is left out, so the copy does not check its
+    inputs' shapes."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    graph._codegen = copy.deepcopy(gm.graph._codegen)
+    for node in list(graph.nodes):
+        if isinstance(node.type, str):
+            node.type = None
+        if node.op == "call_function" and _tensor_method(node.target):
+            node.op, node.target = "call_method", node.target.__name__
+        elif node.op == "call_module" and not node.users and _is_export_guard(gm, node.target):
+            graph.erase_node(node)
+    plain = fx.GraphModule(gm, graph)
+    plain.train(gm.training)
+    return plain
+
+
+def _tensor_method(target: Any) -> bool:
+    name = getattr(target, "__name__", None)
+    return (isinstance(name, str) and not isinstance(target, torch._ops.OpOverload)
+            and getattr(torch.Tensor, name, None) is target)
+
+
+def _is_export_guard(gm: fx.GraphModule, target: str) -> bool:
+    module = getattr(gm, target, None)
+    return type(module).__name__ == "GuardsFn" and type(module).__module__.startswith("torch.export")
+
+
 def save(gm: fx.GraphModule, path: Any, level: str = "fx", example_inputs: Any = None) -> Path:
     """Save a rewritten GraphModule, all or nothing.
 
@@ -284,11 +319,8 @@ def save(gm: fx.GraphModule, path: Any, level: str = "fx", example_inputs: Any =
         program = export_program(gm, example_inputs)
         write = lambda f: torch.export.save(program, f)  # noqa: E731
     else:
-        for node in gm.graph.nodes:
-            if isinstance(node.type, str):
-                node.type = None
-        gm.recompile()
-        write = lambda f: torch.save(gm, f)  # noqa: E731
+        plain = picklable(gm)
+        write = lambda f: torch.save(plain, f)  # noqa: E731
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".partial{path.suffix}", dir=path.parent or ".")
     os.close(fd)
     try:

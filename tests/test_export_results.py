@@ -122,3 +122,19 @@ def test_export_program_of_an_exportable_result_is_plain_export():
     assert torch.ops.aten.batch_norm.default in ops, "the unfoldable batch norm stays"
     bns = sum(1 for n in program.graph.nodes if n.target == torch.ops.aten.batch_norm.default)
     assert bns == model.UNFOLDABLE
+
+
+def test_a_rewritten_symbolic_trace_result_with_emitted_methods_saves(tmp_path):
+    # an emitted torch.Tensor.m(x) call would make fx write "from torch._C import
+    # TensorBase.m" in the pickled code: rewrite.capture.save writes x.m() instead
+    class Model(torch.nn.Module):
+        def forward(self, x):
+            return torch.tanh(x).t() * 1.0 + 1
+
+    x = torch.randn(3, 4)
+    result = rewrite.parse("rule r: mul(x, 1.0) => contiguous(x)\n").apply(torch.fx.symbolic_trace(Model()), (x,))
+    assert result.counts == {"r": 1}
+    code = result.graph_module.code
+    path = rewrite.capture.save(result.graph_module, tmp_path / "m.pt", level="fx")
+    loaded = torch.load(path, weights_only=False)
+    assert torch.equal(loaded(x), Model()(x)) and result.graph_module.code == code

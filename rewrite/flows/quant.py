@@ -1121,27 +1121,13 @@ def run_onnx(path: Any, inputs: Any, *, threads: int | None = None) -> list:
 
 
 def save(gm: fx.GraphModule, path: Any) -> None:
-    """``torch.save`` an int8 GraphModule (its prepacked weights pickle), as a plain
-    GraphModule sharing ``gm``'s modules (``gm`` itself is not changed). fx cannot
-    pickle string type annotations on placeholders: they are dropped; a
-    ``torch.export`` capture's input guard (``_guards_fn``, a local function that does
-    not pickle) is left out: the saved module does not check its inputs' shapes."""
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    graph._codegen = copy.deepcopy(gm.graph._codegen)
-    for node in list(graph.nodes):
-        if isinstance(node.type, str):
-            node.type = None
-        if node.op == "call_module" and not node.users and _is_export_guard(gm, node.target):
-            graph.erase_node(node)
-    plain = fx.GraphModule(gm, graph)
-    plain.train(gm.training)
-    torch.save(plain, path)
+    """``torch.save`` an int8 GraphModule (its prepacked weights pickle), as
+    ``rewrite.capture.picklable`` makes it: ``gm`` is not changed; from an export
+    capture, without export's input guard (the saved module does not check its
+    inputs' shapes)."""
+    from rewrite.capture import picklable
 
-
-def _is_export_guard(gm: fx.GraphModule, target: str) -> bool:
-    module = getattr(gm, target, None)
-    return type(module).__name__ == "GuardsFn" and type(module).__module__.startswith("torch.export")
+    torch.save(picklable(gm), path)
 
 
 def add_quantize_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
