@@ -521,7 +521,8 @@ class _Transaction:
                     driver.run(self.ruleset.schedule, self.ruleset._resolve)
                 if driver.counts:
                     _remove_unused(gm, driver.replacer.released_nodes, driver.replacer.released_targets)
-                    driver.created.extend(restore_output_layouts(gm, driver.facts, outputs, detect_dialect(gm)))
+                    driver.created.extend(restore_output_layouts(gm, driver.facts, outputs, detect_dialect(gm),
+                                                                 driver.created))
                     driver.facts.settle(driver.created)
                     if self.checked:
                         gm.graph.lint()

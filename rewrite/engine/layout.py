@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 
 from rewrite.engine.facts import GraphFacts, fetch_attr, tensor_meta_of
-from rewrite.engine.replace import RULE_KEY
+from rewrite.engine.shapes import layout_of
 
 __all__ = ["output_values", "restore_output_layouts"]
 
@@ -52,49 +52,29 @@ def _has_strided_constants(gm: fx.GraphModule) -> bool:
     return False
 
 
-def _layout(meta: Any) -> str | None:
-    """``"contiguous"``, ``"channels_last"``, ``"channels_last_3d"``, ``"strided"``
-    (anything else), or None when the facts do not say."""
-    if meta is None:
-        return None
-    recorded = getattr(meta, "contiguous", None)
-    if isinstance(recorded, bool):  # TensorFacts: contiguity only
-        return "contiguous" if recorded else "strided"
-    if not isinstance(meta, torch.Tensor) or meta.layout != torch.strided or meta.numel() < 2:
-        return None
-    try:
-        if meta.is_contiguous():
-            return "contiguous"
-        if meta.dim() == 4 and meta.is_contiguous(memory_format=torch.channels_last):
-            return "channels_last"
-        if meta.dim() == 5 and meta.is_contiguous(memory_format=torch.channels_last_3d):
-            return "channels_last_3d"
-    except (RuntimeError, NotImplementedError):  # symbolic strides
-        return None
-    return "strided"
-
-
-def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, dialect: str) -> list:
+def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, dialect: str,
+                            created: Any) -> list:
     """Copy each output whose layout the rewrite changed back into the layout it had
-    (``before``: ``output_values`` of the graph before the rewrite, same order).
+    (``before``: ``output_values`` of the graph before the rewrite, same order;
+    ``created``: the nodes the rewrite created).
     Returns the nodes created. Runs before ``GraphFacts.settle``, while new nodes'
     facts can still be inferred."""
     after = output_values(gm)
     if len(after) != len(before):
         return []
     out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    originals = set(before)
-    created, fixed = [], {}
+    created_nodes = set(created)
+    copies, fixed = [], {}
     strided_constants = None
     for old, new in zip(before, after):
         if old is new or new in fixed:
             continue
-        want = _layout(tensor_meta_of(old))
+        want = layout_of(tensor_meta_of(old))
         if want not in _FORMATS:
             continue
-        if new.op == "placeholder" or new in originals or RULE_KEY not in new.meta:
+        if new not in created_nodes:
             # a value of the original graph: its recorded layout is what it computed
-            if _layout(tensor_meta_of(new)) in (want, None):
+            if layout_of(tensor_meta_of(new)) in (want, None):
                 continue
         else:
             # a new value: its layout is inferred on meta tensors, whose kernels do not
@@ -102,7 +82,7 @@ def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, 
             # channels_last convolution on CPU, a contiguous one on meta)
             if strided_constants is None:
                 strided_constants = _has_strided_constants(gm)
-            inferred = _layout(facts.meta(new, record=False))
+            inferred = layout_of(facts.meta(new, record=False))
             if not strided_constants and inferred in (want, None):
                 continue  # unknown (a quantized kernel's output): the check compares it
         with gm.graph.inserting_before(out_node):
@@ -117,7 +97,7 @@ def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, 
                 copy.meta[key] = new.meta[key]
         facts.new_node(copy)  # its val comes with the other new nodes' (GraphFacts.settle)
         fixed[new] = copy
-        created.append(copy)
+        copies.append(copy)
     for new, copy in fixed.items():
         out_node.replace_input_with(new, copy)  # through the replace hooks: an undo journal sees it
-    return created
+    return copies

@@ -25,7 +25,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["cast_of", "fresh_cast", "like_input", "fresh_like"]
+__all__ = ["cast_of", "fresh_cast", "like_input", "fresh_like", "layout_of"]
 
 aten = torch.ops.aten
 
@@ -195,3 +195,25 @@ def fresh_cast(t: FakeTensor, dtype: torch.dtype) -> FakeTensor:
     """A new FakeTensor with ``t``'s shape, strides and device in ``dtype``."""
     meta = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=dtype, device="meta")
     return FakeTensor(t.fake_mode, meta, t.device)
+
+
+def layout_of(meta: Any) -> str | None:
+    """``"contiguous"``, ``"channels_last"``, ``"channels_last_3d"``, ``"strided"``
+    (anything else), or None when the facts do not say."""
+    if meta is None:
+        return None
+    recorded = getattr(meta, "contiguous", None)
+    if isinstance(recorded, bool):  # TensorFacts: contiguity only
+        return "contiguous" if recorded else "strided"
+    if not isinstance(meta, torch.Tensor) or meta.layout != torch.strided or meta.numel() < 2:
+        return None
+    try:
+        if meta.is_contiguous():
+            return "contiguous"
+        if meta.dim() == 4 and meta.is_contiguous(memory_format=torch.channels_last):
+            return "channels_last"
+        if meta.dim() == 5 and meta.is_contiguous(memory_format=torch.channels_last_3d):
+            return "channels_last_3d"
+    except (RuntimeError, NotImplementedError):  # symbolic strides
+        return None
+    return "strided"

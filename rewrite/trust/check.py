@@ -53,12 +53,13 @@ from torch import fx
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from rewrite.engine.shapes import layout_of
 from rewrite.engine.workspace import gc_paused
 from rewrite.ops.base import ConstRef, attribute
 from rewrite.ops.effects import state_writes
 from rewrite.ops.vocabulary import CALL_OPS, OPS, bind_node
 from rewrite.trust.gradients import GradientRun, gradient_run
-from rewrite.trust.runner import running_as_graph
+from rewrite.trust.runner import call_with, running_as_graph
 from rewrite.trust.tolerance import (
     EXACT_TOLERANCES,
     TOLERANCES,
@@ -485,12 +486,7 @@ def _call(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool = True, watch: 
     recorder = _DtypeRecorder() if dtypes and static is None else contextlib.nullcontext()
     with torch.no_grad(), torch.random.fork_rng(devices=[]), recorder:
         torch.manual_seed(rng_seed)
-        if isinstance(args, dict):
-            out = fn(**args)
-        elif isinstance(args, (tuple, list)):
-            out = fn(*args)
-        else:
-            out = fn(args)
+        out = call_with(fn, args)
     written = frozenset(i for i, (t, v) in enumerate(zip(leaves, before))
                         if isinstance(t, torch.Tensor) and t._version != v)
     state_written = {name: state[name].detach().clone() for name in watch.watched
@@ -684,16 +680,6 @@ def _side_effects(trial: int, ref: _Run, cand: _Run, kind: str, rtol: Optional[f
     return None
 
 
-def _layout(t: torch.Tensor) -> str:
-    if t.is_contiguous():
-        return "contiguous"
-    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):
-        return "channels_last"
-    if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d):
-        return "channels_last_3d"
-    return "strided"
-
-
 def _layout_change(ref_out: Any, cand_out: Any, trial: int) -> Optional[Mismatch]:
     """An output laid out contiguously (or channels_last) in the original and not so
     in the rewrite: the caller sees it (``out.view(-1)`` fails, ``is_contiguous()``
@@ -704,8 +690,8 @@ def _layout_change(ref_out: Any, cand_out: Any, trial: int) -> Optional[Mismatch
         if not (isinstance(r, torch.Tensor) and isinstance(c, torch.Tensor)) or r.shape != c.shape \
                 or r.numel() < 2 or r.layout != torch.strided or c.layout != torch.strided:
             continue
-        mine, theirs = _layout(r), _layout(c)
-        if mine != "strided" and mine != theirs:
+        mine, theirs = layout_of(r), layout_of(c)
+        if mine not in (None, "strided") and mine != theirs:
             return Mismatch("output" + pytree.keystr(kp), trial, tuple(r.shape), str(r.dtype).replace("torch.", ""),
                             0.0, 0.0, f"memory layout changed: {mine} (strides {tuple(r.stride())}) in the original, "
                                       f"{theirs} (strides {tuple(c.stride())}) in the rewrite (out.view() or "

@@ -23,6 +23,8 @@ import attrs
 import torch
 from torch.utils import _pytree as pytree
 
+from rewrite.trust.runner import call_with
+
 __all__ = ["GRADIENT_OPS", "GradientRun", "gradient_run", "touches_gradients"]
 
 #: Name parts (``aten.detach.default`` -> ``detach``) of ops whose gradient differs
@@ -107,12 +109,7 @@ def gradient_run(fn: Any, inputs: Any, seed: int) -> Optional[GradientRun]:
                   if p.requires_grad and _floating(p)}
     with torch.enable_grad(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        if isinstance(args, dict):
-            out = fn(**args)
-        elif isinstance(args, (tuple, list)):
-            out = fn(*args)
-        else:
-            out = fn(args)
+        out = call_with(fn, args)
     flat = [(pytree.keystr(kp), t) for kp, t in pytree.tree_flatten_with_path(out)[0] if _floating(t)]
     reached = tuple((path, bool(t.requires_grad)) for path, t in flat)
     generator = torch.Generator().manual_seed(seed)

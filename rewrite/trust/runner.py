@@ -117,6 +117,16 @@ def running_as_graph(fn: Any) -> Iterator[Any]:
         fn.__dict__.pop("forward", None)
 
 
+def call_with(fn: Any, args: Any) -> Any:
+    """``fn`` called on example inputs as the check keeps them: a dict as keyword
+    arguments, a tuple or list as positional ones, anything else as the one argument."""
+    if isinstance(args, dict):
+        return fn(**args)
+    if isinstance(args, (tuple, list)):
+        return fn(*args)
+    return fn(args)
+
+
 def _holds_lists(value: Any) -> bool:
     if isinstance(value, (list, dict)):
         return True
