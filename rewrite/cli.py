@@ -125,8 +125,9 @@ def _cmd_apply(args: argparse.Namespace) -> int:
     if args.ruleset:
         rules = rules[args.ruleset]
     problem = args.save and save_path_problem(args.save, args.capture)
-    if problem:  # refused before any work
-        raise SystemExit(f"rewrite: error: --save {args.save}: {problem}")
+    if problem:  # refused before any work, as a usage error
+        print(f"rewrite: error: --save {args.save}: {problem}", file=sys.stderr)
+        return 2
     if args.report and args.capture == "dynamo":
         print("rewrite: error: --report needs --capture fx or export (dynamo rewrites its graphs inside "
               "torch.compile): use rewrite stats --capture dynamo for the figures", file=sys.stderr)
