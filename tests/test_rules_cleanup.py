@@ -141,3 +141,14 @@ def test_reshape_reshape_fires_on_a_contiguous_tensor_recorded_by_symbolic_trace
     assert result.counts.get("reshape_reshape") == 1
     out = result.graph_module(x)
     assert torch.equal(out, model(x)) and out.is_contiguous()
+
+
+def test_add_zero_keeps_a_negative_zero_a_documented_limit():
+    # README, "What it cannot promise": -0.0 + 0 is +0.0 in eager; add_zero returns -0.0
+    model = Fn(lambda x: torch.tanh(x) + 0.0)
+    x = torch.tensor([-0.0, 1.0])
+    result = cleanup().apply(fx.symbolic_trace(model), example_inputs=(torch.randn(2),))
+    assert result.counts == {"add_zero": 1}
+    eager, rewritten = model(x), result.graph_module(x)
+    assert torch.equal(eager, rewritten)  # equal as numbers...
+    assert not torch.signbit(eager[0]) and torch.signbit(rewritten[0])  # ...not as signed zeros
