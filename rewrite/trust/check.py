@@ -771,16 +771,11 @@ class Reference:
         state covering the reference). ``dtypes``: record the floating dtypes its
         ops compute in (approximate checks need them)."""
         if trial not in self._runs or (dtypes and not self._with_dtypes[trial]):
-            watch = self.watch()
-            with (preserved_state(self.fn, runs_only=True, watches=(watch,)) if state is None
-                  else contextlib.nullcontext()), running_as_graph(self.fn) as fn:
+            with self._running(state) as fn:
                 try:
-                    self._runs[trial] = _call(fn, self.inputs(trial), self.seed + trial, dtypes, watch)
+                    self._runs[trial] = _call(fn, self.inputs(trial), self.seed + trial, dtypes, self.watch())
                 except Exception as e:
                     raise RuntimeError(f"reference failed on trial {trial} inputs: {type(e).__name__}: {e}") from e
-                finally:
-                    if state is not None:
-                        state.restore()
             self._with_dtypes[trial] = dtypes
         return self._runs[trial]
 
@@ -789,17 +784,26 @@ class Reference:
         computed once: ``(run, None)``, or ``(None, why)`` when there is nothing to
         compare (no gradient reaches an output, or its backward fails)."""
         if self._gradients is None:
-            with (preserved_state(self.fn, runs_only=True, watches=(self.watch(),)) if state is None
-                  else contextlib.nullcontext()), running_as_graph(self.fn) as fn:
+            with self._running(state) as fn:
                 try:
                     run = gradient_run(fn, self.inputs(0), self.seed)
                     self._gradients = (run, None if run is not None else "no gradient reaches an output")
                 except Exception as e:  # noqa: BLE001 - no gradient to preserve
                     self._gradients = (None, f"the original's backward failed: {type(e).__name__}: {e}")
-                finally:
-                    if state is not None:
-                        state.restore()
         return self._gradients
+
+    @contextlib.contextmanager
+    def _running(self, state: Optional[_SavedState]) -> Iterator[Any]:
+        """The reference callable (its graph run node by node when its code waits),
+        its module state put back afterwards: by ``state.restore()`` when given, else
+        by a saved state of its own."""
+        with (preserved_state(self.fn, runs_only=True, watches=(self.watch(),)) if state is None
+              else contextlib.nullcontext()), running_as_graph(self.fn) as fn:
+            try:
+                yield fn
+            finally:
+                if state is not None:
+                    state.restore()
 
     def watch(self) -> _Watch:
         """What the check watches of the reference (worked out on its first run: an
