@@ -193,6 +193,14 @@ class CompiledRule:
         ``compile_rule`` builds it, so matching never walks the AST."""
         return None if self.where is None else compile_where(self.where)
 
+    @functools.cached_property
+    def flat(self) -> bool:
+        """The pattern is one call whose arguments are variables, literals and
+        wildcards, of an op that does not commute (``permute(x, p)``, ``to(x, d)``):
+        the matcher binds it without recursion (``Matcher.match``)."""
+        p = self.pattern
+        return p.results is None and all(not alt.nested and not alt.opdef.commutative for alt in p.alts)
+
     @property
     def location(self) -> str:
         return str(self.rule.span) if self.rule.span else "<rule>"

@@ -228,6 +228,7 @@ class Driver:
         self.facts = GraphFacts(gm, example_inputs, on_meta=on_meta)
         self.matcher = Matcher(gm, self.facts)
         self.replacer = Replacer(gm, self.facts, dialect)
+        self.facts.before_run = self.replacer.flush  # recording facts runs the graph
         self.counts: collections.Counter = collections.Counter()
         self.stats: dict = collections.defaultdict(RuleStats)
         self.history: list = []  # (rule name, root node name) per applied rewrite
@@ -253,21 +254,24 @@ class Driver:
         queue = collections.deque(nodes)
         queued = set(queue)
         changed = False
-        while queue:
-            node = queue.popleft()
-            queued.discard(node)
-            if node._erased:
-                continue  # erased meanwhile
-            result = self._rewrite_at(index, node)
-            if result is None:
-                continue
-            changed = True
-            fresh = [n for n in dict.fromkeys(result) if n not in queued and not n._erased and n.op in CALL_OPS
-                     and index.candidates(matcher, n)]
-            if self.shuffle is not None:
-                self.shuffle.shuffle(fresh)
-            queue.extend(fresh)
-            queued.update(fresh)
+        try:
+            while queue:
+                node = queue.popleft()
+                queued.discard(node)
+                if node._erased:
+                    continue  # erased meanwhile
+                result = self._rewrite_at(index, node)
+                if result is None:
+                    continue
+                changed = True
+                fresh = [n for n in dict.fromkeys(result) if n not in queued and not n._erased
+                         and n.op in CALL_OPS and index.candidates(matcher, n)]
+                if self.shuffle is not None:
+                    self.shuffle.shuffle(fresh)
+                queue.extend(fresh)
+                queued.update(fresh)
+        finally:
+            self.replacer.flush()
         return changed
 
     def _seeds(self, index: RuleIndex) -> list:
@@ -289,9 +293,12 @@ class Driver:
         """One sweep in graph order; nodes created by the sweep are not revisited."""
         index = _index_of(tuple(rules), self.matcher.compiled)
         changed = False
-        for node in list(self.gm.graph.nodes):
-            if not node._erased and node.op in CALL_OPS:
-                changed |= self._rewrite_at(index, node) is not None
+        try:
+            for node in list(self.gm.graph.nodes):
+                if not node._erased and node.op in CALL_OPS:
+                    changed |= self._rewrite_at(index, node) is not None
+        finally:
+            self.replacer.flush()
         return changed
 
     # -- one node

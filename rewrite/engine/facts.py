@@ -87,6 +87,7 @@ class GraphFacts:
     def __init__(self, gm: fx.GraphModule, example_inputs: tuple | None = None, on_meta: Any = None) -> None:
         self.gm = gm
         self._on_meta = on_meta  # told before facts are recorded on the input's nodes
+        self.before_run: Any = None  # called before the graph runs (pending rewiring is written back)
         # Graphs from export and dynamo carry facts; symbolic_trace graphs get them
         # recorded from the example inputs on the first question about a node that
         # has none (also on a graph an earlier rewrite recorded facts on: its new
@@ -147,10 +148,10 @@ class GraphFacts:
     def meta(self, operand: Any, record: bool = True) -> Any:
         """A tensor-like with .shape/.dtype/.device for the operand, or None.
         ``record=False`` never runs the graph to find out."""
-        if isinstance(operand, (ConstRef,)) or (isinstance(operand, fx.Node) and operand.op == "get_attr"):
-            value = self.constant_of(operand)
-            return value if isinstance(value, torch.Tensor) else None
-        if isinstance(operand, fx.Node):
+        if isinstance(operand, fx.Node) and operand.op != "get_attr":
+            val = operand.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                return val  # export and dynamo graphs: a FakeTensor (the common case, first)
             val = tensor_meta_of(operand)
             if val is None and operand.meta.pop(NEW_NODE_KEY, False):
                 self._infer(operand, record)
@@ -159,6 +160,9 @@ class GraphFacts:
                 self._record(operand)
                 val = tensor_meta_of(operand)
             return val if hasattr(val, "shape") and hasattr(val, "dtype") else None
+        if isinstance(operand, (ConstRef, fx.Node)):  # a constant (get_attr or a module's tensor)
+            value = self.constant_of(operand)
+            return value if isinstance(value, torch.Tensor) else None
         if isinstance(operand, torch.Tensor):
             return operand
         return None
@@ -258,6 +262,8 @@ class GraphFacts:
         from rewrite.trust.check import preserved_state
 
         inputs, self._example_inputs = self._example_inputs, None  # once
+        if self.before_run is not None:
+            self.before_run()
         # on copies of the inputs, restoring the module's state: recording facts has
         # no side effects (a model may write its input, or its BatchNorm statistics)
         inputs = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.clone(), inputs)

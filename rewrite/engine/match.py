@@ -165,12 +165,49 @@ class Matcher:
     # -- matching
 
     def match(self, rule: CompiledRule, node: fx.Node) -> Match | None:
+        if self.compiled and rule.flat:
+            return self._match_flat(rule, node)
         for env in self._match_root(rule, node):
             if rule.where_fn is not None and not self._holds(rule.where_fn, env):
                 continue
             if not rule.shared and self.interior_escape(rule, env) is not None:
                 continue
             return Match(rule, node, env)
+        return None
+
+    def _match_flat(self, rule: CompiledRule, node: fx.Node) -> Match | None:
+        """``match`` for a flat rule (``CompiledRule.flat``): what ``_match_call``
+        and ``_match_straight`` do for it, as one loop (most of the rules that
+        meet every view or permute of a transformer are flat)."""
+        if node.op not in ("call_function", "call_method", "call_module"):
+            return None
+        p = rule.pattern
+        where_fn = rule.where_fn
+        for alt in p.alts:
+            for bound in self._alt_bindings(alt, node):
+                args = bound.args
+                for name, value in alt.literals:
+                    if not same_arg(value, args[name]):
+                        break
+                else:
+                    env = {_NODES: (node,) + bound.interior}
+                    if p.name is not None:
+                        env[p.name] = node
+                    for name, var in alt.variables:
+                        operand = args[name]
+                        if var in env:
+                            if not _same_operand(env[var], operand):
+                                break
+                        else:
+                            env[var] = operand
+                    else:
+                        if not self.rewritable(node):
+                            return None
+                        if where_fn is not None and not self._holds(where_fn, env):
+                            continue
+                        if not rule.shared and bound.interior and self.interior_escape(rule, env) is not None:
+                            continue
+                        return Match(rule, node, env)
         return None
 
     def attempts(self, rule: CompiledRule, node: fx.Node) -> Iterator[tuple]:

@@ -29,6 +29,7 @@ from rewrite.engine.outputs import getitem_users, result_count
 from rewrite.ops import bind_node
 from rewrite.ops.base import ConstRef
 from rewrite.engine.aliasing import graph_writes, new_aliasing
+from rewrite.engine.rewire import Rewirer
 from rewrite.ops.effects import written_args
 
 __all__ = ["Replacer", "ReplacementError", "RULE_KEY", "uses_root"]
@@ -77,6 +78,7 @@ class Replacer:
         self.released_nodes: list = []
         self._writes: bool | None = None  # whether some node writes in place (None: not asked yet)
         self._classes: dict = {}  # alias classes while the graph is unchanged (new_aliasing)
+        self._rewirer = Rewirer(gm)  # readers of replaced values, wide ones without fx's rebuild
 
     def _graph_writes(self) -> bool:
         """Whether some node of the graph writes an argument in place: asked once,
@@ -98,6 +100,11 @@ class Replacer:
         return names
 
     # -- public
+
+    def flush(self) -> None:
+        """Write pending output arguments back (``rewrite.engine.rewire``): before
+        the graph is run, printed, compiled or handed on."""
+        self._rewirer.flush()
 
     def apply(self, match: Match) -> tuple:
         """Rewrite one match. Returns (new nodes, nodes whose users changed).
@@ -144,9 +151,9 @@ class Replacer:
         if inserting:
             created = set(self._created)
             users = [u for u in root.users if u not in created]
-            root.replace_all_uses_with(result, delete_user_cb=lambda user: user not in created)
+            self._rewirer.replace_uses(root, result, keep=lambda user: user not in created)
             return tuple(self._created), tuple(users)
-        root.replace_all_uses_with(result)
+        self._rewirer.replace_uses(root, result)
         touched = self._retire(match)
         return tuple(self._created), touched
 
@@ -175,7 +182,7 @@ class Replacer:
             node.meta[RULE_KEY] = (match.rule.name, match.rule.location)
         for i, value in values.items():
             for getitem in read[i]:
-                getitem.replace_all_uses_with(value)
+                self._rewirer.replace_uses(getitem, value)
         touched = self._retire(match)
         return tuple(self._created), touched
 

@@ -139,6 +139,21 @@ def _eval(e: Any) -> Compiled:
         args = [_value(a) for a in e.args]
         kwargs = [(kw.name, _value(kw.value)) for kw in e.kwargs]
 
+        if not kwargs and len(args) == 1:  # most predicates: no argument list to build
+            only = args[0]
+
+            def call_one(env: dict, facts: Any) -> Any:
+                result = fn(only(env, facts))
+                return UNKNOWN if result is None else result
+            return call_one
+        if not kwargs and len(args) == 2:
+            first, second = args
+
+            def call_two(env: dict, facts: Any) -> Any:
+                result = fn(first(env, facts), second(env, facts))
+                return UNKNOWN if result is None else result
+            return call_two
+
         def call(env: dict, facts: Any) -> Any:
             result = fn(*[a(env, facts) for a in args], **{k: v(env, facts) for k, v in kwargs})
             return UNKNOWN if result is None else result

@@ -281,6 +281,7 @@ class Journal:
         # users of nodes that lose a user (it is erased, or reads another node):
         # restored in their order (a user regained would otherwise come last)
         self._users: dict = {}
+        self._rewired: set = set()  # nodes whose arguments before the first rewire are recorded
         namespace = self.graph._graph_namespace
         self._base_count = dict(namespace._base_count)
         self._modules = [(m, {k: type(m.__dict__[k])(m.__dict__[k]) for k in _TABLES if k in m.__dict__},
@@ -318,7 +319,12 @@ class Journal:
                 self._users[i] = list(i.users)
 
     def _on_replace(self, old: fx.Node, new: str, user: fx.Node) -> None:
-        self._entries.append((2, user, None, user.args, user.kwargs))
+        # only the arguments before the first rewire are needed (``undo``): a reader
+        # of thousands of rewritten values (the output) is recorded once, not once
+        # per rewrite (which held one copy of its arguments per rewrite)
+        if user not in self._rewired:
+            self._rewired.add(user)
+            self._entries.append((2, user, None, user.args, user.kwargs))
         if old not in self._users:
             self._users[old] = list(old.users)
 
@@ -339,21 +345,25 @@ class Journal:
         self.close()
         graph = self.graph
         namespace = graph._graph_namespace
+        created = []  # newest first
         for kind, node, prev, args, kwargs in reversed(self._entries):
-            if kind == 0:  # created: its users were restored first (later entries)
-                if not node._erased:
-                    graph.erase_node(node)
-                namespace._used_names.discard(node.name)
-                namespace._obj_to_name.pop(node, None)
+            if kind == 0:  # created: erased below, once every reader has its old arguments
+                created.append(node)
             elif kind == 1:  # erased: back after the node that preceded it
                 prev.append(node)
                 node._erased = False
                 graph._len += 1
                 graph._find_nodes_lookup_table.insert(node)
                 node.args, node.kwargs = args, kwargs
-            else:  # a user that was made to read another node
+            else:  # a node made to read other nodes: its arguments before the first change
                 node.args, node.kwargs = args, kwargs
+        for node in created:  # a created node's readers are older nodes (restored) or newer ones (gone)
+            if not node._erased:
+                graph.erase_node(node)
+            namespace._used_names.discard(node.name)
+            namespace._obj_to_name.pop(node, None)
         self._entries.clear()
+        self._rewired.clear()
         for node, order in self._users.items():
             users = node.users
             order = [u for u in order if u in users]  # users created meanwhile are gone

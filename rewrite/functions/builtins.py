@@ -133,7 +133,12 @@ def is_observer(x: Value) -> bool:
 def is_identity_perm(dims: Value) -> bool:
     """A permutation literal that leaves every dim in place: (0, 1, 2, ...)."""
     d = dims.literal
-    return isinstance(d, (list, tuple)) and list(d) == list(range(len(d)))
+    if not isinstance(d, (list, tuple)):
+        return False
+    for i, v in enumerate(d):
+        if v != i:
+            return False
+    return True
 
 
 @register_predicate(local=True)
@@ -177,15 +182,24 @@ def transposes_cancel(x: Value, a0: Value, a1: Value, b0: Value, b1: Value) -> b
 @register_predicate(local=True)
 def reshape_is_noop(x: Value, shape: Value) -> bool:
     """Reshaping ``x`` to ``shape`` keeps its known shape exactly."""
-    m, s = x.meta, shape.literal
-    if not isinstance(s, (list, tuple)) or not all(isinstance(d, int) for d in s):
+    s = shape.literal
+    if not isinstance(s, (list, tuple)):
         return False
+    inferred = 0
+    for d in s:  # plain loops: this predicate meets every view of a transformer
+        if not isinstance(d, int):
+            return False
+        inferred += d == -1
+    m = x.meta
     if m is None:
         return None
-    have = tuple(m.shape)
-    if len(s) != len(have) or sum(1 for d in s if d == -1) > 1:
+    have = m.shape
+    if len(s) != len(have) or inferred > 1:
         return False
-    return all(d == h or d == -1 for d, h in zip(s, have))
+    for d, h in zip(s, have):
+        if d != h and d != -1:
+            return False
+    return True
 
 
 @register_predicate(local=True)
