@@ -146,3 +146,28 @@ def test_any_output_layout_rewires_like_fx(layout, nested):
     assert fast.counts == slow.counts
     assert _negs(fast.graph_module) == 0
     torch.testing.assert_close(fast.graph_module(X), expected)
+
+
+class ReturnsEach(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+
+    def forward(self, x):
+        return tuple(torch.sin(x + (i + 1)) for i in range(self.n)) + (x,)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_an_insertion_before_a_wide_output_rewires_only_the_outside_readers(inplace):
+    """``sin(x) as s => relu(s)`` keeps s and puts relu between it and its readers
+    (fx's ``delete_user_cb`` path): every returned sin now goes through a relu."""
+    model = ReturnsEach(50)
+    gm = capture(model, (X,), "fx")
+    rules = rewrite.parse("rule clamp(change=True): sin(_) as s => relu(s)\n")
+    result = rules.apply(gm, check=False, inplace=inplace)
+    out = result.graph_module
+    out.graph.lint()
+    assert result.counts == {"clamp": 50}
+    returned = out.graph.output_node().args[0]
+    assert all(v.target is torch.relu for v in returned[:-1]) and returned[-1].op == "placeholder"
+    torch.testing.assert_close(out(X), tuple(torch.relu(v) for v in model(X)[:-1]) + (X,))

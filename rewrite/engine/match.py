@@ -183,8 +183,15 @@ class Matcher:
             return None
         p = rule.pattern
         where_fn = rule.where_fn
+        names = self._op_names(node)
         for alt in p.alts:
-            for bound in self._alt_bindings(alt, node):
+            if alt.canonical:
+                if alt.opdef.name not in names:
+                    continue  # no form of the node's target binds as this op
+                bounds = [b for b in self.bindings(node) if b.op == alt.opdef.name]
+            else:
+                bounds = self._alt_bindings(alt, node)
+            for bound in bounds:
                 args = bound.args
                 for name, value in alt.literals:
                     if not same_arg(value, args[name]):
