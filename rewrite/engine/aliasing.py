@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from rewrite.ops.effects import always_aliases, may_alias, target_writes, written_args
@@ -147,6 +148,9 @@ def graph_writes(gm: Any) -> bool:
     ``inplace=True``."""
     for op, target, nodes in nodes_by_target(gm.graph):
         if op == "call_function" and not target_writes(target):
+            if isinstance(target, torch._ops.OpOverload) and not any(
+                    a.name == "inplace" for a in target._schema.arguments):
+                continue  # an aten op's schema says what it writes: no flag to look for
             if any(n.kwargs.get("inplace") is True for n in nodes):
                 return True
             continue

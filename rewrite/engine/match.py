@@ -24,7 +24,7 @@ from rewrite.engine.outputs import getitem_users, result_count
 from rewrite.engine.where import UNKNOWN, where_function
 from rewrite.language import ast
 from rewrite.engine.aliasing import alias_class, caller_owned, storage_base
-from rewrite.ops import bind_node, forms_for_key, node_key
+from rewrite.ops import bind_node, forms_for_key, forms_for_node, node_key
 from rewrite.ops.effects import written_args
 from rewrite.ops.forms import same_arg
 from rewrite.ops.base import ConstRef
@@ -102,6 +102,7 @@ class Matcher:
         self._inplace_ok: dict = {}
         self._module_keys: dict = {}
         self._names_by_key: dict = {}
+        self._names_by_function: dict = {}
         if on_failure is not None:
             self._on_failure = on_failure
             self._match = self._match_reporting  # recursion goes through it too
@@ -145,6 +146,12 @@ class Matcher:
 
     def _op_names(self, node: fx.Node) -> frozenset:
         """Names of the ops some form of the node's target may bind as."""
+        if node.op == "call_function":  # by the target's identity (an OpOverload hashes in Python)
+            hit = self._names_by_function.get(id(node.target))
+            if hit is None or hit[0] is not node.target:
+                names = frozenset(opdef.name for opdef, _ in forms_for_node(node, self.gm))
+                hit = self._names_by_function[id(node.target)] = (node.target, names)
+            return hit[1]
         key = self.key(node)
         try:
             names = self._names_by_key.get(key)

@@ -37,7 +37,7 @@ from rewrite.ops.generic import generic_opdef
 from rewrite.ops.resolve import normalize_qualname
 
 __all__ = [
-    "OPS", "lookup_op", "op_refusal", "op_names", "forms_for_key", "bind_node", "detect_dialect",
+    "OPS", "lookup_op", "op_refusal", "op_names", "forms_for_key", "forms_for_node", "bind_node", "detect_dialect",
     "mutates_input", "nodes_by_target", "CALL_OPS",
 ]
 
@@ -74,6 +74,23 @@ def forms_for_key(key: Any) -> tuple:
         return ()
 
 
+_BY_FUNCTION: dict = {}  # id(call_function target) -> (target, forms): an OpOverload hashes in Python
+
+
+def forms_for_node(node: fx.Node, gm: Any) -> tuple:
+    """``forms_for_key(node_key(node, gm))``, looked up by the target's identity
+    for ``call_function`` nodes (every node of an export graph)."""
+    if node.op != "call_function":
+        return forms_for_key(node_key(node, gm))
+    target = node.target
+    hit = _BY_FUNCTION.get(id(target))
+    if hit is None or hit[0] is not target:
+        if len(_BY_FUNCTION) > 4096:
+            _BY_FUNCTION.clear()
+        hit = _BY_FUNCTION[id(target)] = (target, forms_for_key(("call_function", target)))
+    return hit[1]
+
+
 def bind_node(node: fx.Node, gm: Any) -> tuple:
     """Every canonical binding of ``node``: a tuple of ``Bound``, usually one.
 
@@ -85,7 +102,7 @@ def bind_node(node: fx.Node, gm: Any) -> tuple:
     if node.op not in CALL_OPS:
         return ()
     out = []
-    for opdef, form in forms_for_key(node_key(node, gm)):
+    for opdef, form in forms_for_node(node, gm):
         bound = form.bind(node, gm, opdef)
         if bound is not None:
             out.append(bound)
