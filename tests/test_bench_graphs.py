@@ -107,11 +107,12 @@ def test_inductor_makes_the_same_rewrites(small, graph_patterns_only):
     _check_outputs(small.gm, gm, small)
 
 
-def test_fan_out_benchmark_runs_and_both_rewriters_agree(capsys, monkeypatch):
+@pytest.mark.parametrize("shape", ["fan-out", "fan-in-output", "fan-in-cat"])
+def test_fan_out_benchmark_runs_and_both_rewriters_agree(shape, capsys, monkeypatch):
     """benchmarks/fan_out.py: both rewriters make every rewrite (it asserts the
     counts itself) and it prints one row per size. No timing here."""
     fan_out = _load("bench_fan_out", "fan_out.py")
-    monkeypatch.setattr(sys, "argv", ["fan_out.py", "--sizes", "20,40"])
+    monkeypatch.setattr(sys, "argv", ["fan_out.py", "--sizes", "20,40", "--shape", shape])
     fan_out.main()
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 20 |") or
             line.startswith("| 40 |")]

@@ -171,3 +171,18 @@ def test_an_insertion_before_a_wide_output_rewires_only_the_outside_readers(inpl
     returned = out.graph.output_node().args[0]
     assert all(v.target is torch.relu for v in returned[:-1]) and returned[-1].op == "placeholder"
     torch.testing.assert_close(out(X), tuple(torch.relu(v) for v in model(X)[:-1]) + (X,))
+
+
+@pytest.mark.parametrize("reader", ["output", "cat"])
+def test_the_benchmark_fan_in_graphs_rewrite_without_rebuilding_their_reader(reader, monkeypatch):
+    from rewrite.examples.wide import fan_in_graph
+
+    gm = fan_in_graph(80, reader)
+    expected = gm(X)
+    calls = _count_fx_rewires(monkeypatch)
+    result = CLEANUP.apply(gm, example_inputs=(X,), inplace=True)
+    assert result.counts == {"neg_neg": 80}
+    assert all(width <= rewire.WIDE for width in calls)
+    gm.graph.lint()
+    assert _negs(gm) == 0
+    torch.testing.assert_close(gm(X), expected)

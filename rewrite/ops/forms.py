@@ -119,6 +119,11 @@ class _Plan:
 
     slots: tuple
     max_args: int
+    # when the first slots take positional arguments 0, 1, 2... in order and the
+    # rest are fixed or defaulted: their names, and for each argument count n the
+    # values of slots n.. (None: one is required)
+    names: tuple | None = None
+    tails: tuple = ()
 
 
 def _plan_for(form: Any, opdef: OpDef) -> "_Plan | None":
@@ -155,7 +160,23 @@ def binding_plan(form: Any, opdef: OpDef) -> "_Plan | None":
             slots.append((p.name, None, form.fixed[p.name]))
         else:
             slots.append((p.name, position.get(p.name), p.default))
-    return _Plan(tuple(slots), max_args)
+    return _Plan(tuple(slots), max_args, *_in_order(slots, max_args))
+
+
+def _in_order(slots: list, max_args: int) -> tuple:
+    """``(names, tails)`` of a plan whose leading slots read arguments 0, 1, ...
+    in order and whose other slots read none; ``(None, ())`` otherwise."""
+    leading = 0
+    while leading < len(slots) and slots[leading][1] == leading:
+        leading += 1
+    if max_args > leading or any(index is not None for _, index, _ in slots[leading:]):
+        return None, ()
+    tails = []
+    for n in range(max_args + 1):
+        rest = slots[n:]
+        tails.append(None if any(absent is REQUIRED for _, _, absent in rest)
+                     else {name: absent for name, _, absent in rest})
+    return tuple(name for name, _, _ in slots[:leading]), tuple(tails)
 
 
 def _normalize_ext(form: Any, args: tuple, kwargs: dict, opdef: OpDef) -> dict | None:
@@ -166,6 +187,13 @@ def _normalize_ext(form: Any, args: tuple, kwargs: dict, opdef: OpDef) -> dict |
             if len(args) > plan.max_args:
                 return None
             n = len(args)
+            if plan.names is not None:  # positional arguments in parameter order: no loop
+                tail = plan.tails[n]
+                if tail is None:
+                    return None
+                out = dict(zip(plan.names, args))
+                out.update(tail)
+                return out
             out = {}
             for name, index, absent in plan.slots:
                 if index is not None and index < n:
