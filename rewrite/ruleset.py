@@ -285,12 +285,15 @@ class RuleSet:
         original = model if isinstance(model, fx.GraphModule) else _symbolic_trace(model)
         self._warn_hidden(original)
         example_inputs = tuple(example_inputs) if example_inputs is not None else None
-        txn = _Transaction(self, original, example_inputs, max_rewrites, shuffle_seed, inplace, checked=check)
-        try:
-            return self._apply(txn, model, original, example_inputs, check, trials, rtol, atol, on_mismatch)
-        except BaseException:
-            txn.rollback()  # in place: the module as it was; a copy: nothing to do
-            raise
+        # one pause of the cyclic collector for the whole call: paused separately, the
+        # copy's young objects were collected once between copying and rewriting
+        with gc_paused():
+            txn = _Transaction(self, original, example_inputs, max_rewrites, shuffle_seed, inplace, checked=check)
+            try:
+                return self._apply(txn, model, original, example_inputs, check, trials, rtol, atol, on_mismatch)
+            except BaseException:
+                txn.rollback()  # in place: the module as it was; a copy: nothing to do
+                raise
 
     def _apply(self, txn: "_Transaction", model: Any, original: fx.GraphModule, example_inputs: tuple | None,
                check: bool, trials: int, rtol: float | None, atol: float | None,

@@ -86,6 +86,23 @@ def _same_operand(a: Any, b: Any) -> bool:
     return same_arg(a, b)
 
 
+def _fits_straight(alt: Any, args: dict, env: dict) -> bool:
+    """An alternative's literal checks and plain variables against bound ``args``:
+    the variables are bound into ``env`` (a variable bound before must be the same
+    operand). False when one does not fit (``env`` is then partly written)."""
+    for name, value in alt.literals:
+        if not same_arg(value, args[name]):
+            return False
+    for name, var in alt.variables:
+        operand = args[name]
+        if var in env:
+            if not _same_operand(env[var], operand):
+                return False
+        else:
+            env[var] = operand
+    return True
+
+
 class Matcher:
     """Matches rules at nodes of one GraphModule, caching each node's bindings."""
 
@@ -199,29 +216,18 @@ class Matcher:
             else:
                 bounds = self._alt_bindings(alt, node)
             for bound in bounds:
-                args = bound.args
-                for name, value in alt.literals:
-                    if not same_arg(value, args[name]):
-                        break
-                else:
-                    env = {_NODES: (node,) + bound.interior}
-                    if p.name is not None:
-                        env[p.name] = node
-                    for name, var in alt.variables:
-                        operand = args[name]
-                        if var in env:
-                            if not _same_operand(env[var], operand):
-                                break
-                        else:
-                            env[var] = operand
-                    else:
-                        if not self.rewritable(node):
-                            return None
-                        if where_fn is not None and not self._holds(where_fn, env):
-                            continue
-                        if not rule.shared and bound.interior and self.interior_escape(rule, env) is not None:
-                            continue
-                        return Match(rule, node, env)
+                env = {_NODES: (node,) + bound.interior}
+                if p.name is not None:
+                    env[p.name] = node
+                if not _fits_straight(alt, bound.args, env):
+                    continue
+                if not self.rewritable(node):
+                    return None
+                if where_fn is not None and not self._holds(where_fn, env):
+                    continue
+                if not rule.shared and bound.interior and self.interior_escape(rule, env) is not None:
+                    continue
+                return Match(rule, node, env)
         return None
 
     def attempts(self, rule: CompiledRule, node: fx.Node) -> Iterator[tuple]:
@@ -373,16 +379,8 @@ class Matcher:
         """The compiled path: literal checks and variable bindings in a plain loop,
         recursion only for nested calls and sequences. Same results as the
         interpreter (``compiled=False``), which tests compare."""
-        for name, value in alt.literals:
-            if not same_arg(value, args[name]):
-                return
-        for name, var in alt.variables:
-            operand = args[name]
-            if var in env:
-                if not _same_operand(env[var], operand):
-                    return
-            else:
-                env[var] = operand
+        if not _fits_straight(alt, args, env):
+            return
         if alt.nested:
             yield from self._match_args(tuple((pat, args[name]) for name, pat in alt.nested), env)
         else:
