@@ -9,15 +9,7 @@ from torch import fx, nn
 
 import rewrite
 from rewrite.trust.check import check_equivalence
-
-
-class _Fn(nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, x):
-        return self.fn(x)
+from tests.fx_helpers import Fn
 
 
 class _ConvHead(nn.Module):
@@ -60,7 +52,7 @@ def test_amp_returns_a_convolution_output_in_the_layout_eager_does(file, level):
 
 @pytest.mark.parametrize("level", ["fx", "export"])
 def test_removing_the_copy_that_made_an_output_contiguous_is_repaired_or_refused(level):
-    model, x = _Fn(lambda t: (t + 1).t().contiguous()), torch.randn(4, 3)
+    model, x = Fn(lambda t: (t + 1).t().contiguous()), torch.randn(4, 3)
     rules = rewrite.parse("rule drop: Tensor.contiguous(x) => x\nrule drop_aten: aten.clone.default(x, ...) => x\n")
     try:
         result = rules.apply(_capture(model, x, level), (x,))
@@ -72,7 +64,7 @@ def test_removing_the_copy_that_made_an_output_contiguous_is_repaired_or_refused
 
 
 def test_an_unchanged_layout_adds_no_copy():
-    model, x = _Fn(lambda t: torch.tanh(t) * 1.0), torch.randn(4, 3)
+    model, x = Fn(lambda t: torch.tanh(t) * 1.0), torch.randn(4, 3)
     gm = fx.symbolic_trace(model)
     result = rewrite.load("cleanup.rw").apply(gm, (x,))
     assert result.counts == {"mul_one": 1}

@@ -207,15 +207,8 @@ class Matcher:
             return None
         p = rule.pattern
         where_fn = rule.where_fn
-        names = self._op_names(node)
         for alt in p.alts:
-            if alt.canonical:
-                if alt.opdef.name not in names:
-                    continue  # no form of the node's target binds as this op
-                bounds = [b for b in self.bindings(node) if b.op == alt.opdef.name]
-            else:
-                bounds = self._alt_bindings(alt, node)
-            for bound in bounds:
+            for bound in self._alt_bindings(alt, node):
                 env = {_NODES: (node,) + bound.interior}
                 if p.name is not None:
                     env[p.name] = node
