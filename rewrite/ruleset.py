@@ -492,7 +492,7 @@ class _Transaction:
         self.skip: set = set()
         # checked: the whole graph is linted and replays may follow (bisection,
         # skip-rule); unchecked, only created nodes are linted and a copy is never
-        # replayed, so its journal needs no module snapshot
+        # replayed, so it needs no journal
         self.checked = checked
         self.seconds = 0.0
         with gc_paused():
@@ -510,14 +510,18 @@ class _Transaction:
         gm = self.gm
         with gc_paused():
             start = time.perf_counter()
-            if self._journal is None:
-                self._journal = Journal(gm, modules=self.inplace or self.checked)
-            else:
-                self._undo(keep_meta=True)
-            journal = self._journal.open()
+            # an unchecked copy is never replayed nor rolled back (a failure drops it):
+            # no journal, no hook on every node the rewrite creates or erases
+            journal = None
+            if self.inplace or self.checked:
+                if self._journal is None:
+                    self._journal = Journal(gm)
+                else:
+                    self._undo(keep_meta=True)
+                journal = self._journal.open()
             try:
                 driver = Driver(gm, detect_dialect(gm), self.max_rewrites, self.example_inputs, limit=limit,
-                                skip=self.skip, on_meta=journal.note_meta,
+                                skip=self.skip, on_meta=journal.note_meta if journal is not None else None,
                                 shuffle=random.Random(self.shuffle_seed) if self.shuffle_seed is not None else None)
                 outputs = output_values(gm)
                 with torch.no_grad():
@@ -532,8 +536,11 @@ class _Transaction:
                     else:
                         check_touched(gm.graph, driver.created)
             finally:
-                journal.close()
-            self._stale |= journal.changed
+                if journal is not None:
+                    journal.close()
+            # unjournaled, the graph changed exactly when a rule fired (the cleanups
+            # and layout restores run only then; recorded facts are not code)
+            self._stale |= journal.changed if journal is not None else bool(driver.counts)
             if sync:
                 self.sync()
             self.seconds = time.perf_counter() - start

@@ -714,24 +714,22 @@ def test_shallow_module_tables_are_fresh_and_keep_their_types():
     assert not conv._forward_hooks and len(conv._forward_pre_hooks) == 1
 
 
-def test_a_journal_without_module_tables_refuses_to_undo():
-    """A copy rewritten with check=False is never replayed: its journal skips the
-    module snapshot, and asking it to undo is an error, not a partial undo."""
-    from rewrite.engine.workspace import Journal, shared_copy
-
+def test_an_unchecked_copy_is_rewritten_without_a_journal():
+    """apply(check=False) on a copy is never replayed nor rolled back: no node hook
+    is registered on it (none left on the result), and the rewrite is the same as
+    the journaled one."""
     model, (x,) = demo_cnn_with_inputs()
-    gm = shared_copy(fx.symbolic_trace(model.eval()))
-    journal = Journal(gm, modules=False).open()
-    gm.graph.call_function(torch.relu, (next(iter(gm.graph.nodes)),))
-    journal.close()
-    assert journal.changed
-    with pytest.raises(RuntimeError, match="cannot undo"):
-        journal.undo()
-    full = Journal(gm).open()
-    node = gm.graph.call_function(torch.relu, (next(iter(gm.graph.nodes)),))
-    full.close()
-    full.undo()
-    assert node not in set(gm.graph.nodes)
+    gm = fx.symbolic_trace(model.eval())
+    rules = FUSION
+    plain = rules.apply(gm, (x,), check=False)
+    checked = rules.apply(gm, (x,))
+    inplace = rules.apply(working_copy(gm), (x,), check=False, inplace=True)
+    assert plain.counts and plain.counts == checked.counts == inplace.counts
+    for result in (plain, checked, inplace):
+        out = result.graph_module
+        assert not out._create_node_hooks and not out._erase_node_hooks and not out._replace_hooks
+    assert str(plain.graph_module.graph) == str(checked.graph_module.graph) == str(inplace.graph_module.graph)
+    torch.testing.assert_close(plain.graph_module(x), model(x), rtol=1e-4, atol=1e-4)
 
 
 class _NoGradRegion(nn.Module):

@@ -236,16 +236,17 @@ def _shallow_module(m: torch.nn.Module, memo: dict) -> torch.nn.Module:
 
 def _fill_shallow(m: torch.nn.Module, new: torch.nn.Module, memo: dict) -> None:
     d = m.__dict__.copy()
+    method = types.MethodType
     for key, value in d.items():  # values replaced in place: the keys do not change
-        kind = type(value)
+        kind = value.__class__
         if kind in _OWN_TABLE_TYPES:
             # every table of the module (parameters, buffers, submodules, hook
             # registries...) is the copy's own: registering a hook on the result or
             # deleting one of its parameters leaves the input as it was
             d[key] = kind(value) if value else kind()  # an empty OrderedDict copies 2x slower
-        elif kind is types.MethodType and value.__self__ is m:
+        elif kind is method and value.__self__ is m:
             # methods bound to the original (torch.export's train/eval) bind to the copy
-            d[key] = types.MethodType(value.__func__, new)
+            d[key] = method(value.__func__, new)
     modules = d.get("_modules")
     if modules is not None and modules is m.__dict__["_modules"]:  # a table type not copied above
         modules = d["_modules"] = dict(modules)
@@ -254,7 +255,9 @@ def _fill_shallow(m: torch.nn.Module, new: torch.nn.Module, memo: dict) -> None:
             if child is not None:
                 modules[key] = _shallow_module(child, memo)
     d.pop("_graph", None)  # a GraphModule's: its caller sets a copy
-    new.__dict__.update(d)
+    # the copy's attribute dict is ``d`` itself (not a second dict filled from it);
+    # object's setter: nn.Module.__setattr__ would look for tables ``new`` lacks yet
+    object.__setattr__(new, "__dict__", d)
 
 
 class Journal:
@@ -271,9 +274,7 @@ class Journal:
 
     Cost: proportional to what the rewrite changed, plus one entry per module."""
 
-    def __init__(self, gm: fx.GraphModule, modules: bool = True) -> None:
-        """``modules=False``: the module tables are not snapshotted (a copy that
-        will never be replayed or rolled back); ``undo`` then refuses."""
+    def __init__(self, gm: fx.GraphModule) -> None:
         self.gm = gm
         self.graph = gm.graph
         self._entries: list = []
@@ -285,7 +286,7 @@ class Journal:
         namespace = self.graph._graph_namespace
         self._base_count = dict(namespace._base_count)
         self._modules = [(m, {k: type(m.__dict__[k])(m.__dict__[k]) for k in _TABLES if k in m.__dict__},
-                          set(m.__dict__)) for m in gm.modules()] if modules else None
+                          set(m.__dict__)) for m in gm.modules()]
         self._open = False
 
     @property
@@ -339,8 +340,6 @@ class Journal:
         """Put the module back as it was when the journal was made. ``keep_meta``
         keeps metadata recorded on pre-existing nodes (facts of the original graph,
         still true of it: a replay need not record them again)."""
-        if self._modules is None:
-            raise RuntimeError("this journal did not snapshot the module tables: it cannot undo")
         was_open = self._open
         self.close()
         graph = self.graph
