@@ -13,6 +13,8 @@ import operator
 import warnings
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -888,3 +890,30 @@ def test_planned_binding_is_the_general_binding():
                     assert (None if general is None else list(general.items())) == \
                            (None if fast is None else list(fast.items())), (opdef.name, form, n)
     assert planned > 300
+
+
+_LITERALS = st.one_of(
+    st.integers(-3, 3), st.floats(-2, 2), st.just(float("nan")), st.booleans(), st.none(), st.sampled_from(["a", "b"]),
+    st.sampled_from([torch.float32, torch.bfloat16, torch.int64]),
+    st.sampled_from([torch.contiguous_format, torch.channels_last, torch.preserve_format]),
+    st.sampled_from([torch.strided, torch.sparse_coo]), st.sampled_from([torch.device("cpu"), torch.device("meta")]),
+)
+
+
+def _same_literal(a, b) -> bool:
+    """same_value's contract for two scalars, spelled out: a bool is never a number,
+    ints and floats compare by value, anything else only within its own type."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    return type(a) is type(b) and a == b
+
+
+@settings(max_examples=300, deadline=None)
+@given(_LITERALS, _LITERALS)
+def test_same_value_on_scalars_keeps_its_contract(a, b):
+    """The scalar fast path of same_value (no isinstance) says what the long way
+    says: True == 1 is not a match, 1 == 1.0 is, None is not a memory format."""
+    assert same_value(a, b) == _same_literal(a, b)
+    assert same_value([a, b], (a, b)) == (_same_literal(a, a) and _same_literal(b, b))

@@ -129,16 +129,19 @@ def _may_be_interior(node: fx.Node, most: int) -> bool:
 
 def _signature(node: fx.Node) -> tuple:
     """What a node computes, locally: its op, target and inputs (by name)."""
-
-    def arg(a: Any) -> Any:
-        if isinstance(a, fx.Node):
-            return a.name
-        if isinstance(a, (list, tuple)):
-            return tuple(arg(x) for x in a)
-        return repr(a)
-
     target = getattr(node.target, "__name__", None) or str(node.target)
-    return (node.op, target, arg(node.args), tuple(sorted((k, arg(v)) for k, v in node.kwargs.items())))
+    kwargs = node.kwargs
+    return (node.op, target, _arg_signature(node.args),
+            tuple(sorted((k, _arg_signature(v)) for k, v in kwargs.items())) if kwargs else ())
+
+
+def _arg_signature(a: Any) -> Any:
+    kind = a.__class__
+    if kind is fx.Node:
+        return a.name
+    if kind is tuple or kind is list or isinstance(a, (list, tuple)):
+        return tuple(_arg_signature(x) for x in a)
+    return repr(a)
 
 
 def _users_within(nodes: tuple, depth: int) -> tuple:

@@ -79,6 +79,7 @@ class Replacer:
         self._writes: bool | None = None  # whether some node writes in place (None: not asked yet)
         self._classes: dict = {}  # alias classes while the graph is unchanged (new_aliasing)
         self._rewirer = Rewirer(gm)  # readers of replaced values, wide ones without fx's rebuild
+        self._target_names: dict = {}  # id(target) -> (target, the node name fx derives from it)
 
     def _graph_writes(self) -> bool:
         """Whether some node of the graph writes an argument in place: asked once,
@@ -290,7 +291,11 @@ class Replacer:
         return name
 
     def _node(self, op: str, target: Any, args: tuple, kwargs: dict, root: fx.Node) -> fx.Node:
-        node = self.graph.create_node(op, target, tuple(args), dict(kwargs))
+        # the name fx would derive from the target (a regex per node), once per target
+        hit = self._target_names.get(id(target))
+        if hit is None or hit[0] is not target:
+            hit = self._target_names[id(target)] = (target, self.graph._target_to_str(target))
+        node = self.graph.create_node(op, target, tuple(args), dict(kwargs), name=hit[1])
         for key in _CARRIED_META:
             if key in root.meta:
                 node.meta[key] = root.meta[key]

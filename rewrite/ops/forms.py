@@ -51,12 +51,26 @@ class OneOf(tuple):
         return super().__new__(cls, values)
 
     def accepts(self, value: Any) -> bool:
-        return any(same_value(value, v) for v in self)
+        for v in self:
+            if same_value(value, v):
+                return True
+        return False
+
+
+#: literal types compared by ``==`` alone (exactly these classes: a subclass takes the long way)
+_PLAIN_SCALARS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.memory_format, torch.layout,
+                            torch.device})
+_NUMBERS = frozenset({int, float})
 
 
 def same_value(a: Any, b: Any) -> bool:
     """Literal equality that treats lists and tuples alike, never confuses a bool
     with an int, and never calls ``==`` on graph nodes or tensors."""
+    ka, kb = a.__class__, b.__class__
+    if ka in _PLAIN_SCALARS and kb in _PLAIN_SCALARS:  # the common case, without isinstance
+        if ka is kb:
+            return a == b
+        return ka in _NUMBERS and kb in _NUMBERS and a == b  # 1 == 1.0; a bool is never an int
     if isinstance(a, (fx.Node, torch.Tensor)) or isinstance(b, (fx.Node, torch.Tensor)):
         return a is b
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
@@ -84,7 +98,7 @@ def same_arg(a: Any, b: Any) -> bool:
 
 
 def _guard_ok(value: Any, expected: Any) -> bool:
-    if isinstance(expected, OneOf):
+    if expected.__class__ is OneOf:
         return expected.accepts(value)
     return same_value(value, expected)
 
