@@ -102,6 +102,7 @@ import synthetic
 from rewrite.engine.workspace import working_copy
 
 RULES_PATH = HERE / "matcher_rules.rw"
+SMALL_GRAPH = 2000  # nodes: graphs under this get --small-repeat runs per measurement
 aten = torch.ops.aten
 PEERS = ("replace_pattern", "inductor", "inductor-gp")
 
@@ -556,12 +557,15 @@ def measure(bench: Bench, rewriters: dict[str, Any], args: Any, previous: dict[s
     and the peers) a fresh lazily compiled copy made outside the timing."""
     gm = bench.gm
     nodes = len(gm.graph.nodes)
-    row = GraphRow(bench, nodes, _time(lambda: copy.deepcopy(gm), args.repeat),
-                   _time(lambda: _graph_copy(gm), args.repeat), 0)
+    # a call of a few milliseconds is at the machine's mercy: small graphs get more
+    # runs, the same number for every rewriter and for graph_copy
+    repeat = args.repeat if nodes >= SMALL_GRAPH else max(args.repeat, args.small_repeat)
+    row = GraphRow(bench, nodes, _time(lambda: copy.deepcopy(gm), repeat),
+                   _time(lambda: _graph_copy(gm), repeat), 0)
     row.graph_bytes = _traced_peak(lambda: _graph_copy(gm))[0]
     row.deepcopy_bytes, row.deepcopy_peak = _traced_peak(lambda: copy.deepcopy(gm))
     scratch = copy.deepcopy(gm)
-    row.codegen_s = _time(scratch.recompile, args.repeat)
+    row.codegen_s = _time(scratch.recompile, repeat)
     del scratch
 
     for name, rewriter in rewriters.items():
@@ -584,7 +588,7 @@ def measure(bench: Bench, rewriters: dict[str, Any], args: Any, previous: dict[s
                 return p.rewrite(work, args.budget, bench.example_inputs)
             return p.rewrite(work, args.budget)
 
-        run = _best_run(once, args.repeat, slow=1e9 if ours else 2.0)
+        run = _best_run(once, repeat, slow=1e9 if ours else 2.0)
         if not run.complete:
             prev = previous.get(name)
             if prev is not None and prev.complete and prev.work_done:
@@ -631,8 +635,8 @@ def print_report(rows: list[GraphRow], args: Any) -> None:
     print()
     print(f"torch {torch.__version__}, {len(rewrite.load(str(RULES_PATH)))} rules "
           f"({RULES_PATH.relative_to(HERE.parent)}), synthetic density {args.density:g} planted motifs "
-          f"per 1000 nodes, best of up to {args.repeat} runs (of 1 when a run takes over 2 s, 40 s in all for "
-          f"rewrite)")
+          f"per 1000 nodes, best of up to {args.repeat} runs ({max(args.repeat, args.small_repeat)} on graphs "
+          f"under {SMALL_GRAPH} nodes; of 1 when a peer's run takes over 2 s, 40 s in all)")
     print()
     print("| graph | nodes | rewrites expected | graph_copy ms | deepcopy ms | codegen ms | graph MB "
           "| deepcopy MB | deepcopy peak MB |")
@@ -858,6 +862,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="real graphs: resnet50, gpt2, hf_resnet, or 'none'")
     parser.add_argument("--density", type=float, default=20.0, help="planted motifs per 1000 nodes")
     parser.add_argument("--repeat", type=int, default=5, help="runs per measurement (the fastest is reported)")
+    parser.add_argument("--small-repeat", type=int, default=25,
+                        help=f"runs per measurement on graphs under {SMALL_GRAPH} nodes (at least --repeat)")
     parser.add_argument("--budget", type=float, default=120.0,
                         help="seconds a peer may take on one graph before it is stopped and extrapolated")
     parser.add_argument("--mem-budget", type=float, default=30.0,

@@ -165,3 +165,64 @@ def test_cast_shortcut_answers_for_the_casts_amp_inserts():
     from rewrite.engine.shapes import cast_of
 
     assert cast_of(same, {same.args[0]: x}) is None
+
+
+def _targets(numel: int):
+    """Shapes with ``numel`` elements (one size may be -1), and some without."""
+    factors = st.lists(st.sampled_from([1, 2, 3, 4]), max_size=4)
+
+    def build(parts, free, wrong):
+        sizes, rest = [], numel
+        for p in parts:
+            if rest % p == 0:
+                sizes.append(p)
+                rest //= p
+        sizes.append(rest + (1 if wrong else 0))
+        if free is not None:
+            sizes[free % len(sizes)] = -1
+        return sizes
+
+    return st.builds(build, factors, st.none() | st.integers(0, 4), st.booleans())
+
+
+@settings(max_examples=200, deadline=None)
+@given(shape=shapes, layout=layouts, dtype=st.sampled_from(DTYPES), op=st.sampled_from([aten.view.default,
+                                                                                        aten.reshape.default]),
+       data=st.data())
+def test_view_shortcut_gives_what_fake_propagation_gives(shape, layout, dtype, op, data):
+    """A view's shortcut ``val`` has the real propagation's shape, strides, offset,
+    dtype and device, and shares the input's storage as dispatch's does (what
+    Inductor's reinplacing reads); it answers only for inputs with exactly the
+    contiguous strides of their shape, and never for a shape the op refuses."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from rewrite.engine.shapes import fresh_view, view_of
+
+    mode = FakeTensorMode()
+    x = _make(mode, shape, dtype, layout)
+    sizes = data.draw(_targets(x.numel()))
+    node, values = _node(op, (x, sizes))
+    found = view_of(node, values)
+    if found is None:
+        return
+    assert x.is_contiguous() and x.numel() > 0
+    real = _real(mode, op, (x, sizes), {})  # raises if the shortcut answered for a shape the op refuses
+    got = fresh_view(*found)
+    assert (got.shape, got.stride(), got.storage_offset(), got.dtype, got.device) == (
+        real.shape, real.stride(), real.storage_offset(), real.dtype, real.device)
+    assert got.fake_mode is mode
+    assert StorageWeakRef(got.untyped_storage()) == StorageWeakRef(x.untyped_storage()) == StorageWeakRef(
+        real.untyped_storage())
+
+
+def test_view_shortcut_answers_for_contiguous_inputs_and_declines_the_rest():
+    from rewrite.engine.shapes import view_of
+
+    mode = FakeTensorMode()
+    x = _make(mode, (2, 3, 4), torch.float32, "contiguous")
+    assert view_of(*_node(aten.view.default, (x, [6, -1])))[1] == (6, 4)
+    assert view_of(*_node(aten.reshape.default, (x, [24])))[1] == (24,)
+    assert view_of(*_node(aten.view.default, (x, [5, -1]))) is None  # 24 is not a multiple of 5
+    assert view_of(*_node(aten.view.default, (x, [-1, -1]))) is None
+    assert view_of(*_node(aten.view.default, (_make(mode, (2, 3, 4), torch.float32, "transposed"), [24]))) is None
+    assert view_of(*_node(aten._unsafe_view.default, (x, [24]))) is None  # not a view by its schema

@@ -676,6 +676,13 @@ def test_copy_graph_is_what_deepcopy_gives(index):
     for src, copied in zip(graph.nodes, got.nodes):
         assert copied.meta is not src.meta and copied is not src
     assert expected.python_code("self").src == got.python_code("self").src
+    # the code generator is the copy's own (export's: its own argument names, the same specs)
+    assert got._codegen is not graph._codegen and type(got._codegen) is type(graph._codegen)
+    info = getattr(graph._codegen, "pytree_info", None)
+    if info is not None:
+        assert got._codegen.pytree_info == info and got._codegen.pytree_info.orig_args is not info.orig_args
+        got._codegen.pytree_info.orig_args.append("extra")
+        assert "extra" not in info.orig_args
     # new nodes get fresh names, never one the copied graph used
     with got.inserting_before(next(iter(got.nodes)).next):
         fresh = [got.create_node("call_function", torch.relu, (next(iter(got.nodes)),)) for _ in range(3)]

@@ -148,8 +148,7 @@ def graph_writes(gm: Any) -> bool:
     ``inplace=True``."""
     for op, target, nodes in nodes_by_target(gm.graph):
         if op == "call_function" and not target_writes(target):
-            if isinstance(target, torch._ops.OpOverload) and not any(
-                    a.name == "inplace" for a in target._schema.arguments):
+            if isinstance(target, torch._ops.OpOverload) and not _takes_inplace(target):
                 continue  # an aten op's schema says what it writes: no flag to look for
             if any(n.kwargs.get("inplace") is True for n in nodes):
                 return True
@@ -157,3 +156,13 @@ def graph_writes(gm: Any) -> bool:
         if any(written_args(n, gm) for n in nodes):
             return True
     return False
+
+
+_TAKES_INPLACE: dict = {}  # id(overload) -> (overload, whether its schema has an ``inplace`` argument)
+
+
+def _takes_inplace(overload: Any) -> bool:
+    hit = _TAKES_INPLACE.get(id(overload))
+    if hit is None or hit[0] is not overload:
+        hit = _TAKES_INPLACE[id(overload)] = (overload, any(a.name == "inplace" for a in overload._schema.arguments))
+    return hit[1]

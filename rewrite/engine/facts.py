@@ -18,7 +18,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 
-from rewrite.engine.shapes import cast_of, fresh_cast, fresh_like, like_input
+from rewrite.engine.shapes import cast_of, fresh_cast, fresh_like, fresh_view, like_input, view_of
 from rewrite.ops.base import ConstRef, attribute
 from rewrite.ops.effects import state_writes
 
@@ -234,6 +234,10 @@ class GraphFacts:
                 cast = cast_of(node, env)  # a float cast of a dense input: likewise
                 if cast is not None and cast[0].fake_mode is self.fake_mode:
                     node.meta["val"] = fresh_cast(*cast)
+                    return
+                view = view_of(node, env)  # a view of a contiguous input: its memory, a new shape
+                if view is not None and view[0].fake_mode is self.fake_mode:
+                    node.meta["val"] = fresh_view(*view)
                     return
                 target = self._callable(node, fake=True)
                 with self.fake_mode:

@@ -12,6 +12,10 @@ else (broadcasting, type promotion, views, integer inputs to a float-valued op)
 returns None and the caller runs the op on fake tensors. A cast of such a tensor
 from one floating dtype to another (``aten.to.dtype``, ``aten._to_copy``: what the
 AMP rules insert around every op) is the same tensor in the new dtype (``cast_of``).
+A ``view``/``reshape`` of a contiguous tensor to a static shape is a view of its
+memory with the new shape's contiguous strides (``view_of``): built as the fake
+mode builds a cached view, sharing the input's storage, so passes that read
+aliasing from ``meta['val']`` (Inductor's reinplacing) see what dispatch gives.
 ``tests/test_shapes.py`` compares every shortcut with the real propagation.
 """
 
@@ -25,7 +29,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["cast_of", "fresh_cast", "like_input", "fresh_like", "layout_of"]
+__all__ = ["cast_of", "fresh_cast", "like_input", "fresh_like", "view_of", "fresh_view", "layout_of"]
 
 aten = torch.ops.aten
 
@@ -194,6 +198,55 @@ def cast_of(node: fx.Node, values: dict) -> Any:
 def fresh_cast(t: FakeTensor, dtype: torch.dtype) -> FakeTensor:
     """A new FakeTensor with ``t``'s shape, strides and device in ``dtype``."""
     meta = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=dtype, device="meta")
+    return FakeTensor(t.fake_mode, meta, t.device)
+
+
+#: Ops that view a contiguous input under a new shape (reshape is a view then).
+_VIEWS = {aten.view.default, aten.reshape.default}
+
+
+def view_of(node: fx.Node, values: dict) -> Any:
+    """``(input FakeTensor, shape)`` when ``node`` is ``aten.view``/``aten.reshape``
+    of a tensor with exactly the contiguous strides of its static shape, to a
+    shape of ints (one may be -1) with as many elements; None otherwise."""
+    if node.op != "call_function" or node.target not in _VIEWS or node.kwargs or len(node.args) != 2:
+        return None
+    source, sizes = node.args
+    x = values.get(source) if isinstance(source, fx.Node) else None
+    if not isinstance(x, FakeTensor) or x.layout != torch.strided or x.requires_grad:
+        return None
+    if not isinstance(sizes, (list, tuple)) or any(type(s) is not int for s in sizes):
+        return None
+    shape, stride = tuple(x.shape), tuple(x.stride())
+    if any(not isinstance(s, int) for s in shape + stride) or stride != _canonical_strides(shape, False):
+        return None
+    numel = 1
+    for s in shape:
+        numel *= s
+    known, free = 1, [i for i, s in enumerate(sizes) if s == -1]
+    for s in sizes:
+        if s != -1:
+            if s < 0:
+                return None
+            known *= s
+    if numel == 0 or len(free) > 1:
+        return None
+    sizes = list(sizes)
+    if free:
+        if known == 0 or numel % known:
+            return None
+        sizes[free[0]] = numel // known
+    elif known != numel:
+        return None
+    return x, tuple(sizes)
+
+
+def fresh_view(t: FakeTensor, shape: tuple) -> FakeTensor:
+    """A FakeTensor viewing ``t``'s memory (same storage and offset) with ``shape``
+    and its contiguous strides, in ``t``'s mode."""
+    stride = _canonical_strides(shape, False)
+    meta = torch.empty_strided(shape, stride, dtype=t.dtype, device="meta")
+    meta.set_(t.untyped_storage(), t.storage_offset(), shape, stride)
     return FakeTensor(t.fake_mode, meta, t.device)
 
 
