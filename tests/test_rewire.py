@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import rewrite
 import rewrite.engine.rewire as rewire
 from rewrite.capture import capture
+from rewrite.engine.workspace import working_copy
 from tests.test_inplace import assert_restored, graph_text, snapshot
 
 CLEANUP = rewrite.load("rules/cleanup.rw")
@@ -186,3 +187,41 @@ def test_the_benchmark_fan_in_graphs_rewrite_without_rebuilding_their_reader(rea
     gm.graph.lint()
     assert _negs(gm) == 0
     torch.testing.assert_close(gm(X), expected)
+
+
+def _wide_aliasing_graph(n: int, at_input: frozenset, at_shared: frozenset) -> fx.GraphModule:
+    """Returns n values ``-(-v)``: v the input ``x`` at positions ``at_input``, one
+    intermediate ``s`` (also returned, last) at ``at_shared``, a fresh ``sin`` elsewhere."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    shared = g.call_function(torch.cos, (x,))
+    values = []
+    for i in range(n):
+        v = x if i in at_input else shared if i in at_shared else g.call_function(torch.sin, (x,))
+        values.append(g.call_function(torch.neg, (g.call_function(torch.neg, (v,)),)))
+    g.output(tuple(values) + (shared,))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(rewire.WIDE + 1, 3 * rewire.WIDE), data=st.data(), inplace=st.booleans())
+def test_a_wide_output_never_comes_to_alias_an_input_or_another_output(n, data, inplace):
+    """Through the wide-reader path too, ``neg_neg`` is refused where the output
+    would then return the caller's input itself, or the same tensor twice (a value
+    the graph also returns); every other position is rewritten, and the result
+    computes what the original computes, in fresh memory."""
+    positions = st.frozensets(st.integers(0, n - 1), max_size=4)
+    at_input = data.draw(positions)
+    at_shared = data.draw(positions) - at_input
+    gm = _wide_aliasing_graph(n, at_input, at_shared)
+    x = torch.randn(5)
+    expected = gm(x)
+    work = working_copy(gm) if inplace else gm
+    result = CLEANUP.apply(work, (x,), inplace=inplace)
+    assert result.counts.get("neg_neg", 0) == n - len(at_input) - len(at_shared)
+    out = result.graph_module(x)
+    for got, want in zip(out, expected):
+        torch.testing.assert_close(got, want)
+    storages = [t.untyped_storage().data_ptr() for t in out]
+    assert x.untyped_storage().data_ptr() not in storages
+    assert len(set(storages)) == len(storages)
