@@ -99,6 +99,17 @@ class GraphFacts:
         # consumers of the graph; any node's facts are inferred earlier when a rule
         # asks. Nodes created and replaced again meanwhile never cost a propagation.
         self.fake_mode = detect_fake_mode([v for v in carried if isinstance(v, torch.Tensor)])
+        self._fakes: dict = {}  # id(real constant) -> (constant, its FakeTensor)
+
+    def _fake(self, mode: Any, v: Any) -> Any:
+        """``_fake``, converting each real constant (a weight new nodes read) once
+        per rewrite: the fake mode's own memo is a lookup through its converter."""
+        if v.__class__ is not torch.Tensor and v.__class__ is not torch.nn.Parameter:
+            return _fake(mode, v)
+        hit = self._fakes.get(id(v))
+        if hit is None or hit[0] is not v:
+            hit = self._fakes[id(v)] = (v, _fake(mode, v))
+        return hit[1]
 
     @functools.cached_property
     def param_names(self) -> set:
@@ -226,7 +237,7 @@ class GraphFacts:
             return
         if self.fake_mode is not None:
             try:
-                env = {n: _each(_fake, self.fake_mode, v) for n, v in zip(inputs, values)}
+                env = {n: _each(self._fake, self.fake_mode, v) for n, v in zip(inputs, values)}
                 same = like_input(node, env)  # elementwise on dense inputs: no dispatch needed
                 if same is not None and same.fake_mode is self.fake_mode:
                     node.meta["val"] = fresh_like(same)
