@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from rewrite.ops.base import by_identity
 from rewrite.ops.effects import always_aliases, may_alias, target_writes, written_args
 from rewrite.ops.vocabulary import nodes_by_target
 
@@ -162,7 +163,4 @@ _TAKES_INPLACE: dict = {}  # id(overload) -> (overload, whether its schema has a
 
 
 def _takes_inplace(overload: Any) -> bool:
-    hit = _TAKES_INPLACE.get(id(overload))
-    if hit is None or hit[0] is not overload:
-        hit = _TAKES_INPLACE[id(overload)] = (overload, any(a.name == "inplace" for a in overload._schema.arguments))
-    return hit[1]
+    return by_identity(_TAKES_INPLACE, overload, lambda o: any(a.name == "inplace" for a in o._schema.arguments))

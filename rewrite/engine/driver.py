@@ -136,10 +136,9 @@ def _signature(node: fx.Node) -> tuple:
 
 
 def _arg_signature(a: Any) -> Any:
-    kind = a.__class__
-    if kind is fx.Node:
+    if isinstance(a, fx.Node):
         return a.name
-    if kind is tuple or kind is list or isinstance(a, (list, tuple)):
+    if isinstance(a, (list, tuple)):
         return tuple(_arg_signature(x) for x in a)
     return repr(a)
 

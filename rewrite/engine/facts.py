@@ -19,7 +19,7 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 
 from rewrite.engine.shapes import cast_of, fresh_cast, fresh_like, fresh_view, like_input, view_of
-from rewrite.ops.base import ConstRef, attribute
+from rewrite.ops.base import ConstRef, attribute, by_identity
 from rewrite.ops.effects import state_writes
 
 __all__ = ["GraphFacts", "Value", "TensorFacts", "FACTS_KEY", "NEW_NODE_KEY", "fetch_attr", "tensor_meta_of"]
@@ -101,15 +101,12 @@ class GraphFacts:
         self.fake_mode = detect_fake_mode([v for v in carried if isinstance(v, torch.Tensor)])
         self._fakes: dict = {}  # id(real constant) -> (constant, its FakeTensor)
 
-    def _fake(self, mode: Any, v: Any) -> Any:
+    def _fake_of(self, mode: Any, v: Any) -> Any:
         """``_fake``, converting each real constant (a weight new nodes read) once
         per rewrite: the fake mode's own memo is a lookup through its converter."""
         if v.__class__ is not torch.Tensor and v.__class__ is not torch.nn.Parameter:
             return _fake(mode, v)
-        hit = self._fakes.get(id(v))
-        if hit is None or hit[0] is not v:
-            hit = self._fakes[id(v)] = (v, _fake(mode, v))
-        return hit[1]
+        return by_identity(self._fakes, v, lambda t: _fake(mode, t))
 
     @functools.cached_property
     def param_names(self) -> set:
@@ -237,7 +234,7 @@ class GraphFacts:
             return
         if self.fake_mode is not None:
             try:
-                env = {n: _each(self._fake, self.fake_mode, v) for n, v in zip(inputs, values)}
+                env = {n: _each(self._fake_of, self.fake_mode, v) for n, v in zip(inputs, values)}
                 same = like_input(node, env)  # elementwise on dense inputs: no dispatch needed
                 if same is not None and same.fake_mode is self.fake_mode:
                     node.meta["val"] = fresh_like(same)

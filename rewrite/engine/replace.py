@@ -27,7 +27,7 @@ from rewrite.engine.facts import FACTS_KEY, GraphFacts, is_metadata_check
 from rewrite.engine.match import Match
 from rewrite.engine.outputs import getitem_users, result_count
 from rewrite.ops import bind_node
-from rewrite.ops.base import ConstRef
+from rewrite.ops.base import ConstRef, by_identity
 from rewrite.engine.aliasing import graph_writes, new_aliasing
 from rewrite.engine.rewire import Rewirer
 from rewrite.ops.effects import written_args
@@ -292,10 +292,8 @@ class Replacer:
 
     def _node(self, op: str, target: Any, args: tuple, kwargs: dict, root: fx.Node) -> fx.Node:
         # the name fx would derive from the target (a regex per node), once per target
-        hit = self._target_names.get(id(target))
-        if hit is None or hit[0] is not target:
-            hit = self._target_names[id(target)] = (target, self.graph._target_to_str(target))
-        node = self.graph.create_node(op, target, tuple(args), dict(kwargs), name=hit[1])
+        name = by_identity(self._target_names, target, self.graph._target_to_str)
+        node = self.graph.create_node(op, target, tuple(args), dict(kwargs), name=name)
         for key in _CARRIED_META:
             if key in root.meta:
                 node.meta[key] = root.meta[key]

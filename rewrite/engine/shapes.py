@@ -21,6 +21,7 @@ aliasing from ``meta['val']`` (Inductor's reinplacing) see what dispatch gives.
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any
 
@@ -220,17 +221,11 @@ def view_of(node: fx.Node, values: dict) -> Any:
     shape, stride = tuple(x.shape), tuple(x.stride())
     if any(not isinstance(s, int) for s in shape + stride) or stride != _canonical_strides(shape, False):
         return None
-    numel = 1
-    for s in shape:
-        numel *= s
-    known, free = 1, [i for i, s in enumerate(sizes) if s == -1]
-    for s in sizes:
-        if s != -1:
-            if s < 0:
-                return None
-            known *= s
-    if numel == 0 or len(free) > 1:
+    numel = math.prod(shape)
+    free = [i for i, s in enumerate(sizes) if s == -1]
+    if numel == 0 or len(free) > 1 or any(s < -1 for s in sizes):
         return None
+    known = math.prod(s for s in sizes if s != -1)
     sizes = list(sizes)
     if free:
         if known == 0 or numel % known:

@@ -20,6 +20,7 @@ from rewrite.engine.dtypes import DTYPES
 from rewrite.engine.facts import Value
 from rewrite.functions.registry import lookup_function
 from rewrite.language import ast
+from rewrite.ops.base import by_identity
 from rewrite.ops.forms import same_arg
 
 __all__ = ["UNKNOWN", "compile_where", "where_function", "plain"]
@@ -202,7 +203,4 @@ _CACHE: dict = {}
 def where_function(expr: Any) -> Compiled:
     """The compiled closure of ``expr``, compiled once per AST node (rules keep their
     where clause for their lifetime; the cache holds the node, so ids stay unique)."""
-    hit = _CACHE.get(id(expr))
-    if hit is None or hit[0] is not expr:
-        hit = _CACHE[id(expr)] = (expr, compile_where(expr))
-    return hit[1]
+    return by_identity(_CACHE, expr, compile_where)

@@ -32,7 +32,7 @@ import torch.fx as fx
 
 __all__ = [
     "REQUIRED", "Param", "Instances", "OpDef", "ConstRef", "Bound", "Form", "FunctionForm", "attribute",
-    "MethodForm", "ModuleForm", "GetitemForm", "Emitter", "node_key", "bind_signature",
+    "MethodForm", "ModuleForm", "GetitemForm", "Emitter", "node_key", "bind_signature", "by_identity",
 ]
 
 
@@ -71,6 +71,16 @@ class Bound:
     op: str
     args: dict
     interior: tuple = ()
+
+
+def by_identity(table: dict, obj: Any, compute: Callable[[Any], Any]) -> Any:
+    """``compute(obj)``, kept in ``table`` under ``id(obj)`` (with ``obj`` itself, so a
+    recycled id is never mistaken for it): for keys that hash slowly (an
+    ``OpOverload`` hashes in Python) or not at all (a tensor)."""
+    hit = table.get(id(obj))
+    if hit is None or hit[0] is not obj:
+        hit = table[id(obj)] = (obj, compute(obj))
+    return hit[1]
 
 
 def submodule(gm: Any, target: str) -> Any:
