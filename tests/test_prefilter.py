@@ -558,8 +558,35 @@ def test_constraining_root_gets_a_prefilter(key):
     assert build_prefilter(RULES.rules["relu_relu"], key) is not None
 
 
-def test_module_roots_get_no_prefilter():
-    assert build_prefilter(RULES.rules["relu_relu"], ("call_module", nn.ReLU)) is None
+def test_module_root_prefilter_reads_the_forward_input():
+    # nn.ReLU()(x): the forward input is args[0] or keyword ``input``; a module whose
+    # settings the pattern constrains (hardtanh's bounds) is left to the matcher
+    assert build_prefilter(RULES.rules["relu_relu"], ("call_module", nn.ReLU)) is not None
+    clamp = rewrite.parse("rule hard: hardtanh(x, 0.0, 6.0) => x")
+    assert build_prefilter(clamp.rules["hard"], ("call_module", nn.Hardtanh)) is None
+
+
+@pytest.mark.parametrize("inner", sorted(RELU_SPELLINGS) + ["neg", "placeholder", "module", "module_kw"])
+@pytest.mark.parametrize("outer_kw", [False, True])
+def test_relu_relu_prefilter_at_a_module_root(inner, outer_kw):
+    def build(g, x, y):
+        if inner in RELU_SPELLINGS:
+            a = RELU_SPELLINGS[inner](g, x)
+        elif inner == "neg":
+            a = fn(g, torch.neg, x)
+        elif inner == "module":
+            a = g.call_module("inner", (x,))
+        elif inner == "module_kw":
+            a = g.call_module("inner", (), {"input": x})
+        else:
+            a = x
+        r = g.call_module("outer", (), {"input": a}) if outer_kw else g.call_module("outer", (a,))
+        return r, r
+
+    pf, passed, matched = verdict(RULES, "relu_relu", build, {"inner": nn.ReLU(), "outer": nn.ReLU()})
+    should_pass = inner in RELU_SPELLINGS or inner.startswith("module")
+    assert passed is should_pass
+    assert matched is (should_pass and inner != "inplace")
 
 
 @pytest.mark.parametrize("outer", sorted(RELU_SPELLINGS))

@@ -9,9 +9,10 @@ root node key): the operand's node key must be one the nested call can bind, the
 literal must be equal.
 
 It is only ever a necessary condition. Whenever a position cannot be known from
-the form alone (varargs, value conversions, ``getitem`` and module forms) the
-filter lets the node through and the matcher decides, so results never change;
-``tests/test_differential.py`` compares against the interpreter, which runs
+the form alone (varargs, value conversions, ``getitem``, a module's settings; a
+module call's forward input is known: every extractor of ``ops/modules.py`` reads
+it from the same place) the filter lets the node through and the matcher decides,
+so results never change; ``tests/test_differential.py`` compares against the interpreter, which runs
 without prefilters.
 """
 
@@ -25,8 +26,9 @@ from torch import fx
 
 from rewrite.engine.compile import CompiledRule, PAlt, PCall, PDefault, PLit
 from rewrite.ops import forms_for_key
-from rewrite.ops.base import FunctionForm, MethodForm
+from rewrite.ops.base import FunctionForm, MethodForm, ModuleForm
 from rewrite.ops.forms import same_arg
+from rewrite.ops.modules import reads_forward_input
 
 __all__ = ["build_prefilter"]
 
@@ -57,7 +59,7 @@ def build_prefilter(rule: CompiledRule, key: Any) -> Prefilter | None:
     options: list = []  # any option's needs all holding lets the node through
     for alt in root.alts:
         for form in _forms_at(alt, key):
-            if not isinstance(form, (FunctionForm, MethodForm)):
+            if not isinstance(form, (FunctionForm, MethodForm, ModuleForm)):
                 return None
             for order in _orders(alt):
                 needs = _needs(form, order)
@@ -100,7 +102,11 @@ def _needs(form: Any, order: tuple) -> tuple:
 
 def _position(form: Any, param: str) -> tuple | None:
     """(index in node.args, keyword name) of canonical ``param`` in ``form``'s
-    target signature; None when the node spells it in a way only binding knows."""
+    target signature; None when the node spells it in a way only binding knows.
+    A module call's only known position is its forward input (what the module's
+    own extractor reads as ``input``: ``nn.ReLU()(x)``)."""
+    if isinstance(form, ModuleForm):
+        return (0, "input") if param == "input" and reads_forward_input(form.extract) else None
     if param in form.fixed:
         return None
     names = [t for t in form.signature if form.rename.get(t, t) == param

@@ -23,7 +23,7 @@ from rewrite.ops.base import ConstRef
 __all__ = [
     "unary", "conv", "conv_transpose", "linear", "batch_norm", "layer_norm", "group_norm",
     "gelu", "hardtanh", "dropout", "flatten", "softmax", "max_pool2d", "avg_pool2d",
-    "adaptive_avg_pool2d", "embedding", "leaky_relu", "glu",
+    "adaptive_avg_pool2d", "embedding", "leaky_relu", "glu", "reads_forward_input",
 ]
 
 
@@ -200,3 +200,19 @@ def embedding(module: Any, node: fx.Node, qualname: str) -> dict | None:
 
 def prelu(module: Any, node: fx.Node, qualname: str) -> dict | None:
     return _with_input(node, weight=_ref(module, qualname, "weight"))
+
+
+#: Extractors whose canonical ``input`` is the call's single forward argument
+#: (``_input``): ``node.args[0]``, or keyword ``input``. The prefilter reads it there
+#: without looking the module up (``engine/prefilter.py``).
+_FORWARD_INPUT = frozenset({
+    unary, gelu, upsample, leaky_relu, glu, hardtanh, conv, conv_transpose, linear, batch_norm,
+    layer_norm, rms_norm, group_norm, dropout, flatten, softmax, max_pool2d, avg_pool2d,
+    adaptive_avg_pool2d, embedding, prelu,
+})
+
+
+def reads_forward_input(extract: Any) -> bool:
+    """Whether ``extract`` binds canonical ``input`` to the call's forward argument,
+    as every extractor here does (one registered elsewhere may not)."""
+    return extract in _FORWARD_INPUT
