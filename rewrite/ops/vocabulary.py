@@ -113,6 +113,7 @@ def detect_dialect(gm: Any) -> str:
     """``"aten"`` for ``torch.export`` graphs (call_function targets are
     ``OpOverload``s), ``"torch"`` for ``symbolic_trace`` and dynamo graphs."""
     aten = torch_level = 0
+    modules = []
     for op, target, nodes in nodes_by_target(gm.graph):
         if op == "call_function":
             if isinstance(target, torch._ops.HigherOrderOperator) or (
@@ -123,7 +124,14 @@ def detect_dialect(gm: Any) -> str:
         elif op == "call_method":
             torch_level += len(nodes)
         elif op == "call_module":
-            torch_level += sum(1 for node in nodes if forms_for_key(node_key(node, gm)))
+            modules.extend(nodes)
+    # module calls the vocabulary reads vote torch too: counted (a look-up each) only
+    # while they could still decide
+    for node in modules:
+        if not aten or torch_level > aten:
+            break
+        if forms_for_key(node_key(node, gm)):
+            torch_level += 1
     return "aten" if aten and aten >= torch_level else "torch"
 
 
