@@ -676,6 +676,15 @@ def test_copy_graph_is_what_deepcopy_gives(index):
     for src, copied in zip(graph.nodes, got.nodes):
         assert copied.meta is not src.meta and copied is not src
     assert expected.python_code("self").src == got.python_code("self").src
+    # the find_nodes index holds the copy's nodes under the same keys, in graph order
+    def indexed(g, op, target):
+        found = g.find_nodes(op=op, target=target, sort=False) if op == "call_function" else \
+            g.find_nodes(op=op, sort=False)
+        return [n.name for n in found]
+
+    for op, target in {(n.op, n.target if n.op == "call_function" else None) for n in graph.nodes}:
+        assert indexed(got, op, target) == indexed(expected, op, target)
+    assert all(n.graph is got for nodes in got._find_nodes_lookup_table.table.values() for n in nodes)
     # the code generator is the copy's own (export's: its own argument names, the same specs)
     assert got._codegen is not graph._codegen and type(got._codegen) is type(graph._codegen)
     info = getattr(graph._codegen, "pytree_info", None)

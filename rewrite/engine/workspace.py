@@ -195,20 +195,29 @@ def copy_graph(graph: fx.Graph) -> fx.Graph:
         new = fx.Graph(tracer_cls=graph._tracer_cls)
         namespace, source = new._graph_namespace, graph._graph_namespace
         table, insert = new._find_nodes_lookup_table, new._insert
+        # the find_nodes index's entry per target, found once per target: its key
+        # hashes the target, in Python for an OpOverload
+        entries: dict = {}
         env: dict = {}
         lookup = env.__getitem__
         map_arg = fx.node.map_arg
+        set_attribute = object.__setattr__
         for node in graph.nodes:
-            name = node.name
+            name, op = node.name, node.op
             if name in namespace._used_names or name in _illegal_names:
                 return copy.deepcopy(graph)
-            copied = fx.Node(new, name, node.op, node.target, map_arg(node.args, lookup),
+            copied = fx.Node(new, name, op, node.target, map_arg(node.args, lookup),
                              map_arg(node.kwargs, lookup), node.type)
-            copied.meta = node.meta.copy()
+            # Node.__setattr__ would look the node up in the index first (not in it yet)
+            set_attribute(copied, "meta", node.meta.copy())
             namespace._used_names.add(name)
             namespace._obj_to_name[copied] = name
             insert(copied)
-            table.insert(copied)
+            entry_key = id(node.target) if op == "call_function" else op
+            entry = entries.get(entry_key)
+            if entry is None:
+                entry = entries[entry_key] = table.table[table._key(copied)]
+            entry[copied] = None
             new._len += 1
             env[node] = copied
         namespace._used_names |= source._used_names
