@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from rewrite.ops.base import attribute, submodule
+from rewrite.ops.base import attribute, by_identity, submodule
 
 __all__ = [
     "VIEW_NAMES", "ALIASING_NAMES", "ALIASING_MODULES", "op_name", "may_alias", "always_aliases",
@@ -132,12 +132,20 @@ def always_aliases(node: fx.Node, gm: Any) -> bool:
         return bool(getattr(_module(node, gm), "inplace", False))
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
-        # ``Tensor(a)`` in a schema means *may* alias (``aten.to.dtype`` copies when
-        # the dtype changes): only views and in-place ops certainly do
-        returns = target._schema.returns
-        info = returns[0].alias_info if returns else None
-        return info is not None and (info.is_write or op_name(target) in VIEW_NAMES)
+        return by_identity(_RETURNS_INPUT, target, _returns_input)
     return op_name(target) in VIEW_NAMES or target is operator.getitem or 0 in written_args(node, gm)
+
+
+_RETURNS_INPUT: dict = {}  # id(overload) -> (overload, _returns_input(overload))
+
+
+def _returns_input(overload: Any) -> bool:
+    # ``Tensor(a)`` in a schema means *may* alias (``aten.to.dtype`` copies when
+    # the dtype changes): only views and in-place ops certainly do. Read once per
+    # overload: a schema's ``returns`` builds its argument objects on every read.
+    returns = overload._schema.returns
+    info = returns[0].alias_info if returns else None
+    return info is not None and (info.is_write or op_name(overload) in VIEW_NAMES)
 
 
 _INPLACE_OPERATORS = frozenset(
