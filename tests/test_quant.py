@@ -101,6 +101,18 @@ def test_quant_rule_files_load_and_check():
     assert len(rewrite.load("rules/quant/observe.rw")) == len(rq.quant_rules("observe"))
 
 
+def test_prepare_without_fusion_leaves_the_callers_graph_alone():
+    model, (x,) = resnet_tiny_with_inputs()
+    gm = fx.symbolic_trace(model.eval())
+    metas = [dict(n.meta) for n in gm.graph.nodes]
+    code = gm.code
+    observed = rq.prepare(gm, (x,), fuse=False, check=False)
+    assert observed is not gm and observed.graph is not gm.graph
+    assert gm.code == code
+    assert [dict(n.meta) for n in gm.graph.nodes] == metas  # no shape facts written on it
+    assert any("tensor_meta" in n.meta for n in observed.graph.nodes)
+
+
 # ---------------------------------------------------------------- a small CNN, symbolic_trace
 
 

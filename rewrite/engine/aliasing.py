@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from rewrite.ops.base import by_identity
-from rewrite.ops.effects import always_aliases, may_alias, target_writes, written_args
+from rewrite.ops.effects import always_aliases, may_alias, target_writes, written_args, written_nodes
 from rewrite.ops.vocabulary import nodes_by_target
 
 __all__ = ["storage_base", "alias_class", "new_aliasing", "caller_owned", "graph_writes"]
@@ -39,14 +39,22 @@ __all__ = ["storage_base", "alias_class", "new_aliasing", "caller_owned", "graph
 
 def storage_base(node: Any, gm: Any, through: Any = may_alias) -> Any:
     """The value whose memory ``node`` may share: follow first arguments through
-    ops for which ``through(op_node, gm)`` says the result may be (a view of) it."""
+    ops for which ``through(op_node, gm)`` says the result may be (a view of) it.
+    A first argument that is a list (``broadcast_tensors([a, b])``) may be any of its
+    values: a caller-owned base among theirs is the answer, else the first."""
     seen: set = set()
     while isinstance(node, fx.Node) and node not in seen:
         seen.add(node)
-        if not (node.op.startswith("call_") and node.args and isinstance(node.args[0], fx.Node)
-                and through(node, gm)):
+        first = node.args[0] if node.args else None
+        if isinstance(first, (list, tuple)):  # broadcast_tensors([a, b]): a view of any of them
+            if not (node.op.startswith("call_") and through(node, gm)):
+                return node
+            bases = [storage_base(n, gm, through) for n in first if isinstance(n, fx.Node)]
+            owned = [b for b in bases if isinstance(b, fx.Node) and caller_owned(b)]
+            return owned[0] if owned else (bases[0] if bases else node)
+        if not (node.op.startswith("call_") and isinstance(first, fx.Node) and through(node, gm)):
             return node
-        node = node.args[0]
+        node = first
     return node
 
 
@@ -57,11 +65,17 @@ def alias_class(node: fx.Node, gm: Any, exclude: frozenset = frozenset()) -> set
     while frontier:
         n = frontier.pop()
         for user in n.users:
-            if user not in out and user not in exclude and user.args and user.args[0] is n \
+            if user not in out and user not in exclude and user.args and _reads_first(user, n) \
                     and may_alias(user, gm):
                 out.add(user)
                 frontier.append(user)
     return out
+
+
+def _reads_first(user: fx.Node, node: fx.Node) -> bool:
+    """``node`` is ``user``'s first argument, or in the list that is."""
+    first = user.args[0]
+    return first is node or (isinstance(first, (list, tuple)) and any(a is node for a in first))
 
 
 def caller_owned(node: fx.Node) -> bool:
@@ -74,11 +88,7 @@ def _escapes(cls: set) -> bool:
 
 
 def _writes_into(user: fx.Node, node: fx.Node, gm: Any) -> bool:
-    for position in written_args(user, gm):
-        arg = user.args[position] if isinstance(position, int) else user.kwargs.get(position)
-        if arg is node:
-            return True
-    return False
+    return any(written is node for written in written_nodes(user, gm))
 
 
 def _written(cls: set, gm: Any) -> bool:
@@ -146,12 +156,12 @@ def graph_writes(gm: Any) -> bool:
     """Whether some node of ``gm``'s graph writes an argument in place
     (``rewrite.ops.effects.written_args``), looked up by target: a call_function
     target that writes nothing by its schema or name writes only when given
-    ``inplace=True``."""
+    ``inplace=True`` or ``out=``."""
     for op, target, nodes in nodes_by_target(gm.graph):
         if op == "call_function" and not target_writes(target):
             if isinstance(target, torch._ops.OpOverload) and not _takes_inplace(target):
                 continue  # an aten op's schema says what it writes: no flag to look for
-            if any(n.kwargs.get("inplace") is True for n in nodes):
+            if any(n.kwargs.get("inplace") is True or n.kwargs.get("out") is not None for n in nodes):
                 return True
             continue
         if any(written_args(n, gm) for n in nodes):

@@ -7,8 +7,12 @@ output). The caller sees that (``out.view(-1)`` fails, ``out.is_contiguous()``
 changes), so after the rules have run, an output that was contiguous (or
 channels_last) and no longer is gets one copy back into that layout, right before
 the graph returns it. Inside the graph the layout is free: ops compute the same
-values whatever the strides (``view`` excepted, which the rules that skip copies
-check with ``is_contiguous``).
+values whatever the strides, except the readers that need them (``view``, which
+fails on strides it cannot reinterpret; ``stride()``, ``as_strided``): a rewrite
+that forwards an existing value of another layout to such a reader (an identity
+that drops a copy) is refused (``layout_change_seen``). Values a replacement
+computes anew are left to the rules (the AMP files lower such a ``view`` to a
+``reshape``) and to the check.
 
 Layouts are read from the facts nodes carry (FakeTensor ``val``, or the
 ``contiguous`` flag of recorded ``TensorFacts``); an output whose layout is unknown
@@ -24,8 +28,9 @@ import torch.fx as fx
 
 from rewrite.engine.facts import GraphFacts, fetch_attr, tensor_meta_of
 from rewrite.engine.shapes import layout_of
+from rewrite.ops.effects import op_name
 
-__all__ = ["output_values", "restore_output_layouts"]
+__all__ = ["layout_change_seen", "output_values", "restore_output_layouts"]
 
 _FORMATS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last,
             "channels_last_3d": torch.channels_last_3d}
@@ -101,3 +106,33 @@ def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, 
     for new, copy in fixed.items():
         out_node.replace_input_with(new, copy)  # through the replace hooks: an undo journal sees it
     return copies
+
+
+#: Readers whose result depends on their first argument's strides, not only on its
+#: values: a view cannot reinterpret every layout; the others report or use them.
+STRIDE_READERS = frozenset({
+    "view", "_unsafe_view", "as_strided", "stride", "is_contiguous", "is_non_overlapping_and_dense",
+    "data_ptr", "storage_offset", "untyped_storage", "storage",
+})
+
+
+def layout_change_seen(root: fx.Node, result: fx.Node, facts: GraphFacts) -> str | None:
+    """Why replacing ``root`` by ``result`` may change what a reader of ``root``
+    that depends on strides sees, or None: no such reader, or both values are
+    known to have the same strides (an identity rule that drops the copy in front
+    of ``t.view(-1)`` makes the view fail, or read other elements)."""
+    reader = next((u for u in root.users if u.op in ("call_function", "call_method") and u.args
+                   and u.args[0] is root and op_name(u.target) in STRIDE_READERS), None)
+    if reader is None:
+        return None
+    before, after = facts.meta(root), facts.meta(result)
+    if isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor):
+        try:
+            if before.shape == after.shape and before.stride() == after.stride():
+                return None
+        except (RuntimeError, NotImplementedError):  # symbolic strides
+            pass
+    elif layout_of(before) == "contiguous" and layout_of(after) == "contiguous":
+        return None
+    return (f"{reader.name} depends on the memory layout of the value it reads, which the "
+            f"replacement is not known to keep")

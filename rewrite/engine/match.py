@@ -25,7 +25,7 @@ from rewrite.engine.where import UNKNOWN, where_function
 from rewrite.language import ast
 from rewrite.engine.aliasing import alias_class, caller_owned, storage_base
 from rewrite.ops import bind_node, forms_for_key, forms_for_node, node_key
-from rewrite.ops.effects import written_args
+from rewrite.ops.effects import written_nodes
 from rewrite.ops.forms import same_arg
 from rewrite.ops.base import ConstRef
 
@@ -147,17 +147,14 @@ class Matcher:
         when nothing else reads the tensor it writes into."""
         ok = self._inplace_ok.get(node)
         if ok is None:
-            ok = all(self._privately_written(node, position) for position in written_args(node, self.gm))
+            ok = all(self._privately_written(node, written) for written in written_nodes(node, self.gm))
             self._inplace_ok[node] = ok
         return ok
 
-    def _privately_written(self, node: fx.Node, position: Any) -> bool:
-        """The tensor ``node`` writes is the graph's own (not an input, a constant or
-        a view of anything), and nothing else reads it: replacing the write by a
-        functional op then changes nothing anyone can observe."""
-        written = node.args[position] if isinstance(position, int) else node.kwargs.get(position)
-        if not isinstance(written, fx.Node):
-            return True
+    def _privately_written(self, node: fx.Node, written: fx.Node) -> bool:
+        """The tensor ``node`` writes (``written``) is the graph's own (not an input,
+        a constant or a view of anything), and nothing else reads it: replacing the
+        write by a functional op then changes nothing anyone can observe."""
         base = storage_base(written, self.gm)
         if caller_owned(base):
             return False

@@ -29,6 +29,7 @@ from rewrite.engine.outputs import getitem_users, result_count
 from rewrite.ops import bind_node
 from rewrite.ops.base import ConstRef, by_identity
 from rewrite.engine.aliasing import graph_writes, new_aliasing
+from rewrite.engine.layout import layout_change_seen
 from rewrite.engine.rewire import Rewirer
 from rewrite.ops.effects import written_args
 
@@ -141,6 +142,8 @@ class Replacer:
                                    f"results is not known to be {len(results)}")
         if result is not root:
             problem = new_aliasing(root, result, self._created, self.gm, self._graph_writes(), self._classes)
+            if problem is None and result not in self._created:  # a value forwarded as it is
+                problem = layout_change_seen(root, result, self.facts)
             if problem is not None:
                 self._undo()
                 raise ReplacementError(f"rule {match.rule.name!r} at {root.name}: {problem}")

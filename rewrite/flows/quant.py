@@ -421,6 +421,10 @@ def prepare(
     gm = _capture(model, args, capture)
     if fuse:
         gm = rewrite.load(rewrite.rules_dir() / "fusion.rw").apply(gm, args, check=check).graph_module
+    elif gm is model:  # the shape facts go on a copy: the caller's graph is left as it was
+        from rewrite.engine.workspace import shared_copy
+
+        gm = shared_copy(gm)
     _record_shapes(gm, args)
     result = _as_rules(observe, "observe", ruleset).apply(gm, args, check=check, trials=1)
     observed = result.graph_module

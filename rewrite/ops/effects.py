@@ -34,8 +34,9 @@ from torch.utils import _pytree as pytree
 from rewrite.ops.base import attribute, by_identity, submodule
 
 __all__ = [
-    "VIEW_NAMES", "ALIASING_NAMES", "ALIASING_MODULES", "op_name", "may_alias", "always_aliases",
-    "written_args", "target_writes", "opdef_writes", "opdef_may_alias", "module_writes_own_state",
+    "VIEW_NAMES", "ALIASING_NAMES", "ALIASING_MODULES", "FRESH_COMPOSITES", "op_name", "may_alias", "always_aliases",
+    "written_args", "written_nodes", "target_writes", "opdef_writes", "opdef_may_alias",
+    "module_writes_own_state",
     "state_writes",
 ]
 
@@ -54,8 +55,23 @@ ALIASING_NAMES = VIEW_NAMES | {
     "reshape", "reshape_as", "flatten", "ravel", "contiguous", "to", "type", "type_as", "float",
     "double", "half", "bfloat16", "int", "long", "bool", "dropout", "identity", "lift_fresh",
     "_to_copy_noop", "align_as", "rename", "refine_names", "coalesce", "resolve_conj", "resolve_neg",
-    "conj", "positive", "requires_grad", "data", "cpu", "cuda",
+    "conj", "positive", "requires_grad", "data", "cpu", "cuda", "H", "mH", "adjoint", "atleast_1d",
+    "atleast_2d", "atleast_3d", "broadcast_to", "broadcast_tensors", "meshgrid", "vsplit", "hsplit",
+    "dsplit", "sum_to_size", "to_dense", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
+    "feature_alpha_dropout", "feature_dropout",
 }
+#: CompositeImplicitAutograd aten ops (their schema annotates no alias, yet such an
+#: op may return its input: ``aten.dropout`` in eval mode) known to return a new
+#: tensor. Any other composite op may alias its input.
+FRESH_COMPOSITES = frozenset({
+    "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "linear",
+    "bilinear", "matmul", "einsum", "layer_norm", "batch_norm", "group_norm", "instance_norm", "rms_norm",
+    "scaled_dot_product_attention", "softmax", "log_softmax", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
+    "max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "__and__", "__or__", "__xor__", "prelu", "relu6",
+    "clip", "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "upsample_linear1d",
+    "upsample_bilinear2d", "upsample_bicubic2d", "upsample_trilinear3d", "_upsample_nearest_exact1d",
+    "_upsample_nearest_exact2d", "_upsample_nearest_exact3d",
+})
 #: Modules whose forward may return its input (or a view of it).
 ALIASING_MODULES = frozenset({"Identity", "Flatten", "Unflatten", "Dropout", "Dropout1d", "Dropout2d",
                               "Dropout3d", "AlphaDropout", "FeatureAlphaDropout", "QuantStub",
@@ -101,11 +117,14 @@ def _target_aliasing(target: Any) -> tuple:
     if entry is not None and (entry[0] is target or isinstance(target, str)):
         return entry[1]
     if isinstance(target, torch._ops.OpOverload):
-        answer = (True, any(r.alias_info is not None for r in target._schema.returns))
+        answer = (True, _overload_may_alias(target))
     elif isinstance(target, torch._ops.OpOverloadPacket):  # torch.ops.mylib.f(x): any overload's schema
-        answer = (True, any(r.alias_info is not None for ov in _overloads(target) for r in ov._schema.returns))
+        answer = (True, any(_overload_may_alias(ov) for ov in _overloads(target)))
     else:
-        answer = (False, op_name(target) in ALIASING_NAMES or target is operator.getitem)
+        # a Python function from outside torch (``getattr(x, "T")``, a wrapped user
+        # function) may return anything it is given
+        answer = (False, op_name(target) in ALIASING_NAMES or target is operator.getitem
+                  or not _from_torch(target))
     if len(_ALIASING) > _CACHE_LIMIT:
         _ALIASING.clear()
     _ALIASING[key] = (target, answer)
@@ -115,6 +134,24 @@ def _target_aliasing(target: Any) -> tuple:
 _CACHE_LIMIT = 4096  # distinct call targets remembered (functions of many traced graphs)
 _ALIASING: dict = {}  # target (id, or a method name) -> (target, (by schema, may alias))
 _WRITES: dict = {}  # id(target) -> (target, target_writes(target))
+
+
+def _overload_may_alias(overload: Any) -> bool:
+    """By its schema's alias annotation; a CompositeImplicitAutograd op without one
+    runs Python-level code that may return its input, unless known not to."""
+    if any(r.alias_info is not None for r in overload._schema.returns):
+        return True
+    return (op_name(overload) not in FRESH_COMPOSITES
+            and torch._C._dispatch_has_kernel_for_dispatch_key(overload.name(), "CompositeImplicitAutograd"))
+
+
+def _from_torch(target: Any) -> bool:
+    """A torch function or method, or an ``operator``/``math`` function."""
+    name = getattr(target, "__name__", "")
+    if getattr(operator, name, None) is target:
+        return True
+    module = getattr(target, "__module__", None) or "torch"  # method descriptors have none
+    return module.startswith("torch") or module == "math"
 
 
 def _overloads(packet: Any) -> list:
@@ -157,10 +194,11 @@ _INPLACE_OPERATORS = frozenset(
 
 @functools.lru_cache(maxsize=None)
 def _schema_written(overload: Any) -> tuple:
-    """(position, name) of the arguments an aten overload writes (``Tensor(a!)``)."""
+    """(position, name) of the arguments an aten overload writes (``Tensor(a!)``,
+    ``out=`` arguments included)."""
     return tuple((i, "input" if a.name == "self" else a.name)
                  for i, a in enumerate(overload._schema.arguments)
-                 if a.alias_info is not None and a.alias_info.is_write and not a.is_out)
+                 if a.alias_info is not None and a.alias_info.is_write)
 
 
 @functools.lru_cache(maxsize=None)
@@ -224,7 +262,19 @@ def written_args(node: fx.Node, gm: Any) -> tuple:
             out.append(position)
         elif name in node.kwargs:
             out.append(name)
+    if node.kwargs.get("out") is not None and "out" not in out:  # torch.add(x, y, out=z) writes z
+        out.append("out")
     return tuple(out)
+
+
+def written_nodes(node: fx.Node, gm: Any) -> list:
+    """The nodes whose tensors ``node`` writes (``written_args``; every node of a
+    written argument: ``out=(values, indices)`` writes both)."""
+    found: list = []
+    for position in written_args(node, gm):
+        value = node.args[position] if isinstance(position, int) else node.kwargs.get(position)
+        fx.node.map_arg(value, found.append)
+    return found
 
 
 def opdef_writes(opdef: Any) -> tuple:
