@@ -129,6 +129,8 @@ class RewriteResult:
         for name in sorted(self.stats):
             if self.stats[name].failed:
                 lines.append(f"failed: {self.stats[name].first_error}")
+            elif self.stats[name].first_error:  # a registered predicate raised
+                lines.append(f"error in {name}: {self.stats[name].first_error}")
         lines.append(
             f"rewrites: {sum(self.counts.values())} in {self.seconds * 1e3:.1f} ms "
             f"(+ {self.copy_seconds * 1e3:.1f} ms to copy the input)"

@@ -339,3 +339,21 @@ def test_refusals_at_the_readers_of_one_value_walk_its_class_once_per_change(mon
         assert len({o.untyped_storage().data_ptr() for o in outs}) == n
         per_output.append(calls["may_alias"] / n)
     assert per_output[2] <= per_output[0] * 1.2 + 1, per_output
+
+
+@rewrite.register_predicate("test_predicate_with_a_bug")
+def _predicate_with_a_bug(x):
+    return x.shapee[-1] > 2  # a typo: raises AttributeError
+
+
+def test_a_raising_predicate_does_not_fire_and_is_reported():
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return x * 1.0
+
+    x = torch.randn(3, 4)
+    rules = rewrite.parse("rule r: mul(x, 1) where test_predicate_with_a_bug(x) => x\n")
+    result = rules.apply(fx.symbolic_trace(M()), (x,))
+    assert not result.counts
+    assert "test_predicate_with_a_bug() raised AttributeError" in result.stats["r"].first_error
+    assert "error in r:" in result.summary()

@@ -73,7 +73,7 @@ class RuleStats:
     failed: int = 0
     seconds: float = 0.0
     prefiltered: int = 0
-    first_error: str = ""  # why the first failed replacement failed
+    first_error: str = ""  # why the first failed replacement failed, or a user's predicate raised
 
 
 def _depth(p: Any) -> int:
@@ -322,6 +322,10 @@ class Driver:
             match = self.matcher.match(rule, node)
             stats.seconds += time.perf_counter() - start
             if match is None:
+                if self.matcher.where_error is not None:  # a user's predicate raised
+                    if not stats.first_error:
+                        stats.first_error = f"where clause: {self.matcher.where_error}"
+                    self.matcher.where_error = None
                 continue
             # a multi-output root's results are read through getitems: their
             # readers are the ones that get new inputs

@@ -21,7 +21,7 @@ import torch.fx as fx
 from rewrite.engine.compile import CompiledRule, PCall, PDefault, PLit, PResults, PSeq, PVar, PWild, RResults
 from rewrite.engine.facts import GraphFacts, is_metadata_check
 from rewrite.engine.outputs import getitem_users, result_count
-from rewrite.engine.where import UNKNOWN, where_function
+from rewrite.engine.where import UNKNOWN, PredicateError, where_function
 from rewrite.language import ast
 from rewrite.engine.aliasing import alias_class, caller_owned, storage_base
 from rewrite.ops import bind_node, forms_for_key, forms_for_node, node_key
@@ -119,6 +119,7 @@ class Matcher:
         self.compiled = (COMPILED if compiled is None else compiled) and on_failure is None
         self.facts = facts
         self._last: tuple = (None, ())  # (node, its bindings)
+        self.where_error: str | None = None  # the first PredicateError since the driver last looked
         self._inplace_ok: dict = {}
         self._module_keys: dict = {}
         self._names_by_key: dict = {}
@@ -450,5 +451,9 @@ class Matcher:
     def _holds(self, where_fn: Any, env: dict) -> bool:
         try:
             return where_fn(env, self.facts) is True
+        except PredicateError as err:  # a user's function failed: kept for the rule's stats
+            if self.where_error is None:
+                self.where_error = str(err)
+            return False
         except Exception:  # noqa: BLE001 - an undecidable constraint does not hold
             return False

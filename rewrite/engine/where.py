@@ -18,12 +18,28 @@ from typing import Any, Callable
 
 from rewrite.engine.dtypes import DTYPES
 from rewrite.engine.facts import Value
-from rewrite.functions.registry import lookup_function
+from rewrite.functions.registry import BUILTIN_MODULES, lookup_function
 from rewrite.language import ast
 from rewrite.ops.base import by_identity
 from rewrite.ops.forms import same_arg
 
-__all__ = ["UNKNOWN", "compile_where", "where_function", "plain"]
+__all__ = ["UNKNOWN", "PredicateError", "compile_where", "where_function", "plain"]
+
+
+class PredicateError(Exception):
+    """A function registered outside the library raised in a where clause: the
+    clause does not hold (as for any undecidable constraint), and the matcher
+    keeps the message so the rule's stats can show it."""
+
+
+def _reporting(fn: Callable, name: str) -> Callable:
+    """``fn`` whose exceptions become ``PredicateError``s naming it."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as err:  # noqa: BLE001 - reported, then the clause does not hold
+            raise PredicateError(f"{name}() raised {type(err).__name__}: {err}") from err
+    return call
 
 
 class _Unknown:
@@ -137,6 +153,8 @@ def _eval(e: Any) -> Compiled:
         if spec is None:  # a checked rule names registered functions only
             raise ValueError(f"unknown function {e.op.names[0]!r} in a where clause")
         fn = spec.fn
+        if getattr(fn, "__module__", None) not in BUILTIN_MODULES:
+            fn = _reporting(fn, spec.name)  # a user's bug is shown, not taken for "unknown"
         args = [_value(a) for a in e.args]
         kwargs = [(kw.name, _value(kw.value)) for kw in e.kwargs]
 
