@@ -260,6 +260,9 @@ def save_path_problem(path: Any, level: str) -> str | None:
     if Path(path).suffix != wanted:
         kind = "an ExportedProgram (torch.export.save)" if wanted == ".pt2" else "a pickled GraphModule (torch.save)"
         return f"a {level!r} result is saved as {kind}: name the file *{wanted}, not {Path(path).name!r}"
+    folder = Path(path).parent
+    if not folder.is_dir():
+        return f"the folder {str(folder)!r} does not exist"
     return None
 
 

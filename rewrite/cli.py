@@ -172,7 +172,11 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
         model, inputs = load_model(args.model)
         gm = capture(model, inputs, args.capture)
-        explanations = rules.explain(gm, rule=args.rule, node=args.node, example_inputs=inputs)
+        try:
+            explanations = rules.explain(gm, rule=args.rule, node=args.node, example_inputs=inputs)
+        except KeyError as err:  # --rule or --node names nothing: the user's input, not a bug
+            print(f"rewrite: error: {err.args[0] if err.args else err}", file=sys.stderr)
+            return 2
         for e in explanations:
             print(e)
         if not explanations:

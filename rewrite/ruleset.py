@@ -15,6 +15,7 @@ runs one after the other; ``rules["fusion"]`` selects a ``ruleset`` declared in 
 
 from __future__ import annotations
 
+import os
 import random
 import time
 import warnings
@@ -701,8 +702,11 @@ def load(*paths: Any) -> RuleSet:
     Raises:
         rewrite.RuleError: with ``file:line:col`` diagnostics for any error.
     """
-    if len(paths) == 1 and not isinstance(paths[0], (str, Path)) and isinstance(paths[0], Iterable):
+    if len(paths) == 1 and not isinstance(paths[0], (str, bytes, Path)) and isinstance(paths[0], Iterable):
         paths = tuple(paths[0])
+    for p in paths:
+        if not isinstance(p, (str, os.PathLike)):
+            raise TypeError(f"rewrite.load takes rule file paths (str or os.PathLike), not {type(p).__name__}")
     resolved = [_resolve_path(p) for p in paths]
     program = load_program(resolved)
     return RuleSet.from_program(program, name="+".join(Path(p).stem for p in resolved))
@@ -710,4 +714,7 @@ def load(*paths: Any) -> RuleSet:
 
 def parse(text: str, path: str = "<string>") -> RuleSet:
     """Compile rules given as text (same language as rule files)."""
+    if not isinstance(text, str):
+        raise TypeError(f"rewrite.parse takes the rules as str, not {type(text).__name__}"
+                        + (" (decode the bytes first)" if isinstance(text, bytes) else ""))
     return RuleSet.from_program(load_program_text(text, path), name=Path(path).stem)

@@ -178,3 +178,19 @@ def test_bad_model_spec_is_a_one_line_error(spec, message, capsys):
     code = main(["apply", "rules/fusion.rw", "--model", spec])
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("flag", ["--rule", "--node"])
+def test_explain_names_a_missing_rule_or_node_as_a_user_error(flag, capsys):
+    code = main(["explain", "rules/fusion.rw", "--model", "rewrite.examples.cnn:demo_cnn_with_inputs",
+                 flag, "nosuch"])
+    err = capsys.readouterr().err
+    assert code == 2 and "rewrite: error:" in err and "nosuch" in err and "internal error" not in err
+
+
+def test_apply_save_into_a_missing_folder_fails_before_any_work(tmp_path, capsys):
+    target = tmp_path / "missing" / "out.pt"
+    code = main(["apply", "rules/fusion.rw", "--model", "rewrite.examples.cnn:demo_cnn_with_inputs",
+                 "--save", str(target)])
+    err = capsys.readouterr().err
+    assert code != 0 and "does not exist" in err and "internal error" not in err

@@ -27,3 +27,12 @@ def test_a_missing_file_is_a_clean_error(tmp_path, monkeypatch):
     with pytest.raises(rewrite.RuleError) as info:
         rewrite.load("quant/nonexistent.rw")
     assert "quant/nonexistent.rw" in str(info.value)
+
+
+def test_paths_and_text_of_the_wrong_type_are_clear_type_errors():
+    with pytest.raises(TypeError, match="rule file paths"):
+        rewrite.load(b"rules/cleanup.rw")
+    with pytest.raises(TypeError, match="decode the bytes"):
+        rewrite.parse(b"rule r: neg(neg(x)) => x")
+    with pytest.raises(TypeError, match="not NoneType"):
+        rewrite.parse(None)
