@@ -148,9 +148,11 @@ def test_string_literals_are_data(nothing_runs, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code = "__import__('os').system('touch pwned')"
     rules = rewrite.parse(f'rule r: gelu(x, approximate="{code}") => relu(x)\n'
-                          f'rule s: relu(x) => to(x, "\\x00{code}")')
+                          f'rule s: relu(x) => gelu(x, "\\x00{code}")')
     assert len(rules) == 2  # strings that look like code stay strings
-    assert rules.rules["s"].replacement.args["dtype"].value == "\x00" + code
+    assert rules.rules["s"].replacement.args["approximate"].value == "\x00" + code
+    with pytest.raises(rewrite.RuleError, match="E206"):  # and a string is never a dtype
+        rewrite.parse(f'rule s: relu(x) => to(x, "\\x00{code}")')
     assert not (tmp_path / "pwned").exists()
 
 

@@ -26,6 +26,7 @@ import attrs
 
 from rewrite.language import ast
 from rewrite.language.diagnostics import Diagnostic, did_you_mean
+from rewrite.language.literals import describe, param_types, refusal
 from rewrite.language.parser import DTYPES
 from rewrite.language.printer import format_expr
 
@@ -64,12 +65,15 @@ class Scope:
     """The names one file can see: its own declarations and its imports'.
 
     ``complete`` is False when an import could not be read or parsed; names that
-    might have come from it are then not reported as unknown.
+    might have come from it are then not reported as unknown. ``uses``, for an
+    instance of a parametrized file, maps the span of each use of a parameter to
+    its ``ast.Binding``: a literal the checker refuses there is the binding's fault.
     """
 
     families: dict = attrs.field(factory=dict)  # name -> ast.Family
     schedulables: dict = attrs.field(factory=dict)  # name -> ast.Rule | ast.RuleSetDecl
     complete: bool = True
+    uses: dict = attrs.field(factory=dict)  # Span -> ast.Binding
 
 
 def check_module(module: ast.Module, scope: Scope) -> list:
@@ -82,33 +86,44 @@ def check_module(module: ast.Module, scope: Scope) -> list:
             checker.family(item)
         elif isinstance(item, ast.RuleSetDecl):
             checker.ruleset(item)
-    return checker.diags
+    return checker.diags + checker.binding_misuses()
 
 
 # ---------------------------------------------------------------- declarations
 
 
-def check_declarations(modules: list) -> list:
+def check_declarations(modules: list, origins: list | None = None) -> list:
     """Program-wide checks: duplicate names (one namespace for rules, families and
     rulesets across all files), families named like ops, recursive families and
-    rulesets."""
+    rulesets.
+
+    ``origins``, parallel to ``modules``, gives for an instance of a parametrized
+    file the ``(span, text)`` note naming the import that made it (None for a plain
+    file): two instances of one template declare a name at the same line, and the
+    notes tell them apart."""
     diags: list = []
     first: dict = {}
     families: dict = {}
     rulesets: dict = {}
-    for module in modules:
+    for module, origin in zip(modules, origins or [None] * len(modules)):
         for item in module.items:
             if isinstance(item, (ast.Import, ast.Param)):
                 continue
             where = item.name_span or item.span
             if item.name in first:
-                kind, prev = first[item.name]
+                kind, prev, prev_origin = first[item.name]
+                related = ((prev, f"'{item.name}' first defined here"),)
+                help = "rules, families and rulesets share one namespace; rename one of them"
+                if prev_origin is not None or origin is not None:
+                    related += tuple(o for o in (prev_origin, origin) if o is not None)
+                if prev_origin is not None and origin is not None and prev == where:
+                    help = ("two instances of one parametrized file declare it: give each import "
+                            "its own tag (import \"...\" with NAME = value as TAG)")
                 diags.append(Diagnostic(
                     where, f"duplicate name '{item.name}': already defined as a {kind}", "E401",
-                    help="rules, families and rulesets share one namespace; rename one of them",
-                    related=((prev, f"'{item.name}' first defined here"),)))
+                    help=help, related=related))
                 continue
-            first[item.name] = (_kind(item), where)
+            first[item.name] = (_kind(item), where, origin)
             if isinstance(item, ast.Family):
                 families[item.name] = item
                 if _vocabulary().lookup_op(item.name) is not None:
@@ -266,6 +281,7 @@ class _Checker:
         self.diags: list = []
         self.bound: dict = {}  # name -> span, for the rule being checked
         self.used: set = set()
+        self.misused: dict = {}  # id(ast.Binding) -> (binding, [(use span, argument, who, expected, help)])
 
     def _suggest(self, name: str, candidates: Any, valid: Any = None) -> str | None:
         """``did_you_mean``, for the first ``_HINTS`` unknown names of a file: each
@@ -736,6 +752,7 @@ class _Checker:
         """Check a call's arguments against an op's signature."""
         names = [p.name for p in opdef.params]
         sig = f"signature: {_signature(opdef)}"
+        errors_before = len(self.diags)
         if len(c.args) > len(names):
             extra = c.args[len(names)]
             self.error(_span_of(extra), f"too many arguments for {who}: it takes {len(names)}, got {len(c.args)}",
@@ -750,6 +767,8 @@ class _Checker:
                 self.error(k.span, f"argument '{k.name}' of {who} given both by position and by keyword",
                            "E203", help=sig)
             given.add(k.name)
+        if len(self.diags) == errors_before:  # arguments that miss the signature have no types to check
+            self._literal_args(c, opdef, who, sig)
         if c.rest:
             return
         required = _vocabulary().REQUIRED
@@ -758,6 +777,46 @@ class _Checker:
             listed = ", ".join(f"'{m}'" for m in missing)
             self.error(span, f"missing argument{'s' * (len(missing) > 1)} {listed} for {who}", "E204",
                        help=f"{sig}; in a pattern, end the call with '...' to match the rest")
+
+    def _literal_args(self, c: ast.Call, opdef: Any, who: str, sig: str) -> None:
+        """E206: a literal argument no form of the op can take (a string for
+        ``softmax``'s int ``dim``, an int for ``to``'s dtype). Types come from the aten
+        schemas of the op's forms (``rewrite.language.literals``); a parameter of
+        unknown type takes anything."""
+        types = param_types(opdef)
+        for name, value in [*zip(opdef.param_names, c.args), *((k.name, k.value) for k in c.kwargs)]:
+            param = opdef.param(name)
+            if param is None:
+                continue
+            found = refusal(types.get(name), value, optional=param.default is None)
+            if found is None:
+                continue
+            bad, expected = found
+            what = describe(bad) if bad is value else f"{describe(value)} holding {describe(bad)}"
+            hint = "a dtype is written torch.float32, torch.bfloat16, ...; " if "dtype" in expected else ""
+            binding = self.scope.uses.get(value.span) if bad is value and value.span is not None else None
+            if binding is not None:  # a parameter's value: reported once, at the import that binds it
+                entry = self.misused.setdefault(id(binding), (binding, []))
+                entry[1].append((value.span, name, who, expected, hint + sig))
+                continue
+            self.error(_span_of(bad) or _span_of(value) or c.span,
+                       f"argument '{name}' of {who} takes {expected}, not {what}", "E206", help=hint + sig)
+
+    def binding_misuses(self) -> list:
+        """One E206 per parameter binding whose literal some use of the parameter
+        cannot take, at the binding, with a note at the first such use."""
+        out = []
+        for binding, misuses in self.misused.values():
+            span, name, who, expected, help = misuses[0]
+            more = ""
+            if len(misuses) > 1:
+                more = f" (and in {len(misuses) - 1} more place{'s' * (len(misuses) > 2)} like it)"
+            out.append(Diagnostic(
+                binding.value.span or binding.span,
+                f"parameter '{binding.name}' is bound to {describe(binding.value)}, but it is passed as "
+                f"argument '{name}' of {who}, which takes {expected}", "E206", help=help,
+                related=((span, f"'{binding.name}' is used here{more}"),)))
+        return out
 
     def _function_args(self, c: ast.Call, spec: Any, span: Any) -> None:
         problem = spec.accepts(len(c.args), tuple(k.name for k in c.kwargs))

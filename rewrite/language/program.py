@@ -26,6 +26,7 @@ from rewrite.language.check import Scope, check_declarations, check_module, expa
 from rewrite.language.diagnostics import Diagnostic, RuleError, did_you_mean, sort_diagnostics
 from rewrite.language.params import binding_key, declared_params, instantiate, unbound_diagnostics
 from rewrite.language.parser import parse_module
+from rewrite.language.printer import format_expr
 
 __all__ = ["Program", "load_program", "load_program_text"]
 
@@ -103,6 +104,11 @@ class _File:
     module: ast.Module | None = None
     imports: list = attrs.Factory(list)  # keys of imported files
     complete: bool = True  # every import was found and read
+    # an instance of a parametrized file: the import that made it, and the names of
+    # its declarations that depend on no parameter (the same in every instance)
+    origin: ast.Import | None = None
+    shared: frozenset = frozenset()
+    uses: dict = attrs.Factory(dict)  # span of each parameter use -> its ast.Binding
 
 
 class _Loader:
@@ -155,9 +161,10 @@ class _Loader:
                 self.diags += unbound_diagnostics(module, display)
                 module = None
             else:
-                module, diags = instantiate(module, imp.bindings, imp.path, imp.span)
-                self.diags += diags
-                module = None if diags else module
+                instance = instantiate(module, imp.bindings, imp.path, imp.span)
+                f.origin, f.shared, f.uses = imp, instance.shared, instance.uses
+                self.diags += instance.diagnostics
+                module = None if instance.diagnostics else instance.module
         f.module = module
         if module is not None:
             self.stack.append(key)
@@ -229,16 +236,46 @@ class _Loader:
                 elif isinstance(item, (ast.Rule, ast.RuleSetDecl)):
                     schedulables.setdefault(item.name, item)
         complete = all(g.module is not None and g.complete for g in files)
-        return Scope(families, schedulables, complete)
+        return Scope(families, schedulables, complete, f.uses)
+
+    def _unique(self) -> list:
+        """``(file, module)`` of every loaded file, a declaration shared by several
+        instances of one parametrized file (it depends on no parameter) kept in the
+        first only: like a file imported twice, it is one declaration."""
+        seen: set = set()
+        out = []
+        for f in self.order:
+            module = f.module
+            if module is None:
+                continue
+            if f.shared:
+                items = []
+                for item in module.items:
+                    if getattr(item, "name", None) in f.shared:
+                        where = item.span
+                        key = (f.key.split("?")[0], item.name, where and (where.line, where.col))
+                        if key in seen:
+                            continue
+                        seen.add(key)
+                    items.append(item)
+                module = attrs.evolve(module, items=tuple(items))
+            out.append((f, module))
+        return out
 
     def finish(self) -> Program:
-        modules = [f.module for f in self.order if f.module is not None]
+        unique = self._unique()
+        modules = [m for _, m in unique]
         diags = list(self.diags)
         try:
-            for f in self.order:
-                if f.module is not None:
-                    diags += check_module(f.module, self._scope(f))
-            diags += check_declarations(modules)
+            for f, module in unique:
+                found = check_module(module, self._scope(f))
+                if f.origin is not None:  # where the instance comes from, for what is not at the import itself
+                    note = _instance_note(f.origin)
+                    here = f.origin.span.path if f.origin.span is not None else None
+                    found = [d if d.span is not None and d.span.path == here else
+                             attrs.evolve(d, related=d.related + (note,)) for d in found]
+                diags += found
+            diags += check_declarations(modules, [f.origin and _instance_note(f.origin) for f, _ in unique])
         except RecursionError:
             diags.append(Diagnostic(None, "expression nested too deeply", "E001"))
         if diags:
@@ -252,3 +289,10 @@ class _Loader:
             files=tuple(f.display for f in self.order),
             sources=dict(self.sources),
         )
+
+
+def _instance_note(imp: ast.Import) -> tuple:
+    """A ``note:`` for a diagnostic in an instance of a parametrized file: the
+    import that made it, with its bindings."""
+    bound = ", ".join(f"{b.name} = {format_expr(b.value)}" + (f" as {b.tag}" if b.tag else "") for b in imp.bindings)
+    return (imp.span, f"in the instance of '{imp.path}' imported here with {bound}")
