@@ -221,7 +221,15 @@ def _cmd_fmt(args: argparse.Namespace) -> int:
             print(str(err), file=sys.stderr)
             status = 1
             continue
-        except (OSError, UnicodeDecodeError) as err:
+        except UnicodeDecodeError as err:
+            from rewrite.language.program import utf8_error_position
+
+            with open(path, "rb") as fh:
+                line, col = utf8_error_position(fh.read(), err)
+            print(f"{path}:{line}:{col}: error: cannot read rule file: not valid UTF-8", file=sys.stderr)
+            status = 1
+            continue
+        except OSError as err:
             print(f"{path}: error: cannot read rule file: {err}", file=sys.stderr)
             status = 1
             continue

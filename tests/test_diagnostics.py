@@ -355,3 +355,16 @@ def test_a_where_clause_after_the_replacement_says_where_it_goes():
     assert ":1:24:" in text and "between the pattern and '=>'" in text
     with pytest.raises(RuleError, match="reserved word"):
         rewrite.parse("rule where: relu(x) => x\n")
+
+
+@pytest.mark.parametrize("bom", [b"", b"\xef\xbb\xbf"])
+def test_a_byte_that_is_not_utf8_is_reported_where_it_is(bom, tmp_path, capsys):
+    from rewrite.cli import main
+
+    path = tmp_path / "latin1.rw"
+    path.write_bytes(bom + b"rule r: relu(x) => x\n# caf\xe9\n")
+    with pytest.raises(rewrite.RuleError) as info:
+        rewrite.load(str(path))
+    assert ":2:6:" in str(info.value) and "E402" in str(info.value)
+    assert main(["fmt", str(path)]) == 1
+    assert f"{path}:2:6: error" in capsys.readouterr().err

@@ -129,9 +129,13 @@ class _Loader:
         if key in self.files:
             return key
         try:
-            text = path.read_bytes().decode("utf-8-sig")
+            raw = path.read_bytes()
+            text = raw.decode("utf-8-sig")
         except UnicodeDecodeError as exc:
-            self._unreadable(display, import_span, f"not valid UTF-8 (byte {exc.start})")
+            line, col = utf8_error_position(raw, exc)
+            at = ast.Span(display, line, col, line, col + 1) if import_span is None else import_span
+            self._unreadable(display, at, f"not valid UTF-8 at line {line}, column {col} (byte {exc.start})",
+                             imported=import_span is not None)
             return None
         except OSError as exc:
             self._unreadable(display, import_span, exc.strerror or str(exc), path)
@@ -139,13 +143,16 @@ class _Loader:
         self.load_source(text, display, key, path.parent, imp)
         return key
 
-    def _unreadable(self, display: str, span: ast.Span | None, why: str, path: Path | None = None) -> None:
+    def _unreadable(self, display: str, span: ast.Span | None, why: str, path: Path | None = None,
+                    imported: bool | None = None) -> None:
         hint = None
         if path is not None:
             found = path.parent.glob("*.rw") if path.parent.is_dir() else ()
             hint = did_you_mean(path.name, (p.name for p in found)) or f"looked for {path}"
-        if span is None:
-            span = ast.Span(display, 1, 1, 1, 1)
+        if imported is None:
+            imported = span is not None
+        if not imported:
+            span = span or ast.Span(display, 1, 1, 1, 1)
             self.diags.append(Diagnostic(span, f"cannot read rule file '{display}': {why}", "E402", help=hint))
         else:
             self.diags.append(Diagnostic(span, f"cannot import '{display}': {why}", "E402", help=hint))
@@ -296,3 +303,11 @@ def _instance_note(imp: ast.Import) -> tuple:
     import that made it, with its bindings."""
     bound = ", ".join(f"{b.name} = {format_expr(b.value)}" + (f" as {b.tag}" if b.tag else "") for b in imp.bindings)
     return (imp.span, f"in the instance of '{imp.path}' imported here with {bound}")
+
+
+def utf8_error_position(raw: bytes, exc: UnicodeDecodeError) -> tuple:
+    """(line, column), 1-based, of the byte a UTF-8 decode of ``raw`` failed at; the
+    column counts the characters before it on its line."""
+    start = exc.start + (3 if raw.startswith(b"\xef\xbb\xbf") and exc.object is not raw else 0)
+    line_start = raw.rfind(b"\n", 0, start) + 1
+    return raw.count(b"\n", 0, start) + 1, len(raw[line_start:start].decode("utf-8", "replace")) + 1
