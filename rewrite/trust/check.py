@@ -24,18 +24,24 @@ rule cannot hide behind large neighbours. ``(rtol, atol_base)`` and the floor co
 from the kind of rewrite and a dtype: ``"exact"`` (``EXACT_TOLERANCES``, floor
 ``EXACT_SCALE_FLOOR``: rounding only) unless an approximate rule fired
 (``TOLERANCES``, floor ``SCALE_FLOOR``); the dtype is the output's, or the lowest
-precision the rewritten model computes in that the original does not (a bfloat16
-rewrite of a float32 model is held to bfloat16's tolerance, whose rounding leaves
-no room for a local scale: floor 1, the tensor's largest value). Integer and bool
-outputs must be equal; structure, shapes and dtypes must match exactly; NaNs match
-NaNs; a finite value that becomes inf or NaN never passes.
+precision the rewritten model computes that output from and the original did not
+(per output, through the values it depends on: ``_static_lineage`` from node
+metadata, else ``_DtypeRecorder`` while it runs; a bfloat16 rewrite of a float32
+model is held to bfloat16's tolerance on the outputs bfloat16 reaches, whose
+rounding leaves no room for a local scale: floor 1, the tensor's largest value).
+Integer and bool outputs must be equal (at least ``INT_AGREEMENT`` of them where a
+lower precision newly reaches them); structure, shapes and dtypes must match
+exactly; NaNs match NaNs; a finite value that becomes inf or NaN never passes.
 
 Besides the outputs, the check compares what else the caller can observe: the
 inputs after the call (a model that writes its input must write the same values;
 one that did not must not start to), the module state the call writes (BatchNorm
-statistics in training mode), and memory sharing: an output of the candidate may
-not share memory with an input, a module constant or another output where the
-reference's did not. Both models are run on private copies of the inputs, and
+statistics in training mode), memory sharing: an output of the candidate may not
+share memory with an input, a module constant or another output where the
+reference's did not, nor stop sharing it where the reference's did (an output that
+is an input itself compares by value), and, on the first trial, run with gradients
+enabled, an output that requires grad in the reference must in the candidate.
+Both models are run on private copies of the inputs, and
 their parameters and buffers are restored after the check: checking has no side
 effects on either.
 """
@@ -43,6 +49,8 @@ effects on either.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import math
 import operator
 from typing import Any, Callable, Dict, Iterable, Iterator, Mapping, Optional, Tuple, Union
@@ -50,13 +58,14 @@ from typing import Any, Callable, Dict, Iterable, Iterator, Mapping, Optional, T
 import attrs
 import torch
 from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rewrite.engine.shapes import layout_of
 from rewrite.engine.workspace import gc_paused
 from rewrite.ops.base import ConstRef, attribute
-from rewrite.ops.effects import state_writes
+from rewrite.ops.effects import state_writes, written_args
 from rewrite.ops.vocabulary import CALL_OPS, OPS, bind_node
 from rewrite.trust.gradients import GradientRun, gradient_run
 from rewrite.trust.runner import call_with, running_as_graph
@@ -87,9 +96,10 @@ __all__ = [
 
 #: A rewrite that newly computes in lower precision (bfloat16 for a float32 model) may
 #: flip an integer output computed from floats (argmax, codebook indices) where two
-#: candidates are within rounding: such integer outputs pass when at least this share
-#: of their elements is equal. Exact runs, and approximate ones in the model's own
-#: precision, compare integers exactly.
+#: candidates are within rounding: such integer outputs (those the lower precision
+#: reaches) pass when at least this share of their elements is equal. Other integer
+#: outputs, exact runs, and approximate ones in the model's own precision compare
+#: integers exactly.
 INT_AGREEMENT = 0.95
 
 #: Range for integer placeholders when neither an example nor the graph bounds them.
@@ -378,6 +388,15 @@ class _Run:
     state: Dict[str, torch.Tensor]
     dtypes: frozenset = frozenset()
     storages: frozenset = frozenset()
+    #: per leaf of ``outputs`` (pytree order), the floating dtypes of the values it
+    #: was computed from (``_static_lineage``, ``_DtypeRecorder``); None: not known
+    lineage: Optional[Tuple[frozenset, ...]] = None
+    #: per leaf of ``outputs``, whether it requires grad when called with gradients
+    #: enabled (trial 0 only; None: not run so, or it raised so)
+    requires_grad: Optional[Tuple[bool, ...]] = None
+    #: per leaf of ``outputs`` that requires grad, where its gradient starts (its
+    #: ``grad_fn``, or the tensor itself when it is a leaf): what it requires grad through
+    grad_roots: Optional[Tuple[Any, ...]] = None
 
 
 @attrs.frozen
@@ -395,6 +414,7 @@ class _Watch:
     watched: Tuple[str, ...]
     buffers: frozenset
     static: Optional[frozenset]
+    lineage: Optional[Tuple[frozenset, ...]] = None  # _static_lineage
 
     @classmethod
     def of(cls, fn: Any, dtypes: bool = True) -> "_Watch":
@@ -405,22 +425,99 @@ class _Watch:
         buffer_ids = {id(t) for t in fn.buffers()} if isinstance(fn, torch.nn.Module) else set()
         return cls(state, frozenset(_storage(t) for t in state.values()) - {None}, writable, watched,
                    frozenset(name for name in watched if id(state[name]) in buffer_ids),
-                   _static_dtypes(fn) if dtypes else None)
+                   _static_dtypes(fn) if dtypes else None, _static_lineage(fn) if dtypes else None)
 
 
 class _DtypeRecorder(TorchDispatchMode):
-    """Records the floating dtypes of every tensor an op produces."""
+    """Records the floating dtypes of every tensor an op produces and, with
+    ``lineage``, per storage the floating dtypes of the values written into it,
+    transitively: an op's results (and the arguments it writes) get the dtypes of
+    its floating results and everything its tensor arguments were computed from.
+    Keyed by storage, so a view, and a write through a view, share their base's; a
+    result in fresh memory starts anew. Tensors no op produced (inputs, constants)
+    count none: what a lower precision changes is what ops compute."""
 
-    def __init__(self) -> None:
+    def __init__(self, lineage: bool = False) -> None:
         super().__init__()
         self.dtypes: set = set()
+        # storage address -> (a weak reference that keeps the address from being reused
+        # while the recorder lives, the dtypes)
+        self.lineage: Optional[Dict[int, Tuple[Any, frozenset]]] = {} if lineage else None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for t in pytree.tree_leaves(out):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        results = pytree.tree_leaves(out)
+        own = set()
+        for t in results:
             if isinstance(t, torch.Tensor) and t.dtype.is_floating_point:
-                self.dtypes.add(t.dtype)
+                own.add(t.dtype)
+        self.dtypes |= own
+        if self.lineage is not None:
+            self._track(func, args, kwargs, results, own)
         return out
+
+    def _track(self, func: Any, args: Any, kwargs: Any, results: list, own: set) -> None:
+        lineage = self.lineage
+        read: Dict[int, torch.Tensor] = {}
+        acc = set(own)
+        for t in pytree.tree_leaves((args, kwargs)):
+            key = _storage_key(t)
+            if key is not None:
+                read[key] = t
+                entry = lineage.get(key)
+                if entry is not None:
+                    acc |= entry[1]
+        dtypes = frozenset(acc)
+        written = set()
+        schema = getattr(func, "_schema", None)
+        if schema is not None:  # arguments the op writes in place (add_, copy_, out=)
+            for i, arg in enumerate(schema.arguments):
+                if arg.alias_info is not None and arg.alias_info.is_write:
+                    value = args[i] if i < len(args) else kwargs.get(arg.name)
+                    written.update(k for k in map(_storage_key, pytree.tree_leaves(value)) if k is not None)
+        for t in results:
+            key = _storage_key(t)
+            if key is None:
+                continue
+            if key in read:  # a view of an argument, or the argument itself: shares its storage
+                written.add(key)
+            else:
+                lineage[key] = (_weak_storage(t), dtypes)
+        for key in written:
+            entry = lineage.get(key)
+            if entry is None:
+                tensor = read.get(key)
+                if tensor is None:
+                    continue
+                lineage[key] = (_weak_storage(tensor), dtypes)
+            else:
+                lineage[key] = (entry[0], entry[1] | dtypes)
+
+    def lineage_of(self, t: Any) -> frozenset:
+        """The floating dtypes ``t``'s storage was computed from (none for a tensor no
+        op wrote: an input, a constant)."""
+        key = _storage_key(t)
+        entry = None if key is None or self.lineage is None else self.lineage.get(key)
+        return frozenset() if entry is None else entry[1]
+
+
+def _storage_key(t: Any) -> Optional[int]:
+    """The address of ``t``'s storage (views share it), or None (not a tensor, or no
+    storage: sparse, subclasses)."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+        return None
+
+
+def _weak_storage(t: torch.Tensor) -> Any:
+    try:
+        return StorageWeakRef(t.untyped_storage())
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+        return None
 
 
 def _new_precision(ref: _Run, cand: _Run) -> Optional[torch.dtype]:
@@ -430,6 +527,19 @@ def _new_precision(ref: _Run, cand: _Run) -> Optional[torch.dtype]:
     if not new:
         return None
     return loosest(new)
+
+
+def _new_precisions(ref: _Run, cand: _Run) -> Tuple[Optional[torch.dtype], ...]:
+    """Per output leaf, the lowest floating precision the candidate computes it from
+    that the reference does not compute the same output from, or None: a bfloat16
+    rewrite of one branch loosens the tolerance of the outputs that branch reaches,
+    not of the others. When either run's lineage is not known (an output structure
+    the graph does not tell), every output gets ``_new_precision``, the whole run's."""
+    n = len(pytree.tree_leaves(cand.outputs))
+    if ref.lineage is None or cand.lineage is None or len(ref.lineage) != len(cand.lineage) \
+            or len(cand.lineage) != n:
+        return (_new_precision(ref, cand),) * n
+    return tuple(loosest(c - r) for r, c in zip(ref.lineage, cand.lineage))
 
 
 _META_KEYS = ("val", "example_value", "rewrite_facts", "tensor_meta")
@@ -461,7 +571,105 @@ def _static_dtypes(fn: Any) -> Optional[frozenset]:
     return frozenset(d for d in out if d.is_floating_point)
 
 
-def _call(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool = True, watch: Optional[_Watch] = None) -> _Run:
+def _meta_val(node: fx.Node) -> Any:
+    val = node.meta.get("val")
+    if val is None:
+        val = next((node.meta[k] for k in _META_KEYS if node.meta.get(k) is not None), None)
+    return val
+
+
+def _known_effects(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """The node writes none of its arguments, as far as the graph tells: no schema or
+    name says so, and it is no call whose effects nothing tells (a module or a Python
+    function from outside torch, a higher-order op, an ``out=``)."""
+    if written_args(node, gm) or "out" in node.kwargs:
+        return False
+    target = node.target
+    if node.op == "call_module":
+        try:
+            module = gm.get_submodule(target)
+        except AttributeError:
+            return False
+        return type(module).__module__.startswith("torch.")
+    if node.op == "call_function":
+        if isinstance(target, torch._ops.HigherOrderOperator):
+            return False
+        if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            return True
+        where = getattr(target, "__module__", None) or ""
+        if where.split(".")[0] not in ("torch", "operator", "_operator", "builtins", "math"):
+            return False
+        position = _inplace_parameter(target)  # F.relu(x, True)
+        if position is not None:
+            given = node.kwargs.get("inplace", node.args[position] if position < len(node.args) else False)
+            return given is False
+    return True  # call_method: written_args reads in-place methods by name
+
+
+@functools.lru_cache(maxsize=None)
+def _inplace_parameter(target: Any) -> Optional[int]:
+    """The position of a function's ``inplace`` parameter, or None."""
+    try:
+        params = list(inspect.signature(target).parameters)
+    except (TypeError, ValueError):
+        return None
+    return params.index("inplace") if "inplace" in params else None
+
+
+def _static_lineage(fn: Any) -> Optional[Tuple[frozenset, ...]]:
+    """Per leaf of a GraphModule's output (pytree order), the floating dtypes of the
+    values it is computed from: its node's and, transitively, its arguments' (from
+    node metadata, as ``_static_dtypes``; placeholders and constants count none, as
+    in ``_DtypeRecorder``). None when the graph cannot tell: a call node without
+    metadata, a node that may write an argument in place (a later reader of the
+    argument depends on the write, which no edge shows), an output leaf whose value
+    is not a single tensor or scalar. The check then records it as it runs."""
+    if not isinstance(fn, fx.GraphModule):
+        return None
+    lineage: Dict[fx.Node, frozenset] = {}
+    interned: Dict[frozenset, frozenset] = {}
+    empty = frozenset()
+    output = None
+    for node in fn.graph.nodes:
+        if node.op == "output":
+            output = node
+            continue
+        if node.op not in CALL_OPS:
+            lineage[node] = empty
+            continue
+        val = _meta_val(node)
+        if (val is None and "val" not in node.meta) or not _known_effects(node, fn):
+            return None  # no metadata (a recorded None: an op that returns nothing, a check)
+        own = {val.dtype} if isinstance(val, torch.Tensor) else {
+            d for d in (getattr(leaf, "dtype", None) for leaf in pytree.tree_leaves(val))
+            if isinstance(d, torch.dtype)}
+        acc = {d for d in own if d.is_floating_point}
+        for used in node.all_input_nodes:
+            acc |= lineage.get(used, empty)
+        key = frozenset(acc)
+        lineage[node] = interned.setdefault(key, key)
+    if output is None or not output.args:
+        return None
+    out = []
+    for leaf in pytree.tree_leaves(output.args[0]):
+        if isinstance(leaf, fx.Node):
+            val = _meta_val(leaf)
+            if val is not None and not isinstance(val, (torch.Tensor, int, float, bool, torch.SymInt,
+                                                        torch.SymFloat, torch.SymBool)) \
+                    and not isinstance(getattr(val, "dtype", None), torch.dtype):
+                return None  # a tuple or an object: more leaves at run time than here
+            out.append(lineage.get(leaf, empty))
+        else:
+            out.append(empty)
+    return tuple(out)
+
+
+def _discard(t: torch.Tensor) -> None:
+    return None
+
+
+def _call(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool = True, watch: Optional[_Watch] = None,
+          grad: bool = False, restore: Optional[Callable[[], None]] = None) -> _Run:
     """Run ``fn`` on a private copy of ``inputs`` with a fixed RNG state.
 
     The fixed seed makes stochastic ops (dropout in training mode) draw the
@@ -469,7 +677,23 @@ def _call(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool = True, watch: 
     caller's RNG untouched. Version counters tell which inputs and which
     parameters/buffers the call wrote in place. ``watch``: ``_Watch.of(fn, dtypes)``
     when the caller has it.
+
+    ``grad``: run with gradients enabled, as a caller outside ``no_grad`` would (the
+    autograd graph keeps no tensor for a backward that never comes), and record which
+    outputs require grad; should that raise (an in-place write to a parameter), put
+    the module state back with ``restore`` and run under ``no_grad`` as usual.
     """
+    if grad:
+        try:
+            return _call_once(fn, inputs, rng_seed, dtypes, watch, True)
+        except Exception:  # noqa: BLE001 - the caller could not run it with gradients either
+            if restore is not None:
+                restore()
+    return _call_once(fn, inputs, rng_seed, dtypes, watch, False)
+
+
+def _call_once(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool, watch: Optional[_Watch],
+               grad: bool) -> _Run:
     watch = watch if watch is not None else _Watch.of(fn, dtypes)
     args = _clone(inputs)
     leaves = pytree.tree_leaves(args)
@@ -483,17 +707,41 @@ def _call(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool = True, watch: 
     # lower precision loosens the tolerance); recording them dispatches every op
     # through Python, which costs more than the op on small tensors: on request only.
     static = watch.static if dtypes else None
-    recorder = _DtypeRecorder() if dtypes and static is None else contextlib.nullcontext()
-    with torch.no_grad(), torch.random.fork_rng(devices=[]), recorder:
+    static_lineage = watch.lineage if dtypes else None
+    recording = dtypes and (static is None or static_lineage is None)
+    recorder = _DtypeRecorder(lineage=static_lineage is None) if recording else contextlib.nullcontext()
+    grad_mode = contextlib.ExitStack()
+    if grad:
+        grad_mode.enter_context(torch.enable_grad())
+        grad_mode.enter_context(torch.autograd.graph.saved_tensors_hooks(_discard, _discard))
+    else:
+        grad_mode.enter_context(torch.no_grad())
+    with grad_mode, torch.random.fork_rng(devices=[]), recorder:
         torch.manual_seed(rng_seed)
         out = call_with(fn, args)
+    requires_grad = roots = None
+    if grad:
+        flat, spec = pytree.tree_flatten(out)
+        requires_grad = tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in flat)
+        if any(requires_grad):  # keep where gradients start (no saved tensor), not the outputs' graph
+            roots = tuple((t.grad_fn if t.grad_fn is not None else t) if needs else None
+                          for t, needs in zip(flat, requires_grad))
+            out = pytree.tree_unflatten([t.detach() if isinstance(t, torch.Tensor) and t.grad_fn is not None
+                                         else t for t in flat], spec)
+    lineage = None
+    if dtypes:
+        results = pytree.tree_leaves(out)
+        if static_lineage is None:
+            lineage = tuple(recorder.lineage_of(t) for t in results)
+        elif len(static_lineage) == len(results):
+            lineage = static_lineage
     written = frozenset(i for i, (t, v) in enumerate(zip(leaves, before))
                         if isinstance(t, torch.Tensor) and t._version != v)
     state_written = {name: state[name].detach().clone() for name in watch.watched
                      if state[name]._version != versions[name]
                      or (name in buffers_before and not _same_values(state[name], buffers_before[name]))}
     seen = static if static is not None else (frozenset(recorder.dtypes) if dtypes else frozenset())
-    return _Run(out, args, written, state_written, state, seen, watch.storages)
+    return _Run(out, args, written, state_written, state, seen, watch.storages, lineage, requires_grad, roots)
 
 
 class _SavedState:
@@ -576,7 +824,13 @@ def _compare_tensor(path: str, trial: int, ref: torch.Tensor, cand: Any, kind: s
 
 def _compare(trial: int, ref_out: Any, cand_out: Any, kind: str, rtol: Optional[float],
              atol: Optional[float], compute_dtype: Optional[torch.dtype] = None,
-             prefix: str = "output", agreement: Optional[float] = None) -> Tuple[float, float, Optional[Mismatch]]:
+             prefix: str = "output", agreement: Optional[float] = None,
+             compute_dtypes: Optional[Tuple[Optional[torch.dtype], ...]] = None,
+             ) -> Tuple[float, float, Optional[Mismatch]]:
+    """Compare two outputs leaf by leaf. ``compute_dtypes``: per leaf, the lower
+    precision the candidate newly computes it from (``_new_precisions``; else
+    ``compute_dtype`` for every leaf): it loosens that leaf's tolerance, and only a
+    leaf with one gets the integer ``agreement``."""
     ref_leaves, ref_spec = pytree.tree_flatten_with_path(ref_out)
     cand_leaves, cand_spec = pytree.tree_flatten_with_path(cand_out)
     if ref_spec != cand_spec:
@@ -586,10 +840,12 @@ def _compare(trial: int, ref_out: Any, cand_out: Any, kind: str, rtol: Optional[
             f"got {len(cand_leaves)} {cand_spec}")
     worst_abs = worst_rel = 0.0
     first: Optional[Mismatch] = None
-    for (kp, r), (_, c) in zip(ref_leaves, cand_leaves):
+    for i, ((kp, r), (_, c)) in enumerate(zip(ref_leaves, cand_leaves)):
         path = prefix + pytree.keystr(kp)
         if isinstance(r, torch.Tensor):
-            a, rel, mm = _compare_tensor(path, trial, r, c, kind, rtol, atol, compute_dtype, agreement)
+            low = compute_dtypes[i] if compute_dtypes is not None else compute_dtype
+            a, rel, mm = _compare_tensor(path, trial, r, c, kind, rtol, atol, low,
+                                         agreement if low is not None else None)
         else:
             equal = type(r) is type(c) and (r == c or (isinstance(r, float) and math.isnan(r) and math.isnan(c)))
             a, rel = (0.0, 0.0) if equal else (math.inf, math.inf)
@@ -601,10 +857,14 @@ def _compare(trial: int, ref_out: Any, cand_out: Any, kind: str, rtol: Optional[
     return worst_abs, worst_rel, first
 
 
-def _int_agreement(ref_out: Any, cand_out: Any) -> Optional[float]:
-    """The smallest share of equal elements over integer/bool outputs, or None."""
-    shares = [float((r == c).float().mean()) for r, c in zip(pytree.tree_leaves(ref_out), pytree.tree_leaves(cand_out))
-              if isinstance(r, torch.Tensor) and isinstance(c, torch.Tensor) and not _is_float(r.dtype)
+def _int_agreement(ref_out: Any, cand_out: Any,
+                   compute_dtypes: Optional[Tuple[Optional[torch.dtype], ...]] = None) -> Optional[float]:
+    """The smallest share of equal elements over integer/bool outputs (those with a
+    lower compute dtype, when ``compute_dtypes`` says per leaf), or None."""
+    leaves = list(zip(pytree.tree_leaves(ref_out), pytree.tree_leaves(cand_out)))
+    shares = [float((r == c).float().mean()) for i, (r, c) in enumerate(leaves)
+              if (compute_dtypes is None or (i < len(compute_dtypes) and compute_dtypes[i] is not None))
+              and isinstance(r, torch.Tensor) and isinstance(c, torch.Tensor) and not _is_float(r.dtype)
               and r.shape == c.shape and r.numel()]
     return min(shares) if shares else None
 
@@ -619,15 +879,17 @@ def _storage(t: Any) -> Optional[int]:
     return ptr or None
 
 
-def _sharing(run: _Run) -> set:
-    """Which outputs share memory with an input, a module constant or another output."""
+def _sharing(run: _Run) -> Tuple[set, Dict[str, int]]:
+    """Which outputs share memory with an input or a module constant (``(output path,
+    what it shares with)``), and which share with each other (output path -> its
+    storage: the outputs with the same storage share)."""
     inputs = {}
     for i, t in enumerate(pytree.tree_leaves(run.inputs)):
         ptr = _storage(t)
         if ptr is not None:
             inputs.setdefault(ptr, i)
     state = run.storages
-    out, seen = set(), {}
+    out, groups = set(), {}
     for kp, t in pytree.tree_flatten_with_path(run.outputs)[0]:
         ptr, path = _storage(t), "output" + pytree.keystr(kp)
         if ptr is None:
@@ -636,20 +898,97 @@ def _sharing(run: _Run) -> set:
             out.add((path, f"input {inputs[ptr]}"))
         if ptr in state:
             out.add((path, "a module constant"))
-        if ptr in seen and seen[ptr] != path:
-            out.add((path, seen[ptr]))
-        seen.setdefault(ptr, path)
+        groups[path] = ptr
+    return out, groups
+
+
+def _shared_only_in(mine: Dict[str, int], theirs: Dict[str, int]) -> Optional[Tuple[str, str]]:
+    """Two outputs that share memory in ``mine`` and not in ``theirs``: ``(the later
+    path, the first path of its group)``, or None."""
+    first: Dict[int, str] = {}
+    for path, ptr in mine.items():
+        other = first.setdefault(ptr, path)
+        if other != path and (theirs.get(path) is None or theirs.get(path) != theirs.get(other)):
+            return path, other
+    return None
+
+
+def _grad_leaves(root: Any) -> list:
+    """The tensors a gradient from ``root`` (a ``grad_fn`` or a leaf tensor) would
+    accumulate into: the parameters and inputs an output requires grad through."""
+    if isinstance(root, torch.Tensor):
+        return [root]
+    out, stack, seen = [], [root], set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)  # AccumulateGrad
+        if isinstance(variable, torch.Tensor):
+            out.append(variable)
+        stack.extend(n for n, _ in getattr(node, "next_functions", ()))
     return out
+
+
+def _requires_grad_change(trial: int, ref: _Run, cand: _Run) -> Optional[Mismatch]:
+    """An output that requires grad in the original and not in the rewrite, both
+    called with gradients enabled on the same inputs: a caller training through it
+    sees it (its ``backward`` fails, or no gradient reaches the parameters). Unless
+    every parameter it required grad through is one the rewrite no longer trains (a
+    fold made it a rewrite-time constant: the shipped folds are for inference); an
+    input, or a tensor outside the module, always counts. One that newly requires
+    grad is let pass, as ``gradients=True`` lets it (the original has no gradient
+    there to preserve). Not compared when either could not run so."""
+    if ref.requires_grad is None or cand.requires_grad is None or len(ref.requires_grad) != len(cand.requires_grad):
+        return None
+    paths = [pytree.keystr(kp) for kp, _ in pytree.tree_flatten_with_path(ref.outputs)[0]]
+    names = {id(t): name for name, t in ref.state.items()}
+    trained = {id(t) for t in cand.state.values() if t.requires_grad}
+    for i, (path, mine, theirs) in enumerate(zip(paths, ref.requires_grad, cand.requires_grad)):
+        if not mine or theirs:
+            continue
+        root = ref.grad_roots[i] if ref.grad_roots is not None else None
+        kept = [t for t in _grad_leaves(root) if id(t) not in names or id(t) in trained]
+        if root is not None and not kept:
+            continue  # only through parameters the rewrite folded away
+        through = "" if not kept else (
+            f" (through parameter {names[id(kept[0])]}, which the rewrite still has)" if id(kept[0]) in names
+            else " (through an input or a tensor outside the module)")
+        return Mismatch("output" + path, trial, None, None, math.inf, math.inf,
+                        "gradients reach this output in the original, not in the rewrite: it requires grad "
+                        f"in the original only{through}; both called with gradients enabled on the inputs as given")
+    return None
+
+
+def _returned_inputs(run: _Run) -> set:
+    """``(output path, "input i")`` for each output that is input ``i`` itself."""
+    inputs = {id(t): i for i, t in enumerate(pytree.tree_leaves(run.inputs)) if isinstance(t, torch.Tensor)}
+    return {("output" + pytree.keystr(kp), f"input {inputs[id(t)]}")
+            for kp, t in pytree.tree_flatten_with_path(run.outputs)[0]
+            if isinstance(t, torch.Tensor) and id(t) in inputs}
 
 
 def _side_effects(trial: int, ref: _Run, cand: _Run, kind: str, rtol: Optional[float],
                   atol: Optional[float]) -> Optional[Mismatch]:
-    """What the caller observes besides the outputs: new memory sharing, inputs
-    written, module state written."""
-    for path, other in sorted(_sharing(cand) - _sharing(ref)):
-        return Mismatch(path, trial, None, None, math.inf, math.inf,
-                        f"shares memory with {other} in the rewrite, not in the original "
+    """What the caller observes besides the outputs: memory sharing gained or lost,
+    inputs written, module state written."""
+    (ref_sharing, ref_groups), (cand_sharing, cand_groups) = _sharing(ref), _sharing(cand)
+    gained = sorted(cand_sharing - ref_sharing)
+    pair = gained[0] if gained else _shared_only_in(cand_groups, ref_groups)
+    if pair is not None:
+        return Mismatch(pair[0], trial, None, None, math.inf, math.inf,
+                        f"shares memory with {pair[1]} in the rewrite, not in the original "
                         "(writing into one would change the other)")
+    # An output that is an input itself (``return x``; a graph's placeholder, which no
+    # rewrite replaces) is not held to it: a reimplementation ``x + 0.0`` of the
+    # identity compares by value. An output that is a view of an input is.
+    lost = sorted(ref_sharing - cand_sharing - _returned_inputs(ref))
+    pair = lost[0] if lost else _shared_only_in(ref_groups, cand_groups)
+    if pair is not None:
+        return Mismatch(pair[0], trial, None, None, math.inf, math.inf,
+                        f"shares memory with {pair[1]} in the original, not in the rewrite "
+                        "(writing into one changes the other in the original only)")
     layout = _layout_change(ref.outputs, cand.outputs, trial)
     if layout is not None:
         return layout
@@ -771,11 +1110,17 @@ class Reference:
         state covering the reference). ``dtypes``: record the floating dtypes its
         ops compute in (approximate checks need them)."""
         if trial not in self._runs or (dtypes and not self._with_dtypes[trial]):
-            with self._running(state) as fn:
+            with (preserved_state(self.fn, runs_only=True, watches=(self.watch(),)) if state is None
+                  else contextlib.nullcontext(state)) as saved, running_as_graph(self.fn) as fn:
                 try:
-                    self._runs[trial] = _call(fn, self.inputs(trial), self.seed + trial, dtypes, self.watch())
+                    # trial 0 with gradients enabled: which outputs require grad
+                    self._runs[trial] = _call(fn, self.inputs(trial), self.seed + trial, dtypes, self.watch(),
+                                              trial == 0, saved.restore)
                 except Exception as e:
                     raise RuntimeError(f"reference failed on trial {trial} inputs: {type(e).__name__}: {e}") from e
+                finally:
+                    if state is not None:
+                        state.restore()
             self._with_dtypes[trial] = dtypes
         return self._runs[trial]
 
@@ -840,13 +1185,15 @@ def check_equivalence(reference: Callable, candidate: Callable, example_inputs: 
     None, inputs come from the placeholder metadata of ``reference`` (or
     ``candidate``), which must then be a GraphModule, and every trial is
     random. Both run under ``torch.no_grad()`` in whatever train/eval mode
-    they are in, each on its own copy of the inputs; their parameters and
-    buffers are restored afterwards. ``tolerance`` is ``"exact"`` (only
-    rounding may differ: ``EXACT_TOLERANCES``) or ``"approx"`` (``TOLERANCES``).
-    ``rtol``/``atol``, when given, override the table (``atol`` is then
-    absolute, not scaled). When an approximate candidate newly computes in a
-    lower precision, integer outputs pass on an agreement rate of at least
-    ``int_agreement`` (default ``INT_AGREEMENT``), reported in the report. The check stops at the first trial with a
+    they are in (trial 0 with gradients enabled, to compare which outputs require
+    grad; under ``no_grad`` if that raises), each on its own copy of the inputs;
+    their parameters and buffers are restored afterwards. ``tolerance`` is
+    ``"exact"`` (only rounding may differ: ``EXACT_TOLERANCES``) or ``"approx"``
+    (``TOLERANCES``). ``rtol``/``atol``, when given, override the table (``atol``
+    is then absolute, not scaled). An output an approximate candidate newly
+    computes from a lower precision is held to that precision's tolerance and, if
+    integer, passes on an agreement rate of at least ``int_agreement`` (default
+    ``INT_AGREEMENT``), reported in the report. The check stops at the first trial with a
     mismatch. If the candidate raises, that is reported as a mismatch; if the
     reference raises, the inputs are at fault and the error propagates.
 
@@ -896,23 +1243,29 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
             ref = reference.run(t, dtypes, state)
             inputs = reference.inputs(t)
             try:
-                cand = _call(run_candidate, inputs, seed + t, dtypes, watch)
+                cand = _call(run_candidate, inputs, seed + t, dtypes, watch, t == 0, state.restore)
             except Exception as e:
                 mm = Mismatch("output", t, None, None, math.inf, math.inf,
                               f"candidate raised {type(e).__name__}: {e}")
                 return EquivalenceReport(False, t + 1, math.inf, math.inf, mm, skipped=skipped)
             finally:
                 state.restore()
+            # per output: only what the rewrite newly computes it from in a lower
+            # precision loosens its tolerance (and lets its integers flip)
             low = _new_precision(ref, cand) if tolerance == "approx" else None
+            lows = _new_precisions(ref, cand) if low is not None else None
             bound = None if low is None else (INT_AGREEMENT if int_agreement is None else int_agreement)
-            a, r, mm = _compare(t, ref.outputs, cand.outputs, tolerance, rtol, atol, low, agreement=bound)
+            a, r, mm = _compare(t, ref.outputs, cand.outputs, tolerance, rtol, atol, None, agreement=bound,
+                                compute_dtypes=lows)
             if bound is not None:
-                share = _int_agreement(ref.outputs, cand.outputs)
+                share = _int_agreement(ref.outputs, cand.outputs, lows)
                 if share is not None:
                     agreed = share if agreed is None else min(agreed, share)
             worst_abs, worst_rel = max(worst_abs, a), max(worst_rel, r)
             if mm is None:
                 mm = _side_effects(t, ref, cand, tolerance, rtol, atol)
+            if mm is None:
+                mm = _requires_grad_change(t, ref, cand)
             if mm is not None:
                 return EquivalenceReport(False, t + 1, worst_abs, worst_rel, mm, agreed, skipped)
             if t == 0:
