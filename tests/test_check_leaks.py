@@ -352,3 +352,66 @@ def test_d_a_model_that_cannot_run_with_gradients_is_still_checked():
     m = Ema()
     assert torch.equal(m.w.detach(), torch.ones(3)) and check_equivalence(m, Ema(), (x,)).ok
     assert torch.equal(m.w.detach(), torch.ones(3))
+
+
+# ---------------------------------------------------------------- threads
+
+
+def test_two_threads_checking_one_train_mode_model_leave_its_state_alone():
+    """Thread A saves the BatchNorm statistics and runs (writing them); thread B must
+    not snapshot A's half-done update and restore it after A restored the original.
+    The interleaving is forced inside the forward (a wrapped function): A waits there
+    for B, which cannot start its own run while A's may write state."""
+    import threading
+
+    a_running, b_running = threading.Event(), threading.Event()
+    first: dict = {}
+
+    def _sync(x):
+        name = threading.current_thread().name
+        if name not in first:
+            first[name] = True
+            (a_running if name == "A" else b_running).set()
+            if name == "A":
+                b_running.wait(2)  # times out: B waits for A's block to end
+        return x
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn = torch.nn.BatchNorm2d(4)
+
+        def forward(self, x):
+            return _sync_in_graph(self.bn(x)) * 1.0
+
+    global _sync_in_graph
+    _sync_in_graph = _sync
+    torch.manual_seed(0)
+    gm = torch.fx.symbolic_trace(Net().train())
+    x = torch.randn(8, 4, 5, 5)
+    before = {k: v.clone() for k, v in gm.state_dict().items()}
+    rules = rewrite.load("rules/cleanup.rw")
+    errors = {}
+
+    def work():
+        try:
+            rules.apply(gm, (x,), trials=1)
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors[threading.current_thread().name] = err
+
+    a, b = threading.Thread(target=work, name="A"), threading.Thread(target=work, name="B")
+    a.start()
+    a_running.wait(10)
+    b.start()
+    a.join()
+    b.join()
+    assert not errors
+    for key, value in gm.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
+def _sync_in_graph(x):  # replaced by the test; wrapped so symbolic_trace keeps the call
+    return x
+
+
+torch.fx.wrap("_sync_in_graph")

@@ -49,6 +49,7 @@ effects on either.
 from __future__ import annotations
 
 import contextlib
+import threading
 import functools
 import inspect
 import math
@@ -787,14 +788,33 @@ def preserved_state(*fns: Any, runs_only: bool = False, watches: Iterable[Any] =
     """Run a block and put every parameter and buffer of the given modules back as
     it was (values written in place, e.g. BatchNorm statistics in training mode,
     are restored), and every submodule in the mode it was in. The block gets the
-    saved state: ``state.restore()`` puts it back midway too. ``runs_only=True``:
+    saved state: ``state.restore()`` puts it back midway too; threads take turns
+    through blocks that may write state. ``runs_only=True``:
     the block only calls the modules, so what their graphs cannot write is not
     saved (see ``_SavedState``); ``watches``: their ``_Watch``es, when known."""
-    state = _SavedState(fns, runs_only, watches)
+    _STATE_LOCK.acquire()  # the snapshot, the run and the restore, as one step
+    try:
+        state = _SavedState(fns, runs_only, watches)
+    except BaseException:
+        _STATE_LOCK.release()
+        raise
+    held = bool(state.saved)
+    if not held:  # nothing the block can write: other threads need not wait
+        _STATE_LOCK.release()
     try:
         yield state
     finally:
-        state.restore()
+        try:
+            state.restore()
+        finally:
+            if held:
+                _STATE_LOCK.release()
+
+
+#: Held while a block that may write module state runs: two threads checking the same
+#: train-mode model would otherwise each snapshot the other's half-done update and
+#: restore it last (the caller's BatchNorm statistics left changed).
+_STATE_LOCK = threading.RLock()
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
