@@ -15,6 +15,7 @@ runs one after the other; ``rules["fusion"]`` selects a ``ruleset`` declared in 
 
 from __future__ import annotations
 
+import inspect
 import os
 import random
 import time
@@ -285,6 +286,14 @@ class RuleSet:
             model = model.module()  # the module it runs as; the result is a GraphModule too
         if inplace and not isinstance(model, fx.GraphModule):
             raise ValueError(f"inplace=True needs a torch.fx.GraphModule, not {type(model).__name__}")
+        if check and isinstance(example_inputs, dict):
+            raise TypeError("example_inputs is a tuple of positional inputs, not a dict")
+        keywords = _keyword_only_inputs(model) if check else ()
+        if keywords:
+            raise ValueError(
+                f"the check calls the model with example_inputs as positional arguments, and this model "
+                f"takes {', '.join(map(repr, keywords))} by keyword only: pass check=False (and compare the "
+                "result yourself), or wrap the model in a module whose forward takes them positionally")
         original = model if isinstance(model, fx.GraphModule) else _symbolic_trace(model)
         self._warn_hidden(original)
         example_inputs = tuple(example_inputs) if example_inputs is not None else None
@@ -615,6 +624,23 @@ def _source_of(node: fx.Node | None) -> str:
         path, _ = list(stack.values())[-1]
         return f"module {path}"
     return f"{node.op} {getattr(node.target, '__name__', node.target)}"
+
+
+def _keyword_only_inputs(model: Any) -> tuple:
+    """Inputs ``model`` takes by keyword only: a forward's required keyword-only
+    parameters, or a ``torch.export`` module's keyword inputs (its pytree input spec)."""
+    if isinstance(model, fx.GraphModule):
+        info = getattr(model.graph._codegen, "pytree_info", None)
+        spec = getattr(info, "in_spec", None)
+        try:  # (args, kwargs): the keys of the kwargs dict
+            return tuple(spec.children_specs[1].context) if spec is not None and spec.num_children == 2 else ()
+        except (AttributeError, IndexError, TypeError):
+            return ()
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    return tuple(p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty)
 
 
 def _can_check(gm: fx.GraphModule, example_inputs: tuple | None) -> bool:

@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch import fx, nn
 
+import rewrite
 from rewrite.trust.check import (
     EquivalenceReport,
     Mismatch,
@@ -365,3 +366,17 @@ def test_dropout_after_a_layout_change_fails_the_check_in_train_mode_only():
     with pytest.raises(rewrite.EquivalenceError):  # channels_last weights: the masks land elsewhere
         amp.apply(train, (x,))
     assert amp.apply(fx.symbolic_trace(model.eval()), (x,)).equivalence.ok
+
+
+def test_a_model_taking_keyword_only_inputs_gets_a_clear_error_when_checked():
+    class KeywordOnly(torch.nn.Module):
+        def forward(self, *, x):
+            return torch.relu(-(-x))
+
+    x = torch.randn(2, 3)
+    rules = rewrite.load("rules/cleanup.rw")
+    ep = torch.export.export(KeywordOnly(), (), {"x": x}, strict=False)
+    for model, args in ((KeywordOnly(), (x,)), (ep, None), (ep.module(), ())):
+        with pytest.raises(ValueError, match="takes 'x' by keyword only: pass check=False"):
+            rules.apply(model, args)
+    assert rules.apply(ep, check=False).counts == {"neg_neg": 1}

@@ -36,3 +36,4 @@ def test_paths_and_text_of_the_wrong_type_are_clear_type_errors():
         rewrite.parse(b"rule r: neg(neg(x)) => x")
     with pytest.raises(TypeError, match="not NoneType"):
         rewrite.parse(None)
+
