@@ -7,7 +7,10 @@ with an unknown side stay unknown), so a rule whose constraint cannot be decided
 does not fire, negated or not.
 
 Rewrite-time constants use torch's own math (``torch.nn.utils.fusion``) rather than
-hand-written formulas.
+hand-written formulas. A fold computes in at least float32 (as torch's half-precision
+batch norm does) and is refused when a constant it makes cannot be held in the
+model's dtype: a folding function raises ``FoldOverflowError`` (the replacement is
+not built, the rule does not fire) rather than hand the graph an inf or a NaN.
 """
 
 from __future__ import annotations
@@ -308,6 +311,38 @@ def value(x: Value) -> Any:
 # ---------------------------------------------------------------- constants (rewrite time)
 
 
+class FoldOverflowError(ValueError):
+    """A rewrite-time constant cannot be held in its dtype (it would be inf or NaN
+    where the values it is folded from were finite): the fold is refused, so the
+    rule does not fire."""
+
+
+def _wide(t: Any) -> Any:
+    """``t`` in at least float32: folds are computed there and rounded once."""
+    if isinstance(t, torch.Tensor) and t.is_floating_point() and torch.finfo(t.dtype).bits < 32:
+        return t.float()
+    return t
+
+
+def _fold_dtype(*values: Any) -> Any:
+    """The dtype plain torch math on ``values`` gives (their promotion), or None."""
+    dtype = None
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            dtype = v.dtype if dtype is None else torch.promote_types(dtype, v.dtype)
+    return dtype
+
+
+def _held(t: Any, dtype: Any, name: str) -> Any:
+    """The folded constant ``t`` rounded to ``dtype``, detached; ``FoldOverflowError``
+    when it is not finite there (an overflow, or a NaN the fold made)."""
+    out = t.detach() if dtype is None or t.dtype == dtype else t.detach().to(dtype)
+    if out.is_floating_point() and not bool(torch.isfinite(out).all()):
+        raise FoldOverflowError(f"{name}: the folded constant is not finite in {dtype or out.dtype} "
+                                f"(it overflows, or the values it folds are not finite): not folded")
+    return out
+
+
 def _memo_last(fn: Any) -> Any:
     """Remember the last result: a fold computes weight and bias in two calls
     with the same arguments, and torch's math returns both at once."""
@@ -325,7 +360,8 @@ def _memo_last(fn: Any) -> Any:
 
 @_memo_last
 def _conv_bn(w: Any, b: Any, mean: Any, var: Any, gamma: Any, beta: Any, eps: float, transpose: bool) -> tuple:
-    return tuple(t.detach() for t in _fusion.fuse_conv_bn_weights(w, b, mean, var, eps, gamma, beta, transpose))
+    fw, fb = _fusion.fuse_conv_bn_weights(*map(_wide, (w, b, mean, var)), eps, _wide(gamma), _wide(beta), transpose)
+    return (_held(fw, w.dtype, "conv_bn_weight"), _held(fb, w.dtype if b is None else b.dtype, "conv_bn_bias"))
 
 
 @_memo_last
@@ -334,7 +370,8 @@ def _linear_bn(w: Any, b: Any, mean: Any, var: Any, gamma: Any, beta: Any, eps: 
         gamma = torch.ones_like(mean)
     if beta is None:
         beta = torch.zeros_like(mean)
-    return tuple(t.detach() for t in _fusion.fuse_linear_bn_weights(w, b, mean, var, eps, gamma, beta))
+    fw, fb = _fusion.fuse_linear_bn_weights(*map(_wide, (w, b, mean, var)), eps, _wide(gamma), _wide(beta))
+    return (_held(fw, w.dtype, "linear_bn_weight"), _held(fb, w.dtype if b is None else b.dtype, "linear_bn_bias"))
 
 
 @register_constant()
@@ -375,8 +412,16 @@ def linear_bn_bias(w: Any, b: Any, mean: Any, var: Any, gamma: Any, beta: Any, e
 
 @register_constant()
 def cast(t: Any, dtype: Any) -> Any:
-    """A constant tensor converted to ``dtype`` once, at rewrite time."""
-    return t.to(dtype) if isinstance(t, torch.Tensor) else t
+    """A constant tensor converted to ``dtype`` once, at rewrite time (refused where
+    a finite value would overflow to inf in ``dtype``)."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    out = t.to(dtype)
+    if out.is_floating_point() and t.is_floating_point():
+        bad = ~torch.isfinite(out) & torch.isfinite(t)
+        if bool(bad.any()):
+            raise FoldOverflowError(f"cast: a finite value of the constant overflows {dtype}: not cast")
+    return out
 
 
 # -- batch norms folded through views, into the op after them, into parallel branches
@@ -385,7 +430,9 @@ def cast(t: Any, dtype: Any) -> Any:
 
 
 def _bn_affine(mean: Any, var: Any, gamma: Any, beta: Any, eps: float) -> tuple:
-    """``(s, t)`` with ``bn(x) == x * s + t`` per channel (gamma, beta None: 1, 0)."""
+    """``(s, t)`` with ``bn(x) == x * s + t`` per channel (gamma, beta None: 1, 0),
+    in at least float32 (the callers round what they fold from them once)."""
+    mean, var, gamma, beta = map(_wide, (mean, var, gamma, beta))
     s = torch.rsqrt(var + eps)
     if gamma is not None:
         s = s * gamma
@@ -408,7 +455,7 @@ def bn_conv_weight(w: Any, groups: int, mean: Any, var: Any, gamma: Any, beta: A
     every input channel's taps scaled by its ``s``."""
     s, _ = _bn_affine(mean, var, gamma, beta, eps)
     scale = _per_weight_entry(s, w, groups).reshape(w.shape[:2] + (1,) * (w.dim() - 2))
-    return (w * scale).detach()
+    return _held(_wide(w) * scale, _fold_dtype(w, mean, var, gamma, beta), "bn_conv_weight")
 
 
 @register_constant()
@@ -416,8 +463,8 @@ def bn_conv_bias(w: Any, b: Any, groups: int, mean: Any, var: Any, gamma: Any, b
     """Bias of an unpadded ``conv`` whose input is an eval-mode ``batch_norm``: the
     conv of the constant shift ``t`` (every tap reads it) added to ``b``."""
     _, t = _bn_affine(mean, var, gamma, beta, eps)
-    shift = (w.sum(dim=tuple(range(2, w.dim()))) * _per_weight_entry(t, w, groups)).sum(dim=1)
-    return (shift if b is None else b + shift).detach()
+    shift = (_wide(w).sum(dim=tuple(range(2, w.dim()))) * _per_weight_entry(t, w, groups)).sum(dim=1)
+    return _held(shift if b is None else _wide(b) + shift, _fold_dtype(w, b, mean, var, gamma, beta), "bn_conv_bias")
 
 
 @register_constant()
@@ -425,15 +472,16 @@ def bn_linear_weight(w: Any, mean: Any, var: Any, gamma: Any, beta: Any, eps: fl
     """Weight of a ``linear`` whose 2-d input is an eval-mode ``batch_norm``: each
     input feature's column scaled by its ``s``."""
     s, _ = _bn_affine(mean, var, gamma, beta, eps)
-    return (w * s).detach()
+    return _held(_wide(w) * s, _fold_dtype(w, mean, var, gamma, beta), "bn_linear_weight")
 
 
 @register_constant()
 def bn_linear_bias(w: Any, b: Any, mean: Any, var: Any, gamma: Any, beta: Any, eps: float) -> Any:
     """Bias of a ``linear`` whose 2-d input is an eval-mode ``batch_norm``: ``b + w @ t``."""
     _, t = _bn_affine(mean, var, gamma, beta, eps)
-    shift = w @ t
-    return (shift if b is None else b + shift).detach()
+    shift = _wide(w) @ t.to(_wide(w).dtype)
+    return _held(shift if b is None else _wide(b) + shift, _fold_dtype(w, b, mean, var, gamma, beta),
+                 "bn_linear_bias")
 
 
 @register_constant()
@@ -441,19 +489,19 @@ def conv_identity_weight(w: Any, groups: int, mean: Any, var: Any, gamma: Any, b
     """Weight of ``conv(x) + batch_norm(x)`` as one conv (RepVGG's identity branch):
     ``s`` added to each output channel's centre tap on its own input channel."""
     s, _ = _bn_affine(mean, var, gamma, beta, eps)
-    out = w.detach().clone()
+    out = _wide(w).detach().clone()
     centre = tuple(k // 2 for k in w.shape[2:])
     in_per_group = w.shape[1]
     for o in range(w.shape[0]):
         out[(o, o % in_per_group) + centre] += s[o]
-    return out
+    return _held(out, w.dtype, "conv_identity_weight")
 
 
 @register_constant()
 def conv_identity_bias(b: Any, mean: Any, var: Any, gamma: Any, beta: Any, eps: float) -> Any:
     """Bias of ``conv(x) + batch_norm(x)`` as one conv: ``b + t``."""
     _, t = _bn_affine(mean, var, gamma, beta, eps)
-    return (t if b is None else b + t).detach()
+    return _held(t if b is None else _wide(b) + t, _fold_dtype(b, mean, var, gamma, beta), "conv_identity_bias")
 
 
 def _spatial(v: Any, n: int) -> tuple | None:
@@ -492,11 +540,11 @@ def merged_conv_weight(w1: Any, p1: Any, w2: Any, p2: Any, dilation: Any) -> Any
     layout = _merged_layout(tuple(w1.shape[2:]), _spatial(p1, n), tuple(w2.shape[2:]), _spatial(p2, n),
                             _spatial(dilation, n))
     big, _, a1, a2 = layout
-    out = torch.zeros(tuple(w1.shape[:2]) + tuple(big), dtype=w1.dtype)
+    out = torch.zeros(tuple(w1.shape[:2]) + tuple(big), dtype=_wide(w1).dtype)
     for w, at in ((w1, a1), (w2, a2)):
         index = (slice(None), slice(None)) + tuple(slice(o, o + k) for o, k in zip(at, w.shape[2:]))
-        out[index] += w.detach()
-    return out
+        out[index] += _wide(w).detach()
+    return _held(out, w1.dtype, "merged_conv_weight")
 
 
 @register_constant()
@@ -504,7 +552,7 @@ def merged_conv_bias(b1: Any, b2: Any) -> Any:
     """Bias of ``conv(x, w1, b1) + conv(x, w2, b2)`` as one conv (None for no bias)."""
     if b1 is None or b2 is None:
         return b2 if b1 is None else b1
-    return (b1 + b2).detach()
+    return _held(_wide(b1) + _wide(b2), _fold_dtype(b1, b2), "merged_conv_bias")
 
 
 @register_constant()

@@ -26,7 +26,8 @@ discards the instance, and the draw is retried with another one.
 
 Small tensors get element-wise drawn values so hypothesis shrinks them to readable
 numbers; exact rules also meet NaN, infinities and -0.0 (floats) and the dtype's
-extremes, where arithmetic wraps (integers).
+extremes and values spread over its range (``spread_integers``: 12 * 12 wraps in
+int8, 46341 * 46341 in int32), where arithmetic wraps (integers).
 
 Quantized patterns: ``dequantize(x)`` below another op is built after that op drew a
 float value for it, which is then quantized with torch's observers (per-tensor affine
@@ -69,7 +70,7 @@ from rewrite.ops.base import REQUIRED
 
 __all__ = ["Instance", "FAMILIES", "OUTSIDE_VOCABULARY", "literal_strategy", "generator_for", "instances",
            "rule_tolerance", "Plan", "plan_for", "draw_instance",
-           "hypothesis_api", "strategies"]
+           "hypothesis_api", "strategies", "spread_integers"]
 
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _INTS = (torch.int64, torch.int32, torch.int8, torch.uint8)
@@ -77,6 +78,23 @@ _INTS = (torch.int64, torch.int32, torch.int8, torch.uint8)
 _ALL = _FLOATS + _INTS + (torch.bool,)
 _SPECIALS = (math.nan, math.inf, -math.inf, -0.0)
 _DRAWN = 24  # values drawn one by one per tensor; the rest come from a seed
+
+
+def spread_integers(dtype: torch.dtype) -> tuple:
+    """Integers spread over ``dtype``'s whole range, for exact rules to meet beside
+    the small values and the extremes: just above the square root of its largest
+    value (where ``x * x`` wraps: 12..15 in int8, 182 in int16, 46341 in int32),
+    the power of two whose square wraps to 0, 100, and a third and a half of the
+    range (where ``3 * x`` and ``x + x`` wrap); negated too where the dtype is
+    signed. Sorted by magnitude, so hypothesis shrinks to the smallest."""
+    info = torch.iinfo(dtype)
+    bits = info.bits - (1 if info.min < 0 else 0)  # value bits
+    root = math.isqrt(info.max)
+    mags = set(range(root + 1, root + 5)) | {2 ** ((bits + 1) // 2), 100, info.max // 3 + 1, info.max // 2 + 1}
+    out: list = []
+    for m in sorted(m for m in mags if 4 < m < info.max):
+        out += [m, -m] if info.min < 0 else [m]
+    return tuple(out)
 
 
 def hypothesis_api() -> Any:
@@ -331,7 +349,8 @@ class _Ctx:
         draws than a smaller one, so hypothesis shrinks shapes too.
 
         Integers are drawn in ``[lo, hi]`` within the dtype's range (exact rules
-        also meet its extremes, where arithmetic wraps), bool as True/False, floats
+        also meet its extremes and values spread over the whole range,
+        ``spread_integers``, where arithmetic wraps), bool as True/False, floats
         in ``[lo, hi]`` (exact rules also meet NaN, infinities and -0.0)."""
         st = strategies()
         dtype = dtype or self.dtype
@@ -345,6 +364,13 @@ class _Ctx:
             ilo, ihi = max(math.ceil(lo), info.min), min(math.floor(hi), info.max)
             ilo = min(ilo, ihi)
             element = st.integers(ilo, ihi)
+            spread = spread_integers(dtype)
+            if self.specials and lo < 0 and spread:
+                # a quarter of the values spread over the range (products and sums
+                # of them wrap); three quarters stay small (shapes, indices, counts),
+                # and shrinking goes to the small ones
+                small, wide = element, st.sampled_from(spread)
+                element = st.integers(0, 3).flatmap(lambda k: wide if k == 3 else small)
             if self.specials and lo < 0 and self.draw(st.booleans()):
                 element = element | st.sampled_from([info.min, info.max])
             head = torch.tensor(self.draw(st.lists(element, min_size=k, max_size=k)), dtype=dtype)
