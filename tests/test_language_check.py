@@ -475,7 +475,7 @@ def test_unreadable_bytes_are_reported(tmp_path):
     with pytest.raises(RuleError) as info:
         load_program([a])
     assert [(d.code, d.message) for d in info.value.diagnostics] == [
-        ("E402", f"cannot read rule file '{a}': not valid UTF-8 (byte 20)")]
+        ("E402", f"cannot read rule file '{a}': not valid UTF-8 at line 1, column 21 (byte 20)")]
 
 
 @pytest.mark.parametrize("name", sorted(__import__("rewrite.language.parser", fromlist=["DTYPES"]).DTYPES))

@@ -50,8 +50,8 @@ class MaxDim(nn.Module):
 
 
 MAX_TO_AMAX = """
-# max(x, d) == (amax(x, d), argmax(x, d))
-rule max_to_amax: aten.max.dim(x, d, k) as (_, _)
+# max(x, d) == (amax(x, d), argmax(x, d)); argmax refuses bool tensors
+rule max_to_amax: aten.max.dim(x, d, k) as (_, _) where dtype(x) != torch.bool
     => (aten.amax(x, [d], k), aten.argmax(x, d, k))
 """
 
