@@ -337,10 +337,17 @@ def _held(t: Any, dtype: Any, name: str) -> Any:
     """The folded constant ``t`` rounded to ``dtype``, detached; ``FoldOverflowError``
     when it is not finite there (an overflow, or a NaN the fold made)."""
     out = t.detach() if dtype is None or t.dtype == dtype else t.detach().to(dtype)
-    if out.is_floating_point() and not bool(torch.isfinite(out).all()):
+    if out.is_floating_point() and not _all_finite(out):
         raise FoldOverflowError(f"{name}: the folded constant is not finite in {dtype or out.dtype} "
                                 f"(it overflows, or the values it folds are not finite): not folded")
     return out
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """No inf or NaN in ``t``. A finite sum proves it (inf and NaN reach the sum) in
+    one reduction, without the boolean tensor ``isfinite`` makes (a third of a
+    ResNet-50 fold's time); a sum that overflows is settled element by element."""
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 
 def _memo_last(fn: Any) -> Any:
