@@ -254,15 +254,19 @@ def written_args(node: fx.Node, gm: Any) -> tuple:
         return (0,) if getattr(_module(node, gm), "inplace", False) else ()
     if node.op not in ("call_function", "call_method"):
         return ()
-    if node.kwargs.get("inplace") is True:
+    kwargs = node.kwargs  # a property: read once
+    if kwargs and kwargs.get("inplace") is True:
         return (0,)
+    written = target_writes(node.target)
+    if not written and not kwargs:
+        return ()
     out = []
-    for position, name in target_writes(node.target):
+    for position, name in written:
         if position < len(node.args):
             out.append(position)
-        elif name in node.kwargs:
+        elif name in kwargs:
             out.append(name)
-    if node.kwargs.get("out") is not None and "out" not in out:  # torch.add(x, y, out=z) writes z
+    if kwargs and kwargs.get("out") is not None and "out" not in out:  # torch.add(x, y, out=z) writes z
         out.append("out")
     return tuple(out)
 
@@ -270,8 +274,11 @@ def written_args(node: fx.Node, gm: Any) -> tuple:
 def written_nodes(node: fx.Node, gm: Any) -> list:
     """The nodes whose tensors ``node`` writes (``written_args``; every node of a
     written argument: ``out=(values, indices)`` writes both)."""
+    positions = written_args(node, gm)
+    if not positions:
+        return []
     found: list = []
-    for position in written_args(node, gm):
+    for position in positions:
         value = node.args[position] if isinstance(position, int) else node.kwargs.get(position)
         fx.node.map_arg(value, found.append)
     return found
