@@ -414,3 +414,27 @@ def test_check_of_a_model_returning_lists_and_dicts():
         assert result.counts and result.equivalence.ok
         assert _structure(result.graph_module(x)) == _structure(model(x))
         assert _same(result.graph_module(x), model(x)) or rules.endswith("fusion.rw")
+
+
+def _list_kinds(first, *, rest):
+    """What a function sees: the container types of its arguments."""
+    return torch.tensor([type(first) is list, type(rest) is list], dtype=torch.bool)
+
+
+def test_lists_given_by_keyword_are_plain_and_calls_without_lists_are_direct():
+    """A list given by keyword reaches the function as a plain list, as in the
+    generated code; a call whose arguments hold no list (empty keywords included)
+    is planned as a direct call."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    relu = graph.call_function(torch.relu, (x,))
+    kinds = graph.call_function(_list_kinds, ([relu, x],), {"rest": [x, relu]})
+    graph.output((relu, kinds))
+    gm = lazy(fx.GraphModule(nn.Module(), graph))
+    runner = GraphRunner(gm)
+    plans = {step[0].name: step[1] for step in runner.steps}
+    assert plans["relu"] != plans["_list_kinds"]  # direct call vs lists made plain
+    x = torch.randn(3)
+    got = runner(x)
+    assert got[1].tolist() == [True, True]
+    assert _same(got, fx.GraphModule(nn.Module(), graph)(x))  # the generated code's

@@ -417,16 +417,25 @@ class _Watch:
     static: Optional[frozenset]
     lineage: Optional[Tuple[frozenset, ...]] = None  # _static_lineage
 
+    #: the lineage is not needed (``of``'s ``compared_with``): no run records it
+    lineage_unneeded: bool = False
+
     @classmethod
-    def of(cls, fn: Any, dtypes: bool = True) -> "_Watch":
-        """``dtypes``: read the static dtypes (approximate checks need them)."""
+    def of(cls, fn: Any, dtypes: bool = True, compared_with: Optional[frozenset] = None) -> "_Watch":
+        """``dtypes``: read the static dtypes (approximate checks need them).
+        ``compared_with``: the static dtypes of the reference ``fn`` is checked
+        against; when ``fn``'s own are among them, no output can be computed from a
+        precision new to it (``_new_precision`` is None), so the per-output lineage
+        is neither worked out nor recorded."""
         state = _state(fn)
         writable = state_writes(fn)
         watched = tuple(name for name, t in state.items() if writable is None or id(t) in writable)
         buffer_ids = {id(t) for t in fn.buffers()} if isinstance(fn, torch.nn.Module) else set()
+        static = _static_dtypes(fn) if dtypes else None
+        unneeded = static is not None and compared_with is not None and static <= compared_with
         return cls(state, frozenset(_storage(t) for t in state.values()) - {None}, writable, watched,
                    frozenset(name for name in watched if id(state[name]) in buffer_ids),
-                   _static_dtypes(fn) if dtypes else None, _static_lineage(fn) if dtypes else None)
+                   static, _static_lineage(fn) if dtypes and not unneeded else None, unneeded)
 
 
 class _DtypeRecorder(TorchDispatchMode):
@@ -709,8 +718,9 @@ def _call_once(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool, watch: Op
     # through Python, which costs more than the op on small tensors: on request only.
     static = watch.static if dtypes else None
     static_lineage = watch.lineage if dtypes else None
-    recording = dtypes and (static is None or static_lineage is None)
-    recorder = _DtypeRecorder(lineage=static_lineage is None) if recording else contextlib.nullcontext()
+    record_lineage = static_lineage is None and not watch.lineage_unneeded
+    recording = dtypes and (static is None or record_lineage)
+    recorder = _DtypeRecorder(lineage=record_lineage) if recording else contextlib.nullcontext()
     grad_mode = contextlib.ExitStack()
     if grad:
         grad_mode.enter_context(torch.enable_grad())
@@ -732,7 +742,7 @@ def _call_once(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool, watch: Op
     lineage = None
     if dtypes:
         results = pytree.tree_leaves(out)
-        if static_lineage is None:
+        if record_lineage:
             lineage = tuple(recorder.lineage_of(t) for t in results)
         elif len(static_lineage) == len(results):
             lineage = static_lineage
@@ -1248,7 +1258,7 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
     # One saved state for both (a copy shares the reference's tensors), put back
     # after every run: each starts from the state as it was.
     dtypes = tolerance == "approx"
-    watch = _Watch.of(candidate, dtypes)
+    watch = _Watch.of(candidate, dtypes, reference.watch().static if dtypes else None)
     # Modules waiting for their code run their graphs instead (rewrite.trust.runner).
     # In place, the reference ran before the module became the candidate: its watch
     # describes a graph the module no longer has.

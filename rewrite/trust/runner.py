@@ -131,7 +131,9 @@ def _holds_lists(value: Any) -> bool:
     if isinstance(value, (list, dict)):
         return True
     if isinstance(value, tuple):
-        return any(_holds_lists(v) for v in value)
+        for v in value:
+            if isinstance(v, (list, dict, tuple)) and _holds_lists(v):
+                return True
     return False
 
 
@@ -174,7 +176,8 @@ def _step(gm: fx.GraphModule, node: fx.Node, dead: Tuple[fx.Node, ...]) -> tuple
         return (node, kind, target, node.args[0] if node.args else _MISSING, None, dead)
     if op == "get_attr":
         return (node, _GET_ATTR, attribute(gm, target), None, None, dead)
-    lists = _holds_lists((node.args, node.kwargs))
+    # the keyword table itself is unpacked (``**``): only its values count
+    lists = _holds_lists(node.args) or _holds_lists(tuple(node.kwargs.values()))
     if op == "call_function":
         return (node, _CALL_LISTS if lists else _CALL, target, node.args, node.kwargs, dead)
     if op == "call_module":
