@@ -31,7 +31,8 @@ import torch
 import torch.fx as fx
 
 from rewrite.ops.base import by_identity
-from rewrite.ops.effects import always_aliases, may_alias, target_writes, written_args, written_nodes
+from rewrite.ops.effects import (always_aliases, may_alias, may_alias_any_argument, target_writes, written_args,
+                                 written_nodes)
 from rewrite.ops.vocabulary import nodes_by_target
 
 __all__ = ["storage_base", "alias_class", "new_aliasing", "caller_owned", "graph_writes"]
@@ -41,12 +42,18 @@ def storage_base(node: Any, gm: Any, through: Any = may_alias) -> Any:
     """The value whose memory ``node`` may share: follow first arguments through
     ops for which ``through(op_node, gm)`` says the result may be (a view of) it.
     A first argument that is a list (``broadcast_tensors([a, b])``) may be any of its
-    values: a caller-owned base among theirs is the answer, else the first."""
+    values, and a call that may return any of its inputs (``may_alias_any_argument``)
+    any of those: a caller-owned base among theirs is the answer, else the first's."""
     seen: set = set()
     while isinstance(node, fx.Node) and node not in seen:
         seen.add(node)
         first = node.args[0] if node.args else None
-        if isinstance(first, (list, tuple)):  # broadcast_tensors([a, b]): a view of any of them
+        spread = isinstance(first, (list, tuple))  # broadcast_tensors([a, b]): a view of any of them
+        if not spread and node.op.startswith("call_") and through is may_alias \
+                and (not isinstance(first, fx.Node) or may_alias_any_argument(node, gm)):
+            # einsum("ij->ji", x), broadcast_tensors(a, b), a user's function
+            spread, first = True, node.all_input_nodes
+        if spread:
             if not (node.op.startswith("call_") and through(node, gm)):
                 return node
             bases = [storage_base(n, gm, through) for n in first if isinstance(n, fx.Node)]
@@ -60,22 +67,28 @@ def storage_base(node: Any, gm: Any, through: Any = may_alias) -> Any:
 
 def alias_class(node: fx.Node, gm: Any, exclude: frozenset = frozenset()) -> set:
     """``node`` and every value that may share its memory downstream (users that
-    may return their first argument, transitively), minus ``exclude``."""
+    may return their first argument, or any argument for calls whose code nothing
+    describes, transitively), minus ``exclude``."""
     out, frontier = {node}, [node]
     while frontier:
         n = frontier.pop()
         for user in n.users:
-            if user not in out and user not in exclude and user.args and _reads_first(user, n) \
-                    and may_alias(user, gm):
+            if user not in out and user not in exclude and user.args and _may_return(user, n, gm):
                 out.add(user)
                 frontier.append(user)
     return out
 
 
-def _reads_first(user: fx.Node, node: fx.Node) -> bool:
-    """``node`` is ``user``'s first argument, or in the list that is."""
+def _may_return(user: fx.Node, node: fx.Node, gm: Any) -> bool:
+    """``user``'s result may be (a view of) ``node``: ``node`` is its first
+    argument (or in the list that is) and it may alias that, or it may return any
+    of its inputs."""
     first = user.args[0]
-    return first is node or (isinstance(first, (list, tuple)) and any(a is node for a in first))
+    if first is node or (isinstance(first, (list, tuple)) and any(a is node for a in first)):
+        return may_alias(user, gm)
+    if not isinstance(first, (fx.Node, list, tuple)):  # einsum("ij->ji", x): its operands
+        return may_alias(user, gm)
+    return may_alias_any_argument(user, gm) and may_alias(user, gm)
 
 
 def caller_owned(node: fx.Node) -> bool:
@@ -128,6 +141,10 @@ def new_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any, writes: 
     if caller_owned(base) and (escapes or written):
         verb = "returned by the graph" if escapes else "written in place"
         return f"its result would be {what} itself, and it is {verb}: the rewrite would alias it"
+    if writes and base.op == "placeholder" and _other_input_written(base, gm):
+        # m(t, t) is a legal call: a write into one input reaches the other
+        return (f"its result would be {what}, and another graph input, which the caller may pass as the "
+                f"same tensor, is written in place")
     if not writes and not escapes:
         return None  # nothing is written, and root's value is not returned
     known = None  # (escapes, written) of the class, when it is a cached one
@@ -150,6 +167,13 @@ def new_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any, writes: 
     if escapes and (known[0] if known is not None else _escapes(theirs)):
         return f"its result and {what} are both returned by the graph: the outputs would alias each other"
     return None
+
+
+def _other_input_written(placeholder: fx.Node, gm: Any) -> bool:
+    """Some graph input other than ``placeholder`` (or a value sharing its memory)
+    is written in place."""
+    return any(node is not placeholder and _written(alias_class(node, gm), gm)
+               for node in placeholder.graph.find_nodes(op="placeholder"))
 
 
 def graph_writes(gm: Any) -> bool:

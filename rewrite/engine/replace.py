@@ -31,7 +31,7 @@ from rewrite.ops.base import ConstRef, by_identity
 from rewrite.engine.aliasing import graph_writes, new_aliasing
 from rewrite.engine.layout import layout_change_seen
 from rewrite.engine.rewire import Rewirer
-from rewrite.ops.effects import written_args
+from rewrite.ops.effects import note_built_module, written_args
 
 __all__ = ["Replacer", "ReplacementError", "RULE_KEY", "uses_root"]
 
@@ -216,6 +216,7 @@ class Replacer:
             # update what it holds (copy-on-write)
             config = {k: _own(self._evaluate(v, env)) for k, v in r.config.items()}
             module = r.spec.fn(**config)
+            note_built_module(module)
             name = self._fresh_name(f"{r.spec.name}_{root.name}")
             self.gm.add_submodule(name, module)
             self._new_attrs.append(name)

@@ -34,6 +34,7 @@ import hashlib
 import os
 import operator
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -147,8 +148,13 @@ def backend(rules: Any, *, compiler: Any = "python", check: bool = True, on_resu
         # Dynamo reads the graph it handed us after we return: work on a copy (of
         # the graph: parameters are shared until apply's own copy; code generated
         # only for the final graph, on its first call).
+        as_given = gm
         gm = _LazyGraphModule(gm, copy.deepcopy(gm.graph))
         kept, kept_inputs = freeze_parameters(gm, list(example_inputs))
+        # the tensors frozen into the graph: a model that reassigns one (a step
+        # counter, ``self.step = self.step + 1``) hands a new tensor on later calls
+        kept_set = set(kept)
+        frozen = tuple((i, t) for i, t in enumerate(example_inputs) if i not in kept_set)
         # in place on our copy (a failed check puts it back; no second copy)
         result = rules.apply(gm, example_inputs=tuple(kept_inputs), check=check, **{"inplace": True, **apply_options})
         if on_result is not None:
@@ -156,11 +162,22 @@ def backend(rules: Any, *, compiler: Any = "python", check: bool = True, on_resu
         compiled = compile_graph(result.graph_module, kept_inputs)
 
         def run(*args: Any) -> Any:
+            for i, t in frozen:
+                if args[i] is not t:  # the graph as dynamo gave it reads the new tensor
+                    _warn_reassigned()
+                    return as_given(*args)
             return compiled(*[args[i] for i in kept])
 
         return run
 
     return compile_fn
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_reassigned() -> None:
+    warnings.warn("rewrite.backend: the model replaced a parameter or buffer its graph was compiled with "
+                  "(self.step = self.step + 1): such calls run the graph as dynamo gave it, without the rules",
+                  stacklevel=3)
 
 
 def _compiler(compiler: Any) -> Callable:

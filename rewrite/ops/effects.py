@@ -8,6 +8,9 @@ rule file names:
 * ``may_alias(node)``: the result may share memory with the first input (views,
   and ops that return their input unchanged when there is nothing to do: no-op
   casts, reshapes of contiguous tensors, eval-mode dropout, in-place ops);
+* ``may_alias_any_argument(node)``: a call whose code no schema or name list
+  describes (a module or function from outside torch, a higher-order op) may
+  return any of its inputs, not only the first;
 * ``always_aliases(node)``: the result is always a view of the first input;
 * ``written_args(node)``: the arguments a node writes in place;
 * ``opdef_writes(opdef)``: the parameters an op named in a replacement writes,
@@ -34,7 +37,9 @@ from torch.utils import _pytree as pytree
 from rewrite.ops.base import attribute, by_identity, submodule
 
 __all__ = [
-    "VIEW_NAMES", "ALIASING_NAMES", "ALIASING_MODULES", "FRESH_COMPOSITES", "op_name", "may_alias", "always_aliases",
+    "VIEW_NAMES", "ALIASING_NAMES", "ALIASING_MODULES", "FRESH_COMPOSITES", "FRESH_FUNCTIONS", "FRESH_OPERATORS",
+    "ANY_INPUT_ALIASING_NAMES", "op_name", "may_alias",
+    "may_alias_any_argument", "note_built_module", "always_aliases",
     "written_args", "written_nodes", "target_writes", "opdef_writes", "opdef_may_alias",
     "module_writes_own_state",
     "state_writes",
@@ -58,19 +63,40 @@ ALIASING_NAMES = VIEW_NAMES | {
     "conj", "positive", "requires_grad", "data", "cpu", "cuda", "H", "mH", "adjoint", "atleast_1d",
     "atleast_2d", "atleast_3d", "broadcast_to", "broadcast_tensors", "meshgrid", "vsplit", "hsplit",
     "dsplit", "sum_to_size", "to_dense", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
-    "feature_alpha_dropout", "feature_dropout",
+    "feature_alpha_dropout", "feature_dropout", "_unsafe_view", "dequantize", "lift", "unsafe_split",
+    "unsafe_split_with_sizes", "unsafe_chunk", "pos", "new", "as_tensor", "asarray", "as_subclass", "einsum",
 }
 #: CompositeImplicitAutograd aten ops (their schema annotates no alias, yet such an
 #: op may return its input: ``aten.dropout`` in eval mode) known to return a new
 #: tensor. Any other composite op may alias its input.
 FRESH_COMPOSITES = frozenset({
     "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "linear",
-    "bilinear", "matmul", "einsum", "layer_norm", "batch_norm", "group_norm", "instance_norm", "rms_norm",
+    "bilinear", "matmul", "layer_norm", "batch_norm", "group_norm", "instance_norm", "rms_norm",
     "scaled_dot_product_attention", "softmax", "log_softmax", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
     "max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "__and__", "__or__", "__xor__", "prelu", "relu6",
     "clip", "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "upsample_linear1d",
     "upsample_bilinear2d", "upsample_bicubic2d", "upsample_trilinear3d", "_upsample_nearest_exact1d",
-    "_upsample_nearest_exact2d", "_upsample_nearest_exact3d",
+    "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "where", "max", "min", "var", "std", "var_mean",
+    "std_mean", "size", "dim", "numel", "sym_size", "sym_numel", "sym_stride",
+})
+#: Python-level torch functions with no aten op of their name, known to return a
+#: new tensor (any other such name may alias).
+FRESH_FUNCTIONS = frozenset({
+    "interpolate", "upsample", "upsample_nearest", "upsample_bilinear", "normalize", "softmin",
+    "multi_head_attention_forward", "cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss",
+    "binary_cross_entropy_with_logits", "kl_div", "local_response_norm", "tolist", "item",
+})
+#: ``operator`` functions known to return a new value (``operator.pos`` returns its
+#: tensor itself; the in-place ones, ``iadd``..., write it).
+FRESH_OPERATORS = frozenset({
+    "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "neg", "abs", "invert", "inv",
+    "and", "or", "xor", "lshift", "rshift", "eq", "ne", "lt", "le", "gt", "ge", "not", "truth", "contains",
+    "index", "length_hint",
+})
+#: Ops that may return (a view of) any of their tensor arguments, given as varargs
+#: (``broadcast_tensors(a, b)``) or after a non-tensor first one (``einsum("ij->ji", x)``).
+ANY_INPUT_ALIASING_NAMES = frozenset({
+    "broadcast_tensors", "atleast_1d", "atleast_2d", "atleast_3d", "meshgrid", "einsum",
 })
 #: Modules whose forward may return its input (or a view of it).
 ALIASING_MODULES = frozenset({"Identity", "Flatten", "Unflatten", "Dropout", "Dropout1d", "Dropout2d",
@@ -102,11 +128,51 @@ def may_alias(node: fx.Node, gm: Any) -> bool:
         from torch.ao.quantization.observer import ObserverBase
 
         return (type(module).__name__ in ALIASING_MODULES or isinstance(module, ObserverBase)
-                or bool(getattr(module, "inplace", False)))
+                or bool(getattr(module, "inplace", False)) or not _torch_module(module))
     if node.op not in ("call_function", "call_method"):
         return False
     by_schema, aliases = _target_aliasing(target)
     return aliases or (not by_schema and bool(written_args(node, gm)))
+
+
+def may_alias_any_argument(node: fx.Node, gm: Any) -> bool:
+    """Whether ``node``'s result may share memory with any of its inputs, not only
+    the first: a call whose code nothing here describes (a module or a Python
+    function from outside torch, a higher-order op such as ``cond`` or a wrapped
+    subgraph) may return whatever it is given (``pick(a, b): return b``), and so may
+    the ops of ``ANY_INPUT_ALIASING_NAMES``."""
+    op = node.op
+    if op == "call_module":
+        module = _module(node, gm)
+        return module is None or not _torch_module(module)
+    if op not in ("call_function", "call_method"):
+        return False
+    target = node.target
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return True
+    if op_name(target) in ANY_INPUT_ALIASING_NAMES:
+        return True
+    if op == "call_method" or isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return False
+    return not _from_torch(target)
+
+
+def _torch_module(module: Any) -> bool:
+    """A module class torch defines (its forward is known), or one a registered
+    module factory built (``note_built_module``), not one of the input's own."""
+    kind = type(module)
+    return (kind.__module__ or "").startswith("torch.") or kind in _BUILT_MODULE_TYPES
+
+
+_BUILT_MODULE_TYPES: set = set()
+
+
+def note_built_module(module: Any) -> None:
+    """A replacement inserted ``module``, built by a registered module factory
+    (``rewrite.register_module``): its class computes fresh memory from its inputs,
+    as the factory's contract says, unless it is named in ``ALIASING_MODULES``, is
+    an observer or is ``inplace``."""
+    _BUILT_MODULE_TYPES.add(type(module))
 
 
 def _target_aliasing(target: Any) -> tuple:
@@ -120,11 +186,10 @@ def _target_aliasing(target: Any) -> tuple:
         answer = (True, _overload_may_alias(target))
     elif isinstance(target, torch._ops.OpOverloadPacket):  # torch.ops.mylib.f(x): any overload's schema
         answer = (True, any(_overload_may_alias(ov) for ov in _overloads(target)))
+    elif isinstance(target, torch._ops.HigherOrderOperator):
+        answer = (False, True)  # runs a subgraph, which may return what it is given
     else:
-        # a Python function from outside torch (``getattr(x, "T")``, a wrapped user
-        # function) may return anything it is given
-        answer = (False, op_name(target) in ALIASING_NAMES or target is operator.getitem
-                  or not _from_torch(target))
+        answer = (False, _python_may_alias(target))
     if len(_ALIASING) > _CACHE_LIMIT:
         _ALIASING.clear()
     _ALIASING[key] = (target, answer)
@@ -138,11 +203,44 @@ _WRITES: dict = {}  # id(target) -> (target, target_writes(target))
 
 def _overload_may_alias(overload: Any) -> bool:
     """By its schema's alias annotation; a CompositeImplicitAutograd op without one
-    runs Python-level code that may return its input, unless known not to."""
+    runs Python-level code that may return its input, unless known not to. A few
+    ops return their input with no annotation saying so (``_unsafe_view``,
+    ``dequantize`` of a float tensor, ``lift``): ``ALIASING_NAMES``."""
     if any(r.alias_info is not None for r in overload._schema.returns):
         return True
-    return (op_name(overload) not in FRESH_COMPOSITES
-            and torch._C._dispatch_has_kernel_for_dispatch_key(overload.name(), "CompositeImplicitAutograd"))
+    name = op_name(overload)
+    if name in ALIASING_NAMES:
+        return True
+    if name in FRESH_COMPOSITES:
+        return False
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(overload.name(), "CompositeImplicitAutograd")
+    except RuntimeError:  # a TorchScript overload on Python scalars (aten::add.int): no tensor
+        return False
+
+
+def _python_may_alias(target: Any) -> bool:
+    """A Python-level call target (a torch function, a ``Tensor`` method or its
+    name, an ``operator`` function): by the name lists, else by the aten op of the
+    same name (any of its overloads). A name no aten op has is unknown, and a
+    function from outside torch (``getattr(x, "T")``, a wrapped user function) may
+    return anything it is given: both may alias."""
+    if target is operator.getitem or not _from_torch(target):
+        return True
+    name = op_name(target)
+    if name in ALIASING_NAMES:
+        return True
+    if name in FRESH_COMPOSITES or name in FRESH_FUNCTIONS:
+        return False
+    if not isinstance(target, str) and getattr(operator, getattr(target, "__name__", ""), None) is target:
+        return name not in FRESH_OPERATORS
+    try:
+        packet = getattr(torch.ops.aten, name)
+    except (AttributeError, RuntimeError):
+        return True
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        return True
+    return any(_overload_may_alias(ov) for ov in _overloads(packet))
 
 
 def _from_torch(target: Any) -> bool:
@@ -211,7 +309,7 @@ def _named_written(name: str) -> tuple:
     if name in ("__setitem__", "__delitem__") or (name.startswith("__i") and name.endswith("__")
                                                  and getattr(operator, name, None) is not None):
         return ((0, "input"),)  # x[i] = v; x.__iadd__(y)
-    if not name.endswith("_") or name.startswith("_"):
+    if not name.endswith("_") or name.endswith("__"):  # _foreach_add_ writes; __call__ is no op
         return ()
     overload = aten_overload(name)
     written = _schema_written(overload) if overload is not None else ()

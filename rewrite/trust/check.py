@@ -215,6 +215,17 @@ def random_like(example: torch.Tensor, generator: torch.Generator,
     return out.to(example.device)
 
 
+def _each_element_once(size: Any, stride: Any) -> bool:
+    """Strides that address no element twice: taken from the smallest, each is at
+    least the span of the dimensions before it."""
+    span = 0
+    for n, step in sorted(((n, st) for n, st in zip(size, stride) if n > 1), key=lambda d: d[1]):
+        if step <= span:
+            return False
+        span += (n - 1) * step
+    return True
+
+
 def _lookup_range(ranges: Optional[Mapping[InputKey, Range]], index: int, path: str) -> Optional[Range]:
     if not ranges:
         return None
@@ -238,14 +249,34 @@ def generate_inputs(example_inputs: Any, seed: int = 0, *,
     fixed = set(fixed_inputs)
     leaves, spec = pytree.tree_flatten_with_path(example_inputs)
     out = []
+    made: Dict[int, torch.Tensor] = {}  # the same tensor given twice is one random tensor
     for i, (kp, leaf) in enumerate(leaves):
         path = pytree.keystr(kp)
         if (not isinstance(leaf, torch.Tensor) or isinstance(leaf, torch.nn.Parameter)
                 or i in fixed or path in fixed):
             out.append(leaf)
+        elif id(leaf) in made:
+            out.append(made[id(leaf)])
         else:
-            out.append(random_like(leaf, generator, _lookup_range(input_ranges, i, path)))
+            made[id(leaf)] = value = _laid_out_like(leaf, random_like(leaf, generator,
+                                                                      _lookup_range(input_ranges, i, path)))
+            out.append(value)
     return pytree.tree_unflatten(out, spec)
+
+
+def _laid_out_like(example: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` (contiguous) with ``example``'s strides, when those address each
+    element once (a slice, a transpose, channels_last; not an ``expand``)."""
+    if example.layout != torch.strided or value.stride() == example.stride() or example.is_contiguous():
+        return value
+    if not _each_element_once(example.size(), example.stride()):
+        return value
+    try:
+        laid = torch.empty_strided(example.size(), example.stride(), dtype=value.dtype, device=value.device)
+        laid.copy_(value)
+        return laid
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return value
 
 
 def _concrete(n: Any) -> int:
@@ -364,7 +395,33 @@ def inputs_from_graph(gm: fx.GraphModule, seed: int = 0, *,
 
 
 def _clone(tree: Any) -> Any:
-    return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, tree)
+    """A private copy of the inputs as the caller gave them: each tensor with its
+    own strides and storage offset (a ``reshape => view`` rule fails on a sliced
+    input as it would for the caller), and tensors sharing memory (the same tensor
+    passed twice, views of one base) sharing one copy of it. Tensors whose memory
+    cannot be copied as such (requiring grad, conjugated, quantized, sparse,
+    subclasses) are cloned one by one."""
+    copies: Dict[int, Any] = {}
+
+    def one(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if t.requires_grad or type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_conj() or t.is_neg() \
+                or t.layout != torch.strided or t.is_quantized:
+            return t.clone()
+        try:
+            storage = t.untyped_storage()
+            key = storage._cdata
+            copy = copies.get(key)
+            if copy is None:
+                copy = copies[key] = storage.clone()
+            with torch.no_grad():
+                return torch.empty(0, dtype=t.dtype, device=t.device).set_(copy, t.storage_offset(), t.size(),
+                                                                          t.stride())
+        except (RuntimeError, NotImplementedError, TypeError):
+            return t.clone()
+
+    return pytree.tree_map(one, tree)
 
 
 def _state(fn: Any) -> Dict[str, torch.Tensor]:
@@ -407,13 +464,14 @@ class _Watch:
     piece costs several milliseconds): its parameters and buffers by name and the
     storages they hold, the names a run may write (all of them unless the graph
     tells otherwise: ``rewrite.ops.effects.state_writes``) and which of those are
-    buffers, and the floating dtypes its nodes' metadata records (None: unknown)."""
+    compared by value (``by_value``), and the floating dtypes its nodes' metadata
+    records (None: unknown)."""
 
     state: Dict[str, torch.Tensor]
     storages: frozenset
     writable: Optional[frozenset]
     watched: Tuple[str, ...]
-    buffers: frozenset
+    by_value: frozenset
     static: Optional[frozenset]
     lineage: Optional[Tuple[frozenset, ...]] = None  # _static_lineage
 
@@ -430,11 +488,16 @@ class _Watch:
         state = _state(fn)
         writable = state_writes(fn)
         watched = tuple(name for name, t in state.items() if writable is None or id(t) in writable)
+        # Kernels update some buffers without bumping their version (batch norm's
+        # running statistics), and a write through a view that shares memory but not
+        # the version counter (unsafe_chunk, _unsafe_view) bumps none: buffers, and
+        # every tensor the graph is known to may write (few), are compared by value;
+        # with nothing known, the other parameters by version counter.
         buffer_ids = {id(t) for t in fn.buffers()} if isinstance(fn, torch.nn.Module) else set()
+        by_value = frozenset(name for name in watched if writable is not None or id(state[name]) in buffer_ids)
         static = _static_dtypes(fn) if dtypes else None
         unneeded = static is not None and compared_with is not None and static <= compared_with
-        return cls(state, frozenset(_storage(t) for t in state.values()) - {None}, writable, watched,
-                   frozenset(name for name in watched if id(state[name]) in buffer_ids),
+        return cls(state, frozenset(_storage(t) for t in state.values()) - {None}, writable, watched, by_value,
                    static, _static_lineage(fn) if dtypes and not unneeded else None, unneeded)
 
 
@@ -710,9 +773,7 @@ def _call_once(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool, watch: Op
     before = [t._version if isinstance(t, torch.Tensor) else None for t in leaves]
     state = watch.state
     versions = {name: state[name]._version for name in watch.watched}
-    # Kernels update some buffers without bumping their version (batch norm's running
-    # statistics): buffers are compared by value; parameters by version counter.
-    buffers_before = {name: state[name].detach().clone() for name in watch.buffers}
+    values_before = {name: state[name].detach().clone() for name in watch.by_value}  # _Watch.of says why
     # The floating dtypes ops compute in matter only to approximate checks (a
     # lower precision loosens the tolerance); recording them dispatches every op
     # through Python, which costs more than the op on small tensors: on request only.
@@ -744,13 +805,17 @@ def _call_once(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool, watch: Op
         results = pytree.tree_leaves(out)
         if record_lineage:
             lineage = tuple(recorder.lineage_of(t) for t in results)
-        elif len(static_lineage) == len(results):
+        elif static_lineage is not None and len(static_lineage) == len(results):
             lineage = static_lineage
-    written = frozenset(i for i, (t, v) in enumerate(zip(leaves, before))
-                        if isinstance(t, torch.Tensor) and t._version != v)
+    # an input written through a view that does not share its version counter
+    # (unsafe_chunk) bumps none: inputs are compared by value too (the trial's own
+    # inputs were never passed to the model)
+    written = frozenset(i for i, (t, v, given) in enumerate(zip(leaves, before, pytree.tree_leaves(inputs)))
+                        if isinstance(t, torch.Tensor) and (t._version != v or (
+                            isinstance(given, torch.Tensor) and not _same_values(t, given))))
     state_written = {name: state[name].detach().clone() for name in watch.watched
                      if state[name]._version != versions[name]
-                     or (name in buffers_before and not _same_values(state[name], buffers_before[name]))}
+                     or (name in values_before and not _same_values(state[name], values_before[name]))}
     seen = static if static is not None else (frozenset(recorder.dtypes) if dtypes else frozenset())
     return _Run(out, args, written, state_written, state, seen, watch.storages, lineage, requires_grad, roots)
 
@@ -761,7 +826,8 @@ class _SavedState:
     kernels update some without bumping their version), as often as needed.
     ``runs_only``: the block does nothing but call the modules, so a GraphModule's
     state its graph cannot write is not saved (cloning ResNet-50's 25M parameters
-    costs more than the rest of the check's bookkeeping)."""
+    costs more than the rest of the check's bookkeeping), and what it may write is
+    compared by value (a write through ``unsafe_chunk`` bumps no version)."""
 
     def __init__(self, fns: Any, runs_only: bool = False, watches: Iterable[Optional[_Watch]] = ()) -> None:
         self.saved, self.modes, seen = [], [], set()
@@ -780,13 +846,13 @@ class _SavedState:
             for t in (watch.state if watch is not None else _state(fn)).values():
                 if id(t) not in seen and (writable is None or id(t) in writable):
                     seen.add(id(t))
-                    self.saved.append([t, t._version, t.detach().clone(), id(t) in buffers])
+                    self.saved.append([t, t._version, t.detach().clone(), writable is not None or id(t) in buffers])
 
     def restore(self) -> None:
         with torch.no_grad():
             for entry in self.saved:
-                t, version, copy, buffer = entry
-                if t._version != version or (buffer and not _same_values(t, copy)):
+                t, version, copy, by_value = entry
+                if t._version != version or (by_value and not _same_values(t, copy)):
                     t.copy_(copy)
                     entry[1] = t._version
         for m, training in self.modes:

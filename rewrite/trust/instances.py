@@ -25,9 +25,13 @@ half precision only where the where clause asks for it. An op that rejects the d
 discards the instance, and the draw is retried with another one.
 
 Small tensors get element-wise drawn values so hypothesis shrinks them to readable
-numbers; exact rules also meet NaN, infinities and -0.0 (floats) and the dtype's
-extremes and values spread over its range (``spread_integers``: 12 * 12 wraps in
-int8, 46341 * 46341 in int32), where arithmetic wraps (integers).
+numbers; exact rules also meet NaN, infinities and -0.0 (floats), and every rule but
+quantized ones meets the integer dtype's extremes and values spread over its range
+(``spread_integers``: 12 * 12 wraps in int8, 46341 * 46341 in int32), where
+arithmetic wraps: integer outputs must be equal whatever the tolerance. A quarter of
+the tensors of rank 2 and more are laid out column-major (the same values, not
+contiguous). Not drawn: rank-0 tensors where an op family draws ranks from 1, and
+dimensions of size 0.
 
 Quantized patterns: ``dequantize(x)`` below another op is built after that op drew a
 float value for it, which is then quantized with torch's observers (per-tensor affine
@@ -318,8 +322,13 @@ _FREE: Any = type("_Free", (), {"__repr__": lambda self: "FREE"})()
 class _Ctx:
     """Hypothesis draws with names that read like the shapes they make."""
 
-    def __init__(self, draw: Callable, dtype: torch.dtype, specials: bool) -> None:
+    def __init__(self, draw: Callable, dtype: torch.dtype, specials: bool, int_specials: bool | None = None) -> None:
+        """``specials``: floats meet NaN, infinities and -0.0 (exact rules);
+        ``int_specials`` (default: ``specials``): integers meet their dtype's extremes
+        and values whose arithmetic wraps (every rule: integer outputs must be equal
+        whatever the tolerance)."""
         self.draw, self.dtype, self.specials = draw, dtype, specials
+        self.int_specials = specials if int_specials is None else int_specials
         self.shapes: list = []  # shapes drawn so far: operands drawn apart may share one
 
     def int(self, lo: int, hi: int) -> int:
@@ -348,10 +357,11 @@ class _Ctx:
         numbers), the rest from a drawn seed. A larger tensor always costs more
         draws than a smaller one, so hypothesis shrinks shapes too.
 
-        Integers are drawn in ``[lo, hi]`` within the dtype's range (exact rules
-        also meet its extremes and values spread over the whole range,
-        ``spread_integers``, where arithmetic wraps), bool as True/False, floats
-        in ``[lo, hi]`` (exact rules also meet NaN, infinities and -0.0)."""
+        Integers are drawn in ``[lo, hi]`` within the dtype's range (every rule's
+        instances but quantized ones also meet its extremes and values spread over
+        the whole range, ``spread_integers``, where arithmetic wraps), bool as
+        True/False, floats in ``[lo, hi]`` (exact rules also meet NaN, infinities
+        and -0.0)."""
         st = strategies()
         dtype = dtype or self.dtype
         n = math.prod(shape)
@@ -365,13 +375,13 @@ class _Ctx:
             ilo = min(ilo, ihi)
             element = st.integers(ilo, ihi)
             spread = spread_integers(dtype)
-            if self.specials and lo < 0 and spread:
+            if self.int_specials and lo < 0 and spread:
                 # a quarter of the values spread over the range (products and sums
                 # of them wrap); three quarters stay small (shapes, indices, counts),
                 # and shrinking goes to the small ones
                 small, wide = element, st.sampled_from(spread)
                 element = st.integers(0, 3).flatmap(lambda k: wide if k == 3 else small)
-            if self.specials and lo < 0 and self.draw(st.booleans()):
+            if self.int_specials and lo < 0 and self.draw(st.booleans()):
                 element = element | st.sampled_from([info.min, info.max])
             head = torch.tensor(self.draw(st.lists(element, min_size=k, max_size=k)), dtype=dtype)
             tail = (lambda g, m: torch.randint(ilo, ihi + 1, (m,), generator=g, dtype=dtype))
@@ -384,7 +394,12 @@ class _Ctx:
         if n > k:
             g = torch.Generator().manual_seed(self.int(0, 2**31 - 1))
             head = torch.cat([head, tail(g, n - k).to(head.dtype)])
-        return head.reshape(shape).to(dtype)
+        out = head.reshape(shape).to(dtype)
+        if len(shape) >= 2 and n > 1 and self.draw(st.integers(0, 3)) == 0:
+            # a quarter of them laid out column-major (same values, not contiguous):
+            # a rule that needs a contiguous input (``reshape => view``) meets one
+            out = out.transpose(-1, -2).contiguous().transpose(-1, -2)
+        return out
 
 
 class _Args:
@@ -1678,7 +1693,8 @@ def draw_instance(draw: Callable, plan: Plan, attempts: int = 3) -> Instance | s
         dtype = draw(dtypes)
         dialect = draw(st.sampled_from(("torch", "aten")))
         # quantizing NaN or an infinity is not defined: quantized patterns meet finite values
-        ctx = _Ctx(draw, dtype, specials=plan.tolerance == "exact" and not plan.quantized)
+        ctx = _Ctx(draw, dtype, specials=plan.tolerance == "exact" and not plan.quantized,
+                   int_specials=not plan.quantized)
         builder = _Builder(ctx, plan, dialect)
         try:
             inst = builder.finish(builder.call(plan.rule.pattern), plan.rule.pattern.name)

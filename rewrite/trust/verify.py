@@ -294,7 +294,7 @@ class _Checker:
         if not self._compare(inst, result.graph_module, inst.example_inputs, self.plan.tolerance):
             return
         if self.plan.tolerance == "approx" and inst.dtype != torch.float64:
-            self._check_float64(inst)
+            self._check_float64(inst, result.graph_module)
         self.counts["checked"] += 1
 
     def _other_engine(self, inst: Instance) -> bool:
@@ -338,8 +338,11 @@ class _Checker:
             return result if result.counts else None
         return result
 
-    def _check_float64(self, inst: Instance) -> None:
-        """Approximate rules again in float64, where rounding cannot hide a wrong formula."""
+    def _check_float64(self, inst: Instance, rewritten: fx.GraphModule) -> None:
+        """Approximate rules again in float64, where rounding cannot hide a wrong
+        formula. A rule that does not fire there (a where clause pins the dtype:
+        ``dtype(x) == torch.float32``) has what it rewrote to, ``rewritten``, run in
+        float64 instead, unless that graph cannot run in float64 (a cast it makes)."""
         if not all(not isinstance(t, torch.Tensor) or t.dtype.is_floating_point for t in inst.example_inputs):
             return
         gm = copy.deepcopy(inst.graph_module).to(torch.float64)
@@ -350,6 +353,14 @@ class _Checker:
         result = self._apply(self.one, inst64, quiet=True)
         if result is not None:
             self._compare(inst64, result.graph_module, inputs, "approx")
+            return
+        widened = copy.deepcopy(rewritten).to(torch.float64)
+        try:
+            _run(widened, inputs)
+        except Exception:  # noqa: BLE001 - its replacement computes in a dtype of its own
+            self.counts["float64 unchecked"] += 1
+            return
+        self._compare(inst64, widened, inputs, "approx")
 
     def _compare(self, inst: Instance, rewritten: fx.GraphModule, inputs: tuple, tolerance: str) -> bool:
         """Raise ``_Failure`` when the outputs differ; False when the original itself
