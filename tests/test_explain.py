@@ -48,6 +48,19 @@ def test_where_clause_names_the_false_conjunct_and_facts():
     assert set(e.bindings) == {"x", "r"}
 
 
+@rewrite.register_predicate("explain_test_raises")
+def _raises(x) -> bool:
+    raise ValueError("no shape for this one")
+
+
+def test_a_predicate_that_raised_is_reported_as_its_error_not_false():
+    [e] = _explain("rule w: neg(x) where explain_test_raises(x) => x", lambda x: -x, node="neg")
+    assert e.element == "where clause" and not e.matched
+    assert e.actual.startswith("an error (") and "no shape for this one" in e.actual
+    [e] = _explain("rule w: neg(x) where rank(x) == 3 => x", lambda x: -x, node="neg")
+    assert e.actual.startswith("false")
+
+
 def test_interior_use_is_reported():
     def f(x):
         n = -x

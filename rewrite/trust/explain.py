@@ -138,14 +138,18 @@ class _Explainer:
 
     def explain_at(self, node: fx.Node) -> Explanation:
         rule = self.rule
+        self.matcher.where_error = None
         for env, refusal in self.matcher.attempts(rule, node):
             depth = 1000 + self._depth(env)  # past the whole structure
             if refusal is None:
                 return Explanation(rule.name, node.name, True, depth, bindings=self._bindings_text(env))
             if refusal.kind == "where":
                 failed = refusal.detail
+                # a registered function that raised: its error, not "false"
+                error, self.matcher.where_error = self.matcher.where_error, None
+                verdict = f"an error ({error})" if error else "false"
                 self._note(depth, failed.span, "where clause", f"{format_expr(failed)} to hold",
-                           "false, with " + self._facts_text(failed, env), env)
+                           f"{verdict}, with " + self._facts_text(failed, env), env)
             else:
                 interior, user = refusal.detail
                 self._note(depth, rule.pattern.span, "interior-use check",
