@@ -313,6 +313,18 @@ def test_d_requires_grad_compared_per_output():
     assert check_equivalence(lambda x: x + w.detach() * 0, lambda x: x.clone(), (x,)).ok
 
 
+@pytest.mark.parametrize("level", ["fx", "export"])
+def test_d_a_rule_that_drops_a_parameter_is_no_fold(level):
+    """``x + w * 0 => x * 1.0`` leaves no constant where ``w`` was: the output that required
+    grad through ``w`` stops requiring it, and no fold explains that."""
+    x = torch.randn(3)
+    gm = _capture(_PlusZeroWeight(), (x,), level)
+    rule = rewrite.parse("rule r_drop: add(x, mul(w, 0)) where is_float(w) => mul(x, 1.0)", "r")
+    with pytest.raises(rewrite.EquivalenceError) as info:
+        rule.apply(gm, (x,))
+    assert "gradients reach this output in the original, not in the rewrite" in str(info.value)
+
+
 def test_d_a_fold_that_makes_parameters_constants_passes():
     """A RepVGG block folded into one convolution: the output no longer requires grad,
     through parameters the rewrite no longer has (the shipped folds are for inference)."""

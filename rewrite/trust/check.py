@@ -1032,7 +1032,8 @@ def _requires_grad_change(trial: int, ref: _Run, cand: _Run) -> Optional[Mismatc
     called with gradients enabled on the same inputs: a caller training through it
     sees it (its ``backward`` fails, or no gradient reaches the parameters). Unless
     every parameter it required grad through is one the rewrite no longer trains (a
-    fold made it a rewrite-time constant: the shipped folds are for inference); an
+    fold made it a rewrite-time constant, and the rewrite holds a constant the original
+    did not: the shipped folds are for inference); an
     input, or a tensor outside the module, always counts. One that newly requires
     grad is let pass, as ``gradients=True`` lets it (the original has no gradient
     there to preserve). Not compared when either could not run so."""
@@ -1041,12 +1042,15 @@ def _requires_grad_change(trial: int, ref: _Run, cand: _Run) -> Optional[Mismatc
     paths = [pytree.keystr(kp) for kp, _ in pytree.tree_flatten_with_path(ref.outputs)[0]]
     names = {id(t): name for name, t in ref.state.items()}
     trained = {id(t) for t in cand.state.values() if t.requires_grad}
+    # a fold leaves a constant it computed in place of what it folded; a rewrite that
+    # only drops a parameter (``w * 0 => zeros``) leaves none
+    folded = any(id(t) not in names for t in cand.state.values())
     for i, (path, mine, theirs) in enumerate(zip(paths, ref.requires_grad, cand.requires_grad)):
         if not mine or theirs:
             continue
         root = ref.grad_roots[i] if ref.grad_roots is not None else None
         kept = [t for t in _grad_leaves(root) if id(t) not in names or id(t) in trained]
-        if root is not None and not kept:
+        if root is not None and not kept and folded:
             continue  # only through parameters the rewrite folded away
         through = "" if not kept else (
             f" (through parameter {names[id(kept[0])]}, which the rewrite still has)" if id(kept[0]) in names
