@@ -215,6 +215,80 @@ def test_convert_after_training_matches_the_fake_quant_model(capture, ruleset):
     assert rqat.qat_layers(qat) and rqat.fake_quant_nodes(qat)
 
 
+class _DropoutHead(nn.Module):
+    """A classifier head: conv+bn+relu, pool, flatten, then a value-preserving op
+    (dropout, identity, view, reshape) before the linear."""
+
+    def __init__(self, op: str, p: float = 0.2) -> None:
+        super().__init__()
+        self.op = op
+        self.conv, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.drop, self.ident = nn.Dropout(p), nn.Identity()
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.flatten(F.adaptive_avg_pool2d(F.relu(self.bn(self.conv(x))), 1), 1)
+        if self.op == "dropout":
+            x = self.drop(x)
+        elif self.op == "F.dropout":
+            x = F.dropout(x, 0.3, self.training)
+        elif self.op == "identity":
+            x = self.ident(x)
+        elif self.op == "view_reshape":
+            x = x.view(x.shape[0], -1).reshape(x.shape[0], -1)
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("op, p", [("dropout", 0.0), ("dropout", 0.2), ("F.dropout", 0.0),
+                                   ("identity", 0.0), ("view_reshape", 0.0)])
+def test_a_dropout_before_the_classifier_keeps_it_quantized(op, p, capture):
+    # the fake quantizer before the pool reaches the linear through the dropout (the
+    # identity once deployed): the linear is a QAT layer, converts to an int8 kernel,
+    # and the coverage is PTQ's on the same model
+    torch.manual_seed(0)
+    model = _DropoutHead(op, p).eval()
+    ptq = rq.quantize(model, _calib(), (_x(),), capture=capture)
+    qat = rqat.prepare_qat(model, (_x(),), capture=capture, calibration=_calib())
+    assert [qat.get_submodule(n.target).kind for n in rqat.qat_layers(qat)] == ["conv", "linear"]
+    _train(qat, steps=2)
+    assert qat.get_submodule(rqat.qat_layers(qat)[-1].target).weight.grad is not None
+    qat.eval()
+    for form in ("int8", "qdq"):
+        int8 = rqat.convert(qat, form=form)
+        cov = rq.coverage(int8)
+        assert cov.left_float == () and cov.count() == (2, 2), (form, str(cov))
+        assert cov.count() == rq.coverage(ptq).count()
+        for seed in range(2):
+            x = _x(50 + seed)
+            with torch.no_grad():
+                assert rq.sqnr(qat(x), int8(x)) >= PTQ_SQNR_BOUND
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("backend", ["x86", "onednn"])
+def test_resnet18_every_conv_and_linear_converts_to_int8(backend, capture):
+    from rewrite.examples.cnn import resnet18_with_inputs
+
+    if backend not in torch.backends.quantized.supported_engines:
+        pytest.skip(f"no {backend} engine")
+    before = torch.backends.quantized.engine
+    try:
+        model, (x,) = resnet18_with_inputs(size=32)
+        calib = [(torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(100 + i)),) for i in range(2)]
+        qat = rqat.prepare_qat(model, (x,), capture=capture, backend=backend, calibration=calib)
+        int8 = rqat.convert(qat.eval())
+        cov = rq.coverage(int8)
+        assert cov.left_float == () and cov.count("conv") == (20, 20) and cov.count("linear") == (1, 1), str(cov)
+        held = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(7))
+        with torch.no_grad():
+            ref, fq, out = model(held), qat(held), int8(held)
+        assert rq.sqnr(fq, out) >= PTQ_SQNR_BOUND
+        assert rq.sqnr(ref, out) > 20.0  # close to the float model (PTQ's CNN floor)
+    finally:
+        torch.backends.quantized.engine = before
+
+
 def test_same_kernels_as_ptq():
     ptq = rq.quantize(_net(), _calib(), (_x(),), check=False)
     qat = rqat.prepare_qat(_net(), (_x(),), calibration=_calib())

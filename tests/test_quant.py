@@ -23,7 +23,7 @@ from torch.ao.quantization.observer import HistogramObserver, ObserverBase
 import rewrite
 import rewrite.quant as rq
 from rewrite.trust.check import generate_inputs
-from rewrite.examples.cnn import resnet_tiny_with_inputs
+from rewrite.examples.cnn import resnet18_with_inputs, resnet_tiny_with_inputs
 from rewrite.functions.quant import (
     QuantizedBinary,
     QuantizedConv,
@@ -386,6 +386,73 @@ def test_onednn_fuses_the_residual_add_into_the_conv():
         assert _output_sqnr(qdq, int8, (x,)) > QDQ_FLOOR
     finally:
         torch.backends.quantized.engine = before
+
+
+# ---------------------------------------------------------------- coverage: every conv and linear
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+@pytest.mark.parametrize("backend", ["x86", "onednn"])
+def test_resnet18_runs_every_conv_and_linear_in_int8(backend, capture):
+    if backend not in torch.backends.quantized.supported_engines:
+        pytest.skip(f"no {backend} engine")
+    before = torch.backends.quantized.engine
+    try:
+        model, (x,) = resnet18_with_inputs(size=32)
+        _, qdq, int8 = _quantize(model, (x,), capture=capture, backend=backend)
+        cov = rq.coverage(int8)
+        assert cov.left_float == (), str(cov)
+        assert cov.count("conv") == (20, 20) and cov.count("linear") == (1, 1)
+        assert int8.meta["rewrite.quant"]["coverage"] == cov
+        if backend == "onednn":  # the residual add and relu run inside a conv of each block
+            assert int8.meta["rewrite.quant"]["lower_counts"].get("lower_conv_add_relu") == 8
+        held = generate_inputs((x,), seed=7)
+        assert _output_sqnr(model, int8, held) > CNN_FLOOR
+        assert _output_sqnr(qdq, int8, held) > QDQ_FLOOR
+    finally:
+        torch.backends.quantized.engine = before
+
+
+class _Head(nn.Module):
+    """conv+bn+relu, pool, flatten, then a value-preserving op before the classifier."""
+
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        self.op = op
+        self.conv, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.drop, self.ident = nn.Dropout(0.2), nn.Identity()
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.flatten(nn.functional.adaptive_avg_pool2d(torch.relu(self.bn(self.conv(x))), 1), 1)
+        if self.op == "dropout":
+            x = self.drop(x)
+        elif self.op == "identity":
+            x = self.ident(x)
+        elif self.op == "clone":
+            x = x.clone()
+        elif self.op == "unsqueeze_squeeze":
+            x = x.unsqueeze(1).squeeze(1)
+        elif self.op == "view":
+            x = x.view(x.shape[0], -1)
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+@pytest.mark.parametrize("op", ["dropout", "identity", "clone", "unsqueeze_squeeze", "view"])
+def test_ops_that_keep_quantization_do_not_leave_the_classifier_float(op, capture):
+    # the observe rules see through them (PASSTHROUGH_OPS); lower.rw runs them on int8
+    # (an eval-mode dropout and an identity are deleted): the linear after them is int8
+    torch.manual_seed(0)
+    model = _Head(op).eval()
+    x = torch.randn(2, 3, 8, 8)
+    for form in ("int8", "qdq"):
+        observed = rq.prepare(model, (x,), capture=capture)
+        rq.calibrate(observed, [(x,)] + _batches((x,), 2, 100))
+        out = rq.convert(observed, form=form)
+        cov = rq.coverage(out)
+        assert cov.left_float == () and cov.count() == (2, 2), (form, str(cov))
+        assert _output_sqnr(model, out, generate_inputs((x,), seed=7)) > CNN_FLOOR
 
 
 # ---------------------------------------------------------------- functions and command line

@@ -186,8 +186,12 @@ def test_lower_precision_ops_run_in_low_precision_between_casts(name, kind, leve
     # time); a bool mask is not cast
     for arg in node.all_input_nodes:
         assert seen[arg] in (low, torch.bool), (arg, seen[arg])
-    # its result is cast back to float32, so the graph's output keeps its dtype
+    # its result is cast back to float32, so the graph's output keeps its dtype (a
+    # channels_last convolution output is made contiguous first, as the model's was)
     (user,) = node.users
+    if nodes_of(gm, "contiguous") and user in nodes_of(gm, "contiguous"):
+        assert op == "conv" and seen[user] == low
+        (user,) = user.users
     assert is_cast(gm, user) and seen[user] == torch.float32
     assert gm(*inputs).dtype == torch.float32
 
@@ -570,3 +574,142 @@ def test_amp_views_a_channels_last_convolution_output(file, level):
     gm = fx.symbolic_trace(model) if level == "fx" else torch.export.export(model, (x,), strict=False).module()
     result = rewrite.load(file).apply(gm, (x,))
     assert result.equivalence.ok and sum(v for k, v in result.counts.items() if k.startswith("view_")) == 1
+
+
+# ---------------------------------------------------------------- layouts leaving the lowered region
+#
+# The convolutions' channels_last weights make their lowp outputs channels_last. Under
+# the float16 policy batch_norm (and the residual add) stay float32, so the region ends
+# right after each convolution: the value cast back must have the model's layout again,
+# or the classic head's x.view(x.size(0), -1) fails and a returned feature map comes
+# back channels_last.
+
+
+def _conv_bn(i, o):
+    return nn.Sequential(nn.Conv2d(i, o, 3, padding=1), nn.BatchNorm2d(o), nn.ReLU())
+
+
+class _VGGish(nn.Module):
+    """conv-BN-relu x2, max pool, avg pool, x.view(x.size(0), -1), linear."""
+
+    n_convs = 3
+
+    def __init__(self):
+        super().__init__()
+        self.b1, self.b2, self.b3 = _conv_bn(3, 8), _conv_bn(8, 8), _conv_bn(8, 8)
+        self.fc = nn.Linear(8 * 4 * 4, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(self.b2(self.b1(x)), 2)
+        x = F.avg_pool2d(self.b3(x), 2)
+        x = x.view(x.size(0), -1)
+        return self.fc(x)
+
+
+class _ResNetish(nn.Module):
+    """A stem and one basic block (conv-BN-relu-conv-BN + identity, relu), then the
+    feature map (returned too) through a flatten head and a view head (a reshape
+    with ``view=False``: a channels_last model cannot view it)."""
+
+    n_convs = 3
+
+    def __init__(self, view=True):
+        super().__init__()
+        self.view = view
+        self.stem = _conv_bn(3, 8)
+        self.c1, self.n1 = nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+        self.c2, self.n2 = nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8 * 8 * 8, 10)
+
+    def forward(self, x):
+        x = self.stem(x)
+        feats = torch.relu(self.n2(self.c2(torch.relu(self.n1(self.c1(x))))) + x)
+        pooled = F.max_pool2d(feats, 2)
+        flat = pooled.view(pooled.size(0), -1) if self.view else pooled.reshape(pooled.size(0), -1)
+        logits = self.fc(torch.flatten(pooled, 1)) + self.fc(flat)
+        return logits, feats
+
+
+def _randomized(model):
+    """Non-trivial batch norm statistics, so a lowered graph that skipped one shows."""
+    torch.manual_seed(0)
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5), m.running_var.uniform_(0.5, 2.0)
+            m.weight.data.uniform_(0.5, 1.5), m.bias.data.uniform_(-0.5, 0.5)
+    return model.eval()
+
+
+def _same_layout(got, want):
+    return (got.is_contiguous() == want.is_contiguous()
+            and got.is_contiguous(memory_format=torch.channels_last)
+            == want.is_contiguous(memory_format=torch.channels_last))
+
+
+@pytest.mark.parametrize("kind", ["fp16", "bf16"])
+@pytest.mark.parametrize("level", ["fx", "export", "export_core"])
+@pytest.mark.parametrize("net", [_VGGish, _ResNetish])
+def test_classic_cnn_with_batch_norm_and_a_view_head_keeps_its_layouts(net, level, kind):
+    torch.manual_seed(0)
+    model = _randomized(net())
+    inputs = (torch.randn(2, 3, 16, 16),)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    gm = _capture(model, inputs, level)
+    code = gm.code
+    with torch.no_grad():
+        expected = model(*inputs)
+    result = amp(kind).apply(gm, example_inputs=inputs)  # the default check
+    assert result.equivalence.ok
+    out_gm, low = result.graph_module, LOW[kind]
+    # every convolution was lowered, with channels_last constant weights
+    assert result.counts[f"conv_{kind}"] == net.n_convs
+    assert ran_in(out_gm, inputs, "conv") == [low] * net.n_convs
+    convs = nodes_of(out_gm, "conv")
+    weights = [getattr(out_gm, n.args[1].target) for n in convs]
+    assert all(w.dtype == low and w.is_contiguous(memory_format=torch.channels_last) for w in weights)
+    if kind == "fp16":
+        # batch_norm stays float32 (fp16 policy): each convolution's region ends at it,
+        # and the value leaving it is made contiguous again (in float16, before the cast)
+        assert ran_in(out_gm, inputs, "batch_norm") == [torch.float32] * net.n_convs
+        assert result.counts["exit_contiguous_fp16"] == net.n_convs
+        assert sorted(str(d) for d, src in casts(out_gm) if src == "contiguous") == ["torch.float32"] * net.n_convs
+    else:
+        # bfloat16 keeps batch_norm in the region: one cast in, casts out at the ends
+        assert set(ran_in(out_gm, inputs, "batch_norm")) == {low}
+        assert cast_dtypes(out_gm).count("bfloat16") == 1
+    # the outputs match at the lowp tolerance, in the model's dtypes and layouts
+    with torch.no_grad():
+        got = out_gm(*inputs)
+    got, want = (got, expected) if isinstance(got, tuple) else ((got,), (expected,))
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype == torch.float32
+        torch.testing.assert_close(g, w, rtol=5e-2, atol=5e-2)
+        assert _same_layout(g, w), (g.stride(), w.stride())
+    # the model and the captured graph it was given are unchanged
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert gm.code == code
+    with torch.no_grad():
+        again = gm(*inputs)
+    for g, w in zip(again if isinstance(again, tuple) else (again,), want):
+        assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("kind", ["fp16", "bf16"])
+@pytest.mark.parametrize("level", ["fx", "export"])
+def test_a_channels_last_model_keeps_channels_last_where_the_region_ends(level, kind):
+    # a model run channels_last computes channels_last already: nothing is made
+    # contiguous on the way out, and the feature map comes back channels_last
+    torch.manual_seed(0)
+    model = _randomized(_ResNetish(view=False)).to(memory_format=torch.channels_last)
+    inputs = (torch.randn(2, 3, 16, 16).to(memory_format=torch.channels_last),)
+    with torch.no_grad():
+        expected = model(*inputs)
+    assert expected[1].is_contiguous(memory_format=torch.channels_last)
+    result = amp(kind).apply(_capture(model, inputs, level), example_inputs=inputs)
+    assert result.equivalence.ok and result.counts[f"conv_{kind}"] == 3
+    assert "exit_contiguous_" + kind not in result.counts
+    with torch.no_grad():
+        got = result.graph_module(*inputs)
+    for g, w in zip(got, expected):
+        torch.testing.assert_close(g, w, rtol=5e-2, atol=5e-2)
+        assert _same_layout(g, w)

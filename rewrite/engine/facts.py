@@ -257,9 +257,11 @@ class GraphFacts:
         try:
             env = {n: _each(lambda _, t: _on_meta(t), None, v) for n, v in zip(inputs, values)}
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
-            out = self._callable(node, fake=False)(*args, **kwargs)
+            out = _call(node, self._callable(node, fake=False), args, kwargs)
         except Exception:  # noqa: BLE001 - facts are best-effort
-            return
+            out = _run_on_zeros(node, inputs, values, self.gm)
+            if out is None:
+                return
         metas = [m for m in metas if m is not None and not isinstance(m, (list, tuple))]
         device = next((m.device for m in metas if getattr(m, "device", None) is not None), torch.device("cpu"))
         node.meta[FACTS_KEY] = torch.utils._pytree.tree_map_only(
@@ -316,6 +318,48 @@ def _each(convert: Any, mode: Any, v: Any) -> Any:
     if isinstance(v, (list, tuple)):
         return type(v)(convert(mode, t) for t in v)
     return convert(mode, v)
+
+
+def _call(node: fx.Node, target: Any, args: tuple, kwargs: dict) -> Any:
+    if node.op == "call_method":
+        return getattr(args[0], target)(*args[1:], **kwargs)
+    return target(*args, **kwargs)
+
+
+def _run_on_zeros(node: fx.Node, inputs: list, values: list, gm: Any) -> Any:
+    """The op run for real on zeros of its inputs' shapes and dtypes, when an input
+    is quantized (no fake or meta kernel takes one: a quantized conv's output, a
+    pool or flatten after it). Only for functions and methods that write nothing;
+    constants are passed as they are (read, never written)."""
+    from rewrite.ops.effects import written_args
+
+    if node.op not in ("call_function", "call_method") or written_args(node, gm):
+        return None
+    leaves = torch.utils._pytree.tree_leaves(values)
+    if not any(getattr(v, "dtype", None) in _QUANTIZED for v in leaves):
+        return None
+    try:
+        env = {n: _each(lambda _, t: _zeros_of(t), None, v) for n, v in zip(inputs, values)}
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+        with torch.no_grad():
+            return _call(node, node.target, args, kwargs)
+    except Exception:  # noqa: BLE001 - facts are best-effort
+        return None
+
+
+_QUANTIZED = frozenset({torch.quint8, torch.qint8, torch.qint32, torch.quint4x2, torch.quint2x4})
+
+
+def _zeros_of(v: Any) -> Any:
+    """A real tensor for facts ``v``: a real tensor (a constant) itself, else zeros
+    of its shape and dtype (a quantized one with scale 1 and zero point 0)."""
+    if isinstance(v, torch.Tensor) and not isinstance(v, FakeTensor) and v.device.type != "meta":
+        return v
+    if not (hasattr(v, "shape") and hasattr(v, "dtype")):
+        return v
+    if v.dtype in _QUANTIZED:
+        return torch._empty_affine_quantized(tuple(v.shape), scale=1.0, zero_point=0, dtype=v.dtype)
+    return torch.zeros(tuple(v.shape), dtype=v.dtype)
 
 
 def _on_meta(v: Any) -> Any:

@@ -12,8 +12,11 @@ import math
 from typing import Any
 
 import torch
+import torch.fx as fx
 
-from rewrite.engine.facts import Value
+from rewrite.engine.facts import Value, tensor_meta_of
+from rewrite.engine.replace import RULE_KEY as _MADE_BY_RULE  # nodes without it are the model's own
+from rewrite.engine.shapes import layout_of
 from rewrite.functions.registry import register_constant, register_predicate
 
 __all__ = ["einsum_contracts"]  # the rest is reached through the registry
@@ -42,6 +45,83 @@ def cast_channels_last(t: Any, dtype: Any) -> Any:
     if out.dim() == 4:
         out = out.contiguous(memory_format=torch.channels_last)
     return out
+
+
+def _model_layout(meta: Any) -> str | None:
+    """``layout_of`` a node's recorded facts, telling channels_last apart from other
+    strides also where the facts record strides without a tensor (``TensorFacts``)."""
+    layout = layout_of(meta)
+    stride, shape = getattr(meta, "stride", None), getattr(meta, "shape", None)
+    if layout == "strided" and isinstance(stride, tuple) and shape is not None and len(shape) in (4, 5):
+        probe = torch.empty_strided(tuple(shape), stride, device="meta")
+        fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+        if probe.is_contiguous(memory_format=fmt):
+            return "channels_last" if len(shape) == 4 else "channels_last_3d"
+    return layout
+
+
+#: ops whose output is a new contiguous tensor whatever their inputs' layouts
+_FRESH_CONTIGUOUS = frozenset({"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "contiguous"})
+
+
+def _layout_source(node: fx.Node, x: Value) -> str | None:
+    """``"fresh"``: ``node`` computes a new contiguous tensor (a matrix product);
+    ``"relaid"``: a convolution whose constant weight is not contiguous (the
+    channels_last weights of ``cast_channels_last``); None: neither."""
+    from rewrite.ops import bind_node
+
+    bound = {b.op: b for b in bind_node(node, x.facts.gm)}
+    if bound.keys() & _FRESH_CONTIGUOUS:
+        return "fresh"
+    if "conv" in bound:
+        w = bound["conv"].args.get("weight")
+        t = x.facts.constant_of(w) if w is not None and x.facts.is_const(w) else None
+        if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_contiguous():
+            return "relaid"
+    return None
+
+
+@register_predicate()
+def model_contiguous(y: Value) -> bool | None:
+    """``y`` stands for a value the model laid out contiguously, which the rules may
+    have laid out otherwise: a value leaving the lowered region gets that layout back.
+
+    A value of the model's own: its recorded facts say (``contiguous(y)`` is then a
+    no-op). A value the rules computed: a convolution with a non-contiguous constant
+    weight (``cast_channels_last``) computes it, directly or through other new nodes
+    (its output is channels_last at run time, what the fallthrough ops keep; a matrix
+    product in between makes a new contiguous tensor), and no value the model
+    computed that it reads is channels_last (a channels_last model's convolutions are
+    channels_last already). Shape inference is no guide here: on meta tensors a
+    convolution ignores its weight's layout, under a FakeTensor mode it follows it."""
+    node = y.node
+    if node is None:
+        return False if y.is_literal else None
+    if _MADE_BY_RULE not in node.meta:
+        layout = layout_of(y.meta)
+        return None if layout is None else layout == "contiguous"
+    gm = y.facts.gm
+    if not any(isinstance(t := y.facts.constant_of(n), torch.Tensor) and t.layout == torch.strided
+               and not t.is_contiguous() for n in gm.graph.find_nodes(op="get_attr")):
+        return False  # no strided weight: every value is laid out as the model's
+    relaid, seen, todo = False, {node}, [node]
+    while todo:
+        n = todo.pop()
+        if n.op == "get_attr":
+            continue
+        if _MADE_BY_RULE not in n.meta:  # a value the model computed, read by the region
+            if _model_layout(tensor_meta_of(n)) in ("channels_last", "channels_last_3d"):
+                return False
+            continue
+        source = _layout_source(n, y)
+        if source == "fresh":  # laid out as the model's whatever it reads
+            continue
+        relaid = relaid or source == "relaid"
+        for i in n.all_input_nodes:
+            if i not in seen:
+                seen.add(i)
+                todo.append(i)
+    return relaid
 
 
 @register_predicate()

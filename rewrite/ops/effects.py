@@ -132,7 +132,17 @@ def may_alias(node: fx.Node, gm: Any) -> bool:
     if node.op not in ("call_function", "call_method"):
         return False
     by_schema, aliases = _target_aliasing(target)
+    if aliases and op_name(target) == "einsum" and _einsum_operands(node) > 1:
+        return False  # a product of two operands is new memory; one operand may be viewed ("ij->ji")
     return aliases or (not by_schema and bool(written_args(node, gm)))
+
+
+def _einsum_operands(node: fx.Node) -> int:
+    """How many tensor operands an einsum node has (given as varargs or as a list)."""
+    rest = node.args[1:]
+    if len(rest) == 1 and isinstance(rest[0], (list, tuple)):
+        rest = rest[0]
+    return len(rest)
 
 
 def may_alias_any_argument(node: fx.Node, gm: Any) -> bool:
