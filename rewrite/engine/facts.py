@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from rewrite.engine.shapes import cast_of, fresh_cast, fresh_like, fresh_view, like_input, view_of
 from rewrite.ops.base import ConstRef, attribute, by_identity
-from rewrite.ops.effects import state_writes
+from rewrite.ops.effects import state_writes, written_args
 
 __all__ = ["GraphFacts", "Value", "TensorFacts", "FACTS_KEY", "NEW_NODE_KEY", "fetch_attr", "tensor_meta_of"]
 
@@ -331,8 +331,6 @@ def _run_on_zeros(node: fx.Node, inputs: list, values: list, gm: Any) -> Any:
     is quantized (no fake or meta kernel takes one: a quantized conv's output, a
     pool or flatten after it). Only for functions and methods that write nothing;
     constants are passed as they are (read, never written)."""
-    from rewrite.ops.effects import written_args
-
     if node.op not in ("call_function", "call_method") or written_args(node, gm):
         return None
     leaves = torch.utils._pytree.tree_leaves(values)

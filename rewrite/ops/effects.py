@@ -244,13 +244,10 @@ def _python_may_alias(target: Any) -> bool:
         return False
     if not isinstance(target, str) and getattr(operator, getattr(target, "__name__", ""), None) is target:
         return name not in FRESH_OPERATORS
-    try:
-        packet = getattr(torch.ops.aten, name)
-    except (AttributeError, RuntimeError):
-        return True
-    if not isinstance(packet, torch._ops.OpOverloadPacket):
-        return True
-    return any(_overload_may_alias(ov) for ov in _overloads(packet))
+    from rewrite.ops.resolve import aten_packet  # imported late, as in _named_written
+
+    packet = aten_packet(name)
+    return packet is None or any(_overload_may_alias(ov) for ov in _overloads(packet))
 
 
 def _from_torch(target: Any) -> bool:

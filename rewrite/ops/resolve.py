@@ -26,7 +26,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Sig", "ROOTS", "normalize_qualname", "resolve", "signature_of", "parse_sig", "aten_overload"]
+__all__ = ["Sig", "ROOTS", "normalize_qualname", "resolve", "signature_of", "parse_sig", "aten_overload", "aten_packet"]
 
 _ROOTS = {
     "aten": lambda: torch.ops.aten,
@@ -157,15 +157,21 @@ _PREFERRED_OVERLOADS = ("default", "Tensor", "int", "input", "self", "using_ints
 _PYTHON_OVERLOADS = {"where": "self"}
 
 
-def aten_overload(name: str, overload: str | None = None) -> Any | None:
-    """``torch.ops.aten.<name>.<overload>``; without ``overload`` the first of
-    ``default``, ``Tensor``, ``int``, ... (else any without ``out``) whose first
-    argument is a tensor."""
+def aten_packet(name: str) -> Any | None:
+    """``torch.ops.aten.<name>`` when aten has an op of that name, else None."""
     try:
         packet = getattr(torch.ops.aten, name)
     except (AttributeError, RuntimeError):
         return None
-    if not isinstance(packet, torch._ops.OpOverloadPacket):
+    return packet if isinstance(packet, torch._ops.OpOverloadPacket) else None
+
+
+def aten_overload(name: str, overload: str | None = None) -> Any | None:
+    """``torch.ops.aten.<name>.<overload>``; without ``overload`` the first of
+    ``default``, ``Tensor``, ``int``, ... (else any without ``out``) whose first
+    argument is a tensor."""
+    packet = aten_packet(name)
+    if packet is None:
         return None
     if name in _UNSAFE or name.lstrip("_") in _UNSAFE:
         return None
