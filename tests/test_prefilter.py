@@ -527,8 +527,6 @@ rule vars: add(x, y) => sub(x, y)
     ("bare", ("call_method", "relu")),
     ("bare", ("call_method", "relu_")),
     ("bare", ("call_function", aten.relu.default)),
-    ("dims", ("call_method", "transpose")),
-    ("dims", ("call_function", aten.transpose.int)),
     ("seq", ("call_method", "reshape")),  # a sequence literal is left to the matcher
     ("seq", ("call_function", torch.reshape)),
     ("free", ("call_function", torch.add)),
@@ -538,6 +536,41 @@ rule vars: add(x, y) => sub(x, y)
 ])
 def test_no_prefilter_when_the_root_constrains_nothing(name, key):
     assert build_prefilter(NOTHING_CHEAP.rules[name], key) is None
+
+
+TRANSPOSE_SPELLINGS = {
+    "method": lambda g, x, a, b, **kw: meth(g, "transpose", x, a, b, **kw),
+    "torch": lambda g, x, a, b, **kw: fn(g, torch.transpose, x, a, b, **kw),
+    "aten": lambda g, x, a, b, **kw: fn(g, aten.transpose.int, x, a, b, **kw),
+}
+
+
+@pytest.mark.parametrize("spelling", sorted(TRANSPOSE_SPELLINGS))
+def test_where_conjuncts_over_root_arguments_are_a_prefilter(spelling):
+    # transpose(x, a, b) where is_noop_transpose(x, a, b): the clause reads only the
+    # root's own arguments, so a transpose that is not a no-op is turned away
+    # before binding, and one that is goes on to match
+    make = TRANSPOSE_SPELLINGS[spelling]
+    for a, b, expect in ((0, 1, False), (1, 1, True), (-1, 1, True), (0, -1, False)):
+        pf, passed, matched = verdict(NOTHING_CHEAP, "dims", lambda g, x, y: same(make(g, x, a, b)))
+        assert pf is not None
+        assert (passed, matched) == (expect, expect), (a, b)
+
+
+def test_where_prefilter_lets_keywords_through():
+    # a keyword spelling is left to the matcher (binding reorders it)
+    pf, passed, matched = verdict(NOTHING_CHEAP, "dims",
+                                  lambda g, x, y: same(fn(g, torch.transpose, x, dim0=0, dim1=1)))
+    assert passed is True and matched is False
+
+
+def test_where_prefilter_reads_the_root_by_its_name():
+    rules = rewrite.parse("rule wide: relu(_) as r where rank(r) == 3 => r")
+    for shape, expect in (((2, 2, 4), True), ((16,), False)):
+        def build(g, x, y, shape=shape):
+            return same(fn(g, aten.relu.default, meth(g, "reshape", x, *shape)))
+        pf, passed, matched = verdict(rules, "wide", build)
+        assert pf is not None and (passed, matched) == (expect, expect)
 
 
 def test_omitted_default_is_a_literal_need_where_the_target_has_it():

@@ -8,6 +8,14 @@ straight from ``node.args``/``node.kwargs`` at positions computed once per (rule
 root node key): the operand's node key must be one the nested call can bind, the
 literal must be equal.
 
+Where-clause conjuncts over the root's own arguments (``permute(x, p) where
+is_identity_perm(p)``, ``reshape_like(x, s) where reshape_is_noop(x, s)``) are
+evaluated the same way, on the arguments as the node holds them, when binding would
+hand the matcher exactly those values (a form bound through its plain plan, no
+keywords): on a transformer most views and permutes fail such a clause, and
+rejecting them here skips binding the node at all. A conjunct that raises lets the
+node through, so the matcher records the error as before.
+
 It is only ever a necessary condition. Whenever a position cannot be known from
 the form alone (varargs, value conversions, ``getitem``, a module's settings; a
 module call's forward input is known: every extractor of ``ops/modules.py`` reads
@@ -24,10 +32,12 @@ from typing import Any
 import attrs
 from torch import fx
 
-from rewrite.engine.compile import CompiledRule, PAlt, PCall, PDefault, PLit
+from rewrite.engine.compile import CompiledRule, PAlt, PCall, PDefault, PLit, PResults, PSeq, PVar
+from rewrite.engine.where import where_function
+from rewrite.language import ast
 from rewrite.ops import forms_for_key
 from rewrite.ops.base import FunctionForm, MethodForm, ModuleForm
-from rewrite.ops.forms import same_arg
+from rewrite.ops.forms import Fn, Method, binding_plan, same_arg
 from rewrite.ops.modules import reads_forward_input
 
 __all__ = ["build_prefilter"]
@@ -56,6 +66,7 @@ def build_prefilter(rule: CompiledRule, key: Any) -> Prefilter | None:
     root = rule.pattern
     if not isinstance(root, PCall):
         return None
+    conjuncts = _root_conjuncts(rule)
     options: list = []  # any option's needs all holding lets the node through
     for alt in root.alts:
         for form in _forms_at(alt, key):
@@ -63,12 +74,71 @@ def build_prefilter(rule: CompiledRule, key: Any) -> Prefilter | None:
                 return None
             for order in _orders(alt):
                 needs = _needs(form, order)
-                if not needs:
+                clauses = _where_needs(form, alt, order, root.name, conjuncts)
+                if not needs and not clauses:
                     return None  # this reading of the node constrains nothing
-                options.append(needs)
+                options.append((needs, clauses))
     if not options:
         return None
     return _checker(tuple(options))
+
+
+_ROOT = -1  # a where-need's place for the root node itself (``relu(_) as r``)
+
+
+def _root_conjuncts(rule: CompiledRule) -> tuple:
+    """``(closure, variable names)`` of each conjunct of the rule's where clause
+    whose variables are all bound once, directly at the root (as an argument or
+    as the root's ``as`` name): those the prefilter can evaluate before binding."""
+    if rule.where is None or rule.pattern.results is not None:
+        return ()
+    counts: dict = {}
+    _count_names(rule.pattern, counts)
+    direct = {pat.name for alt in rule.pattern.alts for _, pat in alt.args if isinstance(pat, PVar)}
+    if rule.pattern.name is not None:
+        direct.add(rule.pattern.name)
+    where = rule.where
+    items = where.items if isinstance(where, ast.BoolOp) and where.op == "and" else (where,)
+    out = []
+    for item in items:
+        names = frozenset(e.name for e in ast.walk(item) if isinstance(e, ast.Var))
+        if names and all(counts.get(n) == 1 and n in direct for n in names):
+            out.append((where_function(item), names))
+    return tuple(out)
+
+
+def _count_names(p: Any, counts: dict) -> None:
+    """How often each variable (and ``as`` name) is bound in pattern ``p``."""
+    if isinstance(p, PVar):
+        counts[p.name] = counts.get(p.name, 0) + 1
+    elif isinstance(p, PCall):
+        for name in ((p.name,) if p.name is not None else ()) + tuple(p.results or ()):
+            counts[name] = counts.get(name, 0) + 1
+        for alt in p.alts:
+            for _, a in alt.args:
+                _count_names(a, counts)
+    elif isinstance(p, PSeq):
+        for item in p.items:
+            _count_names(item, counts)
+    elif isinstance(p, PResults):
+        _count_names(p.call, counts)
+
+
+def _where_needs(form: Any, alt: PAlt, order: tuple, root_name: str | None, conjuncts: tuple) -> tuple:
+    """``(closure, ((variable, index), ...))`` for each root conjunct this reading
+    of the node can evaluate: the form binds through its plain plan (the bound
+    value of a parameter is the node's argument at its position, unconverted) and
+    every variable of the conjunct has a position in it (or is the root)."""
+    if not conjuncts or not isinstance(form, (Fn, Method)) or binding_plan(form, alt.opdef) is None:
+        return ()  # a module, or a form whose binding may convert its arguments
+    places: dict = {} if root_name is None else {root_name: _ROOT}
+    for param, pat in order:
+        if isinstance(pat, PVar):
+            place = _position(form, param)
+            if place is not None:
+                places[pat.name] = place[0]
+    return tuple((fn, tuple((n, places[n]) for n in sorted(names)))
+                 for fn, names in conjuncts if all(n in places for n in names))
 
 
 def _forms_at(alt: PAlt, key: Any) -> list:
@@ -145,15 +215,16 @@ def _producer_test(keys: frozenset) -> Callable[[Any, Any], bool]:
 
 
 def _checker(options: tuple) -> Prefilter:
-    # (index, keyword, producer test or None, literal) per need, per option
-    compiled = tuple(tuple((need.index, need.kwarg, None if need.keys is None else _producer_test(need.keys),
-                            need.literal) for need in needs) for needs in options)
+    # per option: (index, keyword, producer test or None, literal) per need, and
+    # the where-needs
+    compiled = tuple((tuple((need.index, need.kwarg, None if need.keys is None else _producer_test(need.keys),
+                             need.literal) for need in needs), clauses) for needs, clauses in options)
 
     def check(matcher: Any, node: fx.Node) -> bool:
         args = node.args
         n = len(args)
         try:
-            for needs in compiled:
+            for needs, clauses in compiled:
                 for index, kwarg, producer, literal in needs:
                     value = args[index] if index < n else node.kwargs.get(kwarg, _ABSENT)
                     if producer is not None:
@@ -162,9 +233,31 @@ def _checker(options: tuple) -> Prefilter:
                     elif value is not _ABSENT and (value.__class__ is _NODE or not same_arg(literal, value)):
                         break  # a literal is never a node
                 else:
-                    return True
+                    if not clauses or node.kwargs or _clauses_hold(clauses, matcher, node, args, n):
+                        return True
         except TypeError:  # an unhashable target: let the matcher decide
             return True
         return False
 
     return check
+
+
+def _clauses_hold(clauses: tuple, matcher: Any, node: fx.Node, args: tuple, n: int) -> bool:
+    """Every root conjunct is True on the node's own arguments; a conjunct that
+    reads an argument the node omits (a default), or raises, does not decide."""
+    for fn, places in clauses:
+        env = {}
+        for name, index in places:
+            if index == _ROOT:
+                env[name] = node
+            elif index < n:
+                env[name] = args[index]
+            else:
+                break
+        else:
+            try:
+                if fn(env, matcher.facts) is not True:
+                    return False
+            except Exception:  # noqa: BLE001 - the matcher evaluates it again and reports it
+                return True
+    return True
