@@ -434,6 +434,11 @@ def test_prefilters_turn_most_candidates_away_on_synthetic_graphs(family):
     else:
         assert stats["permute_permute"].prefiltered > 0
         assert stats["reshape_reshape"].prefiltered > 0
+        # where clauses over the root's arguments (a family root: reshape | view):
+        # only the planted no-ops reach the matcher
+        for name in ("reshape_noop", "permute_identity", "transpose_same_dim"):
+            s = stats[name]
+            assert s.tries - s.prefiltered == s.applied == g.expected[name], (name, s)
 
 
 @settings(max_examples=10, **SETTINGS)

@@ -108,15 +108,22 @@ def _root_conjuncts(rule: CompiledRule) -> tuple:
 
 
 def _count_names(p: Any, counts: dict) -> None:
-    """How often each variable (and ``as`` name) is bound in pattern ``p``."""
+    """How often each variable (and ``as`` name) is bound in one match of pattern
+    ``p``: a call's alternatives are read one at a time (the most any binds)."""
     if isinstance(p, PVar):
         counts[p.name] = counts.get(p.name, 0) + 1
     elif isinstance(p, PCall):
         for name in ((p.name,) if p.name is not None else ()) + tuple(p.results or ()):
             counts[name] = counts.get(name, 0) + 1
+        most: dict = {}
         for alt in p.alts:
+            inner: dict = {}
             for _, a in alt.args:
-                _count_names(a, counts)
+                _count_names(a, inner)
+            for name, n in inner.items():
+                most[name] = max(most.get(name, 0), n)
+        for name, n in most.items():
+            counts[name] = counts.get(name, 0) + n
     elif isinstance(p, PSeq):
         for item in p.items:
             _count_names(item, counts)
