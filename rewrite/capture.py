@@ -37,8 +37,8 @@ import torch
 from torch import fx, nn
 
 __all__ = ["LEVELS", "DYNAMO_SOURCE", "ExportError", "ModelSpecError", "capture", "capture_with_inputs",
-           "capture_dynamo", "export_program", "lifted_state_positions", "load_model", "save", "save_format",
-           "save_path_problem"]
+           "capture_dynamo", "export_program", "is_export_guard", "lifted_state_positions", "load_model", "save",
+           "save_format", "save_path_problem"]
 
 LEVELS: Tuple[str, ...] = ("fx", "export", "export_core", "dynamo")
 
@@ -282,7 +282,7 @@ def picklable(gm: fx.GraphModule) -> fx.GraphModule:
             node.type = None
         if node.op == "call_function" and _tensor_method(node.target):
             node.op, node.target = "call_method", node.target.__name__
-        elif node.op == "call_module" and not node.users and _is_export_guard(gm, node.target):
+        elif node.op == "call_module" and not node.users and is_export_guard(gm, node.target):
             graph.erase_node(node)
     plain = fx.GraphModule(gm, graph)
     plain.train(gm.training)
@@ -295,8 +295,10 @@ def _tensor_method(target: Any) -> bool:
             and getattr(torch.Tensor, name, None) is target)
 
 
-def _is_export_guard(gm: fx.GraphModule, target: str) -> bool:
-    module = getattr(gm, target, None)
+def is_export_guard(gm: fx.GraphModule, target: Any) -> bool:
+    """Whether the submodule ``target`` of ``gm`` is a ``torch.export`` module's input
+    guard (``_guards_fn``: it checks the inputs' shapes and computes nothing)."""
+    module = getattr(gm, str(target), None)
     return type(module).__name__ == "GuardsFn" and type(module).__module__.startswith("torch.export")
 
 

@@ -30,7 +30,7 @@ import torch.fx as fx
 from rewrite.engine.compile import compile_rule
 from rewrite.engine.driver import Driver, Schedule
 from rewrite.engine.layout import output_values, restore_output_layouts
-from rewrite.engine.workspace import Journal, check_touched, gc_paused, shared_copy
+from rewrite.engine.workspace import Journal, check_touched, gc_paused, own_written_state, shared_copy
 from rewrite.language import Program, ast, load_program, load_program_text
 from rewrite.ops import detect_dialect
 
@@ -253,7 +253,8 @@ class RuleSet:
                 buffers, submodules) before the error propagates. The default
                 (False) never modifies ``model``: the result is a copy of its graph
                 that shares its parameters and buffers (no rule writes a tensor:
-                a rule that changes a constant makes a new one).
+                a rule that changes a constant makes a new one), except those its
+                forward writes in place, which it owns copies of.
 
         Returns:
             RewriteResult with ``graph_module`` and ``counts``.
@@ -510,6 +511,8 @@ class _Transaction:
         with gc_paused():
             start = time.perf_counter()
             self.gm = original if inplace else shared_copy(original)
+            if not inplace:  # running the result must not write the caller's tensors
+                own_written_state(self.gm)
             self.copy_seconds = time.perf_counter() - start
         self._journal: Journal | None = None
         self._stale = False  # the graph changed since its code was last generated
@@ -633,7 +636,10 @@ def _keyword_only_inputs(model: Any) -> tuple:
         info = getattr(model.graph._codegen, "pytree_info", None)
         spec = getattr(info, "in_spec", None)
         try:  # (args, kwargs): the keys of the kwargs dict
-            return tuple(spec.children_specs[1].context) if spec is not None and spec.num_children == 2 else ()
+            if spec is None or spec.num_children != 2:
+                return ()
+            kwargs = spec.child(1) if hasattr(spec, "child") else spec.children_specs[1]
+            return tuple(kwargs.context)
         except (AttributeError, IndexError, TypeError):
             return ()
     try:

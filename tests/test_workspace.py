@@ -815,3 +815,49 @@ def test_modules_with_subgraphs_copy_and_rewrite(model_type, inplace, check):
         return module.lin.bias.grad.clone()
 
     assert torch.equal(bias_grad(got), bias_grad(exported))
+
+
+class _Counting(torch.nn.Module):
+    """A forward that writes state in place: a step counter and a train-mode batch norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("steps", torch.zeros(1))
+        self.lin = torch.nn.Linear(4, 4)
+        self.bn = torch.nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        self.steps.add_(1)
+        return self.bn(self.lin(x) * 1.0) + self.steps
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+@pytest.mark.parametrize("check", [False, True])
+def test_running_the_result_never_writes_the_callers_state(capture, check):
+    x = torch.randn(3, 4)
+    model = _Counting().train()
+    gm = torch.fx.symbolic_trace(model) if capture == "fx" else torch.export.export(model, (x,)).module()
+    before = {k: v.clone() for k, v in gm.state_dict().items()}
+    result = rewrite.parse("rule mul_one: mul(x, 1) where is_float(x) => x").apply(gm, (x,), check=check)
+    assert result.counts == {"mul_one": 1}
+    out = result.graph_module
+    for _ in range(2):
+        out(x)
+    after = gm.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), "the caller's state changed"
+    written = out.state_dict()
+    assert not torch.equal(written["bn.running_mean"], before["bn.running_mean"])  # the result's own
+    if capture == "export":  # symbolic_trace ran the counter once while tracing, outside the graph
+        assert written["steps"].item() == before["steps"].item() + 2
+    # what the forward only reads stays shared: no copy of the weights
+    assert out.get_submodule("lin").weight is gm.get_submodule("lin").weight if capture == "fx" else \
+        out.state_dict(keep_vars=True)["lin.weight"] is gm.state_dict(keep_vars=True)["lin.weight"]
+
+
+def test_in_place_rewrites_keep_writing_the_modules_own_state():
+    x = torch.randn(3, 4)
+    gm = torch.export.export(_Counting().train(), (x,)).module()
+    steps = gm.state_dict(keep_vars=True)["steps"]
+    rewrite.parse("rule mul_one: mul(x, 1) where is_float(x) => x").apply(gm, (x,), check=False, inplace=True)
+    gm(x)
+    assert gm.state_dict(keep_vars=True)["steps"] is steps and steps.item() == 1

@@ -51,12 +51,16 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from rewrite.analysis.progress import progress
-from rewrite.capture import lifted_state_positions
+from rewrite.capture import is_export_guard, lifted_state_positions
 from rewrite.engine.replace import RULE_KEY
 from rewrite.ops import bind_node
 
-__all__ = ["NodeStats", "Totals", "GroupStats", "GraphAnalysis", "analyze", "RULE_KEY", "module_path"]
+__all__ = ["NodeStats", "Totals", "GroupStats", "GraphAnalysis", "analyze", "RULE_KEY", "module_path",
+           "GUARD_OP"]
 
+#: the ``op`` of a ``torch.export`` module's input guard (``_guards_fn``): it checks the
+#: inputs' shapes and computes nothing, so it is measured as nothing (no bytes, not a node)
+GUARD_OP = "export_guard"
 _INT8 = {torch.int8, torch.uint8, torch.qint8, torch.quint8, torch.qint32}
 _CASTS = {"to", "type_as", "float", "half", "bfloat16", "double", "int", "long"}
 
@@ -107,7 +111,7 @@ class NodeStats:
 
     @property
     def is_compute(self) -> bool:
-        return self.kind.startswith("call_")
+        return self.kind.startswith("call_") and self.op != GUARD_OP
 
     def to_dict(self) -> dict:
         d = attrs.asdict(self)
@@ -427,6 +431,8 @@ def _shape_dtype(value: Any) -> tuple:
 def _canonical_op(node: fx.Node, gm: fx.GraphModule) -> str:
     if not node.op.startswith("call_"):
         return node.op
+    if node.op == "call_module" and is_export_guard(gm, node.target):
+        return GUARD_OP
     try:
         ops = {b.op for b in bind_node(node, gm)}
     except Exception:  # noqa: BLE001 - a name is all we need; binding is best effort here
@@ -498,8 +504,9 @@ def analyze(gm: Any, example_inputs: Sequence[Any] | None = None, *, show_progre
         show_progress: a progress bar on a terminal (never when not a TTY).
 
     Returns:
-        ``GraphAnalysis``. The graph module is run once, under ``torch.no_grad``;
-        it is not modified.
+        ``GraphAnalysis``. The graph module is run once, under ``torch.no_grad``,
+        on copies of the inputs; it is not modified, and the state its forward
+        writes (a buffer it updates) is restored.
 
     Example::
 
@@ -511,14 +518,21 @@ def analyze(gm: Any, example_inputs: Sequence[Any] | None = None, *, show_progre
         gm = gm.module()
     if not isinstance(gm, fx.GraphModule):
         raise TypeError(f"analyze wants a torch.fx.GraphModule or ExportedProgram, not {type(gm).__name__}")
+    from rewrite.trust.check import preserved_state
+
     inputs = tuple(example_inputs) if example_inputs is not None else _inputs_from_meta(gm)
+    # a measurement leaves no trace: the graph runs on copies of the inputs (a model
+    # may write its input; a dynamo graph's lifted parameters are not copied), and the
+    # state its forward writes (a step counter, running statistics) is put back
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     lifted = set(lifted_state_positions(gm))
+    inputs = tuple(t.clone() if isinstance(t, torch.Tensor) and i not in lifted else t
+                   for i, t in enumerate(inputs))
     params = {_storage_key(t) for t in list(gm.parameters()) + list(gm.buffers())}
     params |= {_storage_key(inputs[i]) for i in lifted if i < len(inputs) and isinstance(inputs[i], torch.Tensor)}
     runner = _Runner(gm, params, show_progress)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), preserved_state(gm, runs_only=True):
             runner.run(*inputs)
     finally:
         runner.close()
@@ -565,6 +579,8 @@ def _summarize(gm: fx.GraphModule, runner: _Runner, lifted: set) -> GraphAnalysi
         elif node.op == "get_attr":
             for t in outs:
                 params.add(_storage_key(t))
+        elif op == GUARD_OP:
+            pass
         elif node.op.startswith("call_"):
             ins = _node_inputs(gm, node, values)
             in_keys = {_storage_key(t) for t in ins}

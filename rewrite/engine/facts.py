@@ -329,9 +329,19 @@ def _call(node: fx.Node, target: Any, args: tuple, kwargs: dict) -> Any:
 def _run_on_zeros(node: fx.Node, inputs: list, values: list, gm: Any) -> Any:
     """The op run for real on zeros of its inputs' shapes and dtypes, when an input
     is quantized (no fake or meta kernel takes one: a quantized conv's output, a
-    pool or flatten after it). Only for functions and methods that write nothing;
-    constants are passed as they are (read, never written)."""
-    if node.op not in ("call_function", "call_method") or written_args(node, gm):
+    pool or flatten after it). Only for functions and methods that write nothing,
+    and torch's quantized inference modules (``torch.ao.nn.quantized``: an inserted
+    int8 conv), which hold no state they update; constants are passed as they are
+    (read, never written)."""
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        if not type(module).__module__.startswith(_QUANTIZED_MODULES) or module._forward_hooks \
+                or module._forward_pre_hooks:
+            return None
+        target = module
+    elif node.op in ("call_function", "call_method") and not written_args(node, gm):
+        target = node.target
+    else:
         return None
     leaves = torch.utils._pytree.tree_leaves(values)
     if not any(getattr(v, "dtype", None) in _QUANTIZED for v in leaves):
@@ -340,12 +350,13 @@ def _run_on_zeros(node: fx.Node, inputs: list, values: list, gm: Any) -> Any:
         env = {n: _each(lambda _, t: _zeros_of(t), None, v) for n, v in zip(inputs, values)}
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
         with torch.no_grad():
-            return _call(node, node.target, args, kwargs)
+            return _call(node, target, args, kwargs)
     except Exception:  # noqa: BLE001 - facts are best-effort
         return None
 
 
 _QUANTIZED = frozenset({torch.quint8, torch.qint8, torch.qint32, torch.quint4x2, torch.quint2x4})
+_QUANTIZED_MODULES = ("torch.ao.nn.quantized.", "torch.ao.nn.intrinsic.quantized.")
 
 
 def _zeros_of(v: Any) -> Any:

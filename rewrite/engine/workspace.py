@@ -35,7 +35,10 @@ from torch import fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.graph import _illegal_names
 
-__all__ = ["Journal", "check_touched", "compile_now", "gc_paused", "shared_copy", "working_copy"]
+from rewrite.ops.effects import state_writes
+
+__all__ = ["Journal", "check_touched", "compile_now", "gc_paused", "own_written_state", "shared_copy",
+           "working_copy"]
 
 
 def working_copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -165,6 +168,40 @@ def shared_copy(gm: fx.GraphModule) -> fx.GraphModule:
     What the copy costs is the graph: no tensor is copied. Other GraphModule
     subclasses than fx's and torch.export's get ``working_copy`` (a deep copy)."""
     return _graph_module_copy(gm, {})
+
+
+def own_written_state(gm: fx.GraphModule) -> int:
+    """Give ``gm`` (a ``shared_copy``) its own copy of every tensor its forward may
+    write in place (a step counter, an EMA, a train-mode batch norm's running
+    statistics): running the copy must not change the model it was copied from.
+    When what the graph writes is unknown (``state_writes`` is None: a hook, a call
+    no schema describes), every buffer and plain tensor attribute is copied
+    (parameters stay shared: a forward that writes its weights is beyond what
+    anything here can tell). Returns how many tensors were copied."""
+    written = state_writes(gm)
+    if written is not None and not written:
+        return 0
+    copies: dict = {}
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        copy_ = copies.get(id(t))
+        if copy_ is None:
+            clone = t.detach().clone()
+            copy_ = copies[id(t)] = torch.nn.Parameter(clone, t.requires_grad) if isinstance(
+                t, torch.nn.Parameter) else clone
+        return copy_
+
+    for module in gm.modules():
+        tables = (module._parameters, module._buffers) if written is not None else (module._buffers,)
+        for table in tables:
+            for name, t in table.items():
+                if t is not None and (written is None or id(t) in written):
+                    table[name] = own(t)
+        attrs_ = module.__dict__
+        for name, value in list(attrs_.items()):
+            if isinstance(value, torch.Tensor) and (written is None or id(value) in written):
+                attrs_[name] = own(value)
+    return len(copies)
 
 
 def _graph_module_copy(gm: fx.GraphModule, memo: dict) -> fx.GraphModule:

@@ -189,10 +189,13 @@ def prepare_qat(
     if ruleset not in loaded.sets:
         raise ValueError(f"no ruleset {ruleset!r} in the QAT rules; they have {sorted(loaded.sets)}")
     gm = _capture(model, args, capture)
-    from torch.fx.passes.shape_prop import ShapeProp
-
-    with torch.no_grad():
-        ShapeProp(gm).propagate(*args)
+    ptq.record_shapes(gm, args)
+    # linear layers written as addmm (transformers' Conv1D) become linear first, as
+    # rewrite.quant.prepare does (observe.rw's ruleset layers: exact)
+    layers = ptq.quant_rules("observe", "layers").apply(gm, args, check=check, trials=1)
+    if layers.counts:
+        gm = layers.graph_module
+        ptq.record_shapes(gm, args)
     result = loaded[ruleset].apply(gm, args, check=check, trials=1)
     qat = result.graph_module
     _name_layers(gm, qat)
@@ -204,9 +207,14 @@ def prepare_qat(
                        "mul, cat or matmul they quantize")
     qat.meta[_META] = {"backend": backend, "ruleset": ruleset, "example_inputs": args,
                        "counts": dict(result.counts), "merged": merged}
-    calibrate(qat, [args] if calibration is None else calibration)
+    # the example inputs on copies: a model that writes its input must not write the caller's
+    calibrate(qat, [_copies(args)] if calibration is None else calibration)
     qat.train()
     return qat
+
+
+def _copies(args: tuple) -> tuple:
+    return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
 
 
 def calibrate(qat: fx.GraphModule, batches: Iterable) -> int:

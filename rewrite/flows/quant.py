@@ -75,7 +75,7 @@ __all__ = [
     "prepare", "calibrate", "convert", "quantize", "accuracy_report", "sqnr", "QuantizationError",
     "QuantPoint", "LayerSQNR", "AccuracyReport", "quant_rules", "quantize_command",
     "add_quantize_arguments", "save", "BACKENDS", "coverage", "Coverage", "FloatLayer", "FORMS",
-    "export", "export_onnx", "run_onnx", "merge_duplicate_points",
+    "export", "export_onnx", "run_onnx", "merge_duplicate_points", "record_shapes",
 ]
 
 BACKENDS = ("x86", "onednn", "fbgemm")
@@ -175,14 +175,18 @@ def _capture(model: Any, example_inputs: tuple, capture: str) -> fx.GraphModule:
     return capture_at(model, example_inputs, capture)
 
 
-def _record_shapes(gm: fx.GraphModule, args: tuple) -> None:
+def record_shapes(gm: fx.GraphModule, args: tuple) -> None:
     """Give every node shape facts (``meta["tensor_meta"]``) by running the example
     inputs once. The observe rules ask ``activation(x)`` everywhere, and a graph
     that an earlier rule set rewrote records facts only on the nodes it created
     (the engine then no longer records the rest from the example inputs)."""
     from torch.fx.passes.shape_prop import ShapeProp
+    from rewrite.trust.check import preserved_state
 
-    with torch.no_grad():
+    # a run for facts only: the caller's inputs and the model's state (a buffer the
+    # forward updates, shared with the caller's model) are left as they were
+    args = pytree.tree_map_only(torch.Tensor, lambda t: t.clone(), args)
+    with torch.no_grad(), preserved_state(gm, runs_only=True):
         ShapeProp(gm).propagate(*args)
 
 
@@ -425,7 +429,7 @@ def prepare(
         from rewrite.engine.workspace import shared_copy
 
         gm = shared_copy(gm)
-    _record_shapes(gm, args)
+    record_shapes(gm, args)
     result = _as_rules(observe, "observe", ruleset).apply(gm, args, check=check, trials=1)
     observed = result.graph_module
     merged = _merge_observers(observed)
@@ -512,8 +516,8 @@ def convert(
     _name_int8_modules(int8, points)
     state.update(lower_counts=dict(low_result.counts), coverage=coverage(int8))
     if check and args is not None:
-        with torch.no_grad():
-            ref, out = qdq(*args), int8(*args)
+        with torch.no_grad(), _checking(qdq, int8):
+            ref, out = qdq(*_clones(args)), int8(*_clones(args))
         pairs = _float_pairs(ref, out)
         # integer outputs (argmax, indices) downstream of int8 kernels: the share of
         # elements equal to the QDQ reference's
@@ -531,6 +535,19 @@ def convert(
         qdq.meta[_META] = dict(state)
         return int8, qdq
     return int8
+
+
+def _checking(*models: fx.GraphModule) -> Any:
+    """A check's runs leave no trace: the state the models' forwards write (a step
+    counter) is put back afterwards."""
+    from rewrite.trust.check import preserved_state
+
+    return preserved_state(*models, runs_only=True)
+
+
+def _clones(args: tuple) -> tuple:
+    """Copies of the example inputs for a check's run (a model may write its input)."""
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.clone(), tuple(args))
 
 
 def _require_sqnr(pairs: Any, floor: float, what: str, rules: str) -> float:
@@ -552,8 +569,8 @@ def _convert_pt2e(gm: fx.GraphModule, args: Any, state: dict, points: list, conv
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # quantized dtypes are deprecated
             ref = _as_rules(convert_rules, "convert").apply(gm, args, check=False).graph_module
-        with torch.no_grad():
-            pairs = _float_pairs(ref(*args), pt2e(*args))
+        with torch.no_grad(), _checking(ref, pt2e):
+            pairs = _float_pairs(ref(*_clones(args)), pt2e(*_clones(args)))
         state["reference_sqnr"] = _require_sqnr(pairs, min_sqnr, "the QDQ (PT2E) model",
                                                 f"rules: {dict(result.counts)}")
     pt2e.meta[_META] = state

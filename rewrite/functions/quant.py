@@ -63,8 +63,6 @@ PASSTHROUGH_OPS = frozenset({
     "unsqueeze", "clone",
 })
 
-_PAD_TARGETS = {torch.ops.aten.pad.default, torch.nn.functional.pad, torch.constant_pad_nd,
-                torch.ops.aten.constant_pad_nd.default}
 #: Ops whose output an activation after them (relu, clamp) may be fused into.
 _FUSABLE = ("conv", "linear", "add", "mul")
 _ACTIVATIONS = ("relu", "hardtanh", "relu6")
@@ -127,18 +125,20 @@ def is_observer_node(node: Any, gm: Any) -> bool:
 
 def passthrough_input(node: Any, gm: Any) -> Any:
     """The tensor input of ``node`` when it is a passthrough op (its output keeps
-    the input's quantization parameters), else None. Constant zero padding counts."""
+    the input's quantization parameters), else None. Constant zero padding counts,
+    in every spelling the vocabulary's ``pad`` knows (``F.pad``, ``aten.pad``,
+    ``constant_pad_nd``), which is what ``lower.rw``'s ``int8_pad`` runs on int8: a
+    spelling it does not know is no passthrough, so the observe rules observe what
+    comes out of it."""
     if not isinstance(node, fx.Node):
         return None
-    if node.op == "call_function" and node.target in _PAD_TARGETS and node.args:
-        mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
-        value = node.args[3] if len(node.args) > 3 else node.kwargs.get("value", 0.0)
-        if node.target in (torch.constant_pad_nd, torch.ops.aten.constant_pad_nd.default):
-            mode, value = "constant", (node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0))
-        if mode == "constant" and value in (0, 0.0, None):
-            return node.args[0]
-        return None
-    for op, bound in ops_of(node, gm).items():
+    ops = ops_of(node, gm)
+    pad = ops.get("pad")
+    if pad is not None:
+        mode, value = pad.args.get("mode", "constant"), pad.args.get("value")
+        zero = value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0)
+        return pad.args.get("input") if mode == "constant" and zero else None
+    for op, bound in ops.items():
         if op in PASSTHROUGH_OPS:
             return bound.args.get("input")
     return None
@@ -472,6 +472,16 @@ def _weight_observer(scheme: str) -> Any:
     if scheme == "per_tensor_affine":
         return MinMaxObserver(dtype=torch.qint8, qscheme=torch.per_tensor_affine)
     raise ValueError(f"unknown weight scheme {scheme!r}; expected one of {_WEIGHT_SCHEMES}")
+
+
+@register_constant()
+def mat_weight(w: Any) -> Any:
+    """The ``linear`` weight (out_features x in_features) of a matrix ``w`` that
+    ``addmm(b, x, w)`` multiplies on the right: ``w`` transposed, contiguous
+    (transformers' ``Conv1D``, GPT-2's linear layers, stores it that way)."""
+    if not isinstance(w, torch.Tensor) or w.dim() != 2:
+        raise TypeError("mat_weight takes a 2-d weight tensor")
+    return w.detach().t().contiguous()
 
 
 @register_constant()
