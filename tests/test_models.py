@@ -217,3 +217,13 @@ def test_capture_levels_compute_the_model(level):
         assert_equivalent(lambda *a: (model(a[xi]),), gm, args, fixed_inputs=fixed)
     else:
         assert_equivalent(model, gm, args)
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_batch_norm_without_running_statistics_is_not_counted_foldable(capture):
+    x = torch.randn(1, 3, 8, 8)
+    for kwargs, expect in (({}, 1), ({"track_running_stats": False}, 0)):
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4, **kwargs)).eval()
+        gm = torch.fx.symbolic_trace(model) if capture == "fx" else torch.export.export(model, (x,)).module()
+        assert count_batch_norms(gm) == 1
+        assert count_foldable_batch_norms(gm) == expect

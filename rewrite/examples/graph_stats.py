@@ -79,16 +79,30 @@ def batch_norm_nodes(gm: fx.GraphModule) -> List[fx.Node]:
 def foldable_batch_norms(gm: fx.GraphModule) -> List[fx.Node]:
     """Batch norms whose input is a conv/linear that has no other user.
 
-    These are exactly the ones eval-mode fusion should have removed. (Whether
-    each is really foldable also depends on constness and on training=False,
-    which every example model satisfies.)
+    These are exactly the ones eval-mode fusion should have removed. A batch norm
+    module without running statistics (``track_running_stats=False``) normalizes
+    by the batch's own and is never foldable; a functional one without running
+    statistics (``running_mean=None``) likewise. (Constness and training=False
+    are left to the model: every example model satisfies them.)
     """
     out = []
     for n in batch_norm_nodes(gm):
         src = n.args[0] if n.args else n.kwargs.get("input")
-        if isinstance(src, fx.Node) and len(src.users) == 1 and is_conv_or_linear(gm, src):
+        if isinstance(src, fx.Node) and len(src.users) == 1 and is_conv_or_linear(gm, src) \
+                and _has_running_stats(gm, n):
             out.append(n)
     return out
+
+
+def _has_running_stats(gm: fx.GraphModule, node: fx.Node) -> bool:
+    if node.op == "call_module":
+        return getattr(_module(gm, node), "running_mean", None) is not None
+    if node.target is _aten._native_batch_norm_legit.no_stats:
+        return False
+    # F.batch_norm(input, running_mean, ...); torch's and aten's put weight and bias first
+    at = 1 if node.target is F.batch_norm else 3
+    mean = node.args[at] if len(node.args) > at else node.kwargs.get("running_mean")
+    return mean is not None
 
 
 def count_batch_norms(gm: fx.GraphModule) -> int:
