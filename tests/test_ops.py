@@ -835,6 +835,20 @@ def test_issue13_ops_in_core_aten() -> None:
     assert all(b.args["mode"] == "constant" for _, b in bindings(gm, "pad"))
 
 
+def test_torch_constant_pad_nd_is_pad() -> None:
+    """``torch.constant_pad_nd`` called by a model (symbolic_trace keeps the torch
+    function) is pad(mode="constant"), its value defaulting as F.pad's does."""
+    class Pads(nn.Module):
+        def forward(self, x):
+            return torch.constant_pad_nd(x, (1, 1)) + torch.constant_pad_nd(x, (0, 2), 0.5)
+
+    gm = fx.symbolic_trace(Pads())
+    found = [b[0] for n in gm.graph.nodes for b in [bind_node(n, gm)] if b and b[0].op == "pad"]
+    assert len(found) == 2
+    assert [b.args["mode"] for b in found] == ["constant", "constant"]
+    assert found[0].args["value"] is None and found[1].args["value"] == 0.5
+
+
 def test_issue13_rules_fire_and_verify() -> None:
     import rewrite
     from rewrite.trust.verify import verify_rules

@@ -568,3 +568,15 @@ def test_int8_model_from_an_export_capture_saves_and_loads():
     with torch.no_grad():
         assert torch.equal(loaded(x), int8(x))
     assert int8.code == code  # the module saved is not changed
+
+
+def test_observers_record_half_precision_extremes_in_float32():
+    """torch's histogram overflows on float16's largest values in float16 arithmetic:
+    the observers record them in float32 and return the input itself."""
+    from rewrite.functions.quant import activation_observer
+
+    for kind in ("histogram", "minmax", "moving_average"):
+        obs = activation_observer(kind=kind)
+        x = torch.tensor([[-65504.0, 3.0, 65504.0]], dtype=torch.float16)
+        assert obs(x) is x
+        assert float(obs.min_val) == -65504.0 and float(obs.max_val) == 65504.0

@@ -576,18 +576,21 @@ def vnni_available() -> bool:
 
 
 class _FiniteOnly:
-    """Observers that record only the finite values they see: torch's raise on NaN
-    (``torch.histc``) or let it poison their range; the model's output is the input,
-    unchanged, either way."""
+    """Observers that record only the finite values they see, in float32 at least:
+    torch's raise on NaN (``torch.histc``) or let it poison their range, and
+    overflow on float16's largest values (their histogram's arithmetic in the
+    input's dtype); the model's output is the input, unchanged, either way."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = x.detach()
+        if d.dtype in (torch.float16, torch.bfloat16):
+            d = d.float()
         if d.is_floating_point() and not bool(torch.isfinite(d).all()):
-            finite = d[torch.isfinite(d)]
-            if finite.numel():
-                super().forward(finite)  # type: ignore[misc]
-            return x
-        return super().forward(x)  # type: ignore[misc]
+            d = d[torch.isfinite(d)]
+            if not d.numel():
+                return x
+        super().forward(d)  # type: ignore[misc]
+        return x
 
 
 class FiniteHistogramObserver(_FiniteOnly, _observer.HistogramObserver):

@@ -311,7 +311,8 @@ OPS = [
     # F.pad (dynamo: torch._C._nn.pad); core ATen's constant_pad_nd is pad(mode="constant")
     op("pad", "input: T, pad, mode='constant', value=None",
        fn("F.pad", "torch._C._nn.pad", "aten.pad.default"),
-       fn("aten.constant_pad_nd.default", fixed={"mode": "constant"}, defaults={"value": None}, named=False),
+       fn("aten.constant_pad_nd.default", "torch.constant_pad_nd", fixed={"mode": "constant"}, defaults={"value": None},
+          named=False),
        instances=Instances("pad"),
        torch="F.pad", aten="aten.pad.default", doc="input padded by pad (last dim first)"),
     # core ATen writes x.contiguous() as clone(x, memory_format=contiguous_format)

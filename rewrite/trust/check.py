@@ -32,6 +32,9 @@ rounding leaves no room for a local scale: floor 1, the tensor's largest value).
 Integer and bool outputs must be equal (at least ``INT_AGREEMENT`` of them where a
 lower precision newly reaches them); structure, shapes and dtypes must match
 exactly; NaNs match NaNs; a finite value that becomes inf or NaN never passes.
+An original in half precision is itself off by its own rounding: a comparison that
+fails is made again against its run widened to float32, allowing a multiple of
+that error (``rewrite.trust.precision``, ``Reference.noise``).
 
 Besides the outputs, the check compares what else the caller can observe: the
 inputs after the call (a model that writes its input must write the same values;
@@ -69,6 +72,7 @@ from rewrite.ops.base import ConstRef, attribute
 from rewrite.ops.effects import state_writes, written_args
 from rewrite.ops.vocabulary import CALL_OPS, OPS, bind_node
 from rewrite.trust.gradients import GradientRun, gradient_run
+from rewrite.trust.precision import NOISE_MULTIPLIER, computes_in_half, rounding_noise, widened_run
 from rewrite.trust.runner import call_with, running_as_graph
 from rewrite.trust.tolerance import (
     EXACT_TOLERANCES,
@@ -902,15 +906,20 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _compare_tensor(path: str, trial: int, ref: torch.Tensor, cand: Any, kind: str,
                     rtol: Optional[float], atol: Optional[float],
                     compute_dtype: Optional[torch.dtype] = None,
-                    agreement: Optional[float] = None) -> Tuple[float, float, Optional[Mismatch]]:
+                    agreement: Optional[float] = None,
+                    noise: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+                    ) -> Tuple[float, float, Optional[Mismatch]]:
     """Compare one tensor (``rewrite.trust.tolerance``); ``compute_dtype``, the lowest
     precision the candidate computed in (a rewrite to bfloat16 casts back to float32
     at the end), loosens the tolerance to that dtype's when it is looser than the
-    output's."""
+    output's; ``noise``, the reference's widened run and own half-precision
+    rounding error (``rewrite.trust.precision``): the candidate is compared with the
+    widened run, ``NOISE_MULTIPLIER`` times that error allowed on top."""
     tol_dtype = ref.dtype
     if compute_dtype is not None and compute_dtype.is_floating_point and ref.is_floating_point():
         tol_dtype = loosest((ref.dtype, compute_dtype), kind)
-    max_abs, max_rel, problem = compare_tensors(ref, cand, Tolerance.of(tol_dtype, kind, rtol, atol), agreement)
+    max_abs, max_rel, problem = compare_tensors(ref, cand, Tolerance.of(tol_dtype, kind, rtol, atol), agreement,
+                                                noise, NOISE_MULTIPLIER)
     if problem is None:
         return max_abs, max_rel, None
     shape, dtype = tuple(ref.shape), str(ref.dtype).replace("torch.", "")
@@ -922,11 +931,13 @@ def _compare(trial: int, ref_out: Any, cand_out: Any, kind: str, rtol: Optional[
              atol: Optional[float], compute_dtype: Optional[torch.dtype] = None,
              prefix: str = "output", agreement: Optional[float] = None,
              compute_dtypes: Optional[Tuple[Optional[torch.dtype], ...]] = None,
+             noises: Optional[Tuple[Any, ...]] = None,
              ) -> Tuple[float, float, Optional[Mismatch]]:
     """Compare two outputs leaf by leaf. ``compute_dtypes``: per leaf, the lower
     precision the candidate newly computes it from (``_new_precisions``; else
     ``compute_dtype`` for every leaf): it loosens that leaf's tolerance, and only a
-    leaf with one gets the integer ``agreement``."""
+    leaf with one gets the integer ``agreement``. ``noises``: per leaf, the
+    reference's own rounding error (``Reference.noise``)."""
     ref_leaves, ref_spec = pytree.tree_flatten_with_path(ref_out)
     cand_leaves, cand_spec = pytree.tree_flatten_with_path(cand_out)
     if ref_spec != cand_spec:
@@ -941,7 +952,8 @@ def _compare(trial: int, ref_out: Any, cand_out: Any, kind: str, rtol: Optional[
         if isinstance(r, torch.Tensor):
             low = compute_dtypes[i] if compute_dtypes is not None else compute_dtype
             a, rel, mm = _compare_tensor(path, trial, r, c, kind, rtol, atol, low,
-                                         agreement if low is not None else None)
+                                         agreement if low is not None else None,
+                                         noises[i] if noises is not None and i < len(noises) else None)
         else:
             equal = type(r) is type(c) and (r == c or (isinstance(r, float) and math.isnan(r) and math.isnan(c)))
             a, rel = (0.0, 0.0) if equal else (math.inf, math.inf)
@@ -1182,6 +1194,8 @@ class Reference:
         self._repeats: Dict[int, bool] = {}
         self._watch: Optional[_Watch] = None
         self._gradients: Optional[Tuple[Optional[GradientRun], Optional[str]]] = None
+        self._noise: Dict[int, Optional[tuple]] = {}
+        self._prepared = False  # in place: the module is the candidate after prepare()
 
     def inputs(self, trial: int) -> Any:
         if trial not in self._inputs:
@@ -1250,6 +1264,21 @@ class Reference:
                 if state is not None:
                     state.restore()
 
+    def noise(self, trial: int, state: Optional[_SavedState] = None) -> Optional[tuple]:
+        """Per output leaf, the reference's own rounding error on this trial's inputs
+        when it computes in half precision (``rewrite.trust.precision``; computed
+        once, from one more run with half precision widened to float32), else None.
+        After ``prepare`` only what it computed: the module may be the candidate."""
+        if trial not in self._noise and not self._prepared:
+            ref = self._runs.get(trial)
+            noise = None
+            if ref is not None and computes_in_half(ref.outputs, ref.dtypes | (self.watch().static or frozenset())):
+                with self._running(state) as fn:
+                    noise = rounding_noise(ref.outputs, widened_run(fn, _clone(self.inputs(trial)),
+                                                                    self.seed + trial))
+            self._noise[trial] = noise
+        return self._noise.get(trial)
+
     def watch(self) -> _Watch:
         """What the check watches of the reference (worked out on its first run: an
         in-place rewrite changes the module's graph afterwards)."""
@@ -1259,14 +1288,17 @@ class Reference:
 
     def prepare(self, trials: int, tolerance: str = "approx", gradients: bool = False) -> "Reference":
         """Run every trial now (before an in-place rewrite changes the model), and
-        the backward pass too when ``gradients``."""
+        the backward pass too when ``gradients``; a model in half precision also
+        widened (``noise``): the check may need its rounding error afterwards."""
         with gc_paused(), preserved_state(self.fn, runs_only=True, watches=(self.watch(),)) as state, \
                 running_as_graph(self.fn):
             for t in range(trials):
                 if not self.repeats(t):
                     self.run(t, dtypes=tolerance == "approx", state=state)
+                    self.noise(t, state)
             if gradients:
                 self.gradients(state)
+        self._prepared = True
         return self
 
 
@@ -1357,6 +1389,13 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
             bound = None if low is None else (INT_AGREEMENT if int_agreement is None else int_agreement)
             a, r, mm = _compare(t, ref.outputs, cand.outputs, tolerance, rtol, atol, None, agreement=bound,
                                 compute_dtypes=lows)
+            if mm is not None and rtol is None and atol is None:
+                # a model in half precision is itself that far from exact: a rewrite
+                # may be as far, elsewhere (rewrite.trust.precision)
+                noises = reference.noise(t, state)
+                if noises is not None:
+                    a, r, mm = _compare(t, ref.outputs, cand.outputs, tolerance, rtol, atol, None,
+                                        agreement=bound, compute_dtypes=lows, noises=noises)
             if bound is not None:
                 share = _int_agreement(ref.outputs, cand.outputs, lows)
                 if share is not None:

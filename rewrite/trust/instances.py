@@ -28,10 +28,20 @@ Small tensors get element-wise drawn values so hypothesis shrinks them to readab
 numbers; exact rules also meet NaN, infinities and -0.0 (floats), and every rule but
 quantized ones meets the integer dtype's extremes and values spread over its range
 (``spread_integers``: 12 * 12 wraps in int8, 46341 * 46341 in int32), where
-arithmetic wraps: integer outputs must be equal whatever the tolerance. A quarter of
-the floating tensors of rank 2 and more are laid out column-major (the same values, not
-contiguous). Not drawn: rank-0 tensors where an op family draws ranks from 1, and
-dimensions of size 0.
+arithmetic wraps: integer outputs must be equal whatever the tolerance; exact rules'
+floats also meet the dtype's largest finite values (``2 * x`` overflows) and its
+smallest normal one. A quarter of the tensors of rank 2 and more, of every dtype, are
+laid out column-major (the same values, not contiguous).
+
+Degenerate shapes (``draw_instance(..., shapes=...)``; verification asks for them,
+``instances`` does not): where an op takes them (its family says so: elementwise,
+reductions, layout ops, casts, cat and stack), a tenth of the fresh shapes are 0-d
+and a tenth have a dim of size 0 (``cat`` items too, and the 1-d empty tensor torch's
+``cat`` skips); an instance drawn in mode ``"scalar"``, ``"empty"`` or ``"strided"``
+gets mostly those (verification's leading instances; ``"strided"``: every tensor laid
+out in reverse dim order). A call that divides an int32 or int64 minimum by -1
+rounding toward zero, which traps the CPU in torch's kernel, is not run
+(``trapping_division``).
 
 Quantized patterns: ``dequantize(x)`` below another op is built after that op drew a
 float value for it, which is then quantized with torch's observers (per-tensor affine
@@ -74,7 +84,7 @@ from rewrite.ops.base import REQUIRED
 
 __all__ = ["Instance", "FAMILIES", "OUTSIDE_VOCABULARY", "literal_strategy", "generator_for", "instances",
            "rule_tolerance", "Plan", "plan_for", "draw_instance",
-           "hypothesis_api", "strategies", "spread_integers"]
+           "hypothesis_api", "strategies", "spread_integers", "trapping_division"]
 
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _INTS = (torch.int64, torch.int32, torch.int8, torch.uint8)
@@ -99,6 +109,25 @@ def spread_integers(dtype: torch.dtype) -> tuple:
     for m in sorted(m for m in mags if 4 < m < info.max):
         out += [m, -m] if info.min < 0 else [m]
     return tuple(out)
+
+
+def trapping_division(args: Any, kwargs: dict) -> None:
+    """Raise RuntimeError for a call that divides the int32 or int64 minimum by -1
+    rounding toward zero (``div(x, y, rounding_mode="trunc")``): torch's kernel
+    traps there (SIGFPE kills the process) where it should wrap or raise. Instances
+    and verification's runs call it before every call; the call is then an error,
+    as it would be for an op that raises. Other calls pass."""
+    if not isinstance(kwargs, dict) or kwargs.get("rounding_mode") != "trunc":
+        return
+    operands = [*list(args)[:2], *[kwargs[k] for k in ("input", "self", "other") if k in kwargs]]
+    if len(operands) < 2:
+        return
+    num, den = operands[0], operands[1]
+    if not isinstance(num, torch.Tensor) or num.dtype not in (torch.int32, torch.int64) or num.is_quantized:
+        return
+    minus_one = bool((den == -1).any()) if isinstance(den, torch.Tensor) else den == -1
+    if minus_one and bool((num == torch.iinfo(num.dtype).min).any()):
+        raise RuntimeError(f"{num.dtype} division of its minimum by -1 rounding toward zero traps the CPU")
 
 
 def hypothesis_api() -> Any:
@@ -322,13 +351,19 @@ _FREE: Any = type("_Free", (), {"__repr__": lambda self: "FREE"})()
 class _Ctx:
     """Hypothesis draws with names that read like the shapes they make."""
 
-    def __init__(self, draw: Callable, dtype: torch.dtype, specials: bool, int_specials: bool | None = None) -> None:
-        """``specials``: floats meet NaN, infinities and -0.0 (exact rules);
-        ``int_specials`` (default: ``specials``): integers meet their dtype's extremes
-        and values whose arithmetic wraps (every rule: integer outputs must be equal
-        whatever the tolerance)."""
+    def __init__(self, draw: Callable, dtype: torch.dtype, specials: bool, int_specials: bool | None = None,
+                 shapes: str | None = None) -> None:
+        """``specials``: floats meet NaN, infinities, -0.0 and their largest finite
+        values (exact rules); ``int_specials`` (default: ``specials``): integers meet
+        their dtype's extremes and values whose arithmetic wraps (every rule: integer
+        outputs must be equal whatever the tolerance); ``shapes``: None (ordinary
+        shapes only), ``"mixed"`` (a tenth of the fresh shapes 0-d, a tenth with an
+        empty dim, where the op takes them), ``"scalar"`` / ``"empty"`` (most of them
+        so; see ``shape``), or ``"strided"`` (ranks and dims from 2, every tensor laid
+        out in reverse dim order)."""
         self.draw, self.dtype, self.specials = draw, dtype, specials
         self.int_specials = specials if int_specials is None else int_specials
+        self.mode, self.forced = shapes, False
         self.shapes: list = []  # shapes drawn so far: operands drawn apart may share one
 
     def int(self, lo: int, hi: int) -> int:
@@ -341,16 +376,55 @@ class _Ctx:
     def coin(self) -> bool:
         return self.draw(strategies().booleans())
 
-    def shape(self, lo: int = 1, hi: int = 4, dim_hi: int = 4) -> tuple:
+    def shape(self, lo: int = 1, hi: int = 4, dim_hi: int = 4, scalar: bool = False, empty: bool = False) -> tuple:
         """A fresh shape, or (half the time) one drawn before that fits: the items of
         ``cat([to(a, f32), to(b, f32)])`` or the operands of ``add(to(a), to(b))``
-        are drawn apart and must fit together."""
-        fits = [s for s in dict.fromkeys(self.shapes) if lo <= len(s) <= hi and all(d <= dim_hi for d in s)]
+        are drawn apart and must fit together.
+
+        Where the op takes them and the instance draws them (``shapes``), degenerate
+        shapes too: ``scalar`` (the op takes a 0-d tensor: rank 0 although ``lo`` is
+        1) and ``empty`` (it takes a dim of size 0: one dim is 0). Each is drawn a
+        tenth of the time (``"mixed"``; shrinking goes to the ordinary shape), and
+        in that mode (``"scalar"`` or ``"empty"``: verification's leading instances)
+        the first time, three times in four after. In mode ``"strided"`` ranks and
+        dims start at 2 (a tensor that can be laid out otherwise)."""
+        scalar = scalar or lo == 0
+        if self.mode == "strided" and hi >= 2:
+            lo, scalar = max(lo, 2), False
+        fits = [s for s in dict.fromkeys(self.shapes)
+                if (lo <= len(s) or (scalar and not s)) and len(s) <= hi and all(d <= dim_hi for d in s)
+                and (empty or 0 not in s)]
         if fits and self.coin():
             return self.pick(fits)
-        shape = tuple(self.int(1, dim_hi) for _ in range(self.int(lo, hi)))
+        kind = self.degenerate(scalar=scalar, empty=empty)
+        if kind == "scalar":
+            shape: tuple = ()
+        else:
+            least = 2 if self.mode == "strided" and dim_hi >= 2 else 1
+            shape = tuple(self.int(least, dim_hi) for _ in range(self.int(max(lo, 1) if kind else lo, hi)))
+            if kind == "empty":
+                i = self.int(0, len(shape) - 1)
+                shape = shape[:i] + (0,) + shape[i + 1:]
         self.shapes.append(shape)
         return shape
+
+    def degenerate(self, scalar: bool = False, empty: bool = False) -> str | None:
+        """``"scalar"``, ``"empty"`` or None (an ordinary shape), among the kinds the
+        op takes: a tenth of the time each (``"mixed"``); in the instance's mode the
+        first time, then three times in four. Draws nothing when the op takes
+        neither, or the instance draws ordinary (or strided) shapes only."""
+        kinds = [k for k, ok in (("scalar", scalar), ("empty", empty)) if ok]
+        if not kinds or self.mode in (None, "strided"):
+            return None
+        if self.mode in kinds:  # the first such shape always, later ones three times in four
+            first, self.forced = not self.forced, True
+            return self.mode if first or self.int(0, 3) < 3 else None
+        k = self.int(0, 9)
+        if k == 8 and "scalar" in kinds:
+            return "scalar"
+        if k == 9 and "empty" in kinds:
+            return "empty"
+        return None
 
     def tensor(self, shape: tuple, lo: float = -4.0, hi: float = 4.0, dtype: Any = None) -> torch.Tensor:
         """The first ``_DRAWN`` values drawn one by one (they shrink to readable
@@ -388,16 +462,23 @@ class _Ctx:
         else:
             element = st.floats(lo, hi, width=32)
             if self.specials and lo < 0 and self.draw(st.booleans()):
-                element = element | st.sampled_from(_SPECIALS)
+                info = torch.finfo(dtype)  # and the largest finite values (2 * x overflows), the smallest normal
+                element = element | st.sampled_from(_SPECIALS + (info.max, -info.max, info.tiny))
             head = torch.tensor(self.draw(st.lists(element, min_size=k, max_size=k)), dtype=torch.float64)
             tail = (lambda g, m: torch.rand(m, generator=g, dtype=torch.float64) * (hi - lo) + lo)
         if n > k:
             g = torch.Generator().manual_seed(self.int(0, 2**31 - 1))
             head = torch.cat([head, tail(g, n - k).to(head.dtype)])
         out = head.reshape(shape).to(dtype)
-        if len(shape) >= 2 and n > 1 and dtype.is_floating_point and self.draw(st.integers(0, 3)) == 0:
-            # a quarter of them laid out column-major (same values, not contiguous):
-            # a rule that needs a contiguous input (``reshape => view``) meets one
+        if self.mode == "strided" and n > 1:
+            # dims laid out in reverse order: the same values, not contiguous (but
+            # dense: clone keeps the layout, as it does not a slice's)
+            order = tuple(reversed(range(len(shape))))
+            return out.permute(order).contiguous().permute(order)
+        if len(shape) >= 2 and n > 1 and self.draw(st.integers(0, 3)) == 0:
+            # a quarter of them laid out column-major (same values, not contiguous),
+            # whatever the dtype: a rule that needs a contiguous input
+            # (``reshape => view``) meets one
             out = out.transpose(-1, -2).contiguous().transpose(-1, -2)
         return out
 
@@ -533,14 +614,18 @@ def _unary(ctx: _Ctx, a: _Args) -> dict:
     """Values in the op's domain, and sometimes outside it: ``exp(log(x)) => x`` must
     meet the negative ``x`` it turns from NaN into a number."""
     lo, hi = a.input_range if not ctx.coin() else (-4.0, 4.0)
-    return {"input": a.tensor("input", ctx.shape, lo=lo, hi=hi)}
+    return {"input": a.tensor("input", lambda: ctx.shape(scalar=True, empty=True), lo=lo, hi=hi)}
 
 
 def _operand_like(ctx: _Ctx, a: _Args, shape: tuple) -> Any:
-    """A tensor of the same shape, of a broadcasting suffix of it, 0-dim, or a Python number."""
-    kind = ctx.pick(["same", "suffix", "0-dim", "number"])
+    """A tensor of the same shape, of a broadcasting suffix of it, 0-dim, one the first
+    operand broadcasts to (a leading dim more: the result is larger than it), or a
+    Python number."""
+    kind = ctx.pick(["same", "suffix", "0-dim", "number", "wider"])
     if kind == "number":
         return ctx.pick([2.0, 0.5, -1.0, 3] if a.dtype.is_floating_point else [2, -1, 3])
+    if kind == "wider":
+        return a.fresh((ctx.int(2, 3), *shape))
     return a.fresh({"same": shape, "suffix": shape[1:], "0-dim": ()}[kind])
 
 
@@ -551,14 +636,14 @@ def _binary(ctx: _Ctx, a: _Args) -> dict:
     if x is _FREE and _shape(y) is not None:
         x = _operand_like(ctx, a, _shape(y))  # `2 - x` is sub(2, x)
     elif x is _FREE:
-        x = a.fresh(ctx.shape())
+        x = a.fresh(ctx.shape(scalar=True, empty=True))
     if y is _FREE:
         shape = _shape(x)
         same = a.plan is not None and (a.hinted(first, a.plan.same_shapes) or a.hinted(second, a.plan.same_shapes))
         if shape is not None and same:
             y = a.fresh(shape)  # same_shape(x, y)
         else:
-            y = _operand_like(ctx, a, shape) if shape is not None else a.fresh(ctx.shape())
+            y = _operand_like(ctx, a, shape) if shape is not None else a.fresh(ctx.shape(scalar=True, empty=True))
     return {first: x, second: y}
 
 
@@ -585,14 +670,15 @@ def _permutation(ctx: _Ctx, a: _Args, rank: int) -> tuple:
 @_family("permute")
 def _permute(ctx: _Ctx, a: _Args) -> dict:
     dims = a.get("dims")
-    x = a.tensor("input", lambda: ctx.shape(1, 4) if dims is _FREE else ctx.shape(len(dims), len(dims)))
+    x = a.tensor("input", lambda: ctx.shape(1, 4, scalar=True, empty=True) if dims is _FREE
+                 else ctx.shape(len(dims), len(dims), empty=True))
     return {"input": x, "dims": a.lit("dims", lambda: _permutation(ctx, a, _rank(x)))}
 
 
 @_family("transpose")
 def _transpose(ctx: _Ctx, a: _Args) -> dict:
-    x = a.tensor("input", lambda: ctx.shape(1, 4))
-    r = _rank(x)
+    x = a.tensor("input", lambda: ctx.shape(1, 4, scalar=True, empty=True))
+    r = max(_rank(x), 1)  # a 0-d tensor takes dims 0 and -1
     kind, prev = a.producer("input")
 
     def pair() -> tuple:
@@ -612,7 +698,7 @@ def _transpose(ctx: _Ctx, a: _Args) -> dict:
 
 @_family("getitem")
 def _getitem(ctx: _Ctx, a: _Args) -> dict:
-    x = a.tensor("input", lambda: ctx.shape(1, 3))
+    x = a.tensor("input", lambda: ctx.shape(1, 3, scalar=True, empty=True))
     if isinstance(x, (list, tuple)):  # one result of a multi-output op (split, max, topk)
         return {"input": x, "index": a.lit("index", lambda: ctx.int(-len(x), len(x) - 1))}
     return {"input": x, "index": a.lit("index", lambda: _index(ctx, _shape(x) or ()))}
@@ -625,7 +711,7 @@ def _index(ctx: _Ctx, shape: tuple) -> Any:
         return ctx.pick([None, Ellipsis])
 
     def one(n: int) -> Any:
-        if ctx.coin():
+        if n and ctx.coin():  # an empty dim takes slices only
             return ctx.int(-n, n - 1)
         start, stop = ctx.pick([None, ctx.int(-n, n)]), ctx.pick([None, ctx.int(-n, n)])
         return slice(start, stop, ctx.pick([None, 1, 2]))
@@ -642,7 +728,7 @@ def _index(ctx: _Ctx, shape: tuple) -> Any:
 
 @_family("select")
 def _select(ctx: _Ctx, a: _Args) -> dict:
-    x = a.tensor("input", lambda: ctx.shape(1, 4))
+    x = a.tensor("input", lambda: ctx.shape(1, 4, empty=True))
     r = _rank(x)
     if r == 0:
         raise _Discard("select of a 0-d tensor")
@@ -655,7 +741,7 @@ def _select(ctx: _Ctx, a: _Args) -> dict:
 def _slice(ctx: _Ctx, a: _Args) -> dict:
     """``aten.slice(x, dim, start, end, step)``: export's spelling of ``x[a:b:c]``
     (bounds past the ends are clamped)."""
-    x = a.tensor("input", lambda: ctx.shape(1, 4))
+    x = a.tensor("input", lambda: ctx.shape(1, 4, empty=True))
     r = max(_rank(x), 1)
     dim = a.lit("dim", lambda: ctx.int(-r, r - 1))
     n = x.shape[dim] if isinstance(dim, int) and x.dim() and -r <= dim < r else 1
@@ -725,7 +811,7 @@ def _interpolate(ctx: _Ctx, a: _Args) -> dict:
 def _as(ctx: _Ctx, a: _Args) -> dict:
     """``reshape_as``, ``expand_as``, ``type_as``: ``other`` has a shape the input
     reshapes or expands to, or (type_as) any dtype, the input's own included."""
-    x = a.tensor("input", lambda: ctx.shape(1, 3, dim_hi=3))
+    x = a.tensor("input", lambda: ctx.shape(1, 3, dim_hi=3, scalar=True, empty=True))
     shape = _shape(x) or ()
     if a.op == "type_as":
         dtype = ctx.pick([x.dtype, *_ALL]) if isinstance(x, torch.Tensor) else ctx.dtype
@@ -759,7 +845,7 @@ def _glu(ctx: _Ctx, a: _Args) -> dict:
 def _masked_fill(ctx: _Ctx, a: _Args) -> dict:
     """A bool mask of the input's shape (or a broadcasting suffix of it) and a fill
     value: a number, or a 0-dim tensor of the input's dtype."""
-    x = a.tensor("input", lambda: ctx.shape(1, 3))
+    x = a.tensor("input", lambda: ctx.shape(1, 3, scalar=True, empty=True))
     shape = _shape(x) or ()
     mask = a.get("mask")
     if mask is _FREE:
@@ -804,7 +890,7 @@ def _einsum(ctx: _Ctx, a: _Args) -> dict:
 def _reduce_dims(ctx: _Ctx, a: _Args) -> dict:
     """A reduction over an int dim (``max``) or an int/tuple of dims (``amax``; () is
     every dim)."""
-    x = a.tensor("input", lambda: ctx.shape(1, 4))
+    x = a.tensor("input", lambda: ctx.shape(1, 4, scalar=True, empty=True))
     r = max(_rank(x), 1)
     one = lambda: ctx.int(-r, r - 1)  # noqa: E731
     if a.op == "max":
@@ -814,7 +900,7 @@ def _reduce_dims(ctx: _Ctx, a: _Args) -> dict:
 
 @_family("topk")
 def _topk(ctx: _Ctx, a: _Args) -> dict:
-    x = a.tensor("input", lambda: ctx.shape(1, 3))
+    x = a.tensor("input", lambda: ctx.shape(1, 3, scalar=True, empty=True))
     r = max(_rank(x), 1)
     dim = a.lit("dim", lambda: ctx.pick([-1, ctx.int(-r, r - 1)]))
     n = x.shape[dim] if x.dim() else 1
@@ -824,7 +910,7 @@ def _topk(ctx: _Ctx, a: _Args) -> dict:
 @_family("split")
 def _split(ctx: _Ctx, a: _Args) -> dict:
     """``split``: a piece size, or sizes that sum to the dim; ``chunk``: a count."""
-    x = a.tensor("input", lambda: ctx.shape(1, 3))
+    x = a.tensor("input", lambda: ctx.shape(1, 3, empty=True))
     r = max(_rank(x), 1)
     dim = a.lit("dim", lambda: ctx.int(-r, r - 1))
     n = x.shape[dim] if x.dim() else 1
@@ -849,7 +935,7 @@ def _tensor_list(ctx: _Ctx, a: _Args, min_rank: int) -> tuple:
     if not isinstance(items, (list, tuple)):
         raise _Discard(f"{a.op} of a non-list")
     known = next((t for t in items if isinstance(t, torch.Tensor)), None)
-    return items, (_shape(known) if known is not None else ctx.shape(min_rank, 3))
+    return items, (_shape(known) if known is not None else ctx.shape(min_rank, 3, empty=True))
 
 
 @_family("stack")
@@ -905,13 +991,15 @@ def _sdpa(ctx: _Ctx, a: _Args) -> dict:
 
 @_family("t")
 def _t(ctx: _Ctx, a: _Args) -> dict:
-    return {"input": a.tensor("input", lambda: ctx.shape(1, 2))}
+    return {"input": a.tensor("input", lambda: ctx.shape(1, 2, scalar=True, empty=True))}
 
 
 def _target_shape(ctx: _Ctx, shape: tuple) -> tuple:
     """A shape with the same number of elements: the same one (a no-op), with one
-    -1, flattened, reversed, with a leading 1."""
+    -1, flattened, reversed, with a leading 1 (flattened only in mode "strided")."""
     options = [shape, (-1,), tuple(reversed(shape)), (1, *shape), (math.prod(shape),)]
+    if ctx.mode == "strided" and len(shape) >= 2:  # a non-contiguous input meets a shape it cannot view as
+        return ctx.pick([(-1,), (math.prod(shape),)])
     if shape:
         i = ctx.int(0, len(shape) - 1)
         options.append(shape[:i] + (-1,) + shape[i + 1:])
@@ -920,13 +1008,13 @@ def _target_shape(ctx: _Ctx, shape: tuple) -> tuple:
 
 @_family("reshape")
 def _reshape(ctx: _Ctx, a: _Args) -> dict:
-    x = a.tensor("input", lambda: ctx.shape(1, 4))
+    x = a.tensor("input", lambda: ctx.shape(1, 4, scalar=True, empty=True))
     return {"input": x, "shape": a.lit("shape", lambda: _target_shape(ctx, _shape(x) or ()))}
 
 
 @_family("flatten")
 def _flatten(ctx: _Ctx, a: _Args) -> dict:
-    x = a.tensor("input", lambda: ctx.shape(1, 4))
+    x = a.tensor("input", lambda: ctx.shape(1, 4, scalar=True, empty=True))
     r = max(_rank(x), 1)
     start = a.lit("start_dim", lambda: ctx.int(0, r - 1))
     return {"input": x, "start_dim": start, "end_dim": a.lit("end_dim", lambda: ctx.pick([-1, r - 1]))}
@@ -934,21 +1022,21 @@ def _flatten(ctx: _Ctx, a: _Args) -> dict:
 
 @_family("unsqueeze")
 def _unsqueeze(ctx: _Ctx, a: _Args) -> dict:
-    x = a.tensor("input", lambda: ctx.shape(0, 3))
+    x = a.tensor("input", lambda: ctx.shape(0, 3, empty=True))
     r = _rank(x)
     return {"input": x, "dim": a.lit("dim", lambda: ctx.int(-r - 1, r))}
 
 
 @_family("squeeze")
 def _squeeze(ctx: _Ctx, a: _Args) -> dict:
-    x = a.tensor("input", lambda: ctx.shape(1, 4, dim_hi=2))
-    r = _rank(x)
+    x = a.tensor("input", lambda: ctx.shape(1, 4, dim_hi=2, scalar=True, empty=True))
+    r = max(_rank(x), 1)  # a 0-d tensor takes dims 0 and -1
     return {"input": x, "dim": a.lit("dim", lambda: ctx.pick([None, ctx.int(-r, r - 1)]))}
 
 
 @_family("expand")
 def _expand(ctx: _Ctx, a: _Args) -> dict:
-    x = a.tensor("input", lambda: ctx.shape(1, 3, dim_hi=2))
+    x = a.tensor("input", lambda: ctx.shape(1, 3, dim_hi=2, scalar=True, empty=True))
     shape = _shape(x) or ()
     grown = tuple(ctx.int(1, 3) if d == 1 else d for d in shape)
     return {"input": x, "size": a.lit("size", lambda: ctx.pick([shape, grown, (2, *shape)]))}
@@ -962,8 +1050,11 @@ def _cat(ctx: _Ctx, a: _Args) -> dict:
     for t in items:
         if t is _FREE:
             s = list(shape)
-            if s:
-                s[dim % len(s)] = ctx.int(1, 3)
+            kind = ctx.degenerate(empty=True)
+            if kind == "empty" and ctx.coin():
+                s = [0]  # torch.cat skips 1-d empty tensors whatever the other shapes
+            elif s:
+                s[dim % len(s)] = 0 if kind == "empty" else ctx.int(1, 3)
             t = a.fresh(tuple(s))
         out.append(t)
     return {"tensors": type(items)(out) if isinstance(items, tuple) else out, "dim": dim}
@@ -983,7 +1074,7 @@ _WIDER = {
 
 @_family("to")
 def _to(ctx: _Ctx, a: _Args) -> dict:
-    x = a.tensor("input", ctx.shape)
+    x = a.tensor("input", lambda: ctx.shape(scalar=True, empty=True))
     kind, prev = a.producer("input")
 
     def dtype() -> torch.dtype:
@@ -1137,14 +1228,14 @@ def _group_norm(ctx: _Ctx, a: _Args) -> dict:
 
 @_family("softmax")
 def _softmax(ctx: _Ctx, a: _Args) -> dict:
-    x = a.tensor("input", lambda: ctx.shape(1, 4))
+    x = a.tensor("input", lambda: ctx.shape(1, 4, scalar=True, empty=True))
     r = _rank(x)
     return {"input": x, "dim": a.lit("dim", lambda: ctx.int(-r, r - 1) if r else 0)}
 
 
 @_family("reduce")
 def _reduce(ctx: _Ctx, a: _Args) -> dict:
-    x = a.tensor("input", lambda: ctx.shape(1, 4))
+    x = a.tensor("input", lambda: ctx.shape(1, 4, scalar=True, empty=True))
     r = _rank(x)
     return {"input": x, "dim": a.lit("dim", lambda: ctx.pick([None, ctx.int(-r, r - 1) if r else 0]))}
 
@@ -1287,7 +1378,7 @@ def _generic(opdef: Any) -> Callable | None:
 
     def gen(ctx: _Ctx, a: _Args) -> dict:
         known = next((a.get(p.name) for p in opdef.params if _shape(a.get(p.name)) is not None), None)
-        shape = _shape(known) if known is not None else ctx.shape()
+        shape = _shape(known) if known is not None else ctx.shape(scalar=True, empty=True)
         return {p.name: a.tensor(p.name, shape) for p in opdef.params if p.tensor and p.default is REQUIRED}
 
     return gen
@@ -1449,6 +1540,7 @@ class _Builder:
             target, cargs, ckwargs = opdef.emit[self.dialect](full, self.values.get)
             concrete = fx.node.map_arg((cargs, ckwargs), self.values.__getitem__)
             with torch.no_grad():
+                trapping_division(concrete[0], concrete[1])
                 out = target(*concrete[0], **concrete[1])
         except Exception as err:  # noqa: BLE001 - values that do not fit
             raise _Discard(f"{op}: {type(err).__name__}: {err}") from None
@@ -1525,6 +1617,7 @@ class _Builder:
         try:
             concrete = fx.node.map_arg((cargs, ckwargs), self.values.__getitem__)
             with torch.no_grad():
+                trapping_division(concrete[0], concrete[1])
                 out = target(*concrete[0], **concrete[1])
         except Exception as err:  # noqa: BLE001 - shapes or values that do not fit
             raise _Discard(f"{opdef.name}: {type(err).__name__}: {err}") from None
@@ -1678,12 +1771,16 @@ def _quantize_weight(t: torch.Tensor) -> torch.Tensor:
     return quantize_weight(w, "per_channel_symmetric" if w.dim() >= 2 else "per_tensor_symmetric")
 
 
-def draw_instance(draw: Callable, plan: Plan, attempts: int = 3) -> Instance | str:
+def draw_instance(draw: Callable, plan: Plan, attempts: int = 3, shapes: str | None = None) -> Instance | str:
     """An instance, or the reason the drawn one is not a valid program.
 
     A drawn instance that is not a program (an op rejects the dtype drawn, shapes
     that do not fit) is drawn again, with a fresh dtype, up to ``attempts`` times:
-    every draw comes from ``draw``, so hypothesis replays and shrinks it."""
+    every draw comes from ``draw``, so hypothesis replays and shrinks it. ``shapes``:
+    None, ordinary shapes only; ``"mixed"``, also (a tenth of the time each) 0-d
+    tensors and dims of size 0 where the ops take them; ``"scalar"``, ``"empty"``:
+    mostly those; ``"strided"``: tensors of rank 2 and more, none contiguous (dims
+    laid out in reverse order)."""
     st = strategies()
     dtypes = st.sampled_from(plan.dtypes)
     if plan.favoured:  # what the where clause asks for, at least half the time
@@ -1694,7 +1791,7 @@ def draw_instance(draw: Callable, plan: Plan, attempts: int = 3) -> Instance | s
         dialect = draw(st.sampled_from(("torch", "aten")))
         # quantizing NaN or an infinity is not defined: quantized patterns meet finite values
         ctx = _Ctx(draw, dtype, specials=plan.tolerance == "exact" and not plan.quantized,
-                   int_specials=not plan.quantized)
+                   int_specials=not plan.quantized, shapes=shapes)
         builder = _Builder(ctx, plan, dialect)
         try:
             inst = builder.finish(builder.call(plan.rule.pattern), plan.rule.pattern.name)

@@ -234,11 +234,16 @@ def _without_fills(r: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return torch.where(fills, torch.zeros((), dtype=r.dtype), r) if bool(fills.any()) else r
 
 
-def compare_tensors(ref: torch.Tensor, got, tol: Tolerance,
-                    agreement: Optional[float] = None) -> Tuple[float, float, Optional[Difference]]:
+def compare_tensors(ref: torch.Tensor, got, tol: Tolerance, agreement: Optional[float] = None,
+                    noise: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+                    noise_multiplier: float = 0.0) -> Tuple[float, float, Optional[Difference]]:
     """``(max abs error, max rel error, the first difference or None)`` of ``got``
     against ``ref`` under ``tol``; ``agreement`` lets that share of integer
-    elements suffice (a lower precision may flip an argmax)."""
+    elements suffice (a lower precision may flip an argmax). ``noise``, for a
+    reference in half precision (``rewrite.trust.precision.rounding_noise``): its
+    widened run and its own rounding error per element (float64); ``got`` is then
+    compared with the widened run, ``noise_multiplier`` times that error allowed
+    on top of the tolerance (inf and NaN still compare with the reference)."""
     if not isinstance(got, torch.Tensor):
         return math.inf, math.inf, Difference(f"expected a tensor, got {type(got).__name__}")
     if tuple(got.shape) != tuple(ref.shape):
@@ -272,6 +277,12 @@ def compare_tensors(ref: torch.Tensor, got, tol: Tolerance,
         allowed = tol.atol * local_scale(_without_fills(r64, g64), tol.floor).clamp(min=1.0)
     if tol.quantum:
         allowed = allowed.clamp(min=tol.quantum)
+    noisy = noise is not None and noise_multiplier > 0 and tuple(noise[0].shape) == tuple(r64.shape)
+    if noisy:
+        wide, error = noise
+        diff = torch.where(special | (r64 == g64), torch.zeros(r64.shape, dtype=torch.float64),
+                           (wide - g64).abs()).nan_to_num(nan=math.inf)
+        allowed = allowed + noise_multiplier * error
     violating = diff > allowed + tol.rtol * r64.abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
     if not bool(violating.any()):
         return max_abs, max_rel, None
@@ -281,6 +292,9 @@ def compare_tensors(ref: torch.Tensor, got, tol: Tolerance,
             f"{n} of {r.numel()} elements differ ({tol.label}); {_at(violating, r64, g64, diff)}", max_abs, max_rel)
     how = "absolute" if tol.floor is None else "x local scale"
     quantum = f", at least one int8 step {tol.quantum:.3g}" if tol.quantum else ""
+    if noisy:
+        quantum += (f"; compared with the original run in float32, + {noise_multiplier:g}x the original's own "
+                    "half-precision error")
     worst = int(torch.argmax(torch.where(violating, diff - allowed, torch.full_like(diff, -math.inf))))
     return max_abs, max_rel, Difference(
         f"{n} of {r.numel()} elements outside tolerance ({tol.label}: rtol={tol.rtol:.3g}, atol={tol.atol:.3g} "

@@ -13,11 +13,17 @@ own emitters into a fresh graph (torch or aten spelling), shapes, attributes and
 values drawn by per-op generators, ``const(...)`` variables as module constants, in
 every dtype the ops accept (float32, float64, float16, bfloat16, int64, int32, int8,
 uint8, bool; an op that rejects the dtype discards the instance), quantized tensors
-made with torch's observers and rewritten under a drawn quantized engine. Each
+made with torch's observers and rewritten under a drawn quantized engine. The first
+instances are drawn one per dtype the rule admits (its where clause's favoured ones,
+else every one), then one with an empty dim, a 0-d one and a non-contiguous one,
+whatever hypothesis' adaptive state; then hypothesis searches over every dtype for
+the rest of the budget, a tenth of the shapes 0-d and a tenth empty where the ops
+take them (``rewrite.trust.instances``). Each
 instance is rewritten by the rule alone (``ruleset[rule.name].apply(...,
 check=False)``) and both graphs are run on the same inputs. ``max_examples`` counts
-instances checked: discarded ones (not a program, or the where clause does not hold)
-are drawn again, up to hypothesis' limit.
+instances checked, the leading ones included (hypothesis' search checks at least two
+more): discarded ones (not a program, or the where clause does not hold) are drawn
+again, up to hypothesis' limit (three tries for a leading instance).
 
 Verdicts, per rule:
 
@@ -74,7 +80,7 @@ from torch.utils import _pytree as pytree
 
 from rewrite.engine.compile import CompiledRule
 from rewrite.trust.instances import (Instance, Plan, draw_instance, hypothesis_api, instances, plan_for, quantized_engines,
-                               rule_tolerance, strategies)
+                               rule_tolerance, strategies, trapping_division)
 from rewrite.trust.tolerance import Tolerance, compare_tensors, loosest, newly_nonfinite
 
 __all__ = [
@@ -239,6 +245,14 @@ class _Recorder(fx.Interpreter):
         out = super().run_node(n)
         self.seen[n] = out
         return out
+
+    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        trapping_division(args, kwargs)  # a trap would kill the process: an error instead
+        return super().call_function(target, args, kwargs)
+
+    def call_method(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        trapping_division(args, kwargs)
+        return super().call_method(target, args, kwargs)
 
 
 def _run(gm: fx.GraphModule, inputs: tuple) -> tuple:
@@ -643,31 +657,65 @@ def verify_rule(ruleset: Any, rule: CompiledRule | str, *, max_examples: int = 1
     checker = _Checker(ruleset, plan)
     failures: list = []
 
-    @_settings(max_examples)
-    @hyp.seed(seed)
-    @hyp.given(st.data())
-    def run(data: Any) -> None:
-        inst = data.draw(st.composite(lambda draw: draw_instance(draw, plan))())
-        checked = checker.counts["checked"]
+    def search(p: Plan, n: int, shapes: str | None = None, leading: bool = False, salt: Any = None) -> None:
+        """Check ``n`` instances of plan ``p`` (hypothesis draws and shrinks them).
+        A leading search wants one random instance (not hypothesis' all-simplest
+        first one) and gives up after a few discarded draws; ``salt`` varies its
+        seed (each dtype gets other shapes and values)."""
+        tries = [0]
+
+        @_settings(n)
+        @hyp.seed(seed if salt is None else f"{seed}/{salt}")
+        @hyp.given(st.data())
+        def run(data: Any) -> None:
+            if leading:
+                hyp.assume(data.draw(st.booleans()))  # False: the all-simplest draw
+            inst = data.draw(st.composite(lambda draw: draw_instance(draw, p, shapes=shapes))())
+            if leading:  # (after drawing as every call does: hypothesis checks that)
+                if tries[0] >= _LEADING_TRIES and not failures:
+                    raise _GiveUp()
+                tries[0] += 1
+            checked = checker.counts["checked"]
+            try:
+                checker.check(inst)
+            except _Failure as f:
+                failures.append(f.counterexample)
+                raise
+            # a discarded instance (not a program, or the where clause does not hold)
+            # does not count: hypothesis draws another, up to its limit on rejections
+            hyp.assume(checker.counts["checked"] > checked)
+
         try:
-            checker.check(inst)
-        except _Failure as f:
-            failures.append(f.counterexample)
-            raise
-        # a discarded instance (not a program, or the where clause does not hold)
-        # does not count: hypothesis draws another, up to its limit on rejections
-        hyp.assume(checker.counts["checked"] > checked)
+            run()
+        except _GiveUp:
+            pass
+        except hyp.errors.Unsatisfiable:  # all discarded: skipped below, unless another search checks one
+            pass
 
     try:
-        run()
+        # Leading instances, one per dtype the rule admits, then one with an empty
+        # dim, a 0-d one and a non-contiguous one, in the dtypes that made an
+        # instance: whatever hypothesis' adaptive state (which depends on what ran
+        # before in the process), every dtype and these shapes are met.
+        valid = []
+        for dtype in plan.favoured or plan.dtypes:
+            before = checker.counts["checked"]
+            search(attrs.evolve(plan, dtypes=(dtype,), favoured=()), 1, shapes="mixed", leading=True,
+                   salt=str(dtype))
+            if checker.counts["checked"] > before:
+                valid.append(dtype)
+        shaped = [(m, valid[i % len(valid)]) for i, m in enumerate(("empty", "scalar", "strided"))] if valid else []
+        for shapes, dtype in shaped:
+            search(attrs.evolve(plan, dtypes=(dtype,), favoured=()), 1, shapes=shapes, leading=True, salt=shapes)
+        # then hypothesis' own search over every dtype, for the rest of the budget
+        search(plan, max(max_examples - checker.counts["checked"], min(max_examples, 2)), shapes="mixed")
     except _Failure as f:
         return _failed(verdict, checker, f.counterexample)
     except Exception as err:  # noqa: BLE001 - flaky replays and the like: report the last failure
         if failures:
             return _failed(verdict, checker, failures[-1])
-        if not isinstance(err, hyp.errors.Unsatisfiable):  # Unsatisfiable: all discarded, skipped below
-            cex = Counterexample(rule.name, rule.location, "error", f"{type(err).__name__}: {err}")
-            return _failed(verdict, checker, cex)
+        cex = Counterexample(rule.name, rule.location, "error", f"{type(err).__name__}: {err}")
+        return _failed(verdict, checker, cex)
     counts = checker.counts
     if counts["checked"] == 0:
         why = (f"no valid instance in {counts['generated']}: {checker.last_discard}" if not counts["filtered"]
@@ -676,6 +724,15 @@ def verify_rule(ruleset: Any, rule: CompiledRule | str, *, max_examples: int = 1
                   if counts["invalid"] else ""))
         return RuleVerdict(status="skipped", reason=why, generated=counts["generated"], **verdict)
     return RuleVerdict(status="ok", checked=counts["checked"], generated=counts["generated"], **verdict)
+
+
+class _GiveUp(BaseException):
+    """A leading search found no instance in its few tries (the dtype does not fit
+    the ops, or the where clause). A BaseException: hypothesis lets it through."""
+
+
+#: draws a leading search (one per dtype, then the shaped ones) makes before it gives up
+_LEADING_TRIES = 3
 
 
 def _failed(verdict: dict, checker: _Checker, cex: Counterexample) -> RuleVerdict:

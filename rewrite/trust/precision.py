@@ -1,0 +1,191 @@
+"""The original's own rounding error, for models that compute in half precision.
+
+A model that computes in bfloat16 or float16 is itself far from the exact function
+it spells: through fifty layers of a ResNet with sharp batch-norm statistics, its
+bfloat16 outputs are a few percent off what the same graph computes in float32. A
+rewrite in the same precision (a batch norm folded into the conv's weights) rounds
+elsewhere and lands as far off in another direction, so comparing it with the
+original under bfloat16's tolerance fails although it is no worse than the original.
+
+So when a comparison fails and the original computes in half precision, the check
+runs the original once more with every half-precision tensor and dtype widened to
+float32 (``widened_run``: a dispatch mode, so the graph and its parameters are as
+they are), measures how far the original's outputs are from that run, and lets the
+rewrite differ from the original by ``NOISE_MULTIPLIER`` times that error around
+each element (``rounding_noise``) on top of the tolerance. This is the rule
+torch's own accuracy checker applies to compiled models against a float64 run
+(``torch._dynamo.utils.same``: the compiled error within a multiple of the eager
+error); here element by element, with the local window the tolerance uses.
+
+Nothing is relaxed when the widened run is not the same computation: an op that
+writes a half-precision tensor it did not create (the widened copy would take the
+write), a run that raises, or outputs of another structure or shape. Nor when the
+original's error is not rounding: outputs off by more than half their scale, whose
+rewrite no comparison could judge.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Optional, Tuple
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from rewrite.trust.runner import call_with
+from rewrite.trust.tolerance import local_scale
+
+__all__ = ["HALF", "WIDE", "NOISE_MULTIPLIER", "NOISE_FLOOR", "computes_in_half", "widened_run",
+           "rounding_noise"]
+
+#: the precisions whose own rounding the check measures
+HALF = (torch.bfloat16, torch.float16)
+#: what they are widened to: float32's rounding is 2**-16 of bfloat16's
+WIDE = torch.float32
+#: a rewrite may differ from the original by this many times the original's own
+#: error (the error of the rewrite and the original's, each about as large, and a margin)
+NOISE_MULTIPLIER = 3.0
+#: the magnitude around an element is at least this fraction of the tensor's largest
+#: value (``local_scale``'s floor, as for exact rewrites)
+NOISE_FLOOR = 0.1
+#: an original farther than this share of its scale from its widened run is not
+#: rounded, it is something else: no relaxation
+NOISE_LIMIT = 0.5
+
+
+class _NotTheSame(Exception):
+    """The widened run would not compute what the original does."""
+
+
+class _Widening:
+    """The float32 copies a widened run made of half-precision tensors it was given
+    (parameters, buffers, inputs, constants): a write into one would be lost to the
+    original tensor, which later reads would still see."""
+
+    def __init__(self) -> None:
+        self.copies: dict = {}  # storage address -> the copy (kept alive for the run)
+
+    def widen(self, x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.dtype in HALF and not x.is_quantized:
+            wide = x.to(WIDE)
+            self.copies[wide.untyped_storage()._cdata] = wide
+            return wide
+        if isinstance(x, torch.dtype) and x in HALF:
+            return WIDE
+        return x
+
+    def refuse_writes(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """``_NotTheSame`` when ``func`` writes a half-precision tensor or a copy of one."""
+        schema = getattr(func, "_schema", None)
+        if schema is None or not schema.is_mutable:
+            return
+        for i, arg in enumerate(schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                value = args[i] if i < len(args) else kwargs.get(arg.name)
+                for t in pytree.tree_leaves(value):
+                    if isinstance(t, torch.Tensor) and (t.dtype in HALF or _storage(t) in self.copies):
+                        raise _NotTheSame(f"{func} writes a half-precision tensor")
+
+
+def _storage(t: torch.Tensor) -> Any:
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+        return None
+
+
+class _WidenedCalls(TorchFunctionMode):
+    """Widens the arguments of every torch call (composite ops such as ``conv2d``
+    check their arguments' dtypes before they reach the dispatcher)."""
+
+    def __init__(self, widening: _Widening) -> None:
+        super().__init__()
+        self.widening = widening
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        args, kwargs = pytree.tree_map(self.widening.widen, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+
+class _WidenedOps(TorchDispatchMode):
+    """Every op computes on float32 copies of its half-precision arguments and makes
+    float32 where it was asked for a half precision (``_to_copy``, factories); an op
+    that writes a half-precision tensor, or the copy of one, ends the run."""
+
+    def __init__(self, widening: _Widening) -> None:
+        super().__init__()
+        self.widening = widening
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        self.widening.refuse_writes(func, args, kwargs)
+        args, kwargs = pytree.tree_map(self.widening.widen, (args, kwargs))
+        return func(*args, **kwargs)
+
+
+def computes_in_half(outputs: Any, dtypes: Any = ()) -> bool:
+    """Whether a run with these outputs, whose ops computed in ``dtypes`` (what the
+    check recorded, when it did), is in half precision anywhere."""
+    return any(d in HALF for d in dtypes) or any(
+        isinstance(t, torch.Tensor) and t.dtype in HALF for t in pytree.tree_leaves(outputs))
+
+
+def widened_run(fn: Any, args: Any, rng_seed: int) -> Any:
+    """``fn(*args)`` with half precision widened to float32 (under ``no_grad``, the RNG
+    seeded as the check's runs are), or None when that is not the same computation.
+    ``args`` must be private: the run may write the float32 ones."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.no_grad())
+        stack.enter_context(torch.random.fork_rng(devices=[]))
+        torch.manual_seed(rng_seed)
+        widening = _Widening()
+        stack.enter_context(_WidenedCalls(widening))
+        stack.enter_context(_WidenedOps(widening))
+        try:
+            return call_with(fn, args)
+        except Exception:  # noqa: BLE001 - _NotTheSame, or an op float32 does not take: no estimate
+            return None
+
+
+def rounding_noise(outputs: Any, widened: Any) -> Optional[Tuple[Optional[Tuple[torch.Tensor, torch.Tensor]], ...]]:
+    """Per leaf of ``outputs`` (pytree order), ``(widened value, error)``: the
+    widened run's value, and how far each element of the original may be from it
+    by its own rounding, relative to the magnitude around the element: the
+    original's worst ``|original - widened|`` over that magnitude (``local_scale``
+    of the widened value, floor ``NOISE_FLOOR``), times the magnitude around each
+    element. Rounding through a deep net does not stay where it started, so the
+    worst relative error anywhere is the error scale everywhere; a small value next
+    to large ones keeps its own magnitude. Both float64; None for a leaf that is
+    not a floating tensor, or whose widened value is not finite where the original
+    is. None for all: the widened run is not the same computation (another
+    structure, shape, or a relative error past ``NOISE_LIMIT``)."""
+    if widened is None:
+        return None
+    ours, spec = pytree.tree_flatten(outputs)
+    theirs, their_spec = pytree.tree_flatten(widened)
+    if spec != their_spec:
+        return None
+    noise: list = []
+    for r, w in zip(ours, theirs):
+        if not (isinstance(r, torch.Tensor) and r.is_floating_point() and not r.is_quantized):
+            noise.append(None)
+            continue
+        if not isinstance(w, torch.Tensor) or w.shape != r.shape or not w.is_floating_point():
+            return None
+        r64, w64 = r.detach().to(torch.float64), w.detach().to(torch.float64)
+        finite = torch.isfinite(r64)
+        if r64.numel() == 0 or not bool((torch.isfinite(w64) | ~finite).all()):
+            noise.append(None)
+            continue
+        error = torch.where(finite, (r64 - w64).abs(), torch.zeros((), dtype=torch.float64))
+        magnitude = local_scale(torch.where(finite, w64, torch.zeros((), dtype=torch.float64)), NOISE_FLOOR)
+        if not bool(error.any()) or not bool(magnitude.any()):
+            noise.append(None)
+            continue
+        worst = float((error / magnitude.clamp(min=torch.finfo(torch.float64).tiny)).max())
+        if worst > NOISE_LIMIT:
+            return None
+        noise.append((w64, worst * magnitude))
+    return tuple(noise)
