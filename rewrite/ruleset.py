@@ -321,7 +321,7 @@ class RuleSet:
                 stacklevel=3,
             )
         elif check and set(driver.counts) - self._changes():
-            from rewrite.trust.check import Reference, check_equivalence
+            from rewrite.trust.check import Reference, check_equivalence, new_half_precisions, static_float_dtypes
 
             kind = self._tolerance_of(driver.counts)
             # Intentional changes (``change=True``) are not checked: the rewrite is
@@ -333,10 +333,15 @@ class RuleSet:
             gradients = self._touches_gradients(set(driver.counts) - changes)
             if txn.inplace:
                 # the model is the rewrite now: back to the original to run it once
-                # per trial, then the (deterministic) rewrite again
+                # per trial (and under autocast to the half precisions the rewrite
+                # newly computes in: the check may measure against it), then the
+                # (deterministic) rewrite again
+                rewritten_dtypes = static_float_dtypes(gm)
                 txn.restore()
                 base = original if not changes else self._changed(original)
-                reference = Reference(base, example_inputs, graph=original).prepare(trials, kind, gradients)
+                lower = new_half_precisions(static_float_dtypes(original), rewritten_dtypes)
+                reference = Reference(base, example_inputs, graph=original).prepare(trials, kind, gradients,
+                                                                                     lower)
                 gm, driver = txn.run()
             else:
                 base = model if not changes else self._changed(original)

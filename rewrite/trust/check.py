@@ -66,13 +66,14 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from rewrite.capture import is_export_guard
 from rewrite.engine.shapes import layout_of
 from rewrite.engine.workspace import gc_paused
 from rewrite.ops.base import ConstRef, attribute
 from rewrite.ops.effects import state_writes, written_args
 from rewrite.ops.vocabulary import CALL_OPS, OPS, bind_node
 from rewrite.trust.gradients import GradientRun, gradient_run
-from rewrite.trust.precision import NOISE_MULTIPLIER, computes_in_half, rounding_noise, widened_run
+from rewrite.trust.precision import HALF, NOISE_MULTIPLIER, computes_in_half, narrowed_run, rounding_noise, widened_run
 from rewrite.trust.runner import call_with, running_as_graph
 from rewrite.trust.tolerance import (
     EXACT_TOLERANCES,
@@ -97,6 +98,8 @@ __all__ = [
     "random_like",
     "generate_inputs",
     "inputs_from_graph",
+    "new_half_precisions",
+    "static_float_dtypes",
 ]
 
 #: A rewrite that newly computes in lower precision (bfloat16 for a float32 model) may
@@ -630,7 +633,7 @@ def _static_dtypes(fn: Any) -> Optional[frozenset]:
         return None
     out = set()
     for node in fn.graph.nodes:
-        if node.op not in CALL_OPS:
+        if node.op not in CALL_OPS or _computes_nothing(node, fn):
             continue
         meta = node.meta
         val = meta.get("val")
@@ -646,6 +649,14 @@ def _static_dtypes(fn: Any) -> Optional[frozenset]:
             if isinstance(dtype, torch.dtype):
                 out.add(dtype)
     return frozenset(d for d in out if d.is_floating_point)
+
+
+def _computes_nothing(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """A node that returns nothing and computes no value: a metadata check (its
+    recorded value is None), ``torch.export``'s input guard."""
+    if "val" in node.meta and node.meta["val"] is None and not node.users:
+        return True
+    return node.op == "call_module" and not node.users and is_export_guard(gm, node.target)
 
 
 def _meta_val(node: fx.Node) -> Any:
@@ -711,7 +722,7 @@ def _static_lineage(fn: Any) -> Optional[Tuple[frozenset, ...]]:
         if node.op == "output":
             output = node
             continue
-        if node.op not in CALL_OPS:
+        if node.op not in CALL_OPS or _computes_nothing(node, fn):
             lineage[node] = empty
             continue
         val = _meta_val(node)
@@ -1194,7 +1205,7 @@ class Reference:
         self._repeats: Dict[int, bool] = {}
         self._watch: Optional[_Watch] = None
         self._gradients: Optional[Tuple[Optional[GradientRun], Optional[str]]] = None
-        self._noise: Dict[int, Optional[tuple]] = {}
+        self._noise: Dict[Any, Optional[tuple]] = {}
         self._prepared = False  # in place: the module is the candidate after prepare()
 
     def inputs(self, trial: int) -> Any:
@@ -1279,6 +1290,22 @@ class Reference:
             self._noise[trial] = noise
         return self._noise.get(trial)
 
+    def narrowing_noise(self, trial: int, dtype: torch.dtype, state: Optional[_SavedState] = None) -> Optional[tuple]:
+        """Per output leaf, how far the reference is, on this trial's inputs, from its
+        own run under ``torch.autocast`` to ``dtype`` (``rewrite.trust.precision``:
+        what computing it in that precision costs; computed once), else None.
+        After ``prepare`` only what it computed."""
+        key = (trial, dtype)
+        if key not in self._noise and not self._prepared:
+            ref = self._runs.get(trial)
+            noise = None
+            if ref is not None and dtype in HALF:
+                with self._running(state) as fn:
+                    narrowed = narrowed_run(fn, _clone(self.inputs(trial)), self.seed + trial, dtype)
+                noise = rounding_noise(narrowed, ref.outputs) if narrowed is not None else None
+            self._noise[key] = noise
+        return self._noise.get(key)
+
     def watch(self) -> _Watch:
         """What the check watches of the reference (worked out on its first run: an
         in-place rewrite changes the module's graph afterwards)."""
@@ -1286,16 +1313,21 @@ class Reference:
             self._watch = _Watch.of(self.fn)
         return self._watch
 
-    def prepare(self, trials: int, tolerance: str = "approx", gradients: bool = False) -> "Reference":
+    def prepare(self, trials: int, tolerance: str = "approx", gradients: bool = False,
+                lower: Iterable[torch.dtype] = ()) -> "Reference":
         """Run every trial now (before an in-place rewrite changes the model), and
         the backward pass too when ``gradients``; a model in half precision also
-        widened (``noise``): the check may need its rounding error afterwards."""
+        widened (``noise``), and run under autocast to each of ``lower`` (the half
+        precisions the rewrite newly computes in: ``narrowing_noise``): the check may
+        need them afterwards."""
         with gc_paused(), preserved_state(self.fn, runs_only=True, watches=(self.watch(),)) as state, \
                 running_as_graph(self.fn):
             for t in range(trials):
                 if not self.repeats(t):
                     self.run(t, dtypes=tolerance == "approx", state=state)
                     self.noise(t, state)
+                    for dtype in lower:
+                        self.narrowing_noise(t, dtype, state)
             if gradients:
                 self.gradients(state)
         self._prepared = True
@@ -1392,7 +1424,11 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
             if mm is not None and rtol is None and atol is None:
                 # a model in half precision is itself that far from exact: a rewrite
                 # may be as far, elsewhere (rewrite.trust.precision)
-                noises = reference.noise(t, state)
+                # and one newly computed in a lower precision may be as far from it as
+                # torch's autocast to that precision is
+                noises = reference.narrowing_noise(t, low, state) if low is not None else None
+                if noises is None:
+                    noises = reference.noise(t, state)
                 if noises is not None:
                     a, r, mm = _compare(t, ref.outputs, cand.outputs, tolerance, rtol, atol, None,
                                         agreement=bound, compute_dtypes=lows, noises=noises)
@@ -1414,6 +1450,21 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
             if mm is not None:
                 return EquivalenceReport(False, trials, worst_abs, worst_rel, mm, agreed, skipped)
     return EquivalenceReport(True, trials, worst_abs, worst_rel, None, agreed, skipped)
+
+
+def new_half_precisions(before: Optional[frozenset], after: Optional[frozenset]) -> Tuple[torch.dtype, ...]:
+    """The half precisions in ``after`` and not in ``before`` (the floating dtypes a
+    graph's ops compute in before and after a rewrite: ``static_float_dtypes``);
+    none when either is not known."""
+    if before is None or after is None:
+        return ()
+    return tuple(sorted((d for d in after - before if d in HALF), key=str))
+
+
+def static_float_dtypes(gm: Any) -> Optional[frozenset]:
+    """The floating dtypes a GraphModule's ops compute in, from node metadata (None:
+    not known, e.g. a symbolic_trace graph)."""
+    return _static_dtypes(gm)
 
 
 def _gradient_mismatch(reference: "Reference", candidate: Callable, state: _SavedState, kind: str,

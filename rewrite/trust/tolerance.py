@@ -26,7 +26,7 @@ import torch
 
 __all__ = [
     "TOLERANCES", "EXACT_TOLERANCES", "DEFAULT_TOLERANCE", "SCALE_FLOOR", "EXACT_SCALE_FLOOR",
-    "Tolerance", "Difference", "local_scale", "loosest", "compare_tensors", "newly_nonfinite",
+    "Tolerance", "Difference", "local_scale", "window_max", "loosest", "compare_tensors", "newly_nonfinite",
 ]
 
 #: dtype -> (rtol, atol_base) for approximate rewrites (folds, casts to lower
@@ -121,7 +121,7 @@ class Difference:
     rel_error: float = math.inf
 
 
-def _window_max(mag: torch.Tensor, dim: int, radius: int) -> torch.Tensor:
+def window_max(mag: torch.Tensor, dim: int, radius: int) -> torch.Tensor:
     """The largest value within ``radius`` elements along ``dim`` of each element."""
     moved = mag.movedim(dim, -1)
     n = moved.shape[-1]
@@ -144,7 +144,7 @@ def local_scale(ref: torch.Tensor, floor: float = 1e-2, radius: int = SCALE_RADI
         return mag.max().expand_as(mag)
     scale = None
     for dim in range(mag.dim()):
-        along = _window_max(mag, dim, radius)
+        along = window_max(mag, dim, radius)
         scale = along if scale is None else torch.minimum(scale, along)
     return torch.maximum(scale, mag.max() * floor)
 
