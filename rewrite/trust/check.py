@@ -502,7 +502,7 @@ class _Watch:
         # with nothing known, the other parameters by version counter.
         buffer_ids = {id(t) for t in fn.buffers()} if isinstance(fn, torch.nn.Module) else set()
         by_value = frozenset(name for name in watched if writable is not None or id(state[name]) in buffer_ids)
-        static = _static_dtypes(fn) if dtypes else None
+        static = static_float_dtypes(fn) if dtypes else None
         unneeded = static is not None and compared_with is not None and static <= compared_with
         return cls(state, frozenset(_storage(t) for t in state.values()) - {None}, writable, watched, by_value,
                    static, _static_lineage(fn) if dtypes and not unneeded else None, unneeded)
@@ -625,7 +625,7 @@ def _new_precisions(ref: _Run, cand: _Run) -> Tuple[Optional[torch.dtype], ...]:
 _META_KEYS = ("val", "example_value", "rewrite_facts", "tensor_meta")
 
 
-def _static_dtypes(fn: Any) -> Optional[frozenset]:
+def static_float_dtypes(fn: Any) -> Optional[frozenset]:
     """The floating dtypes a GraphModule's ops compute in, read from the metadata
     its nodes carry (export and dynamo graphs, rewritten ones included), or None
     when a call node carries none (then the ops are watched as they run)."""
@@ -707,7 +707,7 @@ def _inplace_parameter(target: Any) -> Optional[int]:
 def _static_lineage(fn: Any) -> Optional[Tuple[frozenset, ...]]:
     """Per leaf of a GraphModule's output (pytree order), the floating dtypes of the
     values it is computed from: its node's and, transitively, its arguments' (from
-    node metadata, as ``_static_dtypes``; placeholders and constants count none, as
+    node metadata, as ``static_float_dtypes``; placeholders and constants count none, as
     in ``_DtypeRecorder``). None when the graph cannot tell: a call node without
     metadata, a node that may write an argument in place (a later reader of the
     argument depends on the write, which no edge shows), an output leaf whose value
@@ -1277,33 +1277,36 @@ class Reference:
 
     def noise(self, trial: int, state: Optional[_SavedState] = None) -> Optional[tuple]:
         """Per output leaf, the reference's own rounding error on this trial's inputs
-        when it computes in half precision (``rewrite.trust.precision``; computed
-        once, from one more run with half precision widened to float32), else None.
-        After ``prepare`` only what it computed: the module may be the candidate."""
-        if trial not in self._noise and not self._prepared:
-            ref = self._runs.get(trial)
-            noise = None
-            if ref is not None and computes_in_half(ref.outputs, ref.dtypes | (self.watch().static or frozenset())):
-                with self._running(state) as fn:
-                    noise = rounding_noise(ref.outputs, widened_run(fn, _clone(self.inputs(trial)),
-                                                                    self.seed + trial))
-            self._noise[trial] = noise
-        return self._noise.get(trial)
+        when it computes in half precision (``rewrite.trust.precision``: one more run
+        with half precision widened to float32), else None."""
+        def estimate(ref: _Run, fn: Any, inputs: Any, seed: int) -> Optional[tuple]:
+            if not computes_in_half(ref.outputs, ref.dtypes | (self.watch().static or frozenset())):
+                return None
+            return rounding_noise(ref.outputs, widened_run(fn, inputs, seed))
+
+        return self._estimated(trial, None, state, estimate)
 
     def narrowing_noise(self, trial: int, dtype: torch.dtype, state: Optional[_SavedState] = None) -> Optional[tuple]:
         """Per output leaf, how far the reference is, on this trial's inputs, from its
         own run under ``torch.autocast`` to ``dtype`` (``rewrite.trust.precision``:
-        what computing it in that precision costs; computed once), else None.
-        After ``prepare`` only what it computed."""
+        what computing it in that precision costs), else None."""
+        def estimate(ref: _Run, fn: Any, inputs: Any, seed: int) -> Optional[tuple]:
+            return rounding_noise(narrowed_run(fn, inputs, seed, dtype), ref.outputs)
+
+        return self._estimated(trial, dtype, state, estimate)
+
+    def _estimated(self, trial: int, dtype: Optional[torch.dtype], state: Optional[_SavedState],
+                   estimate: Callable[[_Run, Any, Any, int], Optional[tuple]]) -> Optional[tuple]:
+        """``estimate(run, fn, private inputs, seed)`` for this trial, computed once
+        (None before the trial's run). After ``prepare`` only what it computed: the
+        module may be the candidate by then."""
         key = (trial, dtype)
         if key not in self._noise and not self._prepared:
             ref = self._runs.get(trial)
-            noise = None
-            if ref is not None and dtype in HALF:
-                with self._running(state) as fn:
-                    narrowed = narrowed_run(fn, _clone(self.inputs(trial)), self.seed + trial, dtype)
-                noise = rounding_noise(narrowed, ref.outputs) if narrowed is not None else None
-            self._noise[key] = noise
+            if ref is None:
+                return None
+            with self._running(state) as fn:
+                self._noise[key] = estimate(ref, fn, _clone(self.inputs(trial)), self.seed + trial)
         return self._noise.get(key)
 
     def watch(self) -> _Watch:
@@ -1422,10 +1425,9 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
             a, r, mm = _compare(t, ref.outputs, cand.outputs, tolerance, rtol, atol, None, agreement=bound,
                                 compute_dtypes=lows)
             if mm is not None and rtol is None and atol is None:
-                # a model in half precision is itself that far from exact: a rewrite
-                # may be as far, elsewhere (rewrite.trust.precision)
-                # and one newly computed in a lower precision may be as far from it as
-                # torch's autocast to that precision is
+                # one newly computed in a lower precision may be as far from the original
+                # as torch's autocast to it is; a model in half precision is itself far
+                # from exact, and a rewrite may be as far, elsewhere (rewrite.trust.precision)
                 noises = reference.narrowing_noise(t, low, state) if low is not None else None
                 if noises is None:
                     noises = reference.noise(t, state)
@@ -1459,12 +1461,6 @@ def new_half_precisions(before: Optional[frozenset], after: Optional[frozenset])
     if before is None or after is None:
         return ()
     return tuple(sorted((d for d in after - before if d in HALF), key=str))
-
-
-def static_float_dtypes(gm: Any) -> Optional[frozenset]:
-    """The floating dtypes a GraphModule's ops compute in, from node metadata (None:
-    not known, e.g. a symbolic_trace graph)."""
-    return _static_dtypes(gm)
 
 
 def _gradient_mismatch(reference: "Reference", candidate: Callable, state: _SavedState, kind: str,

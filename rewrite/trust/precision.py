@@ -120,9 +120,9 @@ class _WidenedCalls(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-#: export's checks of a value's dtype as captured: another precision is the point here
-_METADATA_CHECKS = frozenset(op for op in (getattr(torch.ops.aten, "_assert_tensor_metadata", None),)
-                             if op is not None for op in [op.default])
+#: export's dtype checks (``rewrite.engine.facts.METADATA_CHECKS``, which imports the
+#: check: not imported from there)
+_METADATA_CHECKS = frozenset({torch.ops.aten._assert_tensor_metadata.default})
 
 
 class _UncheckedMetadata(TorchDispatchMode):
@@ -144,7 +144,7 @@ class _WidenedOps(TorchDispatchMode):
         self.widening = widening
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func in _METADATA_CHECKS:
+        if func in _METADATA_CHECKS:  # export's dtype checks: another precision is the point here
             return None
         kwargs = kwargs or {}
         self.widening.refuse_writes(func, args, kwargs)
@@ -178,7 +178,8 @@ def widened_run(fn: Any, args: Any, rng_seed: int) -> Any:
 
 def narrowed_run(fn: Any, args: Any, rng_seed: int, dtype: torch.dtype) -> Any:
     """``fn(*args)`` under ``torch.autocast("cpu", dtype)`` (under ``no_grad``, the RNG
-    seeded as the check's runs are), or None when it raises. ``args`` must be private."""
+    seeded as the check's runs are), or None when it raises or ``dtype`` is not a half
+    precision. ``args`` must be private."""
     if dtype not in HALF:
         return None
     with contextlib.ExitStack() as stack:

@@ -239,11 +239,11 @@ def compare_tensors(ref: torch.Tensor, got, tol: Tolerance, agreement: Optional[
                     noise_multiplier: float = 0.0) -> Tuple[float, float, Optional[Difference]]:
     """``(max abs error, max rel error, the first difference or None)`` of ``got``
     against ``ref`` under ``tol``; ``agreement`` lets that share of integer
-    elements suffice (a lower precision may flip an argmax). ``noise``, for a
-    reference in half precision (``rewrite.trust.precision.rounding_noise``): its
-    widened run and its own rounding error per element (float64); ``got`` is then
-    compared with the widened run, ``noise_multiplier`` times that error allowed
-    on top of the tolerance (inf and NaN still compare with the reference)."""
+    elements suffice (a lower precision may flip an argmax). ``noise``
+    (``rewrite.trust.precision.rounding_noise``): a more precise run of the
+    reference and, per element, the error of the less precise one (float64); ``got``
+    is then compared with the more precise run, ``noise_multiplier`` times that error
+    allowed on top of the tolerance (inf and NaN still compare with the reference)."""
     if not isinstance(got, torch.Tensor):
         return math.inf, math.inf, Difference(f"expected a tensor, got {type(got).__name__}")
     if tuple(got.shape) != tuple(ref.shape):
@@ -291,13 +291,12 @@ def compare_tensors(ref: torch.Tensor, got, tol: Tolerance, agreement: Optional[
         return max_abs, max_rel, Difference(
             f"{n} of {r.numel()} elements differ ({tol.label}); {_at(violating, r64, g64, diff)}", max_abs, max_rel)
     how = "absolute" if tol.floor is None else "x local scale"
-    quantum = f", at least one int8 step {tol.quantum:.3g}" if tol.quantum else ""
+    extra = f", at least one int8 step {tol.quantum:.3g}" if tol.quantum else ""
     if noisy:
-        quantum += (f"; compared with the original run in float32, + {noise_multiplier:g}x the original's own "
-                    "half-precision error")
+        extra += f"; against the more precise run, + {noise_multiplier:g}x the less precise one's error"
     worst = int(torch.argmax(torch.where(violating, diff - allowed, torch.full_like(diff, -math.inf))))
     return max_abs, max_rel, Difference(
         f"{n} of {r.numel()} elements outside tolerance ({tol.label}: rtol={tol.rtol:.3g}, atol={tol.atol:.3g} "
-        f"{how}{quantum}); {_at(violating, r64, g64, diff - allowed)} (allowed abs diff "
+        f"{how}{extra}); {_at(violating, r64, g64, diff - allowed)} (allowed abs diff "
         f"{float(allowed.flatten()[worst]):.3g}); max abs diff {max_abs:.3g}, max rel diff {max_rel:.3g}",
         max_abs, max_rel)
