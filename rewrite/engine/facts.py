@@ -283,12 +283,11 @@ class GraphFacts:
         inputs = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.clone(), inputs)
         try:
             with torch.no_grad(), preserved_state(self.gm, runs_only=True), torch.random.fork_rng(devices=[]):
-                _FactRecorder(self.gm, self._on_meta).run(*inputs)
+                _record_facts(self.gm, inputs, self._on_meta)
         except Exception:  # noqa: BLE001 - facts are best-effort; rules needing them won't fire
             pass
 
 
-_CARRIERS = ("val", "example_value", FACTS_KEY)
 NEW_NODE_KEY = "rewrite_new"  # set on nodes a rewrite created, until their facts are inferred
 
 
@@ -402,22 +401,49 @@ def _carries(gm: fx.GraphModule, key: str) -> bool:
     return any(key in node.meta for node in gm.graph.nodes if node.op.startswith("call_"))
 
 
-class _FactRecorder(fx.Interpreter):
-    """Runs a graph once and records ``TensorFacts`` of every tensor value
-    (``on_meta(node, key)`` is told first, for an undo journal)."""
+def _record_facts(gm: fx.GraphModule, inputs: Any, on_meta: Any = None) -> None:
+    """Run ``gm`` once on ``inputs`` and record ``TensorFacts`` of every tensor value
+    on the nodes that carry none (``on_meta(node, key)`` is told first, for an undo
+    journal). Through a ``GraphRunner`` (an fx Interpreter costs ~45 us a node more:
+    most of recording a symbolic_trace graph's facts), or an Interpreter for a graph
+    the runner does not plan."""
+    from rewrite.trust.runner import GraphRunner
 
-    def __init__(self, gm: fx.GraphModule, on_meta: Any = None) -> None:
+    def record(node: fx.Node, result: Any) -> None:
+        meta = node.meta
+        if "val" in meta or "example_value" in meta or FACTS_KEY in meta:
+            return
+        if isinstance(result, torch.Tensor):
+            facts = TensorFacts.of(result)
+        elif type(result) is torch.Size:  # what the pytree map below makes of it, without it
+            facts = tuple(result)
+        else:
+            facts = torch.utils._pytree.tree_map_only(torch.Tensor, TensorFacts.of, result)
+            if facts is None:
+                return
+        if on_meta is not None:
+            on_meta(node, FACTS_KEY)
+        meta[FACTS_KEY] = facts
+
+    try:
+        runner = GraphRunner(gm)
+    except NotImplementedError:  # a placeholder for **kwargs
+        _Recorder(gm, record).run(*inputs)
+    else:
+        runner.observed(record, *inputs)
+
+
+class _Recorder(fx.Interpreter):
+    """An Interpreter telling ``record(node, value)`` every node's value but the output's."""
+
+    def __init__(self, gm: fx.GraphModule, record: Any) -> None:
         super().__init__(gm)
-        self.on_meta = on_meta
+        self.record = record
 
     def run_node(self, n: fx.Node) -> Any:
         result = super().run_node(n)
-        if n.op != "output" and not any(k in n.meta for k in _CARRIERS):
-            facts = torch.utils._pytree.tree_map_only(torch.Tensor, TensorFacts.of, result)
-            if facts is not None:
-                if self.on_meta is not None:
-                    self.on_meta(n, FACTS_KEY)
-                n.meta[FACTS_KEY] = facts
+        if n.op != "output":
+            self.record(n, result)
         return result
 
 
