@@ -438,3 +438,20 @@ def test_lists_given_by_keyword_are_plain_and_calls_without_lists_are_direct():
     got = runner(x)
     assert got[1].tolist() == [True, True]
     assert _same(got, fx.GraphModule(nn.Module(), graph)(x))  # the generated code's
+
+
+def _nested_kinds(items, *, scale):
+    """The container types a function sees, nested: [list, list, dict, list]."""
+    inner, table = items[0], items[1]
+    kinds = [type(items) is list, type(inner) is list, type(table) is dict, type(table["k"]) is list]
+    return torch.tensor(kinds, dtype=torch.bool) * scale
+
+
+def test_nested_containers_are_plain_at_every_level():
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    relu = graph.call_function(torch.relu, (x,))
+    kinds = graph.call_function(_nested_kinds, ([[relu, x, 2], {"k": [x, (relu, 3)]}],), {"scale": 1})
+    graph.output(kinds)
+    got = GraphRunner(lazy(fx.GraphModule(nn.Module(), graph)))(torch.randn(3))
+    assert got.tolist() == [True, True, True, True]

@@ -20,6 +20,7 @@ import contextlib
 from typing import Any, Iterator, List, Tuple
 
 from torch import fx
+from torch._ops import OpOverload
 from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.graph import CodeGen, _PyTreeCodeGen
 from torch.fx.node import map_arg
@@ -30,8 +31,9 @@ __all__ = ["GraphRunner", "running_as_graph", "waits_for_code"]
 
 _KNOWN_CODEGENS = (CodeGen, _PyTreeCodeGen)
 
-# What a step does (_CALL_LISTS: a call whose arguments hold lists or dicts)
-_CALL, _CALL_METHOD, _GET_ATTR, _PLACEHOLDER, _VARARGS, _OUTPUT, _CALL_LISTS = range(7)
+# What a step does (_CALL_LISTS: a call whose arguments hold lists or dicts;
+# _CALL_POSITIONAL: a call without keyword arguments, the commonest)
+_CALL_POSITIONAL, _CALL, _CALL_METHOD, _GET_ATTR, _PLACEHOLDER, _VARARGS, _OUTPUT, _CALL_LISTS = range(8)
 
 
 def waits_for_code(fn: Any) -> bool:
@@ -76,7 +78,9 @@ class GraphRunner:
         get = env.__getitem__
         inputs: Iterator[Any] = iter(self.codegen.process_inputs(*args))
         for node, kind, target, a, kw, dead in self.steps:
-            if kind == _CALL:
+            if kind == _CALL_POSITIONAL:
+                value = target(*map_arg(a, get))
+            elif kind == _CALL:
                 value = target(*map_arg(a, get), **map_arg(kw, get))
             elif kind == _CALL_LISTS:
                 value = target(*plain(map_arg(a, get)), **plain(map_arg(kw, get)))
@@ -149,16 +153,19 @@ def plain(value: Any) -> Any:
     """``value`` with fx's immutable lists and dicts (what ``map_arg`` builds) made
     the plain ones the generated code builds (``[a, b]``, ``{"k": v}``): a caller or a
     function may tell them apart (an output's pytree structure, ``list.append``)."""
-    if isinstance(value, list):
-        return [plain(v) for v in value]
+    if isinstance(value, list):  # most hold no container (a shape): no call per element
+        return [plain(v) if isinstance(v, _CONTAINERS) else v for v in value]
     if isinstance(value, dict):
         return {k: plain(v) for k, v in value.items()}
     if isinstance(value, tuple):
-        items = [plain(v) for v in value]
+        items = [plain(v) if isinstance(v, _CONTAINERS) else v for v in value]
         if type(value) is tuple:
             return tuple(items)
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     return value
+
+
+_CONTAINERS = (list, dict, tuple)
 
 
 def _method(name: str) -> Any:
@@ -186,10 +193,12 @@ def _step(gm: fx.GraphModule, node: fx.Node, dead: Tuple[fx.Node, ...]) -> tuple
         return (node, _GET_ATTR, attribute(gm, target), None, None, dead)
     # the keyword table itself is unpacked (``**``): only its values count
     lists = _holds_lists(node.args) or _holds_lists(tuple(node.kwargs.values()))
+    call = _CALL_LISTS if lists else _CALL if node.kwargs else _CALL_POSITIONAL
     if op == "call_function":
-        return (node, _CALL_LISTS if lists else _CALL, target, node.args, node.kwargs, dead)
+        # an OpOverload's __call__ is a Python frame around its C++ callable
+        return (node, call, target._op if type(target) is OpOverload else target, node.args, node.kwargs, dead)
     if op == "call_module":
-        return (node, _CALL_LISTS if lists else _CALL, attribute(gm, target), node.args, node.kwargs, dead)
+        return (node, call, attribute(gm, target), node.args, node.kwargs, dead)
     if op == "call_method":
         if lists:
             return (node, _CALL_LISTS, _method(target), node.args,
