@@ -185,6 +185,29 @@ def test_dropout_in_train_mode_is_reproducible():
     assert check_equivalence(m, nn.Dropout(0.5).train(), (torch.randn(64),)).ok
 
 
+def test_the_check_leaves_the_callers_random_state_and_draws_the_same_per_trial():
+    """Each run starts from its trial's seed, whatever the caller drew before; the
+    caller's generator is as it was after the check."""
+    m = nn.Dropout(0.5).train()
+    x = torch.randn(256)
+    torch.manual_seed(123)
+    before = torch.random.get_rng_state()
+    reports = [check_equivalence(m, nn.Dropout(0.5).train(), (x,), trials=2)]
+    assert torch.equal(torch.random.get_rng_state(), before)
+    torch.rand(1000)  # the caller draws in between: the check's draws do not move
+    reports.append(check_equivalence(m, nn.Dropout(0.5).train(), (x,), trials=2))
+    assert all(r.ok and r.max_abs_error == 0 for r in reports)
+    # a candidate drawing once more before its dropout draws different numbers: caught
+    torch.rand(1)
+    assert not check_equivalence(m, _DrawsFirst(), (x,), trials=1).ok
+
+
+class _DrawsFirst(nn.Module):
+    def forward(self, x):
+        torch.rand(1)
+        return nn.functional.dropout(x, 0.5, training=True)
+
+
 def test_embedding_indices_stay_in_range():
     torch.manual_seed(0)
     emb = nn.Embedding(10, 4)

@@ -74,6 +74,7 @@ from rewrite.ops.effects import state_writes, written_args
 from rewrite.ops.vocabulary import CALL_OPS, OPS, bind_node
 from rewrite.trust.gradients import GradientRun, gradient_run
 from rewrite.trust.precision import HALF, NOISE_MULTIPLIER, computes_in_half, narrowed_run, rounding_noise, widened_run
+from rewrite.trust.rng import seeded
 from rewrite.trust.runner import call_with, running_as_graph
 from rewrite.trust.tolerance import (
     EXACT_TOLERANCES,
@@ -761,7 +762,7 @@ def _call(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool = True, watch: 
     """Run ``fn`` on a private copy of ``inputs`` with a fixed RNG state.
 
     The fixed seed makes stochastic ops (dropout in training mode) draw the
-    same numbers in the reference and the candidate; ``fork_rng`` leaves the
+    same numbers in the reference and the candidate; ``seeded`` leaves the
     caller's RNG untouched. Version counters tell which inputs and which
     parameters/buffers the call wrote in place. ``watch``: ``_Watch.of(fn, dtypes)``
     when the caller has it.
@@ -803,8 +804,7 @@ def _call_once(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool, watch: Op
         grad_mode.enter_context(torch.autograd.graph.saved_tensors_hooks(_discard, _discard))
     else:
         grad_mode.enter_context(torch.no_grad())
-    with grad_mode, torch.random.fork_rng(devices=[]), recorder:
-        torch.manual_seed(rng_seed)
+    with grad_mode, seeded(rng_seed), recorder:
         out = call_with(fn, args)
     requires_grad = roots = None
     if grad:

@@ -23,6 +23,7 @@ import attrs
 import torch
 from torch.utils import _pytree as pytree
 
+from rewrite.trust.rng import seeded
 from rewrite.trust.runner import call_with
 
 __all__ = ["GRADIENT_OPS", "GradientRun", "gradient_run", "touches_gradients"]
@@ -107,8 +108,7 @@ def gradient_run(fn: Any, inputs: Any, seed: int) -> Optional[GradientRun]:
     if isinstance(fn, torch.nn.Module):
         params = {name: p for name, p in fn.named_parameters(remove_duplicate=False)
                   if p.requires_grad and _floating(p)}
-    with torch.enable_grad(), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with torch.enable_grad(), seeded(seed):
         out = call_with(fn, args)
     flat = [(pytree.keystr(kp), t) for kp, t in pytree.tree_flatten_with_path(out)[0] if _floating(t)]
     reached = tuple((path, bool(t.requires_grad)) for path, t in flat)

@@ -43,6 +43,7 @@ from torch.utils import _pytree as pytree
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from rewrite.trust.rng import seeded
 from rewrite.trust.runner import call_with
 from rewrite.trust.tolerance import SCALE_RADIUS, window_max
 
@@ -165,8 +166,7 @@ def widened_run(fn: Any, args: Any, rng_seed: int) -> Any:
     ``args`` must be private: the run may write the float32 ones."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.no_grad())
-        stack.enter_context(torch.random.fork_rng(devices=[]))
-        torch.manual_seed(rng_seed)
+        stack.enter_context(seeded(rng_seed))
         widening = _Widening()
         stack.enter_context(_WidenedCalls(widening))
         stack.enter_context(_WidenedOps(widening))
@@ -184,8 +184,7 @@ def narrowed_run(fn: Any, args: Any, rng_seed: int, dtype: torch.dtype) -> Any:
         return None
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.no_grad())
-        stack.enter_context(torch.random.fork_rng(devices=[]))
-        torch.manual_seed(rng_seed)
+        stack.enter_context(seeded(rng_seed))
         try:
             stack.enter_context(torch.autocast("cpu", dtype=dtype))
             stack.enter_context(_UncheckedMetadata())

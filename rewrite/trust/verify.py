@@ -81,6 +81,7 @@ from torch.utils import _pytree as pytree
 from rewrite.engine.compile import CompiledRule
 from rewrite.trust.instances import (Instance, Plan, draw_instance, hypothesis_api, instances, plan_for, quantized_engines,
                                rule_tolerance, strategies, trapping_division)
+from rewrite.trust.rng import seeded
 from rewrite.trust.tolerance import Tolerance, compare_tensors, loosest, newly_nonfinite
 
 __all__ = [
@@ -257,8 +258,7 @@ class _Recorder(fx.Interpreter):
 
 def _run(gm: fx.GraphModule, inputs: tuple) -> tuple:
     rec = _Recorder(gm)
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
+    with torch.no_grad(), seeded(0):
         out = rec.run(*[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs])
     return out, rec.seen
 
