@@ -75,7 +75,8 @@ from rewrite.ops.vocabulary import CALL_OPS, OPS, bind_node
 from rewrite.trust.gradients import GradientRun, gradient_run
 from rewrite.trust.precision import HALF, NOISE_MULTIPLIER, computes_in_half, narrowed_run, rounding_noise, widened_run
 from rewrite.trust.rng import seeded
-from rewrite.trust.runner import call_with, running_as_graph
+from rewrite.trust.reuse import Recording, ReusePlan, record_plan, recordable
+from rewrite.trust.runner import active_runner, call_with, running_as_graph, runs_generated_code
 from rewrite.trust.tolerance import (
     EXACT_TOLERANCES,
     TOLERANCES,
@@ -463,6 +464,8 @@ class _Run:
     #: per leaf of ``outputs`` that requires grad, where its gradient starts (its
     #: ``grad_fn``, or the tensor itself when it is a leaf): what it requires grad through
     grad_roots: Optional[Tuple[Any, ...]] = None
+    #: every value of the run, by node (``rewrite.trust.reuse.Recording``), or None
+    recorded: Any = None
 
 
 @attrs.frozen
@@ -507,6 +510,12 @@ class _Watch:
         unneeded = static is not None and compared_with is not None and static <= compared_with
         return cls(state, frozenset(_storage(t) for t in state.values()) - {None}, writable, watched, by_value,
                    static, _static_lineage(fn) if dtypes and not unneeded else None, unneeded)
+
+    def dispatches(self, dtypes: bool) -> bool:
+        """Whether a run records the dtypes its ops compute in as it goes (every op
+        dispatched through ``_DtypeRecorder``): they are needed (``dtypes``) and the
+        graph's metadata does not tell them."""
+        return dtypes and (self.static is None or (self.lineage is None and not self.lineage_unneeded))
 
 
 class _DtypeRecorder(TorchDispatchMode):
@@ -796,7 +805,7 @@ def _call_once(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool, watch: Op
     static = watch.static if dtypes else None
     static_lineage = watch.lineage if dtypes else None
     record_lineage = static_lineage is None and not watch.lineage_unneeded
-    recording = dtypes and (static is None or record_lineage)
+    recording = watch.dispatches(dtypes)
     recorder = _DtypeRecorder(lineage=record_lineage) if recording else contextlib.nullcontext()
     grad_mode = contextlib.ExitStack()
     if grad:
@@ -1207,6 +1216,8 @@ class Reference:
         self._gradients: Optional[Tuple[Optional[GradientRun], Optional[str]]] = None
         self._noise: Dict[Any, Optional[tuple]] = {}
         self._prepared = False  # in place: the module is the candidate after prepare()
+        self._recordable: Optional[bool] = None
+        self._plan: Optional[dict] = None  # rewrite.trust.reuse.record_plan of the graph the runs record
 
     def inputs(self, trial: int) -> Any:
         if trial not in self._inputs:
@@ -1235,8 +1246,13 @@ class Reference:
         state covering the reference). ``dtypes``: record the floating dtypes its
         ops compute in (approximate checks need them)."""
         if trial not in self._runs or (dtypes and not self._with_dtypes[trial]):
+            records = self._records()
             with (preserved_state(self.fn, runs_only=True, watches=(self.watch(),)) if state is None
-                  else contextlib.nullcontext(state)) as saved, running_as_graph(self.fn) as fn:
+                  else contextlib.nullcontext(state)) as saved, running_as_graph(self.fn, force=records) as fn:
+                runner = active_runner(fn) if records else None
+                recording = Recording(self._plan) if runner is not None and runner.recording is None else None
+                if recording is not None:  # the values, for a rewrite's run to reuse
+                    runner.recording = recording
                 try:
                     # trial 0 with gradients enabled: which outputs require grad
                     self._runs[trial] = _call(fn, self.inputs(trial), self.seed + trial, dtypes, self.watch(),
@@ -1244,8 +1260,12 @@ class Reference:
                 except Exception as e:
                     raise RuntimeError(f"reference failed on trial {trial} inputs: {type(e).__name__}: {e}") from e
                 finally:
+                    if recording is not None:
+                        runner.recording = None
                     if state is not None:
                         state.restore()
+                if recording is not None and recording.complete:
+                    self._runs[trial] = attrs.evolve(self._runs[trial], recorded=recording)
             self._with_dtypes[trial] = dtypes
         return self._runs[trial]
 
@@ -1309,6 +1329,15 @@ class Reference:
                 self._noise[key] = estimate(ref, fn, _clone(self.inputs(trial)), self.seed + trial)
         return self._noise.get(key)
 
+    def _records(self) -> bool:
+        """Whether runs keep every value for a rewrite's runs to reuse
+        (``rewrite.trust.reuse``): decided once, before an in-place rewrite changes
+        the graph."""
+        if self._recordable is None:
+            self._recordable = recordable(self.fn) and runs_generated_code(self.fn)
+            self._plan = record_plan(self.fn) if self._recordable else None
+        return self._recordable
+
     def watch(self) -> _Watch:
         """What the check watches of the reference (worked out on its first run: an
         in-place rewrite changes the module's graph afterwards)."""
@@ -1324,7 +1353,7 @@ class Reference:
         precisions the rewrite newly computes in: ``narrowing_noise``): the check may
         need them afterwards."""
         with gc_paused(), preserved_state(self.fn, runs_only=True, watches=(self.watch(),)) as state, \
-                running_as_graph(self.fn):
+                running_as_graph(self.fn, force=self._records()):
             for t in range(trials):
                 if not self.repeats(t):
                     self.run(t, dtypes=tolerance == "approx", state=state)
@@ -1401,14 +1430,23 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
     # describes a graph the module no longer has.
     watches = (watch, None if reference.fn is candidate else reference.watch())
     low0: Optional[torch.dtype] = None
+    # The reference's runs keep their values where the rewrite's runs can take
+    # them instead of computing them again (rewrite.trust.reuse); not when the
+    # rewrite's ops are dispatched through the dtype recorder (it must see them all).
+    records = reference._records()
     with preserved_state(candidate, reference.fn, runs_only=True, watches=watches) as state, \
-            running_as_graph(reference.fn), running_as_graph(candidate) as run_candidate:
+            running_as_graph(reference.fn, force=records), \
+            running_as_graph(candidate, force=records) as run_candidate:
+        runner = active_runner(run_candidate) if records and not watch.dispatches(dtypes) else None
+        plan = ReusePlan(run_candidate, runner.steps, reference._plan) if runner is not None else None
         for t in range(trials):
             if reference.repeats(t):
                 skipped += 1
                 continue
             ref = reference.run(t, dtypes, state)
             inputs = reference.inputs(t)
+            if plan is not None and ref.recorded is not None:
+                runner.reuse = (plan, ref.recorded)
             try:
                 cand = _call(run_candidate, inputs, seed + t, dtypes, watch, t == 0, state.restore)
             except Exception as e:
@@ -1416,6 +1454,8 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
                               f"candidate raised {type(e).__name__}: {e}")
                 return EquivalenceReport(False, t + 1, math.inf, math.inf, mm, skipped=skipped)
             finally:
+                if runner is not None:
+                    runner.reuse = None
                 state.restore()
             # per output: only what the rewrite newly computes it from in a lower
             # precision loosens its tolerance (and lets its integers flip)

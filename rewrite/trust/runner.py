@@ -27,7 +27,7 @@ from torch.fx.node import map_arg
 
 from rewrite.ops.base import attribute
 
-__all__ = ["GraphRunner", "running_as_graph", "waits_for_code"]
+__all__ = ["GraphRunner", "active_runner", "running_as_graph", "runs_generated_code", "waits_for_code"]
 
 _KNOWN_CODEGENS = (CodeGen, _PyTreeCodeGen)
 
@@ -62,12 +62,27 @@ class GraphRunner:
             if nodes[i].op != "output":
                 dies_after[i].append(node)
         self.steps = [_step(gm, node, tuple(dead)) for node, dead in zip(nodes, dies_after)]
+        #: a ``rewrite.trust.reuse.Recording`` the next runs fill, or None
+        self.recording: Any = None
+        #: ``(ReusePlan, Recording)`` (``rewrite.trust.reuse``): the next runs take
+        #: values from the recording where the plan says they may; or None
+        self.reuse: Any = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """What ``gm.forward(*args)`` returns (called by keyword: the generated code's)."""
         if kwargs:
+            if not isinstance(self.gm, _LazyGraphModule):
+                return type(self.gm).forward(self.gm, *args, **kwargs)
             self.gm.real_recompile()
             return type(self.gm).forward(self.gm, *args, **kwargs)
+        recording = self.recording
+        if recording is not None:
+            recording.start()
+            out = self.observed(recording.observe, *args)
+            recording.complete = True
+            return out
+        if self.reuse is not None and self.reuse[0].usable(self.reuse[1]):
+            return self._reusing(*self.reuse, args)
         return self.observed(None, *args)
 
     def observed(self, observe: Any, *args: Any) -> Any:
@@ -106,13 +121,79 @@ class GraphRunner:
                 del env[gone]
         raise RuntimeError("graph without an output node")
 
+    def _reusing(self, plan: Any, recording: Any, args: tuple) -> Any:
+        """``self(*args)`` taking from ``recording`` the values the original
+        computed where ``plan`` says they are certainly what this run would compute
+        (``rewrite.trust.reuse``); every other step as ``observed`` makes it."""
+        from rewrite.trust.reuse import inputs_same
+
+        env: dict = {}
+        get = env.__getitem__
+        same: set = set()  # (own node, original's name) known to hold the same bits, this run
+        values = recording.values
+        inputs: Iterator[Any] = iter(self.codegen.process_inputs(*args))
+        for (node, kind, target, a, kw, dead), how in zip(self.steps, plan.steps):
+            if how is not None and inputs_same(how, values, env, same):
+                if how[0]:  # a pure op's fresh result: the original's
+                    env[node] = values[how[1]]
+                    for gone in dead:
+                        del env[gone]
+                    continue
+                same.add((node, how[1]))  # a view of the same bits: computed, known equal
+            if kind == _CALL_POSITIONAL:
+                value = target(*map_arg(a, get))
+            elif kind == _CALL:
+                value = target(*map_arg(a, get), **map_arg(kw, get))
+            elif kind == _CALL_LISTS:
+                value = target(*plain(map_arg(a, get)), **plain(map_arg(kw, get)))
+            elif kind == _GET_ATTR:
+                value = target
+            elif kind == _CALL_METHOD:
+                self_obj, *rest = map_arg(a, get)
+                value = getattr(self_obj, target)(*rest, **map_arg(kw, get))
+            elif kind == _PLACEHOLDER:
+                value = next(inputs, _MISSING)
+                if value is _MISSING:
+                    if a is _MISSING:
+                        raise TypeError(f"forward() missing required argument {target!r}")
+                    value = a
+            elif kind == _VARARGS:
+                value = tuple(inputs)
+            else:
+                return self.codegen.process_outputs(plain(map_arg(a, get)[0]))
+            env[node] = value
+            for gone in dead:
+                del env[gone]
+        raise RuntimeError("graph without an output node")
+
+
+def runs_generated_code(fn: Any) -> bool:
+    """Whether ``fn`` is a GraphModule whose ``forward`` is the code fx generates
+    from its graph (generated or waiting to be), in a calling convention the runner
+    knows: running its graph node by node is then calling it."""
+    if not isinstance(fn, fx.GraphModule) or "forward" in vars(fn) \
+            or type(fn.graph._codegen) not in _KNOWN_CODEGENS:
+        return False
+    if waits_for_code(fn):
+        return True
+    code = getattr(getattr(type(fn).forward, "__code__", None), "co_filename", "")
+    return code.startswith("<eval_with_key>")
+
+
+def active_runner(fn: Any) -> "GraphRunner | None":
+    """The runner ``running_as_graph`` put in place of ``fn``'s forward, if any."""
+    runner = vars(fn).get("forward") if isinstance(fn, fx.GraphModule) else None
+    return runner if isinstance(runner, GraphRunner) else None
+
 
 @contextlib.contextmanager
-def running_as_graph(fn: Any) -> Iterator[Any]:
+def running_as_graph(fn: Any, force: bool = False) -> Iterator[Any]:
     """Within the block, calling ``fn`` (a module waiting for its code) runs its graph
     through a ``GraphRunner`` instead of generating the code first; anything else is
-    called as it is. The module is left as it was."""
-    if not waits_for_code(fn):
+    called as it is. ``force``: a module whose code is generated runs through a
+    runner too (to record or reuse values: ``rewrite.trust.reuse``). The module is
+    left as it was."""
+    if not (waits_for_code(fn) or (force and runs_generated_code(fn))):
         yield fn
         return
     try:

@@ -1,0 +1,245 @@
+"""Reuse the original's values where a rewrite left the computation as it was.
+
+The check runs the original and the rewrite on the same inputs, a few times. Most
+nodes of a rewritten graph are the original's, untouched by any rule: the same op
+on the same values. For those, the rewrite's run takes the value the original's
+run computed instead of computing it again, when that is exactly what computing it
+would give:
+
+- the op is a pure, deterministic ATen op whose result is fresh memory (its
+  schema writes nothing and returns no alias; its tags say it draws no random
+  numbers and may neither alias nor mutate);
+- the node is the original's node of the same name, with the same target and the
+  same literal arguments;
+- each of its inputs is the very value the original's node read, or one known to
+  be bitwise the same: computed by such a reused step, or compared once (dtype,
+  shape, strides, offset and every bit: ``-0.0`` is not ``0.0``).
+
+A view of such values (``reshape``, ``transpose``, ``getitem``) is computed again,
+on the rewrite's own tensors (what it shares memory with is part of what the check
+compares), and is then known to hold the same bits. So the comparison downstream
+of a rewrite that changed no bit (``x * 1 => x``) costs a dictionary look-up per
+node, and a rewrite that changed values recomputes what depends on them, as
+before. Nothing is reused when either graph writes in place (a reused value must
+stay what the original computed), when a node is not a plain function call (a
+module may keep state), or when the original's values would not fit
+``MAX_RECORDED_BYTES``.
+"""
+
+from __future__ import annotations
+
+import operator
+import struct
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+from torch import fx
+from torch._ops import OpOverload
+from torch.fx.node import map_arg
+from torch.utils import _pytree as pytree
+
+from rewrite.engine.aliasing import graph_writes
+from rewrite.ops.base import by_identity
+
+__all__ = ["MAX_RECORDED_BYTES", "Recording", "ReusePlan", "bitwise_same", "inputs_same", "record_plan", "recordable"]
+
+#: the most memory the original's values of one trial may take to be kept for reuse
+MAX_RECORDED_BYTES = 64 * 2**20
+
+_FRESH, _VIEW = "fresh", "view"
+_EXCLUDED_TAGS = frozenset(getattr(torch.Tag, name) for name in (
+    "nondeterministic_seeded", "nondeterministic_bitwise", "maybe_aliasing_or_mutating", "inplace_view")
+    if hasattr(torch.Tag, name))
+_KINDS: dict = {}  # id(target) -> (target, _FRESH, _VIEW or None)
+_SLOT = type("_Slot", (), {"__repr__": lambda self: "<value>"})()
+_BATCH_NORM = torch.ops.aten.batch_norm.default
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _kind(target: Any) -> Optional[str]:
+    """``_FRESH`` (a pure op returning fresh memory), ``_VIEW`` (a pure op that may
+    return a view of an input) or None (anything else: computed, never trusted)."""
+    return by_identity(_KINDS, target, _kind_of)
+
+
+def _kind_of(target: Any) -> Optional[str]:
+    if target is operator.getitem:
+        return _VIEW
+    if type(target) is not OpOverload:
+        return None
+    schema = target._schema
+    if schema.is_mutable or _EXCLUDED_TAGS.intersection(target.tags):
+        return None
+    if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        return None
+    return _VIEW if any(r.alias_info is not None for r in schema.returns) else _FRESH
+
+
+def _node_kind(node: fx.Node) -> Optional[str]:
+    """``_kind`` of the node's target, and batch norm in inference (its tags say it
+    may write, for the running statistics training updates)."""
+    kind = _kind(node.target)
+    if kind is None and node.target is _BATCH_NORM and len(node.args) > 5 and node.args[5] is False:
+        return _FRESH
+    return kind
+
+
+def _export_guard(node: fx.Node) -> bool:
+    """torch.export's guard call (``_guards_fn``): it checks the inputs, returns
+    nothing and keeps no state."""
+    return node.op == "call_module" and node.target == "_guards_fn" and not node.users
+
+
+def _structure(node: fx.Node) -> Tuple[str, Tuple[fx.Node, ...]]:
+    """(the node's arguments spelled with every value replaced by a slot, the values
+    in that order): two nodes with equal structures and targets compute the same on
+    the same values."""
+    inputs: list = []
+
+    def slot(n: fx.Node) -> Any:
+        inputs.append(n)
+        return _SLOT
+
+    spelled = repr(map_arg((node.args, node.kwargs), slot))
+    return spelled, tuple(inputs)
+
+
+def recordable(gm: Any) -> bool:
+    """Whether the values of a run of ``gm`` can serve a rewrite's run: a
+    GraphModule of plain function calls, none writing in place, whose values (by
+    its metadata) fit ``MAX_RECORDED_BYTES``."""
+    if not isinstance(gm, fx.GraphModule):
+        return False
+    total = 0
+    for node in gm.graph.nodes:
+        if node.op in ("call_module", "call_method") and not _export_guard(node):
+            return False
+        if node.op != "call_function":
+            continue
+        val = node.meta.get("val", _SLOT)
+        if val is _SLOT:
+            return False  # no metadata: the size is not known
+        for t in pytree.tree_leaves(val):
+            if isinstance(t, torch.Tensor):
+                try:
+                    total += int(t.numel()) * t.element_size()
+                except Exception:  # noqa: BLE001 - a symbolic size: not known to fit
+                    return False
+    return total <= MAX_RECORDED_BYTES and not graph_writes(gm)
+
+
+def record_plan(gm: fx.GraphModule) -> Dict[str, tuple]:
+    """What each call node of ``gm`` computes from: name -> (target, its arguments
+    spelled with slots, its inputs' names). Taken before an in-place rewrite
+    changes the graph."""
+    plan: Dict[str, tuple] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            spelled, inputs = _structure(node)
+            plan[node.name] = (node.target, spelled, tuple(n.name for n in inputs))
+    return plan
+
+
+class Recording:
+    """The values of one run of the original by node name (``plan``: ``record_plan``
+    of its graph), and whether gradients were enabled (a value computed with them
+    carries its autograd history)."""
+
+    def __init__(self, plan: Dict[str, tuple]) -> None:
+        self.plan = plan
+        self.values: Dict[str, Any] = {}
+        self.grad = False
+        self.complete = False
+
+    def start(self) -> None:
+        self.values.clear()
+        self.grad = torch.is_grad_enabled()
+        self.complete = False
+
+    def observe(self, node: fx.Node, value: Any) -> None:
+        self.values[node.name] = value
+
+
+class ReusePlan:
+    """Per step of a rewrite's ``GraphRunner`` (same order), how it may reuse the
+    values of a ``Recording`` made with ``plan``: None (compute it), or ``(fresh,
+    name, pairs)``: the original's node ``name`` computed it from the values of
+    ``pairs`` ((own input node, original's input name, whether to compare their
+    bits), ...); ``fresh``: take its value, else compute it and know it equal."""
+
+    def __init__(self, gm: fx.GraphModule, steps: list, plan: Dict[str, tuple]) -> None:
+        self.plan = plan
+        self.steps: list = []
+        if any(step[0].op in ("call_module", "call_method") and not _export_guard(step[0]) for step in steps) \
+                or graph_writes(gm):
+            plan = {}  # a module may keep state; a write may change a value reused
+        matched: dict = {}  # node -> (fresh, its inputs, the original's input names)
+        for step in steps:
+            node = step[0]
+            entry = plan.get(node.name) if node.op == "call_function" else None
+            if entry is not None and entry[0] is node.target:
+                kind = _node_kind(node)
+                if kind is not None:
+                    spelled, inputs = _structure(node)
+                    if spelled == entry[1] and len(inputs) == len(entry[2]):
+                        matched[node] = (kind == _FRESH, inputs, entry[2])
+        for step in steps:
+            node = step[0]
+            found = matched.get(node)
+            # an input that is itself a matched step, read where the original read
+            # that same node, holds the original's value unless it was computed
+            # again because its own inputs differed: comparing its bits would then
+            # find them different (and cost a comparison at every step downstream
+            # of a change); an input a rewrite put in another's place is compared
+            self.steps.append(None if found is None else (found[0], node.name, tuple(
+                (n, name, n not in matched or n.name != name) for n, name in zip(found[1], found[2]))))
+        self.reusable = bool(matched)
+
+    def usable(self, recording: Recording) -> bool:
+        """The recording is whole, made with this plan, in the grad mode now in force."""
+        return (self.reusable and recording.complete and recording.plan is self.plan
+                and recording.grad == torch.is_grad_enabled())
+
+
+def inputs_same(how: tuple, values: dict, env: dict, same: set) -> bool:
+    """Every input of a step (``ReusePlan.steps``) holds the original's value
+    (``values``, a ``Recording``'s) or the same bits; ``same``: the pairs known to."""
+    for node, name, testable in how[2]:
+        mine = env[node]
+        theirs = values.get(name, _SLOT)
+        if mine is theirs or (node, name) in same:
+            continue
+        if not testable or theirs is _SLOT or not bitwise_same(mine, theirs):
+            return False
+        same.add((node, name))
+    return True
+
+
+def bitwise_same(a: Any, b: Any) -> bool:
+    """``a`` and ``b`` are interchangeable as inputs of a deterministic op: plain
+    tensors of the same dtype, device, shape, strides and offset holding the same
+    bits, or the same Python scalars, or sequences of such."""
+    if type(a) is not type(b):
+        return False
+    if type(a) is torch.Tensor:
+        if (a.dtype != b.dtype or a.device != b.device or a.layout != torch.strided or b.layout != torch.strided
+                or a.shape != b.shape or a.stride() != b.stride() or a.storage_offset() != b.storage_offset()
+                or a.requires_grad != b.requires_grad or a.is_quantized or a.is_conj() != b.is_conj()
+                or a.is_neg() != b.is_neg()):
+            return False
+        a, b = a.detach(), b.detach()
+        if a.is_complex():
+            a, b = torch.view_as_real(a), torch.view_as_real(b)
+        if a.is_floating_point():  # compare bits: -0.0 differs from 0.0, a NaN equals itself
+            bits = _INT_OF_SIZE.get(a.element_size())
+            if bits is None:
+                return False
+            a, b = a.view(bits), b.view(bits)
+        return bool(torch.equal(a, b))
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(bitwise_same(x, y) for x, y in zip(a, b))
+    if type(a) is float:
+        return struct.pack("<d", a) == struct.pack("<d", b)
+    if type(a) in (int, bool, str, type(None), torch.dtype, torch.device):
+        return a == b
+    return False
