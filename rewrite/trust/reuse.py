@@ -30,12 +30,11 @@ from __future__ import annotations
 
 import operator
 import struct
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional
 
 import torch
 from torch import fx
 from torch._ops import OpOverload
-from torch.fx.node import map_arg
 from torch.utils import _pytree as pytree
 
 from rewrite.engine.aliasing import graph_writes
@@ -51,7 +50,7 @@ _EXCLUDED_TAGS = frozenset(getattr(torch.Tag, name) for name in (
     "nondeterministic_seeded", "nondeterministic_bitwise", "maybe_aliasing_or_mutating", "inplace_view")
     if hasattr(torch.Tag, name))
 _KINDS: dict = {}  # id(target) -> (target, _FRESH, _VIEW or None)
-_SLOT = type("_Slot", (), {"__repr__": lambda self: "<value>"})()
+_SLOT = object()  # a value the recording does not hold
 _BATCH_NORM = torch.ops.aten.batch_norm.default
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -90,18 +89,30 @@ def _export_guard(node: fx.Node) -> bool:
     return node.op == "call_module" and node.target == "_guards_fn" and not node.users
 
 
-def _structure(node: fx.Node) -> Tuple[str, Tuple[fx.Node, ...]]:
-    """(the node's arguments spelled with every value replaced by a slot, the values
-    in that order): two nodes with equal structures and targets compute the same on
-    the same values."""
-    inputs: list = []
-
-    def slot(n: fx.Node) -> Any:
-        inputs.append(n)
-        return _SLOT
-
-    spelled = repr(map_arg((node.args, node.kwargs), slot))
-    return spelled, tuple(inputs)
+def _aligned(mine: Any, theirs: Any, pairs: list) -> bool:
+    """Whether two nodes' arguments are the same but for the values they read:
+    the same literals (of the same types; floats by their bits) in the same
+    containers, values where values are; appends each (own value, original's
+    value) to ``pairs``."""
+    if isinstance(mine, fx.Node):
+        if not isinstance(theirs, fx.Node):
+            return False
+        pairs.append((mine, theirs))
+        return True
+    if type(mine) is not type(theirs):
+        return False
+    if isinstance(mine, (tuple, list)):
+        return len(mine) == len(theirs) and all(_aligned(a, b, pairs) for a, b in zip(mine, theirs))
+    if isinstance(mine, dict):
+        return mine.keys() == theirs.keys() and all(_aligned(mine[k], theirs[k], pairs) for k in mine)
+    if type(mine) is float:
+        return struct.pack("<d", mine) == struct.pack("<d", theirs)
+    if mine is theirs:
+        return True
+    try:
+        return bool(mine == theirs)
+    except Exception:  # noqa: BLE001 - not comparable: not known to be the same
+        return False
 
 
 def recordable(gm: Any) -> bool:
@@ -119,7 +130,7 @@ def recordable(gm: Any) -> bool:
         val = node.meta.get("val", _SLOT)
         if val is _SLOT:
             return False  # no metadata: the size is not known
-        for t in pytree.tree_leaves(val):
+        for t in (val,) if isinstance(val, torch.Tensor) else pytree.tree_leaves(val):
             if isinstance(t, torch.Tensor):
                 try:
                     total += int(t.numel()) * t.element_size()
@@ -129,25 +140,25 @@ def recordable(gm: Any) -> bool:
 
 
 def record_plan(gm: fx.GraphModule) -> Dict[str, tuple]:
-    """What each call node of ``gm`` computes from: name -> (target, its arguments
-    spelled with slots, its inputs' names). Taken before an in-place rewrite
-    changes the graph."""
+    """What each call node of ``gm`` computes from: name -> (the node, its target,
+    its arguments, its keyword arguments). Taken before an in-place rewrite changes
+    the graph (which gives a node it rewires new argument tuples)."""
     plan: Dict[str, tuple] = {}
     for node in gm.graph.nodes:
         if node.op == "call_function":
-            spelled, inputs = _structure(node)
-            plan[node.name] = (node.target, spelled, tuple(n.name for n in inputs))
+            plan[node.name] = (node, node.target, node.args, node.kwargs)
     return plan
 
 
 class Recording:
-    """The values of one run of the original by node name (``plan``: ``record_plan``
-    of its graph), and whether gradients were enabled (a value computed with them
-    carries its autograd history)."""
+    """The values of one run of the original by node (``plan``: ``record_plan`` of
+    its graph), and whether gradients were enabled (a value computed with them
+    carries its autograd history). ``observe`` is what the runner calls per node."""
 
     def __init__(self, plan: Dict[str, tuple]) -> None:
         self.plan = plan
-        self.values: Dict[str, Any] = {}
+        self.values: Dict[fx.Node, Any] = {}
+        self.observe = self.values.__setitem__
         self.grad = False
         self.complete = False
 
@@ -156,16 +167,14 @@ class Recording:
         self.grad = torch.is_grad_enabled()
         self.complete = False
 
-    def observe(self, node: fx.Node, value: Any) -> None:
-        self.values[node.name] = value
-
 
 class ReusePlan:
     """Per step of a rewrite's ``GraphRunner`` (same order), how it may reuse the
     values of a ``Recording`` made with ``plan``: None (compute it), or ``(fresh,
-    name, pairs)``: the original's node ``name`` computed it from the values of
-    ``pairs`` ((own input node, original's input name, whether to compare their
-    bits), ...); ``fresh``: take its value, else compute it and know it equal."""
+    original, pairs)``: the original's node ``original`` computed it from the
+    values of ``pairs`` ((own input node, the original's input node, whether to
+    compare their bits), ...); ``fresh``: take its value, else compute it and know
+    it equal."""
 
     def __init__(self, gm: fx.GraphModule, steps: list, plan: Dict[str, tuple]) -> None:
         self.plan = plan
@@ -173,26 +182,25 @@ class ReusePlan:
         if any(step[0].op in ("call_module", "call_method") and not _export_guard(step[0]) for step in steps) \
                 or graph_writes(gm):
             plan = {}  # a module may keep state; a write may change a value reused
-        matched: dict = {}  # node -> (fresh, its inputs, the original's input names)
+        matched: dict = {}  # node -> (fresh, the original's node, its inputs, the original's inputs)
         for step in steps:
             node = step[0]
             entry = plan.get(node.name) if node.op == "call_function" else None
-            if entry is not None and entry[0] is node.target:
+            if entry is not None and entry[1] is node.target:
                 kind = _node_kind(node)
-                if kind is not None:
-                    spelled, inputs = _structure(node)
-                    if spelled == entry[1] and len(inputs) == len(entry[2]):
-                        matched[node] = (kind == _FRESH, inputs, entry[2])
+                pairs: list = []
+                if kind is not None and _aligned(node.args, entry[2], pairs) \
+                        and _aligned(node.kwargs, entry[3], pairs):
+                    matched[node] = (kind == _FRESH, entry[0], pairs)
         for step in steps:
-            node = step[0]
-            found = matched.get(node)
+            found = matched.get(step[0])
             # an input that is itself a matched step, read where the original read
-            # that same node, holds the original's value unless it was computed
+            # its own original, holds the original's value unless it was computed
             # again because its own inputs differed: comparing its bits would then
             # find them different (and cost a comparison at every step downstream
             # of a change); an input a rewrite put in another's place is compared
-            self.steps.append(None if found is None else (found[0], node.name, tuple(
-                (n, name, n not in matched or n.name != name) for n, name in zip(found[1], found[2]))))
+            self.steps.append(None if found is None else (found[0], found[1], tuple(
+                (n, theirs, n not in matched or matched[n][1] is not theirs) for n, theirs in found[2])))
         self.reusable = bool(matched)
 
     def usable(self, recording: Recording) -> bool:
@@ -204,14 +212,14 @@ class ReusePlan:
 def inputs_same(how: tuple, values: dict, env: dict, same: set) -> bool:
     """Every input of a step (``ReusePlan.steps``) holds the original's value
     (``values``, a ``Recording``'s) or the same bits; ``same``: the pairs known to."""
-    for node, name, testable in how[2]:
+    for node, theirs_node, testable in how[2]:
         mine = env[node]
-        theirs = values.get(name, _SLOT)
-        if mine is theirs or (node, name) in same:
+        theirs = values.get(theirs_node, _SLOT)
+        if mine is theirs or (node, theirs_node) in same:
             continue
         if not testable or theirs is _SLOT or not bitwise_same(mine, theirs):
             return False
-        same.add((node, name))
+        same.add((node, theirs_node))
     return True
 
 
