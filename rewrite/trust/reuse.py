@@ -52,6 +52,7 @@ _EXCLUDED_TAGS = frozenset(getattr(torch.Tag, name) for name in (
 _KINDS: dict = {}  # id(target) -> (target, _FRESH, _VIEW or None)
 _SLOT = object()  # a value the recording does not hold
 _BATCH_NORM = torch.ops.aten.batch_norm.default
+_NODE = fx.Node
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -89,22 +90,41 @@ def _export_guard(node: fx.Node) -> bool:
     return node.op == "call_module" and node.target == "_guards_fn" and not node.users
 
 
-def _aligned(mine: Any, theirs: Any, pairs: list) -> bool:
-    """Whether two nodes' arguments are the same but for the values they read:
-    the same literals (of the same types; floats by their bits) in the same
-    containers, values where values are; appends each (own value, original's
-    value) to ``pairs``."""
-    if isinstance(mine, fx.Node):
-        if not isinstance(theirs, fx.Node):
+def _aligned(mine: tuple, theirs: tuple, pairs: list) -> bool:
+    """Whether two nodes' argument tuples (or keyword dicts) are the same but for
+    the values they read: the same literals (of the same types; floats by their
+    bits) in the same containers, values where values are; appends each (own
+    value, original's value) to ``pairs``. Flat arguments of values, ints, bools
+    and None (most) take no call per item."""
+    if type(mine) is dict:
+        return mine.keys() == theirs.keys() and _aligned(tuple(mine.values()), tuple(theirs.values()), pairs)
+    if len(mine) != len(theirs):
+        return False
+    for a, b in zip(mine, theirs):
+        kind = type(a)
+        if kind is _NODE:
+            if type(b) is not _NODE:
+                return False
+            pairs.append((a, b))
+        elif a is b:  # a copied graph shares its literals
+            continue
+        elif kind is not type(b):
             return False
+        elif kind is int or kind is bool:
+            if a != b:
+                return False
+        elif a is not None and not _aligned_value(a, b, pairs):
+            return False
+    return True
+
+
+def _aligned_value(mine: Any, theirs: Any, pairs: list) -> bool:
+    """``_aligned`` for one argument of the same type on both sides."""
+    if isinstance(mine, fx.Node):
         pairs.append((mine, theirs))
         return True
-    if type(mine) is not type(theirs):
-        return False
-    if isinstance(mine, (tuple, list)):
-        return len(mine) == len(theirs) and all(_aligned(a, b, pairs) for a, b in zip(mine, theirs))
-    if isinstance(mine, dict):
-        return mine.keys() == theirs.keys() and all(_aligned(mine[k], theirs[k], pairs) for k in mine)
+    if isinstance(mine, (tuple, list, dict)):
+        return _aligned(mine, theirs, pairs)
     if type(mine) is float:
         return struct.pack("<d", mine) == struct.pack("<d", theirs)
     if mine is theirs:
