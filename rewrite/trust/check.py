@@ -76,7 +76,7 @@ from rewrite.trust.gradients import GradientRun, gradient_run
 from rewrite.trust.precision import HALF, NOISE_MULTIPLIER, computes_in_half, narrowed_run, rounding_noise, widened_run
 from rewrite.trust.rng import seeded
 from rewrite.trust.reuse import Recording, ReusePlan, record_plan, recordable
-from rewrite.trust.runner import active_runner, call_with, running_as_graph, runs_generated_code
+from rewrite.trust.runner import GraphRunner, active_runner, call_with, running_as_graph, runs_generated_code
 from rewrite.trust.tolerance import (
     EXACT_TOLERANCES,
     TOLERANCES,
@@ -1218,6 +1218,8 @@ class Reference:
         self._prepared = False  # in place: the module is the candidate after prepare()
         self._recordable: Optional[bool] = None
         self._plan: Optional[dict] = None  # rewrite.trust.reuse.record_plan of the graph the runs record
+        self._runner: Optional[GraphRunner] = None
+        self._recording = True
 
     def inputs(self, trial: int) -> Any:
         if trial not in self._inputs:
@@ -1246,9 +1248,10 @@ class Reference:
         state covering the reference). ``dtypes``: record the floating dtypes its
         ops compute in (approximate checks need them)."""
         if trial not in self._runs or (dtypes and not self._with_dtypes[trial]):
-            records = self._records()
+            records = self._recording and self._records()
             with (preserved_state(self.fn, runs_only=True, watches=(self.watch(),)) if state is None
-                  else contextlib.nullcontext(state)) as saved, running_as_graph(self.fn, force=records) as fn:
+                  else contextlib.nullcontext(state)) as saved, \
+                    running_as_graph(self.fn, force=records, runner=self._recorder() if records else None) as fn:
                 runner = active_runner(fn) if records else None
                 recording = Recording(self._plan) if runner is not None and runner.recording is None else None
                 if recording is not None:  # the values, for a rewrite's run to reuse
@@ -1338,6 +1341,20 @@ class Reference:
             self._plan = record_plan(self.fn) if self._recordable else None
         return self._recordable
 
+    def _recorder(self) -> Optional[GraphRunner]:
+        """The runner recording runs go through (built once; None if they cannot)."""
+        if self._runner is None and self._records():
+            try:
+                self._runner = GraphRunner(self.fn)
+            except NotImplementedError:
+                self._recordable = False
+        return self._runner
+
+    def stop_recording(self) -> None:
+        """Later runs keep no values: a rewrite's run took too few of them to pay
+        for keeping them (and for running node by node rather than the code)."""
+        self._recording = False
+
     def watch(self) -> _Watch:
         """What the check watches of the reference (worked out on its first run: an
         in-place rewrite changes the module's graph afterwards)."""
@@ -1352,8 +1369,11 @@ class Reference:
         widened (``noise``), and run under autocast to each of ``lower`` (the half
         precisions the rewrite newly computes in: ``narrowing_noise``): the check may
         need them afterwards."""
+        if tolerance != "exact":
+            self.stop_recording()  # see _check
         with gc_paused(), preserved_state(self.fn, runs_only=True, watches=(self.watch(),)) as state, \
-                running_as_graph(self.fn, force=self._records()):
+                running_as_graph(self.fn, force=self._recording and self._records(),
+                                 runner=self._recorder() if self._recording else None):
             for t in range(trials):
                 if not self.repeats(t):
                     self.run(t, dtypes=tolerance == "approx", state=state)
@@ -1433,10 +1453,11 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
     # The reference's runs keep their values where the rewrite's runs can take
     # them instead of computing them again (rewrite.trust.reuse); not when the
     # rewrite's ops are dispatched through the dtype recorder (it must see them all).
-    records = reference._records()
+    if tolerance != "exact":  # an approximate rule changes values: what follows them is computed anew
+        reference.stop_recording()
+    records = reference._recording and reference._records()
     with preserved_state(candidate, reference.fn, runs_only=True, watches=watches) as state, \
-            running_as_graph(reference.fn, force=records), \
-            running_as_graph(candidate, force=records) as run_candidate:
+            running_as_graph(reference.fn), running_as_graph(candidate, force=records) as run_candidate:
         runner = active_runner(run_candidate) if records and not watch.dispatches(dtypes) else None
         plan = ReusePlan(run_candidate, runner.steps, reference._plan) if runner is not None else None
         for t in range(trials):
@@ -1457,6 +1478,8 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
                 if runner is not None:
                     runner.reuse = None
                 state.restore()
+            if plan is not None and runner.reused * 4 < plan.computing:
+                reference.stop_recording()  # the rewrite changed values early: most is recomputed
             # per output: only what the rewrite newly computes it from in a lower
             # precision loosens its tolerance (and lets its integers flip)
             low = _new_precision(ref, cand) if tolerance == "approx" else None

@@ -189,8 +189,8 @@ class Recording:
 
 
 class ReusePlan:
-    """Per step of a rewrite's ``GraphRunner`` (same order), how it may reuse the
-    values of a ``Recording`` made with ``plan``: None (compute it), or ``(fresh,
+    """Per step of a rewrite's ``GraphRunner`` (same order; ``how(i)``), how it may
+    reuse the values of a ``Recording`` made with ``plan``: None (compute it), or ``(fresh,
     original, pairs)``: the original's node ``original`` computed it from the
     values of ``pairs`` ((own input node, the original's input node, whether to
     compare their bits), ...); ``fresh``: take its value, else compute it and know
@@ -198,39 +198,49 @@ class ReusePlan:
 
     def __init__(self, gm: fx.GraphModule, steps: list, plan: Dict[str, tuple]) -> None:
         self.plan = plan
-        self.steps: list = []
-        if any(step[0].op in ("call_module", "call_method") and not _export_guard(step[0]) for step in steps) \
+        self._nodes = [step[0] for step in steps]
+        if any(n.op in ("call_module", "call_method") and not _export_guard(n) for n in self._nodes) \
                 or graph_writes(gm):
             plan = {}  # a module may keep state; a write may change a value reused
-        matched: dict = {}  # node -> (fresh, the original's node, its inputs, the original's inputs)
-        for step in steps:
-            node = step[0]
-            entry = plan.get(node.name) if node.op == "call_function" else None
-            if entry is not None and entry[1] is node.target:
-                kind = _node_kind(node)
-                pairs: list = []
-                if kind is not None and _aligned(node.args, entry[2], pairs) \
-                        and _aligned(node.kwargs, entry[3], pairs):
-                    matched[node] = (kind == _FRESH, entry[0], pairs)
-        for step in steps:
-            found = matched.get(step[0])
-            # an input that is itself a matched step, read where the original read
-            # its own original, holds the original's value unless it was computed
-            # again because its own inputs differed: comparing its bits would then
-            # find them different (and cost a comparison at every step downstream
-            # of a change); an input a rewrite put in another's place is compared
-            self.steps.append(None if found is None else (found[0], found[1], tuple(
-                (n, theirs, n not in matched or matched[n][1] is not theirs) for n, theirs in found[2])))
-        self.reusable = bool(matched)
+        self._entries = plan
+        self._steps: list = []  # decided so far, in order (a run that gives up decides no more)
+        self._matched: dict = {}  # node -> the original's node it stands for
+        #: the steps that compute something (calls), what reuse can save
+        self.computing = sum(1 for n in self._nodes if n.op.startswith("call_"))
+
+    def how(self, i: int) -> Optional[tuple]:
+        """Step ``i``'s entry, decided on first asking (steps in order: a step's
+        inputs are decided before it)."""
+        steps = self._steps
+        while len(steps) <= i:
+            steps.append(self._decide(self._nodes[len(steps)]))
+        return steps[i]
+
+    def _decide(self, node: fx.Node) -> Optional[tuple]:
+        entry = self._entries.get(node.name) if node.op == "call_function" else None
+        if entry is None or entry[1] is not node.target:
+            return None
+        kind = _node_kind(node)
+        pairs: list = []
+        if kind is None or not (_aligned(node.args, entry[2], pairs) and _aligned(node.kwargs, entry[3], pairs)):
+            return None
+        matched = self._matched
+        matched[node] = entry[0]
+        # an input that is itself a matched step, read where the original read its
+        # own original, holds the original's value unless it was computed again
+        # because its own inputs differed: comparing its bits would then find them
+        # different (and cost a comparison at every step downstream of a change);
+        # an input a rewrite put in another's place is compared
+        return (kind == _FRESH, entry[0], tuple((n, theirs, matched.get(n) is not theirs) for n, theirs in pairs))
 
     def usable(self, recording: Recording) -> bool:
         """The recording is whole, made with this plan, in the grad mode now in force."""
-        return (self.reusable and recording.complete and recording.plan is self.plan
+        return (bool(self._entries) and recording.complete and recording.plan is self.plan
                 and recording.grad == torch.is_grad_enabled())
 
 
 def inputs_same(how: tuple, values: dict, env: dict, same: set) -> bool:
-    """Every input of a step (``ReusePlan.steps``) holds the original's value
+    """Every input of a step (``ReusePlan.how``) holds the original's value
     (``values``, a ``Recording``'s) or the same bits; ``same``: the pairs known to."""
     for node, theirs_node, testable in how[2]:
         mine = env[node]

@@ -30,6 +30,8 @@ from rewrite.ops.base import attribute
 __all__ = ["GraphRunner", "active_runner", "running_as_graph", "runs_generated_code", "waits_for_code"]
 
 _KNOWN_CODEGENS = (CodeGen, _PyTreeCodeGen)
+#: a reusing run stops trying once this many steps in, under a quarter were reused
+_GIVE_UP_AFTER = 64
 
 # What a step does (_CALL_LISTS: a call whose arguments hold lists or dicts;
 # _CALL_POSITIONAL: a call without keyword arguments, the commonest)
@@ -67,6 +69,7 @@ class GraphRunner:
         #: ``(ReusePlan, Recording)`` (``rewrite.trust.reuse``): the next runs take
         #: values from the recording where the plan says they may; or None
         self.reuse: Any = None
+        self.reused = 0  # values the last run took from a recording
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """What ``gm.forward(*args)`` returns (called by keyword: the generated code's)."""
@@ -81,6 +84,7 @@ class GraphRunner:
             out = self.observed(recording.observe, *args)
             recording.complete = True
             return out
+        self.reused = 0
         if self.reuse is not None and self.reuse[0].usable(self.reuse[1]):
             return self._reusing(*self.reuse, args)
         return self.observed(None, *args)
@@ -132,10 +136,18 @@ class GraphRunner:
         same: set = set()  # (own node, original's name) known to hold the same bits, this run
         values = recording.values
         inputs: Iterator[Any] = iter(self.codegen.process_inputs(*args))
-        for (node, kind, target, a, kw, dead), how in zip(self.steps, plan.steps):
+        tried = 0  # steps that might have been reused; -1: given up
+        for i, (node, kind, target, a, kw, dead) in enumerate(self.steps):
+            how = plan.how(i) if tried >= 0 else None
+            if how is not None:
+                tried += 1
+                if tried > _GIVE_UP_AFTER and self.reused * 4 < tried:
+                    tried = -1  # a change early on: all that follows is computed anew, untried
+                    how = None
             if how is not None and inputs_same(how, values, env, same):
                 if how[0]:  # a pure op's fresh result: the original's
                     env[node] = values[how[1]]
+                    self.reused += 1
                     for gone in dead:
                         del env[gone]
                     continue
@@ -187,20 +199,21 @@ def active_runner(fn: Any) -> "GraphRunner | None":
 
 
 @contextlib.contextmanager
-def running_as_graph(fn: Any, force: bool = False) -> Iterator[Any]:
+def running_as_graph(fn: Any, force: bool = False, runner: "GraphRunner | None" = None) -> Iterator[Any]:
     """Within the block, calling ``fn`` (a module waiting for its code) runs its graph
     through a ``GraphRunner`` instead of generating the code first; anything else is
     called as it is. ``force``: a module whose code is generated runs through a
-    runner too (to record or reuse values: ``rewrite.trust.reuse``). The module is
-    left as it was."""
+    runner too (to record or reuse values: ``rewrite.trust.reuse``). ``runner``: the
+    one to use (built for ``fn``'s graph as it is). The module is left as it was."""
     if not (waits_for_code(fn) or (force and runs_generated_code(fn))):
         yield fn
         return
-    try:
-        runner = GraphRunner(fn)
-    except NotImplementedError:  # a graph the plan does not cover: the generated code
-        yield fn
-        return
+    if runner is None:
+        try:
+            runner = GraphRunner(fn)
+        except NotImplementedError:  # a graph the plan does not cover: the generated code
+            yield fn
+            return
     # An instance attribute shadows the class's stand-in forward; Module.__call__
     # (hooks included) calls it.
     fn.__dict__["forward"] = runner
