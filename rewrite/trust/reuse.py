@@ -38,6 +38,7 @@ from torch._ops import OpOverload
 from torch.utils import _pytree as pytree
 
 from rewrite.engine.aliasing import graph_writes
+from rewrite.ops.effects import may_alias, may_alias_any_argument
 from rewrite.ops.base import by_identity
 
 __all__ = ["MAX_RECORDED_BYTES", "Recording", "ReusePlan", "bitwise_same", "inputs_same", "record_plan", "recordable"]
@@ -198,6 +199,7 @@ class ReusePlan:
 
     def __init__(self, gm: fx.GraphModule, steps: list, plan: Dict[str, tuple]) -> None:
         self.plan = plan
+        self._gm = gm
         self._nodes = [step[0] for step in steps]
         if any(n.op in ("call_module", "call_method") and not _export_guard(n) for n in self._nodes) \
                 or graph_writes(gm):
@@ -221,6 +223,11 @@ class ReusePlan:
         if entry is None or entry[1] is not node.target:
             return None
         kind = _node_kind(node)
+        if kind == _FRESH and (may_alias(node, self._gm) or may_alias_any_argument(node, self._gm)):
+            # its schema promises fresh memory, yet it may hand back an input or a view
+            # of one (type_as, einsum("ij->ji"), sum_to_size, broadcast_tensors): what
+            # the rewrite's output shares must be the rewrite's own, so it is recomputed
+            kind = _VIEW
         pairs: list = []
         if kind is None or not (_aligned(node.args, entry[2], pairs) and _aligned(node.kwargs, entry[3], pairs)):
             return None
