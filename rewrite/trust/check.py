@@ -1248,7 +1248,7 @@ class Reference:
         state covering the reference). ``dtypes``: record the floating dtypes its
         ops compute in (approximate checks need them)."""
         if trial not in self._runs or (dtypes and not self._with_dtypes[trial]):
-            records = self._recording and self._records()
+            records = self._records()
             with (preserved_state(self.fn, runs_only=True, watches=(self.watch(),)) if state is None
                   else contextlib.nullcontext(state)) as saved, \
                     running_as_graph(self.fn, force=records, runner=self._recorder() if records else None) as fn:
@@ -1334,12 +1334,12 @@ class Reference:
 
     def _records(self) -> bool:
         """Whether runs keep every value for a rewrite's runs to reuse
-        (``rewrite.trust.reuse``): decided once, before an in-place rewrite changes
-        the graph."""
+        (``rewrite.trust.reuse``): whether the graph allows it is decided once,
+        before an in-place rewrite changes it; ``stop_recording`` ends it."""
         if self._recordable is None:
             self._recordable = recordable(self.fn) and runs_generated_code(self.fn)
             self._plan = record_plan(self.fn) if self._recordable else None
-        return self._recordable
+        return self._recording and self._recordable
 
     def _recorder(self) -> Optional[GraphRunner]:
         """The runner recording runs go through (built once; None if they cannot)."""
@@ -1372,8 +1372,7 @@ class Reference:
         if tolerance != "exact":
             self.stop_recording()  # see _check
         with gc_paused(), preserved_state(self.fn, runs_only=True, watches=(self.watch(),)) as state, \
-                running_as_graph(self.fn, force=self._recording and self._records(),
-                                 runner=self._recorder() if self._recording else None):
+                running_as_graph(self.fn, force=self._records(), runner=self._recorder()):
             for t in range(trials):
                 if not self.repeats(t):
                     self.run(t, dtypes=tolerance == "approx", state=state)
@@ -1455,7 +1454,7 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
     # rewrite's ops are dispatched through the dtype recorder (it must see them all).
     if tolerance != "exact":  # an approximate rule changes values: what follows them is computed anew
         reference.stop_recording()
-    records = reference._recording and reference._records()
+    records = reference._records()
     with preserved_state(candidate, reference.fn, runs_only=True, watches=watches) as state, \
             running_as_graph(reference.fn), running_as_graph(candidate, force=records) as run_candidate:
         runner = active_runner(run_candidate) if records and not watch.dispatches(dtypes) else None

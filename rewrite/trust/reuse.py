@@ -76,13 +76,26 @@ def _kind_of(target: Any) -> Optional[str]:
     return _VIEW if any(r.alias_info is not None for r in schema.returns) else _FRESH
 
 
-def _node_kind(node: fx.Node) -> Optional[str]:
-    """``_kind`` of the node's target, and batch norm in inference (its tags say it
-    may write, for the running statistics training updates)."""
+def _node_kind(node: fx.Node, gm: fx.GraphModule) -> Optional[str]:
+    """``_kind`` of the node's target, with batch norm in inference a pure op (its
+    tags say it may write, for the running statistics training updates), and an op
+    whose schema promises fresh memory but which may hand back an input or a view of
+    one (``type_as``, ``einsum("ij->ji")``, ``sum_to_size``, ``broadcast_tensors``:
+    the engine's alias analysis says so) a view: what the rewrite's outputs share
+    must be the rewrite's own, so it is recomputed."""
     kind = _kind(node.target)
     if kind is None and node.target is _BATCH_NORM and len(node.args) > 5 and node.args[5] is False:
-        return _FRESH
+        kind = _FRESH
+    if kind == _FRESH and (may_alias(node, gm) or may_alias_any_argument(node, gm)):
+        kind = _VIEW
     return kind
+
+
+def _functional(gm: fx.GraphModule) -> bool:
+    """No node writes in place, and every call is a plain function call (a module
+    may keep state): a reused value stays what the original computed."""
+    return not any(n.op in ("call_module", "call_method") and not _export_guard(n) for n in gm.graph.nodes) \
+        and not graph_writes(gm)
 
 
 def _export_guard(node: fx.Node) -> bool:
@@ -140,12 +153,10 @@ def recordable(gm: Any) -> bool:
     """Whether the values of a run of ``gm`` can serve a rewrite's run: a
     GraphModule of plain function calls, none writing in place, whose values (by
     its metadata) fit ``MAX_RECORDED_BYTES``."""
-    if not isinstance(gm, fx.GraphModule):
+    if not isinstance(gm, fx.GraphModule) or not _functional(gm):
         return False
     total = 0
     for node in gm.graph.nodes:
-        if node.op in ("call_module", "call_method") and not _export_guard(node):
-            return False
         if node.op != "call_function":
             continue
         val = node.meta.get("val", _SLOT)
@@ -157,7 +168,7 @@ def recordable(gm: Any) -> bool:
                     total += int(t.numel()) * t.element_size()
                 except Exception:  # noqa: BLE001 - a symbolic size: not known to fit
                     return False
-    return total <= MAX_RECORDED_BYTES and not graph_writes(gm)
+    return total <= MAX_RECORDED_BYTES
 
 
 def record_plan(gm: fx.GraphModule) -> Dict[str, tuple]:
@@ -201,10 +212,7 @@ class ReusePlan:
         self.plan = plan
         self._gm = gm
         self._nodes = [step[0] for step in steps]
-        if any(n.op in ("call_module", "call_method") and not _export_guard(n) for n in self._nodes) \
-                or graph_writes(gm):
-            plan = {}  # a module may keep state; a write may change a value reused
-        self._entries = plan
+        self._entries = plan if _functional(gm) else {}
         self._steps: list = []  # decided so far, in order (a run that gives up decides no more)
         self._matched: dict = {}  # node -> the original's node it stands for
         #: the steps that compute something (calls), what reuse can save
@@ -222,12 +230,7 @@ class ReusePlan:
         entry = self._entries.get(node.name) if node.op == "call_function" else None
         if entry is None or entry[1] is not node.target:
             return None
-        kind = _node_kind(node)
-        if kind == _FRESH and (may_alias(node, self._gm) or may_alias_any_argument(node, self._gm)):
-            # its schema promises fresh memory, yet it may hand back an input or a view
-            # of one (type_as, einsum("ij->ji"), sum_to_size, broadcast_tensors): what
-            # the rewrite's output shares must be the rewrite's own, so it is recomputed
-            kind = _VIEW
+        kind = _node_kind(node, self._gm)
         pairs: list = []
         if kind is None or not (_aligned(node.args, entry[2], pairs) and _aligned(node.kwargs, entry[3], pairs)):
             return None

@@ -26,6 +26,7 @@ from torch.fx.graph import CodeGen, _PyTreeCodeGen
 from torch.fx.node import map_arg
 
 from rewrite.ops.base import attribute
+from rewrite.trust.reuse import inputs_same
 
 __all__ = ["GraphRunner", "active_runner", "running_as_graph", "runs_generated_code", "waits_for_code"]
 
@@ -74,9 +75,8 @@ class GraphRunner:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """What ``gm.forward(*args)`` returns (called by keyword: the generated code's)."""
         if kwargs:
-            if not isinstance(self.gm, _LazyGraphModule):
-                return type(self.gm).forward(self.gm, *args, **kwargs)
-            self.gm.real_recompile()
+            if isinstance(self.gm, _LazyGraphModule):
+                self.gm.real_recompile()
             return type(self.gm).forward(self.gm, *args, **kwargs)
         recording = self.recording
         if recording is not None:
@@ -119,8 +119,6 @@ class GraphRunner:
         """``self(*args)`` taking from ``recording`` the values the original
         computed where ``plan`` says they are certainly what this run would compute
         (``rewrite.trust.reuse``); every other step as ``observed`` makes it."""
-        from rewrite.trust.reuse import inputs_same
-
         env: dict = {}
         get = env.__getitem__
         same: set = set()  # (own node, original's node) known to hold the same bits, this run
