@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from rewrite.ops.base import by_identity
-from rewrite.ops.effects import (always_aliases, may_alias, may_alias_any_argument, target_writes, written_args,
+from rewrite.ops.effects import (always_aliases, flagged_writes, may_alias, may_alias_any_argument, target_writes, written_args,
                                  written_nodes)
 from rewrite.ops.vocabulary import nodes_by_target
 
@@ -182,7 +182,7 @@ def graph_writes(gm: Any) -> bool:
     target that writes nothing by its schema or name writes only when given
     ``inplace=True`` or ``out=``."""
     for op, target, nodes in nodes_by_target(gm.graph):
-        if op == "call_function" and not target_writes(target):
+        if op == "call_function" and not target_writes(target) and flagged_writes(target) is None:
             if isinstance(target, torch._ops.OpOverload) and not _takes_inplace(target):
                 continue  # an aten op's schema says what it writes: no flag to look for
             if any(n.kwargs.get("inplace") is True or n.kwargs.get("out") is not None for n in nodes):

@@ -40,7 +40,7 @@ __all__ = [
     "VIEW_NAMES", "ALIASING_NAMES", "ALIASING_MODULES", "FRESH_COMPOSITES", "FRESH_FUNCTIONS", "FRESH_OPERATORS",
     "ANY_INPUT_ALIASING_NAMES", "op_name", "may_alias",
     "may_alias_any_argument", "note_built_module", "always_aliases",
-    "written_args", "written_nodes", "target_writes", "opdef_writes", "opdef_may_alias",
+    "written_args", "written_nodes", "target_writes", "flagged_writes", "opdef_writes", "opdef_may_alias",
     "module_writes_own_state",
     "state_writes",
 ]
@@ -363,14 +363,25 @@ def written_args(node: fx.Node, gm: Any) -> tuple:
     if kwargs and kwargs.get("inplace") is True:
         return (0,)
     written = target_writes(node.target)
-    if not written and not kwargs:
+    flagged = flagged_writes(node.target) if node.op == "call_function" else None
+    if not written and not kwargs and flagged is None:
         return ()
     out = []
+    if flagged is not None:  # batch_norm(..., training=True) writes its running statistics
+        params, (flag_position, flag_name, flag_default) = flagged
+        flag = _argument(node, flag_position, flag_name, flag_default)
+        if flag is not False and flag is not None:
+            for position, name in params:
+                value = _argument(node, position, name, None)
+                key = position if position < len(node.args) else name
+                if value is not None and key not in out:
+                    out.append(key)
     for position, name in written:
         if position < len(node.args):
             out.append(position)
         elif name in kwargs:
             out.append(name)
+    out = list(dict.fromkeys(out))
     if kwargs and kwargs.get("out") is not None and "out" not in out:  # torch.add(x, y, out=z) writes z
         out.append("out")
     return tuple(out)
@@ -429,6 +440,56 @@ _FLAGGED_WRITES = {
     "embedding": (("weight",), "max_norm"),  # renormalizes the rows it reads
     "backward": (("self", "tensors", "input"), None),  # accumulates into the leaves' .grad
 }
+
+
+def flagged_writes(target: Any) -> "tuple | None":
+    """For a call target that writes arguments its schema does not annotate
+    (``_FLAGGED_WRITES``: ``aten.batch_norm``, ``F.batch_norm``, ``F.instance_norm``,
+    ``F.embedding``): ``(((position, name), ...), (flag position, flag name, flag
+    default))``, the written parameters and the flag that must be neither False nor
+    None for the write; None for every other target. Positions come from the
+    target's own signature (``F.batch_norm`` takes the statistics second, the aten
+    op fourth)."""
+    return by_identity(_FLAGGED, target, _flagged_writes)
+
+
+_FLAGGED: dict = {}  # id(target) -> (target, flagged_writes(target))
+
+
+def _flagged_writes(target: Any) -> "tuple | None":
+    name = op_name(target) if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) \
+        else getattr(target, "__name__", "")
+    written, flag = _FLAGGED_WRITES.get(name, ((), None))
+    if flag is None:
+        return None
+    params = _parameters(target)
+    if params is None or flag not in params:
+        return None
+    names = list(params)
+    found = tuple((names.index(p), p) for p in written if p in params)
+    return (found, (names.index(flag), flag, params[flag])) if found else None
+
+
+def _parameters(target: Any) -> "dict | None":
+    """Parameter name -> default (``inspect.Parameter.empty`` when required) of a
+    call target: an aten overload's schema, a Python function's signature, or a
+    builtin's aten op of the same name."""
+    import inspect
+
+    from rewrite.ops.resolve import aten_overload
+
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        overloads = _overloads(target)
+        target = overloads[0] if overloads else None
+    if not isinstance(target, torch._ops.OpOverload):
+        try:
+            return {p.name: p.default for p in inspect.signature(target).parameters.values()}
+        except (TypeError, ValueError):
+            target = aten_overload(getattr(target, "__name__", ""))
+    if target is None:
+        return None
+    return {a.name: (a.default_value if a.has_default_value() else inspect.Parameter.empty)
+            for a in target._schema.arguments}
 
 
 def _form_target(form: Any) -> Any:
