@@ -31,8 +31,8 @@ import torch
 import torch.fx as fx
 
 from rewrite.ops.base import by_identity
-from rewrite.ops.effects import (always_aliases, flagged_writes, may_alias, may_alias_any_argument, target_writes, written_args,
-                                 written_nodes)
+from rewrite.ops.effects import (always_aliases, flag_on, flagged_writes, may_alias, may_alias_any_argument,
+                                 target_writes, written_args, written_nodes)
 from rewrite.ops.vocabulary import nodes_by_target
 
 __all__ = ["storage_base", "alias_class", "new_aliasing", "caller_owned", "graph_writes"]
@@ -180,9 +180,13 @@ def graph_writes(gm: Any) -> bool:
     """Whether some node of ``gm``'s graph writes an argument in place
     (``rewrite.ops.effects.written_args``), looked up by target: a call_function
     target that writes nothing by its schema or name writes only when given
-    ``inplace=True`` or ``out=``."""
+    ``inplace=True`` or ``out=``, or its flag when it has one (``training=True``
+    for ``batch_norm``: ``rewrite.ops.effects.flagged_writes``)."""
     for op, target, nodes in nodes_by_target(gm.graph):
-        if op == "call_function" and not target_writes(target) and flagged_writes(target) is None:
+        if op == "call_function" and not target_writes(target):
+            flagged = flagged_writes(target)  # training-mode batch_norm: no schema says it writes
+            if flagged is not None and any(flag_on(n, flagged) and written_args(n, gm) for n in nodes):
+                return True
             if isinstance(target, torch._ops.OpOverload) and not _takes_inplace(target):
                 continue  # an aten op's schema says what it writes: no flag to look for
             if any(n.kwargs.get("inplace") is True or n.kwargs.get("out") is not None for n in nodes):

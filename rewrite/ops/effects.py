@@ -40,7 +40,7 @@ __all__ = [
     "VIEW_NAMES", "ALIASING_NAMES", "ALIASING_MODULES", "FRESH_COMPOSITES", "FRESH_FUNCTIONS", "FRESH_OPERATORS",
     "ANY_INPUT_ALIASING_NAMES", "op_name", "may_alias",
     "may_alias_any_argument", "note_built_module", "always_aliases",
-    "written_args", "written_nodes", "target_writes", "flagged_writes", "opdef_writes", "opdef_may_alias",
+    "written_args", "written_nodes", "target_writes", "flagged_writes", "flag_on", "opdef_writes", "opdef_may_alias",
     "module_writes_own_state",
     "state_writes",
 ]
@@ -367,15 +367,12 @@ def written_args(node: fx.Node, gm: Any) -> tuple:
     if not written and not kwargs and flagged is None:
         return ()
     out = []
-    if flagged is not None:  # batch_norm(..., training=True) writes its running statistics
-        params, (flag_position, flag_name, flag_default) = flagged
-        flag = _argument(node, flag_position, flag_name, flag_default)
-        if flag is not False and flag is not None:
-            for position, name in params:
-                value = _argument(node, position, name, None)
-                key = position if position < len(node.args) else name
-                if value is not None and key not in out:
-                    out.append(key)
+    if flagged is not None and flag_on(node, flagged):  # batch_norm(training=True): running statistics
+        for position, name in flagged[0]:
+            value = _argument(node, position, name, None)
+            key = position if position < len(node.args) else name
+            if value is not None and key not in out:
+                out.append(key)
     for position, name in written:
         if position < len(node.args):
             out.append(position)
@@ -451,6 +448,15 @@ def flagged_writes(target: Any) -> "tuple | None":
     target's own signature (``F.batch_norm`` takes the statistics second, the aten
     op fourth)."""
     return by_identity(_FLAGGED, target, _flagged_writes)
+
+
+def flag_on(node: fx.Node, flagged: tuple) -> bool:
+    """Whether ``node``'s flag (``flagged_writes``) is neither False nor None: a
+    value the graph computes counts as set."""
+    _, (position, name, default) = flagged
+    args = node._args  # the property's tuple, without the property call: once per batch_norm per apply
+    value = args[position] if position < len(args) else node._kwargs.get(name, default)
+    return value is not False and value is not None
 
 
 _FLAGGED: dict = {}  # id(target) -> (target, flagged_writes(target))
