@@ -185,8 +185,10 @@ def graph_writes(gm: Any) -> bool:
     for op, target, nodes in nodes_by_target(gm.graph):
         if op == "call_function" and not target_writes(target):
             flagged = flagged_writes(target)  # training-mode batch_norm: no schema says it writes
-            if flagged is not None and any(flag_on(n, flagged) and written_args(n, gm) for n in nodes):
-                return True
+            if flagged is not None:
+                for n in nodes:  # a loop, not a generator: once per batch_norm of a graph
+                    if flag_on(n, flagged) and written_args(n, gm):
+                        return True
             if isinstance(target, torch._ops.OpOverload) and not _takes_inplace(target):
                 continue  # an aten op's schema says what it writes: no flag to look for
             if any(n.kwargs.get("inplace") is True or n.kwargs.get("out") is not None for n in nodes):
