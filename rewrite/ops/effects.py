@@ -640,7 +640,7 @@ def state_writes(gm: Any) -> "frozenset[int] | None":
     aliases: dict = {}
     written: set = set()
     modules: set = set()  # get_attr nodes that read a module
-    aliasing_overloads: dict = {}  # aten overload -> whether its result may alias an argument
+    overloads: dict = {}  # id(aten overload) -> (overload, result may alias an argument, never writes)
 
     def of(value: Any) -> set:
         found: set = set()
@@ -681,17 +681,25 @@ def state_writes(gm: Any) -> "frozenset[int] | None":
                 written |= own | args
                 aliases[node] = own | args
                 continue
-        elif _call_writes_all(node) or (op == "call_function" and _inplace_flag(node)):
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload):  # its schema answers for every node
+            known = overloads.get(id(target))
+            if known is None:  # (may alias, writes nothing whatever its arguments)
+                known = overloads[id(target)] = (target, may_alias(node, gm), not target_writes(target)
+                                                 and flagged_writes(target) is None)
+            aliasing = known[1]
+            if known[2] and "out" not in node._kwargs:
+                if aliasing:
+                    aliases[node] = args
+                continue
+        else:
+            aliasing = None
+        if op != "call_module" and (_call_writes_all(node) or (op == "call_function" and _inplace_flag(node))):
             written |= args
         for position in written_args(node, gm):
             arg = node.args[position] if isinstance(position, int) else node.kwargs[position]
             written |= of(arg)
-        target = node.target
-        if isinstance(target, torch._ops.OpOverload):  # its schema answers for every node
-            aliasing = aliasing_overloads.get(target)
-            if aliasing is None:
-                aliasing = aliasing_overloads[target] = may_alias(node, gm)
-        else:
+        if aliasing is None:
             aliasing = may_alias(node, gm)
         if aliasing:
             aliases[node] = args

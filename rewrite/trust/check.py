@@ -488,14 +488,18 @@ class _Watch:
 
     #: the lineage is not needed (``of``'s ``compared_with``): no run records it
     lineage_unneeded: bool = False
+    #: False: ``lineage`` was not worked out (``of``'s ``lineage=False``)
+    lineage_read: bool = True
 
     @classmethod
-    def of(cls, fn: Any, dtypes: bool = True, compared_with: Optional[frozenset] = None) -> "_Watch":
+    def of(cls, fn: Any, dtypes: bool = True, compared_with: Optional[frozenset] = None,
+           lineage: bool = True) -> "_Watch":
         """``dtypes``: read the static dtypes (approximate checks need them).
         ``compared_with``: the static dtypes of the reference ``fn`` is checked
         against; when ``fn``'s own are among them, no output can be computed from a
         precision new to it (``_new_precision`` is None), so the per-output lineage
-        is neither worked out nor recorded."""
+        is neither worked out nor recorded. ``lineage=False``: not yet (a check
+        without dtypes never reads it; ``with_lineage`` works it out later)."""
         state = _state(fn)
         writable = state_writes(fn)
         watched = tuple(name for name, t in state.items() if writable is None or id(t) in writable)
@@ -508,8 +512,13 @@ class _Watch:
         by_value = frozenset(name for name in watched if writable is not None or id(state[name]) in buffer_ids)
         static = static_float_dtypes(fn) if dtypes else None
         unneeded = static is not None and compared_with is not None and static <= compared_with
+        lineage = lineage and dtypes and not unneeded
         return cls(state, frozenset(_storage(t) for t in state.values()) - {None}, writable, watched, by_value,
-                   static, _static_lineage(fn) if dtypes and not unneeded else None, unneeded)
+                   static, _static_lineage(fn) if lineage else None, unneeded, lineage or not dtypes or unneeded)
+
+    def with_lineage(self, fn: Any) -> "_Watch":
+        """This watch with ``fn``'s lineage worked out, if it was not."""
+        return self if self.lineage_read else attrs.evolve(self, lineage=_static_lineage(fn), lineage_read=True)
 
     def dispatches(self, dtypes: bool) -> bool:
         """Whether a run records the dtypes its ops compute in as it goes (every op
@@ -1249,7 +1258,7 @@ class Reference:
         ops compute in (approximate checks need them)."""
         if trial not in self._runs or (dtypes and not self._with_dtypes[trial]):
             records = self._records()
-            with (preserved_state(self.fn, runs_only=True, watches=(self.watch(),)) if state is None
+            with (preserved_state(self.fn, runs_only=True, watches=(self.watch(dtypes),)) if state is None
                   else contextlib.nullcontext(state)) as saved, \
                     running_as_graph(self.fn, force=records, runner=self._recorder() if records else None) as fn:
                 runner = active_runner(fn) if records else None
@@ -1258,7 +1267,7 @@ class Reference:
                     runner.recording = recording
                 try:
                     # trial 0 with gradients enabled: which outputs require grad
-                    self._runs[trial] = _call(fn, self.inputs(trial), self.seed + trial, dtypes, self.watch(),
+                    self._runs[trial] = _call(fn, self.inputs(trial), self.seed + trial, dtypes, self.watch(dtypes),
                                               trial == 0, saved.restore)
                 except Exception as e:
                     raise RuntimeError(f"reference failed on trial {trial} inputs: {type(e).__name__}: {e}") from e
@@ -1355,11 +1364,15 @@ class Reference:
         for keeping them (and for running node by node rather than the code)."""
         self._recording = False
 
-    def watch(self) -> _Watch:
+    def watch(self, dtypes: bool = False) -> _Watch:
         """What the check watches of the reference (worked out on its first run: an
-        in-place rewrite changes the module's graph afterwards)."""
+        in-place rewrite changes the module's graph afterwards). The per-output
+        lineage of dtypes only when ``dtypes`` asks for it (a bit-exact check never
+        does: ``prepare`` runs every trial with the tolerance it will be checked at)."""
         if self._watch is None:
-            self._watch = _Watch.of(self.fn)
+            self._watch = _Watch.of(self.fn, lineage=dtypes)
+        elif dtypes:
+            self._watch = self._watch.with_lineage(self.fn)
         return self._watch
 
     def prepare(self, trials: int, tolerance: str = "approx", gradients: bool = False,
@@ -1443,11 +1456,11 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
     # One saved state for both (a copy shares the reference's tensors), put back
     # after every run: each starts from the state as it was.
     dtypes = tolerance == "approx"
-    watch = _Watch.of(candidate, dtypes, reference.watch().static if dtypes else None)
+    watch = _Watch.of(candidate, dtypes, reference.watch(dtypes).static if dtypes else None)
     # Modules waiting for their code run their graphs instead (rewrite.trust.runner).
     # In place, the reference ran before the module became the candidate: its watch
     # describes a graph the module no longer has.
-    watches = (watch, None if reference.fn is candidate else reference.watch())
+    watches = (watch, None if reference.fn is candidate else reference.watch(dtypes))
     low0: Optional[torch.dtype] = None
     # The reference's runs keep their values where the rewrite's runs can take
     # them instead of computing them again (rewrite.trust.reuse); not when the
