@@ -288,7 +288,7 @@ def test_apply_to_an_exported_module_leaves_it_alone():
     assert_unchanged(gm, before)
 
 
-def test_check_false_lints_only_the_created_nodes(monkeypatch):
+def test_apply_lints_only_the_created_nodes(monkeypatch):
     calls = {"lint": 0, "touched": []}
     real_lint, real_touched = fx.Graph.lint, rewrite.ruleset.check_touched
 
@@ -314,9 +314,9 @@ def test_check_false_lints_only_the_created_nodes(monkeypatch):
     assert live and all(n.graph is result.graph_module.graph for n in live)
 
     calls["touched"].clear()
-    FUSION.apply(gm, example_inputs=inputs, check=True)
-    assert calls["lint"] >= 1
-    assert calls["touched"] == []
+    FUSION.apply(gm, example_inputs=inputs, check=True)  # the check's runs exercise the rest
+    assert calls["lint"] == 0
+    assert len(calls["touched"]) == 1 and calls["touched"][0]
 
 
 # ---------------------------------------------------------------- gc_paused

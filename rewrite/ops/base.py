@@ -33,6 +33,7 @@ import torch.fx as fx
 __all__ = [
     "REQUIRED", "Param", "Instances", "OpDef", "ConstRef", "Bound", "Form", "FunctionForm", "attribute",
     "MethodForm", "ModuleForm", "GetitemForm", "Emitter", "node_key", "bind_signature", "by_identity",
+    "CALL_OPS", "nodes_by_target",
 ]
 
 
@@ -81,6 +82,25 @@ def by_identity(table: dict, obj: Any, compute: Callable[[Any], Any]) -> Any:
     if hit is None or hit[0] is not obj:
         hit = table[id(obj)] = (obj, compute(obj))
     return hit[1]
+
+
+#: The node ops that call something (what rules can match at).
+CALL_OPS = frozenset({"call_function", "call_method", "call_module"})
+
+
+def nodes_by_target(graph: Any) -> Any:
+    """``(op, target, nodes)`` groups of a graph's call nodes (target None for
+    methods and modules), read from the graph's own find_nodes index, so a 10k-node
+    graph costs one look per distinct target rather than one per node."""
+    table = getattr(getattr(graph, "_find_nodes_lookup_table", None), "table", None)
+    if table is None:  # another torch: group by hand
+        table = {}
+        for node in graph.nodes:
+            key = (node.op, node.target if node.op == "call_function" else None)
+            table.setdefault(key, {})[node] = None
+    for (op, target), nodes in list(table.items()):
+        if op in CALL_OPS and nodes:
+            yield op, target, nodes
 
 
 def submodule(gm: Any, target: str) -> Any:

@@ -34,7 +34,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from rewrite.ops.base import attribute, by_identity, submodule
+from rewrite.ops.base import attribute, by_identity, nodes_by_target, submodule
 
 __all__ = [
     "VIEW_NAMES", "ALIASING_NAMES", "ALIASING_MODULES", "FRESH_COMPOSITES", "FRESH_FUNCTIONS", "FRESH_OPERATORS",
@@ -637,6 +637,8 @@ def state_writes(gm: Any) -> "frozenset[int] | None":
             getattr(hook, "__module__", None) not in _HARMLESS_HOOK_MODULES
             for hook in [*gm._forward_pre_hooks.values(), *gm._forward_hooks.values()]):
         return None  # something besides the graph runs: it may write anything
+    if _only_quiet_calls(gm.graph):
+        return frozenset()
     aliases: dict = {}
     written: set = set()
     modules: set = set()  # get_attr nodes that read a module
@@ -704,6 +706,26 @@ def state_writes(gm: Any) -> "frozenset[int] | None":
         if aliasing:
             aliases[node] = args
     return frozenset(written)
+
+
+def _only_quiet_calls(graph: fx.Graph) -> bool:
+    """Every call of the graph is a getitem or an aten overload that writes nothing with the
+    arguments it is given (no ``Tensor(a!)``, no ``out=``, a flagged write's flag
+    off: eval-mode ``batch_norm``): then nothing is written, whatever aliases what.
+    Read by target from the graph's index (export graphs: a few dozen targets for
+    10k nodes), so ``state_writes`` need not walk the graph."""
+    for op, target, nodes in nodes_by_target(graph):
+        if op != "call_function":
+            return False
+        if target is operator.getitem:
+            continue  # an element of a multi-output op's result: reading writes nothing
+        if not isinstance(target, torch._ops.OpOverload) or target_writes(target):
+            return False
+        flagged = flagged_writes(target)
+        for node in nodes:
+            if "out" in node._kwargs or (flagged is not None and flag_on(node, flagged)):
+                return False
+    return True
 
 
 def _attr(gm: Any, target: str) -> Any:

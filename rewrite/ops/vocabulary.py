@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from rewrite.ops import table_nn, table_tensor
-from rewrite.ops.base import Emitter, MethodForm, OpDef, node_key
+from rewrite.ops.base import CALL_OPS, Emitter, MethodForm, OpDef, node_key, nodes_by_target
 from rewrite.ops.builders import emittable
 from rewrite.ops.custom import INTERNAL_NAMESPACES, Refusal, refusal
 from rewrite.ops.effects import written_args
@@ -57,8 +57,6 @@ def _build_indexes() -> tuple:
 
 
 _BY_KEY, _BY_QUALNAME = _build_indexes()
-#: The node ops that call something (what rules can match at).
-CALL_OPS = frozenset({"call_function", "call_method", "call_module"})
 
 
 def op_names() -> list:
@@ -133,21 +131,6 @@ def detect_dialect(gm: Any) -> str:
         if forms_for_key(node_key(node, gm)):
             torch_level += 1
     return "aten" if aten and aten >= torch_level else "torch"
-
-
-def nodes_by_target(graph: Any) -> Any:
-    """``(op, target, nodes)`` groups of a graph's call nodes (target None for
-    methods and modules), read from the graph's own find_nodes index, so a 10k-node
-    graph costs one look per distinct target rather than one per node."""
-    table = getattr(getattr(graph, "_find_nodes_lookup_table", None), "table", None)
-    if table is None:  # another torch: group by hand
-        table = {}
-        for node in graph.nodes:
-            key = (node.op, node.target if node.op == "call_function" else None)
-            table.setdefault(key, {})[node] = None
-    for (op, target), nodes in list(table.items()):
-        if op in CALL_OPS and nodes:
-            yield op, target, nodes
 
 
 def mutates_input(node: fx.Node, gm: Any) -> bool:
