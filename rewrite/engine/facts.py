@@ -18,7 +18,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 
-from rewrite.engine.shapes import cast_of, fresh_cast, fresh_like, fresh_view, like_input, view_of
+from rewrite.engine.shapes import cast_of, fresh_cast, fresh_constant, fresh_like, fresh_view, like_input, view_of
 from rewrite.ops.base import ConstRef, attribute, by_identity
 from rewrite.ops.effects import state_writes, written_args
 
@@ -107,6 +107,23 @@ class GraphFacts:
         if v.__class__ is not torch.Tensor and v.__class__ is not torch.nn.Parameter:
             return _fake(mode, v)
         return by_identity(self._fakes, v, lambda t: _fake(mode, t))
+
+    def fake_of_constant(self, tensor: torch.Tensor, registered: torch.Tensor) -> Any:
+        """The FakeTensor ``val`` of a constant a rewrite made (``tensor``, registered
+        on the module as ``registered``: a Parameter sharing its data, or itself),
+        built directly when it can be (``fresh_constant``). Inferring a later node
+        that reads ``registered`` takes a FakeTensor of it built the same way (no
+        conversion through ``from_tensor``)."""
+        fake = fresh_constant(tensor, self.fake_mode)
+        if fake is None:
+            fake = _fake(self.fake_mode, tensor)
+        if registered is not tensor:
+            mine = fresh_constant(registered, self.fake_mode)
+            if mine is not None:
+                self._fakes[id(registered)] = (registered, mine)
+        else:
+            self._fakes[id(registered)] = (registered, fake)
+        return fake
 
     @functools.cached_property
     def param_names(self) -> set:

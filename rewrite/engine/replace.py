@@ -264,16 +264,18 @@ class Replacer:
         # only floating-point and complex tensors can require grad (int8 weights cannot)
         requires_grad = requires_grad and (tensor.is_floating_point() or tensor.is_complex())
         if source is not None and source in self.facts.param_names:
-            self.gm.register_parameter(name, torch.nn.Parameter(tensor, requires_grad=requires_grad))
+            registered = torch.nn.Parameter(tensor, requires_grad=requires_grad)
+            self.gm.register_parameter(name, registered)
         else:
+            registered = tensor
             self.gm.register_buffer(name, tensor)
         self._new_attrs.append(name)
         node = self.graph.get_attr(name)  # facts come from the tensor itself
+        self._created.append(node)  # before anything else can fail: _undo erases it
         # export/dynamo/Inductor graphs: every value carries a val (a quantized tensor has
         # no fake form, "quantized nyi in meta tensors": rewrite.quant's int8 weights)
         if self.facts.fake_mode is not None and not tensor.is_quantized:
-            node.meta["val"] = self.facts.fake_mode.from_tensor(tensor, static_shapes=True)
-        self._created.append(node)
+            node.meta["val"] = self.facts.fake_of_constant(tensor, registered)
         return node
 
     @staticmethod
