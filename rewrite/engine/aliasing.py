@@ -35,7 +35,7 @@ from rewrite.ops.effects import (always_aliases, flag_on, flagged_writes, may_al
                                  target_writes, written_args, written_nodes)
 from rewrite.ops.vocabulary import nodes_by_target
 
-__all__ = ["storage_base", "alias_class", "new_aliasing", "caller_owned", "graph_writes"]
+__all__ = ["storage_base", "alias_class", "new_aliasing", "caller_owned", "graph_writes", "written_between"]
 
 
 def storage_base(node: Any, gm: Any, through: Any = may_alias) -> Any:
@@ -49,7 +49,9 @@ def storage_base(node: Any, gm: Any, through: Any = may_alias) -> Any:
         seen.add(node)
         first = node.args[0] if node.args else None
         spread = isinstance(first, (list, tuple))  # broadcast_tensors([a, b]): a view of any of them
-        if not spread and node.op.startswith("call_") and through is may_alias \
+        if not spread and not node.args and node.kwargs and node.op.startswith("call_"):
+            spread, first = True, node.all_input_nodes  # torch.reshape(input=x, shape=s): any of them
+        elif not spread and node.op.startswith("call_") and through is may_alias \
                 and (not isinstance(first, fx.Node) or may_alias_any_argument(node, gm)):
             # einsum("ij->ji", x), broadcast_tensors(a, b), a user's function
             spread, first = True, node.all_input_nodes
@@ -73,7 +75,7 @@ def alias_class(node: fx.Node, gm: Any, exclude: frozenset = frozenset()) -> set
     while frontier:
         n = frontier.pop()
         for user in n.users:
-            if user not in out and user not in exclude and user.args and _may_return(user, n, gm):
+            if user not in out and user not in exclude and (user.args or user.kwargs) and _may_return(user, n, gm):
                 out.add(user)
                 frontier.append(user)
     return out
@@ -82,7 +84,10 @@ def alias_class(node: fx.Node, gm: Any, exclude: frozenset = frozenset()) -> set
 def _may_return(user: fx.Node, node: fx.Node, gm: Any) -> bool:
     """``user``'s result may be (a view of) ``node``: ``node`` is its first
     argument (or in the list that is) and it may alias that, or it may return any
-    of its inputs."""
+    of its inputs; a call given only keywords (``torch.reshape(input=x, ...)``) may
+    return any of them."""
+    if not user.args:
+        return may_alias(user, gm)
     first = user.args[0]
     if first is node or (isinstance(first, (list, tuple)) and any(a is node for a in first)):
         return may_alias(user, gm)
@@ -169,6 +174,38 @@ def new_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any, writes: 
     return None
 
 
+def written_between(nodes: tuple, env: dict, gm: Any) -> str | None:
+    """Why computing a match's value at its root (``nodes``: the root first, then
+    the matched nodes) could read memory after a write the original read before:
+    a node outside the match, between its first node and its root, writes memory a
+    matched node or a value the match read may share (``c = conv(h); h.add_(1);
+    bn(c)``: a folded conv at ``bn`` would read the written ``h``). None when no
+    such write lies in between (writes before the first node or after the root
+    reach the original and the rewrite alike). Asked only of graphs that write."""
+    if len(nodes) < 2:
+        return None
+    covered = set(nodes)
+    root, first = nodes[0], min(nodes[1:])
+    if not first < root:
+        return None
+    read: list = list(nodes[1:])  # the matched nodes, then the values bound to the pattern's variables
+    for value in env.values():
+        if isinstance(value, (fx.Node, list, tuple)):
+            fx.node.map_arg(value, read.append)
+    bases = None
+    node = first.next
+    while node is not root:
+        if node not in covered and node.op.startswith("call_"):
+            for written in written_nodes(node, gm):
+                if bases is None:
+                    bases = {storage_base(n, gm) for n in read if n is not root}
+                if storage_base(written, gm) in bases:
+                    return (f"{node.name} writes {written.name} in place between the match's first node "
+                            f"{first.name} and its root: the rewrite would read it after that write")
+        node = node.next
+    return None
+
+
 def _other_input_written(placeholder: fx.Node, gm: Any) -> bool:
     """Some graph input other than ``placeholder`` (or a value sharing its memory)
     is written in place."""
@@ -178,21 +215,18 @@ def _other_input_written(placeholder: fx.Node, gm: Any) -> bool:
 
 def graph_writes(gm: Any) -> bool:
     """Whether some node of ``gm``'s graph writes an argument in place
-    (``rewrite.ops.effects.written_args``), looked up by target: a call_function
-    target that writes nothing by its schema or name writes only when given
-    ``inplace=True`` or ``out=``, or its flag when it has one (``training=True``
-    for ``batch_norm``: ``rewrite.ops.effects.flagged_writes``)."""
+    (``rewrite.ops.effects.written_args``), looked up by target: an aten overload
+    that writes nothing by its schema writes only through its flag when it has one
+    (``training=True`` for ``batch_norm``: ``rewrite.ops.effects.flagged_writes``);
+    every other target is asked node by node."""
     for op, target, nodes in nodes_by_target(gm.graph):
-        if op == "call_function" and not target_writes(target):
+        if op == "call_function" and isinstance(target, torch._ops.OpOverload) and not target_writes(target) \
+                and not _takes_inplace(target):
             flagged = flagged_writes(target)  # training-mode batch_norm: no schema says it writes
             if flagged is not None:
                 for n in nodes:  # a loop, not a generator: once per batch_norm of a graph
                     if flag_on(n, flagged) and written_args(n, gm):
                         return True
-            if isinstance(target, torch._ops.OpOverload) and not _takes_inplace(target):
-                continue  # an aten op's schema says what it writes: no flag to look for
-            if any(n.kwargs.get("inplace") is True or n.kwargs.get("out") is not None for n in nodes):
-                return True
             continue
         if any(written_args(n, gm) for n in nodes):
             return True

@@ -28,7 +28,7 @@ from rewrite.engine.match import Match
 from rewrite.engine.outputs import getitem_users, result_count
 from rewrite.ops import bind_node
 from rewrite.ops.base import ConstRef, by_identity
-from rewrite.engine.aliasing import graph_writes, new_aliasing
+from rewrite.engine.aliasing import graph_writes, new_aliasing, written_between
 from rewrite.engine.layout import layout_change_seen
 from rewrite.engine.rewire import Rewirer
 from rewrite.ops.effects import note_built_module, written_args
@@ -117,6 +117,10 @@ class Replacer:
         root = match.root
         self._created, self._new_attrs = [], []
         self._covered = match.nodes
+        if len(match.nodes) > 1 and self._graph_writes():
+            problem = written_between(match.nodes, match.env, self.gm)
+            if problem is not None:
+                raise ReplacementError(f"rule {match.rule.name!r} at {root.name}: {problem}")
         if isinstance(match.rule.replacement, RResults):
             return self._apply_results(match)
         inserting = uses_root(match)

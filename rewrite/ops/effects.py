@@ -60,7 +60,7 @@ ALIASING_NAMES = VIEW_NAMES | {
     "reshape", "reshape_as", "flatten", "ravel", "contiguous", "to", "type", "type_as", "float",
     "double", "half", "bfloat16", "int", "long", "bool", "dropout", "identity", "lift_fresh",
     "_to_copy_noop", "align_as", "rename", "refine_names", "coalesce", "resolve_conj", "resolve_neg",
-    "conj", "positive", "requires_grad", "data", "cpu", "cuda", "H", "mH", "adjoint", "atleast_1d",
+    "conj", "positive", "requires_grad", "data", "cpu", "cuda", "H", "mH", "adjoint", "atleast_1d", "new",
     "atleast_2d", "atleast_3d", "broadcast_to", "broadcast_tensors", "meshgrid", "vsplit", "hsplit",
     "dsplit", "sum_to_size", "to_dense", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
     "feature_alpha_dropout", "feature_dropout", "_unsafe_view", "dequantize", "lift", "unsafe_split",
@@ -97,7 +97,11 @@ FRESH_OPERATORS = frozenset({
 #: (``broadcast_tensors(a, b)``) or after a non-tensor first one (``einsum("ij->ji", x)``).
 ANY_INPUT_ALIASING_NAMES = frozenset({
     "broadcast_tensors", "atleast_1d", "atleast_2d", "atleast_3d", "meshgrid", "einsum",
+    "set", "new",  # z.set_(y) and x.new(y) share y's memory
 })
+#: Ops that make one argument share another's memory (``z.set_(y)``): every
+#: argument counts as written (a later write through ``z`` reaches ``y``).
+_WRITES_EVERY_ARGUMENT = frozenset({"set"})
 #: Modules whose forward may return its input (or a view of it).
 ALIASING_MODULES = frozenset({"Identity", "Flatten", "Unflatten", "Dropout", "Dropout1d", "Dropout2d",
                               "Dropout3d", "AlphaDropout", "FeatureAlphaDropout", "QuantStub",
@@ -352,18 +356,36 @@ def _target_writes(target: Any) -> tuple:
 
 def written_args(node: fx.Node, gm: Any) -> tuple:
     """Positions of ``node.args`` (and keyword names) the node writes in place:
-    ``x.relu_()``, ``x += y``, ``F.relu(x, inplace=True)``, ``nn.ReLU(inplace=True)``,
-    ``aten.add_.Tensor``, a training-mode ``aten._native_batch_norm_legit``
-    (running statistics)."""
-    if node.op == "call_module":
-        return (0,) if getattr(_module(node, gm), "inplace", False) else ()
-    if node.op not in ("call_function", "call_method"):
+    ``x.relu_()``, ``x += y``, ``F.relu(x, inplace=True)`` (or ``F.relu(x, True)``),
+    ``nn.ReLU(inplace=True)``, ``aten.add_.Tensor``, ``torch.nn.init.normal_(tensor=x)``,
+    a training-mode ``batch_norm`` (running statistics: ``flagged_writes``). A call
+    whose code nothing here describes may write every argument it is given: a
+    higher-order op (``wrap_with_set_grad_enabled`` runs a subgraph), a Python
+    function from outside torch (``fx.wrap``), a module of the model's own, a
+    container or a module with hooks."""
+    op = node.op
+    if op == "call_module":
+        module = _module(node, gm)
+        if module is None or _module_writes_arguments(module):
+            return _every_argument(node)
+        return _first_argument(node) if getattr(module, "inplace", False) else ()
+    if op not in ("call_function", "call_method"):
         return ()
+    target = node.target
     kwargs = node.kwargs  # a property: read once
-    if kwargs and kwargs.get("inplace") is True:
-        return (0,)
-    written = target_writes(node.target)
-    flagged = flagged_writes(node.target) if node.op == "call_function" else None
+    if op == "call_function":
+        if _opaque_call(target):
+            return _every_argument(node)
+        if _inplace_flag(node):
+            return _first_argument(node)
+    elif kwargs:
+        flag = kwargs.get("inplace")
+        if flag is not None and flag is not False:
+            return _first_argument(node)
+    written = target_writes(target)
+    if written and op_name(target) in _WRITES_EVERY_ARGUMENT:
+        return _every_argument(node)
+    flagged = flagged_writes(target) if op == "call_function" else None
     if not written and not kwargs and flagged is None:
         return ()
     out = []
@@ -376,12 +398,70 @@ def written_args(node: fx.Node, gm: Any) -> tuple:
     for position, name in written:
         if position < len(node.args):
             out.append(position)
-        elif name in kwargs:
-            out.append(name)
+        elif kwargs:
+            key = next((k for k in _keyword_names(target, position, name) if k in kwargs), None)
+            if key is not None:
+                out.append(key)
     out = list(dict.fromkeys(out))
     if kwargs and kwargs.get("out") is not None and "out" not in out:  # torch.add(x, y, out=z) writes z
         out.append("out")
     return tuple(out)
+
+
+def _every_argument(node: fx.Node) -> tuple:
+    return tuple(range(len(node.args))) + tuple(node.kwargs)
+
+
+def _first_argument(node: fx.Node) -> tuple:
+    """The position (or keyword) of a call's first argument: ``F.relu(input=x,
+    inplace=True)`` writes ``input``."""
+    if node.args:
+        return (0,)
+    kwargs = node.kwargs
+    for key in ("input", "self", "tensor"):
+        if key in kwargs:
+            return (key,)
+    return tuple(kwargs)[:1]
+
+
+def _opaque_call(target: Any) -> bool:
+    """A call_function target whose code nothing here describes: a higher-order op
+    (it runs a subgraph) or a Python function from outside torch."""
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return False
+    if getattr(target, "__module__", None) == "builtins" and getattr(target, "__name__", "") not in _WRITING_BUILTINS:
+        return False  # getattr(x, "T"), len(x): Python's own read what they are given
+    return isinstance(target, torch._ops.HigherOrderOperator) or not _from_torch(target)
+
+
+#: Python builtins that change what they are given (``setattr(x, "data", y)``).
+_WRITING_BUILTINS = frozenset({"setattr", "delattr", "exec", "eval"})
+
+
+def _module_writes_arguments(module: Any) -> bool:
+    """Calling ``module`` may write what it is given beyond what its ``inplace``
+    says: a hook (or a global one) may do anything, a container runs modules that
+    may be in place, a module of the model's own runs code nothing describes."""
+    if module._forward_hooks or module._forward_pre_hooks or _global_hooks():
+        return True
+    return not _torch_module(module) or isinstance(module, (torch.nn.Sequential, torch.nn.ModuleList,
+                                                            torch.nn.ModuleDict))
+
+
+def _keyword_names(target: Any, position: int, name: str) -> tuple:
+    """The keywords a call may pass the parameter at ``position`` by: the schema's
+    name (``self`` read as ``input``, both accepted) and the Python target's own
+    (``torch.nn.init.normal_(tensor=x)``, ``torch._foreach_add_(self=[x])``)."""
+    names = (name, "self") if name == "input" else (name,)
+    params = by_identity(_PARAMETERS, target, _parameters) if not isinstance(target, str) else None
+    if params is not None and position < len(params):
+        own = list(params)[position]
+        if own not in names:
+            names += (own,)
+    return names
+
+
+_PARAMETERS: dict = {}  # id(target) -> (target, _parameters(target))
 
 
 def written_nodes(node: fx.Node, gm: Any) -> list:
@@ -435,6 +515,7 @@ _FLAGGED_WRITES = {
 } | {
     "instance_norm": (("running_mean", "running_var"), "use_input_stats"),
     "embedding": (("weight",), "max_norm"),  # renormalizes the rows it reads
+    "embedding_bag": (("weight",), "max_norm"),
     "backward": (("self", "tensors", "input"), None),  # accumulates into the leaves' .grad
 }
 

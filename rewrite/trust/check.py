@@ -854,8 +854,8 @@ def _call_once(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool, watch: Op
 
 
 class _SavedState:
-    """Parameters and buffers of some modules as they were, and their modes: ``restore``
-    puts back what changed (parameters by version counter, buffers also by value:
+    """Parameters and buffers of some modules as they were, their modes and which
+    parameters require grad: ``restore`` puts back what changed (parameters by version counter, buffers also by value:
     kernels update some without bumping their version), as often as needed.
     ``runs_only``: the block does nothing but call the modules, so a GraphModule's
     state its graph cannot write is not saved (cloning ResNet-50's 25M parameters
@@ -864,11 +864,13 @@ class _SavedState:
 
     def __init__(self, fns: Any, runs_only: bool = False, watches: Iterable[Optional[_Watch]] = ()) -> None:
         self.saved, self.modes, seen = [], [], set()
+        self.flags: list = []  # (parameter, requires_grad): a forward may call w.requires_grad_(False)
         watches = list(watches)
         for i, fn in enumerate(fns):
             if not isinstance(fn, torch.nn.Module):
                 continue
             self.modes += [(m, m.training) for m in fn.modules()]
+            self.flags += [(p, p.requires_grad) for p in fn.parameters()]
             # A block that only runs graphs can write only what their nodes may
             # write (rewrite.ops.effects.state_writes): ResNet-50 in eval mode, nothing.
             watch = watches[i] if i < len(watches) else None
@@ -890,6 +892,9 @@ class _SavedState:
                     entry[1] = t._version
         for m, training in self.modes:
             m.training = training
+        for p, requires_grad in self.flags:
+            if p.requires_grad is not requires_grad:
+                p.requires_grad_(requires_grad)
 
 
 @contextlib.contextmanager

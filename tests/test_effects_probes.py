@@ -1,0 +1,304 @@
+"""Writes and aliasing the engine must see, from an adversarial probe of session 18.
+
+Each case feeds a fresh copy of a caller's tensor (``x * 1``) to something that
+writes it or shares its memory, or writes a matched value between a match's first
+node and its root. With ``check=False`` only the engine's own analysis stands
+between a rule and the caller: the rewritten model must compute what the original
+computes, never write the caller's tensors, and never return new aliases.
+
+* a call whose code nothing describes writes what it is given: export's
+  ``wrap_with_set_grad_enabled`` / ``wrap_with_autocast`` regions, an ``fx.wrap``
+  function, a module of the model's own, a torch module with a hook;
+* ``inplace`` given positionally or as a truthy value, a written argument passed by
+  keyword under the Python function's own name (``nn.init.normal_(tensor=)``,
+  ``_foreach_add_(self=)``), an in-place module called with ``input=``;
+* views given their tensor by keyword (``torch.reshape(input=y, ...)``),
+  ``z.set_(y)`` and ``x.new(y)`` (they share their second argument's memory),
+  ``F.embedding_bag(max_norm=)`` (renormalizes its weight);
+* a write between a match's first node and its root (``c = conv(h); h.add_(1);
+  bn(c)``: the folded conv would read the written ``h``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+import rewrite
+
+RULES = Path(__file__).resolve().parents[1] / "rules"
+CLEANUP = rewrite.load(RULES / "cleanup.rw")
+FUSION = rewrite.load(RULES / "fusion.rw")
+
+
+@fx.wrap
+def _bump(t):
+    t.add_(1)
+    return t.sum()
+
+
+class _Bump(nn.Module):
+    def forward(self, t):
+        t.add_(1)
+        return t.sum()
+
+
+class _LeafTracer(fx.Tracer):
+    def is_leaf_module(self, m, qualname):
+        return isinstance(m, _Bump) or super().is_leaf_module(m, qualname)
+
+
+class _Fn(nn.Module):
+    def __init__(self, fn, **modules):
+        super().__init__()
+        self.fn = fn
+        for name, module in modules.items():
+            self.add_module(name, module)
+
+    def forward(self, x):
+        return self.fn(self, x)
+
+
+def _no_grad_write(m, x):
+    y = x * 1
+    with torch.no_grad():
+        y.add_(1)
+    return y * 2
+
+
+def _autocast_write(m, x):
+    y = x * 1
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y.mul_(2)
+    return y * 3
+
+
+def _hooked(m, x):
+    y = x * 1
+    return m.lin(y) + y
+
+
+def _hook_model():
+    model = _Fn(_hooked, lin=nn.Linear(3, 3))
+    model.lin.register_forward_pre_hook(lambda mod, args: (args[0].clamp_(min=0), None)[1])
+    return model
+
+
+# name -> (model factory, capture level); each writes x * 1 through a call
+WRITERS = {
+    "export no_grad region": (lambda: _Fn(_no_grad_write), "export"),
+    "export autocast region": (lambda: _Fn(_autocast_write), "export"),
+    "torch module with a hook": (_hook_model, "fx"),
+    "relu inplace=1": (lambda: _Fn(lambda m, x: _written(x, lambda y: F.relu(y, inplace=1))), "fx"),
+    "relu positional inplace": (lambda: _Fn(lambda m, x: _written(x, lambda y: F.relu(y, True))), "fx"),
+    "ReLU(inplace) given input=": (lambda: _Fn(lambda m, x: _written(x, lambda y: m.relu(input=y)),
+                                               relu=nn.ReLU(inplace=True)), "fx"),
+    "init.normal_(tensor=)": (lambda: _Fn(lambda m, x: _written(x, lambda y: nn.init.normal_(y))), "fx"),
+    "_foreach_add_(self=)": (lambda: _Fn(lambda m, x: _written(
+        x, lambda y: torch._foreach_add_(self=[y], scalar=1.0))), "fx"),
+    "write through reshape(input=)": (lambda: _Fn(lambda m, x: _written(
+        x, lambda y: torch.reshape(input=y, shape=(-1,)).add_(1))), "fx"),
+    "write through transpose(input=)": (lambda: _Fn(lambda m, x: _written(
+        x, lambda y: torch.transpose(input=y, dim0=0, dim1=1).add_(1))), "fx"),
+    "write through set_": (lambda: _Fn(lambda m, x: _set_then_write(x)), "fx"),
+    "write through new": (lambda: _Fn(lambda m, x: _new_then_write(x)), "fx"),
+    "embedding_bag max_norm": (lambda: _Fn(lambda m, x: F.embedding_bag(
+        torch.tensor([0, 1, 2, 3]), x * 1, torch.tensor([0, 2]), max_norm=1.0)), "fx"),
+}
+
+
+def _written(x, write):
+    y = x * 1
+    write(y)
+    return y + 1
+
+
+def _set_then_write(x):
+    y = x * 1
+    z = torch.zeros_like(x)
+    z.set_(y)
+    z.add_(1)
+    return z * 2
+
+
+def _new_then_write(x):
+    y = x * 1
+    z = (x + 0.5).new(y)
+    z.add_(1)
+    return y * 2
+
+
+def _capture(model, x, level):
+    if level == "given":
+        return model
+    if level == "export":
+        return torch.export.export(model, (x,), strict=False).module()
+    return fx.symbolic_trace(model)
+
+
+def _fx_wrap_model():
+    class M(nn.Module):
+        def forward(self, x):
+            y = x * 1
+            s = _bump(y)
+            return y * 2 + s
+    return M()
+
+
+def _leaf_model():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bump = _Bump()
+
+        def forward(self, x):
+            y = x * 1
+            s = self.bump(y)
+            return y * 2 + s
+    model = M()
+    return fx.GraphModule(model, _LeafTracer().trace(model))
+
+
+WRITERS["fx.wrap function"] = (_fx_wrap_model, "fx")
+WRITERS["module of the model's own"] = (_leaf_model, "given")
+
+
+def _graph(name):
+    factory, level = WRITERS[name]
+    x = torch.randn(5, 3) * 3
+    model = factory()
+    return _capture(model, x, level), x
+
+
+def _seeded(model, x):
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return model(x)
+
+
+@pytest.mark.parametrize("name", sorted(WRITERS))
+def test_a_call_that_writes_a_fresh_copy_never_gets_the_callers_tensor(name):
+    gm, x = _graph(name)
+    expected_x, ours_x = x.clone(), x.clone()
+    expected = _seeded(gm, expected_x)  # init.normal_ draws: the same numbers for both
+    result = CLEANUP.apply(gm, example_inputs=(x.clone(),), check=False)
+    out = _seeded(result.graph_module, ours_x)
+    assert result.counts.get("mul_one", 0) == 0, result.graph_module.code
+    assert torch.equal(ours_x, expected_x)  # the caller's tensor is written exactly as before (or not)
+    torch.testing.assert_close(out, expected)
+
+
+VIEWS = {
+    "reshape": lambda y: torch.reshape(input=y, shape=(-1,)),
+    "flatten": lambda y: torch.flatten(input=y),
+    "transpose": lambda y: torch.transpose(input=y, dim0=0, dim1=1),
+    "select": lambda y: torch.select(input=y, dim=0, index=0),
+    "set_": lambda y: torch.zeros_like(y).set_(y),
+    "new": lambda y: (y + 0.5).new(y),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VIEWS))
+def test_a_returned_view_given_by_keyword_never_aliases_the_input(name):
+    view = VIEWS[name]
+    gm = fx.symbolic_trace(_Fn(lambda m, x: view(x * 1)))
+    x = torch.randn(2, 2)
+    result = CLEANUP.apply(gm, example_inputs=(x,), check=False)
+    out = result.graph_module(x)
+    assert out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    torch.testing.assert_close(out, view(x * 1))
+
+
+class _ConvWriteBn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(3, 4, 1)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        h = x * 2.0
+        c = self.c(h)
+        h.add_(1)  # after the conv read h, before the batch norm: a folded conv would read it
+        return self.bn(c) + h.mean()
+
+
+def _neg_written(x):
+    a = torch.neg(x + 0.0)
+    a.view(-1).add_(1)  # the inner neg's value, written between it and the outer neg
+    return torch.neg(a) * 2
+
+
+def _silu_written(x):
+    h = x * 2.0
+    s = torch.sigmoid(h)
+    h.add_(1)
+    return h * s
+
+
+BETWEEN = {
+    "conv_bn": (lambda: _ConvWriteBn().eval(), FUSION, torch.randn(1, 3, 2, 2)),
+    "neg_neg": (lambda: _Fn(lambda m, x: _neg_written(x)), CLEANUP, torch.randn(2, 2)),
+    "silu_from_sigmoid": (lambda: _Fn(lambda m, x: _silu_written(x)), FUSION, torch.randn(4)),
+}
+
+
+@pytest.mark.parametrize("level", ["fx", "export"])
+@pytest.mark.parametrize("name", sorted(BETWEEN))
+def test_a_match_never_spans_a_write_into_what_it_reads(name, level):
+    factory, rules, x = BETWEEN[name]
+    gm = _capture(factory(), x, level)
+    result = rules.apply(gm, example_inputs=(x,), check=False)
+    assert result.counts.get(name, 0) == 0, result.graph_module.code
+    torch.testing.assert_close(result.graph_module(x.clone()), gm(x.clone()))
+
+
+def test_a_write_before_the_match_does_not_stop_it():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c = nn.Conv2d(3, 4, 1)
+            self.bn = nn.BatchNorm2d(4)
+
+        def forward(self, x):
+            h = x * 2.0
+            h.relu_()  # before the conv: the original and the fold both read the written h
+            return self.bn(self.c(h))
+
+    gm = fx.symbolic_trace(M().eval())
+    x = torch.randn(1, 3, 2, 2)
+    result = FUSION.apply(gm, example_inputs=(x,))
+    assert result.counts.get("conv_bn", 0) == 1
+    torch.testing.assert_close(result.graph_module(x), gm(x))
+
+
+def test_the_check_puts_a_parameters_requires_grad_back():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            self.w.requires_grad_(False)
+            return x * 1 + self.w
+
+    gm = fx.symbolic_trace(M())
+    CLEANUP.apply(gm, example_inputs=(torch.randn(3),))
+    assert gm.w.requires_grad
+
+
+def test_fp16_avg_pool_with_a_divisor_override_stays_float32():
+    amp = rewrite.load(RULES / "amp_fp16.rw")
+
+    class M(nn.Module):
+        def forward(self, x):
+            return F.avg_pool2d(x.float(), 3, 1, 0, False, True, 1)  # a sum: may outgrow float16
+
+    x = (torch.rand(1, 1, 5, 5) * 1000 + 30000).half()
+    gm = fx.symbolic_trace(M())
+    result = amp.apply(gm, example_inputs=(x,), check=False)
+    assert "avg_pool2d_lowp" not in result.counts
+    assert result.graph_module(x).isfinite().all()
