@@ -302,3 +302,24 @@ def test_fp16_avg_pool_with_a_divisor_override_stays_float32():
     result = amp.apply(gm, example_inputs=(x,), check=False)
     assert "avg_pool2d_lowp" not in result.counts
     assert result.graph_module(x).isfinite().all()
+
+
+def test_a_fold_elsewhere_does_not_excuse_an_output_that_lost_its_gradient():
+    drop = rewrite.parse('import "' + str(RULES / "fusion.rw") + '"\n'
+                         "rule drop: add(x, mul(_, 0.0)) where is_float(x) => x\n")
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c = nn.Conv2d(3, 4, 3)
+            self.bn = nn.BatchNorm2d(4)
+            self.p = nn.Parameter(torch.randn(5))
+
+        def forward(self, x, y):
+            return self.bn(self.c(x)), ((y + 1) + self.p * 0.0) * 2
+
+    gm = fx.symbolic_trace(M().eval())
+    with pytest.raises(rewrite.EquivalenceError, match="gradients"):
+        drop.apply(gm, example_inputs=(torch.randn(2, 3, 6, 6), torch.randn(5)))
+    folded = FUSION.apply(gm, example_inputs=(torch.randn(2, 3, 6, 6), torch.randn(5)))  # the fold alone passes
+    assert folded.counts["conv_bn"] == 1

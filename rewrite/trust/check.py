@@ -1073,7 +1073,34 @@ def _grad_leaves(root: Any) -> list:
     return out
 
 
-def _requires_grad_change(trial: int, ref: _Run, cand: _Run) -> Optional[Mismatch]:
+def _from_new_constants(candidate: Any, known: set, leaves: int) -> Optional[Tuple[bool, ...]]:
+    """Per output leaf of a GraphModule (pytree order), whether it is computed from a
+    constant that is not among ``known`` (ids of the original's tensors: a fold's
+    result). None when that cannot be read from the graph."""
+    if not isinstance(candidate, fx.GraphModule):
+        return None
+    new: Dict[fx.Node, bool] = {}
+    output = None
+    for node in candidate.graph.nodes:
+        if node.op == "get_attr":
+            try:
+                value = attribute(candidate, node.target)
+            except AttributeError:
+                return None
+            new[node] = isinstance(value, torch.Tensor) and id(value) not in known
+        elif node.op == "output":
+            output = node
+        else:
+            new[node] = any(new.get(n, False) for n in node.all_input_nodes)
+    if output is None or not output.args:
+        return None
+    flat = pytree.tree_leaves(output.args[0])
+    if len(flat) != leaves:
+        return None
+    return tuple(isinstance(n, fx.Node) and new.get(n, False) for n in flat)
+
+
+def _requires_grad_change(trial: int, ref: _Run, cand: _Run, candidate: Any = None) -> Optional[Mismatch]:
     """An output that requires grad in the original and not in the rewrite, both
     called with gradients enabled on the same inputs: a caller training through it
     sees it (its ``backward`` fails, or no gradient reaches the parameters). Unless
@@ -1089,14 +1116,18 @@ def _requires_grad_change(trial: int, ref: _Run, cand: _Run) -> Optional[Mismatc
     names = {id(t): name for name, t in ref.state.items()}
     trained = {id(t) for t in cand.state.values() if t.requires_grad}
     # a fold leaves a constant it computed in place of what it folded; a rewrite that
-    # only drops a parameter (``w * 0 => zeros``) leaves none
+    # only drops a parameter (``w * 0 => zeros``) leaves none; per output when the
+    # graph tells (a fold elsewhere must not excuse an output that lost its gradient)
     folded = any(id(t) not in names for t in cand.state.values())
+    per_output = None
     for i, (path, mine, theirs) in enumerate(zip(paths, ref.requires_grad, cand.requires_grad)):
         if not mine or theirs:
             continue
         root = ref.grad_roots[i] if ref.grad_roots is not None else None
         kept = [t for t in _grad_leaves(root) if id(t) not in names or id(t) in trained]
-        if root is not None and not kept and folded:
+        if folded and per_output is None:
+            per_output = _from_new_constants(candidate, set(names), len(paths)) or ()
+        if root is not None and not kept and folded and (not per_output or per_output[i]):
             continue  # only through parameters the rewrite folded away
         through = "" if not kept else (
             f" (through parameter {names[id(kept[0])]}, which the rewrite still has)" if id(kept[0]) in names
@@ -1522,7 +1553,7 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
             if mm is None:
                 mm = _side_effects(t, ref, cand, tolerance, rtol, atol)
             if mm is None:
-                mm = _requires_grad_change(t, ref, cand)
+                mm = _requires_grad_change(t, ref, cand, candidate)
             if mm is not None:
                 return EquivalenceReport(False, t + 1, worst_abs, worst_rel, mm, agreed, skipped)
             if t == 0:
