@@ -323,3 +323,44 @@ def test_a_fold_elsewhere_does_not_excuse_an_output_that_lost_its_gradient():
         drop.apply(gm, example_inputs=(torch.randn(2, 3, 6, 6), torch.randn(5)))
     folded = FUSION.apply(gm, example_inputs=(torch.randn(2, 3, 6, 6), torch.randn(5)))  # the fold alone passes
     assert folded.counts["conv_bn"] == 1
+
+
+@pytest.mark.parametrize("pre", [False, True])
+def test_a_module_with_a_hook_binds_to_no_rule(pre):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1), nn.Identity(), nn.ReLU(), nn.ReLU()).eval()
+    gm = fx.symbolic_trace(model)
+    for index in ("1", "2", "4"):
+        module = gm.get_submodule(index)
+        if pre:
+            module.register_forward_pre_hook(lambda mod, args: (args[0] + 1,))
+        else:
+            module.register_forward_hook(lambda mod, args, out: out + 1)
+    x = torch.randn(2, 4)
+    for rules in (FUSION, CLEANUP):
+        result = rules.apply(gm, example_inputs=(x,), check=False)
+        called = {n.target for n in result.graph_module.graph.nodes if n.op == "call_module"}
+        assert {"1", "2", "4"} <= called, result.graph_module.code
+        torch.testing.assert_close(result.graph_module(x), gm(x))
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_int8_results_keep_the_float_models_layout_and_views(capture):
+    import rewrite.quant as rq
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c = nn.Conv2d(3, 8, 3, padding=1)
+            self.pool = nn.AdaptiveAvgPool2d(2)
+            self.fc = nn.Linear(32, 10)
+            self.c2 = nn.Conv2d(3, 4, 3, padding=1)
+
+        def forward(self, x):
+            h = self.pool(torch.relu(self.c(x)))
+            return self.fc(h.view(h.size(0), -1)), self.c2(x)  # a view of a pooled conv; a conv returned
+
+    torch.manual_seed(0)
+    model, x = Net().eval(), torch.randn(2, 3, 8, 8)
+    int8 = rq.quantize(model, [torch.randn(2, 3, 8, 8) for _ in range(4)], example_inputs=(x,), capture=capture)
+    logits, features = int8(x)
+    assert logits.shape == (2, 10) and features.is_contiguous()

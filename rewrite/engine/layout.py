@@ -57,6 +57,22 @@ def _has_strided_constants(gm: fx.GraphModule) -> bool:
     return False
 
 
+def _from_new_module(node: fx.Node, created: set) -> bool:
+    """``node`` is computed, through nodes the rewrite created, from a module call it
+    inserted (a quantized conv): such a value's recorded facts are the value it
+    replaced (shape and dtype), its layout is whatever the module's kernel picks."""
+    seen, frontier = set(), [node]
+    while frontier:
+        n = frontier.pop()
+        if n in seen or n not in created:
+            continue
+        seen.add(n)
+        if n.op == "call_module":
+            return True
+        frontier.extend(n.all_input_nodes)
+    return False
+
+
 def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, dialect: str,
                             created: Any) -> list:
     """Copy each output whose layout the rewrite changed back into the layout it had
@@ -88,8 +104,10 @@ def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, 
             if strided_constants is None:
                 strided_constants = _has_strided_constants(gm)
             inferred = layout_of(facts.meta(new, record=False))
-            if not strided_constants and inferred in (want, None):
-                continue  # unknown (a quantized kernel's output): the check compares it
+            if not strided_constants and inferred == want and not _from_new_module(new, created_nodes):
+                continue
+            # unknown (a quantized kernel's output, channels_last on CPU): the copy
+            # costs nothing when the value is laid out so already
         with gm.graph.inserting_before(out_node):
             # contiguous(): a copy only when the value is not laid out so already
             if dialect == "aten":

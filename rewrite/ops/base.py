@@ -141,14 +141,27 @@ def attribute(root: Any, qualname: str) -> Any:
 def node_key(node: fx.Node, gm: Any) -> Any:
     """The index key of a node: what forms are looked up by.
 
-    ``("call_function", target)``, ``("call_method", name)``, ``("call_module", cls)``.
+    ``("call_function", target)``, ``("call_method", name)``, ``("call_module", cls)``
+    (``cls`` None for a module with hooks: no form binds it).
     """
     if node.op == "call_module":
         try:
-            return ("call_module", type(submodule(gm, node.target)))
+            module = submodule(gm, node.target)
         except AttributeError:
             return ("call_module", None)
+        if _hooked(module):
+            return ("call_module", None)  # a hook runs code no rule knows: the call binds to nothing
+        return ("call_module", type(module))
     return (node.op, node.target)
+
+
+def _hooked(module: Any) -> bool:
+    """A hook of the module's own, or a global one, runs around its forward."""
+    from torch.nn.modules import module as nn_module
+
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or getattr(module, "_backward_pre_hooks", None) or nn_module._global_forward_hooks
+                or nn_module._global_forward_pre_hooks)
 
 
 @attrs.frozen
