@@ -364,3 +364,37 @@ def test_int8_results_keep_the_float_models_layout_and_views(capture):
     int8 = rq.quantize(model, [torch.randn(2, 3, 8, 8) for _ in range(4)], example_inputs=(x,), capture=capture)
     logits, features = int8(x)
     assert logits.shape == (2, 10) and features.is_contiguous()
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_ptq_leaves_position_arithmetic_in_float(capture):
+    import rewrite.quant as rq
+
+    class PositionEmbedding(nn.Module):  # OPT's learned positions: (cumsum(mask) * mask - 1).long()
+        def __init__(self):
+            super().__init__()
+            self.tok, self.pos, self.fc = nn.Embedding(50, 16), nn.Embedding(32, 16), nn.Linear(16, 16)
+
+        def forward(self, ids):
+            mask = torch.ones(ids.shape, dtype=torch.float32)
+            positions = (torch.cumsum(mask, dim=1) * mask - 1).long()
+            return self.fc(self.tok(ids) + self.pos(positions))
+
+    torch.manual_seed(0)
+    model, ids = PositionEmbedding().eval(), torch.randint(0, 50, (2, 12))
+    int8 = rq.quantize(model, [(torch.randint(0, 50, (2, 12)),) for _ in range(4)], example_inputs=(ids,),
+                       capture=capture)
+    with torch.no_grad():
+        ref, got = model(ids), int8(ids)
+    sqnr = 10 * torch.log10(ref.pow(2).mean() / (ref - got).pow(2).mean())
+    assert sqnr > 20  # 3.5 dB when the positions went through int8 and shifted rows
+
+
+def test_qat_leaves_models_in_other_float_dtypes_alone():
+    qat = rewrite.load(RULES / "quant" / "qat.rw")
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 2))
+    model = model.eval().to(torch.float64)
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    result = qat.apply(fx.symbolic_trace(model), example_inputs=(x,))
+    assert not result.counts
+    result.graph_module(x)

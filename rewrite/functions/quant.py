@@ -32,6 +32,7 @@ import fnmatch
 import functools
 import math
 import warnings
+import weakref
 from typing import Any, Iterable
 
 import torch
@@ -39,7 +40,7 @@ import torch.fx as fx
 from torch import nn
 from torch.ao.quantization import observer as _observer
 
-from rewrite.engine.facts import Value
+from rewrite.engine.facts import Value, tensor_meta_of
 from rewrite.functions.registry import (
     register_constant,
     register_module,
@@ -226,15 +227,67 @@ def _meta(x: Value) -> Any:
 
 @register_predicate()
 def activation(x: Value) -> bool:
-    """A floating-point tensor computed by the graph (not a weight or literal):
-    what activation observers watch."""
+    """A float32 tensor computed by the graph from its inputs or weights (not a
+    weight or literal): what activation observers watch. Not a value the graph
+    computes from nothing but literals (``cumsum(ones(ids.shape))``: position ids on
+    their way to ``.long()``, which int8 rounding would shift by one), and not
+    another float dtype (int8 kernels and torch's observers take float32)."""
     node = x.node
     if node is None or node.op == "get_attr":
         return False
     m = _meta(x)
     if m is None or getattr(m, "dtype", None) is None:
         return None  # unknown: the where clause does not hold
-    return m.dtype.is_floating_point
+    return m.dtype == torch.float32 and _from_inputs_or_weights(node)
+
+
+def _from_inputs_or_weights(node: fx.Node) -> bool:
+    """``node`` reads, through the graph, a graph input, a weight or a module call:
+    it is not computed from literals alone. Worked out once per node of a graph."""
+    known = _SOURCED.setdefault(node.graph, {})
+    stack = [node]
+    while stack:
+        n = stack[-1]
+        if n in known:
+            stack.pop()
+            continue
+        if n.op in ("placeholder", "get_attr", "call_module") or _reads_metadata(n):
+            known[n] = _float_source(n)
+            stack.pop()
+            continue
+        pending = [i for i in n.all_input_nodes if i not in known]
+        if pending:
+            stack.extend(pending)
+            continue
+        known[n] = any(known[i] for i in n.all_input_nodes)
+        stack.pop()
+    return known[node]
+
+
+def _reads_metadata(node: fx.Node) -> bool:
+    """``x.shape``, ``x.size()``, ``x.dtype``, ``aten.sym_size``: what a value's
+    metadata says, not its data."""
+    target = node.target
+    if node.op == "call_function" and target is getattr:
+        return True
+    if node.op == "call_method" and target in ("size", "dim", "numel"):
+        return True
+    return node.op == "call_function" and str(getattr(target, "__name__", "")).startswith("sym_size")
+
+
+def _float_source(node: fx.Node) -> bool:
+    """A graph input whose recorded dtype is floating (or unknown), a weight or a
+    module call; not metadata."""
+    if _reads_metadata(node):
+        return False
+    if node.op != "placeholder":
+        return True
+    meta = tensor_meta_of(node)
+    dtype = getattr(meta, "dtype", None)
+    return dtype is None or dtype.is_floating_point
+
+
+_SOURCED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # graph -> {node: _from_inputs_or_weights}
 
 
 @register_predicate()
