@@ -398,3 +398,26 @@ def test_qat_leaves_models_in_other_float_dtypes_alone():
     result = qat.apply(fx.symbolic_trace(model), example_inputs=(x,))
     assert not result.counts
     result.graph_module(x)
+
+
+def test_qat_conv_bn_of_an_eval_model_runs_in_eval_mode():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c = nn.Conv2d(8, 8, 1, bias=False)
+            self.b = nn.BatchNorm2d(8)
+
+        def forward(self, x):
+            return torch.relu(self.b(self.c(x)))
+
+    torch.manual_seed(0)
+    model = M().eval()
+    with torch.no_grad():
+        model.b.running_mean.normal_()
+        model.b.running_var.uniform_(0.5, 2)
+    x = torch.randn(1, 8, 1, 1)  # one value per channel: batch statistics would raise
+    result = rewrite.load(RULES / "quant" / "qat.rw").apply(fx.symbolic_trace(model), example_inputs=(x,))
+    assert result.counts["qat_conv_bn_8"] == 1
+    with torch.no_grad():
+        ref, got = model(x), result.graph_module(x)
+    assert (ref - got).abs().max() < 0.1 * ref.abs().max()  # fake-quantization noise, not batch statistics

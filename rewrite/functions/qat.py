@@ -281,11 +281,14 @@ def qat_conv_bn(x: Any = None, weight: Any = None, bias: Any = None, mean: Any =
                 gamma: Any = None, beta: Any = None, stride: Any = 1, padding: Any = 0, dilation: Any = 1,
                 groups: int = 1, eps: float = 1e-5, momentum: float = 0.1, bits: int = 8,
                 scheme: str = "per_channel_symmetric") -> nn.Module:
-    """A conv and its batch norm, the fold simulated while they train (``QATConvBn``)."""
+    """A conv and its batch norm, the fold simulated while they train (``QATConvBn``),
+    in eval mode as the batch norm it replaces was (``training=False``: running
+    statistics); ``model.train()`` (``rewrite.qat.prepare_qat`` does) makes it use
+    and update batch statistics."""
     if momentum is None or not isinstance(momentum, (int, float)) or not math.isfinite(momentum):
         raise ValueError(f"qat_conv_bn: momentum must be a number, got {momentum!r}")
     return QATConvBn(weight, bias, mean, var, gamma, beta, stride, padding, dilation, groups, eps, momentum,
-                     bits, scheme)
+                     bits, scheme).eval()
 
 
 @register_module(inputs=("x",))
