@@ -1147,9 +1147,12 @@ def _returned_inputs(run: _Run) -> set:
 
 
 def _side_effects(trial: int, ref: _Run, cand: _Run, kind: str, rtol: Optional[float],
-                  atol: Optional[float]) -> Optional[Mismatch]:
+                  atol: Optional[float], low: Optional[torch.dtype] = None) -> Optional[Mismatch]:
     """What the caller observes besides the outputs: memory sharing gained or lost,
-    inputs written, module state written."""
+    inputs written, module state written. ``low``: the lower precision the rewrite
+    newly computes in (``_new_precision``): what it writes (a train-mode batch
+    norm's running statistics after a bfloat16 conv) is held to that precision's
+    tolerance, as its outputs are."""
     (ref_sharing, ref_groups), (cand_sharing, cand_groups) = _sharing(ref), _sharing(cand)
     gained = sorted(cand_sharing - ref_sharing)
     pair = gained[0] if gained else _shared_only_in(cand_groups, ref_groups)
@@ -1177,7 +1180,8 @@ def _side_effects(trial: int, ref: _Run, cand: _Run, kind: str, rtol: Optional[f
         if i not in cand.inputs_written:
             return Mismatch(f"input {i}", trial, None, None, math.inf, math.inf,
                             "the original writes into this input in place; the rewrite does not")
-        _, _, mm = _compare_tensor(f"input {i} (as written)", trial, ref_inputs[i], cand_inputs[i], kind, rtol, atol)
+        _, _, mm = _compare_tensor(f"input {i} (as written)", trial, ref_inputs[i], cand_inputs[i], kind, rtol, atol,
+                                   low)
         if mm is not None:
             return mm
     for name in sorted(set(ref.state_written) | set(cand.state_written)):
@@ -1190,7 +1194,7 @@ def _side_effects(trial: int, ref: _Run, cand: _Run, kind: str, rtol: Optional[f
             return Mismatch(f"module state {name}", trial, None, None, math.inf, math.inf,
                             f"only {who} writes it in place")
         _, _, mm = _compare_tensor(f"module state {name}", trial, ref.state_written[name],
-                                   cand.state_written[name], kind, rtol, atol)
+                                   cand.state_written[name], kind, rtol, atol, low)
         if mm is not None:
             return mm
     return None
@@ -1551,7 +1555,7 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
                     agreed = share if agreed is None else min(agreed, share)
             worst_abs, worst_rel = max(worst_abs, a), max(worst_rel, r)
             if mm is None:
-                mm = _side_effects(t, ref, cand, tolerance, rtol, atol)
+                mm = _side_effects(t, ref, cand, tolerance, rtol, atol, low)
             if mm is None:
                 mm = _requires_grad_change(t, ref, cand, candidate)
             if mm is not None:
