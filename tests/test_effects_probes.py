@@ -421,3 +421,33 @@ def test_qat_conv_bn_of_an_eval_model_runs_in_eval_mode():
     with torch.no_grad():
         ref, got = model(x), result.graph_module(x)
     assert (ref - got).abs().max() < 0.1 * ref.abs().max()  # fake-quantization noise, not batch statistics
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_lower_rw_passes_its_own_default_check_on_a_dense_block(capture):
+    import rewrite.quant as rq
+
+    class Dense(nn.Module):  # concatenations of int8 conv outputs, pooled at the end
+        def __init__(self):
+            super().__init__()
+            self.c0 = nn.Conv2d(3, 8, 3, padding=1)
+            self.c1, self.c2 = nn.Conv2d(8, 4, 3, padding=1), nn.Conv2d(12, 4, 3, padding=1)
+            self.c3 = nn.Conv2d(16, 8, 1)
+
+        def forward(self, x):
+            x = torch.relu(self.c0(x))
+            a = torch.cat([x, torch.relu(self.c1(x))], 1)
+            b = torch.cat([a, torch.relu(self.c2(a))], 1)
+            return F.avg_pool2d(self.c3(torch.relu(b)), 2)
+
+    torch.manual_seed(1)
+    model, x = Dense().eval(), torch.randn(2, 3, 8, 8)
+    observed = rq.prepare(model, (x,), capture=capture)
+    rq.calibrate(observed, [torch.randn(2, 3, 8, 8) for _ in range(4)])
+    qdq = rq.convert(observed, lower=False)
+    result = rewrite.load(RULES / "quant" / "lower.rw").apply(qdq, example_inputs=(x,))  # the default check
+    assert sum(result.counts.values()) >= 3
+    out = result.graph_module(x)
+    assert out.is_contiguous()
+    assert (out - qdq(x)).abs().max() <= 2 * max(n.args[1] for n in qdq.graph.nodes
+                                                 if "quantize_per_tensor" in str(n.target))

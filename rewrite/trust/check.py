@@ -942,18 +942,20 @@ def _compare_tensor(path: str, trial: int, ref: torch.Tensor, cand: Any, kind: s
                     compute_dtype: Optional[torch.dtype] = None,
                     agreement: Optional[float] = None,
                     noise: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
-                    ) -> Tuple[float, float, Optional[Mismatch]]:
+                    quantum: float = 0.0) -> Tuple[float, float, Optional[Mismatch]]:
     """Compare one tensor (``rewrite.trust.tolerance``); ``compute_dtype``, the lowest
     precision the candidate computed in (a rewrite to bfloat16 casts back to float32
     at the end), loosens the tolerance to that dtype's when it is looser than the
     output's; ``noise``, the reference's widened run and own half-precision
     rounding error (``rewrite.trust.precision``): the candidate is compared with the
-    widened run, ``NOISE_MULTIPLIER`` times that error allowed on top."""
+    widened run, ``NOISE_MULTIPLIER`` times that error allowed on top; ``quantum``:
+    one int8 step of a graph that rounds through int8 values (``graph_quantum``),
+    allowed whatever the dtype's tolerance."""
     tol_dtype = ref.dtype
     if compute_dtype is not None and compute_dtype.is_floating_point and ref.is_floating_point():
         tol_dtype = loosest((ref.dtype, compute_dtype), kind)
-    max_abs, max_rel, problem = compare_tensors(ref, cand, Tolerance.of(tol_dtype, kind, rtol, atol), agreement,
-                                                noise, NOISE_MULTIPLIER)
+    tol = Tolerance.of(tol_dtype, kind, rtol, atol, quantum=quantum if kind == "approx" else 0.0)
+    max_abs, max_rel, problem = compare_tensors(ref, cand, tol, agreement, noise, NOISE_MULTIPLIER)
     if problem is None:
         return max_abs, max_rel, None
     shape, dtype = tuple(ref.shape), str(ref.dtype).replace("torch.", "")
@@ -965,9 +967,9 @@ def _compare(trial: int, ref_out: Any, cand_out: Any, kind: str, rtol: Optional[
              atol: Optional[float], compute_dtype: Optional[torch.dtype] = None,
              prefix: str = "output", agreement: Optional[float] = None,
              compute_dtypes: Optional[Tuple[Optional[torch.dtype], ...]] = None,
-             noises: Optional[Tuple[Any, ...]] = None,
+             noises: Optional[Tuple[Any, ...]] = None, quantum: float = 0.0,
              ) -> Tuple[float, float, Optional[Mismatch]]:
-    """Compare two outputs leaf by leaf. ``compute_dtypes``: per leaf, the lower
+    """Compare two outputs leaf by leaf (``quantum``: ``_compare_tensor``'s). ``compute_dtypes``: per leaf, the lower
     precision the candidate newly computes it from (``_new_precisions``; else
     ``compute_dtype`` for every leaf): it loosens that leaf's tolerance, and only a
     leaf with one gets the integer ``agreement``. ``noises``: per leaf, the
@@ -987,7 +989,7 @@ def _compare(trial: int, ref_out: Any, cand_out: Any, kind: str, rtol: Optional[
             low = compute_dtypes[i] if compute_dtypes is not None else compute_dtype
             a, rel, mm = _compare_tensor(path, trial, r, c, kind, rtol, atol, low,
                                          agreement if low is not None else None,
-                                         noises[i] if noises is not None and i < len(noises) else None)
+                                         noises[i] if noises is not None and i < len(noises) else None, quantum)
         else:
             equal = type(r) is type(c) and (r == c or (isinstance(r, float) and math.isnan(r) and math.isnan(c)))
             a, rel = (0.0, 0.0) if equal else (math.inf, math.inf)
@@ -1502,6 +1504,9 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
     # describes a graph the module no longer has.
     watches = (watch, None if reference.fn is candidate else reference.watch(dtypes))
     low0: Optional[torch.dtype] = None
+    # a graph that rounds through int8 values: an approximate rewrite (an int8 kernel
+    # for a float op between dequantize and quantize) may land one step away
+    quantum = graph_quantum(reference.graph) if tolerance == "approx" else 0.0
     # The reference's runs keep their values where the rewrite's runs can take
     # them instead of computing them again (rewrite.trust.reuse); not when the
     # rewrite's ops are dispatched through the dtype recorder (it must see them all).
@@ -1538,7 +1543,7 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
             lows = _new_precisions(ref, cand) if low is not None else None
             bound = None if low is None else (INT_AGREEMENT if int_agreement is None else int_agreement)
             a, r, mm = _compare(t, ref.outputs, cand.outputs, tolerance, rtol, atol, None, agreement=bound,
-                                compute_dtypes=lows)
+                                compute_dtypes=lows, quantum=quantum)
             if mm is not None and rtol is None and atol is None:
                 # one newly computed in a lower precision may be as far from the original
                 # as torch's autocast to it is; a model in half precision is itself far
@@ -1548,7 +1553,7 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
                     noises = reference.noise(t, state)
                 if noises is not None:
                     a, r, mm = _compare(t, ref.outputs, cand.outputs, tolerance, rtol, atol, None,
-                                        agreement=bound, compute_dtypes=lows, noises=noises)
+                                        agreement=bound, compute_dtypes=lows, noises=noises, quantum=quantum)
             if bound is not None:
                 share = _int_agreement(ref.outputs, cand.outputs, lows)
                 if share is not None:
@@ -1567,6 +1572,20 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
             if mm is not None:
                 return EquivalenceReport(False, trials, worst_abs, worst_rel, mm, agreed, skipped)
     return EquivalenceReport(True, trials, worst_abs, worst_rel, None, agreed, skipped)
+
+
+def graph_quantum(fn: Any) -> float:
+    """The largest literal scale a GraphModule quantizes to per tensor
+    (``quantize_per_tensor(x, scale, zero_point, dtype)``): one int8 step of a graph
+    that rounds through int8 values (0.0 when it does not, or is not a graph)."""
+    if not isinstance(fn, fx.GraphModule):
+        return 0.0
+    scales = [0.0]
+    for node in fn.graph.nodes:
+        if node.op == "call_function" and "quantize_per_tensor" in str(node.target) and len(node.args) > 1 \
+                and isinstance(node.args[1], float):
+            scales.append(node.args[1])
+    return max(scales)
 
 
 def new_half_precisions(before: Optional[frozenset], after: Optional[frozenset]) -> Tuple[torch.dtype, ...]:
