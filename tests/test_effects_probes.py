@@ -451,3 +451,31 @@ def test_lower_rw_passes_its_own_default_check_on_a_dense_block(capture):
     assert out.is_contiguous()
     assert (out - qdq(x)).abs().max() <= 2 * max(n.args[1] for n in qdq.graph.nodes
                                                  if "quantize_per_tensor" in str(n.target))
+
+
+def test_add_zero_keeps_an_infinite_alpha():
+    class M(nn.Module):
+        def forward(self, x):
+            return torch.add(x, 0, alpha=float("inf")) * 2, torch.sub(x, 0, alpha=float("nan")), (x + 0) * 3
+
+    x = torch.randn(4)
+    for gm in (fx.symbolic_trace(M()), torch.export.export(M(), (x,), strict=False).module()):
+        result = CLEANUP.apply(gm, example_inputs=(x,), check=False)
+        assert result.counts == {"add_zero": 1}  # x + 0 only
+        torch.testing.assert_close(result.graph_module(x), gm(x), equal_nan=True)
+
+
+def test_the_check_leaves_the_callers_version_counters_alone():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+
+        def forward(self, x):
+            return self.bn(self.c(x)) * 1
+
+    gm = fx.symbolic_trace(M().train())
+    w = torch.ones(4, requires_grad=True)
+    loss = (w * gm.bn.running_mean).sum()  # autograd saved the running mean
+    CLEANUP.apply(gm, example_inputs=(torch.randn(2, 3, 6, 6),))  # the check runs the model: BN writes
+    loss.backward()  # the running mean's bits and version are as they were

@@ -15,6 +15,8 @@ not built, the rule does not fire) rather than hand the graph an inf or a NaN.
 
 from __future__ import annotations
 
+import math
+
 from typing import Any
 
 import torch
@@ -55,6 +57,14 @@ def is_buffer(x: Value) -> bool:
 def is_literal(x: Value) -> bool:
     """A literal written in the graph (int, float, bool, None, tuple...)."""
     return x.is_literal
+
+
+@register_predicate(local=True)
+def is_finite_number(x: Value) -> bool:
+    """A finite int or float literal (not a bool, not inf or NaN): ``x + a * 0`` is
+    ``x`` only for such an ``a`` (``inf * 0`` is NaN)."""
+    v = x.operand if x.is_literal else None
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 @register_predicate(local=True)

@@ -889,7 +889,9 @@ class _SavedState:
                 t, version, copy, by_value = entry
                 if t._version != version or (by_value and not _same_values(t, copy)):
                     t.copy_(copy)
-                    entry[1] = t._version
+                    # the values are the saved ones bit for bit: so is the version, or an
+                    # autograd graph the caller holds on the tensor would call it stale
+                    _SET_VERSIONS((t,), (version,))
         for m, training in self.modes:
             m.training = training
         for p, requires_grad in self.flags:
@@ -924,6 +926,8 @@ def preserved_state(*fns: Any, runs_only: bool = False, watches: Iterable[Any] =
             if held:
                 _STATE_LOCK.release()
 
+
+_SET_VERSIONS = torch._C._autograd._unsafe_set_version_counter
 
 #: Held while a block that may write module state runs: two threads checking the same
 #: train-mode model would otherwise each snapshot the other's half-done update and
