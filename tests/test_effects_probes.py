@@ -479,3 +479,21 @@ def test_the_check_leaves_the_callers_version_counters_alone():
     loss = (w * gm.bn.running_mean).sum()  # autograd saved the running mean
     CLEANUP.apply(gm, example_inputs=(torch.randn(2, 3, 6, 6),))  # the check runs the model: BN writes
     loss.backward()  # the running mean's bits and version are as they were
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_folding_a_shared_batch_norm_passes_the_default_check(capture):
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1, self.c2, self.bn = nn.Conv2d(3, 4, 3), nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+            self.bn2 = self.bn  # one module, two names
+
+        def forward(self, x):
+            return self.bn(self.c1(x)) + self.bn2(self.c2(x))
+
+    model, x = M().eval(), torch.randn(2, 3, 8, 8)
+    gm = fx.symbolic_trace(model) if capture == "fx" else torch.export.export(model, (x,), strict=False).module()
+    result = FUSION.apply(gm, example_inputs=(x,))  # its gradient check knew only what the rewrite held
+    assert result.counts["conv_bn"] == 2
+    torch.testing.assert_close(result.graph_module(x), gm(x), rtol=1e-4, atol=1e-5)

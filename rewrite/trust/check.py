@@ -1079,31 +1079,42 @@ def _grad_leaves(root: Any) -> list:
     return out
 
 
-def _from_new_constants(candidate: Any, known: set, leaves: int) -> Optional[Tuple[bool, ...]]:
-    """Per output leaf of a GraphModule (pytree order), whether it is computed from a
-    constant that is not among ``known`` (ids of the original's tensors: a fold's
-    result). None when that cannot be read from the graph."""
+def _output_reads(candidate: Any, index: int, leaves: int) -> Optional[set]:
+    """The ids of the tensors (parameters, buffers, constants) a GraphModule's output
+    leaf ``index`` (pytree order, of ``leaves``) is computed from, through its graph;
+    None when the graph cannot tell."""
     if not isinstance(candidate, fx.GraphModule):
         return None
-    new: Dict[fx.Node, bool] = {}
-    output = None
-    for node in candidate.graph.nodes:
-        if node.op == "get_attr":
-            try:
-                value = attribute(candidate, node.target)
-            except AttributeError:
-                return None
-            new[node] = isinstance(value, torch.Tensor) and id(value) not in known
-        elif node.op == "output":
-            output = node
-        else:
-            new[node] = any(new.get(n, False) for n in node.all_input_nodes)
+    output = next((n for n in reversed(candidate.graph.nodes) if n.op == "output"), None)
     if output is None or not output.args:
         return None
     flat = pytree.tree_leaves(output.args[0])
     if len(flat) != leaves:
         return None
-    return tuple(isinstance(n, fx.Node) and new.get(n, False) for n in flat)
+    reads: set = set()
+    stack = [flat[index]] if isinstance(flat[index], fx.Node) else []
+    seen: set = set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "get_attr":
+            try:
+                value = attribute(candidate, node.target)
+            except AttributeError:
+                return None
+            reads.update(id(t) for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
+            if isinstance(value, torch.nn.Module):
+                reads.update(id(t) for t in [*value.parameters(), *value.buffers()])
+        elif node.op == "call_module":
+            try:
+                module = attribute(candidate, node.target)
+            except AttributeError:
+                return None
+            reads.update(id(t) for t in [*module.parameters(), *module.buffers()])
+        stack.extend(node.all_input_nodes)
+    return reads
 
 
 def _requires_grad_change(trial: int, ref: _Run, cand: _Run, candidate: Any = None) -> Optional[Mismatch]:
@@ -1125,16 +1136,19 @@ def _requires_grad_change(trial: int, ref: _Run, cand: _Run, candidate: Any = No
     # only drops a parameter (``w * 0 => zeros``) leaves none; per output when the
     # graph tells (a fold elsewhere must not excuse an output that lost its gradient)
     folded = any(id(t) not in names for t in cand.state.values())
-    per_output = None
     for i, (path, mine, theirs) in enumerate(zip(paths, ref.requires_grad, cand.requires_grad)):
         if not mine or theirs:
             continue
         root = ref.grad_roots[i] if ref.grad_roots is not None else None
-        kept = [t for t in _grad_leaves(root) if id(t) not in names or id(t) in trained]
-        if folded and per_output is None:
-            per_output = _from_new_constants(candidate, set(names), len(paths)) or ()
-        if root is not None and not kept and folded and (not per_output or per_output[i]):
-            continue  # only through parameters the rewrite folded away
+        reads = _output_reads(candidate, i, len(paths)) if folded else None
+        if reads is None:  # what the rewrite still holds stands for what it reads
+            kept = [t for t in _grad_leaves(root) if id(t) not in names or id(t) in trained]
+            fresh = folded
+        else:  # what this output is computed from, in the rewrite's graph
+            kept = [t for t in _grad_leaves(root) if id(t) not in names or id(t) in reads]
+            fresh = any(r not in names for r in reads)
+        if root is not None and not kept and fresh:
+            continue  # only through parameters the rewrite folded away, into constants it reads
         through = "" if not kept else (
             f" (through parameter {names[id(kept[0])]}, which the rewrite still has)" if id(kept[0]) in names
             else " (through an input or a tensor outside the module)")
