@@ -497,3 +497,27 @@ def test_folding_a_shared_batch_norm_passes_the_default_check(capture):
     result = FUSION.apply(gm, example_inputs=(x,))  # its gradient check knew only what the rewrite held
     assert result.counts["conv_bn"] == 2
     torch.testing.assert_close(result.graph_module(x), gm(x), rtol=1e-4, atol=1e-5)
+
+
+def test_a_dynamic_shape_export_is_rewritten_only_for_what_holds_at_every_size():
+    from torch.export import Dim
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.bn = nn.Linear(8, 8), nn.BatchNorm1d(8)
+
+        def forward(self, x, y):
+            return self.bn(self.lin(x).flatten(0, 1)).reshape(y.shape[0], y.shape[1], 8)
+
+    model = M().eval()
+    x, y = torch.randn(2, 3, 8), torch.randn(2, 3)
+    auto = {0: Dim.AUTO, 1: Dim.AUTO}
+    gm = torch.export.export(model, (x, y), dynamic_shapes=(auto, auto), strict=False).module()
+    result = FUSION.apply(gm, example_inputs=(x, y))
+    assert "linear_view_bn" not in result.counts  # its same_shape held for the example's sizes only
+    x2, y2 = torch.randn(2, 3, 8), torch.randn(3, 2)
+    assert result.graph_module(x2, y2).shape == gm(x2, y2).shape == (3, 2, 8)
+
+    static = torch.export.export(model, (x, y), strict=False).module()  # one size: the rule may fire
+    assert FUSION.apply(static, example_inputs=(x, y)).counts.get("linear_view_bn") == 1

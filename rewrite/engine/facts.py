@@ -18,6 +18,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 
+from rewrite.engine.symbolic import symbolic_env
 from rewrite.engine.shapes import cast_of, fresh_cast, fresh_constant, fresh_like, fresh_view, like_input, view_of
 from rewrite.ops.base import ConstRef, attribute, by_identity
 from rewrite.ops.effects import state_writes, written_args
@@ -99,6 +100,9 @@ class GraphFacts:
         # consumers of the graph; any node's facts are inferred earlier when a rule
         # asks. Nodes created and replaced again meanwhile never cost a propagation.
         self.fake_mode = detect_fake_mode([v for v in carried if isinstance(v, torch.Tensor)])
+        #: the ShapeEnv of a graph with symbolic sizes (a dynamic-shape export), else
+        #: None: where clauses decide only what holds for every size (rewrite.engine.symbolic)
+        self.shape_env = symbolic_env(self.fake_mode)
         self._fakes: dict = {}  # id(real constant) -> (constant, its FakeTensor)
 
     def _fake_of(self, mode: Any, v: Any) -> Any:

@@ -21,6 +21,7 @@ import torch.fx as fx
 from rewrite.engine.compile import CompiledRule, PCall, PDefault, PLit, PResults, PSeq, PVar, PWild, RResults
 from rewrite.engine.facts import GraphFacts, is_metadata_check
 from rewrite.engine.outputs import getitem_users, result_count
+from rewrite.engine.symbolic import SymbolicUnknown, deciding
 from rewrite.engine.where import UNKNOWN, PredicateError, where_function
 from rewrite.language import ast
 from rewrite.engine.aliasing import alias_class, caller_owned, storage_base
@@ -449,8 +450,14 @@ class Matcher:
         return self._holds(where_function(expr), env)
 
     def _holds(self, where_fn: Any, env: dict) -> bool:
+        shape_env = self.facts.shape_env
         try:
-            return where_fn(env, self.facts) is True
+            if shape_env is None:
+                return where_fn(env, self.facts) is True
+            with deciding(shape_env):  # symbolic sizes: only what holds for every size
+                return where_fn(env, self.facts) is True
+        except SymbolicUnknown:
+            return False
         except PredicateError as err:  # a user's function failed: kept for the rule's stats
             if self.where_error is None:
                 self.where_error = str(err)

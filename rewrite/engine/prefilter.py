@@ -33,6 +33,7 @@ import attrs
 from torch import fx
 
 from rewrite.engine.compile import CompiledRule, PAlt, PCall, PDefault, PLit, PResults, PSeq, PVar
+from rewrite.engine.symbolic import deciding
 from rewrite.engine.where import where_function
 from rewrite.language import ast
 from rewrite.ops import forms_for_key
@@ -261,8 +262,13 @@ def _clauses_hold(clauses: tuple, matcher: Any, node: fx.Node, args: tuple, n: i
                 break
         else:
             try:
-                if fn(env, matcher.facts) is not True:
+                if matcher.facts.shape_env is not None:
+                    with deciding(matcher.facts.shape_env):
+                        holds = fn(env, matcher.facts)
+                else:
+                    holds = fn(env, matcher.facts)
+                if holds is not True:
                     return False
-            except Exception:  # noqa: BLE001 - the matcher evaluates it again and reports it
+            except Exception:  # noqa: BLE001 - the matcher evaluates it again and reports it (SymbolicUnknown too)
                 return True
     return True
