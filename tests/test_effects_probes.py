@@ -521,3 +521,28 @@ def test_a_dynamic_shape_export_is_rewritten_only_for_what_holds_at_every_size()
 
     static = torch.export.export(model, (x, y), strict=False).module()  # one size: the rule may fire
     assert FUSION.apply(static, example_inputs=(x, y)).counts.get("linear_view_bn") == 1
+
+
+@rewrite.register_constant()
+def _doubled_in_place(w):
+    return w.mul_(2.0)  # a user's function that writes what it is given
+
+
+def test_a_users_constant_function_never_writes_the_models_weights():
+    rules = rewrite.parse("rule s: batch_norm(conv(x, w, b, st, p, d, g), _, _, _, _, training=False, eps=_, ...) "
+                          "where const(w) => conv(x, _doubled_in_place(w), b, st, p, d, g)\n")
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c, self.b = nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)
+
+        def forward(self, x):
+            return self.b(self.c(x))
+
+    model, x = M().eval(), torch.randn(1, 3, 4, 4)
+    weight = model.c.weight.detach().clone()
+    for gm in (fx.symbolic_trace(model), torch.export.export(model, (x,), strict=False).module()):
+        result = rules.apply(gm, example_inputs=(x,), check=False)
+        assert result.counts == {"s": 1}
+        assert torch.equal(model.c.weight, weight)

@@ -58,6 +58,12 @@ def _own(value: Any) -> Any:
     return torch.utils._pytree.tree_map_only(torch.Tensor, copy, value)
 
 
+def _library_function(fn: Any) -> bool:
+    """A rewrite-time function this package registers (``rewrite.functions``): read
+    to never write its arguments, so it is given the model's tensors themselves."""
+    return (getattr(fn, "__module__", None) or "").startswith("rewrite.functions.")
+
+
 class ReplacementError(Exception):
     """A replacement could not be built (its rewrite-time function failed)."""
 
@@ -251,6 +257,10 @@ class Replacer:
         if isinstance(r, RConst):
             args = [self._evaluate(a, env) for a in r.args]
             kwargs = {k: self._evaluate(v, env) for k, v in r.kwargs.items()}
+            if not _library_function(r.spec.fn):
+                # a user's function gets copies: the model's own tensors (its weights)
+                # are the caller's, and the function may write what it is given
+                args, kwargs = _own(args), _own(kwargs)
             return r.spec.fn(*args, **kwargs)
         raise ValueError(f"{r!r} is not a rewrite-time constant")
 
