@@ -19,6 +19,7 @@ import argparse
 import collections
 import functools
 import importlib
+import math
 import sys
 from typing import Any, Sequence
 
@@ -123,7 +124,7 @@ def _cmd_apply(args: argparse.Namespace) -> int:
 
     rules = _load(args.rules)
     if args.ruleset:
-        rules = rules[args.ruleset]
+        rules = _pick(rules, args.ruleset)
     problem = args.save and save_path_problem(args.save, args.capture)
     if problem:  # refused before any work, as a usage error
         print(f"rewrite: error: --save {args.save}: {problem}", file=sys.stderr)
@@ -280,9 +281,9 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--capture", choices=("fx", "export", "dynamo"), default="fx")
     a.add_argument("--ruleset", help="apply only this ruleset of the files")
     a.add_argument("--no-check", action="store_true", help="skip the equivalence check")
-    a.add_argument("--trials", type=int, default=3)
-    a.add_argument("--rtol", type=float, help="relative tolerance of the check (default: by dtype)")
-    a.add_argument("--atol", type=float, help="absolute tolerance of the check (default: by dtype)")
+    a.add_argument("--trials", type=_positive_int, default=3)
+    a.add_argument("--rtol", type=_tolerance, help="relative tolerance of the check (default: by dtype)")
+    a.add_argument("--atol", type=_tolerance, help="absolute tolerance of the check (default: by dtype)")
     a.add_argument("--save", metavar="PATH", help="save the result: *.pt (torch.save of the GraphModule) for "
                    "--capture fx, *.pt2 (torch.export.save) for --capture export; never a partial file")
     a.add_argument("--print-code", action="store_true", help="print the rewritten graph's code")
@@ -379,7 +380,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
         rules = _load(args.rules)
         if args.ruleset:
-            rules = rules[args.ruleset]
+            rules = _pick(rules, args.ruleset)
         try:
             result = rules.apply(gm, example_inputs=inputs)
         except rewrite.EquivalenceError as err:
@@ -425,7 +426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RuleError as err:
         print(str(err), file=sys.stderr)
         return 1
-    except (ModelSpecError, ExportError) as err:  # the user's model or result, not a bug here
+    except (ModelSpecError, ExportError, _NoSuchRuleset) as err:  # the user's model, rules or result
         print(f"rewrite: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -435,6 +436,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as err:  # noqa: BLE001 - report, do not dump a traceback on users
         print(f"rewrite: internal error: {type(err).__name__}: {err}", file=sys.stderr)
         return 2
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an int of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive int")
+    return value
+
+
+def _tolerance(text: str) -> float:
+    """argparse type: a finite, non-negative float."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a finite, non-negative number")
+    return value
+
+
+class _NoSuchRuleset(Exception):
+    """--ruleset names nothing the rule files declare."""
+
+
+def _pick(rules: Any, name: str) -> Any:
+    try:
+        return rules[name]
+    except KeyError as err:
+        raise _NoSuchRuleset(f"--ruleset: {err.args[0]}") from None
 
 
 if __name__ == "__main__":

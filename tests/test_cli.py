@@ -194,3 +194,19 @@ def test_apply_save_into_a_missing_folder_fails_before_any_work(tmp_path, capsys
                  "--save", str(target)])
     err = capsys.readouterr().err
     assert code != 0 and "does not exist" in err and "internal error" not in err
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--ruleset", "nope"], "no rule or ruleset named 'nope'"),
+    (["--trials", "0"], "0 is not a positive int"),
+    (["--rtol", "nan"], "nan is not a finite, non-negative number"),
+])
+def test_apply_reports_bad_arguments_as_usage_errors(extra, message, capsys):
+    model = ["--model", "rewrite.examples.cnn:demo_cnn_with_inputs"]
+    try:
+        code = main(["apply", "rules/cleanup.rw", *model, *extra])
+    except SystemExit as exit_:  # argparse's own usage error
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err
+    assert "internal error" not in err and "Traceback" not in err

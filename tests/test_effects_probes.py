@@ -546,3 +546,15 @@ def test_a_users_constant_function_never_writes_the_models_weights():
         result = rules.apply(gm, example_inputs=(x,), check=False)
         assert result.counts == {"s": 1}
         assert torch.equal(model.c.weight, weight)
+
+
+def test_an_all_ones_mask_example_does_not_hide_a_wrong_rule():
+    wrong = rewrite.parse("rule drop_mask: mul(x, _) where is_float(x) => x\n")
+
+    class M(nn.Module):
+        def forward(self, x, mask):
+            return (x * mask).sin()
+
+    gm = fx.symbolic_trace(M())
+    with pytest.raises(rewrite.EquivalenceError):  # the random trials draw zeros into the mask
+        wrong.apply(gm, example_inputs=(torch.randn(2, 5), torch.ones(2, 5, dtype=torch.int64)))

@@ -185,7 +185,8 @@ def random_like(example: torch.Tensor, generator: torch.Generator,
 
     Floats: normal with the example's mean/std (std 1 when it is 0 or
     undefined), folded to non-negative when the example has no negative
-    entries. Integers: uniform in the example's ``[min, max]``. Bools: fair
+    entries. Integers: uniform in the example's ``[min, max]`` (``[0, 1]`` for an
+    all-ones example: a mask without padding hides what a mask changes). Bools: fair
     coin. ``value_range`` overrides both with a uniform ``[low, high]``.
     """
     shape, dtype = tuple(example.shape), example.dtype
@@ -218,6 +219,8 @@ def random_like(example: torch.Tensor, generator: torch.Generator,
             lo, hi = int(value_range[0]), int(value_range[1])
         elif ex.numel():
             lo, hi = int(ex.min()), int(ex.max())
+            if lo == hi == 1:
+                lo = 0  # an all-ones mask (attention_mask without padding): draw zeros too
         else:
             lo, hi = DEFAULT_INT_RANGE
         out = torch.randint(lo, hi + 1, shape, generator=generator, dtype=torch.int64).to(dtype)
