@@ -30,8 +30,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from rewrite.ops.base import by_identity
-from rewrite.ops.effects import (always_aliases, flag_on, flagged_writes, may_alias, may_alias_any_argument,
+from rewrite.ops.effects import (always_aliases, call_writes, flag_on, flagged_writes, may_alias, may_alias_any_argument,
                                  target_writes, written_args, written_nodes)
 from rewrite.ops.vocabulary import nodes_by_target
 
@@ -215,26 +214,26 @@ def _other_input_written(placeholder: fx.Node, gm: Any) -> bool:
 
 def graph_writes(gm: Any) -> bool:
     """Whether some node of ``gm``'s graph writes an argument in place
-    (``rewrite.ops.effects.written_args``), looked up by target: an aten overload
-    that writes nothing by its schema writes only through its flag when it has one
-    (``training=True`` for ``batch_norm``: ``rewrite.ops.effects.flagged_writes``);
-    every other target is asked node by node."""
+    (``rewrite.ops.effects.written_args``), looked up by target
+    (``rewrite.ops.effects.call_writes``): a call target that never writes is
+    skipped but for an ``out=`` keyword, one that writes only through a flag
+    (``training=True`` for ``batch_norm``) has its flag read, every other target is
+    asked node by node."""
     for op, target, nodes in nodes_by_target(gm.graph):
-        if op == "call_function" and isinstance(target, torch._ops.OpOverload) and not target_writes(target) \
-                and not _takes_inplace(target):
-            flagged = flagged_writes(target)  # training-mode batch_norm: no schema says it writes
-            if flagged is not None:
+        if op == "call_function":
+            how = call_writes(target)
+            if how == "never":
+                # an aten overload's out= is in its schema; a Python function may take one
+                if not isinstance(target, torch._ops.OpOverload) and any(
+                        "out" in n._kwargs and written_args(n, gm) for n in nodes):
+                    return True
+                continue
+            if how == "flag":
+                flagged = flagged_writes(target)
                 for n in nodes:  # a loop, not a generator: once per batch_norm of a graph
-                    if flag_on(n, flagged) and written_args(n, gm):
+                    if ("out" in n._kwargs or flag_on(n, flagged)) and written_args(n, gm):
                         return True
-            continue
+                continue
         if any(written_args(n, gm) for n in nodes):
             return True
     return False
-
-
-_TAKES_INPLACE: dict = {}  # id(overload) -> (overload, whether its schema has an ``inplace`` argument)
-
-
-def _takes_inplace(overload: Any) -> bool:
-    return by_identity(_TAKES_INPLACE, overload, lambda o: any(a.name == "inplace" for a in o._schema.arguments))

@@ -40,7 +40,7 @@ __all__ = [
     "VIEW_NAMES", "ALIASING_NAMES", "ALIASING_MODULES", "FRESH_COMPOSITES", "FRESH_FUNCTIONS", "FRESH_OPERATORS",
     "ANY_INPUT_ALIASING_NAMES", "op_name", "may_alias",
     "may_alias_any_argument", "note_built_module", "always_aliases",
-    "written_args", "written_nodes", "target_writes", "flagged_writes", "flag_on", "opdef_writes", "opdef_may_alias",
+    "written_args", "written_nodes", "target_writes", "flagged_writes", "flag_on", "call_writes", "opdef_writes", "opdef_may_alias",
     "module_writes_own_state",
     "state_writes",
 ]
@@ -406,6 +406,32 @@ def written_args(node: fx.Node, gm: Any) -> tuple:
     if kwargs and kwargs.get("out") is not None and "out" not in out:  # torch.add(x, y, out=z) writes z
         out.append("out")
     return tuple(out)
+
+
+def call_writes(target: Any) -> str:
+    """How a call_function of ``target`` may write an argument, whatever the node:
+    ``"never"`` (no schema write, no flag, no ``inplace`` parameter, known code: only
+    an ``out=`` keyword could), ``"flag"`` (only through its ``flagged_writes`` flag:
+    ``aten.batch_norm``), or ``"node"`` (ask ``written_args`` of each node).
+    Worked out once per target: ``graph_writes`` asks it of every target of a graph."""
+    return by_identity(_CALL_WRITES, target, _call_writes)
+
+
+_CALL_WRITES: dict = {}  # id(target) -> (target, call_writes(target))
+
+
+def _call_writes(target: Any) -> str:
+    if target_writes(target) or _opaque_call(target):
+        return "node"
+    if isinstance(target, torch._ops.OpOverload):
+        takes_inplace = any(a.name == "inplace" for a in target._schema.arguments)
+    elif isinstance(target, torch._ops.OpOverloadPacket):
+        takes_inplace = any(a.name == "inplace" for ov in _overloads(target) for a in ov._schema.arguments)
+    else:
+        takes_inplace = _inplace_position(target) is not None
+    if takes_inplace:
+        return "node"
+    return "flag" if flagged_writes(target) is not None else "never"
 
 
 def _every_argument(node: fx.Node) -> tuple:
