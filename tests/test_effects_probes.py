@@ -213,16 +213,22 @@ def test_a_returned_view_given_by_keyword_never_aliases_the_input(name):
     torch.testing.assert_close(out, view(x * 1))
 
 
-class _ConvWriteBn(nn.Module):
-    def __init__(self):
+class _ConvBnWithWrite(nn.Module):
+    """A conv and batch norm around an in-place write of the conv's input:
+    ``between`` them (a folded conv at the batch norm would read the written value)
+    or ``before`` the conv (the original and the fold both read it)."""
+
+    def __init__(self, where):
         super().__init__()
-        self.c = nn.Conv2d(3, 4, 1)
-        self.bn = nn.BatchNorm2d(4)
+        self.c, self.bn, self.where = nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), where
 
     def forward(self, x):
         h = x * 2.0
+        if self.where == "before":
+            h.relu_()
         c = self.c(h)
-        h.add_(1)  # after the conv read h, before the batch norm: a folded conv would read it
+        if self.where == "between":
+            h.add_(1)
         return self.bn(c) + h.mean()
 
 
@@ -240,7 +246,7 @@ def _silu_written(x):
 
 
 BETWEEN = {
-    "conv_bn": (lambda: _ConvWriteBn().eval(), FUSION, torch.randn(1, 3, 2, 2)),
+    "conv_bn": (lambda: _ConvBnWithWrite("between").eval(), FUSION, torch.randn(1, 3, 2, 2)),
     "neg_neg": (lambda: _Fn(lambda m, x: _neg_written(x)), CLEANUP, torch.randn(2, 2)),
     "silu_from_sigmoid": (lambda: _Fn(lambda m, x: _silu_written(x)), FUSION, torch.randn(4)),
 }
@@ -257,18 +263,7 @@ def test_a_match_never_spans_a_write_into_what_it_reads(name, level):
 
 
 def test_a_write_before_the_match_does_not_stop_it():
-    class M(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.c = nn.Conv2d(3, 4, 1)
-            self.bn = nn.BatchNorm2d(4)
-
-        def forward(self, x):
-            h = x * 2.0
-            h.relu_()  # before the conv: the original and the fold both read the written h
-            return self.bn(self.c(h))
-
-    gm = fx.symbolic_trace(M().eval())
+    gm = fx.symbolic_trace(_ConvBnWithWrite("before").eval())
     x = torch.randn(1, 3, 2, 2)
     result = FUSION.apply(gm, example_inputs=(x,))
     assert result.counts.get("conv_bn", 0) == 1
