@@ -553,3 +553,11 @@ def test_an_all_ones_mask_example_does_not_hide_a_wrong_rule():
     gm = fx.symbolic_trace(M())
     with pytest.raises(rewrite.EquivalenceError):  # the random trials draw zeros into the mask
         wrong.apply(gm, example_inputs=(torch.randn(2, 5), torch.ones(2, 5, dtype=torch.int64)))
+
+
+def test_prepare_qat_says_why_a_float64_model_gets_no_fake_quantizer():
+    import rewrite.qat as rqat
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()).eval().to(torch.float64)
+    with pytest.raises(rqat.QATError, match="float64"):
+        rqat.prepare_qat(model, (torch.randn(2, 3, 6, 6, dtype=torch.float64),))

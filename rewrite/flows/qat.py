@@ -44,6 +44,7 @@ from typing import Any, Iterable
 
 import torch
 import torch.fx as fx
+from torch.utils import _pytree as pytree
 from torch.ao.quantization.observer import ObserverBase
 
 from rewrite.flows import quant as ptq
@@ -203,6 +204,11 @@ def prepare_qat(
     _drop_unused_attributes(qat)
     merged = _merge_fake_quants(qat)
     if not fake_quant_nodes(qat):
+        dtypes = sorted({str(t.dtype).replace("torch.", "") for t in pytree.tree_leaves(args)
+                         if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float32})
+        if dtypes:
+            raise QATError(f"the QAT rules inserted no fake quantizer: the inputs are {', '.join(dtypes)}, and "
+                           "int8 kernels and fake quantizers take float32 (convert the model with .float())")
         raise QATError("the QAT rules inserted no fake quantizer: the model has no conv, linear, add, "
                        "mul, cat or matmul they quantize")
     qat.meta[_META] = {"backend": backend, "ruleset": ruleset, "example_inputs": args,
