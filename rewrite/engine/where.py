@@ -16,6 +16,9 @@ from __future__ import annotations
 import operator
 from typing import Any, Callable
 
+import torch
+import torch.fx as fx
+
 from rewrite.engine.dtypes import DTYPES
 from rewrite.engine.facts import Value
 from rewrite.functions.registry import BUILTIN_MODULES, lookup_function
@@ -92,7 +95,9 @@ _COMPARE = {
 
 
 def _truth(v: Any) -> Any:
-    return UNKNOWN if v is UNKNOWN else bool(plain(v))
+    if v is UNKNOWN or isinstance(v, (fx.Node, torch.Tensor)):
+        return UNKNOWN  # a graph value's (or a tensor's) truth is not known at rewrite time
+    return bool(plain(v))
 
 
 def _side(f: Compiled) -> Compiled:
