@@ -137,12 +137,12 @@ def like_input(node: fx.Node, values: dict) -> Any:
         return None
     if kind in ("float", "binary") and not dtype.is_floating_point:
         return None
-    for t in tensors[1:]:
-        if (t.shape != first.shape or t.dtype != dtype or t.device != first.device
-                or t.stride() != first.stride()):
-            return None
     if first.requires_grad or not _dense(first):
-        return None
+        return None  # _dense first: comparing symbolic sizes would guard on the example's
+    for t in tensors[1:]:
+        if (any(not isinstance(s, int) for s in t.shape) or t.shape != first.shape or t.dtype != dtype
+                or t.device != first.device or t.stride() != first.stride()):
+            return None
     return first
 
 
