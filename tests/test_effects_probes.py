@@ -561,3 +561,21 @@ def test_prepare_qat_says_why_a_float64_model_gets_no_fake_quantizer():
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()).eval().to(torch.float64)
     with pytest.raises(rqat.QATError, match="float64"):
         rqat.prepare_qat(model, (torch.randn(2, 3, 6, 6, dtype=torch.float64),))
+
+
+def test_fp16_keeps_a_clamp_whose_bound_would_round_to_zero():
+    amp = rewrite.load(RULES / "amp_fp16.rw")
+
+    class SafeLog(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.log(torch.relu(self.fc(x)).clamp(min=1e-8))  # float16: clamp(min=0), log(0)
+
+    torch.manual_seed(0)
+    model, x = SafeLog().eval(), torch.randn(4, 8)
+    result = amp.apply(fx.symbolic_trace(model), example_inputs=(x,))  # its own default check
+    assert "clamp_lowp" not in result.counts
+    assert result.graph_module(x).isfinite().all()

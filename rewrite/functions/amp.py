@@ -127,8 +127,9 @@ def model_contiguous(y: Value) -> bool | None:
 @register_predicate()
 def fits(x: Value, dtype: Value) -> bool | None:
     """None, or a number ``dtype`` holds without overflow (within its largest finite
-    value, or an infinity): a clamp bound or pad value moved into float16 must not
-    turn into inf (65504 is float16's largest value)."""
+    value, or an infinity) and without underflow (a nonzero value stays within one
+    rounding of itself): a clamp bound or pad value moved into float16 must not turn
+    into inf (65504 is float16's largest value) nor into 0 (``clamp(min=1e-8)``)."""
     if x.is_literal and x.operand is None:
         return True
     if not (x.is_literal and isinstance(x.operand, (int, float)) and not isinstance(x.operand, bool)):
@@ -137,7 +138,15 @@ def fits(x: Value, dtype: Value) -> bool | None:
     if not isinstance(target, torch.dtype) or not target.is_floating_point:
         return None
     v = float(x.operand)
-    return math.isinf(v) or abs(v) <= torch.finfo(target).max
+    if math.isinf(v) or v == 0:
+        return True
+    info = torch.finfo(target)
+    if abs(v) > info.max:
+        return False
+    # a bound that rounds to 0 or far from itself (clamp(min=1e-8) in float16 is
+    # clamp(min=0): a log after it gives -inf) does not fit either
+    rounded = float(torch.tensor(v, dtype=torch.float64).to(target))
+    return rounded != 0 and abs(rounded - v) <= info.eps * abs(v)
 
 
 def _einsum_terms(equation: str) -> tuple[list[str], str] | None:
