@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from rewrite.ops.effects import (always_aliases, call_writes, flag_on, flagged_writes, may_alias, may_alias_any_argument,
-                                 target_writes, written_args, written_nodes)
+from rewrite.ops.effects import (always_aliases, call_writes, flag_on, flagged_writes, may_alias,
+                                 may_alias_any_argument, written_args, written_nodes)
 from rewrite.ops.vocabulary import nodes_by_target
 
 __all__ = ["storage_base", "alias_class", "new_aliasing", "caller_owned", "graph_writes", "written_between"]

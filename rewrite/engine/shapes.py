@@ -30,7 +30,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["cast_of", "fresh_cast", "like_input", "fresh_like", "view_of", "fresh_view", "fresh_constant", "layout_of"]
+__all__ = ["cast_of", "fresh_cast", "like_input", "fresh_like", "view_of", "fresh_view", "fresh_constant",
+           "layout_of"]
 
 aten = torch.ops.aten
 

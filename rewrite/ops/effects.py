@@ -40,7 +40,8 @@ __all__ = [
     "VIEW_NAMES", "ALIASING_NAMES", "ALIASING_MODULES", "FRESH_COMPOSITES", "FRESH_FUNCTIONS", "FRESH_OPERATORS",
     "ANY_INPUT_ALIASING_NAMES", "op_name", "may_alias",
     "may_alias_any_argument", "note_built_module", "always_aliases",
-    "written_args", "written_nodes", "target_writes", "flagged_writes", "flag_on", "call_writes", "opdef_writes", "opdef_may_alias",
+    "written_args", "written_nodes", "target_writes", "flagged_writes", "flag_on", "call_writes",
+    "opdef_writes", "opdef_may_alias",
     "module_writes_own_state",
     "state_writes",
 ]
@@ -455,7 +456,8 @@ def _opaque_call(target: Any) -> bool:
     (it runs a subgraph) or a Python function from outside torch."""
     if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return False
-    if getattr(target, "__module__", None) == "builtins" and getattr(target, "__name__", "") not in _WRITING_BUILTINS:
+    builtin = getattr(target, "__module__", None) == "builtins"
+    if builtin and getattr(target, "__name__", "") not in _WRITING_BUILTINS:
         return False  # getattr(x, "T"), len(x): Python's own read what they are given
     return isinstance(target, torch._ops.HigherOrderOperator) or not _from_torch(target)
 
@@ -794,10 +796,9 @@ def state_writes(gm: Any) -> "frozenset[int] | None":
         if isinstance(target, torch._ops.OpOverload):  # its schema answers for every node
             known = overloads.get(id(target))
             if known is None:  # (may alias, writes nothing whatever its arguments)
-                known = overloads[id(target)] = (target, may_alias(node, gm), not target_writes(target)
-                                                 and flagged_writes(target) is None)
+                known = overloads[id(target)] = (target, may_alias(node, gm), call_writes(target) == "never")
             aliasing = known[1]
-            if known[2] and "out" not in node._kwargs:
+            if known[2]:
                 if aliasing:
                     aliases[node] = args
                 continue
@@ -826,12 +827,11 @@ def _only_quiet_calls(graph: fx.Graph) -> bool:
             return False
         if target is operator.getitem:
             continue  # an element of a multi-output op's result: reading writes nothing
-        if not isinstance(target, torch._ops.OpOverload) or target_writes(target):
+        if not isinstance(target, torch._ops.OpOverload):
+            return False  # aten ops take no module to run: other targets may be given one
+        how = call_writes(target)  # an overload's out= is in its schema: "node"
+        if how == "node" or (how == "flag" and any(flag_on(n, flagged_writes(target)) for n in nodes)):
             return False
-        flagged = flagged_writes(target)
-        for node in nodes:
-            if "out" in node._kwargs or (flagged is not None and flag_on(node, flagged)):
-                return False
     return True
 
 

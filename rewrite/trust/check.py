@@ -858,7 +858,8 @@ def _call_once(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool, watch: Op
 
 class _SavedState:
     """Parameters and buffers of some modules as they were, their modes and which
-    parameters require grad: ``restore`` puts back what changed (parameters by version counter, buffers also by value:
+    parameters require grad: ``restore`` puts back what changed (parameters by
+    version counter, buffers also by value:
     kernels update some without bumping their version), as often as needed.
     ``runs_only``: the block does nothing but call the modules, so a GraphModule's
     state its graph cannot write is not saved (cloning ResNet-50's 25M parameters
@@ -976,7 +977,8 @@ def _compare(trial: int, ref_out: Any, cand_out: Any, kind: str, rtol: Optional[
              compute_dtypes: Optional[Tuple[Optional[torch.dtype], ...]] = None,
              noises: Optional[Tuple[Any, ...]] = None, quantum: float = 0.0,
              ) -> Tuple[float, float, Optional[Mismatch]]:
-    """Compare two outputs leaf by leaf (``quantum``: ``_compare_tensor``'s). ``compute_dtypes``: per leaf, the lower
+    """Compare two outputs leaf by leaf (``quantum``: ``_compare_tensor``'s).
+    ``compute_dtypes``: per leaf, the lower
     precision the candidate newly computes it from (``_new_precisions``; else
     ``compute_dtype`` for every leaf): it loosens that leaf's tolerance, and only a
     leaf with one gets the integer ``agreement``. ``noises``: per leaf, the
@@ -1203,8 +1205,8 @@ def _side_effects(trial: int, ref: _Run, cand: _Run, kind: str, rtol: Optional[f
         if i not in cand.inputs_written:
             return Mismatch(f"input {i}", trial, None, None, math.inf, math.inf,
                             "the original writes into this input in place; the rewrite does not")
-        _, _, mm = _compare_tensor(f"input {i} (as written)", trial, ref_inputs[i], cand_inputs[i], kind, rtol, atol,
-                                   low)
+        _, _, mm = _compare_tensor(f"input {i} (as written)", trial, ref_inputs[i], cand_inputs[i], kind, rtol,
+                                   atol, low)
         if mm is not None:
             return mm
     for name in sorted(set(ref.state_written) | set(cand.state_written)):
