@@ -149,6 +149,27 @@ def fits(x: Value, dtype: Value) -> bool | None:
     return rounded != 0 and abs(rounded - v) <= info.eps * abs(v)
 
 
+@register_predicate()
+def constants_fit(dtype: Value, *values: Value) -> bool | None:
+    """Every constant tensor among ``values`` converts to ``dtype`` without a finite
+    value overflowing to inf; graph values and literals pass (that what they hold
+    fits is autocast's contract). A rule casting an operand at run time asks it:
+    where the fold ``cast`` refuses a constant (a bias of -1e5 in float16), the run
+    time cast would make the same inf."""
+    target = dtype.literal if dtype.is_literal else None
+    if not isinstance(target, torch.dtype) or not target.is_floating_point:
+        return None
+    for v in values:
+        if not v.is_const or v.is_literal:
+            continue
+        t = v.facts.constant_of(v.operand)
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
+            finite = t[torch.isfinite(t)]
+            if finite.numel() and float(finite.abs().max()) > torch.finfo(target).max:
+                return False
+    return True
+
+
 def _einsum_terms(equation: str) -> tuple[list[str], str] | None:
     """The operand index strings and the output's of an einsum equation (the
     implicit output: indices written once, sorted); None if it is not one."""
