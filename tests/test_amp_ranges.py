@@ -135,3 +135,43 @@ def test_float16_division_by_a_number_that_could_vanish_the_result_stays_float32
     result = amp("fp16").apply(fx.symbolic_trace(model), (x,), check=False)
     assert (result.counts.get("div_scalar_fp16", 0) == 1) == lowered
     torch.testing.assert_close(result.graph_module(x), model(x), atol=1e-3, rtol=1e-2)
+
+
+class SaturatingGate(nn.Module):
+    """``log(1 - sigmoid(z)) > -15``: True in float32 for logits up to 15; a bfloat16
+    sigmoid rounds to 1.0 above about 6 and the log gives -inf (False)."""
+
+    def __init__(self, gain):
+        super().__init__()
+        self.fc = nn.Linear(16, 256)
+        with torch.no_grad():
+            self.fc.weight.mul_(gain)
+
+    def forward(self, x):
+        return torch.log(1 - torch.sigmoid(self.fc(x))) > -15
+
+
+def test_bool_outputs_flipped_by_a_new_inf_fail_the_check_within_the_agreement():
+    torch.manual_seed(0)
+    model, x = SaturatingGate(5.0).eval(), torch.randn(8, 16)
+    flips = (amp("bf16").apply(fx.symbolic_trace(model), (x,), check=False).graph_module(x) != model(x))
+    assert 0 < flips.float().mean() < 0.05  # within the agreement the check allows rounding
+    with pytest.raises(rewrite.EquivalenceError, match="newly makes inf"):
+        amp("bf16").apply(fx.symbolic_trace(model), (x,))
+
+
+class Threshold(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 256)
+
+    def forward(self, x):
+        return torch.sigmoid(self.fc(x)) > 0.501  # a bfloat16 sigmoid near 0.5 rounds across it
+
+
+def test_bool_outputs_that_flip_from_rounding_alone_still_pass_on_agreement():
+    torch.manual_seed(0)
+    model, x = Threshold().eval(), torch.randn(64, 16)
+    result = amp("bf16").apply(fx.symbolic_trace(model), (x,))
+    assert result.counts["sigmoid_bf16"] == 1
+    assert result.equivalence.int_agreement is not None and result.equivalence.int_agreement < 1.0

@@ -73,6 +73,7 @@ from rewrite.ops.base import ConstRef, attribute
 from rewrite.ops.effects import state_writes, written_args
 from rewrite.ops.vocabulary import CALL_OPS, OPS, bind_node
 from rewrite.trust.gradients import GradientRun, gradient_run
+from rewrite.trust.nonfinite import non_finite_births
 from rewrite.trust.precision import HALF, NOISE_MULTIPLIER, computes_in_half, narrowed_run, rounding_noise, widened_run
 from rewrite.trust.rng import seeded
 from rewrite.trust.reuse import Recording, ReusePlan, record_plan, recordable
@@ -1010,6 +1011,23 @@ def _compare(trial: int, ref_out: Any, cand_out: Any, kind: str, rtol: Optional[
     return worst_abs, worst_rel, first
 
 
+def _flips_from_non_finite(trial: int, original: Callable, candidate: Callable, inputs: Any, rng_seed: int,
+                           state: Any) -> Optional[Mismatch]:
+    """Integer outputs that differ (within ``INT_AGREEMENT``) where the candidate
+    makes inf or NaN from finite values more often than the original: no rounding
+    flip but a new inf (``rewrite.trust.nonfinite``). Both run again, only then."""
+    births = []
+    for fn in (original, candidate):
+        births.append(non_finite_births(lambda: _call(fn, inputs, rng_seed, dtypes=False)))
+        state.restore()
+    if births[1] <= births[0]:
+        return None
+    return Mismatch("output", trial, None, None, math.inf, math.inf,
+                    f"integer outputs differ where the rewrite newly makes inf/NaN ({births[1]} op calls turn "
+                    f"finite values into one, the original's {births[0]}): the integer agreement allows "
+                    "rounding flips, not these")
+
+
 def _int_agreement(ref_out: Any, cand_out: Any,
                    compute_dtypes: Optional[Tuple[Optional[torch.dtype], ...]] = None) -> Optional[float]:
     """The smallest share of equal elements over integer/bool outputs (those with a
@@ -1581,6 +1599,8 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
                 share = _int_agreement(ref.outputs, cand.outputs, lows)
                 if share is not None:
                     agreed = share if agreed is None else min(agreed, share)
+                    if share < 1.0 and mm is None:
+                        mm = _flips_from_non_finite(t, reference.fn, run_candidate, inputs, seed + t, state)
             worst_abs, worst_rel = max(worst_abs, a), max(worst_rel, r)
             if mm is None:
                 mm = _side_effects(t, ref, cand, tolerance, rtol, atol, low)
