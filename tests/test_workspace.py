@@ -21,7 +21,7 @@ import rewrite
 import rewrite.ruleset
 from rewrite.examples.cnn import demo_cnn_with_inputs
 from rewrite.functions import registry
-from rewrite.engine.workspace import check_touched, compile_now, gc_paused, working_copy
+from rewrite.engine.workspace import Journal, check_touched, compile_now, gc_paused, working_copy
 
 
 @pytest.fixture(autouse=True)
@@ -861,3 +861,34 @@ def test_in_place_rewrites_keep_writing_the_modules_own_state():
     rewrite.parse("rule mul_one: mul(x, 1) where is_float(x) => x").apply(gm, (x,), check=False, inplace=True)
     gm(x)
     assert gm.state_dict(keep_vars=True)["steps"] is steps and steps.item() == 1
+
+
+def _module_state(gm):
+    """Every module's attribute names and tables, by identity of what they hold."""
+    state = []
+    for name, m in gm.named_modules():
+        tables = {k: [(key, id(v)) for key, v in m.__dict__[k].items()] if isinstance(m.__dict__[k], dict)
+                  else sorted(m.__dict__[k]) for k in ("_parameters", "_buffers", "_modules",
+                                                        "_non_persistent_buffers_set")}
+        state.append((name, id(m), list(m.__dict__), tables))
+    return state
+
+
+def test_journal_undo_puts_back_every_module_table_and_attribute():
+    """The journal keeps compact snapshots (empty tables as None, shared name tuples):
+    undo still restores tables filled from empty, emptied, reordered, and attributes
+    added to modules of the same class."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.ReLU(), nn.ReLU(), nn.Linear(4, 4))
+    gm = fx.symbolic_trace(model)
+    before = _module_state(gm)
+    journal = Journal(gm).open()
+    relu, other, conv, bn = gm.get_submodule("2"), gm.get_submodule("3"), gm.get_submodule("0"), gm.get_submodule("1")
+    relu.register_buffer("scale", torch.ones(1))              # an empty table filled
+    relu.extra = 1                                              # a new attribute on one of two same-class modules
+    other.register_buffer("kept", torch.zeros(1), persistent=False)
+    del conv._parameters["bias"]                                 # an entry removed
+    bn._buffers["running_mean"] = torch.zeros(4)                 # an entry replaced
+    conv.add_module("inner", nn.Identity())                      # a submodule added
+    gm.register_parameter("new_weight", nn.Parameter(torch.ones(2)))
+    journal.undo()
+    assert _module_state(gm) == before

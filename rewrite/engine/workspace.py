@@ -352,8 +352,7 @@ class Journal:
         self._rewired: set = set()  # nodes whose arguments before the first rewire are recorded
         namespace = self.graph._graph_namespace
         self._base_count = dict(namespace._base_count)
-        self._modules = [(m, {k: type(m.__dict__[k])(m.__dict__[k]) for k in _TABLES if k in m.__dict__},
-                          set(m.__dict__)) for m in gm.modules()]
+        self._modules = _module_snapshots(gm)
         self._open = False
 
     @property
@@ -440,13 +439,16 @@ class Journal:
         namespace._base_count.clear()
         namespace._base_count.update(self._base_count)
         for m, tables, keys in self._modules:
-            for key, saved in tables.items():
-                current = m.__dict__[key]
-                if not _same_table(current, saved):
+            attributes = m.__dict__
+            for key, saved in zip(_TABLES, tables):
+                current = attributes.get(key) if saved is not _ABSENT else None
+                if current is not None and not _same_table(current, saved):
                     current.clear()
-                    current.update(saved)
-            for key in set(m.__dict__) - keys:
-                del m.__dict__[key]
+                    if saved:
+                        current.update(saved)
+            if len(attributes) != len(keys) or any(a is not b for a, b in zip(attributes, keys)):
+                for key in set(attributes) - set(keys):
+                    del attributes[key]
         if not keep_meta:
             for node, key in reversed(self._meta):
                 node.meta.pop(key, None)
@@ -455,8 +457,36 @@ class Journal:
             self.open()
 
 
+_ABSENT = object()  # a module without that table
+
+
+def _module_snapshots(gm: fx.GraphModule) -> list:
+    """Per module under ``gm``: ``(module, its tables, its attribute names)``, what
+    ``Journal.undo`` puts back. Kept small, as the journal lives as long as the
+    rewrite (on ResNet-50 a copy of every table and a set of names per module held
+    1.5x the graph): an empty table is saved as None, a full one as a plain dict or
+    set (order kept), and modules with the same attribute names share one tuple."""
+    snapshots, seen, todo = [], set(), [gm]
+    names: dict = {}
+    while todo:
+        m = todo.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        attributes = m.__dict__
+        tables = tuple(_ABSENT if (t := attributes.get(k, _ABSENT)) is _ABSENT
+                       else (set(t) if isinstance(t, set) else dict(t)) if t else None for k in _TABLES)
+        keys = tuple(attributes)
+        snapshots.append((m, tables, names.setdefault(keys, keys)))
+        todo.extend(c for c in attributes.get("_modules", {}).values() if c is not None)
+    return snapshots
+
+
 def _same_table(a: Any, b: Any) -> bool:
-    """The same entries, in the same order, the same objects (never compares tensors)."""
+    """The same entries, in the same order, the same objects (never compares tensors);
+    ``b`` None: empty."""
+    if b is None:
+        return not a
     if isinstance(a, set):
         return a == b
     return len(a) == len(b) and all(ka == kb and va is vb for (ka, va), (kb, vb) in zip(a.items(), b.items()))
