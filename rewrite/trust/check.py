@@ -1148,8 +1148,8 @@ def _requires_grad_change(trial: int, ref: _Run, cand: _Run, candidate: Any = No
     fold made it a rewrite-time constant, and the rewrite holds a constant the original
     did not: the shipped folds are for inference); an
     input, or a tensor outside the module, always counts. One that newly requires
-    grad is let pass, as ``gradients=True`` lets it (the original has no gradient
-    there to preserve). Not compared when either could not run so."""
+    grad fails too: the caller sees it (``out.numpy()`` raises, the autograd graph
+    is kept). Not compared when either could not run so."""
     if ref.requires_grad is None or cand.requires_grad is None or len(ref.requires_grad) != len(cand.requires_grad):
         return None
     paths = [pytree.keystr(kp) for kp, _ in pytree.tree_flatten_with_path(ref.outputs)[0]]
@@ -1160,6 +1160,11 @@ def _requires_grad_change(trial: int, ref: _Run, cand: _Run, candidate: Any = No
     # graph tells (a fold elsewhere must not excuse an output that lost its gradient)
     folded = any(id(t) not in names for t in cand.state.values())
     for i, (path, mine, theirs) in enumerate(zip(paths, ref.requires_grad, cand.requires_grad)):
+        if not mine and theirs:
+            return Mismatch("output" + path, trial, None, None, math.inf, math.inf,
+                            "requires grad in the rewrite only (the caller's out.numpy() fails, and a backward "
+                            "through it reaches tensors the original's did not); both called with gradients "
+                            "enabled on the inputs as given")
         if not mine or theirs:
             continue
         root = ref.grad_roots[i] if ref.grad_roots is not None else None
@@ -1245,8 +1250,10 @@ def _side_effects(trial: int, ref: _Run, cand: _Run, kind: str, rtol: Optional[f
 
 def _layout_change(ref_out: Any, cand_out: Any, trial: int) -> Optional[Mismatch]:
     """An output laid out contiguously (or channels_last) in the original and not so
-    in the rewrite: the caller sees it (``out.view(-1)`` fails, ``is_contiguous()``
-    changes). An original output with other strides may become any layout."""
+    in the rewrite, or one with other strides (a transposed view) whose strides
+    changed: the caller sees it (``out.view(-1)`` or ``out.t().view(-1)`` fails in one
+    only, ``is_contiguous()`` changes). Strides of dimensions of size 1 address
+    nothing and are not compared."""
     ref_leaves = pytree.tree_flatten_with_path(ref_out)[0]
     cand_leaves = pytree.tree_leaves(cand_out)
     for (kp, r), c in zip(ref_leaves, cand_leaves):
@@ -1254,12 +1261,21 @@ def _layout_change(ref_out: Any, cand_out: Any, trial: int) -> Optional[Mismatch
                 or r.numel() < 2 or r.layout != torch.strided or c.layout != torch.strided:
             continue
         mine, theirs = layout_of(r), layout_of(c)
+        if mine == "strided" and _addressing(r) != _addressing(c):
+            return Mismatch("output" + pytree.keystr(kp), trial, tuple(r.shape), str(r.dtype).replace("torch.", ""),
+                            0.0, 0.0, f"strides changed: {tuple(r.stride())} in the original, {tuple(c.stride())} "
+                                      "in the rewrite (out.t().view(-1) or is_contiguous() would tell)")
         if mine not in (None, "strided") and mine != theirs:
             return Mismatch("output" + pytree.keystr(kp), trial, tuple(r.shape), str(r.dtype).replace("torch.", ""),
                             0.0, 0.0, f"memory layout changed: {mine} (strides {tuple(r.stride())}) in the original, "
                                       f"{theirs} (strides {tuple(c.stride())}) in the rewrite (out.view() or "
                                       "is_contiguous() would tell)")
     return None
+
+
+def _addressing(t: torch.Tensor) -> tuple:
+    """``t``'s strides where they matter: dimensions of size 1 address one element."""
+    return tuple(st if n > 1 else None for n, st in zip(t.shape, t.stride()))
 
 
 def _same_inputs(a: Any, b: Any) -> bool:
