@@ -310,8 +310,9 @@ def test_d_requires_grad_compared_per_output():
     # through an input that requires grad
     report = check_equivalence(lambda x: x * 2, lambda x: (x * 2).detach(), (x.clone().requires_grad_(),))
     assert not report.ok and "through an input" in report.first_mismatch.message
-    # one that newly requires grad passes, as under gradients=True: nothing to preserve
-    assert check_equivalence(lambda x: x + (w * 0).detach(), lambda x: x + w * 0, (x,)).ok
+    # one that newly requires grad fails: the caller's out.numpy() raises
+    report = check_equivalence(lambda x: x + (w * 0).detach(), lambda x: x + w * 0, (x,))
+    assert not report.ok and "requires grad in the rewrite only" in report.first_mismatch.message
     # nothing requires grad in either: nothing to tell
     assert check_equivalence(lambda x: x + w.detach() * 0, lambda x: x.clone(), (x,)).ok
 

@@ -31,8 +31,11 @@ def test_the_check_reports_an_output_that_is_no_longer_contiguous():
     x = (torch.randn(4, 3),)
     report = check_equivalence(lambda t: (t + 1).t().contiguous(), lambda t: (t + 1).t(), x)
     assert not report.ok and "memory layout changed: contiguous" in str(report)
-    # an original output with arbitrary strides may come back contiguous
-    assert check_equivalence(lambda t: (t + 1).t(), lambda t: (t + 1).t().contiguous(), x).ok
+    # an original output with other strides keeps them (out.t().view(-1) would tell)
+    report = check_equivalence(lambda t: (t + 1).t(), lambda t: (t + 1).t().contiguous(), x)
+    assert not report.ok and "strides changed" in str(report)
+    # strides of dimensions of size 1 address nothing: not compared
+    assert check_equivalence(lambda t: (t + 1)[:1].t(), lambda t: (t + 1)[:1].t().contiguous(), x).ok
     report = check_equivalence(lambda t: torch.randn(1, 3, 4, 4).contiguous(memory_format=torch.channels_last) + t,
                                lambda t: torch.randn(1, 3, 4, 4) + t, (torch.zeros(1, 3, 4, 4),))
     assert not report.ok and "channels_last" in str(report)

@@ -145,10 +145,11 @@ def new_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any, writes: 
     if caller_owned(base) and (escapes or written):
         verb = "returned by the graph" if escapes else "written in place"
         return f"its result would be {what} itself, and it is {verb}: the rewrite would alias it"
-    if writes and base.op == "placeholder" and _other_input_written(base, gm):
-        # m(t, t) is a legal call: a write into one input reaches the other
-        return (f"its result would be {what}, and another graph input, which the caller may pass as the "
-                f"same tensor, is written in place")
+    if writes and caller_owned(base) and _other_owned_written(base, gm):
+        # m(t, t) and m(m.buffer) are legal calls: a write into one input, or into the
+        # module's state, reaches an input that is the same tensor
+        return (f"its result would be {what}, and another graph input or module tensor, which the caller may "
+                f"pass as the same tensor, is written in place")
     if not writes and not escapes:
         return None  # nothing is written, and root's value is not returned
     known = None  # (escapes, written) of the class, when it is a cached one
@@ -180,7 +181,9 @@ def written_between(nodes: tuple, env: dict, gm: Any) -> str | None:
     matched node or a value the match read may share (``c = conv(h); h.add_(1);
     bn(c)``: a folded conv at ``bn`` would read the written ``h``). None when no
     such write lies in between (writes before the first node or after the root
-    reach the original and the rewrite alike). Asked only of graphs that write."""
+    reach the original and the rewrite alike). Graph inputs and module tensors may
+    all be one tensor (``m(t, t)``, ``m(m.buffer)``): a write into one counts for
+    every other. Asked only of graphs that write."""
     if len(nodes) < 2:
         return None
     covered = set(nodes)
@@ -198,18 +201,24 @@ def written_between(nodes: tuple, env: dict, gm: Any) -> str | None:
             for written in written_nodes(node, gm):
                 if bases is None:
                     bases = {storage_base(n, gm) for n in read if n is not root}
-                if storage_base(written, gm) in bases:
+                    owned = any(isinstance(b, fx.Node) and caller_owned(b) for b in bases)
+                base = storage_base(written, gm)
+                # the caller may pass one tensor as two inputs, or a module's own
+                # tensor as an input (m(t, t), m(m.buffer)): caller-owned memory may
+                # be any other caller-owned memory
+                if base in bases or (owned and isinstance(base, fx.Node) and caller_owned(base)):
                     return (f"{node.name} writes {written.name} in place between the match's first node "
                             f"{first.name} and its root: the rewrite would read it after that write")
         node = node.next
     return None
 
 
-def _other_input_written(placeholder: fx.Node, gm: Any) -> bool:
-    """Some graph input other than ``placeholder`` (or a value sharing its memory)
-    is written in place."""
-    return any(node is not placeholder and _written(alias_class(node, gm), gm)
-               for node in placeholder.graph.find_nodes(op="placeholder"))
+def _other_owned_written(base: fx.Node, gm: Any) -> bool:
+    """Some graph input or module tensor other than ``base`` (or a value sharing its
+    memory) is written in place: the caller may pass one tensor for both."""
+    graph = base.graph
+    return any(node is not base and _written(alias_class(node, gm), gm)
+               for node in (*graph.find_nodes(op="placeholder"), *graph.find_nodes(op="get_attr")))
 
 
 def graph_writes(gm: Any) -> bool:

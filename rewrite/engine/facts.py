@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from rewrite.engine.symbolic import symbolic_env
 from rewrite.engine.shapes import cast_of, fresh_cast, fresh_constant, fresh_like, fresh_view, like_input, view_of
 from rewrite.ops.base import ConstRef, attribute, by_identity
-from rewrite.ops.effects import state_writes, written_args
+from rewrite.ops.effects import graph_trains, state_writes, written_args
 
 __all__ = ["GraphFacts", "Value", "TensorFacts", "FACTS_KEY", "NEW_NODE_KEY", "fetch_attr", "tensor_meta_of"]
 
@@ -165,8 +165,18 @@ class GraphFacts:
             return False
         if not isinstance(value, torch.Tensor):
             return True
+        if value.requires_grad and self._trains:
+            return False  # folded into a new tensor, it would no longer get the caller's gradients
         written = self._written_state
         return written is not None and id(value) not in written
+
+    @functools.cached_property
+    def _trains(self) -> bool:
+        """The graph runs in training mode (a batch norm with batch statistics, a
+        dropout that drops): a parameter that requires grad is then being trained,
+        and a rule that folds it (AMP's weights cast once) would leave the caller's
+        optimizer with nothing to update. Inference graphs fold freely."""
+        return graph_trains(self.gm)
 
     @functools.cached_property
     def _written_state(self) -> frozenset | None:

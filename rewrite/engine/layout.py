@@ -90,12 +90,16 @@ def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, 
     for old, new in zip(before, after):
         if old is new or new in fixed:
             continue
-        want = layout_of(tensor_meta_of(old))
-        if want not in _FORMATS:
+        old_meta = tensor_meta_of(old)
+        want = layout_of(old_meta)
+        order = _dense_order(old_meta) if want == "strided" else None
+        if want not in _FORMATS and order is None:
             continue
         if new not in created_nodes:
             # a value of the original graph: its recorded layout is what it computed
-            if layout_of(tensor_meta_of(new)) in (want, None):
+            new_meta = tensor_meta_of(new)
+            if layout_of(new_meta) is None or (layout_of(new_meta) == want and (
+                    order is None or _addressing(new_meta) == _addressing(old_meta))):
                 continue
         else:
             # a new value: its layout is inferred on meta tensors, whose kernels do not
@@ -109,21 +113,67 @@ def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, 
             # unknown (a quantized kernel's output, channels_last on CPU): the copy
             # costs nothing when the value is laid out so already
         with gm.graph.inserting_before(out_node):
-            # contiguous(): a copy only when the value is not laid out so already
-            if dialect == "aten":
-                copy = gm.graph.call_function(torch.ops.aten.contiguous.default, (new,),
-                                              {"memory_format": _FORMATS[want]})
-            else:
-                copy = gm.graph.call_method("contiguous", (new,), {"memory_format": _FORMATS[want]})
-        for key in ("stack_trace", "nn_module_stack"):
-            if key in new.meta:
-                copy.meta[key] = new.meta[key]
-        facts.new_node(copy)  # its val comes with the other new nodes' (GraphFacts.settle)
-        fixed[new] = copy
-        copies.append(copy)
+            made = _relaid(gm.graph, new, want, order, dialect)
+        for node in made:
+            for key in ("stack_trace", "nn_module_stack"):
+                if key in new.meta:
+                    node.meta[key] = new.meta[key]
+            facts.new_node(node)  # its val comes with the other new nodes' (GraphFacts.settle)
+        fixed[new] = made[-1]
+        copies.extend(made)
     for new, copy in fixed.items():
         out_node.replace_input_with(new, copy)  # through the replace hooks: an undo journal sees it
     return copies
+
+
+def _relaid(graph: fx.Graph, value: fx.Node, want: str, order: tuple | None, dialect: str) -> list:
+    """Nodes computing ``value`` laid out as ``want`` (a memory format), or, for a
+    permuted dense layout (``order``: dims from outermost to innermost), as
+    ``value.permute(order).contiguous().permute(inverse)``. ``contiguous()`` copies
+    only when the value is not laid out so already."""
+    def call(name: str, *args: Any, **kwargs: Any) -> fx.Node:
+        if dialect == "aten":
+            return graph.call_function(getattr(torch.ops.aten, name).default, args, kwargs)
+        return graph.call_method(name, args, kwargs)
+
+    if order is None:
+        return [call("contiguous", value, memory_format=_FORMATS[want])]
+    inverse = [0] * len(order)
+    for position, dim in enumerate(order):
+        inverse[dim] = position
+    permuted = call("permute", value, list(order))
+    dense = call("contiguous", permuted)
+    return [permuted, dense, call("permute", dense, inverse)]
+
+
+def _addressing(meta: Any) -> tuple | None:
+    """The strides of ``meta`` where they matter (dimensions of size 1 address one
+    element), or None when not recorded or symbolic."""
+    stride = getattr(meta, "stride", None)
+    try:
+        stride = tuple(int(s) for s in (stride() if callable(stride) else stride))
+        return tuple(st if int(n) > 1 else None for n, st in zip(meta.shape, stride))
+    except (TypeError, ValueError, RuntimeError, NotImplementedError):
+        return None
+
+
+def _dense_order(meta: Any) -> tuple | None:
+    """For a value laid out densely in some order of its dimensions (a transposed or
+    permuted view of a contiguous tensor: ``x.flatten(2).transpose(1, 2)``), that
+    order, outermost first; None for other layouts (slices, broadcasts) or unknown
+    (symbolic) strides."""
+    addressing = _addressing(meta)
+    if addressing is None:
+        return None
+    shape = [int(n) for n in meta.shape]
+    order = sorted(range(len(shape)), key=lambda d: (-(addressing[d] or 0), d))
+    expected = 1
+    for dim in reversed(order):
+        if shape[dim] > 1:
+            if addressing[dim] != expected:
+                return None
+            expected *= shape[dim]
+    return tuple(order)
 
 
 #: Readers whose result depends on their first argument's strides, not only on its

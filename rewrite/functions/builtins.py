@@ -23,6 +23,7 @@ import torch
 from torch.nn.utils import fusion as _fusion
 
 from rewrite.engine.facts import Value
+from rewrite.ops.vocabulary import bind_node
 from rewrite.functions.registry import (
     register_constant,
     register_module,
@@ -98,17 +99,46 @@ def is_float(x: Value) -> bool:
 def is_contiguous(x: Value) -> bool:
     """A tensor laid out contiguously (row-major; known from its recorded strides).
     Rules that skip a copy rely on it: a reshape of a transposed tensor copies into
-    a contiguous one, the tensor itself keeps its strides (``out.view(-1)`` fails)."""
+    a contiguous one, the tensor itself keeps its strides (``out.view(-1)`` fails).
+    Unknown in an export graph for a value whose strides may follow a graph input's
+    (the program accepts inputs of any strides; the example's say nothing)."""
     m = x.meta
     if m is None:
         return False if x.is_literal else None
     recorded = getattr(m, "contiguous", None)  # TensorFacts (symbolic_trace graphs)
     if isinstance(recorded, bool):
         return recorded
+    if x.node is not None and _layout_from_inputs(x.node, x.facts.gm):
+        return None  # torch.export accepts inputs of any strides: the example's say nothing
     try:
         return bool(m.is_contiguous())
     except (AttributeError, TypeError, RuntimeError, NotImplementedError):  # metadata without strides
         return None
+
+
+#: ops whose result is laid out the same whatever the strides of their inputs
+_FRESH_LAYOUT = frozenset({"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "embedding", "contiguous"})
+_LAYOUT_WALK = 256  # nodes looked at before the answer is "may follow": unknown
+
+
+def _layout_from_inputs(node: Any, gm: Any) -> bool:
+    """Whether ``node``'s strides may follow those of a graph input: a metadata
+    graph (export) records the example's strides, and the program accepts others
+    (``x.t()`` for ``x``), which elementwise ops, views and convolutions carry on.
+    Walks back until an op that lays its result out afresh (``_FRESH_LAYOUT``), a
+    constant, or too far (then it may)."""
+    seen, todo = {node}, [node]
+    while todo:
+        n = todo.pop()
+        if n.op == "placeholder" or len(seen) > _LAYOUT_WALK:
+            return True
+        if n.op == "get_attr" or any(b.op in _FRESH_LAYOUT for b in bind_node(n, gm)):
+            continue
+        for i in n.all_input_nodes:
+            if i not in seen:
+                seen.add(i)
+                todo.append(i)
+    return False
 
 
 @register_predicate(local=True)

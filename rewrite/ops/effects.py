@@ -658,6 +658,54 @@ def module_writes_own_state(module: Any) -> bool:
     return getattr(module, "max_norm", None) is not None
 
 
+#: dropout spellings, and where their "drop" flag sits: (position, keyword, default)
+_DROPOUTS = {"dropout": (2, "train", None), "native_dropout": (2, "train", None),
+             "feature_dropout": (2, "train", None), "alpha_dropout": (2, "train", None),
+             "feature_alpha_dropout": (2, "train", None), "dropout1d": (2, "training", True),
+             "dropout2d": (2, "training", True), "dropout3d": (2, "training", True)}
+
+
+def graph_trains(gm: Any) -> bool:
+    """Whether ``gm``'s graph runs in training mode: a batch norm computing batch
+    statistics, a dropout that drops (``F.dropout``'s ``training`` defaults to True,
+    aten's ``train`` is given), or a torch BatchNorm or Dropout module in training
+    mode."""
+    for op, target, nodes in nodes_by_target(gm.graph):
+        if op == "call_module":
+            for node in nodes:
+                module = _module(node, gm)
+                if isinstance(module, (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.dropout._DropoutNd)) \
+                        and module.training:
+                    return True
+            continue
+        if op != "call_function":
+            continue
+        name = op_name(target) if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) \
+            else getattr(target, "__name__", "")
+        if "batch_norm" in name and "no_training" not in name:
+            flagged = flagged_writes(target)
+            if flagged is not None and any(flag_on(n, flagged) for n in nodes):
+                return True
+        elif name in _DROPOUTS:
+            position, keyword, default = _DROPOUTS[name]
+            if name == "dropout" and not isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+                position, keyword, default = 2, "training", True  # F.dropout
+            if any(_argument(n, position, keyword, default) not in (False, None) for n in nodes):
+                return True
+    return False
+
+
+def module_written_state(module: Any) -> list:
+    """The tensors of a module that writes its own state (``module_writes_own_state``)
+    it may write: a hook-free torch BatchNorm or InstanceNorm its buffers (running
+    statistics, the batch counter), not its weight and bias, which stay the caller's
+    (gradients of the result reach them); every other module all of them."""
+    if isinstance(module, torch.nn.modules.batchnorm._NormBase) and type(module).__module__.startswith(
+            _TORCH_MODULES) and not (module._forward_hooks or module._forward_pre_hooks or _global_hooks()):
+        return list(module.buffers())
+    return [*module.parameters(), *module.buffers()]
+
+
 # Hooks torch.export puts on ``ep.module()``: input checks, no writes.
 _HARMLESS_HOOK_MODULES = frozenset({"torch.export._unlift"})
 
@@ -677,6 +725,8 @@ def _call_writes_all(node: fx.Node) -> bool:
     target = node.target
     if node.op != "call_function":
         return False
+    if "out" not in node.kwargs and flagged_writes(target) is not None:
+        return False  # ``written_args`` names what it writes: a train-mode batch norm its statistics
     if isinstance(target, torch._ops.OpOverload):  # the common case first, cheaply
         name = target._name  # "aten::batch_norm"
         if "out" in node.kwargs:
@@ -789,7 +839,7 @@ def state_writes(gm: Any) -> "frozenset[int] | None":
                 return None
             if module_writes_own_state(module):
                 own = {id(t) for t in [*module.parameters(), *module.buffers()]}
-                written |= own | args
+                written |= {id(t) for t in module_written_state(module)} | args
                 aliases[node] = own | args
                 continue
         target = node.target

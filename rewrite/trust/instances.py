@@ -19,7 +19,7 @@ defaults get one generic generator; vocabulary ops without a generator make the
 rule unsupported (the verifier skips it and says why).
 
 Dtypes: every instance draws one (``Plan.dtypes``): float32, float64, float16,
-bfloat16, int64, int32, int8, uint8 and bool, the where clause's hints first
+bfloat16, int64, int32, int16, int8, uint8 and bool, the where clause's hints first
 (``dtype(x) == torch.T``) or narrowing the pool (``is_float``); approximate rules meet
 half precision only where the where clause asks for it. An op that rejects the dtype
 discards the instance, and the draw is retried with another one.
@@ -87,7 +87,9 @@ __all__ = ["Instance", "FAMILIES", "OUTSIDE_VOCABULARY", "literal_strategy", "ge
            "hypothesis_api", "strategies", "spread_integers", "trapping_division"]
 
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-_INTS = (torch.int64, torch.int32, torch.int8, torch.uint8)
+# uint16/32/64 are left out: most CPU kernels reject them (add, abs, relu, where,
+# clamp raise in torch 2.13), so no captured model computes in them
+_INTS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 #: every dtype an instance may be drawn in: an op that rejects one discards the instance
 _ALL = _FLOATS + _INTS + (torch.bool,)
 _SPECIALS = (math.nan, math.inf, -math.inf, -0.0)
@@ -259,7 +261,7 @@ def plan_for(rule: CompiledRule) -> Plan:
     ``dequantized`` and ``has_qparams`` compute a variable with the op they name;
     ``output_quantized`` quantizes the root; ``symmetric_pad`` draws symmetric pads.
     Otherwise every dtype is drawn: float32, float64, bfloat16, float16, int64, int32,
-    int8, uint8 and bool for exact rules, all but float16 and bfloat16 for approximate
+    int16, int8, uint8 and bool for exact rules, all but float16 and bfloat16 for approximate
     ones unless favoured (an op that rejects the dtype discards the instance).
     Patterns with quantized ops favour float32."""
     consts, params, favoured, floats_only = set(), set(), [], False
@@ -1064,7 +1066,8 @@ def _cat(ctx: _Ctx, a: _Args) -> dict:
 _WIDER = {
     torch.bool: (torch.uint8, torch.int32, torch.float32),
     torch.uint8: (torch.int32, torch.int64, torch.float32),
-    torch.int8: (torch.int32, torch.int64, torch.float32),
+    torch.int8: (torch.int16, torch.int32, torch.int64, torch.float32),
+    torch.int16: (torch.int32, torch.int64, torch.float32),
     torch.int32: (torch.int64, torch.float64),
     torch.float16: (torch.float32, torch.float64),
     torch.bfloat16: (torch.float32, torch.float64),

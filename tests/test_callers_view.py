@@ -1,0 +1,225 @@
+"""What a caller can observe of a rewrite beyond values: whether an output requires
+grad, its strides, and calls that pass one tensor for two inputs or a module's own
+tensor as an input. Each case was a rewrite the default check accepted (or a rule
+that fired) although the caller could tell; found by an adversarial probe."""
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+import rewrite
+from rewrite.verify import verify_rule
+
+
+def _capture(model, inputs, level):
+    if level == "fx":
+        return fx.symbolic_trace(model)
+    return torch.export.export(model, tuple(t.clone() for t in inputs)).module()
+
+
+class ZerosOfAWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        return torch.zeros_like(self.w) + x
+
+
+def test_an_output_that_newly_requires_grad_fails_the_check():
+    x = torch.randn(3)
+    gm = torch.export.export(ZerosOfAWeight(), (x,)).module()
+    rules = rewrite.parse("rule z: aten.zeros_like(x, ...) => mul(x, 0.0)")
+    with pytest.raises(rewrite.EquivalenceError, match="requires grad in the rewrite only"):
+        rules.apply(gm, (x,))
+    assert not gm(x).requires_grad  # the caller's module is as it was
+
+
+class TransposedCopy(nn.Module):
+    def forward(self, x):
+        return (x + 1).t().contiguous().t()  # a transposed view of a contiguous copy
+
+
+@pytest.mark.parametrize("level", ["fx", "export"])
+def test_an_output_whose_strides_change_fails_the_check(level):
+    x = torch.randn(3, 4)
+    gm = _capture(TransposedCopy(), (x,), level)
+    assert gm(x).t().is_contiguous()
+    rules = rewrite.parse("rule c(shared=True): contiguous(x) => x")
+    with pytest.raises(rewrite.EquivalenceError, match="strides changed"):
+        rules.apply(gm, (x,))
+
+
+def test_a_rewrite_keeping_a_transposed_outputs_strides_passes():
+    class Transposed(nn.Module):
+        def forward(self, x):
+            return (x * 1.0).t()
+
+    x = torch.randn(3, 4)
+    result = rewrite.load("rules/cleanup.rw").apply(fx.symbolic_trace(Transposed()), (x,))
+    out = result.graph_module(x)
+    assert out.stride() == Transposed()(x).stride() and torch.equal(out, x.t())
+
+
+class WritesTheOtherInput(nn.Module):
+    def forward(self, a, b):
+        c = b * 2.0
+        a.add_(1)
+        return c * 4.0
+
+
+@pytest.mark.parametrize("level", ["fx", "export"])
+def test_no_match_spans_a_write_into_another_input(level):
+    """m(t, t) is a legal call: b is a, and the original read it before the write."""
+    a, b = torch.randn(3), torch.randn(3)
+    gm = _capture(WritesTheOtherInput(), (a, b), level)
+    result = rewrite.parse("rule r: mul(mul(x, 2.0), 4.0) where is_float(x) => mul(x, 8.0)").apply(gm, (a, b))
+    assert result.counts.get("r", 0) == 0
+    t1, t2 = torch.ones(3), torch.ones(3)
+    assert torch.equal(gm(t1, t1), result.graph_module(t2, t2))
+
+
+class ConvWriteBn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c, self.bn = nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3)
+
+    def forward(self, a, x):
+        c = self.c(x)
+        a.mul_(2)
+        return self.bn(c)
+
+
+def test_fusion_folds_no_batch_norm_across_a_write_into_another_input():
+    x = torch.randn(1, 3, 4, 4)
+    model = ConvWriteBn().eval()
+    gm = torch.export.export(model, (x.clone(), x.clone())).module()
+    result = rewrite.load("rules/fusion.rw").apply(gm, (x.clone(), x.clone()))
+    t1, t2 = x.clone(), x.clone()
+    torch.testing.assert_close(result.graph_module(t2, t2), gm(t1, t1))
+
+
+class WritesItsBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("n", torch.ones(3))
+
+    def forward(self, x):
+        y = x * 1.0
+        self.n.add_(1)
+        return y * 3.0
+
+
+def test_no_input_is_forwarded_past_a_write_into_module_state():
+    """m(m.n) is a legal call: x is the buffer the forward writes."""
+    gm = torch.export.export(WritesItsBuffer(), (torch.randn(3),)).module()
+    reference = torch.export.export(WritesItsBuffer(), (torch.randn(3),)).module()
+    result = rewrite.load("rules/cleanup.rw").apply(gm, (torch.randn(3),))
+    assert result.counts.get("mul_one", 0) == 0
+    expected = reference(dict(reference.named_buffers())["n"])
+    got = result.graph_module(dict(result.graph_module.named_buffers())["n"])
+    assert torch.equal(expected, got)
+
+
+def test_verify_draws_int16():
+    """A rule wrong only in int16 (x * x wraps to a negative there) is refuted."""
+    rules = rewrite.parse("rule abs_sq: abs(mul(x, x)) where dtype(x) != torch.int8 and dtype(x) != torch.int32 "
+                          "and dtype(x) != torch.int64 and dtype(x) != torch.uint8 => mul(x, x)", "sq.rw")
+    verdict = verify_rule(rules, "abs_sq", max_examples=100, seed=0)
+    assert verdict.status == "counterexample" and "int16" in str(verdict)
+
+
+class FlattenInput(nn.Module):
+    def forward(self, x):
+        return x.reshape(-1) * 2.0
+
+
+class FlattenProjection(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x).reshape(-1) * 2.0
+
+
+def test_an_export_inputs_strides_are_unknown():
+    """The exported program accepts a transposed input of the same shape: whether
+    the input, or a value laid out as it is, is contiguous is not known."""
+    x = torch.randn(3, 4)
+    rules = rewrite.parse("rule r: reshape(x, s) where is_contiguous(x) => view(x, s)")
+    gm = torch.export.export(FlattenInput(), (x,)).module()
+    result = rules.apply(gm, (x,))
+    assert result.counts.get("r", 0) == 0
+    transposed = torch.randn(4, 3).t()
+    assert torch.equal(result.graph_module(transposed), gm(transposed))
+    # a linear's result is laid out afresh whatever its input's strides
+    gm = torch.export.export(FlattenProjection(), (x,)).module()
+    result = rules.apply(gm, (x,))
+    assert result.counts["r"] == 1
+    torch.testing.assert_close(result.graph_module(transposed), gm(transposed))
+
+
+class PatchEmbed(nn.Module):
+    """ViT's patch embedding: the output is a transposed view of a conv's."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Conv2d(3, 16, 4, stride=4)
+
+    def forward(self, x):
+        return self.proj(x).flatten(2).transpose(1, 2)
+
+
+class ToNHWC(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.c(x).permute(0, 2, 3, 1)
+
+
+@pytest.mark.parametrize("model_type", [PatchEmbed, ToNHWC])
+@pytest.mark.parametrize("kind", ["bf16", "fp16"])
+@pytest.mark.parametrize("level", ["fx", "export"])
+def test_amp_keeps_the_strides_of_a_permuted_output(model_type, kind, level):
+    """The channels_last weights make the conv's output channels_last; an output
+    that is a transposed view of it gets the model's strides back (it failed the
+    default check)."""
+    model, x = model_type().eval(), torch.randn(2, 3, 16, 16)
+    gm = _capture(model, (x,), level)
+    result = rewrite.load(f"rules/amp_{kind}.rw").apply(gm, (x,))
+    assert result.counts[f"conv_{kind}"] == 1
+    out, expected = result.graph_module(x), model(x)
+    assert out.stride() == expected.stride()
+    torch.testing.assert_close(out, expected, atol=0.05, rtol=0.05)
+
+
+def _train_mode_cnn():
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Dropout(0.1)).train()
+
+
+@pytest.mark.parametrize("rules", ["cleanup", "amp_casts", "amp_bf16"])
+@pytest.mark.parametrize("level", ["fx", "export"])
+def test_a_train_mode_result_trains_the_callers_parameters(rules, level):
+    """A train-mode batch norm writes its running statistics, not its weight: the
+    result shares every parameter, and a folded weight (AMP's cast once) would take
+    the caller's gradients, so a training graph casts weights at run time."""
+    torch.manual_seed(0)
+    model, x = _train_mode_cnn(), torch.randn(2, 3, 8, 8)
+    gm = _capture(model, (x,), level)
+    result = rewrite.load(f"rules/{rules}.rw").apply(gm, (x,))
+    theirs = dict(gm.named_parameters())
+    assert all(p is theirs[name] for name, p in result.graph_module.named_parameters())
+    for p in gm.parameters():
+        p.grad = None
+    result.graph_module(x).sum().backward()
+    assert all(p.grad is not None for p in gm.parameters())
+
+
+def test_an_eval_model_still_casts_its_weights_once():
+    model, x = _train_mode_cnn().eval(), torch.randn(2, 3, 8, 8)
+    result = rewrite.load("rules/amp_bf16.rw").apply(torch.export.export(model, (x,)).module(), (x,))
+    assert result.counts["conv_bf16"] == 1
