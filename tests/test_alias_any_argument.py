@@ -215,7 +215,7 @@ class WritesItsParameter(nn.Module):
 
     def forward(self, x):
         torch.unsafe_chunk(self.w, 2)[0].add_(1)  # shares w's memory, not its version
-        return x * 1 + 1
+        return (x + 1) * 1  # not x * 1: x may be w itself (m(m.w)), which is written
 
 
 def test_apply_puts_back_a_parameter_the_model_writes_without_a_version_bump():

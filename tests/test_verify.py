@@ -266,7 +266,7 @@ def test_dtype_hints_shape_the_pool():
 
     exact = dtypes("rule r: neg(neg(x)) => x")
     assert set(exact) == {torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32,
-                          torch.int8, torch.uint8, torch.bool}
+                          torch.int16, torch.int8, torch.uint8, torch.bool}
     assert not any(d.is_floating_point is False for d in dtypes("rule r: neg(x) where is_float(x) => x")
                    if d != torch.bool) and torch.bool not in dtypes("rule r: neg(x) where is_float(x) => x")
     assert dtypes("rule r: neg(x) where dtype(x) == torch.int8 => x")[0] == torch.int8

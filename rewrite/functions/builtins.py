@@ -116,15 +116,21 @@ def is_contiguous(x: Value) -> bool:
         return None
 
 
-#: ops whose result is laid out the same whatever the strides of their inputs
-_FRESH_LAYOUT = frozenset({"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "embedding", "contiguous"})
+#: ops that lay their result out afresh, not in their input's strides: contiguous, or
+#: (convolutions, pooling, batch norm) in the input's memory format, which for a 4-d
+#: input is taken from the example (a channels_last input makes channels_last results)
+_FRESH_LAYOUT = frozenset({
+    "linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "embedding", "contiguous", "conv",
+    "conv_transpose", "batch_norm", "group_norm", "layer_norm", "rms_norm", "max_pool2d", "avg_pool2d",
+    "adaptive_avg_pool2d", "interpolate", "scaled_dot_product_attention", "sum", "mean", "amax",
+    "linalg_vector_norm", "cat", "stack", "topk", "max"})
 _LAYOUT_WALK = 256  # nodes looked at before the answer is "may follow": unknown
 
 
 def _layout_from_inputs(node: Any, gm: Any) -> bool:
     """Whether ``node``'s strides may follow those of a graph input: a metadata
     graph (export) records the example's strides, and the program accepts others
-    (``x.t()`` for ``x``), which elementwise ops, views and convolutions carry on.
+    (``x.t()`` for ``x``), which elementwise ops, views, clones and casts carry on.
     Walks back until an op that lays its result out afresh (``_FRESH_LAYOUT``), a
     constant, or too far (then it may)."""
     seen, todo = {node}, [node]

@@ -666,7 +666,7 @@ _DROPOUTS = {"dropout": (2, "train", None), "native_dropout": (2, "train", None)
 
 
 def graph_trains(gm: Any) -> bool:
-    """Whether ``gm``'s graph runs in training mode: a batch norm computing batch
+    """Whether ``gm``'s graph runs in training mode: a batch norm updating running
     statistics, a dropout that drops (``F.dropout``'s ``training`` defaults to True,
     aten's ``train`` is given), or a torch BatchNorm or Dropout module in training
     mode."""
@@ -674,8 +674,10 @@ def graph_trains(gm: Any) -> bool:
         if op == "call_module":
             for node in nodes:
                 module = _module(node, gm)
-                if isinstance(module, (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.dropout._DropoutNd)) \
-                        and module.training:
+                if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.training:
+                    return True
+                if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.training \
+                        and module.track_running_stats:
                     return True
             continue
         if op != "call_function":
@@ -684,7 +686,12 @@ def graph_trains(gm: Any) -> bool:
             else getattr(target, "__name__", "")
         if "batch_norm" in name and "no_training" not in name:
             flagged = flagged_writes(target)
-            if flagged is not None and any(flag_on(n, flagged) for n in nodes):
+            if flagged is None:
+                continue
+            (position, keyword), _ = flagged[0][0], None
+            # batch statistics with running ones to update (without them, as for
+            # track_running_stats=False, a batch norm uses batch statistics in eval too)
+            if any(flag_on(n, flagged) and _argument(n, position, keyword, None) is not None for n in nodes):
                 return True
         elif name in _DROPOUTS:
             position, keyword, default = _DROPOUTS[name]
