@@ -364,8 +364,11 @@ class FoldOverflowError(ValueError):
 
 
 def _wide(t: Any) -> Any:
-    """``t`` in at least float32: folds are computed there and rounded once."""
-    if isinstance(t, torch.Tensor) and t.is_floating_point() and torch.finfo(t.dtype).bits < 32:
+    """``t`` in at least float32: folds are computed there and rounded once. A bool
+    tensor too (bool has no subtraction; no batch norm computes on bool but an empty
+    one, which verification meets)."""
+    if isinstance(t, torch.Tensor) and (t.dtype == torch.bool or (
+            t.is_floating_point() and torch.finfo(t.dtype).bits < 32)):
         return t.float()
     return t
 
