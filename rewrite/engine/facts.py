@@ -172,8 +172,8 @@ class GraphFacts:
 
     @functools.cached_property
     def _trains(self) -> bool:
-        """The graph runs in training mode (a batch norm with batch statistics, a
-        dropout that drops): a parameter that requires grad is then being trained,
+        """The graph runs in training mode (``graph_trains``: a batch norm updating
+        running statistics, a dropout that drops): a parameter that requires grad is then being trained,
         and a rule that folds it (AMP's weights cast once) would leave the caller's
         optimizer with nothing to update. Inference graphs fold freely."""
         return graph_trains(self.gm)

@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from rewrite.engine.facts import GraphFacts, fetch_attr, tensor_meta_of
-from rewrite.engine.shapes import layout_of
+from rewrite.engine.shapes import addressing, layout_of
 from rewrite.ops.effects import op_name
 
 __all__ = ["layout_change_seen", "output_values", "restore_output_layouts"]
@@ -99,7 +99,7 @@ def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, 
             # a value of the original graph: its recorded layout is what it computed
             new_meta = tensor_meta_of(new)
             if layout_of(new_meta) is None or (layout_of(new_meta) == want and (
-                    order is None or _addressing(new_meta) == _addressing(old_meta))):
+                    order is None or addressing(new_meta) == addressing(old_meta))):
                 continue
         else:
             # a new value: its layout is inferred on meta tensors, whose kernels do not
@@ -146,31 +146,20 @@ def _relaid(graph: fx.Graph, value: fx.Node, want: str, order: tuple | None, dia
     return [permuted, dense, call("permute", dense, inverse)]
 
 
-def _addressing(meta: Any) -> tuple | None:
-    """The strides of ``meta`` where they matter (dimensions of size 1 address one
-    element), or None when not recorded or symbolic."""
-    stride = getattr(meta, "stride", None)
-    try:
-        stride = tuple(int(s) for s in (stride() if callable(stride) else stride))
-        return tuple(st if int(n) > 1 else None for n, st in zip(meta.shape, stride))
-    except (TypeError, ValueError, RuntimeError, NotImplementedError):
-        return None
-
-
 def _dense_order(meta: Any) -> tuple | None:
     """For a value laid out densely in some order of its dimensions (a transposed or
     permuted view of a contiguous tensor: ``x.flatten(2).transpose(1, 2)``), that
     order, outermost first; None for other layouts (slices, broadcasts) or unknown
     (symbolic) strides."""
-    addressing = _addressing(meta)
-    if addressing is None:
+    strides = addressing(meta)
+    if strides is None:
         return None
     shape = [int(n) for n in meta.shape]
-    order = sorted(range(len(shape)), key=lambda d: (-(addressing[d] or 0), d))
+    order = sorted(range(len(shape)), key=lambda d: (-(strides[d] or 0), d))
     expected = 1
     for dim in reversed(order):
         if shape[dim] > 1:
-            if addressing[dim] != expected:
+            if strides[dim] != expected:
                 return None
             expected *= shape[dim]
     return tuple(order)

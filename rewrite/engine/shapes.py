@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
 __all__ = ["cast_of", "fresh_cast", "like_input", "fresh_like", "view_of", "fresh_view", "fresh_constant",
-           "layout_of"]
+           "layout_of", "addressing"]
 
 aten = torch.ops.aten
 
@@ -284,3 +284,15 @@ def layout_of(meta: Any) -> str | None:
     except (RuntimeError, NotImplementedError):  # symbolic strides
         return None
     return "strided"
+
+
+def addressing(meta: Any) -> tuple | None:
+    """The strides of ``meta`` (a tensor, or recorded facts) where they matter:
+    dimensions of size 1 address one element, so theirs are None; None when not
+    recorded or symbolic. Two values with equal addressing are laid out alike."""
+    stride = getattr(meta, "stride", None)
+    try:
+        stride = tuple(int(s) for s in (stride() if callable(stride) else stride))
+        return tuple(st if int(n) > 1 else None for n, st in zip(meta.shape, stride))
+    except (TypeError, ValueError, RuntimeError, NotImplementedError):
+        return None

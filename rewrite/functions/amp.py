@@ -17,6 +17,7 @@ import torch.fx as fx
 from rewrite.engine.facts import Value, tensor_meta_of
 from rewrite.engine.replace import RULE_KEY as _MADE_BY_RULE  # nodes without it are the model's own
 from rewrite.engine.shapes import layout_of
+from rewrite.functions.builtins import overflows
 from rewrite.functions.registry import register_constant, register_predicate
 
 __all__ = ["einsum_contracts"]  # the rest is reached through the registry
@@ -162,11 +163,8 @@ def constants_fit(dtype: Value, *values: Value) -> bool | None:
     for v in values:
         if not v.is_const or v.is_literal:
             continue
-        t = v.facts.constant_of(v.operand)
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
-            finite = t[torch.isfinite(t)]
-            if finite.numel() and float(finite.abs().max()) > torch.finfo(target).max:
-                return False
+        if overflows(v.facts.constant_of(v.operand), target):
+            return False
     return True
 
 

@@ -31,7 +31,7 @@ from rewrite.functions.registry import (
     register_query,
 )
 
-__all__: list = []  # everything here is reached through the registry
+__all__ = ["overflows"]  # the rest is reached through the registry
 
 # ---------------------------------------------------------------- predicates
 
@@ -473,11 +473,19 @@ def cast(t: Any, dtype: Any) -> Any:
     if not isinstance(t, torch.Tensor):
         return t
     out = t.to(dtype)
-    if out.is_floating_point() and t.is_floating_point():
-        bad = ~torch.isfinite(out) & torch.isfinite(t)
-        if bool(bad.any()):
-            raise FoldOverflowError(f"cast: a finite value of the constant overflows {dtype}: not cast")
+    if _overflowed(t, out):
+        raise FoldOverflowError(f"cast: a finite value of the constant overflows {dtype}: not cast")
     return out
+
+
+def overflows(t: Any, dtype: Any) -> bool:
+    """A finite value of the tensor ``t`` becomes inf converted to the floating
+    ``dtype`` (-1e5 in float16): what ``cast`` refuses, asked before any cast."""
+    return isinstance(t, torch.Tensor) and dtype.is_floating_point and _overflowed(t, t.to(dtype))
+
+
+def _overflowed(t: torch.Tensor, out: torch.Tensor) -> bool:
+    return out.is_floating_point() and t.is_floating_point() and bool((~torch.isfinite(out) & torch.isfinite(t)).any())
 
 
 # -- batch norms folded through views, into the op after them, into parallel branches

@@ -688,7 +688,7 @@ def graph_trains(gm: Any) -> bool:
             flagged = flagged_writes(target)
             if flagged is None:
                 continue
-            (position, keyword), _ = flagged[0][0], None
+            position, keyword = flagged[0][0]  # the running mean
             # batch statistics with running ones to update (without them, as for
             # track_running_stats=False, a batch norm uses batch statistics in eval too)
             if any(flag_on(n, flagged) and _argument(n, position, keyword, None) is not None for n in nodes):

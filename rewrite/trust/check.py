@@ -67,7 +67,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rewrite.capture import is_export_guard
-from rewrite.engine.shapes import layout_of
+from rewrite.engine.shapes import addressing, layout_of
 from rewrite.engine.workspace import gc_paused
 from rewrite.ops.base import ConstRef, attribute
 from rewrite.ops.effects import state_writes, written_args
@@ -1261,7 +1261,7 @@ def _layout_change(ref_out: Any, cand_out: Any, trial: int) -> Optional[Mismatch
                 or r.numel() < 2 or r.layout != torch.strided or c.layout != torch.strided:
             continue
         mine, theirs = layout_of(r), layout_of(c)
-        if mine == "strided" and _addressing(r) != _addressing(c):
+        if mine == "strided" and addressing(r) != addressing(c):
             return Mismatch("output" + pytree.keystr(kp), trial, tuple(r.shape), str(r.dtype).replace("torch.", ""),
                             0.0, 0.0, f"strides changed: {tuple(r.stride())} in the original, {tuple(c.stride())} "
                                       "in the rewrite (out.t().view(-1) or is_contiguous() would tell)")
@@ -1271,11 +1271,6 @@ def _layout_change(ref_out: Any, cand_out: Any, trial: int) -> Optional[Mismatch
                                       f"{theirs} (strides {tuple(c.stride())}) in the rewrite (out.view() or "
                                       "is_contiguous() would tell)")
     return None
-
-
-def _addressing(t: torch.Tensor) -> tuple:
-    """``t``'s strides where they matter: dimensions of size 1 address one element."""
-    return tuple(st if n > 1 else None for n, st in zip(t.shape, t.stride()))
 
 
 def _same_inputs(a: Any, b: Any) -> bool:
