@@ -151,13 +151,18 @@ class SaturatingGate(nn.Module):
         return torch.log(1 - torch.sigmoid(self.fc(x))) > -15
 
 
-def test_bool_outputs_flipped_by_a_new_inf_fail_the_check_within_the_agreement():
+@pytest.mark.parametrize("inplace", [False, True])
+def test_bool_outputs_flipped_by_a_new_inf_fail_the_check_within_the_agreement(inplace):
+    # in place, the original's count is taken before the model changes
     torch.manual_seed(0)
     model, x = SaturatingGate(5.0).eval(), torch.randn(8, 16)
     flips = (amp("bf16").apply(fx.symbolic_trace(model), (x,), check=False).graph_module(x) != model(x))
     assert 0 < flips.float().mean() < 0.05  # within the agreement the check allows rounding
+    gm = fx.symbolic_trace(model)
+    code = gm.code
     with pytest.raises(rewrite.EquivalenceError, match="newly makes inf"):
-        amp("bf16").apply(fx.symbolic_trace(model), (x,))
+        amp("bf16").apply(gm, (x,), inplace=inplace)
+    assert gm.code == code  # nothing half-applied
 
 
 class Threshold(nn.Module):
@@ -169,9 +174,10 @@ class Threshold(nn.Module):
         return torch.sigmoid(self.fc(x)) > 0.501  # a bfloat16 sigmoid near 0.5 rounds across it
 
 
-def test_bool_outputs_that_flip_from_rounding_alone_still_pass_on_agreement():
+@pytest.mark.parametrize("inplace", [False, True])
+def test_bool_outputs_that_flip_from_rounding_alone_still_pass_on_agreement(inplace):
     torch.manual_seed(0)
     model, x = Threshold().eval(), torch.randn(64, 16)
-    result = amp("bf16").apply(fx.symbolic_trace(model), (x,))
+    result = amp("bf16").apply(fx.symbolic_trace(model), (x,), inplace=inplace)
     assert result.counts["sigmoid_bf16"] == 1
     assert result.equivalence.int_agreement is not None and result.equivalence.int_agreement < 1.0

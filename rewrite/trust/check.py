@@ -1011,15 +1011,17 @@ def _compare(trial: int, ref_out: Any, cand_out: Any, kind: str, rtol: Optional[
     return worst_abs, worst_rel, first
 
 
-def _flips_from_non_finite(trial: int, original: Callable, candidate: Callable, inputs: Any, rng_seed: int,
-                           state: Any) -> Optional[Mismatch]:
+def _flips_from_non_finite(trial: int, reference: "Reference", candidate: Callable, state: Any) -> Optional[Mismatch]:
     """Integer outputs that differ (within ``INT_AGREEMENT``) where the candidate
     makes inf or NaN from finite values more often than the original: no rounding
-    flip but a new inf (``rewrite.trust.nonfinite``). Both run again, only then."""
-    births = []
-    for fn in (original, candidate):
-        births.append(non_finite_births(lambda: _call(fn, inputs, rng_seed, dtypes=False)))
-        state.restore()
+    flip but a new inf (``rewrite.trust.nonfinite``). Both run again, only then (the
+    original's count of an in-place rewrite was taken before the model changed)."""
+    inputs, rng_seed = reference.inputs(trial), reference.seed + trial
+    births = [reference.non_finite_births(trial, state)]
+    births.append(non_finite_births(lambda: _call(candidate, inputs, rng_seed, dtypes=False)))
+    state.restore()
+    if births[0] is None:  # not counted before an in-place rewrite: as if the original made none
+        births[0] = 0
     if births[1] <= births[0]:
         return None
     return Mismatch("output", trial, None, None, math.inf, math.inf,
@@ -1421,7 +1423,16 @@ class Reference:
 
         return self._estimated(trial, dtype, state, estimate)
 
-    def _estimated(self, trial: int, dtype: Optional[torch.dtype], state: Optional[_SavedState],
+    def non_finite_births(self, trial: int, state: Optional[_SavedState] = None) -> Optional[int]:
+        """How many op calls of the reference make inf or NaN from finite values on this
+        trial's inputs (``rewrite.trust.nonfinite``), counted once (None before the
+        trial's run, or when ``prepare`` did not count it)."""
+        def estimate(ref: _Run, fn: Any, inputs: Any, seed: int) -> int:
+            return non_finite_births(lambda: _call(fn, inputs, seed, dtypes=False))
+
+        return self._estimated(trial, "births", state, estimate)
+
+    def _estimated(self, trial: int, dtype: Any, state: Optional[_SavedState],
                    estimate: Callable[[_Run, Any, Any, int], Optional[tuple]]) -> Optional[tuple]:
         """``estimate(run, fn, private inputs, seed)`` for this trial, computed once
         (None before the trial's run). After ``prepare`` only what it computed: the
@@ -1486,6 +1497,8 @@ class Reference:
                     self.noise(t, state)
                     for dtype in lower:
                         self.narrowing_noise(t, dtype, state)
+                    if lower:  # a rewrite newly computing in half precision may let integers flip
+                        self.non_finite_births(t, state)
             if gradients:
                 self.gradients(state)
         self._prepared = True
@@ -1611,7 +1624,7 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
                 if share is not None:
                     agreed = share if agreed is None else min(agreed, share)
                     if share < 1.0 and mm is None:
-                        mm = _flips_from_non_finite(t, reference.fn, run_candidate, inputs, seed + t, state)
+                        mm = _flips_from_non_finite(t, reference, run_candidate, state)
             worst_abs, worst_rel = max(worst_abs, a), max(worst_rel, r)
             if mm is None:
                 mm = _side_effects(t, ref, cand, tolerance, rtol, atol, low)
