@@ -41,14 +41,50 @@ class TransposedCopy(nn.Module):
         return (x + 1).t().contiguous().t()  # a transposed view of a contiguous copy
 
 
-@pytest.mark.parametrize("level", ["fx", "export"])
-def test_an_output_whose_strides_change_fails_the_check(level):
+def test_an_output_whose_strides_change_fails_the_check():
+    # a symbolic_trace graph records no strides when no rule asks: the engine cannot
+    # restore them, the check sees the change
     x = torch.randn(3, 4)
-    gm = _capture(TransposedCopy(), (x,), level)
+    gm = _capture(TransposedCopy(), (x,), "fx")
     assert gm(x).t().is_contiguous()
     rules = rewrite.parse("rule c(shared=True): contiguous(x) => x")
     with pytest.raises(rewrite.EquivalenceError, match="strides changed"):
         rules.apply(gm, (x,))
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_outputs_computed_from_a_relaid_value_keep_their_strides(check):
+    # the rule drops the copy that made y contiguous: outputs read from y through
+    # views and elementwise ops would follow x.t()'s strides; the engine lays them
+    # out as before (export graphs record every value's strides)
+    class ReadsACopy(nn.Module):
+        def forward(self, x):
+            y, z, w = ((x * k).t().contiguous() for k in (2, 3, 4))
+            return y.unsqueeze(0), z + 1, w[0], (x + 1).t().contiguous().t()
+
+    model, x = ReadsACopy(), torch.randn(3, 4)
+    gm = _capture(model, (x,), "export")
+    result = rewrite.parse("rule c(shared=True): contiguous(x) => x").apply(gm, (x,), check=check)
+    assert result.counts["c"] == 4
+    for want, got in zip(model(x), result.graph_module(x)):
+        assert torch.equal(want, got) and want.stride() == got.stride()
+
+
+def test_a_relaid_output_sharing_memory_with_another_is_left_to_the_check():
+    # y[0] and y.unsqueeze(0) are views of one copy: copying each back into its layout
+    # would end the memory they share; the engine leaves them, the check fails
+    class TwoViews(nn.Module):
+        def forward(self, x):
+            y = (x * 2).t().contiguous()
+            return y.unsqueeze(0), y[0]
+
+    model, x = TwoViews(), torch.randn(3, 4)
+    gm = _capture(model, (x,), "export")
+    rules = rewrite.parse("rule c(shared=True): contiguous(x) => x")
+    with pytest.raises(rewrite.EquivalenceError, match="memory layout changed"):
+        rules.apply(gm, (x,))
+    unchecked = rules.apply(gm, (x,), check=False).graph_module(x)
+    assert unchecked[1].data_ptr() == unchecked[0].data_ptr()
 
 
 def test_a_rewrite_keeping_a_transposed_outputs_strides_passes():

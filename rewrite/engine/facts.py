@@ -221,6 +221,37 @@ class GraphFacts:
                 self.meta(node, record=False)
             node.meta.pop(NEW_NODE_KEY, None)
 
+    def rerun(self, nodes: list) -> dict:
+        """Facts of ``nodes`` (an original graph's nodes whose inputs a rewrite changed,
+        in graph order) computed again from their inputs' current facts, each one's
+        fresh result taking the place of what it recorded for the later ones: what
+        ``val`` they would have now, without changing the recorded facts. A node that
+        cannot be inferred (an input without facts, an op without a fake or meta
+        kernel) and every later one are left out."""
+        fresh: dict = {}
+        for node in nodes:
+            inputs = node.all_input_nodes
+            values = []
+            for n in inputs:
+                v = fresh[n] if n in fresh else self._tensors_of(n, record=False)
+                values.append(v if v is not None else _plain_value(n))
+            if any(v is None for v in values) or node.op not in ("call_function", "call_method", "call_module"):
+                return fresh
+            try:
+                target = self._callable(node, fake=self.fake_mode is not None)
+                if self.fake_mode is not None:
+                    env = {n: _each(self._fake_of, self.fake_mode, v) for n, v in zip(inputs, values)}
+                    with self.fake_mode:
+                        args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+                        fresh[node] = _call(node, target, args, kwargs)
+                else:
+                    env = {n: _each(lambda _, t: _on_meta(t), None, v) for n, v in zip(inputs, values)}
+                    args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+                    fresh[node] = _call(node, target, args, kwargs)
+            except Exception:  # noqa: BLE001 - facts are best-effort
+                return fresh
+        return fresh
+
     def _tensors_of(self, node: fx.Node, record: bool) -> Any:
         """``meta`` of a node, or the list of its results' facts for a multi-output
         node (``getitem`` of a split a rewrite created reads them)."""

@@ -21,16 +21,34 @@ on either side is left as it is.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
 import torch.fx as fx
 
+from rewrite.engine.aliasing import caller_owned, storage_base
 from rewrite.engine.facts import GraphFacts, fetch_attr, tensor_meta_of
 from rewrite.engine.shapes import addressing, layout_of
 from rewrite.ops.effects import op_name
+from rewrite.ops.vocabulary import bind_node
 
-__all__ = ["layout_change_seen", "output_values", "restore_output_layouts"]
+__all__ = ["FRESH_LAYOUT", "lays_out_afresh", "layout_change_seen", "output_values", "restore_output_layouts"]
+
+#: ops that lay their result out afresh, not in their input's strides: contiguous, or
+#: (convolutions, pooling, batch norm) in the input's memory format, which for a 4-d
+#: input is taken from the example (a channels_last input makes channels_last results)
+FRESH_LAYOUT = frozenset({
+    "linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "embedding", "contiguous", "conv",
+    "conv_transpose", "batch_norm", "group_norm", "layer_norm", "rms_norm", "max_pool2d", "avg_pool2d",
+    "adaptive_avg_pool2d", "interpolate", "scaled_dot_product_attention", "sum", "mean", "amax",
+    "linalg_vector_norm", "cat", "stack", "topk", "max"})
+_KEPT_WALK = 4096  # nodes looked at, over all outputs, for kept values a rewrite may have relaid
+
+
+def lays_out_afresh(node: fx.Node, gm: Any) -> bool:
+    """Whether ``node``'s op lays its result out afresh (``FRESH_LAYOUT``)."""
+    return any(b.op in FRESH_LAYOUT for b in bind_node(node, gm))
 
 _FORMATS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last,
             "channels_last_3d": torch.channels_last_3d}
@@ -74,10 +92,11 @@ def _from_new_module(node: fx.Node, created: set) -> bool:
 
 
 def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, dialect: str,
-                            created: Any) -> list:
+                            created: Any, forwarded: Any = ()) -> list:
     """Copy each output whose layout the rewrite changed back into the layout it had
     (``before``: ``output_values`` of the graph before the rewrite, same order;
-    ``created``: the nodes the rewrite created).
+    ``created``: the nodes the rewrite created; ``forwarded``: existing values it
+    made readers read instead).
     Returns the nodes created. Runs before ``GraphFacts.settle``, while new nodes'
     facts can still be inferred."""
     after = output_values(gm)
@@ -86,9 +105,10 @@ def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, 
     out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     created_nodes = set(created)
     copies, fixed = [], {}
-    strided_constants = None
+    strided_constants = bases = None
+    kept = _KeptValues(gm, created_nodes.union(forwarded))
     for old, new in zip(before, after):
-        if old is new or new in fixed:
+        if new in fixed:
             continue
         old_meta = tensor_meta_of(old)
         want = layout_of(old_meta)
@@ -96,11 +116,25 @@ def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, 
         if want not in _FORMATS and order is None:
             continue
         if new not in created_nodes:
-            # a value of the original graph: its recorded layout is what it computed
-            new_meta = tensor_meta_of(new)
-            if layout_of(new_meta) is None or (layout_of(new_meta) == want and (
-                    order is None or addressing(new_meta) == addressing(old_meta))):
-                continue
+            # a value of the original graph: its recorded layout is what it computed,
+            # unless it is computed from new values through ops that carry their
+            # input's layout on (``y.unsqueeze(0)`` once a rule dropped the
+            # ``contiguous()`` that made ``y``): then inferred again
+            relaid = kept.relaid(new)
+            if not relaid:  # kept (or too far to tell: the check compares strides)
+                new_meta = tensor_meta_of(new)
+                if old is new or layout_of(new_meta) is None or (layout_of(new_meta) == want and (
+                        order is None or addressing(new_meta) == addressing(old_meta))):
+                    continue
+            else:
+                if strided_constants is None:
+                    strided_constants = _has_strided_constants(gm)
+                known = not strided_constants and not any(_from_new_module(n, created_nodes)
+                                                          for n in kept.sources(relaid))
+                new_meta = facts.rerun(relaid).get(new) if known else None
+                if layout_of(new_meta) == want and (order is None or addressing(new_meta) == addressing(old_meta)):
+                    continue
+                # unknown: copied (at no cost if laid out so already)
         else:
             # a new value: its layout is inferred on meta tensors, whose kernels do not
             # choose layouts as CPU kernels do (a channels_last weight gives a
@@ -112,6 +146,11 @@ def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, 
                 continue
             # unknown (a quantized kernel's output, channels_last on CPU): the copy
             # costs nothing when the value is laid out so already
+        if bases is None:
+            bases = Counter(storage_base(v, gm) for v in set(after))
+        base = storage_base(new, gm)
+        if bases[base] > 1 or caller_owned(base):
+            continue  # a copy would end the memory it shares with another output or an input
         with gm.graph.inserting_before(out_node):
             made = _relaid(gm.graph, new, want, order, dialect)
         for node in made:
@@ -124,6 +163,56 @@ def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, 
     for new, copy in fixed.items():
         out_node.replace_input_with(new, copy)  # through the replace hooks: an undo journal sees it
     return copies
+
+
+class _KeptValues:
+    """Which values of the original graph a rewrite's new nodes reach through ops
+    that carry their input's layout on (views, elementwise ops, clones, casts: not
+    ``FRESH_LAYOUT``), worked out once over all outputs, ``_KEPT_WALK`` nodes at most."""
+
+    def __init__(self, gm: fx.GraphModule, sources: set) -> None:
+        self.gm, self.created = gm, sources  # new nodes, and values readers newly read
+        self.reached: dict = {}  # node -> whether new nodes reach it so
+        self.budget = _KEPT_WALK
+
+    def relaid(self, node: fx.Node) -> list | bool | None:
+        """False: ``node`` keeps the layout it had (no new node reaches it so); else
+        the nodes from the new ones to ``node`` (in graph order, ``node`` last) to infer
+        again; None: too far to tell."""
+        stack = [(node, False)]
+        while stack:
+            n, inputs_done = stack.pop()
+            if n in self.reached:
+                continue
+            if inputs_done:
+                self.reached[n] = any(i in self.created or self.reached.get(i, False) for i in n.all_input_nodes)
+                continue
+            if n.op in ("placeholder", "get_attr") or lays_out_afresh(n, self.gm):
+                self.reached[n] = False
+                continue
+            self.budget -= 1
+            if self.budget < 0:
+                return None
+            stack.append((n, True))
+            stack.extend((i, False) for i in n.all_input_nodes if i not in self.reached and i not in self.created)
+        if not self.reached[node]:
+            return False
+        order: list = []
+        seen: set = set()
+        stack = [(node, False)]
+        while stack:  # the reached nodes upstream of ``node``, inputs first
+            n, inputs_done = stack.pop()
+            if inputs_done:
+                order.append(n)
+            elif n not in seen:
+                seen.add(n)
+                stack.append((n, True))
+                stack.extend((i, False) for i in n.all_input_nodes if self.reached.get(i, False) and i not in seen)
+        return order
+
+    def sources(self, nodes: list) -> list:
+        """The new nodes ``nodes`` read."""
+        return [i for n in nodes for i in n.all_input_nodes if i in self.created]
 
 
 def _relaid(graph: fx.Graph, value: fx.Node, want: str, order: tuple | None, dialect: str) -> list:
