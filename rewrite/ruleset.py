@@ -548,7 +548,7 @@ class _Transaction:
                 if driver.counts:
                     _remove_unused(gm, driver.replacer.released_nodes, driver.replacer.released_targets)
                     driver.created.extend(restore_output_layouts(gm, driver.facts, outputs, detect_dialect(gm),
-                                                                 driver.created, driver.replacer.forwarded))
+                                                                 driver.created, driver.replacer.replaced))
                     driver.facts.settle(driver.created)
                     # the untouched rest of the graph was valid and still is; the
                     # check's runs then exercise every node anyway

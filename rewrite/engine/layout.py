@@ -92,11 +92,11 @@ def _from_new_module(node: fx.Node, created: set) -> bool:
 
 
 def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, dialect: str,
-                            created: Any, forwarded: Any = ()) -> list:
+                            created: Any, replaced: Any = ()) -> list:
     """Copy each output whose layout the rewrite changed back into the layout it had
     (``before``: ``output_values`` of the graph before the rewrite, same order;
-    ``created``: the nodes the rewrite created; ``forwarded``: existing values it
-    made readers read instead).
+    ``created``: the nodes the rewrite created; ``replaced``: (value, what its
+    readers read instead) per rewrite).
     Returns the nodes created. Runs before ``GraphFacts.settle``, while new nodes'
     facts can still be inferred."""
     after = output_values(gm)
@@ -106,7 +106,7 @@ def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, 
     created_nodes = set(created)
     copies, fixed = [], {}
     strided_constants = bases = None
-    kept = _KeptValues(gm, created_nodes.union(forwarded))
+    kept = _KeptValues(gm, _relaid_sources(replaced, facts))
     for old, new in zip(before, after):
         if new in fixed:
             continue
@@ -130,7 +130,7 @@ def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, 
                 if strided_constants is None:
                     strided_constants = _has_strided_constants(gm)
                 known = not strided_constants and not any(_from_new_module(n, created_nodes)
-                                                          for n in kept.sources(relaid))
+                                                          for n in kept.read(relaid))
                 new_meta = facts.rerun(relaid).get(new) if known else None
                 if layout_of(new_meta) == want and (order is None or addressing(new_meta) == addressing(old_meta)):
                     continue
@@ -165,13 +165,34 @@ def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, 
     return copies
 
 
+def _relaid_sources(replaced: Any, facts: GraphFacts) -> set:
+    """The values readers read instead of a replaced value laid out otherwise (or not
+    known to be laid out alike): what may change the layout of kept values."""
+    sources = set()
+    for root, result in replaced:
+        if result._erased or result in sources:
+            continue
+        before, after = tensor_meta_of(root), facts.meta(result, record=False)
+        if before.__class__ is after.__class__ and getattr(before, "stride", None) is not None:
+            try:
+                if before.stride() == after.stride() and before.shape == after.shape:
+                    continue  # the common case, quickly: laid out alike
+            except (TypeError, RuntimeError, NotImplementedError):  # recorded facts, symbolic strides
+                pass
+        if layout_of(before) is None:
+            continue  # nothing recorded to keep
+        if layout_of(after) != layout_of(before) or addressing(after) != addressing(before):
+            sources.add(result)
+    return sources
+
+
 class _KeptValues:
     """Which values of the original graph a rewrite's new nodes reach through ops
     that carry their input's layout on (views, elementwise ops, clones, casts: not
     ``FRESH_LAYOUT``), worked out once over all outputs, ``_KEPT_WALK`` nodes at most."""
 
     def __init__(self, gm: fx.GraphModule, sources: set) -> None:
-        self.gm, self.created = gm, sources  # new nodes, and values readers newly read
+        self.gm, self.sources = gm, sources
         self.reached: dict = {}  # node -> whether new nodes reach it so
         self.budget = _KEPT_WALK
 
@@ -179,13 +200,15 @@ class _KeptValues:
         """False: ``node`` keeps the layout it had (no new node reaches it so); else
         the nodes from the new ones to ``node`` (in graph order, ``node`` last) to infer
         again; None: too far to tell."""
+        if not self.sources:
+            return False
         stack = [(node, False)]
         while stack:
             n, inputs_done = stack.pop()
             if n in self.reached:
                 continue
             if inputs_done:
-                self.reached[n] = any(i in self.created or self.reached.get(i, False) for i in n.all_input_nodes)
+                self.reached[n] = any(i in self.sources or self.reached.get(i, False) for i in n.all_input_nodes)
                 continue
             if n.op in ("placeholder", "get_attr") or lays_out_afresh(n, self.gm):
                 self.reached[n] = False
@@ -194,7 +217,7 @@ class _KeptValues:
             if self.budget < 0:
                 return None
             stack.append((n, True))
-            stack.extend((i, False) for i in n.all_input_nodes if i not in self.reached and i not in self.created)
+            stack.extend((i, False) for i in n.all_input_nodes if i not in self.reached and i not in self.sources)
         if not self.reached[node]:
             return False
         order: list = []
@@ -210,9 +233,9 @@ class _KeptValues:
                 stack.extend((i, False) for i in n.all_input_nodes if self.reached.get(i, False) and i not in seen)
         return order
 
-    def sources(self, nodes: list) -> list:
-        """The new nodes ``nodes`` read."""
-        return [i for n in nodes for i in n.all_input_nodes if i in self.created]
+    def read(self, nodes: list) -> list:
+        """The sources ``nodes`` read."""
+        return [i for n in nodes for i in n.all_input_nodes if i in self.sources]
 
 
 def _relaid(graph: fx.Graph, value: fx.Node, want: str, order: tuple | None, dialect: str) -> list:

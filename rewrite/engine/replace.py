@@ -77,9 +77,9 @@ class Replacer:
         self.facts = facts
         self.dialect = dialect
         self._created: list = []
-        #: existing values rewrites made readers read instead (``x * 1.0 => x``): their
+        #: (replaced value, what its readers read instead), per rewrite: where the
         #: readers' layouts may have changed (rewrite.engine.layout)
-        self.forwarded: list = []
+        self.replaced: list = []
         self._covered: tuple = ()
         self._new_attrs: list = []
         #: targets of get_attr and call_module nodes rewrites erased, and get_attr
@@ -165,8 +165,7 @@ class Replacer:
         self._classes.clear()  # the graph changes from here on
         for node in self._created:  # provenance, for rewrite.analysis and rewrite show
             node.meta[RULE_KEY] = (match.rule.name, match.rule.location)
-        if result not in self._created:
-            self.forwarded.append(result)
+        self.replaced.append((root, result))
         if inserting:
             created = set(self._created)
             users = [u for u in root.users if u not in created]
@@ -199,8 +198,7 @@ class Replacer:
         self._classes.clear()  # the graph changes from here on
         for node in self._created:
             node.meta[RULE_KEY] = (match.rule.name, match.rule.location)
-        created = set(self._created)
-        self.forwarded.extend(value for value in values.values() if value not in created)
+        self.replaced.extend((getitem, value) for i, value in values.items() for getitem in read[i])
         for i, value in values.items():
             for getitem in read[i]:
                 self._rewirer.replace_uses(getitem, value)
