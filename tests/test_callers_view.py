@@ -259,3 +259,83 @@ def test_an_eval_model_still_casts_its_weights_once():
     model, x = _train_mode_cnn().eval(), torch.randn(2, 3, 8, 8)
     result = rewrite.load("rules/amp_bf16.rw").apply(torch.export.export(model, (x,)).module(), (x,))
     assert result.counts["conv_bf16"] == 1
+
+
+class CacheWriter(nn.Module):
+    """Writes a computed value into a buffer (a KV cache, an EMA of activations)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("cache", torch.zeros(2, 4))
+
+    def forward(self, x):
+        h = self.lin(x)
+        self.cache.copy_(h)
+        return h * 1.0
+
+
+@pytest.mark.parametrize("level", ["fx", "export"])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_the_check_leaves_no_autograd_history_on_the_callers_buffers(level, inplace):
+    # the check's first trial runs with gradients enabled: the buffer written from a
+    # value that requires grad got a grad_fn, and deepcopy of the caller's model failed
+    import copy
+
+    model, x = CacheWriter().eval(), torch.randn(2, 4)
+    gm = _capture(model, (x,), level)
+    cache = gm.cache.clone()
+    result = rewrite.load("rules/cleanup.rw").apply(gm, (x,), inplace=inplace)
+    assert result.counts["mul_one"] == 1
+    for t in (gm.cache, model.cache):
+        assert t.grad_fn is None and not t.requires_grad
+    assert torch.equal(gm.cache, cache)
+    copy.deepcopy(model)
+    copy.deepcopy(gm)
+
+
+class TwoNamesOneMemory(nn.Module):
+    """A buffer written through one name and read through another that views it."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(4, 3))
+        self.register_buffer("cache_t", self.cache.t())
+
+    def forward(self, x):
+        self.cache.add_(x)
+        return self.cache_t * 1.0 + 0.0
+
+
+class ConstantOfABuffer(nn.Module):
+    """fx records ``self.kc.transpose(1, 2)`` as a tensor constant viewing the buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.k = nn.Linear(3, 3)
+        self.register_buffer("kc", torch.zeros(4, 3, 3))
+
+    def forward(self, x):
+        self.kc.index_copy_(1, torch.tensor([0, 1, 2]), self.k(x))
+        return x @ self.kc.transpose(1, 2)
+
+
+@pytest.mark.parametrize("make, level", [(TwoNamesOneMemory, "fx"), (TwoNamesOneMemory, "export"),
+                                         (ConstantOfABuffer, "fx")])
+@pytest.mark.parametrize("rules", ["rules/fusion.rw", "rules/cleanup.rw"])
+def test_the_results_own_copy_of_written_state_keeps_the_memory_its_tensors_share(make, level, rules):
+    # the result gets its own copy of the buffers its forward writes; a second name
+    # viewing the same memory must view the copy, or the result reads stale values
+    import copy
+    import warnings
+
+    torch.manual_seed(0)
+    model = make().eval()
+    x = torch.ones(4, 3) if make is TwoNamesOneMemory else torch.randn(4, 3, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gm = _capture(copy.deepcopy(model), (x,), level)
+    twin = copy.deepcopy(gm)  # deepcopy keeps the sharing
+    result = rewrite.load(rules).apply(gm, (x,))
+    for _ in range(2):
+        assert torch.equal(result.graph_module(x), twin(x))

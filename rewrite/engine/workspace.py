@@ -181,27 +181,60 @@ def own_written_state(gm: fx.GraphModule) -> int:
     written = state_writes(gm)
     if written is not None and not written:
         return 0
+
+    def chosen(t: Any, parameters: bool) -> bool:
+        return isinstance(t, torch.Tensor) and (id(t) in written if written is not None else not parameters)
+
+    def places() -> Any:  # (table, name, tensor, whether a parameter) for every module tensor
+        for module in gm.modules():
+            for table, parameters in ((module._parameters, True), (module._buffers, False)):
+                for name, t in table.items():
+                    if t is not None:
+                        yield table, name, t, parameters
+            for name, value in list(module.__dict__.items()):
+                if isinstance(value, torch.Tensor):
+                    yield module.__dict__, name, value, isinstance(value, torch.nn.Parameter)
+
+    # Tensors sharing memory with a copied one (a second buffer viewing it, fx's
+    # ``_tensor_constant`` of ``self.cache.t()``) view the copy's memory as they
+    # viewed the original's: the copy's writes must reach its reads.
+    storages = {_storage_key(t) for _, _, t, parameters in places() if chosen(t, parameters)}
+    storages.discard(None)
     copies: dict = {}
+    fresh_storages: dict = {}
 
     def own(t: torch.Tensor) -> torch.Tensor:
         copy_ = copies.get(id(t))
         if copy_ is None:
-            clone = t.detach().clone()
+            key = _storage_key(t)
+            if key is None:
+                clone = t.detach().clone()
+            else:
+                if key not in fresh_storages:
+                    fresh_storages[key] = t.untyped_storage().clone()
+                clone = torch.empty(0, dtype=t.dtype, device=t.device).set_(
+                    fresh_storages[key], t.storage_offset(), t.size(), t.stride())
             copy_ = copies[id(t)] = torch.nn.Parameter(clone, t.requires_grad) if isinstance(
                 t, torch.nn.Parameter) else clone
         return copy_
 
-    for module in gm.modules():
-        tables = (module._parameters, module._buffers) if written is not None else (module._buffers,)
-        for table in tables:
-            for name, t in table.items():
-                if t is not None and (written is None or id(t) in written):
-                    table[name] = own(t)
-        attrs_ = module.__dict__
-        for name, value in list(attrs_.items()):
-            if isinstance(value, torch.Tensor) and (written is None or id(value) in written):
-                attrs_[name] = own(value)
+    for table, name, t, parameters in list(places()):
+        if chosen(t, parameters) or _storage_key(t) in storages:
+            table[name] = own(t)
     return len(copies)
+
+
+def _storage_key(t: torch.Tensor) -> Any:
+    """What identifies ``t``'s memory (tensors with the same key share it), or None
+    when it has none to share (empty, quantized, sparse, a subclass)."""
+    if t.__class__ not in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer) or t.layout != torch.strided \
+            or t.is_quantized:
+        return None
+    try:
+        storage = t.untyped_storage()
+        return (t.device, storage.data_ptr()) if storage.nbytes() else None
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
 
 
 def _graph_module_copy(gm: fx.GraphModule, memo: dict) -> fx.GraphModule:

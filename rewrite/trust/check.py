@@ -886,14 +886,19 @@ class _SavedState:
             for t in (watch.state if watch is not None else _state(fn)).values():
                 if id(t) not in seen and (writable is None or id(t) in writable):
                     seen.add(id(t))
-                    self.saved.append([t, t._version, t.detach().clone(), writable is not None or id(t) in buffers])
+                    self.saved.append([t, t._version, t.detach().clone(), writable is not None or id(t) in buffers,
+                                       t.grad_fn])
 
     def restore(self) -> None:
         with torch.no_grad():
             for entry in self.saved:
-                t, version, copy, by_value = entry
+                t, version, copy, by_value, grad_fn = entry
                 if t._version != version or (by_value and not _same_values(t, copy)):
                     t.copy_(copy)
+                    if t.grad_fn is not grad_fn and grad_fn is None and not t._is_view():
+                        # a write with gradients enabled (the first trial) left it autograd
+                        # history: the caller's buffer would require grad, and deepcopy fail
+                        t.detach_()
                     # the values are the saved ones bit for bit: so is the version, or an
                     # autograd graph the caller holds on the tensor would call it stale
                     _SET_VERSIONS((t,), (version,))
