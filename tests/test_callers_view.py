@@ -339,3 +339,39 @@ def test_the_results_own_copy_of_written_state_keeps_the_memory_its_tensors_shar
     result = rewrite.load(rules).apply(gm, (x,))
     for _ in range(2):
         assert torch.equal(result.graph_module(x), twin(x))
+
+
+class LastToken(nn.Module):
+    """Next-token logits ``head(h)[:, -1]`` and an expanded gate: outputs with gaps or
+    overlaps, which the AMP files' cast back to float32 returns compact."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(8, 50)
+        self.gate = nn.Linear(8, 1)
+
+    def forward(self, h):
+        return self.head(h)[:, -1], self.head(h)[:, :, ::2], self.gate(h).expand(-1, -1, 6)
+
+
+@pytest.mark.parametrize("level", ["fx", "export"])
+@pytest.mark.parametrize("low", ["bf16", "fp16"])
+def test_amp_passes_its_check_on_outputs_with_gaps_returned_compact(level, low):
+    model, h = LastToken().eval(), torch.randn(2, 5, 8)
+    result = rewrite.load(f"rules/amp_{low}.rw").apply(_capture(model, (h,), level), (h,))
+    assert sum(result.counts.values()) > 0
+    for want, got in zip(model(h), result.graph_module(h)):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        got.view(-1)  # anything the original's view serves, the compact copy serves
+
+
+def test_a_transposed_slice_keeps_its_strides():
+    # a gapped output in another order than row-major: its strides are compared
+    class TransposedSlice(nn.Module):
+        def forward(self, x):
+            return (x + 1).t().contiguous().t()[:, ::2]
+
+    x = torch.randn(3, 8)
+    rules = rewrite.parse("rule c(shared=True): contiguous(x) => x")
+    with pytest.raises(rewrite.EquivalenceError, match="strides changed"):
+        rules.apply(fx.symbolic_trace(TransposedSlice()), (x,))

@@ -1268,7 +1268,8 @@ def _layout_change(ref_out: Any, cand_out: Any, trial: int) -> Optional[Mismatch
                 or r.numel() < 2 or r.layout != torch.strided or c.layout != torch.strided:
             continue
         mine, theirs = layout_of(r), layout_of(c)
-        if mine == "strided" and addressing(r) != addressing(c):
+        compacted = theirs == "contiguous" and _gapped_row_major(r)
+        if mine == "strided" and addressing(r) != addressing(c) and not compacted:
             return Mismatch("output" + pytree.keystr(kp), trial, tuple(r.shape), str(r.dtype).replace("torch.", ""),
                             0.0, 0.0, f"strides changed: {tuple(r.stride())} in the original, {tuple(c.stride())} "
                                       "in the rewrite (out.t().view(-1) or is_contiguous() would tell)")
@@ -1278,6 +1279,23 @@ def _layout_change(ref_out: Any, cand_out: Any, trial: int) -> Optional[Mismatch
                                       f"{theirs} (strides {tuple(c.stride())}) in the rewrite (out.view() or "
                                       "is_contiguous() would tell)")
     return None
+
+
+def _gapped_row_major(t: torch.Tensor) -> bool:
+    """``t`` has gaps or overlaps (a slice ``logits[:, -1]``, an ``expand``) with its
+    dimensions in row-major order: a compact row-major copy of it serves every view
+    and write ``t`` serves (only ``stride()`` tells them apart), so a rewrite may
+    return one (the AMP files' cast back to float32 after such a view)."""
+    dims = [(int(st), int(n)) for n, st in zip(t.shape, t.stride()) if n > 1]
+    moving = [st for st, _ in dims if st != 0]
+    if any(a < b for a, b in zip(moving, moving[1:])):
+        return False  # a permuted order: a transposed slice keeps its strides
+    expected = 1
+    for st, n in reversed(dims):
+        if st != expected:
+            return True
+        expected *= n
+    return False  # dense: contiguous, its layout is compared as such
 
 
 def _same_inputs(a: Any, b: Any) -> bool:
