@@ -461,7 +461,16 @@ _MAX_REJECTIONS = 16
 
 
 def _symbolic_trace(model: torch.nn.Module) -> fx.GraphModule:
-    """``torch.fx.symbolic_trace(model)``, its failures told in the user's terms."""
+    """``torch.fx.symbolic_trace(model)``, its failures told in the user's terms. A
+    hook registered on the model itself is refused: the traced graph runs without it
+    (hooks on submodules stay with them), so the result would compute something else."""
+    hooks = [kind for kind in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+             if getattr(model, kind, None)]
+    if hooks:
+        raise TypeError(
+            f"{type(model).__name__} has hooks registered on itself ({', '.join(h.strip('_') for h in hooks)}), "
+            "which torch.fx.symbolic_trace does not capture: the rewritten model would run without them. Remove "
+            "them (or register them on a submodule), or pass a GraphModule you captured")
     try:
         return fx.symbolic_trace(model)
     except Exception as err:  # noqa: BLE001 - any tracing failure: say what to do instead

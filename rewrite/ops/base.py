@@ -161,7 +161,8 @@ def _hooked(module: Any) -> bool:
 
     return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
                 or getattr(module, "_backward_pre_hooks", None) or nn_module._global_forward_hooks
-                or nn_module._global_forward_pre_hooks)
+                or nn_module._global_forward_pre_hooks or nn_module._global_backward_hooks
+                or nn_module._global_backward_pre_hooks or nn_module._global_forward_hooks_always_called)
 
 
 @attrs.frozen

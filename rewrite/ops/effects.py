@@ -261,7 +261,7 @@ def _from_torch(target: Any) -> bool:
     if getattr(operator, name, None) is target:
         return True
     module = getattr(target, "__module__", None) or "torch"  # method descriptors have none
-    return module.startswith("torch") or module == "math"
+    return module == "torch" or module.startswith("torch.") or module == "math"
 
 
 def _overloads(packet: Any) -> list:
@@ -746,7 +746,7 @@ def _call_writes_all(node: fx.Node) -> bool:
         name = target._qualified_op_name
     else:
         name = getattr(target, "__name__", "")
-        if not (getattr(target, "__module__", None) or "torch").startswith("torch"):
+        if not _from_torch(target):
             return True
         if "embedding" in name:
             return _argument(node, 3, "max_norm", None) is not None

@@ -1,0 +1,105 @@
+"""Code the engine cannot read: a user's function in a module named like torch's, a
+global backward hook, a hook on the model itself, a copy a rule drops before the
+caller sees the layout. Each case changed what the caller observes (with
+``check=False``, or with the default check passing); found by an adversarial probe."""
+
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.nn.modules import module as nn_module
+
+import rewrite
+
+
+@pytest.fixture
+def torch_named_helpers(tmp_path, monkeypatch):
+    # a user's module whose name starts with "torch" (as torchvision's or torchmetrics' do)
+    (tmp_path / "torch_helpers_for_test.py").write_text(textwrap.dedent('''
+        import torch
+
+
+        def rescale(t):
+            t.mul_(2.0)  # writes its argument
+            return t.sum()
+
+
+        torch.fx.wrap("rescale")
+
+
+        class ForwardsAWrittenValue(torch.nn.Module):
+            def forward(self, x):
+                y = torch.sin(x)
+                z = y * 1.0  # forwarding y would let the helper's write reach z
+                return z + 0.0, rescale(y)
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import torch_helpers_for_test
+
+    yield torch_helpers_for_test
+    sys.modules.pop("torch_helpers_for_test", None)
+
+
+def test_a_users_function_in_a_module_named_like_torch_writes_what_it_may(torch_named_helpers):
+    model, x = torch_named_helpers.ForwardsAWrittenValue(), torch.randn(4)
+    gm = fx.symbolic_trace(model)
+    assert any(n.target is torch_named_helpers.rescale for n in gm.graph.nodes)
+    result = rewrite.parse("rule mul_one: mul(x, 1) where is_float(x) => x").apply(gm, (x,), check=False)
+    assert result.counts.get("mul_one", 0) == 0
+    want, got = model(x.clone()), result.graph_module(x.clone())
+    assert torch.equal(want[0], got[0])
+
+
+class Doubled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.act = nn.ReLU()
+
+    def forward(self, x):
+        return self.act(x * 2) + 1
+
+
+@pytest.mark.parametrize("register", [
+    lambda: nn_module.register_module_full_backward_hook(lambda mod, gi, go: (gi[0] * 5,)),
+    lambda: nn_module.register_module_full_backward_pre_hook(lambda mod, go: (go[0] * 5,)),
+], ids=["full_backward_hook", "full_backward_pre_hook"])
+def test_a_module_under_a_global_backward_hook_binds_to_no_rule(register):
+    rules = rewrite.parse("rule r: relu(x) => aten.clamp_min(x, 0.0)")
+    handle = register()
+    try:
+        gm = fx.symbolic_trace(Doubled())
+        result = rules.apply(gm, (torch.randn(5),), check=False)
+        assert result.counts.get("r", 0) == 0  # the hook runs on the module's call only
+    finally:
+        handle.remove()
+
+
+def test_a_hook_on_the_model_itself_is_refused_with_what_to_do():
+    model = Doubled()
+    model.register_forward_hook(lambda mod, args, out: out * 2)
+    with pytest.raises(TypeError, match="hooks registered on itself.*forward_hooks"):
+        rewrite.load("rules/cleanup.rw").apply(model, (torch.randn(3),))
+    model.act.register_forward_hook(lambda mod, args, out: out)  # a submodule's hook is captured
+    plain = Doubled()
+    plain.act.register_forward_hook(lambda mod, args, out: out * 3)
+    x = torch.randn(3)
+    assert torch.equal(rewrite.load("rules/cleanup.rw").apply(plain, (x,)).graph_module(x), plain(x))
+
+
+def test_cat_single_keeps_the_contiguous_copy_of_a_transposed_value():
+    class CatOfATransposed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.cat([self.fc(x).t()], 0), torch.cat([self.fc(x)], 0)
+
+    model, x = CatOfATransposed().eval(), torch.randn(5, 4)
+    result = rewrite.load("rules/cleanup.rw").apply(fx.symbolic_trace(model), (x,))
+    assert result.counts["cat_single"] == 1  # the contiguous one only
+    for want, got in zip(model(x), result.graph_module(x)):
+        assert torch.equal(want, got) and want.stride() == got.stride()
