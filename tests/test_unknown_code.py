@@ -103,3 +103,104 @@ def test_cat_single_keeps_the_contiguous_copy_of_a_transposed_value():
     assert result.counts["cat_single"] == 1  # the contiguous one only
     for want, got in zip(model(x), result.graph_module(x)):
         assert torch.equal(want, got) and want.stride() == got.stride()
+
+
+class CountingAct(nn.Module):
+    """A user's activation with a call counter, run by a torch layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return torch.relu(x)
+
+
+class UserCodeInATorchLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, activation=CountingAct(), batch_first=True)
+
+    def forward(self, x):
+        return self.layer(x) * 1.0
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_a_torch_layer_running_a_users_module_may_write_its_state(check):
+    # the layer's class is torch's, the activation it runs is not: apply's runs (facts,
+    # check) must not write the caller's buffer, nor the result's runs
+    torch.manual_seed(0)
+    gm, x = fx.symbolic_trace(UserCodeInATorchLayer().eval()), torch.randn(2, 3, 8)
+    rules = rewrite.parse("rule mul_one: mul(x, 1) where is_float(x) => x")
+    result = rules.apply(gm, (x,), check=check)  # recording facts (is_float) runs the graph
+    assert gm.layer.activation.calls.item() == 0
+    result.graph_module(x)
+    assert gm.layer.activation.calls.item() == 0
+
+
+def test_the_check_compares_state_a_users_module_inside_a_torch_layer_writes():
+    class SeenMin(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("seen_min", torch.tensor(0.0))
+
+        def forward(self, x):
+            self.seen_min.copy_(torch.minimum(self.seen_min, x.min()))
+            return x
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, activation=SeenMin(), batch_first=True)
+
+        def forward(self, x):
+            return torch.relu(self.layer(x) - 1).sum() * 0.0 + self.layer(torch.relu(x)).sum()
+
+    torch.manual_seed(0)
+    gm, x = fx.symbolic_trace(Model().eval()), torch.randn(2, 3, 8)
+    with pytest.raises(rewrite.EquivalenceError, match="module state"):
+        rewrite.parse("rule wrong: relu(x) => abs(x)").apply(gm, (x,))
+
+
+def test_a_wrapper_running_a_users_module_is_user_code():
+    class WritesItsInput(nn.Module):
+        def forward(self, x):
+            return x.mul_(2)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.DataParallel(WritesItsInput())
+
+        def forward(self, x):
+            y = torch.sin(x)
+            z = y * 1.0  # forwarding y would let the wrapped write reach z
+            return z + 0.0, self.inner(y)
+
+    torch.manual_seed(0)
+    model, x = Model(), torch.randn(4)
+    gm = fx.symbolic_trace(model)
+    result = rewrite.parse("rule mul_one: mul(x, 1) where is_float(x) => x").apply(gm, (x,), check=False)
+    assert result.counts.get("mul_one", 0) == 0
+    assert torch.equal(result.graph_module(x)[0], model(x)[0])
+
+
+def test_a_dropout_inside_a_torch_layer_makes_the_graph_train():
+    # fine-tuning with a frozen batch norm: the conv's weight must stay trainable
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+            self.tail = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.1, batch_first=True)
+
+        def forward(self, x):
+            return self.tail(self.bn(self.conv(x)).flatten(2).transpose(1, 2))
+
+    torch.manual_seed(0)
+    model = Model().train()
+    model.bn.eval()
+    result = rewrite.load("rules/fusion.rw").apply(fx.symbolic_trace(model), (torch.randn(2, 3, 4, 4),))
+    assert "conv_bn" not in result.counts
+    result.graph_module(torch.randn(2, 3, 4, 4)).sum().backward()
+    assert model.conv.weight.grad is not None

@@ -174,9 +174,36 @@ def may_alias_any_argument(node: fx.Node, gm: Any) -> bool:
 
 def _torch_module(module: Any) -> bool:
     """A module class torch defines (its forward is known), or one a registered
-    module factory built (``note_built_module``), not one of the input's own."""
+    module factory built (``note_built_module``), not one of the input's own; and
+    one that runs only torch's code (``_runs_torch_code_only``)."""
     kind = type(module)
-    return (kind.__module__ or "").startswith("torch.") or kind in _BUILT_MODULE_TYPES
+    return kind in _BUILT_MODULE_TYPES or ((kind.__module__ or "").startswith("torch.")
+                                           and _runs_torch_code_only(module))
+
+
+def _runs_torch_code_only(module: Any) -> bool:
+    """Whether every submodule ``module`` may call is a torch class without hooks of
+    its own, and no function it holds comes from elsewhere: a torch wrapper runs
+    the code it is given (``nn.DataParallel(model)``, ``nn.TransformerEncoder`` of a
+    user's layer, ``TransformerEncoderLayer(activation=my_fn)``)."""
+    for m in module.modules():
+        kind = type(m)
+        if m is not module and (kind not in _BUILT_MODULE_TYPES and not (kind.__module__ or "").startswith("torch.")
+                                or m._forward_hooks or m._forward_pre_hooks):
+            return False
+        for value in m.__dict__.values():
+            if callable(value) and not isinstance(value, (torch.nn.Module, torch.Tensor, type)) \
+                    and not _torch_function(value):
+                return False
+    return True
+
+
+def _torch_function(fn: Any) -> bool:
+    """A function torch (or Python's ``operator``/``math``) defines."""
+    fn = getattr(fn, "func", fn)  # functools.partial
+    module = getattr(fn, "__module__", None)
+    return isinstance(module, str) and (module == "torch" or module.startswith("torch.")
+                                        or module in ("math", "_operator", "operator"))
 
 
 _BUILT_MODULE_TYPES: set = set()
@@ -651,7 +678,7 @@ def module_writes_own_state(module: Any) -> bool:
         return True  # a hook may do anything (the old spectral_norm updates a buffer)
     if not kind.__module__.startswith(_TORCH_MODULES) or isinstance(module, (
             torch.nn.modules.lazy.LazyModuleMixin, torch.nn.RNNBase, torch.nn.Sequential,
-            torch.nn.ModuleList, torch.nn.ModuleDict)):
+            torch.nn.ModuleList, torch.nn.ModuleDict)) or not _runs_torch_code_only(module):
         return True
     if isinstance(module, torch.nn.modules.batchnorm._NormBase):
         return module.training and module.track_running_stats
@@ -674,10 +701,7 @@ def graph_trains(gm: Any) -> bool:
         if op == "call_module":
             for node in nodes:
                 module = _module(node, gm)
-                if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.training:
-                    return True
-                if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.training \
-                        and module.track_running_stats:
+                if module is not None and any(_trains(m) for m in module.modules()):
                     return True
             continue
         if op != "call_function":
@@ -700,6 +724,19 @@ def graph_trains(gm: Any) -> bool:
             if any(_argument(n, position, keyword, default) not in (False, None) for n in nodes):
                 return True
     return False
+
+
+def _trains(module: Any) -> bool:
+    """A torch module (or one inside a torch leaf module: a transformer layer's)
+    that behaves as in training: a dropout that drops, a batch norm updating
+    running statistics, attention with dropout."""
+    if not module.training:
+        return False
+    if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+        return True
+    if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+        return module.track_running_stats
+    return isinstance(module, torch.nn.MultiheadAttention) and module.dropout > 0
 
 
 def module_written_state(module: Any) -> list:
