@@ -782,7 +782,8 @@ INTERMEDIATE = {
     "tanh_sub_zero_exp": ("sub_zero", lambda s, x: (torch.tanh(x) - 0).exp()),
     "relu_neg_neg_add": ("neg_neg", lambda s, x: -(-torch.relu(x)) + 1),
     "relu_relu_scale": ("relu_relu", lambda s, x: torch.relu(torch.relu(x)) * 2),
-    "relu_cat_single_add": ("cat_single", lambda s, x: torch.cat([torch.relu(x)]) + 1),
+    # (of a value laid out afresh: an export's input may come transposed, cat then copies)
+    "relu_cat_single_add": ("cat_single", lambda s, x: torch.cat([torch.relu(x @ s.w)]) + 1),
     "relu_mul_one_returned": ("mul_one", lambda s, x: torch.relu(x) * 1.0),
     "matmul_mul_one_returned": ("mul_one", lambda s, x: (x @ s.w) * 1.0),
     "abs_roundtrip_add": ("to_roundtrip", lambda s, x: torch.abs(x).to(torch.float64).to(torch.float32) + 1),
