@@ -29,6 +29,7 @@ from rewrite.engine.outputs import getitem_users, result_count
 from rewrite.ops import bind_node
 from rewrite.ops.base import ConstRef, by_identity
 from rewrite.engine.aliasing import graph_writes, new_aliasing, written_between
+from rewrite.engine.regions import Regions
 from rewrite.engine.layout import layout_change_seen
 from rewrite.engine.rewire import Rewirer
 from rewrite.ops.effects import note_built_module, written_args
@@ -89,6 +90,7 @@ class Replacer:
         self._writes: bool | None = None  # whether some node writes in place (None: not asked yet)
         self._classes: dict = {}  # alias classes while the graph is unchanged (new_aliasing)
         self._rewirer = Rewirer(gm)  # readers of replaced values, wide ones without fx's rebuild
+        self._regions = Regions(gm.graph)  # grad-mode and autocast regions (dynamo's no_grad blocks)
         self._target_names: dict = {}  # id(target) -> (target, the node name fx derives from it)
 
     def _graph_writes(self) -> bool:
@@ -126,10 +128,11 @@ class Replacer:
         root = match.root
         self._created, self._new_attrs = [], []
         self._covered = match.nodes
-        if len(match.nodes) > 1 and self._graph_writes():
+        problem = self._regions.spanned(match.nodes, root, None)
+        if problem is None and len(match.nodes) > 1 and self._graph_writes():
             problem = written_between(match.nodes, match.env, self.gm)
-            if problem is not None:
-                raise ReplacementError(f"rule {match.rule.name!r} at {root.name}: {problem}")
+        if problem is not None:
+            raise ReplacementError(f"rule {match.rule.name!r} at {root.name}: {problem}")
         if isinstance(match.rule.replacement, RResults):
             return self._apply_results(match)
         inserting = uses_root(match)
@@ -156,7 +159,7 @@ class Replacer:
         if result is not root:
             problem = new_aliasing(root, result, self._created, self.gm, self._graph_writes(), self._classes)
             if problem is None and result not in self._created:  # a value forwarded as it is
-                problem = layout_change_seen(root, result, self.facts)
+                problem = layout_change_seen(root, result, self.facts) or self._regions.spanned((), root, result)
             if problem is not None:
                 self._undo()
                 raise ReplacementError(f"rule {match.rule.name!r} at {root.name}: {problem}")
@@ -189,6 +192,8 @@ class Replacer:
             raise ReplacementError(f"rule {match.rule.name!r} at {root.name}: {err}") from err
         for i, value in values.items():
             problem = None if isinstance(value, fx.Node) else f"value {i} is not a graph value"
+            if problem is None and value not in self._created:
+                problem = self._regions.spanned((), root, value)
             for getitem in read[i]:
                 problem = problem or new_aliasing(getitem, value, self._created, self.gm, self._graph_writes(),
                                                   self._classes)
