@@ -204,3 +204,35 @@ def test_a_dropout_inside_a_torch_layer_makes_the_graph_train():
     assert "conv_bn" not in result.counts
     result.graph_module(torch.randn(2, 3, 4, 4)).sum().backward()
     assert model.conv.weight.grad is not None
+
+
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm", "old_weight_norm"])
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_torchs_weight_reparametrizations_share_the_callers_parameters(kind, mode):
+    # torch's weight and spectral norms compute the weight from parameters they only
+    # read (spectral norm updates its buffers): the result shares the parameters
+    import warnings
+
+    from torch.nn.utils import parametrizations
+
+    make = {"weight_norm": parametrizations.weight_norm, "spectral_norm": parametrizations.spectral_norm,
+            "old_weight_norm": nn.utils.weight_norm}[kind]
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self.fc = make(nn.Linear(4, 4))
+
+        def forward(self, x):
+            return self.fc(x) * 1.0
+
+    torch.manual_seed(0)
+    model, x = Model().train(mode == "train"), torch.randn(2, 4)
+    gm = fx.symbolic_trace(model)
+    result = rewrite.load("rules/fusion.rw").apply(gm, (x,))
+    mine = dict(result.graph_module.named_parameters())
+    assert all(mine[name] is p for name, p in gm.named_parameters())
+    result.graph_module(x).sum().backward()
+    assert all(p.grad is not None for p in gm.parameters())

@@ -747,7 +747,33 @@ def module_written_state(module: Any) -> list:
     if isinstance(module, torch.nn.modules.batchnorm._NormBase) and type(module).__module__.startswith(
             _TORCH_MODULES) and not (module._forward_hooks or module._forward_pre_hooks or _global_hooks()):
         return list(module.buffers())
+    if _reparametrized_by_torch(module):
+        return list(module.buffers())
     return [*module.parameters(), *module.buffers()]
+
+
+#: torch's weight reparametrizations, by hook (the deprecated ``nn.utils.weight_norm``
+#: and ``spectral_norm``) or by ``nn.utils.parametrize``: they compute the weight from
+#: parameters they only read, and update buffers (spectral norm's power iteration)
+_REPARAMETRIZING = ("torch.nn.utils.weight_norm", "torch.nn.utils.spectral_norm", "torch.nn.utils.parametrize",
+                    "torch.nn.utils.parametrizations", "torch.nn.modules.container")
+
+
+def _reparametrized_by_torch(module: Any) -> bool:
+    """A torch module whose weight torch's own weight or spectral norm computes, and
+    nothing else runs around it: its forward writes buffers only."""
+    from torch.nn.utils import parametrize
+
+    kind = type(module)
+    if parametrize.is_parametrized(module):
+        if not all(type(m).__module__ in _REPARAMETRIZING for m in module.parametrizations.modules()):
+            return False
+        kind = kind.__bases__[0]
+    elif not module._forward_pre_hooks:
+        return False
+    if module._forward_hooks or _global_hooks() or not kind.__module__.startswith(_TORCH_MODULES):
+        return False
+    return all(type(hook).__module__ in _REPARAMETRIZING for hook in module._forward_pre_hooks.values())
 
 
 # Hooks torch.export puts on ``ep.module()``: input checks, no writes.
