@@ -73,3 +73,34 @@ def test_an_unchanged_layout_adds_no_copy():
     assert result.counts == {"mul_one": 1}
     assert len(result.graph_module.graph.nodes) == len(gm.graph.nodes) - 1
     assert "contiguous" not in result.graph_module.code
+
+
+class ConvBnRelu(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        return torch.nn.functional.relu(self.bn(self.conv(x)))
+
+
+@pytest.mark.parametrize("low", ["bf16", "fp16"])
+def test_amp_under_torch_compile_with_dynamic_shapes_keeps_the_output_layout(low):
+    # dynamo's symbolic sizes: new nodes' facts come from its fake mode (meta tensors
+    # cannot hold them), and a kept output computed from a conv with channels_last
+    # weights is copied back into the model's layout
+    torch.manual_seed(0)
+    model, x = ConvBnRelu().eval(), torch.randn(2, 3, 6, 6)
+    results = []
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, backend=rewrite.backend(rewrite.load(f"rules/amp_{low}.rw"),
+                                                                  on_result=results.append), dynamic=True)
+        for batch in (2, 3):
+            x = torch.randn(batch, 3, 6, 6)
+            out = compiled(x)
+            assert out.is_contiguous() and out.shape == model(x).shape
+            torch.testing.assert_close(out, model(x), atol=0.1, rtol=0.05)
+    finally:
+        torch._dynamo.reset()
+    assert results and all(sum(r.counts.values()) > 0 for r in results)

@@ -294,23 +294,24 @@ class GraphFacts:
         values = [m if m is not None else _plain_value(n) for n, m in zip(inputs, metas)]
         if any(v is None for v in values):
             return
-        if self.fake_mode is not None:
+        mode = self.fake_mode if self.fake_mode is not None else _symbolic_mode(values)
+        if mode is not None:
             try:
-                env = {n: _each(self._fake_of, self.fake_mode, v) for n, v in zip(inputs, values)}
+                env = {n: _each(self._fake_of, mode, v) for n, v in zip(inputs, values)}
                 same = like_input(node, env)  # elementwise on dense inputs: no dispatch needed
-                if same is not None and same.fake_mode is self.fake_mode:
+                if same is not None and same.fake_mode is mode:
                     node.meta["val"] = fresh_like(same)
                     return
                 cast = cast_of(node, env)  # a float cast of a dense input: likewise
-                if cast is not None and cast[0].fake_mode is self.fake_mode:
+                if cast is not None and cast[0].fake_mode is mode:
                     node.meta["val"] = fresh_cast(*cast)
                     return
                 view = view_of(node, env)  # a view of a contiguous input: its memory, a new shape
-                if view is not None and view[0].fake_mode is self.fake_mode:
+                if view is not None and view[0].fake_mode is mode:
                     node.meta["val"] = fresh_view(*view)
                     return
                 target = self._callable(node, fake=True)
-                with self.fake_mode:
+                with mode:
                     args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
                     node.meta["val"] = target(*args, **kwargs)
                 return
@@ -443,6 +444,15 @@ def _on_meta(v: Any) -> Any:
             return torch.empty_strided(tuple(v.shape), stride, dtype=v.dtype, device="meta")
         return torch.empty(tuple(v.shape), dtype=v.dtype, device="meta")
     return v
+
+
+def _symbolic_mode(values: list) -> Any:
+    """The fake mode of FakeTensors among ``values`` with symbolic sizes (dynamo's
+    ``example_value``s of a dynamic graph, which meta tensors cannot hold), else None."""
+    fakes = [v for v in torch.utils._pytree.tree_leaves(values) if isinstance(v, FakeTensor)]
+    if not any(isinstance(d, torch.SymInt) for v in fakes for d in v.shape):
+        return None
+    return detect_fake_mode(fakes)
 
 
 def _first_vals(gm: fx.GraphModule, n: int) -> list:

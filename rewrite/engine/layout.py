@@ -44,6 +44,9 @@ FRESH_LAYOUT = frozenset({
     "adaptive_avg_pool2d", "interpolate", "scaled_dot_product_attention", "sum", "mean", "amax",
     "linalg_vector_norm", "cat", "stack", "topk", "max"})
 _KEPT_WALK = 4096  # nodes looked at, over all outputs, for kept values a rewrite may have relaid
+#: ops whose result is laid out by the op alone, whatever its inputs' layouts (a
+#: convolution or a batch norm follows its input's memory format)
+_OWN_LAYOUT = frozenset({"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "embedding", "contiguous"})
 
 
 def lays_out_afresh(node: fx.Node, gm: Any) -> bool:
@@ -65,13 +68,19 @@ def output_values(gm: fx.GraphModule) -> list:
     return found
 
 
-def _has_strided_constants(gm: fx.GraphModule) -> bool:
-    """Whether a tensor the graph reads through get_attr is not contiguous (the AMP
-    files' channels_last weights): then new values' layouts cannot be inferred."""
-    for node in gm.graph.find_nodes(op="get_attr"):
-        value = fetch_attr(gm, node.target)
-        if isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_contiguous():
-            return True
+def _has_strided_constants(gm: fx.GraphModule, created: set) -> bool:
+    """Whether a tensor the rewrite's new nodes read through get_attr is not
+    contiguous (the AMP files' channels_last weights): then new values' layouts
+    cannot be inferred."""
+    seen: set = set()
+    for node in created:
+        for constant in node.all_input_nodes:
+            if constant.op != "get_attr" or constant in seen:
+                continue
+            seen.add(constant)
+            value = fetch_attr(gm, constant.target)
+            if isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_contiguous():
+                return True
     return False
 
 
@@ -106,7 +115,7 @@ def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, 
     created_nodes = set(created)
     copies, fixed = [], {}
     strided_constants = bases = None
-    kept = _KeptValues(gm, _relaid_sources(replaced, facts))
+    kept = _KeptValues(gm, _relaid_sources(replaced, facts, gm, created_nodes))
     for old, new in zip(before, after):
         if new in fixed:
             continue
@@ -128,7 +137,7 @@ def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, 
                     continue
             else:
                 if strided_constants is None:
-                    strided_constants = _has_strided_constants(gm)
+                    strided_constants = _has_strided_constants(gm, created_nodes)
                 known = not strided_constants and not any(_from_new_module(n, created_nodes)
                                                           for n in kept.read(relaid))
                 new_meta = facts.rerun(relaid).get(new) if known else None
@@ -140,7 +149,7 @@ def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, 
             # choose layouts as CPU kernels do (a channels_last weight gives a
             # channels_last convolution on CPU, a contiguous one on meta)
             if strided_constants is None:
-                strided_constants = _has_strided_constants(gm)
+                strided_constants = _has_strided_constants(gm, created_nodes)
             inferred = layout_of(facts.meta(new, record=False))
             if not strided_constants and inferred == want and not _from_new_module(new, created_nodes):
                 continue
@@ -165,13 +174,22 @@ def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, 
     return copies
 
 
-def _relaid_sources(replaced: Any, facts: GraphFacts) -> set:
+def _relaid_sources(replaced: Any, facts: GraphFacts, gm: fx.GraphModule, created: set) -> set:
     """The values readers read instead of a replaced value laid out otherwise (or not
-    known to be laid out alike): what may change the layout of kept values."""
-    sources = set()
+    known to be laid out alike: a new value computed from a strided constant or an
+    inserted module, whose layout the CPU kernel picks): what may change the layout
+    of kept values."""
+    sources: set = set()
+    strided_constants = None
     for root, result in replaced:
         if result._erased or result in sources:
             continue
+        if result in created:
+            if strided_constants is None:
+                strided_constants = _has_strided_constants(gm, created)
+            if strided_constants or _from_new_module(result, created):
+                sources.add(result)
+                continue
         before, after = tensor_meta_of(root), facts.meta(result, record=False)
         if before.__class__ is after.__class__ and getattr(before, "stride", None) is not None:
             try:
@@ -188,8 +206,9 @@ def _relaid_sources(replaced: Any, facts: GraphFacts) -> set:
 
 class _KeptValues:
     """Which values of the original graph a rewrite's new nodes reach through ops
-    that carry their input's layout on (views, elementwise ops, clones, casts: not
-    ``FRESH_LAYOUT``), worked out once over all outputs, ``_KEPT_WALK`` nodes at most."""
+    that carry their input's layout on (views, elementwise ops, clones, casts,
+    convolutions and norms: not ``_OWN_LAYOUT``), worked out once over all outputs,
+    ``_KEPT_WALK`` nodes at most."""
 
     def __init__(self, gm: fx.GraphModule, sources: set) -> None:
         self.gm, self.sources = gm, sources
@@ -210,7 +229,7 @@ class _KeptValues:
             if inputs_done:
                 self.reached[n] = any(i in self.sources or self.reached.get(i, False) for i in n.all_input_nodes)
                 continue
-            if n.op in ("placeholder", "get_attr") or lays_out_afresh(n, self.gm):
+            if n.op in ("placeholder", "get_attr") or any(b.op in _OWN_LAYOUT for b in bind_node(n, self.gm)):
                 self.reached[n] = False
                 continue
             self.budget -= 1
