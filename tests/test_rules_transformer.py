@@ -370,3 +370,33 @@ def test_tanh_gelu_with_another_constant_is_left_alone():
     assert after["gelu"] == 0 and after["tanh"] == 1
     _, _, after = rewritten(TanhGelu(), _x(4, 8), "fx")
     assert after["gelu"] == 1 and after["tanh"] == 0
+
+
+class _PackedAttention(nn.Module):
+    """q, k, v from one packed linear, heads transposed: attention's output follows
+    q's layout, the matmul it replaces is contiguous."""
+
+    def __init__(self, view_after):
+        super().__init__()
+        self.c_attn, self.view_after = nn.Linear(16, 48), view_after
+
+    def forward(self, x, mask):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, 4, 4).transpose(1, 2) for t in (q, k, v))
+        y = torch.softmax(q @ k.transpose(-2, -1) * 0.5 + mask, dim=-1) @ v
+        return y.view(B, -1) if self.view_after else y
+
+
+@pytest.mark.parametrize("view_after", [True, False])
+@pytest.mark.parametrize("level", ["fx", "export"])
+def test_attention_keeps_the_layout_a_view_or_the_caller_sees(view_after, level):
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 16)
+    mask = torch.zeros(1, 1, 8, 8).masked_fill(torch.tril(torch.ones(8, 8)) == 0, -1e4)
+    model = _PackedAttention(view_after).eval()
+    gm = torch.fx.symbolic_trace(model) if level == "fx" else torch.export.export(model, (x, mask)).module()
+    result = rewrite.load("rules/transformer.rw")["transformer"].apply(gm, (x, mask))
+    out = result.graph_module(x, mask)
+    assert out.stride() == model(x, mask).stride()
+    torch.testing.assert_close(out, model(x, mask), atol=1e-5, rtol=1e-4)

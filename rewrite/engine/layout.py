@@ -151,7 +151,8 @@ def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, 
             if strided_constants is None:
                 strided_constants = _has_strided_constants(gm, created_nodes)
             inferred = layout_of(facts.meta(new, record=False))
-            if not strided_constants and inferred == want and not _from_new_module(new, created_nodes):
+            if not strided_constants and inferred == want and not _from_new_module(new, created_nodes) \
+                    and not _meta_layout_unreliable(new, created_nodes, facts):
                 continue
             # unknown (a quantized kernel's output, channels_last on CPU): the copy
             # costs nothing when the value is laid out so already
@@ -304,7 +305,32 @@ STRIDE_READERS = frozenset({
 })
 
 
-def layout_change_seen(root: fx.Node, result: fx.Node, facts: GraphFacts) -> str | None:
+#: ops whose CPU kernel lays its result out otherwise than the meta kernel facts are
+#: inferred with on graphs without a fake mode (attention follows q's layout on CPU)
+_CPU_PICKS_LAYOUT = frozenset({"scaled_dot_product_attention"})
+
+
+def _meta_layout_unreliable(node: fx.Node, created: set, facts: GraphFacts) -> bool:
+    """``node``'s inferred layout comes from meta kernels (no fake mode) through a new
+    op whose CPU kernel picks another (``_CPU_PICKS_LAYOUT``)."""
+    return facts.fake_mode is None and _through_layout_picker(node, created)
+
+
+def _through_layout_picker(node: fx.Node, created: set) -> bool:
+    """``node`` is computed, through new nodes, by an op of ``_CPU_PICKS_LAYOUT``."""
+    seen, frontier = set(), [node]
+    while frontier:
+        n = frontier.pop()
+        if n in seen or n not in created:
+            continue
+        seen.add(n)
+        if n.op in ("call_function", "call_method") and op_name(n.target) in _CPU_PICKS_LAYOUT:
+            return True
+        frontier.extend(n.all_input_nodes)
+    return False
+
+
+def layout_change_seen(root: fx.Node, result: fx.Node, facts: GraphFacts, created: Any = ()) -> str | None:
     """Why replacing ``root`` by ``result`` may change what a reader of ``root``
     that depends on strides sees, or None: no such reader, or both values are
     known to have the same strides (an identity rule that drops the copy in front
@@ -313,7 +339,14 @@ def layout_change_seen(root: fx.Node, result: fx.Node, facts: GraphFacts) -> str
                    and u.args[0] is root and op_name(u.target) in STRIDE_READERS), None)
     if reader is None:
         return None
+    if created:  # a new value: left to the rules (AMP lowers such a view to a reshape), but
+        # for an op laying its result out as its input (attention as q, often transposed)
+        created = set(created)
+        if not _through_layout_picker(result, created):
+            return None
     before, after = facts.meta(root), facts.meta(result)
+    if created and _meta_layout_unreliable(result, created, facts):
+        after = None
     if isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor):
         try:
             if before.shape == after.shape and before.stride() == after.stride():

@@ -160,6 +160,8 @@ class Replacer:
             problem = new_aliasing(root, result, self._created, self.gm, self._graph_writes(), self._classes)
             if problem is None and result not in self._created:  # a value forwarded as it is
                 problem = layout_change_seen(root, result, self.facts) or self._regions.spanned((), root, result)
+            elif problem is None:  # a new value: laid out as its root, if a reader depends on strides
+                problem = layout_change_seen(root, result, self.facts, self._created)
             if problem is not None:
                 self._undo()
                 raise ReplacementError(f"rule {match.rule.name!r} at {root.name}: {problem}")
