@@ -236,3 +236,12 @@ def test_torchs_weight_reparametrizations_share_the_callers_parameters(kind, mod
     assert all(mine[name] is p for name, p in gm.named_parameters())
     result.graph_module(x).sum().backward()
     assert all(p.grad is not None for p in gm.parameters())
+
+
+@pytest.mark.parametrize("inner", ["aten.dropout(x, 0.0, False)", "aten.lift(x)", "aten._unsafe_view(x, [-1])",
+                                   "aten.atleast_1d(x)", "aten.type_as(x, x)", "aten.dequantize(x)",
+                                   "aten.conj_physical(x)", "aten.sum_to_size(x, [4])"])
+def test_a_write_into_what_an_op_may_return_of_its_input_fails_to_load(inner):
+    # these ops may return their argument itself: writing their result writes x (E105)
+    with pytest.raises(rewrite.RuleError, match="E105"):
+        rewrite.parse(f"rule r: sin(x) => aten.sin_({inner})")

@@ -655,7 +655,7 @@ def opdef_may_alias(opdef: Any) -> bool:
     for form in opdef.forms:
         target = _form_target(form)
         if isinstance(target, torch._ops.OpOverload):
-            if any(r.alias_info is not None for r in target._schema.returns):
+            if _overload_may_alias(target):  # what the engine asks of a graph's node, too
                 return True
         elif target is None or op_name(target) in ALIASING_NAMES or target is operator.getitem:
             return True
