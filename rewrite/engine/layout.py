@@ -88,13 +88,19 @@ def _from_new_module(node: fx.Node, created: set) -> bool:
     """``node`` is computed, through nodes the rewrite created, from a module call it
     inserted (a quantized conv): such a value's recorded facts are the value it
     replaced (shape and dtype), its layout is whatever the module's kernel picks."""
+    return _made_through(node, created, lambda n: n.op == "call_module")
+
+
+def _made_through(node: fx.Node, created: set, made_by: Any) -> bool:
+    """Whether a node of the rewrite's ``created`` ones that ``node`` is computed from
+    (``node`` included, through created nodes only) satisfies ``made_by``."""
     seen, frontier = set(), [node]
     while frontier:
         n = frontier.pop()
         if n in seen or n not in created:
             continue
         seen.add(n)
-        if n.op == "call_module":
+        if made_by(n):
             return True
         frontier.extend(n.all_input_nodes)
     return False
@@ -318,16 +324,8 @@ def _meta_layout_unreliable(node: fx.Node, created: set, facts: GraphFacts) -> b
 
 def _through_layout_picker(node: fx.Node, created: set) -> bool:
     """``node`` is computed, through new nodes, by an op of ``_CPU_PICKS_LAYOUT``."""
-    seen, frontier = set(), [node]
-    while frontier:
-        n = frontier.pop()
-        if n in seen or n not in created:
-            continue
-        seen.add(n)
-        if n.op in ("call_function", "call_method") and op_name(n.target) in _CPU_PICKS_LAYOUT:
-            return True
-        frontier.extend(n.all_input_nodes)
-    return False
+    return _made_through(node, created, lambda n: n.op in ("call_function", "call_method")
+                         and op_name(n.target) in _CPU_PICKS_LAYOUT)
 
 
 def layout_change_seen(root: fx.Node, result: fx.Node, facts: GraphFacts, created: Any = ()) -> str | None:
