@@ -84,11 +84,17 @@ def _has_strided_constants(gm: fx.GraphModule, created: set) -> bool:
     return False
 
 
-def _from_new_module(node: fx.Node, created: set) -> bool:
+def _from_new_module(node: fx.Node, created: set, gm: fx.GraphModule) -> bool:
     """``node`` is computed, through nodes the rewrite created, from a module call it
     inserted (a quantized conv): such a value's recorded facts are the value it
-    replaced (shape and dtype), its layout is whatever the module's kernel picks."""
-    return _made_through(node, created, lambda n: n.op == "call_module")
+    replaced (shape and dtype), its layout is whatever the module's kernel picks.
+    Observers and fake quantizers return their input as it is: they pick nothing."""
+    from torch.ao.quantization import FakeQuantizeBase, ObserverBase
+
+    def picks_layout(n: fx.Node) -> bool:
+        return n.op == "call_module" and not isinstance(fetch_attr(gm, n.target), (ObserverBase, FakeQuantizeBase))
+
+    return _made_through(node, created, picks_layout)
 
 
 def _made_through(node: fx.Node, created: set, made_by: Any) -> bool:
@@ -144,7 +150,7 @@ def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, 
             else:
                 if strided_constants is None:
                     strided_constants = _has_strided_constants(gm, created_nodes)
-                known = not strided_constants and not any(_from_new_module(n, created_nodes)
+                known = not strided_constants and not any(_from_new_module(n, created_nodes, gm)
                                                           for n in kept.read(relaid))
                 new_meta = facts.rerun(relaid).get(new) if known else None
                 if layout_of(new_meta) == want and (order is None or addressing(new_meta) == addressing(old_meta)):
@@ -157,7 +163,7 @@ def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, 
             if strided_constants is None:
                 strided_constants = _has_strided_constants(gm, created_nodes)
             inferred = layout_of(facts.meta(new, record=False))
-            if not strided_constants and inferred == want and not _from_new_module(new, created_nodes) \
+            if not strided_constants and inferred == want and not _from_new_module(new, created_nodes, gm) \
                     and not _meta_layout_unreliable(new, created_nodes, facts):
                 continue
             # unknown (a quantized kernel's output, channels_last on CPU): the copy
@@ -194,7 +200,7 @@ def _relaid_sources(replaced: Any, facts: GraphFacts, gm: fx.GraphModule, create
         if result in created:
             if strided_constants is None:
                 strided_constants = _has_strided_constants(gm, created)
-            if strided_constants or _from_new_module(result, created):
+            if strided_constants or _from_new_module(result, created, gm):
                 sources.add(result)
                 continue
         before, after = tensor_meta_of(root), facts.meta(result, record=False)
