@@ -8,6 +8,7 @@ plus the ``GraphFacts`` of the graph being rewritten.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 from typing import Any
@@ -237,15 +238,12 @@ class GraphFacts:
                 values.append(v if v is not None else _plain_value(n))
             if any(v is None for v in values) or node.op not in ("call_function", "call_method", "call_module"):
                 return fresh
+            mode = self.fake_mode
+            convert = self._fake_of if mode is not None else (lambda _, t: _on_meta(t))
             try:
-                target = self._callable(node, fake=self.fake_mode is not None)
-                if self.fake_mode is not None:
-                    env = {n: _each(self._fake_of, self.fake_mode, v) for n, v in zip(inputs, values)}
-                    with self.fake_mode:
-                        args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
-                        fresh[node] = _call(node, target, args, kwargs)
-                else:
-                    env = {n: _each(lambda _, t: _on_meta(t), None, v) for n, v in zip(inputs, values)}
+                target = self._callable(node, fake=mode is not None)
+                env = {n: _each(convert, mode, v) for n, v in zip(inputs, values)}
+                with mode if mode is not None else contextlib.nullcontext():
                     args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
                     fresh[node] = _call(node, target, args, kwargs)
             except Exception:  # noqa: BLE001 - facts are best-effort

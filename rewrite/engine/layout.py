@@ -33,25 +33,13 @@ from rewrite.engine.shapes import addressing, layout_of
 from rewrite.ops.effects import op_name
 from rewrite.ops.vocabulary import bind_node
 
-__all__ = ["FRESH_LAYOUT", "lays_out_afresh", "layout_change_seen", "output_values", "restore_output_layouts"]
+__all__ = ["layout_change_seen", "output_values", "restore_output_layouts"]
 
-#: ops that lay their result out afresh, not in their input's strides: contiguous, or
-#: (convolutions, pooling, batch norm) in the input's memory format, which for a 4-d
-#: input is taken from the example (a channels_last input makes channels_last results)
-FRESH_LAYOUT = frozenset({
-    "linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "embedding", "contiguous", "conv",
-    "conv_transpose", "batch_norm", "group_norm", "layer_norm", "rms_norm", "max_pool2d", "avg_pool2d",
-    "adaptive_avg_pool2d", "interpolate", "scaled_dot_product_attention", "sum", "mean", "amax",
-    "linalg_vector_norm", "cat", "stack", "topk", "max"})
 _KEPT_WALK = 4096  # nodes looked at, over all outputs, for kept values a rewrite may have relaid
 #: ops whose result is laid out by the op alone, whatever its inputs' layouts (a
 #: convolution or a batch norm follows its input's memory format)
 _OWN_LAYOUT = frozenset({"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "embedding", "contiguous"})
 
-
-def lays_out_afresh(node: fx.Node, gm: Any) -> bool:
-    """Whether ``node``'s op lays its result out afresh (``FRESH_LAYOUT``)."""
-    return any(b.op in FRESH_LAYOUT for b in bind_node(node, gm))
 
 _FORMATS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last,
             "channels_last_3d": torch.channels_last_3d}
@@ -126,8 +114,9 @@ def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, 
     out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     created_nodes = set(created)
     copies, fixed = [], {}
-    strided_constants = bases = None
-    kept = _KeptValues(gm, _relaid_sources(replaced, facts, gm, created_nodes))
+    bases = None
+    strided_constants = _has_strided_constants(gm, created_nodes)
+    kept = _KeptValues(gm, _relaid_sources(replaced, facts, gm, created_nodes, strided_constants))
     for old, new in zip(before, after):
         if new in fixed:
             continue
@@ -144,24 +133,19 @@ def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, 
             relaid = kept.relaid(new)
             if not relaid:  # kept (or too far to tell: the check compares strides)
                 new_meta = tensor_meta_of(new)
-                if old is new or layout_of(new_meta) is None or (layout_of(new_meta) == want and (
-                        order is None or addressing(new_meta) == addressing(old_meta))):
+                if old is new or layout_of(new_meta) is None or _laid_out_as(new_meta, old_meta, want, order):
                     continue
             else:
-                if strided_constants is None:
-                    strided_constants = _has_strided_constants(gm, created_nodes)
                 known = not strided_constants and not any(_from_new_module(n, created_nodes, gm)
                                                           for n in kept.read(relaid))
                 new_meta = facts.rerun(relaid).get(new) if known else None
-                if layout_of(new_meta) == want and (order is None or addressing(new_meta) == addressing(old_meta)):
+                if _laid_out_as(new_meta, old_meta, want, order):
                     continue
                 # unknown: copied (at no cost if laid out so already)
         else:
             # a new value: its layout is inferred on meta tensors, whose kernels do not
             # choose layouts as CPU kernels do (a channels_last weight gives a
             # channels_last convolution on CPU, a contiguous one on meta)
-            if strided_constants is None:
-                strided_constants = _has_strided_constants(gm, created_nodes)
             inferred = layout_of(facts.meta(new, record=False))
             if not strided_constants and inferred == want and not _from_new_module(new, created_nodes, gm) \
                     and not _meta_layout_unreliable(new, created_nodes, facts):
@@ -187,19 +171,23 @@ def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, 
     return copies
 
 
-def _relaid_sources(replaced: Any, facts: GraphFacts, gm: fx.GraphModule, created: set) -> set:
+def _laid_out_as(meta: Any, old_meta: Any, want: str, order: tuple | None) -> bool:
+    """``meta`` is laid out as ``want`` (``old_meta``'s layout), in ``old_meta``'s
+    strides for a permuted dense layout (``order``)."""
+    return layout_of(meta) == want and (order is None or addressing(meta) == addressing(old_meta))
+
+
+def _relaid_sources(replaced: Any, facts: GraphFacts, gm: fx.GraphModule, created: set,
+                    strided_constants: bool) -> set:
     """The values readers read instead of a replaced value laid out otherwise (or not
     known to be laid out alike: a new value computed from a strided constant or an
     inserted module, whose layout the CPU kernel picks): what may change the layout
     of kept values."""
     sources: set = set()
-    strided_constants = None
     for root, result in replaced:
         if result._erased or result in sources:
             continue
         if result in created:
-            if strided_constants is None:
-                strided_constants = _has_strided_constants(gm, created)
             if strided_constants or _from_new_module(result, created, gm):
                 sources.add(result)
                 continue

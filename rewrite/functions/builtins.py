@@ -23,7 +23,7 @@ import torch
 from torch.nn.utils import fusion as _fusion
 
 from rewrite.engine.facts import Value
-from rewrite.engine.layout import lays_out_afresh
+from rewrite.ops.vocabulary import bind_node
 from rewrite.functions.registry import (
     register_constant,
     register_module,
@@ -116,6 +116,14 @@ def is_contiguous(x: Value) -> bool:
         return None
 
 
+#: ops that lay their result out afresh, not in their input's strides: contiguous, or
+#: (convolutions, pooling, batch norm) in the input's memory format, which for a 4-d
+#: input is taken from the example (a channels_last input makes channels_last results)
+_FRESH_LAYOUT = frozenset({
+    "linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "embedding", "contiguous", "conv",
+    "conv_transpose", "batch_norm", "group_norm", "layer_norm", "rms_norm", "max_pool2d", "avg_pool2d",
+    "adaptive_avg_pool2d", "interpolate", "scaled_dot_product_attention", "sum", "mean", "amax",
+    "linalg_vector_norm", "cat", "stack", "topk", "max"})
 _LAYOUT_WALK = 256  # nodes looked at before the answer is "may follow": unknown
 
 
@@ -123,14 +131,14 @@ def _layout_from_inputs(node: Any, gm: Any) -> bool:
     """Whether ``node``'s strides may follow those of a graph input: a metadata
     graph (export) records the example's strides, and the program accepts others
     (``x.t()`` for ``x``), which elementwise ops, views, clones and casts carry on.
-    Walks back until an op that lays its result out afresh (``lays_out_afresh``), a
+    Walks back until an op that lays its result out afresh (``_FRESH_LAYOUT``), a
     constant, or too far (then it may)."""
     seen, todo = {node}, [node]
     while todo:
         n = todo.pop()
         if n.op == "placeholder" or len(seen) > _LAYOUT_WALK:
             return True
-        if n.op == "get_attr" or lays_out_afresh(n, gm):
+        if n.op == "get_attr" or any(b.op in _FRESH_LAYOUT for b in bind_node(n, gm)):
             continue
         for i in n.all_input_nodes:
             if i not in seen:
