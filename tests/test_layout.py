@@ -104,3 +104,36 @@ def test_amp_under_torch_compile_with_dynamic_shapes_keeps_the_output_layout(low
     finally:
         torch._dynamo.reset()
     assert results and all(sum(r.counts.values()) > 0 for r in results)
+
+
+class _SwappedResidual(nn.Module):
+    """``a + b`` of a contiguous ``a`` and a channels_last ``b``: eager lays the sum out
+    as ``a``, its first operand; ``b + a`` would be channels_last."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2, self.c3 = nn.Conv2d(4, 4, 1), nn.Conv2d(4, 4, 1), nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        a = self.c1(x)
+        b = self.c2(x).permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2) * 2.0
+        return self.c3(a + b) + 1.0
+
+
+@pytest.mark.parametrize("level", ["fx", "export"])
+def test_an_output_read_through_an_earlier_insertion_keeps_its_layout(level):
+    # observe.rw observes the add's output first, then its second operand, rebuilding the
+    # add with its operands swapped: channels_last from there on, through the earlier
+    # observer and a conv (whose CPU kernel follows its input's layout, as meta's does not)
+    import rewrite.quant as rq
+
+    torch.manual_seed(0)
+    model, x = _SwappedResidual().eval(), torch.randn(1, 4, 3, 3)
+    observed = rq.prepare(model, (x,), capture=level)  # its default check compares strides
+    assert observed.meta["rewrite.quant"]["observe_counts"].get("observe_add_input") == 1
+    assert observed(x).stride() == model(x).stride()
+    gm = _capture(model, x, level)
+    rules = rewrite.load("rules/quant/observe.rw")["main"]
+    unchecked = rules.apply(gm, (x,), check=False).graph_module
+    assert unchecked(x).is_contiguous()
+    torch.testing.assert_close(unchecked(x), model(x))

@@ -8,7 +8,6 @@ plus the ``GraphFacts`` of the graph being rewritten.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 from typing import Any
@@ -238,17 +237,41 @@ class GraphFacts:
                 values.append(v if v is not None else _plain_value(n))
             if any(v is None for v in values) or node.op not in ("call_function", "call_method", "call_module"):
                 return fresh
-            mode = self.fake_mode
-            convert = self._fake_of if mode is not None else (lambda _, t: _on_meta(t))
             try:
-                target = self._callable(node, fake=mode is not None)
-                env = {n: _each(convert, mode, v) for n, v in zip(inputs, values)}
-                with mode if mode is not None else contextlib.nullcontext():
-                    args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
-                    fresh[node] = _call(node, target, args, kwargs)
+                if self.fake_mode is not None:
+                    target = self._callable(node, fake=True)
+                    env = {n: _each(self._fake_of, self.fake_mode, v) for n, v in zip(inputs, values)}
+                    with self.fake_mode:
+                        args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+                        fresh[node] = _call(node, target, args, kwargs)
+                else:
+                    fresh[node] = self._run_off_device(node, inputs, values)
             except Exception:  # noqa: BLE001 - facts are best-effort
                 return fresh
         return fresh
+
+    def _run_off_device(self, node: fx.Node, inputs: list, values: list) -> Any:
+        """``node`` run on tensors without data, in a graph without a fake mode: on
+        meta tensors, or on CPU fake tensors when an input is not laid out row-major.
+        Meta kernels lay out a convolution's result by rules of their own; CPU's
+        (which fake tensors follow) make it channels_last from a channels_last input
+        or weight, and an elementwise op's follows its inputs either way."""
+        if all(_row_major(v) for v in values):
+            env = {n: _each(lambda _, t: _on_meta(t), None, v) for n, v in zip(inputs, values)}
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+            return _call(node, self._callable(node, fake=False), args, kwargs)
+        mode = self._cpu_fake_mode
+        target = self._callable(node, fake=True, mode=mode)
+        env = {n: _each(_on_fake, mode, v) for n, v in zip(inputs, values)}
+        with mode:
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+            return _call(node, target, args, kwargs)
+
+    @functools.cached_property
+    def _cpu_fake_mode(self) -> Any:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        return FakeTensorMode(allow_non_fake_inputs=True)
 
     def _tensors_of(self, node: fx.Node, record: bool) -> Any:
         """``meta`` of a node, or the list of its results' facts for a multi-output
@@ -260,7 +283,7 @@ class GraphFacts:
                 return val
         return m
 
-    def _callable(self, node: fx.Node, fake: bool) -> Any:
+    def _callable(self, node: fx.Node, fake: bool, mode: Any = None) -> Any:
         """What the node calls, runnable on fake or meta tensors: an inserted module
         (an observer, a fake quantizer) is run as a copy whose tensors are fake (or on
         the meta device), so inferring its output never touches its real state."""
@@ -275,7 +298,7 @@ class GraphFacts:
         if fake:
             from torch._subclasses.fake_tensor import FakeCopyMode
 
-            with FakeCopyMode(self.fake_mode):
+            with FakeCopyMode(mode if mode is not None else self.fake_mode):
                 return copy.deepcopy(module)
         return copy.deepcopy(module).to("meta")
 
@@ -316,9 +339,7 @@ class GraphFacts:
             except Exception:  # noqa: BLE001 - e.g. inputs from another fake mode: use meta tensors
                 pass
         try:
-            env = {n: _each(lambda _, t: _on_meta(t), None, v) for n, v in zip(inputs, values)}
-            args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
-            out = _call(node, self._callable(node, fake=False), args, kwargs)
+            out = self._run_off_device(node, inputs, values)
         except Exception:  # noqa: BLE001 - facts are best-effort
             out = _run_on_zeros(node, inputs, values, self.gm)
             if out is None:
@@ -441,6 +462,30 @@ def _on_meta(v: Any) -> Any:
         if isinstance(stride, tuple) and len(stride) == len(v.shape):
             return torch.empty_strided(tuple(v.shape), stride, dtype=v.dtype, device="meta")
         return torch.empty(tuple(v.shape), dtype=v.dtype, device="meta")
+    return v
+
+
+def _row_major(v: Any) -> bool:
+    """``v`` (a tensor's facts, a tensor or a list of them) is laid out row-major, or
+    its layout is not known (no strides recorded)."""
+    if isinstance(v, (list, tuple)):
+        return all(_row_major(t) for t in v)
+    if isinstance(v, TensorFacts):
+        return v.contiguous is not False
+    if isinstance(v, torch.Tensor) and v.layout == torch.strided:
+        try:
+            return v.is_contiguous()
+        except (RuntimeError, NotImplementedError):  # symbolic strides
+            return True
+    return True
+
+
+def _on_fake(mode: Any, v: Any) -> Any:
+    """A CPU FakeTensor of ``mode`` with ``v``'s shape, dtype and strides."""
+    if hasattr(v, "shape") and hasattr(v, "dtype"):
+        meta = _on_meta(v)
+        with mode:
+            return torch.empty_strided(tuple(meta.shape), tuple(meta.stride()), dtype=meta.dtype, device="cpu")
     return v
 
 

@@ -125,23 +125,29 @@ def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, 
         order = _dense_order(old_meta) if want == "strided" else None
         if want not in _FORMATS and order is None:
             continue
-        if new not in created_nodes:
-            # a value of the original graph: its recorded layout is what it computed,
-            # unless it is computed from new values through ops that carry their
-            # input's layout on (``y.unsqueeze(0)`` once a rule dropped the
-            # ``contiguous()`` that made ``y``): then inferred again
-            relaid = kept.relaid(new)
-            if not relaid:  # kept (or too far to tell: the check compares strides)
-                new_meta = tensor_meta_of(new)
-                if old is new or layout_of(new_meta) is None or _laid_out_as(new_meta, old_meta, want, order):
-                    continue
-            else:
-                known = not strided_constants and not any(_from_new_module(n, created_nodes, gm)
-                                                          for n in kept.read(relaid))
-                new_meta = facts.rerun(relaid).get(new) if known else None
-                if _laid_out_as(new_meta, old_meta, want, order):
-                    continue
-                # unknown: copied (at no cost if laid out so already)
+        # a value computed from a replacement's result laid out otherwise, through ops
+        # that carry their input's layout on, has its layout inferred again: a value
+        # of the original graph (``y.unsqueeze(0)`` once a rule dropped the
+        # ``contiguous()`` that made ``y``) or one an earlier rewrite created (an
+        # observer inserted on an add that a later rule rebuilt with its operands
+        # swapped): what either recorded was true before that replacement
+        relaid = kept.relaid(new)
+        if relaid:
+            known = not strided_constants and not any(_from_new_module(n, created_nodes, gm)
+                                                      for n in kept.read(relaid))
+            if new in created_nodes:
+                known = known and not _from_new_module(new, created_nodes, gm) \
+                    and not _meta_layout_unreliable(new, created_nodes, facts)
+            new_meta = facts.rerun(relaid).get(new) if known else None
+            if _laid_out_as(new_meta, old_meta, want, order):
+                continue
+            # unknown: copied (at no cost if laid out so already)
+        elif new not in created_nodes:
+            # a value of the original graph no new value reaches so: its recorded
+            # layout is what it computes (or too far to tell: the check compares strides)
+            new_meta = tensor_meta_of(new)
+            if old is new or layout_of(new_meta) is None or _laid_out_as(new_meta, old_meta, want, order):
+                continue
         else:
             # a new value: its layout is inferred on meta tensors, whose kernels do not
             # choose layouts as CPU kernels do (a channels_last weight gives a
