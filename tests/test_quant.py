@@ -580,3 +580,27 @@ def test_observers_record_half_precision_extremes_in_float32():
         x = torch.tensor([[-65504.0, 3.0, 65504.0]], dtype=torch.float16)
         assert obs(x) is x
         assert float(obs.min_val) == -65504.0 and float(obs.max_val) == 65504.0
+
+
+class _MaskedByNoise(nn.Module):
+    """ViTMAE's masking: token order drawn from ``torch.rand`` in the forward, returned
+    as an integer output next to the float one."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        ids = torch.argsort(torch.rand_like(x[..., 0]), dim=1)
+        return torch.relu(self.fc(x)), ids
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_a_model_drawing_random_numbers_quantizes_and_its_runs_are_compared_alike(capture):
+    # convert's check runs the QDQ reference and the int8 model from one generator
+    # state: their random draws agree
+    torch.manual_seed(0)
+    model, x = _MaskedByNoise().eval(), torch.randn(2, 6, 8)
+    int8 = rq.quantize(model, [(x,), (torch.randn(2, 6, 8),)], capture=capture)
+    assert rq.coverage(int8).count("linear") == (1, 1)
+    assert int8.meta["rewrite.quant"]["qdq_agreement"] == 1.0
