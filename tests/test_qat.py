@@ -518,3 +518,45 @@ def test_clear_errors():
         weight_fake_quant(9)
     with pytest.raises(rqat.QATError, match="no fake quantizer"):
         rqat.prepare_qat(nn.Sequential(nn.Tanh()), (torch.randn(2, 3),))
+
+
+class _TiedLM(nn.Module):
+    """GPT-2's tie (the head's weight is the embedding's) and a linear called twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.ln = nn.Embedding(12, 8), nn.LayerNorm(8)
+        self.mix = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 12, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.ln(self.emb(ids))
+        return self.head(self.mix(torch.relu(self.mix(h))))
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_tied_weights_train_as_one_parameter(capture):
+    torch.manual_seed(0)
+    model, ids = _TiedLM(), torch.randint(0, 12, (2, 5))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    qat = rqat.prepare_qat(model, (ids,), capture=capture)
+    layers = [qat.get_submodule(n.target) for n in rqat.qat_layers(qat)]
+    assert len(layers) == 3 and all(isinstance(m, QATLinear) for m in layers)
+    # as many trainable numbers as the model has: nothing untied
+    assert sum(p.numel() for p in qat.parameters()) == sum(p.numel() for p in model.parameters())
+    heads = [m for m in layers if m.weight.shape == (12, 8)]
+    embedding = next(m for m in qat.modules() if isinstance(m, nn.Embedding)) if capture == "fx" else None
+    opt = torch.optim.SGD(qat.parameters(), lr=0.5)
+    for _ in range(2):
+        opt.zero_grad()
+        qat(ids).square().mean().backward()
+        opt.step()
+    mixes = [m for m in layers if m.weight.shape == (8, 8)]
+    assert mixes[0].weight is mixes[1].weight and mixes[0].bias is mixes[1].bias
+    if embedding is not None:
+        assert heads[0].weight is embedding.weight
+    # the caller's model is untouched, and the trained model still converts
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    int8 = rqat.convert(qat)
+    assert int8(ids).shape == (2, 5, 12)

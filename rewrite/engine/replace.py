@@ -34,12 +34,16 @@ from rewrite.engine.layout import layout_change_seen
 from rewrite.engine.rewire import Rewirer
 from rewrite.ops.effects import note_built_module, written_args
 
-__all__ = ["Replacer", "ReplacementError", "RULE_KEY", "uses_root"]
+__all__ = ["Replacer", "ReplacementError", "RULE_KEY", "SOURCES_KEY", "uses_root"]
 
 _CARRIED_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "from_node")
 
 #: node meta key: ``(rule name, rule file position)`` of the rule that created the node.
 RULE_KEY = "rewrite_rule"
+#: node meta key of an inserted module's call: ``{argument: attribute path}`` for each
+#: argument the module was built from a constant of the model (its own copy of that
+#: tensor): a flow can tie copies of one parameter back together (``prepare_qat``).
+SOURCES_KEY = "rewrite_module_sources"
 
 
 def uses_root(match: Match) -> bool:
@@ -243,6 +247,8 @@ class Replacer:
             self.gm.add_submodule(name, module)
             self._new_attrs.append(name)
             node = self._node("call_module", name, inputs, {}, root)
+            sources = {k: self._qualname(env, v) for k, v in r.config.items()}
+            node.meta[SOURCES_KEY] = {k: q for k, q in sources.items() if q is not None}
             if inputs and isinstance(inputs[0], fx.Node):  # inserted modules keep shapes
                 for key in ("val", FACTS_KEY):
                     if key in inputs[0].meta:

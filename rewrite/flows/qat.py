@@ -47,6 +47,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 from torch.ao.quantization.observer import ObserverBase
 
+from rewrite.engine.replace import SOURCES_KEY
 from rewrite.flows import quant as ptq
 from rewrite.functions.qat import QATLayer, is_fake_quant_node, is_qat_layer_node
 
@@ -132,6 +133,30 @@ def _drop_unused_attributes(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
+def _tie_to_sources(captured: fx.GraphModule, qat: fx.GraphModule) -> int:
+    """Each QAT layer trains the model's own parameter (of ``captured``, the flow's
+    private copy of the model) instead of the copy the rule built it with, where that
+    parameter is float32 and the copy still equals it: a weight tied between two
+    layers (GPT-2's head and embeddings), or a layer called twice, stays one
+    parameter. Returns how many parameters were tied back."""
+    tied = 0
+    for node in qat_layers(qat):
+        mod = qat.get_submodule(node.target)
+        for attr, path in node.meta.get(SOURCES_KEY, {}).items():
+            mine = getattr(mod, attr, None)
+            if not isinstance(mine, torch.nn.Parameter):
+                continue
+            try:
+                source = captured.get_parameter(path)
+            except AttributeError:  # a buffer or a constant: the copy is the layer's own
+                continue
+            if source.dtype == torch.float32 and source.shape == mine.shape and torch.equal(source, mine) \
+                    and source.requires_grad == mine.requires_grad:
+                setattr(mod, attr, source)
+                tied += 1
+    return tied
+
+
 def _name_layers(captured: fx.GraphModule, qat: fx.GraphModule) -> None:
     """Give each QAT layer the dotted path of the conv / linear it replaced
     (``module.layer = "conv1"``), found by its weight among the captured model's
@@ -200,6 +225,7 @@ def prepare_qat(
     result = loaded[ruleset].apply(gm, args, check=check, trials=1)
     qat = result.graph_module
     _name_layers(gm, qat)
+    _tie_to_sources(gm, qat)
     _allow_train_eval(qat)
     _drop_unused_attributes(qat)
     merged = _merge_fake_quants(qat)
