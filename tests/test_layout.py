@@ -121,19 +121,45 @@ class _SwappedResidual(nn.Module):
 
 
 @pytest.mark.parametrize("level", ["fx", "export"])
-def test_an_output_read_through_an_earlier_insertion_keeps_its_layout(level):
-    # observe.rw observes the add's output first, then its second operand, rebuilding the
-    # add with its operands swapped: channels_last from there on, through the earlier
-    # observer and a conv (whose CPU kernel follows its input's layout, as meta's does not)
+def test_a_commutative_match_keeps_the_operand_order_that_lays_the_result_out(level):
+    # observe.rw's observe_add_input matches add(x, y) with x bound to b (a is observed
+    # already): the new add keeps a first, so the sum stays contiguous and the view
+    # downstream still works
     import rewrite.quant as rq
 
+    class ViewAfterSum(_SwappedResidual):
+        def forward(self, x):
+            a = self.c1(x)
+            b = self.c2(x).permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2) * 2.0
+            t = torch.relu(a + b)
+            return t.view(t.shape[0], -1)
+
+    torch.manual_seed(0)
+    for model in (_SwappedResidual().eval(), ViewAfterSum().eval()):
+        x = torch.randn(1, 4, 3, 3)
+        observed = rq.prepare(model, (x,), capture=level)  # its default check compares strides
+        assert observed.meta["rewrite.quant"]["observe_counts"].get("observe_add_input") == 1
+        assert observed(x).stride() == model(x).stride()
+        unchecked = rewrite.load("rules/quant/observe.rw")["main"].apply(_capture(model, x, level), (x,), check=False)
+        torch.testing.assert_close(unchecked.graph_module(x), model(x))
+        assert unchecked.graph_module(x).stride() == model(x).stride()
+
+
+@pytest.mark.parametrize("level", ["fx", "export"])
+def test_an_output_read_through_an_earlier_insertion_keeps_its_layout(level):
+    # the observer goes on the sum first; then the sum is respelled as a subtraction
+    # laid out as its channels_last first operand: channels_last from there on, through
+    # the earlier observer and a conv (whose CPU kernel follows its input's layout, as
+    # the meta kernel does not), so the output is copied back to contiguous
+    rules = rewrite.parse("""
+rule watch_sum(priority=2): add(_, _) as s where not observed(s) => activation_observer(s)
+rule respell(priority=1): add(x, y) where same_shape(x, y) and not is_contiguous(x) => sub(x, neg(y))
+""")
     torch.manual_seed(0)
     model, x = _SwappedResidual().eval(), torch.randn(1, 4, 3, 3)
-    observed = rq.prepare(model, (x,), capture=level)  # its default check compares strides
-    assert observed.meta["rewrite.quant"]["observe_counts"].get("observe_add_input") == 1
-    assert observed(x).stride() == model(x).stride()
     gm = _capture(model, x, level)
-    rules = rewrite.load("rules/quant/observe.rw")["main"]
-    unchecked = rules.apply(gm, (x,), check=False).graph_module
-    assert unchecked(x).is_contiguous()
-    torch.testing.assert_close(unchecked(x), model(x))
+    for check in (True, False):
+        result = rules.apply(gm, (x,), check=check)
+        assert result.counts == {"watch_sum": 2, "respell": 1}
+        assert result.graph_module(x).is_contiguous()
+        torch.testing.assert_close(result.graph_module(x), model(x))

@@ -359,7 +359,9 @@ class Driver:
             # stay blocked).
             unblocked = _users_within(producers if index.cover is None else tuple(
                 p for p in producers if _may_be_interior(p, index.cover)), index.depth)
-            return tuple(created) + tuple(users_before) + tuple(producers) + unblocked
+            # an insertion keeps its root: the other rules get their turn at it
+            again = (node,) if insertion else ()
+            return tuple(created) + tuple(users_before) + tuple(producers) + unblocked + again
         return None
 
     def _check_cycle(self, removed: tuple, created: tuple, where: str) -> None:

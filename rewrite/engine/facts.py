@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from rewrite.engine.symbolic import symbolic_env
 from rewrite.engine.shapes import cast_of, fresh_cast, fresh_constant, fresh_like, fresh_view, like_input, view_of
 from rewrite.ops.base import ConstRef, attribute, by_identity
-from rewrite.ops.effects import graph_trains, state_writes, written_args
+from rewrite.ops.effects import graph_trains, op_name, state_writes, written_args
 
 __all__ = ["GraphFacts", "Value", "TensorFacts", "FACTS_KEY", "NEW_NODE_KEY", "fetch_attr", "tensor_meta_of"]
 
@@ -251,27 +251,19 @@ class GraphFacts:
         return fresh
 
     def _run_off_device(self, node: fx.Node, inputs: list, values: list) -> Any:
-        """``node`` run on tensors without data, in a graph without a fake mode: on
-        meta tensors, or on CPU fake tensors when an input is not laid out row-major.
-        Meta kernels lay out a convolution's result by rules of their own; CPU's
-        (which fake tensors follow) make it channels_last from a channels_last input
-        or weight, and an elementwise op's follows its inputs either way."""
-        if all(_row_major(v) for v in values):
-            env = {n: _each(lambda _, t: _on_meta(t), None, v) for n, v in zip(inputs, values)}
-            args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
-            return _call(node, self._callable(node, fake=False), args, kwargs)
-        mode = self._cpu_fake_mode
-        target = self._callable(node, fake=True, mode=mode)
-        env = {n: _each(_on_fake, mode, v) for n, v in zip(inputs, values)}
-        with mode:
-            args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
-            return _call(node, target, args, kwargs)
-
-    @functools.cached_property
-    def _cpu_fake_mode(self) -> Any:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        return FakeTensorMode(allow_non_fake_inputs=True)
+        """``node`` run on meta tensors (a graph without a fake mode). A 2-d
+        convolution's result is laid out as CPU's kernel lays it out: channels_last
+        when its input or weight is (the meta kernel keeps it contiguous)."""
+        env = {n: _each(lambda _, t: _on_meta(t), None, v) for n, v in zip(inputs, values)}
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+        target = self._callable(node, fake=False)
+        out = _call(node, target, args, kwargs)
+        operands = _conv_operands(node, target, args, kwargs)
+        if operands and isinstance(out, torch.Tensor) and out.dim() == 4 and any(
+                isinstance(t, torch.Tensor) and t.dim() == 4 and not t.is_contiguous()
+                and t.is_contiguous(memory_format=torch.channels_last) for t in operands):
+            out = out.contiguous(memory_format=torch.channels_last)
+        return out
 
     def _tensors_of(self, node: fx.Node, record: bool) -> Any:
         """``meta`` of a node, or the list of its results' facts for a multi-output
@@ -283,7 +275,7 @@ class GraphFacts:
                 return val
         return m
 
-    def _callable(self, node: fx.Node, fake: bool, mode: Any = None) -> Any:
+    def _callable(self, node: fx.Node, fake: bool) -> Any:
         """What the node calls, runnable on fake or meta tensors: an inserted module
         (an observer, a fake quantizer) is run as a copy whose tensors are fake (or on
         the meta device), so inferring its output never touches its real state."""
@@ -298,7 +290,7 @@ class GraphFacts:
         if fake:
             from torch._subclasses.fake_tensor import FakeCopyMode
 
-            with FakeCopyMode(mode if mode is not None else self.fake_mode):
+            with FakeCopyMode(self.fake_mode):
                 return copy.deepcopy(module)
         return copy.deepcopy(module).to("meta")
 
@@ -465,28 +457,23 @@ def _on_meta(v: Any) -> Any:
     return v
 
 
-def _row_major(v: Any) -> bool:
-    """``v`` (a tensor's facts, a tensor or a list of them) is laid out row-major, or
-    its layout is not known (no strides recorded)."""
-    if isinstance(v, (list, tuple)):
-        return all(_row_major(t) for t in v)
-    if isinstance(v, TensorFacts):
-        return v.contiguous is not False
-    if isinstance(v, torch.Tensor) and v.layout == torch.strided:
-        try:
-            return v.is_contiguous()
-        except (RuntimeError, NotImplementedError):  # symbolic strides
-            return True
-    return True
+#: 2-d convolutions, by op name: CPU lays their result out channels_last from a
+#: channels_last input or weight
+_CONVOLUTIONS = frozenset({"conv2d", "convolution", "_convolution", "conv_transpose2d"})
 
 
-def _on_fake(mode: Any, v: Any) -> Any:
-    """A CPU FakeTensor of ``mode`` with ``v``'s shape, dtype and strides."""
-    if hasattr(v, "shape") and hasattr(v, "dtype"):
-        meta = _on_meta(v)
-        with mode:
-            return torch.empty_strided(tuple(meta.shape), tuple(meta.stride()), dtype=meta.dtype, device="cpu")
-    return v
+def _conv_operands(node: fx.Node, target: Any, args: tuple, kwargs: dict) -> tuple:
+    """(input, weight) of a convolution call (function or ``nn.Conv2d`` module), else ()."""
+    if node.op == "call_module":
+        weight = getattr(target, "weight", None)
+        if isinstance(target, torch.nn.modules.conv._ConvNd) and args:
+            return (args[0], weight)
+        return ()
+    if node.op == "call_function" and op_name(node.target) in _CONVOLUTIONS:
+        inputs = list(args[:2])
+        inputs += [kwargs[k] for k in ("input", "weight") if k in kwargs]
+        return tuple(inputs)
+    return ()
 
 
 def _symbolic_mode(values: list) -> Any:

@@ -32,6 +32,7 @@ from rewrite.engine.aliasing import graph_writes, new_aliasing, written_between
 from rewrite.engine.regions import Regions
 from rewrite.engine.layout import layout_change_seen
 from rewrite.engine.rewire import Rewirer
+from rewrite.engine.shapes import addressing
 from rewrite.ops.effects import note_built_module, written_args
 
 __all__ = ["Replacer", "ReplacementError", "RULE_KEY", "SOURCES_KEY", "uses_root"]
@@ -40,6 +41,9 @@ _CARRIED_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "from_node
 
 #: node meta key: ``(rule name, rule file position)`` of the rule that created the node.
 RULE_KEY = "rewrite_rule"
+#: binary ops whose operands may be swapped without changing a value
+_COMMUTATIVE = frozenset({torch.ops.aten.add.Tensor, torch.ops.aten.mul.Tensor, torch.add, torch.mul,
+                          operator.add, operator.mul})
 #: node meta key of an inserted module's call: ``{argument: attribute path}`` for each
 #: argument the module was built from a constant of the model (its own copy of that
 #: tensor): a flow can tie copies of one parameter back together (``prepare_qat``).
@@ -160,6 +164,8 @@ class Replacer:
             self._undo()  # one call standing for all the results must have as many
             raise ReplacementError(f"rule {match.rule.name!r} at {root.name}: the replacement's number of "
                                    f"results is not known to be {len(results)}")
+        if result is not root and result in self._created:
+            self._first_operand_laid_out_as(root, result)
         if result is not root:
             problem = new_aliasing(root, result, self._created, self.gm, self._graph_writes(), self._classes)
             if problem is None and result not in self._created:  # a value forwarded as it is
@@ -348,6 +354,27 @@ class Replacer:
             if any(b.op == op for b in bind_node(node, self.gm)):
                 return node
         return root
+
+    def _first_operand_laid_out_as(self, root: fx.Node, result: fx.Node) -> None:
+        """A new ``a + b`` or ``a * b`` of operands laid out differently is laid out as
+        its first one (TensorIterator); a pattern matched commutatively (``add(x, y)``
+        binding ``x`` to the root's second operand) builds it with the operands
+        swapped. Put the operand laid out as the root first: the same values, and the
+        root's layout (a reader downstream may ``view`` it)."""
+        if result.op != "call_function" or result.target not in _COMMUTATIVE or len(result.args) != 2 \
+                or result.kwargs:
+            return
+        a, b = result.args
+        if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
+            return
+        metas = [self.facts.meta(n, record=False) for n in (root, a, b)]
+        if any(getattr(m, "shape", None) is None for m in metas) or len({tuple(m.shape) for m in metas}) != 1:
+            return
+        want, first, second = (addressing(m) for m in metas)
+        if want is not None and first != want and second == want:
+            result.args = (b, a)
+            for key in ("val", FACTS_KEY):  # inferred with the operands as they were
+                result.meta.pop(key, None)
 
     def _facts_of(self, value: Any) -> Any:
         # Known facts only: new nodes of a graph nobody asked shapes about need none.
