@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
+import torch.nn.functional as F
 
 import rewrite
 
@@ -206,3 +207,34 @@ def test_folded_convs_keep_the_conv_source_metadata():
     for node in convs:
         (_, module_type), = list(node.meta["nn_module_stack"].values())[-1:]
         assert "Conv" in module_type and "BatchNorm" not in module_type, (node.name, module_type)
+
+
+class _Flattening(nn.Module):
+    """A classic CNN head: ``x.view(x.size(0), -1)``, a size dynamo makes symbolic."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.fc = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Linear(128, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.bn(self.conv(x))), 2)
+        return self.fc(x.view(x.size(0), -1))
+
+
+def test_the_backend_checks_graphs_with_symbolic_sizes():
+    # a second batch size makes dynamo recompile with the batch symbolic: its example
+    # inputs hold the size as a SymInt, which the check's runs take as the size it is
+    torch.manual_seed(0)
+    model = _Flattening().eval()
+    results = []
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, backend=rewrite.backend(fusion(), on_result=results.append))
+        for batch in (2, 3, 4):
+            x = torch.randn(batch, 3, 8, 8)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+    finally:
+        torch._dynamo.reset()
+    assert len(results) >= 2 and results[0].counts == {"conv_bn": 1}
+    assert any(isinstance(n.meta.get("example_value"), torch.SymInt)
+               for r in results[1:] for n in r.graph_module.graph.nodes if n.op == "placeholder")

@@ -1331,7 +1331,9 @@ class Reference:
                  input_ranges: Optional[Mapping[InputKey, Range]] = None,
                  fixed_inputs: Iterable[InputKey] = (), graph: Any = None) -> None:
         self.fn = fn
-        self.example_inputs = example_inputs
+        # a dynamic dynamo graph's example inputs hold its sizes as SymInts (``s0``):
+        # the runs take the sizes they stand for
+        self.example_inputs = torch.utils._pytree.tree_map_only(torch.SymInt, _concrete, example_inputs)
         self.seed = seed
         self.input_ranges = input_ranges
         self.fixed_inputs = tuple(fixed_inputs)
