@@ -604,3 +604,37 @@ def test_a_model_drawing_random_numbers_quantizes_and_its_runs_are_compared_alik
     int8 = rq.quantize(model, [(x,), (torch.randn(2, 6, 8),)], capture=capture)
     assert rq.coverage(int8).count("linear") == (1, 1)
     assert int8.meta["rewrite.quant"]["qdq_agreement"] == 1.0
+
+
+class _SharedConv(nn.Module):
+    """One conv applied twice to one input: two nodes computing the same thing."""
+
+    def __init__(self):
+        super().__init__()
+        self.g = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        return self.g(x), self.g(x) * 0.5
+
+
+class _SumTwice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x):
+        a, b = self.a(x), self.b(x)
+        return self.head(a + b), self.head(a + b)
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+@pytest.mark.parametrize("model, x", [(_SharedConv(), torch.randn(1, 3, 8, 8)), (_SumTwice(), torch.randn(2, 6))],
+                         ids=["shared_conv", "sum_twice"])
+def test_twin_nodes_are_observed_each_without_a_false_cycle(model, x, capture):
+    # rewriting the second of two identical nodes recreates the first one's signature:
+    # no rule undoes another
+    observed = rq.prepare(model.eval(), (x,), capture=capture)
+    counts = observed.meta["rewrite.quant"]["observe_counts"]
+    assert counts.get("observe_conv_output", 0) + counts.get("observe_add_output", 0) >= 2
+    for got, want in zip(observed(x), model(x)):
+        torch.testing.assert_close(got, want)

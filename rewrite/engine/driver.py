@@ -135,6 +135,17 @@ def _signature(node: fx.Node) -> tuple:
             tuple(sorted((k, _arg_signature(v)) for k, v in kwargs.items())) if kwargs else ())
 
 
+def _has_twin(node: fx.Node, signature: tuple) -> bool:
+    """Whether another node computes what ``node`` does (same op and inputs: a conv
+    applied twice to one input). Rewriting twins recreates the signature of the
+    first one replaced without any rule undoing another."""
+    inputs = node.all_input_nodes
+    if not inputs:
+        return False
+    return any(u is not node and u.target == node.target and u.op == node.op and not u._erased
+               and _signature(u) == signature for u in inputs[0].users)
+
+
 def _arg_signature(a: Any) -> Any:
     if isinstance(a, fx.Node):
         return a.name
@@ -333,6 +344,7 @@ class Driver:
                                                for u in g.users]
             signature = _signature(node)
             insertion = uses_root(match)
+            twin = not insertion and _has_twin(node, signature)
             try:
                 created, producers = self.replacer.apply(match)
             except ReplacementError as err:
@@ -347,7 +359,7 @@ class Driver:
             self.counts[rule.name] += 1
             self.history.append((rule.name, node.name))
             self.created.extend(created)
-            self._check_cycle(signature, created, node.name)
+            self._check_cycle(None if insertion or twin else signature, created, node.name)
             self._check_bound(node)
             for user in users_before:
                 self.matcher.forget(user)
@@ -364,11 +376,12 @@ class Driver:
             return tuple(created) + tuple(users_before) + tuple(producers) + unblocked + again
         return None
 
-    def _check_cycle(self, removed: tuple, created: tuple, where: str) -> None:
+    def _check_cycle(self, removed: tuple | None, created: tuple, where: str) -> None:
         """Rules that undo each other recreate a node they replaced before, with the
         same op and inputs. The second time that happens is a cycle: stop and name
         the rules that fired since the node first went away."""
-        self._removed.setdefault(removed, [len(self.history) - 1, 0])
+        if removed is not None:  # an insertion removes nothing; a node with a twin is not unique
+            self._removed.setdefault(removed, [len(self.history) - 1, 0])
         for node in created:
             entry = self._removed.get(_signature(node))
             if entry is None:
