@@ -638,3 +638,28 @@ def test_twin_nodes_are_observed_each_without_a_false_cycle(model, x, capture):
     assert counts.get("observe_conv_output", 0) + counts.get("observe_add_output", 0) >= 2
     for got, want in zip(observed(x), model(x)):
         torch.testing.assert_close(got, want)
+
+
+class _EmptyCache(nn.Module):
+    """transformers' DynamicCache on a first call: an empty tensor concatenated in
+    front of the keys."""
+
+    def __init__(self):
+        super().__init__()
+        self.k, self.o = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        past = torch.tensor([]).detach_()
+        return self.o(torch.cat([past, self.k(x)], -2))
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_an_empty_tensor_gets_no_observer(capture):
+    # an observer on it would see no data, and convert would refuse it as uncalibrated
+    torch.manual_seed(0)
+    model, x = _EmptyCache().eval(), torch.randn(2, 4, 8)
+    observed = rq.prepare(model, (x,), capture=capture)
+    rq.calibrate(observed, [(torch.randn(2, 4, 8),) for _ in range(3)])
+    int8 = rq.convert(observed)
+    assert rq.coverage(int8).count("linear") == (2, 2)
+    assert rq.sqnr(model(x), int8(x)) > 20

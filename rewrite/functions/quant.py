@@ -231,13 +231,17 @@ def activation(x: Value) -> bool:
     weight or literal): what activation observers watch. Not a value the graph
     computes from nothing but literals (``cumsum(ones(ids.shape))``: position ids on
     their way to ``.long()``, which int8 rounding would shift by one), and not
-    another float dtype (int8 kernels and torch's observers take float32)."""
+    another float dtype (int8 kernels and torch's observers take float32), and not
+    an empty tensor (an empty KV cache concatenated in front of the keys: an observer
+    on it would see no data to calibrate)."""
     node = x.node
     if node is None or node.op == "get_attr":
         return False
     m = _meta(x)
     if m is None or getattr(m, "dtype", None) is None:
         return None  # unknown: the where clause does not hold
+    if any(isinstance(d, int) and d == 0 for d in getattr(m, "shape", ())):
+        return False
     return m.dtype == torch.float32 and _from_inputs_or_weights(node)
 
 
