@@ -358,3 +358,60 @@ def test_readme_samples(capsys):
     out = capsys.readouterr().out
     assert re.search(r"elementwise ops +53\.504k +27\.520k +-48\.6%", out)
     assert re.search(r"parameters +521\.14 KiB +506\.85 KiB +-2\.7%", out)
+
+
+def test_analyze_leaves_a_dynamo_captures_lifted_state_alone():
+    """dynamo passes the model's own parameters and buffers as inputs: a train-mode
+    BatchNorm must not update the caller's running statistics."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8)).train()
+    x = torch.randn(2, 3, 6, 6)
+    gm, inputs = capture_with_inputs(model, (x,), "dynamo")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    given = [t.clone() for t in inputs]
+    a = analyze(gm, inputs)
+    assert a.totals.flops > 0
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert all(torch.equal(t, g) for t, g in zip(inputs, given))
+
+
+class _Cond(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.w = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        y = self.fc(x)
+        return torch.cond(y.sum() > 1e9, lambda t: t @ self.w, lambda t: t.sin(), (y,)) * 2.0
+
+
+def test_cond_counts_its_costlier_branch_as_flop_counter_mode_does():
+    x = torch.randn(3, 4)
+    gm = torch.export.export(_Cond().eval(), (x,)).module()
+    a = analyze(gm, (x,))
+    assert a.totals.flops == 2 * (2 * 3 * 4 * 4)  # the linear, and the matmul of the branch not taken
+    assert main(["stats", "--model", "tests.test_analysis:_cond_with_inputs", "--capture", "export"]) == 0
+
+
+def _cond_with_inputs():
+    return _Cond().eval(), (torch.randn(3, 4),)
+
+
+def test_int8_matmul_keeps_the_float_flops():
+    import rewrite.quant as rq
+
+    class Scores(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k = nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.q(x) @ self.k(x).transpose(-1, -2)
+
+    x = torch.randn(2, 8, 16)
+    observed = rq.prepare(Scores().eval(), (x,))
+    rq.calibrate(observed, [(torch.randn(2, 8, 16),) for _ in range(2)])
+    int8 = rq.convert(observed)
+    matmuls = [n for n in analyze(int8, (x,)).nodes if n.op == "QuantizedBinary"]
+    assert len(matmuls) == 1 and matmuls[0].flops == 2 * 2 * 8 * 8 * 16
+    assert analyze(int8, (x,)).totals.flops == analyze(observed, (x,)).totals.flops

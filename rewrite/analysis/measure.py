@@ -18,6 +18,9 @@
 * int8 kernels (``quantized::conv2d``, ``quantized::linear``), whose prepacked weights
   FlopCounterMode cannot see into, counted with the registry's formula for the float
   op they compute on the unpacked weight; the packed weight counts as parameters;
+  ``quantized::matmul`` is counted as the float matmul of its operands' shapes;
+* ``torch.cond``: the FLOPs of its costlier branch, as ``FlopCounterMode`` counts it
+  (other higher-order ops run uncounted, with a warning);
 * whether the output is a view of an input or written in place.
 
 Peak activation memory comes from a liveness walk over the same run: a tensor's
@@ -41,6 +44,7 @@ import io
 import json
 import operator
 import re
+import warnings
 from typing import Any, Iterable, Sequence
 
 import attrs
@@ -345,6 +349,8 @@ class _Counter(TorchDispatchMode):
     ``flop_registry``'s formula, others are decomposed when they can be; also notes
     whether any op mutated an input (its schema says so)."""
 
+    supports_higher_order_operators = True  # torch.cond and the like come to __torch_dispatch__
+
     def __init__(self) -> None:
         super().__init__()
         self.flops = 0
@@ -356,7 +362,7 @@ class _Counter(TorchDispatchMode):
         if func in _SKIPPED:
             return NotImplemented
         if isinstance(func, torch._ops.HigherOrderOperator):
-            return NotImplemented
+            return self._higher_order(func, args, kwargs)
         if func._overloadpacket not in flop_registry and func is not torch.ops.prim.device.default:
             with self:
                 r = func.decompose(*args, **kwargs)
@@ -372,18 +378,40 @@ class _Counter(TorchDispatchMode):
             self._int8_kernel(func, args, out)
         return out
 
+    def _higher_order(self, func, args, kwargs) -> Any:
+        """``torch.cond`` counts its costlier branch, as ``FlopCounterMode`` does, and
+        returns the branch taken; other higher-order ops (``while_loop``, ``map``...),
+        which ``FlopCounterMode`` cannot count either, run uncounted, with a warning."""
+        if func is not torch.ops.higher_order.cond:
+            warnings.warn(f"analyze: the FLOPs inside {func.name()} are not counted", stacklevel=2)
+            return func(*args, **kwargs)
+        pred, true_fn, false_fn, operands = args
+        before, counts, outs = self.flops, [], []
+        for branch in (true_fn, false_fn):
+            self.flops = 0
+            with self:
+                outs.append(branch(*operands))
+            counts.append(self.flops)
+        self.flops = before + max(counts)
+        return outs[0] if bool(pred) else outs[1]
+
     def _int8_kernel(self, func, args, out) -> None:
         """``quantized::conv*``/``linear*`` take a prepacked weight FlopCounterMode
         cannot see into: count them with the registry's formula for the float op
         they compute (conv -> aten.convolution, linear -> aten.mm) on the unpacked
-        weight, and note the packed weight's bytes as parameters."""
+        weight, and note the packed weight's bytes as parameters; ``quantized::matmul``
+        is counted as ``torch.matmul`` of float tensors of its operands' shapes."""
+        name = func._schema.name.split("::")[-1]
+        if name == "matmul" and all(isinstance(a, torch.Tensor) for a in args[:2]):
+            with self:  # the float op's aten ops, counted on shapes alone
+                torch.matmul(*(torch.empty(a.shape, device="meta") for a in args[:2]))
+            return
         packed = next((a for a in args if isinstance(a, torch.ScriptObject) and hasattr(a, "unpack")), None)
         x = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if packed is None or x is None or not isinstance(out, torch.Tensor):
             return
         weight, bias = packed.unpack()[:2]
         self.packed[id(packed)] = _nbytes(weight) + (_nbytes(bias) if isinstance(bias, torch.Tensor) else 0)
-        name = func._schema.name.split("::")[-1]
         if name.startswith("conv") and hasattr(packed, "stride"):
             self.flops += int(flop_registry[torch.ops.aten.convolution](
                 x, weight, bias, packed.stride(), packed.padding(), packed.dilation(), bool(packed.transpose()),
@@ -522,12 +550,13 @@ def analyze(gm: Any, example_inputs: Sequence[Any] | None = None, *, show_progre
 
     inputs = tuple(example_inputs) if example_inputs is not None else _inputs_from_meta(gm)
     # a measurement leaves no trace: the graph runs on copies of the inputs (a model
-    # may write its input; a dynamo graph's lifted parameters are not copied), and the
-    # state its forward writes (a step counter, running statistics) is put back
+    # may write its input; a dynamo graph's lifted parameters and buffers are the
+    # caller's model's own, a train-mode BatchNorm writes its running statistics), and
+    # the state its forward writes (a step counter, running statistics) is put back
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     lifted = set(lifted_state_positions(gm))
-    inputs = tuple(t.clone() if isinstance(t, torch.Tensor) and i not in lifted else t
-                   for i, t in enumerate(inputs))
+    with torch.no_grad():
+        inputs = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in inputs)
     params = {_storage_key(t) for t in list(gm.parameters()) + list(gm.buffers())}
     params |= {_storage_key(inputs[i]) for i in lifted if i < len(inputs) and isinstance(inputs[i], torch.Tensor)}
     runner = _Runner(gm, params, show_progress)
