@@ -238,3 +238,23 @@ def test_the_backend_checks_graphs_with_symbolic_sizes():
     assert len(results) >= 2 and results[0].counts == {"conv_bn": 1}
     assert any(isinstance(n.meta.get("example_value"), torch.SymInt)
                for r in results[1:] for n in r.graph_module.graph.nodes if n.op == "placeholder")
+
+
+def test_the_backend_folds_under_dynamic_shapes_and_sees_a_changed_eps():
+    # dynamic=True: dynamo passes bn.eps and bn.momentum as 0-d tensors read with .item();
+    # the backend reads them as numbers (the fold needs eps) and compares them each call
+    torch.manual_seed(0)
+    model = ConvBN(2).eval()
+    results = []
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, backend=rewrite.backend(fusion(), on_result=results.append), dynamic=True)
+        for batch in (2, 3):
+            x = torch.randn(batch, *_input(2).shape[1:])
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+        assert results[0].counts == {"conv_bn": 1} and _bn_count(results[0].graph_module) == 0
+        model.bn.eps = 0.5  # a new value: the call runs the graph as dynamo gave it
+        x = _input(2)
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+    finally:
+        torch._dynamo.reset()

@@ -63,6 +63,29 @@ def _is_module_state(node: fx.Node, example: Any) -> bool:
     return isinstance(example, torch.nn.Parameter)
 
 
+def _module_scalar(node: fx.Node, example: Any) -> bool:
+    """A module's float attribute that dynamo passes as a 0-d tensor read with
+    ``.item()`` (``bn.eps`` and ``bn.momentum`` under ``dynamic=True``)."""
+    if not isinstance(example, torch.Tensor) or example.dim() != 0 or not example.is_floating_point():
+        return False
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    if source is None:
+        source = getattr(node, "_dynamo_source", None) or node.meta.get("dynamo_source")
+    text = str(source)
+    return source is not None and text.startswith("AttrSource(") and "NNModuleSource" in text and bool(node.users) \
+        and all(u.op == "call_method" and u.target == "item" for u in node.users)
+
+
+def _inline_scalar(gm: fx.GraphModule, node: fx.Node, value: float) -> None:
+    """Readers of ``node.item()`` read ``value`` itself; the placeholder goes."""
+    for item in list(node.users):
+        for reader in list(item.users):
+            reader.args = fx.node.map_arg(reader.args, lambda n: value if n is item else n)
+            reader.kwargs = fx.node.map_arg(reader.kwargs, lambda n: value if n is item else n)
+        gm.graph.erase_node(item)
+    gm.graph.erase_node(node)
+
+
 def freeze_parameters(gm: fx.GraphModule, example_inputs: list) -> tuple:
     """Turn placeholders fed by module parameters/buffers into ``get_attr`` constants.
 
@@ -70,7 +93,10 @@ def freeze_parameters(gm: fx.GraphModule, example_inputs: list) -> tuple:
     folding rule (``const(w, ...)``) never sees them as constants. After freezing,
     they are buffers of ``gm`` (sharing storage with the model's tensors), as
     Inductor's ``freezing`` does; later in-place updates of the model's weights are
-    not seen by a graph compiled from it.
+    not seen by a graph compiled from it. A module's float attribute that dynamo passes
+    as a 0-d tensor read with ``.item()`` (``bn.eps`` under ``dynamic=True``) is read
+    as the number it is (``backend`` compares it on each call and runs the graph as
+    dynamo gave it when it changed).
 
     Args:
         gm: the GraphModule dynamo passed to the backend (mutated: use a copy if
@@ -97,6 +123,9 @@ def freeze_parameters(gm: fx.GraphModule, example_inputs: list) -> tuple:
     kept = []
     first_real = next((n for n in gm.graph.nodes if n.op != "placeholder"), None)
     for i, (node, example) in enumerate(zip(placeholders, example_inputs)):
+        if _module_scalar(node, example):
+            _inline_scalar(gm, node, example.item())
+            continue
         if not isinstance(example, torch.Tensor) or not _is_module_state(node, example):
             kept.append(i)
             continue
@@ -163,7 +192,9 @@ def backend(rules: Any, *, compiler: Any = "python", check: bool = True, on_resu
 
         def run(*args: Any) -> Any:
             for i, t in frozen:
-                if args[i] is not t:  # the graph as dynamo gave it reads the new tensor
+                # a module's float (bn.eps) comes as a new 0-d tensor each call: its value counts
+                if args[i] is not t and not (t.dim() == 0 and torch.equal(args[i], t)):
+                    # the graph as dynamo gave it reads the new tensor
                     _warn_reassigned()
                     return as_given(*args)
             return compiled(*[args[i] for i in kept])
