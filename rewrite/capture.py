@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import copy
 import importlib
+import inspect
 import os
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, List, Sequence, Tuple
 
@@ -37,7 +39,7 @@ import torch
 from torch import fx, nn
 
 __all__ = ["LEVELS", "DYNAMO_SOURCE", "ExportError", "ModelSpecError", "capture", "capture_with_inputs",
-           "capture_dynamo", "export_program", "is_export_guard", "lifted_state_positions", "load_model", "save",
+           "capture_dynamo", "dynamic_shapes_of", "export_keeping_sizes", "export_program", "is_export_guard", "lifted_state_positions", "load_model", "save",
            "save_format", "save_path_problem"]
 
 LEVELS: Tuple[str, ...] = ("fx", "export", "export_core", "dynamo")
@@ -179,7 +181,9 @@ class ExportError(RuntimeError):
 
 def export_program(gm: fx.GraphModule, example_inputs: Any) -> "torch.export.ExportedProgram":
     """``torch.export.export(gm, example_inputs, strict=False)`` for a (rewritten)
-    GraphModule, with a clear error when it fails.
+    GraphModule, with a clear error when it fails. A graph captured with symbolic
+    sizes (``torch.export`` with ``dynamic_shapes``) is exported with them again
+    (``dynamic_shapes_of``), so the program still takes other sizes.
 
     Raises:
         ExportError: export failed; the message names the node that could not be
@@ -189,7 +193,7 @@ def export_program(gm: fx.GraphModule, example_inputs: Any) -> "torch.export.Exp
     """
     args = _as_tuple(example_inputs)
     try:
-        return torch.export.export(gm, args, strict=False)
+        return export_keeping_sizes(gm, args)
     except Exception as err:  # noqa: BLE001 - any failure: name the node, keep torch's reason
         node = _failing_node(gm, args)
         reason = f"{type(err).__name__}: {_first_line(err)}"
@@ -199,6 +203,46 @@ def export_program(gm: fx.GraphModule, example_inputs: Any) -> "torch.export.Exp
         where = _source_line(node)
         raise ExportError(f"torch.export cannot capture node {node.name!r} ({node.op} {target}"
                           f"{', from ' + where if where else ''}): {reason}", node) from err
+
+
+def export_keeping_sizes(gm: fx.GraphModule, args: tuple) -> "torch.export.ExportedProgram":
+    """``torch.export.export(gm, args, strict=False)``, with the symbolic sizes ``gm``
+    was captured with (``dynamic_shapes_of``); with the example's sizes, and a
+    warning, when the rewritten graph no longer exports with them."""
+    dynamic = dynamic_shapes_of(gm, args)
+    if dynamic is not None:
+        try:
+            return torch.export.export(gm, args, dynamic_shapes=dynamic, strict=False)
+        except Exception:  # noqa: BLE001 - a rewrite fixed a size: the example's sizes, said so
+            warnings.warn("the rewritten graph no longer exports with the symbolic sizes it was captured "
+                          "with; exported with the example inputs' sizes", stacklevel=3)
+    return torch.export.export(gm, args, strict=False)
+
+
+def dynamic_shapes_of(gm: fx.GraphModule, args: tuple) -> Any:
+    """``dynamic_shapes`` for exporting ``gm`` on ``args`` again: ``Dim.AUTO`` for
+    every dimension its inputs' recorded facts hold as a symbol (a dynamic batch),
+    in the structure of ``args``; None when no input size is symbolic, or the
+    placeholders do not line up with the inputs."""
+    leaves, spec = torch.utils._pytree.tree_flatten(args)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(leaves):
+        return None
+    found, specs = False, []
+    for node, leaf in zip(placeholders, leaves):
+        val = node.meta.get("val")
+        dims = None
+        if isinstance(leaf, torch.Tensor) and isinstance(val, torch.Tensor) and val.dim() == leaf.dim():
+            dims = {i: torch.export.Dim.AUTO for i, d in enumerate(val.shape) if isinstance(d, torch.SymInt)} or None
+        found = found or dims is not None
+        specs.append(dims)
+    if not found:
+        return None
+    shapes = torch.utils._pytree.tree_unflatten(specs, spec)
+    params = [p for p in inspect.signature(gm.forward).parameters.values() if p.kind is not p.VAR_KEYWORD]
+    if len(params) == 1 and params[0].kind is inspect.Parameter.VAR_POSITIONAL:
+        return (shapes,)  # ``forward(*args)`` (an export's ``.module()``): one tuple input
+    return shapes
 
 
 class _NodeTracker(fx.Interpreter):

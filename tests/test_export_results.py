@@ -138,3 +138,34 @@ def test_a_rewritten_symbolic_trace_result_with_emitted_methods_saves(tmp_path):
     path = rewrite.capture.save(result.graph_module, tmp_path / "m.pt", level="fx")
     loaded = torch.load(path, weights_only=False)
     assert torch.equal(loaded(x), Model()(x)) and result.graph_module.code == code
+
+
+class _ConvBnRelu(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c, self.bn = torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        return self.bn(self.c(x)).relu()
+
+
+def test_a_graph_captured_with_a_dynamic_batch_saves_with_it(tmp_path):
+    # the rewritten graph takes any batch, as the captured one did: so does its .pt2,
+    # and rewrite.quant.export's program
+    import rewrite.quant as rq
+
+    torch.manual_seed(0)
+    model, x = _ConvBnRelu().eval(), torch.randn(2, 3, 8, 8)
+    batch = torch.export.Dim("batch", min=1, max=64)
+    gm = torch.export.export(model, (x,), dynamic_shapes=({0: batch},), strict=False).module()
+    result = rewrite.load("rules/fusion.rw").apply(gm, (x,))
+    assert result.counts == {"conv_bn": 1}
+    loaded = torch.export.load(save(result.graph_module, tmp_path / "fused.pt2", "export", (x,))).module()
+    five = torch.randn(5, 3, 8, 8)
+    torch.testing.assert_close(loaded(five), model(five), rtol=1e-4, atol=1e-4)
+    int8 = rq.quantize(gm, [(x,), (torch.randn(2, 3, 8, 8),)], form="qdq")
+    program = rq.export(int8)
+    assert program.module()(five).shape == (5, 8, 6, 6)
+    # a graph with static sizes exports as before
+    static = torch.export.export(model, (x,), strict=False).module()
+    assert export_program(rewrite.load("rules/fusion.rw").apply(static, (x,)).graph_module, (x,)) is not None

@@ -1089,6 +1089,8 @@ def export(gm: fx.GraphModule, example_inputs: Any = None, path: Any = None) -> 
     args = _as_args(example_inputs) if example_inputs is not None else gm.meta.get(_META, {}).get("example_inputs")
     if args is None:
         raise QuantizationError("export needs example inputs (none given, none recorded by prepare)")
+    from rewrite.capture import export_keeping_sizes
+
     bad = _unexportable(gm)
     if bad is not None:
         node, why = bad
@@ -1098,7 +1100,7 @@ def export(gm: fx.GraphModule, example_inputs: Any = None, path: Any = None) -> 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            program = torch.export.export(gm, tuple(args), strict=False)
+            program = export_keeping_sizes(gm, tuple(args))
     except Exception as err:  # noqa: BLE001  (torch.export raises many types)
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise QuantizationError(f"torch.export could not capture the model: {first}") from err
