@@ -172,3 +172,26 @@ def test_integer_and_bool_tensors_are_drawn_in_range(data):
     if not x.dtype.is_floating_point and x.dtype != torch.bool:
         info = torch.iinfo(x.dtype)
         assert info.min <= int(x.min()) and int(x.max()) <= info.max
+
+
+@pytest.mark.parametrize("pattern, var, default", [
+    ("max_pool2d(_, _, _, _, v, _)", "v", 1),
+    ("softmax(_, _, v)", "v", None),
+    ("conv_transpose(_, _, _, _, _, v, _, _)", "v", 0),
+    ("avg_pool2d(_, _, _, _, _, _, v)", "v", None),
+    ("batch_norm(_, _, _, _, _, v, _, _)", "v", False),
+])
+def test_attributes_a_rule_may_drop_are_drawn_away_from_their_default(pattern, var, default):
+    """A rule that drops an attribute (`max_pool2d(x, k, s, p, _, c) => max_pool2d(x, k, s, p)`)
+    is wrong only where the attribute is not its default: verification must meet such values."""
+    _, rule = _rule(f"rule r: {pattern} as out where is_none({var}) or is_literal({var}) => out")
+    seen = []
+
+    @settings(max_examples=30, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(inst=instances(rule))
+    def check(inst):
+        seen.append(inst.bindings[var])
+        assert isinstance(_runs(inst), torch.Tensor)
+
+    check()
+    assert default in seen and any(v != default for v in seen), seen

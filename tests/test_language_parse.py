@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from rewrite.language import ast, parse_text
+from rewrite.language import RuleError, ast, parse_text
 from rewrite.language.parser import DTYPES, grammar_path
 from rewrite.language.printer import format_expr, format_module
 
@@ -122,6 +122,30 @@ def test_wildcard_and_variables():
 def test_literals(text, value):
     lit = pattern(f"f({text})").args[0]
     assert lit == L(value) and type(lit.value) is type(value)
+
+
+@pytest.mark.parametrize("text", ["1e400", "-1e400", "1.5e309", "-.1e999"])
+def test_float_literals_that_overflow_are_refused(text):
+    """`fmt` could only print them as `inf`, which reads back as a pattern variable."""
+    with pytest.raises(RuleError) as info:
+        parse_text(f"rule r: mul(x, {text}) => x\n", "of.rw")
+    (d,) = info.value.diagnostics
+    assert d.code == "E010" and "out of range" in d.message and d.help
+    assert (d.span.path, d.span.line, d.span.col, d.span.end_col) == ("of.rw", 1, 16, 16 + len(text))
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_printer_refuses_non_finite_floats(value):
+    """No rule text means them: printing one must not silently change the rule."""
+    with pytest.raises(ValueError, match="cannot be written"):
+        format_expr(call("mul", V("x"), L(value)))
+
+
+@pytest.mark.parametrize("value", [1e308, -1.7976931348623157e308, 5e-324, -0.0, 1e16, 1e-400, 123456789.125])
+def test_extreme_finite_floats_round_trip(value):
+    text = f"rule r: mul(x, {format_expr(L(value))}) => x\n"
+    (r,) = parse_text(text).items
+    assert r.pattern.args[1] == L(value) and format_module(parse_text(text)) == text
 
 
 @pytest.mark.parametrize("name", sorted(DTYPES))

@@ -308,6 +308,42 @@ def test_lowering_precision_is_judged_on_rounded_inputs():
     assert _verify(bad, "lin16").status == "counterexample"
 
 
+@pytest.mark.parametrize("name, text", [
+    ("relu_bf_wrong", "relu(x) where dtype(x) == torch.float32 "
+                      "=> to(mul(relu(to(x, torch.bfloat16)), 1.012), torch.float32)"),
+    ("gelu_lowp", "gelu(x) where dtype(x) == torch.float32 "
+                  '=> to(gelu(to(x, torch.float16), approximate="tanh"), torch.float32)'),
+])
+def test_a_wrong_formula_behind_its_own_low_precision_cast_is_caught(name, text):
+    """The float64 recheck widens the replacement's casts: their rounding cannot hide a formula change."""
+    v = _verify(f'rule {name}(tolerance="approx"): {text}', name, n=30)
+    assert v.status == "counterexample", v
+    assert "float64" in v.counterexample.message, v.counterexample
+
+
+def test_a_right_formula_behind_its_own_low_precision_cast_still_verifies():
+    v = _verify('rule relu_bf(tolerance="approx"): relu(x) where dtype(x) == torch.float32 '
+                "=> to(relu(to(x, torch.bfloat16)), torch.float32)", "relu_bf", n=30)
+    assert v.status == "ok" and v.checked >= 3, v
+
+
+@pytest.mark.parametrize("name, text, status", [
+    ("mp_dil", "relu(max_pool2d(x, k, s, p, _, c)) => max_pool2d(relu(x), k, s, p, 1, c)", "counterexample"),
+    ("sm_dtype", "softmax(neg(neg(x)), d, _) => softmax(x, d)", "counterexample"),
+    ("ct_outpad", "neg(neg(conv_transpose(x, w, b, s, p, _, g, d))) => conv_transpose(x, w, b, s, p, 0, g, d)",
+     "counterexample"),
+    ("ap_div", "neg(avg_pool2d(x, k, s, p, c, i, _)) where is_float(x) => avg_pool2d(neg(x), k, s, p, c, i)",
+     "counterexample"),
+    # the engine does not rewrite a functional batch_norm that writes its running stats
+    ("bn_train", "neg(neg(batch_norm(x, m, v, w, b, _, mo, eps))) => batch_norm(x, m, v, w, b, False, mo, eps)",
+     "did not fire"),
+])
+def test_a_rule_that_drops_an_attribute_is_rejected(name, text, status):
+    """Verification draws every attribute away from its default, not only the common ones."""
+    v = _verify(f"rule {name}: {text}", name, n=30)
+    assert v.status == status, v
+
+
 def test_shipped_amp_rules_that_overflowed_are_gone():
     fp16 = rewrite.load("rules/amp_fp16.rw")
     for name in ("div_fp16", "add_fp16", "mul_fp16", "sub_fp16", "batch_norm_fp16"):

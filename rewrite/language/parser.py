@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast as _pyast
 import functools
+import math
 import warnings
 from importlib import resources
 from pathlib import Path
@@ -318,7 +319,13 @@ class _Builder(Transformer):
             return ast.Literal(0, span=span)
 
     def float_lit(self, meta, children):
-        return ast.Literal(float(children[0]), span=self._s(meta))
+        span = self._s(meta)
+        value = float(children[0])
+        if not math.isfinite(value):  # 1e400 overflows: `fmt` could only print it as inf
+            self._error(span, f"float literal {children[0]} is out of range (it overflows to infinity)", "E010",
+                        help="write a finite number; the largest float is about 1.8e308")
+            return ast.Literal(0.0, span=span)
+        return ast.Literal(value, span=span)
 
     def str_lit(self, meta, children):
         return ast.Literal(self._string(children[0]), span=self._s(meta))

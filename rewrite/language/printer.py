@@ -11,6 +11,8 @@ that limit are tested in ``tests/test_deep_nesting.py``).
 
 from __future__ import annotations
 
+import math
+
 from rewrite.language import ast
 
 __all__ = ["format_expr", "format_rule", "format_schedule", "format_item", "format_module"]
@@ -81,8 +83,10 @@ def _callee(op: ast.OpRef) -> str:
 
 
 def _literal(value: object) -> str:
-    if isinstance(value, float) and value != value:
-        return "nan"  # not expressible in the language; shown for messages only
+    if isinstance(value, float) and not math.isfinite(value):
+        # No rule text means inf or nan (the parser refuses 1e400): printing `inf` would
+        # read back as a pattern variable and silently change what the rule matches.
+        raise ValueError(f"the float {value!r} cannot be written in the rule language")
     if isinstance(value, str):
         text = repr(value)  # Python escapes; the parser reads them back with literal_eval
         return text if text[0] == '"' else '"' + text[1:-1].replace('"', '\\"') + '"'

@@ -245,7 +245,7 @@ OPS = [
        fn("torch.softmax", "aten.softmax.int"), method("softmax"),
        fn("aten._softmax.default", guards={"half_to_float": False}),
        module("nn.Softmax", extract=modules.softmax),
-       instances=Instances("softmax"),
+       instances=Instances("softmax", literals=(("dtype", (None, torch.float32, torch.float64)),)),
        torch="torch.softmax", aten="aten.softmax.int", doc="softmax along dim"),
 
     # ---- shapes and views ----------------------------------------------------

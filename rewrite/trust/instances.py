@@ -1161,7 +1161,7 @@ def _conv_common(ctx: _Ctx, a: _Args, transposed: bool) -> dict:
         raise _Discard("channels not divisible by groups")
     out = {"groups": groups, "stride": stride, "padding": padding, "dilation": dilation}
     if transposed:
-        out["output_padding"] = a.lit("output_padding", lambda: 0)
+        out["output_padding"] = a.lit("output_padding", lambda: _output_padding(ctx, rank, stride, dilation))
     spatial = [ctx.int(max(1, dil * (k - 1) + 1 - 2 * pad), dil * (k - 1) + 3)
                for k, pad, dil in zip(kernel, _expand_dims(padding, rank), _expand_dims(dilation, rank))]
     out["input"] = a.tensor("input", lambda: (ctx.int(1, 2), c_in, *spatial))
@@ -1169,6 +1169,18 @@ def _conv_common(ctx: _Ctx, a: _Args, transposed: bool) -> dict:
     out["weight"] = a.tensor("weight", w_shape)
     out["bias"] = a.optional("bias", (c_out,))
     return out
+
+
+def _output_padding(ctx: _Ctx, rank: int, stride: Any, dilation: Any) -> Any:
+    """0, or the largest valid one (below max(stride, dilation) per dim): a rule that
+    drops it changes the output's shape."""
+    try:
+        most = [max(s, d) - 1 for s, d in zip(_expand_dims(stride, rank), _expand_dims(dilation, rank))]
+    except _Discard:
+        return 0
+    if not any(most):
+        return 0
+    return ctx.pick([0, most[0] if rank == 1 else tuple(most)])
 
 
 @_family("conv")
@@ -1202,7 +1214,10 @@ def _batch_norm(ctx: _Ctx, a: _Args) -> dict:
     if s is None or len(s) < 2:
         raise _Discard("batch_norm takes a tensor of rank >= 2")
     c = (s[1],)
-    return {"input": x, "running_mean": a.tensor("running_mean", c),
+    # training uses the batch statistics: it needs more than one value per channel
+    many = math.prod(s) > s[1]
+    return {"input": x, "training": a.lit("training", lambda: ctx.pick([False, True]) if many else False),
+            "running_mean": a.tensor("running_mean", c),
             "running_var": a.tensor("running_var", c, lo=0.25, hi=4.0),  # a variance: positive
             "weight": a.optional("weight", c), "bias": a.optional("bias", c)}
 
@@ -1257,12 +1272,22 @@ def _embedding(ctx: _Ctx, a: _Args) -> dict:
 
 
 def _pool(ctx: _Ctx, a: _Args, adaptive: bool = False) -> dict:
-    x = a.tensor("input", lambda: (ctx.int(1, 2), ctx.int(1, 2), ctx.int(3, 6), ctx.int(3, 6)))
     if adaptive:
+        x = a.tensor("input", lambda: (ctx.int(1, 2), ctx.int(1, 2), ctx.int(3, 6), ctx.int(3, 6)))
         return {"input": x, "output_size": a.lit("output_size", lambda: ctx.pick([1, (2, 2), (1, 3)]))}
     k = a.lit("kernel_size", lambda: ctx.pick([1, 2, 3, (2, 2)]))
-    return {"input": x, "kernel_size": k, "stride": a.lit("stride", lambda: ctx.pick([None, 1, 2])),
-            "padding": a.lit("padding", lambda: 0 if k == 1 else ctx.pick([0, 1]))}
+    out = {"kernel_size": k, "stride": a.lit("stride", lambda: ctx.pick([None, 1, 2])),
+           "padding": a.lit("padding", lambda: 0 if k == 1 else ctx.pick([0, 1]))}
+    least = 3
+    if a.op == "max_pool2d":  # dilated windows span (k - 1) * dilation + 1: inputs at least that large
+        out["dilation"] = a.lit("dilation", lambda: 1 if k == 1 else ctx.pick([1, 2]))
+        try:
+            span = [(kk - 1) * d + 1 for kk, d in zip(_expand_dims(k, 2), _expand_dims(out["dilation"], 2))]
+            least = min(max(3, *span), 6)
+        except _Discard:
+            pass  # values the pattern fixed: torch decides
+    out["input"] = a.tensor("input", lambda: (ctx.int(1, 2), ctx.int(1, 2), ctx.int(least, 6), ctx.int(least, 6)))
+    return out
 
 
 FAMILIES["pool"] = _pool

@@ -149,7 +149,8 @@ class RuleVerdict:
         tolerance: ``"exact"`` or ``"approx"``.
         checked: instances on which the rule fired and outputs were compared.
         generated: instances generated (including discarded ones).
-        reason: why it was skipped (or a short summary).
+        reason: why it was skipped (or a short summary); on ``ok``, what was not
+            checked (an approximate rule's float64 recheck that could not run).
         counterexample: for the failing statuses.
     """
 
@@ -215,7 +216,7 @@ class VerificationReport:
         for v in self.verdicts:
             counts = f"{v.checked}/{v.generated}"
             lines.append(f"{v.rule:<{width}}  {v.status:<14}  {v.tolerance:<9}  {counts:>11}  {v.location}"
-                         + (f"  ({v.reason})" if v.reason and v.status == "skipped" else ""))
+                         + (f"  ({v.reason})" if v.reason and v.status in ("skipped", "ok") else ""))
         n = collections.Counter(v.status for v in self.verdicts)
         lines.append(", ".join(f"{n[s]} {s}" for s in ("ok", "counterexample", "did not fire", "skipped", "intentional")
                                if n[s]))
@@ -256,8 +257,50 @@ class _Recorder(fx.Interpreter):
         return super().call_method(target, args, kwargs)
 
 
-def _run(gm: fx.GraphModule, inputs: tuple) -> tuple:
-    rec = _Recorder(gm)
+class _Widening(_Recorder):
+    """Runs a graph in float64 throughout: every float dtype an op is given
+    (``to(x, torch.bfloat16)``) is float64, ``x.half()`` keeps x, and every float
+    value made is widened to float64; no cast rounds."""
+
+    def run_node(self, n: fx.Node) -> Any:
+        out = pytree.tree_map(_to_float64, fx.Interpreter.run_node(self, n))
+        self.seen[n] = out
+        return out
+
+    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        args, kwargs = pytree.tree_map(_float64_dtype, (args, kwargs))
+        return super().call_function(target, args, kwargs)
+
+    def call_method(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        if target in ("half", "bfloat16", "float", "double") and not kwargs and len(args) == 1:
+            return args[0]
+        args, kwargs = pytree.tree_map(_float64_dtype, (args, kwargs))
+        return super().call_method(target, args, kwargs)
+
+
+def _to_float64(v: Any) -> Any:
+    if isinstance(v, torch.Tensor) and v.dtype.is_floating_point and v.dtype != torch.float64:
+        return v.to(torch.float64)
+    return v
+
+
+def _lowest_cast(gm: fx.GraphModule) -> torch.dtype | None:
+    """The least precise float a graph casts to or holds a constant in (None: float64)."""
+    found = [v for n in gm.graph.nodes for v in pytree.tree_leaves((n.args, n.kwargs))
+             if isinstance(v, torch.dtype) and v.is_floating_point]
+    found += [{"half": torch.float16, "bfloat16": torch.bfloat16}[n.target] for n in gm.graph.nodes
+              if n.op == "call_method" and n.target in ("half", "bfloat16")]
+    found += [t.dtype for t in [*gm.parameters(), *gm.buffers()] if t.dtype.is_floating_point and not t.is_quantized]
+    low = max(found, key=lambda d: torch.finfo(d).eps, default=None)
+    return None if low in (None, torch.float64) else low
+
+
+def _float64_dtype(v: Any) -> Any:
+    return torch.float64 if isinstance(v, torch.dtype) and v.is_floating_point else v
+
+
+def _run(gm: fx.GraphModule, inputs: tuple, widen: bool = False) -> tuple:
+    rec = (_Widening if widen else _Recorder)(gm)
     with torch.no_grad(), seeded(0):
         out = rec.run(*[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs])
     return out, rec.seen
@@ -356,7 +399,8 @@ class _Checker:
         """Approximate rules again in float64, where rounding cannot hide a wrong
         formula. A rule that does not fire there (a where clause pins the dtype:
         ``dtype(x) == torch.float32``) has what it rewrote to, ``rewritten``, run in
-        float64 instead, unless that graph cannot run in float64 (a cast it makes)."""
+        float64 instead; one that casts to a dtype of its own runs with every float
+        value widened to float64, the original too (``_compare_widened``)."""
         if not all(not isinstance(t, torch.Tensor) or t.dtype.is_floating_point for t in inst.example_inputs):
             return
         gm = copy.deepcopy(inst.graph_module).to(torch.float64)
@@ -372,14 +416,42 @@ class _Checker:
         try:
             got, _ = _run(widened, inputs)
             wanted, _ = _run(gm, inputs)
+            dtypes = [getattr(t, "dtype", None) for t in pytree.tree_leaves(got)]
+            same = dtypes == [getattr(t, "dtype", None) for t in pytree.tree_leaves(wanted)]
         except Exception:  # noqa: BLE001 - its replacement computes in a dtype of its own
+            same = False
+        if same:
+            self._compare(inst64, widened, inputs, "approx")
+        else:  # it casts to a dtype of its own (a float16 lowering): widen its casts too
+            self._compare_widened(inst64, widened, inputs, _lowest_cast(rewritten))
+
+    def _compare_widened(self, inst: Instance, rewritten: fx.GraphModule, inputs: tuple,
+                         narrow: torch.dtype | None) -> None:
+        """Both graphs in float64 with every float value widened to float64 as it is
+        made, so the replacement's own casts (``to(x, torch.bfloat16)``) round nothing
+        and cannot hide a wrong formula behind their rounding error. Inputs and the
+        original's constants are rounded to ``narrow`` first, as the replacement's
+        folded constants (``w_cast``) already are."""
+        original = inst.graph_module
+        if narrow is not None:
+            inputs = tuple(_round_to(t, narrow) for t in inputs)
+            original = copy.deepcopy(original)
+            with torch.no_grad():
+                for t in [*original.parameters(), *original.buffers()]:
+                    if t.dtype.is_floating_point and not t.is_quantized:
+                        t.copy_(_round_to(t, narrow))
+        try:
+            ref, ref_seen = _run(original, inputs, widen=True)
+            got, got_seen = _run(rewritten, inputs, widen=True)
+        except Exception:  # noqa: BLE001 - ops that take no float64 (quantized kernels)
             self.counts["float64 unchecked"] += 1
             return
-        dtypes = [getattr(t, "dtype", None) for t in pytree.tree_leaves(got)]
-        if dtypes != [getattr(t, "dtype", None) for t in pytree.tree_leaves(wanted)]:
-            self.counts["float64 unchecked"] += 1  # it casts to a dtype of its own (a float16 lowering)
-            return
-        self._compare(inst64, widened, inputs, "approx")
+        seen = [*ref_seen.values(), *got_seen.values()]
+        problem = _overflow(ref, got) or _differ(ref, got, "approx", torch.float64, _quantum(seen))
+        if problem is not None:
+            problem += " (in float64, the replacement's own casts widened to float64)"
+            cex = self._cex(inst, "mismatch", problem, rewritten, ref_seen, got_seen)
+            raise _Failure(attrs.evolve(cex, expected=_show(ref, full=True), got=_show(got, full=True)))
 
     def _compare(self, inst: Instance, rewritten: fx.GraphModule, inputs: tuple, tolerance: str) -> bool:
         """Raise ``_Failure`` when the outputs differ; False when the original itself
@@ -723,7 +795,12 @@ def verify_rule(ruleset: Any, rule: CompiledRule | str, *, max_examples: int = 1
                + (f" ({counts['invalid']} more were no valid instance: {checker.last_discard})"
                   if counts["invalid"] else ""))
         return RuleVerdict(status="skipped", reason=why, generated=counts["generated"], **verdict)
-    return RuleVerdict(status="ok", checked=counts["checked"], generated=counts["generated"], **verdict)
+    # an approximate rule whose float64 recheck could not run (quantized kernels take no
+    # float64) was checked at its own precision only: the verdict says so
+    note = (f"float64 recheck not run on {counts['float64 unchecked']} of {counts['checked']} instances"
+            if counts["float64 unchecked"] else "")
+    return RuleVerdict(status="ok", checked=counts["checked"], generated=counts["generated"], reason=note,
+                       **verdict)
 
 
 class _GiveUp(BaseException):
