@@ -435,11 +435,7 @@ class _Checker:
         original = inst.graph_module
         if narrow is not None:
             inputs = tuple(_round_to(t, narrow) for t in inputs)
-            original = copy.deepcopy(original)
-            with torch.no_grad():
-                for t in [*original.parameters(), *original.buffers()]:
-                    if t.dtype.is_floating_point and not t.is_quantized:
-                        t.copy_(_round_to(t, narrow))
+            original = _rounded_copy(original, narrow)
         try:
             ref, ref_seen = _run(original, inputs, widen=True)
             got, got_seen = _run(rewritten, inputs, widen=True)
@@ -539,15 +535,20 @@ def _round_to(t: Any, dtype: torch.dtype) -> Any:
     return t
 
 
-def _run_rounded(gm: fx.GraphModule, inputs: tuple, dtype: torch.dtype) -> Any:
-    """The graph's outputs on inputs and constants rounded to ``dtype`` (and back)."""
+def _rounded_copy(gm: fx.GraphModule, dtype: torch.dtype) -> fx.GraphModule:
+    """A copy of ``gm`` whose float constants are rounded to ``dtype`` (and back)."""
     rounded = copy.deepcopy(gm)
     with torch.no_grad():
         for t in [*rounded.parameters(), *rounded.buffers()]:
             if t.dtype.is_floating_point and not t.is_quantized:
                 t.copy_(_round_to(t, dtype))
+    return rounded
+
+
+def _run_rounded(gm: fx.GraphModule, inputs: tuple, dtype: torch.dtype) -> Any:
+    """The graph's outputs on inputs and constants rounded to ``dtype`` (and back)."""
     try:
-        return _run(rounded, tuple(_round_to(t, dtype) for t in inputs))[0]
+        return _run(_rounded_copy(gm, dtype), tuple(_round_to(t, dtype) for t in inputs))[0]
     except Exception:  # noqa: BLE001 - no rounded reference: the comparison stands
         return None
 
