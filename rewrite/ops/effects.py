@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.nn.modules import module as nn_module
 from torch.utils import _pytree as pytree
 
 from rewrite.ops.base import attribute, by_identity, nodes_by_target, submodule
@@ -128,18 +129,21 @@ def may_alias(node: fx.Node, gm: Any) -> bool:
     target = node.target
     if node.op == "call_module":
         module = _module(node, gm)
-        if module is None:
-            return True
-        from torch.ao.quantization.observer import ObserverBase
-
-        return (type(module).__name__ in ALIASING_MODULES or isinstance(module, ObserverBase)
-                or bool(getattr(module, "inplace", False)) or not _torch_module(module))
+        return True if module is None else _module_may_alias(module)
     if node.op not in ("call_function", "call_method"):
         return False
     by_schema, aliases = _target_aliasing(target)
     if aliases and op_name(target) == "einsum" and _einsum_operands(node) > 1:
         return False  # a product of two operands is new memory; one operand may be viewed ("ij->ji")
     return aliases or (not by_schema and bool(written_args(node, gm)))
+
+
+def _module_may_alias(module: Any) -> bool:
+    """``may_alias`` of a ``call_module`` node calling ``module``."""
+    from torch.ao.quantization.observer import ObserverBase
+
+    return (type(module).__name__ in ALIASING_MODULES or isinstance(module, ObserverBase)
+            or bool(_module_setting(module, "inplace", False)) or not _torch_module(module))
 
 
 def _einsum_operands(node: fx.Node) -> int:
@@ -186,16 +190,43 @@ def _runs_torch_code_only(module: Any) -> bool:
     its own, and no function it holds comes from elsewhere: a torch wrapper runs
     the code it is given (``nn.DataParallel(model)``, ``nn.TransformerEncoder`` of a
     user's layer, ``TransformerEncoderLayer(activation=my_fn)``)."""
+    if not module._modules:  # a leaf, the common case: no submodule to walk
+        return not _holds_foreign_function(module)
     for m in module.modules():
         kind = type(m)
         if m is not module and (kind not in _BUILT_MODULE_TYPES and not (kind.__module__ or "").startswith("torch.")
                                 or m._forward_hooks or m._forward_pre_hooks):
             return False
-        for value in m.__dict__.values():
-            if callable(value) and not isinstance(value, (torch.nn.Module, torch.Tensor, type)) \
-                    and not _torch_function(value):
-                return False
+        if _holds_foreign_function(m):
+            return False
     return True
+
+
+def _holds_foreign_function(module: Any) -> bool:
+    """A function from outside torch among ``module``'s attributes (most hold none
+    that can be called: one pass at C speed says so)."""
+    values = module.__dict__.values()
+    if not any(map(callable, values)):
+        return False
+    return any(callable(value) and not isinstance(value, (torch.nn.Module, torch.Tensor, type))
+               and not _torch_function(value) for value in values)
+
+
+def _module_setting(module: Any, name: str, default: Any) -> Any:
+    """``getattr(module, name, default)`` without ``Module.__getattr__``'s raised
+    AttributeError for the usual answer, an attribute the module does not have
+    (``inplace`` of a convolution)."""
+    own = module.__dict__
+    found = own.get(name, _ABSENT)
+    if found is not _ABSENT:
+        return found
+    if hasattr(type(module), name) or name in own.get("_parameters", ()) or name in own.get("_buffers", ()) \
+            or name in own.get("_modules", ()):
+        return getattr(module, name)
+    return default
+
+
+_ABSENT = object()
 
 
 def _torch_function(fn: Any) -> bool:
@@ -396,7 +427,7 @@ def written_args(node: fx.Node, gm: Any) -> tuple:
         module = _module(node, gm)
         if module is None or _module_writes_arguments(module):
             return _every_argument(node)
-        return _first_argument(node) if getattr(module, "inplace", False) else ()
+        return _first_argument(node) if _module_setting(module, "inplace", False) else ()
     if op not in ("call_function", "call_method"):
         return ()
     target = node.target
@@ -682,7 +713,7 @@ def module_writes_own_state(module: Any) -> bool:
         return True
     if isinstance(module, torch.nn.modules.batchnorm._NormBase):
         return module.training and module.track_running_stats
-    return getattr(module, "max_norm", None) is not None
+    return _module_setting(module, "max_norm", None) is not None
 
 
 #: dropout spellings, and where their "drop" flag sits: (position, keyword, default)
@@ -781,8 +812,6 @@ _HARMLESS_HOOK_MODULES = frozenset({"torch.export._unlift"})
 
 
 def _global_hooks() -> bool:
-    from torch.nn.modules import module as nn_module
-
     return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
 
 
@@ -912,6 +941,15 @@ def state_writes(gm: Any) -> "frozenset[int] | None":
                 written |= {id(t) for t in module_written_state(module)} | args
                 aliases[node] = own | args
                 continue
+            # what ``written_args`` and ``may_alias`` answer for a module, asked once
+            if _module_writes_arguments(module):
+                written |= args
+            elif _module_setting(module, "inplace", False):
+                for key in _first_argument(node):
+                    written |= of(node.args[key] if isinstance(key, int) else node.kwargs[key])
+            if _module_may_alias(module):
+                aliases[node] = args
+            continue
         target = node.target
         if isinstance(target, torch._ops.OpOverload):  # its schema answers for every node
             known = overloads.get(id(target))
