@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -129,21 +129,13 @@ def may_alias(node: fx.Node, gm: Any) -> bool:
     target = node.target
     if node.op == "call_module":
         module = _module(node, gm)
-        return True if module is None else _module_may_alias(module)
+        return True if module is None else module_effects(module)[2]
     if node.op not in ("call_function", "call_method"):
         return False
     by_schema, aliases = _target_aliasing(target)
     if aliases and op_name(target) == "einsum" and _einsum_operands(node) > 1:
         return False  # a product of two operands is new memory; one operand may be viewed ("ij->ji")
     return aliases or (not by_schema and bool(written_args(node, gm)))
-
-
-def _module_may_alias(module: Any) -> bool:
-    """``may_alias`` of a ``call_module`` node calling ``module``."""
-    from torch.ao.quantization.observer import ObserverBase
-
-    return (type(module).__name__ in ALIASING_MODULES or isinstance(module, ObserverBase)
-            or bool(_module_setting(module, "inplace", False)) or not _torch_module(module))
 
 
 def _einsum_operands(node: fx.Node) -> int:
@@ -181,8 +173,7 @@ def _torch_module(module: Any) -> bool:
     module factory built (``note_built_module``), not one of the input's own; and
     one that runs only torch's code (``_runs_torch_code_only``)."""
     kind = type(module)
-    return kind in _BUILT_MODULE_TYPES or ((kind.__module__ or "").startswith("torch.")
-                                           and _runs_torch_code_only(module))
+    return kind in _BUILT_MODULE_TYPES or (_module_kind(kind).from_torch and _runs_torch_code_only(module))
 
 
 def _runs_torch_code_only(module: Any) -> bool:
@@ -528,10 +519,7 @@ def _module_writes_arguments(module: Any) -> bool:
     """Calling ``module`` may write what it is given beyond what its ``inplace``
     says: a hook (or a global one) may do anything, a container runs modules that
     may be in place, a module of the model's own runs code nothing describes."""
-    if module._forward_hooks or module._forward_pre_hooks or _global_hooks():
-        return True
-    return not _torch_module(module) or isinstance(module, (torch.nn.Sequential, torch.nn.ModuleList,
-                                                            torch.nn.ModuleDict))
+    return module_effects(module)[1]
 
 
 def _keyword_names(target: Any, position: int, name: str) -> tuple:
@@ -704,16 +692,50 @@ def module_writes_own_state(module: Any) -> bool:
     renormalizing rows (``max_norm``), a module with forward hooks, and any module
     that is not one of torch's own leaf modules (a user module, an observer, a
     container, an RNN, a lazy module)."""
-    kind = type(module)
-    if module._forward_hooks or module._forward_pre_hooks or _global_hooks():
-        return True  # a hook may do anything (the old spectral_norm updates a buffer)
-    if not kind.__module__.startswith(_TORCH_MODULES) or isinstance(module, (
-            torch.nn.modules.lazy.LazyModuleMixin, torch.nn.RNNBase, torch.nn.Sequential,
-            torch.nn.ModuleList, torch.nn.ModuleDict)) or not _runs_torch_code_only(module):
-        return True
-    if isinstance(module, torch.nn.modules.batchnorm._NormBase):
-        return module.training and module.track_running_stats
-    return _module_setting(module, "max_norm", None) is not None
+    return module_effects(module)[0]
+
+
+def module_effects(module: Any) -> "tuple[bool, bool, bool]":
+    """(``module_writes_own_state``, ``_module_writes_arguments``, whether its result
+    may share memory with its input) of a call of ``module``, read at one look: a
+    graph walk (``state_writes``) asks all three of every ``call_module`` node."""
+    # a hook may do anything (the old spectral_norm updates a buffer)
+    hooked = bool(module._forward_hooks or module._forward_pre_hooks or _global_hooks())
+    cls = type(module)
+    kind = _module_kind(cls)
+    code_only = _runs_torch_code_only(module)
+    torch_module = cls in _BUILT_MODULE_TYPES or (kind.from_torch and code_only)
+    if hooked or not kind.plain_leaf or not code_only:
+        own = True
+    elif kind.norm:
+        own = bool(module.training and module.track_running_stats)
+    else:
+        own = _module_setting(module, "max_norm", None) is not None
+    aliasing = kind.aliasing or bool(_module_setting(module, "inplace", False)) or not torch_module
+    return own, hooked or not torch_module or kind.container, aliasing
+
+
+class _ModuleKind(NamedTuple):
+    """What a module's class tells of its calls, whatever the instance."""
+
+    from_torch: bool  # torch defines it
+    plain_leaf: bool  # one of torch's leaf modules (no lazy, RNN or container)
+    container: bool  # Sequential, ModuleList, ModuleDict: runs the modules it holds
+    norm: bool  # batch or instance norm: running statistics
+    aliasing: bool  # may return its input (``ALIASING_MODULES``, an observer)
+
+
+@functools.lru_cache(maxsize=1024)
+def _module_kind(kind: type) -> _ModuleKind:
+    """Read once per class (a symbolic_trace graph asks per ``call_module`` node)."""
+    from torch.ao.quantization.observer import ObserverBase
+
+    where = kind.__module__ or ""
+    container = issubclass(kind, (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict))
+    special = container or issubclass(kind, (torch.nn.modules.lazy.LazyModuleMixin, torch.nn.RNNBase))
+    return _ModuleKind(where.startswith("torch."), where.startswith(_TORCH_MODULES) and not special, container,
+                       issubclass(kind, torch.nn.modules.batchnorm._NormBase),
+                       kind.__name__ in ALIASING_MODULES or issubclass(kind, ObserverBase))
 
 
 #: dropout spellings, and where their "drop" flag sits: (position, keyword, default)
@@ -936,18 +958,19 @@ def state_writes(gm: Any) -> "frozenset[int] | None":
             module = _module(node, gm)
             if module is None:
                 return None
-            if module_writes_own_state(module):
+            writes_own_state, writes_arguments, aliasing = module_effects(module)
+            if writes_own_state:
                 own = {id(t) for t in [*module.parameters(), *module.buffers()]}
                 written |= {id(t) for t in module_written_state(module)} | args
                 aliases[node] = own | args
                 continue
-            # what ``written_args`` and ``may_alias`` answer for a module, asked once
-            if _module_writes_arguments(module):
+            # what ``written_args`` and ``may_alias`` answer for a module, read once
+            if writes_arguments:
                 written |= args
             elif _module_setting(module, "inplace", False):
                 for key in _first_argument(node):
                     written |= of(node.args[key] if isinstance(key, int) else node.kwargs[key])
-            if _module_may_alias(module):
+            if aliasing:
                 aliases[node] = args
             continue
         target = node.target
