@@ -29,6 +29,7 @@ from typing import Any, Callable
 import attrs
 import torch
 import torch.fx as fx
+from torch.nn.modules import module as nn_module
 
 __all__ = [
     "REQUIRED", "Param", "Instances", "OpDef", "ConstRef", "Bound", "Form", "FunctionForm", "attribute",
@@ -157,10 +158,8 @@ def node_key(node: fx.Node, gm: Any) -> Any:
 
 def _hooked(module: Any) -> bool:
     """A hook of the module's own, or a global one, runs around its forward."""
-    from torch.nn.modules import module as nn_module
-
     return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or getattr(module, "_backward_pre_hooks", None) or nn_module._global_forward_hooks
+                or module.__dict__.get("_backward_pre_hooks") or nn_module._global_forward_hooks
                 or nn_module._global_forward_pre_hooks or nn_module._global_backward_hooks
                 or nn_module._global_backward_pre_hooks or nn_module._global_forward_hooks_always_called)
 
