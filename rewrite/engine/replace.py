@@ -368,10 +368,12 @@ class Replacer:
         if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
             return
         metas = [self.facts.meta(n, record=False) for n in (root, a, b)]
-        if any(getattr(m, "shape", None) is None for m in metas) or len({tuple(m.shape) for m in metas}) != 1:
+        if any(getattr(m, "shape", None) is None for m in metas):
             return
-        want, first, second = (addressing(m) for m in metas)
-        if want is not None and first != want and second == want:
+        want, first, second = (addressing(m) for m in metas)  # None for symbolic sizes or strides
+        if want is None or any(tuple(m.shape) != tuple(metas[0].shape) for m in metas):
+            return
+        if first != want and second == want:
             result.args = (b, a)
             for key in ("val", FACTS_KEY):  # inferred with the operands as they were
                 result.meta.pop(key, None)

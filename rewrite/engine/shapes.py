@@ -292,7 +292,10 @@ def addressing(meta: Any) -> tuple | None:
     recorded or symbolic. Two values with equal addressing are laid out alike."""
     stride = getattr(meta, "stride", None)
     try:
-        stride = tuple(int(s) for s in (stride() if callable(stride) else stride))
-        return tuple(st if int(n) > 1 else None for n, st in zip(meta.shape, stride))
+        stride = tuple(stride() if callable(stride) else stride)
+        shape = tuple(meta.shape)
+        if any(isinstance(v, torch.SymInt) for v in (*stride, *shape)):
+            return None  # int() would guard the graph's ShapeEnv on the example's sizes
+        return tuple(int(st) if int(n) > 1 else None for n, st in zip(shape, stride))
     except (TypeError, ValueError, RuntimeError, NotImplementedError):
         return None

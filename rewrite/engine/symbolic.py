@@ -43,9 +43,10 @@ def deciding(env: Any) -> Iterator[None]:
         return
 
     def evaluate_sym_node(sym_node: Any, size_oblivious: bool = False, fallback_value: Any = None) -> Any:
-        static = env._maybe_evaluate_static(sym_node.expr, size_oblivious=size_oblivious)
-        if static is None:
-            raise SymbolicUnknown(str(sym_node.expr))
+        expr = sym_node.expr
+        static = env._maybe_evaluate_static(expr, size_oblivious=size_oblivious)
+        if static is None or not _holds_for_zero_and_one(env, expr, static):
+            raise SymbolicUnknown(str(expr))
         return static
 
     env.evaluate_sym_node = evaluate_sym_node  # this ShapeEnv only, for this block
@@ -53,3 +54,27 @@ def deciding(env: Any) -> Iterator[None]:
         yield
     finally:
         del env.evaluate_sym_node
+
+
+def _holds_for_zero_and_one(env: Any, expr: Any, static: Any) -> bool:
+    """Whether ``static``, the ShapeEnv's answer for ``expr``, also holds when its sizes
+    are 0 or 1. A ShapeEnv that specializes 0 and 1 (export's, dynamo's) assumes
+    every size symbol is at least 2, while the program accepts sizes down to its
+    ``Dim``'s ``min`` (``Dim("B", min=1)``: ``ep.range_constraints`` says 1, the
+    graph's ShapeEnv 2): ``shape(x)[0] == 1`` is not False for every size there."""
+    if not getattr(env, "specialize_zero_one", False):
+        return True
+    ranges = env.var_to_range
+    assumed = [s for s in getattr(expr, "free_symbols", ()) if getattr(ranges.get(s), "lower", None) == 2]
+    if not assumed:
+        return True
+    import sympy
+
+    for size in (0, 1):
+        try:
+            value = env._maybe_evaluate_static(expr.xreplace({s: sympy.Integer(size) for s in assumed}))
+        except Exception:  # noqa: BLE001 - a size of 0 may divide by zero: not decided
+            return False
+        if value is None or bool(value != static):
+            return False
+    return True

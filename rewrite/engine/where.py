@@ -79,7 +79,36 @@ def _same_operand(a: Any, b: Any) -> bool:
 def _equal(a: Any, b: Any) -> bool:
     if isinstance(a, Value):
         return _same_operand(a.operand, getattr(b, "operand", b))
+    if _symbolic(a) or _symbolic(b):
+        return _symbolic_equal(a, b)
     return same_arg(a, b)
+
+
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _symbolic(v: Any) -> bool:
+    """A symbolic size (``s17``), or a list of values holding one (a shape)."""
+    if isinstance(v, (list, tuple)):
+        return any(_symbolic(x) for x in v)
+    return isinstance(v, _SYMBOLIC)
+
+
+def _symbolic_equal(a: Any, b: Any) -> bool:
+    """``same_arg`` where a side holds symbolic sizes: asked of the ShapeEnv (a
+    where clause runs under ``rewrite.engine.symbolic.deciding``), so a size equal
+    to a literal for some sizes only makes the clause unknown, never False (``!=``
+    would then hold for the example's own size)."""
+    sequences = isinstance(a, (list, tuple)), isinstance(b, (list, tuple))
+    if all(sequences):
+        return len(a) == len(b) and all(_symbolic_equal(x, y) for x, y in zip(a, b))
+    if any(sequences):  # a per-dimension int equals its expansion (same_arg)
+        one, many = (b, a) if sequences[0] else (a, b)
+        return bool(many) and isinstance(one, (int, torch.SymInt)) and not isinstance(one, bool) \
+            and all(_symbolic_equal(one, m) for m in many)
+    if isinstance(a, (fx.Node, torch.Tensor)) or isinstance(b, (fx.Node, torch.Tensor)):
+        return a is b
+    return bool(a == b)
 
 
 _COMPARE = {

@@ -164,10 +164,12 @@ def recordable(gm: Any) -> bool:
             return False  # no metadata: the size is not known
         for t in (val,) if isinstance(val, torch.Tensor) else pytree.tree_leaves(val):
             if isinstance(t, torch.Tensor):
-                try:
-                    total += int(t.numel()) * t.element_size()
-                except Exception:  # noqa: BLE001 - a symbolic size: not known to fit
-                    return False
+                numel = t.numel()
+                if isinstance(numel, torch.SymInt):  # int() would guard the graph's ShapeEnv
+                    numel = numel.node.hint
+                    if numel is None:
+                        return False  # no example size: not known to fit
+                total += int(numel) * t.element_size()
     return total <= MAX_RECORDED_BYTES
 
 

@@ -1,0 +1,78 @@
+"""Where clauses and replacements on torch.export graphs with dynamic sizes.
+
+A size symbol's value is not a fact: a clause about it holds only if it holds for
+every size the program accepts, including the 0 and 1 that the graph's ShapeEnv
+assumes away (its ranges start at 2 while ``Dim(min=1)`` accepts 1)."""
+
+import pytest
+import torch
+from torch import nn
+from torch.export import Dim
+
+import rewrite
+
+
+class Double(nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+class SqueezeFirst(nn.Module):
+    def forward(self, x):
+        return torch.squeeze(x, 0) * 2
+
+
+def _dynamic(model, x, low=1):
+    return torch.export.export(model, (x,), dynamic_shapes=({0: Dim("B", min=low, max=64)},)).module()
+
+
+@pytest.mark.parametrize("clause", ["shape(x)[0] != 8", "not shape(x)[0] == 8", "shape(x)[0] != 3"])
+def test_inequality_with_a_symbolic_size_is_unknown(clause):
+    x = torch.randn(8, 5)
+    gm = _dynamic(Double(), x)
+    rules = rewrite.parse(f"rule r(change=True): mul(x, 2) where {clause} => neg(mul(x, -2))")
+    assert rules.apply(gm, example_inputs=(x,), check=False).counts == {}
+
+
+def test_a_size_the_shape_env_assumes_away_is_not_decided():
+    # the graph's ShapeEnv ranges B over [2, 64]; the program accepts B = 1
+    x = torch.randn(8, 5)
+    gm = _dynamic(SqueezeFirst(), x, low=1)
+    rules = rewrite.parse("rule sq(shared=True): squeeze(x, 0) where not shape(x)[0] == 1 => x")
+    result = rules.apply(gm, example_inputs=(x,))
+    assert result.counts == {}
+    one = torch.randn(1, 5)
+    assert result.graph_module(one).shape == gm(one).shape == (5,)
+
+
+def test_static_sizes_of_a_dynamic_graph_still_decide():
+    x = torch.randn(8, 5)
+    gm = _dynamic(Double(), x)
+    rules = rewrite.parse("rule r(change=True): mul(x, 2) where shape(x)[1] == 5 => neg(mul(x, -2))")
+    result = rules.apply(gm, example_inputs=(x,), check=False)
+    assert result.counts == {"r": 1}
+    for batch in (1, 3, 8):
+        y = torch.randn(batch, 5)
+        torch.testing.assert_close(result.graph_module(y), gm(y))
+
+
+def test_a_new_two_operand_op_on_symbolic_sizes():
+    # the operand order of a new add is chosen by layout: no shape of symbols is hashed
+    x = torch.randn(8, 5)
+    gm = _dynamic(Double(), x, low=2)
+    result = rewrite.parse("rule r: mul(x, 2) => add(x, x)").apply(gm, example_inputs=(x,))
+    assert result.counts == {"r": 1}
+    assert any(n.target is torch.ops.aten.add.Tensor for n in result.graph_module.graph.nodes)
+    for batch in (2, 5, 64):
+        y = torch.randn(batch, 5)
+        torch.testing.assert_close(result.graph_module(y), gm(y))
+
+
+def test_no_guard_is_added_to_the_callers_shape_env():
+    x = torch.randn(8, 5)
+    gm = _dynamic(Double(), x, low=2)
+    val = next(n for n in gm.graph.nodes if n.op == "placeholder").meta["val"]
+    env = val.shape[0].node.shape_env
+    before = len(env.guards)
+    rewrite.parse("rule r: mul(x, 2) => add(x, x)").apply(gm, example_inputs=(x,))
+    assert len(env.guards) == before
