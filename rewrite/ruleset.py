@@ -299,8 +299,10 @@ class RuleSet:
         self._warn_hidden(original)
         example_inputs = tuple(example_inputs) if example_inputs is not None else None
         # one pause of the cyclic collector for the whole call: paused separately, the
-        # copy's young objects were collected once between copying and rewriting
-        with gc_paused():
+        # copy's young objects were collected once between copying and rewriting.
+        # Outside inference mode: a constant a rule computes (a folded weight) is then
+        # a plain tensor, which the result can use anywhere, autograd included.
+        with gc_paused(), torch.inference_mode(False):
             txn = _Transaction(self, original, example_inputs, max_rewrites, shuffle_seed, inplace, checked=check)
             try:
                 return self._apply(txn, model, original, example_inputs, check, trials, rtol, atol, on_mismatch)
@@ -706,7 +708,26 @@ def _remove_unused(gm: fx.GraphModule, released_nodes: list, released_targets: s
             continue
         if attr in owner._parameters or attr in owner._buffers or attr in owner._modules:
             delattr(owner, attr)
-    gm.delete_all_unused_submodules()
+            _delete_emptied_owners(gm, owner_name, used_or_under)
+
+
+def _delete_emptied_owners(gm: fx.GraphModule, name: str, used_or_under: set) -> None:
+    """Delete the module ``name`` and then its owners, up to the first one that is
+    referenced, holds something still (a parameter, a buffer, a submodule) or is
+    ``gm``: containers the rewrite emptied (export's ``layer1.0`` of folded weights).
+    A submodule the graph never called (a head the caller attached) stays."""
+    while name and name not in used_or_under:
+        owner_name, _, attr = name.rpartition(".")
+        try:
+            module = gm.get_submodule(name)
+            owner = gm.get_submodule(owner_name) if owner_name else gm
+        except AttributeError:
+            return
+        if any(v is not None for table in (module._parameters, module._buffers, module._modules)
+               for v in table.values()):
+            return
+        delattr(owner, attr)
+        name = owner_name
 
 
 def rules_dir() -> Path:

@@ -425,6 +425,11 @@ class Journal:
         if user not in self._rewired:
             self._rewired.add(user)
             self._entries.append((2, user, None, user.args, user.kwargs))
+            # undo gives ``user`` its arguments back, which makes it a reader of each
+            # of them anew (last): the order of their readers is put back after
+            for i in user._input_nodes:
+                if i not in self._users:
+                    self._users[i] = list(i.users)
         if old not in self._users:
             self._users[old] = list(old.users)
 

@@ -1514,7 +1514,8 @@ class Reference:
         need them afterwards."""
         if tolerance != "exact":
             self.stop_recording()  # see _check
-        with gc_paused(), preserved_state(self.fn, runs_only=True, watches=(self.watch(),)) as state, \
+        with gc_paused(), torch.inference_mode(False), \
+                preserved_state(self.fn, runs_only=True, watches=(self.watch(),)) as state, \
                 running_as_graph(self.fn, force=self._records(), runner=self._recorder()):
             for t in range(trials):
                 if not self.repeats(t):
@@ -1574,7 +1575,10 @@ def check_equivalence(reference: Callable, candidate: Callable, example_inputs: 
     # The runs allocate a tensor per node: the cyclic collector would traverse every
     # live object again and again (a full collection on a 10k-node graph: ~0.4 s)
     # for garbage that reference counting frees anyway.
-    with gc_paused():
+    # Under ``torch.inference_mode`` the private copies of the inputs would be
+    # inference tensors, which keep no version counter: the check runs outside it
+    # (the models compute the same values; a copy of an inference tensor is a plain one).
+    with gc_paused(), torch.inference_mode(False):
         return _check(reference, candidate, trials, rtol, atol, tolerance, int_agreement, gradients)
 
 
