@@ -663,3 +663,32 @@ def test_an_empty_tensor_gets_no_observer(capture):
     int8 = rq.convert(observed)
     assert rq.coverage(int8).count("linear") == (2, 2)
     assert rq.sqnr(model(x), int8(x)) > 20
+
+
+class _ReturnedAndViewed(nn.Module):
+    """``c``'s output is returned and viewed: the view aliases it, so no reshape may
+    take its place, and an int8 kernel's channels_last output cannot be viewed."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(3, 3, 1)
+        self.d = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        b = self.c(x)
+        return b, b.view(b.shape[0], -1), self.d(torch.relu(b))
+
+
+def test_a_lowering_the_int8_model_cannot_run_is_rolled_back():
+    torch.manual_seed(0)
+    model, x = _ReturnedAndViewed().eval(), torch.randn(2, 3, 4, 4)
+    gm = torch.export.export(model, (x,)).module()
+    int8 = rq.quantize(gm, [(torch.randn_like(x),) for _ in range(4)])
+    report = rq.coverage(int8)
+    assert "1 of 2 convs" in str(report)
+    assert "rolled back" in str(report)
+    out, ref = int8(x), model(x)
+    assert [t.shape for t in out] == [t.shape for t in ref]
+    for o, r in zip(out, ref):
+        assert rq.sqnr(r, o) > 20
+    assert out[1].untyped_storage().data_ptr() == out[0].untyped_storage().data_ptr()  # still aliased

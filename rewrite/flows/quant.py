@@ -514,11 +514,17 @@ def convert(
         warnings.simplefilter("ignore", UserWarning)  # torch warns that quantized dtypes are deprecated
         low_result = _as_rules(lower_rules, "lower").apply(qdq, args, check=False)
     int8 = low_result.graph_module
+    if check and args is not None:
+        try:
+            with torch.no_grad(), _checking(qdq, int8):
+                ref, out = _runs_alike(qdq, int8, args)
+        except Exception:  # noqa: BLE001 - a lowering the model cannot run: found and left out below
+            low_result, int8 = _lower_what_runs(qdq, args, lower_rules)
+            with torch.no_grad(), _checking(qdq, int8):
+                ref, out = _runs_alike(qdq, int8, args)
     _name_int8_modules(int8, points)
     state.update(lower_counts=dict(low_result.counts), coverage=coverage(int8))
     if check and args is not None:
-        with torch.no_grad(), _checking(qdq, int8):
-            ref, out = _runs_alike(qdq, int8, args)
         pairs = _float_pairs(ref, out)
         # integer outputs (argmax, indices) downstream of int8 kernels: the share of
         # elements equal to the QDQ reference's
@@ -536,6 +542,22 @@ def convert(
         qdq.meta[_META] = dict(state)
         return int8, qdq
     return int8
+
+
+def _lower_what_runs(qdq: fx.GraphModule, args: tuple, lower_rules: Any) -> tuple:
+    """Lowering again, with the check rolling back each application the int8 model
+    cannot run with (an int8 kernel's channels_last output read by a ``view`` that
+    another output aliases, so no reshape may take its place): those ops stay in
+    float. Returns the result and its module."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # quantized dtypes; "rolled back ..."
+        result = _as_rules(lower_rules, "lower").apply(qdq, args, on_mismatch="skip-rule")
+    result.graph_module.meta[_ROLLED_BACK] = {r.node: r.rule for r in result.rejected}
+    return result, result.graph_module
+
+
+#: GraphModule.meta key: root node name -> the lowering rule rolled back there
+_ROLLED_BACK = "rewrite_quant_rolled_back"
 
 
 def _checking(*models: fx.GraphModule) -> Any:
@@ -775,6 +797,10 @@ def _float_reason(node: fx.Node, op: str, bound: Any, gm: fx.GraphModule) -> str
     """Why a conv / linear of the int8 model still runs in float."""
     from rewrite.functions.quant import conv_padding_problem
 
+    rolled_back = gm.meta.get(_ROLLED_BACK, {})
+    rule = next((rolled_back[n.name] for n in (node, *node.users) if n.name in rolled_back), None)
+    if rule is not None:
+        return f"lowered by {rule}, rolled back: the int8 model could not run so (raised or diverged)"
     args = bound.args
     x = args.get("input")
     is_const, w = _weight_of(args.get("weight"), gm)
