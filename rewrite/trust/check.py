@@ -956,7 +956,7 @@ def _compare_tensor(path: str, trial: int, ref: torch.Tensor, cand: Any, kind: s
                     compute_dtype: Optional[torch.dtype] = None,
                     agreement: Optional[float] = None,
                     noise: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
-                    quantum: float = 0.0) -> Tuple[float, float, Optional[Mismatch]]:
+                    quantum: float = 0.0, unit: float = 1.0) -> Tuple[float, float, Optional[Mismatch]]:
     """Compare one tensor (``rewrite.trust.tolerance``); ``compute_dtype``, the lowest
     precision the candidate computed in (a rewrite to bfloat16 casts back to float32
     at the end), loosens the tolerance to that dtype's when it is looser than the
@@ -969,6 +969,8 @@ def _compare_tensor(path: str, trial: int, ref: torch.Tensor, cand: Any, kind: s
     if compute_dtype is not None and compute_dtype.is_floating_point and ref.is_floating_point():
         tol_dtype = loosest((ref.dtype, compute_dtype), kind)
     tol = Tolerance.of(tol_dtype, kind, rtol, atol, quantum=quantum if kind == "approx" else 0.0)
+    if unit != tol.unit:
+        tol = attrs.evolve(tol, unit=unit)
     max_abs, max_rel, problem = compare_tensors(ref, cand, tol, agreement, noise, NOISE_MULTIPLIER)
     if problem is None:
         return max_abs, max_rel, None
@@ -981,7 +983,7 @@ def _compare(trial: int, ref_out: Any, cand_out: Any, kind: str, rtol: Optional[
              atol: Optional[float], compute_dtype: Optional[torch.dtype] = None,
              prefix: str = "output", agreement: Optional[float] = None,
              compute_dtypes: Optional[Tuple[Optional[torch.dtype], ...]] = None,
-             noises: Optional[Tuple[Any, ...]] = None, quantum: float = 0.0,
+             noises: Optional[Tuple[Any, ...]] = None, quantum: float = 0.0, unit: float = 1.0,
              ) -> Tuple[float, float, Optional[Mismatch]]:
     """Compare two outputs leaf by leaf (``quantum``: ``_compare_tensor``'s).
     ``compute_dtypes``: per leaf, the lower
@@ -1004,7 +1006,8 @@ def _compare(trial: int, ref_out: Any, cand_out: Any, kind: str, rtol: Optional[
             low = compute_dtypes[i] if compute_dtypes is not None else compute_dtype
             a, rel, mm = _compare_tensor(path, trial, r, c, kind, rtol, atol, low,
                                          agreement if low is not None else None,
-                                         noises[i] if noises is not None and i < len(noises) else None, quantum)
+                                         noises[i] if noises is not None and i < len(noises) else None, quantum,
+                                         unit)
         else:
             equal = type(r) is type(c) and (r == c or (isinstance(r, float) and math.isnan(r) and math.isnan(c)))
             a, rel = (0.0, 0.0) if equal else (math.inf, math.inf)
@@ -1439,6 +1442,15 @@ class Reference:
 
         return self._estimated(trial, None, state, estimate)
 
+    def precise(self, trial: int, state: Optional[_SavedState] = None) -> Optional[tuple]:
+        """Per output leaf, a float64 run of the reference on this trial's inputs and
+        the reference's own rounding error around each element (``rounding_noise``),
+        else None (no float64 run: an op without float64 kernels)."""
+        def estimate(ref: _Run, fn: Any, inputs: Any, seed: int) -> Optional[tuple]:
+            return rounding_noise(ref.outputs, widened_run(fn, inputs, seed, to_float64=True))
+
+        return self._estimated(trial, "float64", state, estimate)
+
     def narrowing_noise(self, trial: int, dtype: torch.dtype, state: Optional[_SavedState] = None) -> Optional[tuple]:
         """Per output leaf, how far the reference is, on this trial's inputs, from its
         own run under ``torch.autocast`` to ``dtype`` (``rewrite.trust.precision``:
@@ -1519,8 +1531,10 @@ class Reference:
                 running_as_graph(self.fn, force=self._records(), runner=self._recorder()):
             for t in range(trials):
                 if not self.repeats(t):
-                    self.run(t, dtypes=tolerance == "approx", state=state)
+                    run = self.run(t, dtypes=tolerance == "approx", state=state)
                     self.noise(t, state)
+                    if not lower and _below_unit(run.outputs, tolerance):  # _confirm_below_unit may ask
+                        self.precise(t, state)
                     for dtype in lower:
                         self.narrowing_noise(t, dtype, state)
                     if lower:  # a rewrite newly computing in half precision may let integers flip
@@ -1655,6 +1669,8 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
                     if share < 1.0 and mm is None:
                         mm = _flips_from_non_finite(t, reference, run_candidate, state)
             worst_abs, worst_rel = max(worst_abs, a), max(worst_rel, r)
+            if mm is None and rtol is None and atol is None and low is None and not quantum:
+                mm = _confirm_below_unit(t, reference, ref, cand, tolerance, state)
             if mm is None:
                 mm = _side_effects(t, ref, cand, tolerance, rtol, atol, low)
             if mm is None:
@@ -1668,6 +1684,37 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
             if mm is not None:
                 return EquivalenceReport(False, trials, worst_abs, worst_rel, mm, agreed, skipped)
     return EquivalenceReport(True, trials, worst_abs, worst_rel, None, agreed, skipped)
+
+
+def _confirm_below_unit(t: int, reference: "Reference", ref: _Run, cand: _Run, kind: str,
+                       state: Any) -> Optional[Mismatch]:
+    """A second look at outputs below 1: the table's ``atol`` is absolute there
+    (``Tolerance.unit``: the rounding of intermediate values about 1 that cancel), so
+    a softmax over many classes or an output scaled by 1e-6 would pass whatever it
+    is. Held to their own scale instead, they pass when the rewrite is within the
+    tolerance of a float64 run of the original, ``NOISE_MULTIPLIER`` times the
+    original's own rounding error around each element allowed on top (``precise``);
+    when no float64 run can be made, the unit stands."""
+    _, _, strict = _compare(t, ref.outputs, cand.outputs, kind, None, None, unit=0.0)
+    if strict is None:
+        return None
+    precise = reference.precise(t, state)
+    if precise is None:
+        return None
+    _, _, mm = _compare(t, ref.outputs, cand.outputs, kind, None, None, noises=precise, unit=0.0)
+    return mm
+
+
+def _below_unit(outputs: Any, kind: str) -> bool:
+    """Whether a floating output has elements whose local scale is below 1, where
+    ``_confirm_below_unit`` may take a second look."""
+    for leaf in pytree.tree_leaves(outputs):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and not leaf.is_quantized \
+                and leaf.numel():
+            floor = Tolerance.of(leaf.dtype, kind).floor
+            if float(local_scale(leaf.detach().to(torch.float64), floor).min()) < 1.0:
+                return True
+    return False
 
 
 def graph_quantum(fn: Any) -> float:

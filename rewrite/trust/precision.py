@@ -76,16 +76,17 @@ class _Widening:
     (parameters, buffers, inputs, constants): a write into one would be lost to the
     original tensor, which later reads would still see."""
 
-    def __init__(self) -> None:
+    def __init__(self, narrow: tuple = HALF, wide: torch.dtype = WIDE) -> None:
         self.copies: dict = {}  # storage address -> the copy (kept alive for the run)
+        self.narrow, self.wide = narrow, wide
 
     def widen(self, x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.dtype in HALF and not x.is_quantized:
-            wide = x.to(WIDE)
+        if isinstance(x, torch.Tensor) and x.dtype in self.narrow and not x.is_quantized:
+            wide = x.to(self.wide)
             self.copies[wide.untyped_storage()._cdata] = wide
             return wide
-        if isinstance(x, torch.dtype) and x in HALF:
-            return WIDE
+        if isinstance(x, torch.dtype) and x in self.narrow:
+            return self.wide
         return x
 
     def refuse_writes(self, func: Any, args: tuple, kwargs: dict) -> None:
@@ -97,7 +98,7 @@ class _Widening:
             if arg.alias_info is not None and arg.alias_info.is_write:
                 value = args[i] if i < len(args) else kwargs.get(arg.name)
                 for t in pytree.tree_leaves(value):
-                    if isinstance(t, torch.Tensor) and (t.dtype in HALF or _storage(t) in self.copies):
+                    if isinstance(t, torch.Tensor) and (t.dtype in self.narrow or _storage(t) in self.copies):
                         raise _NotTheSame(f"{func} writes a half-precision tensor")
 
 
@@ -160,14 +161,15 @@ def computes_in_half(outputs: Any, dtypes: Any = ()) -> bool:
         isinstance(t, torch.Tensor) and t.dtype in HALF for t in pytree.tree_leaves(outputs))
 
 
-def widened_run(fn: Any, args: Any, rng_seed: int) -> Any:
-    """``fn(*args)`` with half precision widened to float32 (under ``no_grad``, the RNG
-    seeded as the check's runs are), or None when that is not the same computation.
-    ``args`` must be private: the run may write the float32 ones."""
+def widened_run(fn: Any, args: Any, rng_seed: int, to_float64: bool = False) -> Any:
+    """``fn(*args)`` with half precision widened to float32 (``to_float64``: half
+    precision and float32 widened to float64), under ``no_grad``, the RNG seeded as
+    the check's runs are; None when that is not the same computation. ``args`` must
+    be private: the run may write the widened ones."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.no_grad())
         stack.enter_context(seeded(rng_seed))
-        widening = _Widening()
+        widening = _Widening(HALF + (torch.float32,), torch.float64) if to_float64 else _Widening()
         stack.enter_context(_WidenedCalls(widening))
         stack.enter_context(_WidenedOps(widening))
         try:

@@ -11,9 +11,10 @@ values must keep their quantization parameters and integer values (``quant_steps
 apart at most); NaN equals NaN and an infinity itself; and a value finite in the
 reference must not be inf or NaN in the candidate. Floating values pass when, element
 by element, ``|cand - ref| <= rtol * |ref| + allowed``, where ``allowed`` is ``atol``
-itself (``floor`` None) or ``atol * max(1, local scale)`` (``local_scale`` with that
-floor: a floor of 1 is the tensor's largest value), and never less than ``quantum``
-(one int8 step of a graph that rounds through int8 values).
+itself (``floor`` None) or ``atol * max(unit, local scale)`` (``local_scale`` with that
+floor: a floor of 1 is the tensor's largest value; ``unit`` 1, or 0 for the check's
+second look at outputs below 1: ``rewrite.trust.check``), and never less than
+``quantum`` (one int8 step of a graph that rounds through int8 values).
 """
 
 from __future__ import annotations
@@ -92,6 +93,9 @@ class Tolerance:
     quantum: float = 0.0
     quant_steps: int = 0
     label: str = "exact"
+    #: the local scale counts as at least this (1: ``atol`` is absolute below 1,
+    #: the rounding of intermediate values about 1 that cancel; 0: the output's own scale)
+    unit: float = 1.0
 
     @classmethod
     def bitwise(cls) -> "Tolerance":
@@ -274,7 +278,7 @@ def compare_tensors(ref: torch.Tensor, got, tol: Tolerance, agreement: Optional[
     if tol.floor is None:
         allowed = torch.full(r64.shape, tol.atol, dtype=torch.float64)
     else:
-        allowed = tol.atol * local_scale(_without_fills(r64, g64), tol.floor).clamp(min=1.0)
+        allowed = tol.atol * local_scale(_without_fills(r64, g64), tol.floor).clamp(min=tol.unit)
     if tol.quantum:
         allowed = allowed.clamp(min=tol.quantum)
     noisy = noise is not None and noise_multiplier > 0 and tuple(noise[0].shape) == tuple(r64.shape)
