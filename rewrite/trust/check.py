@@ -1533,7 +1533,7 @@ class Reference:
                 if not self.repeats(t):
                     run = self.run(t, dtypes=tolerance == "approx", state=state)
                     self.noise(t, state)
-                    if not lower and _below_unit(run.outputs, tolerance):  # _confirm_below_unit may ask
+                    if not lower and _below_unit(run.outputs):  # _confirm_below_unit may ask
                         self.precise(t, state)
                     for dtype in lower:
                         self.narrowing_noise(t, dtype, state)
@@ -1688,13 +1688,15 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
 
 def _confirm_below_unit(t: int, reference: "Reference", ref: _Run, cand: _Run, kind: str,
                        state: Any) -> Optional[Mismatch]:
-    """A second look at outputs below 1: the table's ``atol`` is absolute there
-    (``Tolerance.unit``: the rounding of intermediate values about 1 that cancel), so
+    """A second look at outputs whose values are all below 1: the table's ``atol`` is
+    absolute there (``Tolerance.unit``: the rounding of values about 1 that cancel), so
     a softmax over many classes or an output scaled by 1e-6 would pass whatever it
     is. Held to their own scale instead, they pass when the rewrite is within the
     tolerance of a float64 run of the original, ``NOISE_MULTIPLIER`` times the
     original's own rounding error around each element allowed on top (``precise``);
     when no float64 run can be made, the unit stands."""
+    if not _below_unit(ref.outputs):
+        return None
     _, _, strict = _compare(t, ref.outputs, cand.outputs, kind, None, None, unit=0.0)
     if strict is None:
         return None
@@ -1705,14 +1707,14 @@ def _confirm_below_unit(t: int, reference: "Reference", ref: _Run, cand: _Run, k
     return mm
 
 
-def _below_unit(outputs: Any, kind: str) -> bool:
-    """Whether a floating output has elements whose local scale is below 1, where
-    ``_confirm_below_unit`` may take a second look."""
+def _below_unit(outputs: Any) -> bool:
+    """Whether a floating output's finite values are all below 1 (``Tolerance.unit``):
+    ``_confirm_below_unit`` may take a second look at it."""
     for leaf in pytree.tree_leaves(outputs):
         if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and not leaf.is_quantized \
                 and leaf.numel():
-            floor = Tolerance.of(leaf.dtype, kind).floor
-            if float(local_scale(leaf.detach().to(torch.float64), floor).min()) < 1.0:
+            finite = leaf.detach()[torch.isfinite(leaf.detach())]
+            if not finite.numel() or float(finite.abs().max()) < 1.0:
                 return True
     return False
 

@@ -94,7 +94,8 @@ class Tolerance:
     quant_steps: int = 0
     label: str = "exact"
     #: the local scale counts as at least this (1: ``atol`` is absolute below 1,
-    #: the rounding of intermediate values about 1 that cancel; 0: the output's own scale)
+    #: the rounding of intermediate values about 1 that cancel; 0: a tensor whose
+    #: values are all below 1 is held to its own scale, any other as with 1)
     unit: float = 1.0
 
     @classmethod
@@ -278,7 +279,9 @@ def compare_tensors(ref: torch.Tensor, got, tol: Tolerance, agreement: Optional[
     if tol.floor is None:
         allowed = torch.full(r64.shape, tol.atol, dtype=torch.float64)
     else:
-        allowed = tol.atol * local_scale(_without_fills(r64, g64), tol.floor).clamp(min=tol.unit)
+        # ``unit`` below 1 holds a tensor whose values are all below 1 to its own scale
+        unit = tol.unit if scale < 1.0 else max(tol.unit, 1.0)
+        allowed = tol.atol * local_scale(_without_fills(r64, g64), tol.floor).clamp(min=unit)
     if tol.quantum:
         allowed = allowed.clamp(min=tol.quantum)
     noisy = noise is not None and noise_multiplier > 0 and tuple(noise[0].shape) == tuple(r64.shape)
