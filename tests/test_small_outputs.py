@@ -93,3 +93,22 @@ def test_a_softmax_computed_otherwise_passes():
     except rewrite.RuleError:
         pytest.skip("the rule language spells this otherwise")
     assert result.counts == {"r": 1} and result.equivalence.ok
+
+
+class TinyLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.linear(x) * 1e-6
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_a_wrong_rewrite_through_a_lower_precision_is_caught_in_both_modes(inplace):
+    torch.manual_seed(0)
+    model, x = TinyLinear().eval(), torch.randn(4, 16)
+    gm = torch.export.export(model, (x,)).module()
+    rules = _ruleset("rule r: mul(x, _) where is_float(x) => to(mul(to(x, torch.bfloat16), 2e-6), torch.float32)")
+    with pytest.raises(EquivalenceError):
+        rules.apply(gm, example_inputs=(x,), inplace=inplace)

@@ -76,3 +76,54 @@ def test_no_guard_is_added_to_the_callers_shape_env():
     before = len(env.guards)
     rewrite.parse("rule r: mul(x, 2) => add(x, x)").apply(gm, example_inputs=(x,))
     assert len(env.guards) == before
+
+
+class Scaled(nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+@pytest.mark.parametrize("clause", ["numel(x) != 2", "not numel(x) == 2", "numel(x) not in [2, 3]"])
+def test_sizes_small_together_are_tried(clause):
+    # both dims may be 1 or 2: (1, 2) has 2 elements, although each size alone >= 2 says 4
+    x = torch.randn(4, 5)
+    gm = torch.export.export(Scaled(), (x,), dynamic_shapes=({0: Dim("A", min=1, max=8),
+                                                               1: Dim("B", min=1, max=8)},)).module()
+    rules = rewrite.parse(f"rule r(change=True): mul(x, 2) where {clause} => neg(mul(x, -2))")
+    assert rules.apply(gm, example_inputs=(x,), check=False).counts == {}
+
+
+@pytest.mark.parametrize("clause", ["shape(x)[0] != 0", "numel(x) != 0", "not shape(x)[0] == 0", "shape(x)[0] > 0",
+                                    "shape(x)[0] >= 1", "numel(x) > 0", "shape(x) != [0, 6]"])
+def test_a_size_of_zero_is_tried(clause):
+    x = torch.randn(4, 6)
+    gm = torch.export.export(Scaled(), (x,), dynamic_shapes=({0: Dim("B", min=0, max=64)},)).module()
+    gm(torch.randn(0, 6))  # the program takes an empty batch
+    rules = rewrite.parse(f"rule r(change=True): mul(x, 2) where {clause} => neg(mul(x, -2))")
+    assert rules.apply(gm, example_inputs=(x,), check=False).counts == {}
+
+
+class ConvHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.linear = nn.Linear(8, 10)
+
+    def forward(self, x):
+        y = torch.relu(self.conv(x))
+        return self.linear(torch.nn.functional.adaptive_avg_pool2d(y, 1).flatten(1))
+
+
+def test_rules_read_the_facts_of_nodes_built_on_symbolic_sizes():
+    # a where clause asking for a new node's facts infers them as torch traced the
+    # graph (sizes at least 2), not for every size: amp_bf16 fires as on a static export
+    torch.manual_seed(0)
+    model, x = ConvHead().eval(), torch.randn(4, 3, 8, 8)
+    amp = rewrite.load("rules/amp_bf16.rw")
+    static = amp.apply(torch.export.export(model, (x,)).module(), example_inputs=(x,)).counts
+    gm = torch.export.export(model, (x,), dynamic_shapes=({0: Dim("B", min=1, max=64)},)).module()
+    result = amp.apply(gm, example_inputs=(x,))
+    assert result.counts == static and "flatten_bf16" in static
+    for batch in (1, 5):
+        y = torch.randn(batch, 3, 8, 8)
+        torch.testing.assert_close(result.graph_module(y), model(y), rtol=0.05, atol=0.05)

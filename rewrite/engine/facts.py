@@ -18,7 +18,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 
-from rewrite.engine.symbolic import symbolic_env
+from rewrite.engine.symbolic import as_traced, symbolic_env
 from rewrite.engine.shapes import cast_of, fresh_cast, fresh_constant, fresh_like, fresh_view, like_input, view_of
 from rewrite.ops.base import ConstRef, attribute, by_identity
 from rewrite.ops.effects import graph_trains, op_name, state_writes, written_args
@@ -297,7 +297,13 @@ class GraphFacts:
     def _infer(self, node: fx.Node, record: bool) -> None:
         """Facts of a new call from its inputs' facts: a FakeTensor ``val`` in the
         graph's fake mode, else ``TensorFacts`` from running the op on meta tensors.
-        Best-effort: nothing when an input has no facts or the op no meta kernel."""
+        Best-effort: nothing when an input has no facts or the op no meta kernel.
+        Sizes are what the graph was traced with (``as_traced``), also when a where
+        clause asks."""
+        with as_traced():
+            self._infer_now(node, record)
+
+    def _infer_now(self, node: fx.Node, record: bool) -> None:
         inputs = node.all_input_nodes
         try:
             metas = [self._tensors_of(n, record) for n in inputs]

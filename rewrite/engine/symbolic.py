@@ -13,9 +13,14 @@ decide from what it knows for all sizes (its ranges, guards and replacements) ra
 from __future__ import annotations
 
 import contextlib
+import itertools
 from typing import Any, Iterator
 
-__all__ = ["SymbolicUnknown", "deciding", "symbolic_env"]
+import torch
+
+__all__ = ["SymbolicUnknown", "as_traced", "decide", "deciding", "symbolic_env"]
+
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
 class SymbolicUnknown(Exception):
@@ -37,7 +42,10 @@ def symbolic_env(fake_mode: Any) -> Any:
 @contextlib.contextmanager
 def deciding(env: Any) -> Iterator[None]:
     """Within the block, a symbolic question ``env`` cannot answer for all sizes
-    raises ``SymbolicUnknown`` (and adds no guard); one it can is answered."""
+    raises ``SymbolicUnknown`` (and adds no guard); one it can is answered. Torch's
+    own questions that come with an answer for when it is unsure
+    (``guard_or_false``, asked by fake kernels inferring a new node's facts) get
+    that answer, as they would without the block."""
     if env is None:
         yield
         return
@@ -45,7 +53,9 @@ def deciding(env: Any) -> Iterator[None]:
     def evaluate_sym_node(sym_node: Any, size_oblivious: bool = False, fallback_value: Any = None) -> Any:
         expr = sym_node.expr
         static = env._maybe_evaluate_static(expr, size_oblivious=size_oblivious)
-        if static is None or not _holds_for_zero_and_one(env, expr, static):
+        if static is None or (not _as_traced and not _holds_for_small_sizes(env, expr, static)):
+            if fallback_value is not None:
+                return fallback_value
             raise SymbolicUnknown(str(expr))
         return static
 
@@ -56,25 +66,90 @@ def deciding(env: Any) -> Iterator[None]:
         del env.evaluate_sym_node
 
 
-def _holds_for_zero_and_one(env: Any, expr: Any, static: Any) -> bool:
-    """Whether ``static``, the ShapeEnv's answer for ``expr``, also holds when its sizes
-    are 0 or 1. A ShapeEnv that specializes 0 and 1 (export's, dynamo's) assumes
-    every size symbol is at least 2, while the program accepts sizes down to its
-    ``Dim``'s ``min`` (``Dim("B", min=1)``: ``ep.range_constraints`` says 1, the
-    graph's ShapeEnv 2): ``shape(x)[0] == 1`` is not False for every size there."""
+_as_traced = 0  # > 0 within ``as_traced``
+
+
+@contextlib.contextmanager
+def as_traced() -> Iterator[None]:
+    """Within the block (inside ``deciding``), a size is what the ShapeEnv assumes of
+    it, at least 2 (its 0/1 specialization), not every size the program accepts:
+    for inferring a new node's facts while a where clause asks for them, which torch
+    computes for the graph as it was traced (a flatten's strides ask ``s0 == 1``)."""
+    global _as_traced
+    _as_traced += 1
+    try:
+        yield
+    finally:
+        _as_traced -= 1
+
+
+#: at most this many size symbols assumed at least 2 are tried at 0 and 1, every
+#: combination (3 ** n); a question about more is not decided
+_MAX_SMALL_SYMBOLS = 3
+
+
+def _small_size_substitutions(env: Any, exprs: Any) -> Any:
+    """Substitutions that set each size symbol of ``exprs`` the ShapeEnv assumes to be
+    at least 2 (it specializes 0 and 1: export's, dynamo's) to 0, 1 or leaves it, in
+    every combination; None when there are too many to try. The program accepts sizes
+    down to its ``Dim``'s ``min`` (``Dim("B", min=1)``: ``ep.range_constraints`` says
+    1, the graph's ShapeEnv 2), so what holds for every size must hold there too."""
     if not getattr(env, "specialize_zero_one", False):
-        return True
+        return [{}]
     ranges = env.var_to_range
-    assumed = [s for s in getattr(expr, "free_symbols", ()) if getattr(ranges.get(s), "lower", None) == 2]
-    if not assumed:
-        return True
+    assumed = sorted({s for e in exprs for s in getattr(e, "free_symbols", ())
+                      if getattr(ranges.get(s), "lower", None) == 2}, key=str)
+    if len(assumed) > _MAX_SMALL_SYMBOLS:
+        return None
     import sympy
 
-    for size in (0, 1):
+    return [{s: sympy.Integer(v) for s, v in zip(assumed, values) if v is not None}
+            for values in itertools.product((None, 0, 1), repeat=len(assumed))]
+
+
+def _holds_for_small_sizes(env: Any, expr: Any, static: Any) -> bool:
+    """Whether ``static``, the ShapeEnv's answer for ``expr``, also holds when its
+    sizes are 0 or 1, alone or together (``_small_size_substitutions``)."""
+    substitutions = _small_size_substitutions(env, (expr,))
+    if substitutions is None:
+        return False
+    for substitution in substitutions:
+        if not substitution:
+            continue
         try:
-            value = env._maybe_evaluate_static(expr.xreplace({s: sympy.Integer(size) for s in assumed}))
+            value = env._maybe_evaluate_static(expr.xreplace(substitution))
         except Exception:  # noqa: BLE001 - a size of 0 may divide by zero: not decided
             return False
         if value is None or bool(value != static):
             return False
     return True
+
+
+def decide(op: str, a: Any, b: Any) -> bool:
+    """``a op b`` (``==``, ``!=``, ``<``, ``<=``, ``>``, ``>=``) for sizes, one of them
+    symbolic, answered only if it holds for every size the program accepts, or
+    ``SymbolicUnknown``. The operands' expressions are given the small sizes before
+    they are compared: a size symbol is positive to sympy, so ``Ne(s0, 0)`` would be
+    True before any question reached the ShapeEnv."""
+    import sympy
+
+    env = next((v.node.shape_env for v in (a, b) if isinstance(v, _SYMBOLIC)), None)
+    exprs = [v.node.expr if isinstance(v, _SYMBOLIC) else sympy.sympify(v) for v in (a, b)]
+    substitutions = _small_size_substitutions(env, exprs) if env is not None else None
+    if substitutions is None:
+        raise SymbolicUnknown(f"{a} {op} {b}")
+    relation = getattr(sympy, _RELATIONS[op])
+    answer = None
+    for substitution in substitutions:
+        try:
+            rel = relation(*(e.xreplace(substitution) for e in exprs))
+            value = env._maybe_evaluate_static(rel) if not isinstance(rel, sympy.logic.boolalg.BooleanAtom) else rel
+        except Exception:  # noqa: BLE001 - not decided
+            value = None
+        if value is None or (answer is not None and bool(value) != answer):
+            raise SymbolicUnknown(f"{a} {op} {b}")
+        answer = bool(value)
+    return bool(answer)
+
+
+_RELATIONS = {"==": "Eq", "!=": "Ne", "<": "Lt", "<=": "Le", ">": "Gt", ">=": "Ge"}

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from rewrite.engine.symbolic import decide
 from rewrite.engine.dtypes import DTYPES
 from rewrite.engine.facts import Value
 from rewrite.functions.registry import BUILTIN_MODULES, lookup_function
@@ -108,16 +109,31 @@ def _symbolic_equal(a: Any, b: Any) -> bool:
             and all(_symbolic_equal(one, m) for m in many)
     if isinstance(a, (fx.Node, torch.Tensor)) or isinstance(b, (fx.Node, torch.Tensor)):
         return a is b
-    return bool(a == b)
+    if not (isinstance(a, _SIZES) and isinstance(b, _SIZES)):
+        return False  # a size is no string, None or list
+    return decide("==", a, b)
+
+
+_SIZES = (int, float, torch.SymInt, torch.SymFloat)
+
+
+def _ordering(op: str, plain: Any) -> Any:
+    """``<``, ``<=``, ``>``, ``>=``: for symbolic sizes, what holds for every size."""
+    def compare(a: Any, b: Any) -> Any:
+        if (isinstance(a, _SYMBOLIC) or isinstance(b, _SYMBOLIC)) and isinstance(a, _SIZES) \
+                and isinstance(b, _SIZES):
+            return decide(op, a, b)
+        return plain(a, b)
+    return compare
 
 
 _COMPARE = {
     "==": _equal,
     "!=": lambda a, b: not _equal(a, b),
-    "<": operator.lt,
-    "<=": operator.le,
-    ">": operator.gt,
-    ">=": operator.ge,
+    "<": _ordering("<", operator.lt),
+    "<=": _ordering("<=", operator.le),
+    ">": _ordering(">", operator.gt),
+    ">=": _ordering(">=", operator.ge),
     "in": lambda a, b: a in b,
     "not in": lambda a, b: a not in b,
 }

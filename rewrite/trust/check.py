@@ -1533,7 +1533,7 @@ class Reference:
                 if not self.repeats(t):
                     run = self.run(t, dtypes=tolerance == "approx", state=state)
                     self.noise(t, state)
-                    if not lower and _below_unit(run.outputs):  # _confirm_below_unit may ask
+                    if _below_unit(run.outputs):  # _confirm_below_unit may ask
                         self.precise(t, state)
                     for dtype in lower:
                         self.narrowing_noise(t, dtype, state)
