@@ -692,3 +692,32 @@ def test_a_lowering_the_int8_model_cannot_run_is_rolled_back():
     for o, r in zip(out, ref):
         assert rq.sqnr(r, o) > 20
     assert out[1].untyped_storage().data_ptr() == out[0].untyped_storage().data_ptr()  # still aliased
+
+
+class _WritesItsInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        x.mul_(3.0)  # in place, into the caller's tensor
+        return self.c(x)
+
+
+def test_calibration_and_the_report_leave_the_callers_batches_alone():
+    import rewrite.qat as rqat
+
+    torch.manual_seed(0)
+    model, x = _WritesItsInput().eval(), torch.randn(2, 3, 8, 8)
+    gm = torch.export.export(_WritesItsInput().eval(), (x.clone(),), strict=False).module()
+    gm.load_state_dict(model.state_dict())
+    batches = [(torch.randn(2, 3, 8, 8),) for _ in range(3)]
+    saved = [b[0].clone() for b in batches]
+    observed = rq.prepare(gm, (x.clone(),))
+    rq.calibrate(observed, batches)
+    int8 = rq.convert(observed)
+    report = rq.accuracy_report(observed, int8, batches)
+    rqat.prepare_qat(_WritesItsInput().eval(), (x.clone(),), calibration=batches)
+    assert all(torch.equal(b[0], s) for b, s in zip(batches, saved))
+    # both runs of the report read the batch as given: int8 against float, not against 3x its input
+    assert report.output_sqnr > 20, report

@@ -246,7 +246,9 @@ def prepare_qat(
 
 
 def _copies(args: tuple) -> tuple:
-    return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+    """Copies of a batch's tensors, nested ones too: a model that writes its input
+    must not write the caller's."""
+    return tuple(pytree.tree_map_only(torch.Tensor, lambda t: t.clone(), tuple(args)))
 
 
 def calibrate(qat: fx.GraphModule, batches: Iterable) -> int:
@@ -264,7 +266,7 @@ def calibrate(qat: fx.GraphModule, batches: Iterable) -> int:
     try:
         with torch.no_grad():
             for batch in batches:
-                qat(*(tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)))
+                qat(*_copies(tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)))
                 n += 1
     finally:
         for m, mode in modes.items():

@@ -445,11 +445,13 @@ def prepare(
 
 def calibrate(observed: fx.GraphModule, batches: Iterable) -> int:
     """Run ``batches`` (each a tensor or a tuple of inputs) through the observed
-    model so its observers record activation ranges. Returns the number of batches."""
+    model so its observers record activation ranges (each on copies: a model that
+    writes its input leaves the caller's batches as they were). Returns the number of
+    batches."""
     n = 0
     with torch.no_grad():
         for batch in batches:
-            observed(*_as_args(batch))
+            observed(*_clones(_as_args(batch)))
             n += 1
     return n
 
@@ -1032,10 +1034,12 @@ def accuracy_report(
         for i, batch in enumerate(batches):
             args = _as_args(batch)
             fl, q = _FloatRun(observed), _Int8Run(int8)
+            # each run on its own copies: a model that writes its input would give the
+            # second run what the first wrote, and the caller's batches would change
             with seeded(i):  # a random op (ViTMAE's masking noise) draws alike in both
-                ref = fl.run(*args)
+                ref = fl.run(*_clones(args))
             with seeded(i):
-                out = q.run(*args)
+                out = q.run(*_clones(args))
             for p in points:
                 ref_t, test = fl.values.get(p.observer), q.values.get(p.observer)
                 if ref_t is not None and test is not None and tuple(ref_t.shape) == tuple(test.shape):
