@@ -120,7 +120,7 @@ def _cmd_apply(args: argparse.Namespace) -> int:
     import torch
 
     import rewrite
-    from rewrite.capture import capture, load_model, save, save_path_problem
+    from rewrite.capture import load_model, save, save_path_problem
 
     rules = _load(args.rules)
     if args.ruleset:
@@ -144,7 +144,7 @@ def _cmd_apply(args: argparse.Namespace) -> int:
             print(f"-- dynamo graph {i}")
             print(result.summary())
         return 0
-    gm = capture(model, inputs, args.capture)
+    gm = _captured_model(model, inputs, args.capture, args.model)
     try:
         result = rules.apply(gm, example_inputs=inputs, check=not args.no_check, trials=args.trials,
                              rtol=args.rtol, atol=args.atol)
@@ -169,10 +169,7 @@ def _cmd_apply(args: argparse.Namespace) -> int:
 def _cmd_explain(args: argparse.Namespace) -> int:
     rules = _load(args.rules)
     if (args.rule or args.node) and args.model:
-        from rewrite.capture import capture, load_model
-
-        model, inputs = load_model(args.model)
-        gm = capture(model, inputs, args.capture)
+        gm, inputs = _captured(args.model, args.capture)
         try:
             explanations = rules.explain(gm, rule=args.rule, node=args.node, example_inputs=inputs)
         except KeyError as err:  # --rule or --node names nothing: the user's input, not a bug
@@ -185,10 +182,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         return 0
     stats = {}
     if args.model:
-        from rewrite.capture import capture, load_model
-
-        model, inputs = load_model(args.model)
-        gm = capture(model, inputs, args.capture)
+        gm, inputs = _captured(args.model, args.capture)
         stats = rules.apply(gm, example_inputs=inputs, check=False).stats
     for rule in rules:
         if args.rule and rule.name != args.rule:
@@ -339,10 +333,25 @@ def _parser() -> argparse.ArgumentParser:
 
 def _captured(spec: str, level: str) -> tuple:
     """(graph module, the inputs to run it with) for a ``--model`` spec."""
-    from rewrite.capture import capture_with_inputs, load_model
+    from rewrite.capture import load_model
 
     model, inputs = load_model(spec)
-    return capture_with_inputs(model, inputs, level)
+    return _captured_model(model, inputs, level, spec, with_inputs=True)
+
+
+def _captured_model(model: Any, inputs: tuple, level: str, spec: str, with_inputs: bool = False) -> Any:
+    """``capture(_with_inputs)`` of a loaded model; a model torch cannot capture at
+    ``level`` (transformers' code under symbolic_trace) is the user's error, said so."""
+    from rewrite.capture import LEVELS, ModelSpecError, capture_with_inputs
+
+    try:
+        captured = capture_with_inputs(model, inputs, level)
+    except Exception as err:  # noqa: BLE001 - the model's own code (or torch) cannot be captured so: say so
+        others = ", ".join(other for other in LEVELS if other != level)
+        first = str(err).splitlines()[0] if str(err) else ""
+        raise ModelSpecError(f"{spec}: the model cannot be captured at --capture {level} "
+                             f"({type(err).__name__}: {first}); try --capture {others}") from err
+    return captured if with_inputs else captured[0]
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from rewrite.cli import main
 
@@ -209,4 +210,24 @@ def test_apply_reports_bad_arguments_as_usage_errors(extra, message, capsys):
         code = exit_.code
     err = capsys.readouterr().err
     assert code == 2 and message in err
+    assert "internal error" not in err and "Traceback" not in err
+
+
+class _NotTraceable(torch.nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:  # control flow on a value: symbolic_trace cannot follow it
+            return x * 2
+        return x
+
+
+def not_traceable_with_inputs():
+    return _NotTraceable(), (torch.randn(2, 3),)
+
+
+@pytest.mark.parametrize("command", [["stats"], ["apply", "rules/cleanup.rw"], ["explain", "rules/cleanup.rw"]])
+def test_a_model_that_cannot_be_captured_is_a_clear_error(command, capsys):
+    code = main([*command, "--model", "tests.test_cli:not_traceable_with_inputs", "--capture", "fx"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "cannot be captured at --capture fx" in err and "try --capture" in err
     assert "internal error" not in err and "Traceback" not in err
