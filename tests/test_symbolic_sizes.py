@@ -127,3 +127,27 @@ def test_rules_read_the_facts_of_nodes_built_on_symbolic_sizes():
     for batch in (1, 5):
         y = torch.randn(batch, 3, 8, 8)
         torch.testing.assert_close(result.graph_module(y), model(y), rtol=0.05, atol=0.05)
+
+
+class TwoInputs(nn.Module):
+    def forward(self, x, y):
+        return x * 2 + y
+
+
+@pytest.mark.parametrize("clause, fires", [
+    ("shape(x) == shape(y)", True),      # the same symbol, the same static dim
+    ("shape(x)[1] == 5", True),
+    ("shape(x) == [8, 5]", False),       # the batch is symbolic
+    ("shape(x)[0] not in [0]", False),   # 0 is a size the program takes
+    ("shape(x)[0] in [0, 1]", False),
+    ("shape(x)[1] in [4, 5]", True),
+])
+def test_shapes_with_a_symbolic_dim_compare_dim_by_dim(clause, fires):
+    x = torch.randn(8, 5)
+    batch = Dim("B", min=0, max=64)
+    gm = torch.export.export(TwoInputs(), (x, x.clone()), dynamic_shapes=({0: batch}, {0: batch})).module()
+    rules = rewrite.parse(f"rule r(change=True): mul(x, 2) where {clause.replace('y)', 'x)')} "
+                          f"=> neg(mul(x, -2))") if "y" not in clause else rewrite.parse(
+        "rule r(change=True): add(mul(x, 2), y) where " + clause + " => add(neg(mul(x, -2)), y)")
+    counts = rules.apply(gm, example_inputs=(x, x.clone()), check=False).counts
+    assert bool(counts) is fires, counts

@@ -109,9 +109,20 @@ def _symbolic_equal(a: Any, b: Any) -> bool:
             and all(_symbolic_equal(one, m) for m in many)
     if isinstance(a, (fx.Node, torch.Tensor)) or isinstance(b, (fx.Node, torch.Tensor)):
         return a is b
+    if not (isinstance(a, _SYMBOLIC) or isinstance(b, _SYMBOLIC)):
+        return same_arg(a, b)  # the static dims of a shape with a symbolic one
     if not (isinstance(a, _SIZES) and isinstance(b, _SIZES)):
         return False  # a size is no string, None or list
     return decide("==", a, b)
+
+
+def _contains(items: Any, v: Any) -> bool:
+    """``v in items``, each element compared as ``==`` compares (a symbolic size is
+    in ``(0, 3)`` only if it is one of them for every size)."""
+    try:
+        return any(_equal(v, item) for item in items)
+    except TypeError:  # not a collection: Python's own answer (an error)
+        return v in items
 
 
 _SIZES = (int, float, torch.SymInt, torch.SymFloat)
@@ -134,8 +145,8 @@ _COMPARE = {
     "<=": _ordering("<=", operator.le),
     ">": _ordering(">", operator.gt),
     ">=": _ordering(">=", operator.ge),
-    "in": lambda a, b: a in b,
-    "not in": lambda a, b: a not in b,
+    "in": lambda a, b: _contains(b, a) if _symbolic(a) or _symbolic(b) else a in b,
+    "not in": lambda a, b: not _contains(b, a) if _symbolic(a) or _symbolic(b) else a not in b,
 }
 
 
