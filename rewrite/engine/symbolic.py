@@ -111,18 +111,8 @@ def _holds_for_small_sizes(env: Any, expr: Any, static: Any) -> bool:
     """Whether ``static``, the ShapeEnv's answer for ``expr``, also holds when its
     sizes are 0 or 1, alone or together (``_small_size_substitutions``)."""
     substitutions = _small_size_substitutions(env, (expr,))
-    if substitutions is None:
-        return False
-    for substitution in substitutions:
-        if not substitution:
-            continue
-        try:
-            value = env._maybe_evaluate_static(expr.xreplace(substitution))
-        except Exception:  # noqa: BLE001 - a size of 0 may divide by zero: not decided
-            return False
-        if value is None or bool(value != static):
-            return False
-    return True
+    answer = None if substitutions is None else _one_answer(env, substitutions, expr.xreplace)
+    return answer is not None and not bool(answer != static)
 
 
 def decide(op: str, a: Any, b: Any) -> bool:
@@ -136,20 +126,27 @@ def decide(op: str, a: Any, b: Any) -> bool:
     env = next((v.node.shape_env for v in (a, b) if isinstance(v, _SYMBOLIC)), None)
     exprs = [v.node.expr if isinstance(v, _SYMBOLIC) else sympy.sympify(v) for v in (a, b)]
     substitutions = _small_size_substitutions(env, exprs) if env is not None else None
-    if substitutions is None:
-        raise SymbolicUnknown(f"{a} {op} {b}")
     relation = getattr(sympy, _RELATIONS[op])
+    answer = None if substitutions is None else _one_answer(
+        env, substitutions, lambda substitution: relation(*(e.xreplace(substitution) for e in exprs)))
+    if answer is None:
+        raise SymbolicUnknown(f"{a} {op} {b}")
+    return bool(answer)
+
+
+def _one_answer(env: Any, substitutions: list, question: Any) -> Any:
+    """The ShapeEnv's answer to ``question(substitution)``, the same under every
+    substitution, or None (not decided under one, or not the same)."""
     answer = None
     for substitution in substitutions:
         try:
-            rel = relation(*(e.xreplace(substitution) for e in exprs))
-            value = env._maybe_evaluate_static(rel) if not isinstance(rel, sympy.logic.boolalg.BooleanAtom) else rel
-        except Exception:  # noqa: BLE001 - not decided
-            value = None
-        if value is None or (answer is not None and bool(value) != answer):
-            raise SymbolicUnknown(f"{a} {op} {b}")
-        answer = bool(value)
-    return bool(answer)
+            value = env._maybe_evaluate_static(question(substitution))
+        except Exception:  # noqa: BLE001 - a size of 0 may divide by zero: not decided
+            return None
+        if value is None or (answer is not None and bool(value != answer)):
+            return None
+        answer = value
+    return answer
 
 
 _RELATIONS = {"==": "Eq", "!=": "Ne", "<": "Lt", "<=": "Le", ">": "Gt", ">=": "Ge"}

@@ -185,7 +185,7 @@ def _runs_torch_code_only(module: Any) -> bool:
         return not _holds_foreign_function(module)
     for m in module.modules():
         kind = type(m)
-        if m is not module and (kind not in _BUILT_MODULE_TYPES and not (kind.__module__ or "").startswith("torch.")
+        if m is not module and (kind not in _BUILT_MODULE_TYPES and not _module_kind(kind).from_torch
                                 or m._forward_hooks or m._forward_pre_hooks):
             return False
         if _holds_foreign_function(m):
