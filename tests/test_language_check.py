@@ -8,6 +8,7 @@ it carries the fix), against the real op vocabulary and function registry.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -524,3 +525,56 @@ def test_a_rule_that_matches_its_own_replacement_is_rejected(text, term):
 ])
 def test_a_rule_that_settles_is_not_rejected(text):
     load_program_text(text, "t.rw")  # raises RuleError on any diagnostic
+
+
+# ---------------------------------------------------------------- E306: where clauses that never decide
+
+
+@pytest.mark.parametrize("clause, position, message", [
+    ("shape(x) > 3", "1:23", "'>' cannot order a sequence and an int: the comparison never holds"),
+    ("3", "1:23", "a where clause must be a condition; this is an int"),
+    ("rank(x)", "1:23", "a where clause must be a condition; this is an int"),
+    ("shape(x)", "1:23", "a where clause must be a condition; this is a sequence"),
+    ('device(x) == "cpu" and dtype(x)', "1:46", "an operand of 'and' must be a condition; this is a dtype"),
+    ("not numel(x)", "1:27", "the operand of 'not' must be a condition; this is an int"),
+    ("dtype(x) == 4", "1:23", "a dtype is never equal to an int: '==' never holds"),
+    ('dtype(x) != "float16"', "1:23", "a dtype is never equal to a string: '!=' always holds"),
+    ('dtype(x) in ["float16", "bfloat16"]', "1:23", "a dtype is never one of these items: 'in' never holds"),
+    ("dtype(x) < torch.float16", "1:23", "'<' cannot order a dtype and a dtype: the comparison never holds"),
+    ("rank(x)[0] == 1", "1:23", "indexing an int: only a sequence (a shape, a tuple, a list) can be indexed"),
+    ('shape(x)["a"] == 1', "1:32", "an index must be an int, not a string"),
+    ("1 in 3", "1:23", "'in' needs a sequence on its right, not an int"),
+    ("rank(x) == 2 or (shape(x) >= 1)", "1:40", "'>=' cannot order a sequence and an int: the comparison never holds"),
+])
+def test_where_clause_that_never_decides(clause, position, message):
+    assert diags(f"rule r: relu(x) where {clause} => x") == [("E306", position, message)]
+
+
+@pytest.mark.parametrize("clause", [
+    "shape(x)[0] > 3", "shape(x)[-1] == 1 and rank(x) >= 2", "shape(x) == 1", "shape(x) == (1, 2)",
+    "dtype(x) in (torch.float16, torch.bfloat16)", "dtype(x) != torch.int64", 'device(x) == "cpu"',
+    "numel(x) > 0 and users(x) == 1", "value(x) == 0.0", "value(x)", "x", "not x", "x == 3", "x > 1",
+    "shape(x) < (3, 4)", "rank(x) > 1.5", "single_use(x) and not is_float(x)", "True",
+])
+def test_where_clauses_of_known_kinds_that_can_decide(clause):
+    ok(f"rule r: relu(x) where {clause} => x")
+
+
+def _e306_channels(x) -> Optional[int]:  # a query's kind is its return annotation
+    return None
+
+
+def _e306_anything(x):  # no annotation: anything
+    return None
+
+
+def test_where_kinds_of_a_users_query_come_from_its_return_annotation():
+    import rewrite
+
+    rewrite.register_query("e306_channels")(_e306_channels)
+    rewrite.register_query("e306_anything")(_e306_anything)
+    assert diags("rule r: relu(x) where e306_channels(x) => x") == [
+        ("E306", "1:23", "a where clause must be a condition; this is an int")]
+    ok("rule r: relu(x) where e306_channels(x) > 3 => x")
+    ok("rule r: relu(x) where e306_anything(x) => x")
+    ok("rule r: relu(x) where e306_anything(x) > 3 => x")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.nn.utils import fusion as _fusion
@@ -308,28 +308,28 @@ def users(x: Value) -> int:
 
 
 @register_query(local=True)
-def dtype(x: Value) -> Any:
+def dtype(x: Value) -> Optional[torch.dtype]:
     """The tensor's dtype, or None when unknown."""
     m = x.meta
     return None if m is None else m.dtype
 
 
 @register_query(local=True)
-def rank(x: Value) -> Any:
+def rank(x: Value) -> Optional[int]:
     """The tensor's number of dims, or None when unknown."""
     m = x.meta
     return None if m is None else len(m.shape)
 
 
 @register_query(local=True)
-def shape(x: Value) -> Any:
+def shape(x: Value) -> Optional[tuple]:
     """The tensor's shape as a tuple, or None when unknown."""
     m = x.meta
     return None if m is None else tuple(m.shape)
 
 
 @register_query(local=True)
-def numel(x: Value) -> Any:
+def numel(x: Value) -> Optional[int]:
     """The tensor's number of elements, or None when unknown."""
     m = x.meta
     if m is None:
@@ -341,7 +341,7 @@ def numel(x: Value) -> Any:
 
 
 @register_query(local=True)
-def device(x: Value) -> Any:
+def device(x: Value) -> Optional[str]:
     """The tensor's device type as a string (``"cpu"``, ``"cuda"``), or None."""
     m = x.meta
     dev = getattr(m, "device", None)

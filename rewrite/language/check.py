@@ -1,4 +1,4 @@
-"""Name resolution and checking of parsed rule files (codes E1xx-E4xx).
+"""Name resolution and checking of parsed rule files (codes E1xx-E4xx; E306 in ``where_kinds``).
 
 The parser only knows the shape of the text. This module knows what the names
 mean: which callees are ops of the vocabulary (``rewrite.ops``), families, or
@@ -29,6 +29,7 @@ from rewrite.language.diagnostics import Diagnostic, did_you_mean
 from rewrite.language.literals import describe, param_types, refusal
 from rewrite.language.parser import DTYPES
 from rewrite.language.printer import format_expr
+from rewrite.language.where_kinds import ANY, BOOL, returned_kind, where_problems
 
 __all__ = ["Scope", "check_module", "check_declarations", "expand_families",
            "SCHEDULE_KINDS", "OPTIONS"]
@@ -290,6 +291,13 @@ class _Checker:
         self._hints = getattr(self, "_hints", 0) + 1
         return did_you_mean(name, candidates, valid) if self._hints <= _HINTS else None
 
+    def _query_kind(self, name: str) -> str:
+        """The kind of value a where-clause call returns (``where_kinds``)."""
+        kind, found = self.resolve(name)
+        if kind != "function":
+            return ANY
+        return BOOL if found.kind == "predicate" else returned_kind(found.fn)
+
     def error(self, span: ast.Span | None, message: str, code: str, help: str | None = None) -> None:
         self.diags.append(Diagnostic(span, message, code, help))
 
@@ -368,6 +376,9 @@ class _Checker:
         self.check(r.pattern, _PATTERN)
         if r.where is not None:
             self.check(r.where, _WHERE)
+            if len(self.diags) == errors_before:  # kinds of values only in a clause whose names resolve
+                for problem in where_problems(r.where, self._query_kind):
+                    self.error(problem.span, problem.message, "E306", help=problem.help)
         if isinstance(r.pattern, ast.AsTuple) and isinstance(r.replacement, ast.TupleLit):
             for item in r.replacement.items:  # `_`: a result the replacement does not provide
                 if not isinstance(item, ast.Wildcard):
