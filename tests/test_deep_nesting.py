@@ -60,7 +60,7 @@ CONSTRUCTS = {
     "call pattern": lambda n: f"rule r: {'neg(' * n}x{')' * n} => x",
     "call replacement": lambda n: f"rule r: relu(x) => {'neg(' * n}x{')' * n}",
     "keyword call": lambda n: f"rule r: relu(x) => {'add(x, other=' * n}x{')' * n}",
-    "index": lambda n: f"rule r: relu(x) where shape(x){'[0]' * (n - 2)} == 1 => neg(x)",
+    "index": lambda n: f"rule r: relu(x) where value(x){'[0]' * (n - 2)} == 1 => neg(x)",
     "not": lambda n: f"rule r: relu(x) where {'not ' * (n - 1)}is_float(x) => neg(x)",
     "and": lambda n: f"rule r: relu(x) where {'(is_float(x) and ' * (n - 1)}is_float(x){')' * (n - 1)} => neg(x)",
     "tuple": lambda n: f"rule r: permute(x, d) where d == {'(' * (n - 1)}1{',)' * (n - 1)} => x",
