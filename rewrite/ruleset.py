@@ -340,13 +340,13 @@ class RuleSet:
                 # (deterministic) rewrite again
                 rewritten_dtypes = static_float_dtypes(gm)
                 txn.restore()
-                base = original if not changes else self._changed(original)
+                base = original if not changes else self._changed(original, changes)
                 lower = new_half_precisions(static_float_dtypes(original), rewritten_dtypes)
                 reference = Reference(base, example_inputs, graph=original).prepare(trials, kind, gradients,
                                                                                      lower)
                 gm, driver = txn.run()
             else:
-                base = model if not changes else self._changed(original)
+                base = model if not changes else self._changed(original, changes)
                 reference = Reference(base, example_inputs, graph=original)
 
             def verdict(candidate: fx.GraphModule) -> Any:
@@ -400,10 +400,11 @@ class RuleSet:
         """Names of the rules declared as intentional changes (``change=True``)."""
         return {name for name, rule in self.rules.items() if rule.rule.option("change", False)}
 
-    def _changed(self, original: fx.GraphModule) -> fx.GraphModule:
-        """The model with only the intentional changes applied: what the whole
-        rewrite must stay equivalent to."""
-        names = tuple(sorted(self._changes()))
+    def _changed(self, original: fx.GraphModule, fired: set) -> fx.GraphModule:
+        """The model with only the intentional changes this run made (``fired``: not
+        every ``change`` rule of the file, which this rule set may not schedule)
+        applied: what the whole rewrite must stay equivalent to."""
+        names = tuple(sorted(fired))
         only = RuleSet(self.rules, {}, Schedule("fixpoint", names), f"{self.name}:changes")
         return only.apply(original, check=False).graph_module
 

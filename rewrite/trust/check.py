@@ -52,6 +52,7 @@ effects on either.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import functools
 import inspect
@@ -438,11 +439,17 @@ def _clone(tree: Any) -> Any:
 
 
 def _state(fn: Any) -> Dict[str, torch.Tensor]:
-    """Parameters and buffers of a module by qualified name (empty for plain callables)."""
+    """Parameters, buffers and plain tensor attributes (``torch.export``'s lifted
+    constants, fx's ``_tensor_constant``s, a counter a forward writes) of a module
+    by qualified name (empty for plain callables)."""
     if not isinstance(fn, torch.nn.Module):
         return {}
     out = dict(fn.named_parameters(remove_duplicate=False))
     out.update(fn.named_buffers(remove_duplicate=False))
+    for prefix, module in fn.named_modules(remove_duplicate=False):
+        for name, value in module.__dict__.items():
+            if isinstance(value, torch.Tensor):
+                out[f"{prefix}.{name}" if prefix else name] = value
     return out
 
 
@@ -623,16 +630,15 @@ def _weak_storage(t: torch.Tensor) -> Any:
         return None
 
 
-def _new_precision(ref: _Run, cand: _Run) -> Optional[torch.dtype]:
+def _new_precision(ref: _Run, cand: _Run, given: frozenset = frozenset()) -> Optional[torch.dtype]:
     """The lowest floating precision the candidate computes in that the reference
-    does not (bfloat16 for a mixed-precision rewrite of a float32 model), or None."""
-    new = cand.dtypes - ref.dtypes
-    if not new:
-        return None
-    return loosest(new)
+    does not (bfloat16 for a mixed-precision rewrite of a float32 model), or None.
+    ``given``: the floating dtypes of the inputs, the precision of a reference that
+    computes no float itself (``gt(x, 0)``)."""
+    return loosest(_less_precise(cand.dtypes - ref.dtypes, ref.dtypes | given))
 
 
-def _new_precisions(ref: _Run, cand: _Run) -> Tuple[Optional[torch.dtype], ...]:
+def _new_precisions(ref: _Run, cand: _Run, given: frozenset = frozenset()) -> Tuple[Optional[torch.dtype], ...]:
     """Per output leaf, the lowest floating precision the candidate computes it from
     that the reference does not compute the same output from, or None: a bfloat16
     rewrite of one branch loosens the tolerance of the outputs that branch reaches,
@@ -641,8 +647,21 @@ def _new_precisions(ref: _Run, cand: _Run) -> Tuple[Optional[torch.dtype], ...]:
     n = len(pytree.tree_leaves(cand.outputs))
     if ref.lineage is None or cand.lineage is None or len(ref.lineage) != len(cand.lineage) \
             or len(cand.lineage) != n:
-        return (_new_precision(ref, cand),) * n
-    return tuple(loosest(c - r) for r, c in zip(ref.lineage, cand.lineage))
+        return (_new_precision(ref, cand, given),) * n
+    return tuple(loosest(_less_precise(c - r, r, ref.dtypes | given)) for r, c in zip(ref.lineage, cand.lineage))
+
+
+def _less_precise(new: frozenset, before: frozenset, run: frozenset = frozenset()) -> frozenset:
+    """The floating dtypes of ``new`` less precise than the most precise of
+    ``before`` (else of ``run``, the dtypes of the original's whole run: a bool
+    output's lineage holds none; all of them when neither holds one): a rewrite that
+    computes in float64 where the original computed in float32 rounds less, and
+    earns no tolerance."""
+    floats = [d for d in before if d.is_floating_point] or [d for d in run if d.is_floating_point]
+    if not floats:
+        return frozenset(new)
+    finest = min(torch.finfo(d).eps for d in floats)
+    return frozenset(d for d in new if not d.is_floating_point or torch.finfo(d).eps > finest)
 
 
 _META_KEYS = ("val", "example_value", "rewrite_facts", "tensor_meta")
@@ -827,7 +846,7 @@ def _call_once(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool, watch: Op
     else:
         grad_mode.enter_context(torch.no_grad())
     with grad_mode, seeded(rng_seed), recorder:
-        out = call_with(fn, args)
+        out = _fields_as_dicts(call_with(fn, args))
     requires_grad = roots = None
     if grad:
         flat, spec = pytree.tree_flatten(out)
@@ -855,6 +874,19 @@ def _call_once(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool, watch: Op
                      or (name in values_before and not _same_values(state[name], values_before[name]))}
     seen = static if static is not None else (frozenset(recorder.dtypes) if dtypes else frozenset())
     return _Run(out, args, written, state_written, state, seen, watch.storages, lineage, requires_grad, roots)
+
+
+def _fields_as_dicts(tree: Any) -> Any:
+    """``tree`` with each dataclass instance (an output pytree does not flatten:
+    ``==`` on one compares its tensors and raises) replaced by a dict of its fields,
+    in the same way: its tensors compare, share memory and keep their layout as
+    every output leaf does."""
+    def plain(leaf: Any) -> Any:
+        if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            return {"<" + type(leaf).__qualname__ + ">": True,
+                    **{f.name: _fields_as_dicts(getattr(leaf, f.name)) for f in dataclasses.fields(leaf)}}
+        return leaf
+    return pytree.tree_map(plain, tree)
 
 
 class _SavedState:
@@ -983,9 +1015,10 @@ def _compare(trial: int, ref_out: Any, cand_out: Any, kind: str, rtol: Optional[
              atol: Optional[float], compute_dtype: Optional[torch.dtype] = None,
              prefix: str = "output", agreement: Optional[float] = None,
              compute_dtypes: Optional[Tuple[Optional[torch.dtype], ...]] = None,
-             noises: Optional[Tuple[Any, ...]] = None, quantum: float = 0.0, unit: float = 1.0,
-             ) -> Tuple[float, float, Optional[Mismatch]]:
-    """Compare two outputs leaf by leaf (``quantum``: ``_compare_tensor``'s).
+             noises: Optional[Tuple[Any, ...]] = None, quantum: Union[float, Tuple[float, ...]] = 0.0,
+             unit: float = 1.0) -> Tuple[float, float, Optional[Mismatch]]:
+    """Compare two outputs leaf by leaf (``quantum``: ``_compare_tensor``'s, per leaf
+    when a tuple, ``graph_quantum``).
     ``compute_dtypes``: per leaf, the lower
     precision the candidate newly computes it from (``_new_precisions``; else
     ``compute_dtype`` for every leaf): it loosens that leaf's tolerance, and only a
@@ -1000,16 +1033,18 @@ def _compare(trial: int, ref_out: Any, cand_out: Any, kind: str, rtol: Optional[
             f"got {len(cand_leaves)} {cand_spec}")
     worst_abs = worst_rel = 0.0
     first: Optional[Mismatch] = None
+    if isinstance(quantum, tuple) and len(quantum) != len(ref_leaves):
+        quantum = max(quantum, default=0.0)  # the graph's outputs are not these leaves: its largest step
     for i, ((kp, r), (_, c)) in enumerate(zip(ref_leaves, cand_leaves)):
         path = prefix + pytree.keystr(kp)
         if isinstance(r, torch.Tensor):
             low = compute_dtypes[i] if compute_dtypes is not None else compute_dtype
             a, rel, mm = _compare_tensor(path, trial, r, c, kind, rtol, atol, low,
                                          agreement if low is not None else None,
-                                         noises[i] if noises is not None and i < len(noises) else None, quantum,
-                                         unit)
+                                         noises[i] if noises is not None and i < len(noises) else None,
+                                         quantum[i] if isinstance(quantum, tuple) else quantum, unit)
         else:
-            equal = type(r) is type(c) and (r == c or (isinstance(r, float) and math.isnan(r) and math.isnan(c)))
+            equal = _same_leaf(r, c)
             a, rel = (0.0, 0.0) if equal else (math.inf, math.inf)
             mm = None if equal else Mismatch(path, trial, None, None, a, rel,
                                              f"expected {r!r}, got {c!r}")
@@ -1017,6 +1052,21 @@ def _compare(trial: int, ref_out: Any, cand_out: Any, kind: str, rtol: Optional[
         if mm is not None and first is None:
             first = mm
     return worst_abs, worst_rel, first
+
+
+def _same_leaf(r: Any, c: Any) -> bool:
+    """Two output leaves that are not tensors (ints, floats, strings, objects) are
+    the same: of one type and equal (NaN equals NaN); an ``==`` that raises or does
+    not give a truth value (an object holding tensors) holds only for the same object."""
+    if type(r) is not type(c):
+        return False
+    if isinstance(r, float) and math.isnan(r) and math.isnan(c):
+        return True
+    try:
+        same = r == c
+        return same if isinstance(same, bool) else r is c
+    except Exception:  # noqa: BLE001 - an object that cannot tell
+        return r is c
 
 
 def _flips_from_non_finite(trial: int, reference: "Reference", candidate: Callable, state: Any) -> Optional[Mismatch]:
@@ -1060,10 +1110,11 @@ def _storage(t: Any) -> Optional[int]:
     return ptr or None
 
 
-def _sharing(run: _Run) -> Tuple[set, Dict[str, int]]:
+def _sharing(run: _Run) -> Tuple[set, Dict[str, tuple]]:
     """Which outputs share memory with an input or a module constant (``(output path,
-    what it shares with)``), and which share with each other (output path -> its
-    storage: the outputs with the same storage share)."""
+    what it shares with)``), and where each output lies (output path -> its storage
+    and the bytes of it that it spans, ``_span``: two outputs share memory when they
+    overlap there, not merely when they are two slices of one storage)."""
     inputs = {}
     for i, t in enumerate(pytree.tree_leaves(run.inputs)):
         ptr = _storage(t)
@@ -1079,18 +1130,36 @@ def _sharing(run: _Run) -> Tuple[set, Dict[str, int]]:
             out.add((path, f"input {inputs[ptr]}"))
         if ptr in state:
             out.add((path, "a module constant"))
-        groups[path] = ptr
+        groups[path] = (ptr, *_span(t))
     return out, groups
 
 
-def _shared_only_in(mine: Dict[str, int], theirs: Dict[str, int]) -> Optional[Tuple[str, str]]:
-    """Two outputs that share memory in ``mine`` and not in ``theirs``: ``(the later
-    path, the first path of its group)``, or None."""
-    first: Dict[int, str] = {}
-    for path, ptr in mine.items():
-        other = first.setdefault(ptr, path)
-        if other != path and (theirs.get(path) is None or theirs.get(path) != theirs.get(other)):
-            return path, other
+def _span(t: torch.Tensor) -> Tuple[int, int]:
+    """The bytes of its storage ``t`` can address, ``[start, end)`` (empty for no
+    elements): two tensors whose spans in one storage do not meet share nothing."""
+    if t.numel() == 0:
+        return 0, 0
+    size = t.element_size()
+    start = t.storage_offset() * size
+    last = sum((int(n) - 1) * abs(int(st)) for n, st in zip(t.shape, t.stride()))
+    return start, start + (last + 1) * size
+
+
+def _overlap(a: Optional[tuple], b: Optional[tuple]) -> bool:
+    return a is not None and b is not None and a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
+
+
+def _shared_only_in(mine: Dict[str, tuple], theirs: Dict[str, tuple]) -> Optional[Tuple[str, str]]:
+    """Two outputs whose memory overlaps in ``mine`` and not in ``theirs``: ``(the
+    later path, the earlier one)``, or None."""
+    by_storage: Dict[int, list] = {}
+    for path, where in mine.items():
+        by_storage.setdefault(where[0], []).append(path)
+    for paths in by_storage.values():
+        for i, path in enumerate(paths):
+            for other in paths[:i]:
+                if _overlap(mine[path], mine[other]) and not _overlap(theirs.get(path), theirs.get(other)):
+                    return path, other
     return None
 
 
@@ -1647,8 +1716,10 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
                 reference.stop_recording()  # the rewrite changed values early: most is recomputed
             # per output: only what the rewrite newly computes it from in a lower
             # precision loosens its tolerance (and lets its integers flip)
-            low = _new_precision(ref, cand) if tolerance == "approx" else None
-            lows = _new_precisions(ref, cand) if low is not None else None
+            given = frozenset(t.dtype for t in pytree.tree_leaves(inputs)
+                              if isinstance(t, torch.Tensor) and t.is_floating_point())
+            low = _new_precision(ref, cand, given) if tolerance == "approx" else None
+            lows = _new_precisions(ref, cand, given) if low is not None else None
             bound = None if low is None else (INT_AGREEMENT if int_agreement is None else int_agreement)
             a, r, mm = _compare(t, ref.outputs, cand.outputs, tolerance, rtol, atol, None, agreement=bound,
                                 compute_dtypes=lows, quantum=quantum)
@@ -1669,7 +1740,7 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
                     if share < 1.0 and mm is None:
                         mm = _flips_from_non_finite(t, reference, run_candidate, state)
             worst_abs, worst_rel = max(worst_abs, a), max(worst_rel, r)
-            if mm is None and rtol is None and atol is None and low is None and not quantum:
+            if mm is None and rtol is None and atol is None and low is None and not _any_step(quantum):
                 mm = _confirm_below_unit(t, reference, ref, cand, tolerance, state)
             if mm is None:
                 mm = _side_effects(t, ref, cand, tolerance, rtol, atol, low)
@@ -1719,18 +1790,36 @@ def _below_unit(outputs: Any) -> bool:
     return False
 
 
-def graph_quantum(fn: Any) -> float:
-    """The largest literal scale a GraphModule quantizes to per tensor
-    (``quantize_per_tensor(x, scale, zero_point, dtype)``): one int8 step of a graph
-    that rounds through int8 values (0.0 when it does not, or is not a graph)."""
+def _any_step(quantum: Union[float, Tuple[float, ...]]) -> bool:
+    return any(quantum) if isinstance(quantum, tuple) else bool(quantum)
+
+
+def graph_quantum(fn: Any) -> Union[float, Tuple[float, ...]]:
+    """One int8 step of a graph that rounds through int8 values: per output leaf, the
+    largest literal scale a value it is computed from was quantized to per tensor
+    (``quantize_per_tensor(x, scale, zero_point, dtype)``; 0.0 for an output no such
+    value reaches); the largest of the whole graph when its outputs' structure is
+    not known from the graph, 0.0 when it is not a graph or quantizes nothing."""
     if not isinstance(fn, fx.GraphModule):
         return 0.0
-    scales = [0.0]
+    steps: Dict[fx.Node, float] = {}
+    largest = 0.0
+    output = None
     for node in fn.graph.nodes:
+        if node.op == "output":
+            output = node
+            continue
+        step = max((steps.get(i, 0.0) for i in node.all_input_nodes), default=0.0)
         if node.op == "call_function" and "quantize_per_tensor" in str(node.target) and len(node.args) > 1 \
                 and isinstance(node.args[1], float):
-            scales.append(node.args[1])
-    return max(scales)
+            step = max(step, node.args[1])
+        if step:
+            steps[node] = step
+            largest = max(largest, step)
+    if not largest or output is None or not output.args:
+        return largest
+    return tuple(steps.get(leaf, 0.0) if isinstance(leaf, fx.Node) else 0.0
+                 for leaf in pytree.tree_leaves(output.args[0]))
 
 
 def new_half_precisions(before: Optional[frozenset], after: Optional[frozenset]) -> Tuple[torch.dtype, ...]:

@@ -239,6 +239,23 @@ def _without_fills(r: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return torch.where(fills, torch.zeros((), dtype=r.dtype), r) if bool(fills.any()) else r
 
 
+def _kind_change(ref: torch.Tensor, got: torch.Tensor) -> Optional[str]:
+    """What the caller sees of a tensor besides its shape, dtype and values, when it
+    changed: its layout (an mkldnn or sparse tensor takes other ops), its device, and
+    the lazy conjugate and negative bits (``view_as_real`` and ``numpy()`` refuse a
+    tensor with the conjugate bit set)."""
+    if got.layout != ref.layout:
+        return f"layout {got.layout} != expected {ref.layout}"
+    if got.device != ref.device:
+        return f"device {got.device} != expected {ref.device}"
+    for bit, what in (("is_conj", "conjugate"), ("is_neg", "negative")):
+        mine, theirs = getattr(ref, bit)(), getattr(got, bit)()
+        if mine != theirs:
+            return (f"the lazy {what} bit is {'set' if theirs else 'not set'} in the rewrite's output and "
+                    f"{'set' if mine else 'not set'} in the original's ({bit}() tells)")
+    return None
+
+
 def compare_tensors(ref: torch.Tensor, got, tol: Tolerance, agreement: Optional[float] = None,
                     noise: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
                     noise_multiplier: float = 0.0) -> Tuple[float, float, Optional[Difference]]:
@@ -255,6 +272,9 @@ def compare_tensors(ref: torch.Tensor, got, tol: Tolerance, agreement: Optional[
         return math.inf, math.inf, Difference(f"shape {tuple(got.shape)} != expected {tuple(ref.shape)}")
     if got.dtype != ref.dtype:
         return math.inf, math.inf, Difference(f"dtype {_dtype(got.dtype)} != expected {_dtype(ref.dtype)}")
+    kind = _kind_change(ref, got)
+    if kind is not None:
+        return math.inf, math.inf, Difference(kind)
     r, g = ref.detach().cpu(), got.detach().cpu()
     if r.numel() == 0:
         return 0.0, 0.0, None
@@ -287,8 +307,11 @@ def compare_tensors(ref: torch.Tensor, got, tol: Tolerance, agreement: Optional[
     noisy = noise is not None and noise_multiplier > 0 and tuple(noise[0].shape) == tuple(r64.shape)
     if noisy:
         wide, error = noise
+        # where the reference is inf or NaN, the candidate still compares with it: a
+        # more precise run that is finite there does not make a finite value right
+        against = torch.where(torch.isfinite(r64), wide.to(r64.dtype), r64)
         diff = torch.where(special | (r64 == g64), torch.zeros(r64.shape, dtype=torch.float64),
-                           (wide - g64).abs()).nan_to_num(nan=math.inf)
+                           (against - g64).abs()).nan_to_num(nan=math.inf)
         allowed = allowed + noise_multiplier * error
     violating = diff > allowed + tol.rtol * r64.abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
     if not bool(violating.any()):
