@@ -39,6 +39,7 @@ import torch
 from torch import fx, nn
 
 __all__ = ["LEVELS", "DYNAMO_SOURCE", "ExportError", "ModelSpecError", "capture", "capture_with_inputs",
+           "symbolic_trace",
            "capture_dynamo", "dynamic_shapes_of", "export_keeping_sizes", "export_program", "is_export_guard", "lifted_state_positions", "load_model", "save",
            "save_format", "save_path_problem"]
 
@@ -93,6 +94,19 @@ def capture_dynamo(model: nn.Module, example_inputs: Sequence[Any]) -> Tuple[fx.
     return gm, inputs
 
 
+def symbolic_trace(model: nn.Module) -> fx.GraphModule:
+    """``torch.fx.symbolic_trace(model)`` that leaves ``model`` as it was: fx's tracer
+    stores every tensor the forward reads that is no attribute of the model (a
+    module-level mask) on the model itself (``_tensor_constant0``); the GraphModule
+    keeps its own reference, and those attributes are removed from the caller's model."""
+    before = set(vars(model))
+    try:
+        return fx.symbolic_trace(model)
+    finally:
+        for name in set(vars(model)) - before:
+            del model.__dict__[name]
+
+
 def capture_with_inputs(model: nn.Module, example_inputs: Any, level: str) -> Tuple[fx.GraphModule, tuple]:
     """Capture ``model`` at ``level``; return ``(graph_module, inputs_to_call_it_with)``.
 
@@ -102,7 +116,7 @@ def capture_with_inputs(model: nn.Module, example_inputs: Any, level: str) -> Tu
     """
     args = _as_tuple(example_inputs)
     if level == "fx":
-        return fx.symbolic_trace(model), args
+        return symbolic_trace(model), args
     if level in ("export", "export_core"):
         ep = torch.export.export(model, args, strict=False)
         if level == "export_core":

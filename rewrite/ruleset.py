@@ -27,6 +27,7 @@ import attrs
 import torch
 import torch.fx as fx
 
+from rewrite.capture import symbolic_trace
 from rewrite.engine.compile import compile_rule
 from rewrite.engine.driver import Driver, Schedule
 from rewrite.engine.layout import output_values, restore_output_layouts
@@ -475,7 +476,7 @@ def _symbolic_trace(model: torch.nn.Module) -> fx.GraphModule:
             "which torch.fx.symbolic_trace does not capture: the rewritten model would run without them. Remove "
             "them (or register them on a submodule), or pass a GraphModule you captured")
     try:
-        return fx.symbolic_trace(model)
+        return symbolic_trace(model)
     except Exception as err:  # noqa: BLE001 - any tracing failure: say what to do instead
         raise TypeError(
             f"could not capture {type(model).__name__} with torch.fx.symbolic_trace "

@@ -39,6 +39,7 @@ Example::
 from __future__ import annotations
 
 import collections
+import contextlib
 import csv
 import io
 import json
@@ -57,6 +58,7 @@ from torch.utils.flop_counter import flop_registry
 from rewrite.analysis.progress import progress
 from rewrite.capture import is_export_guard, lifted_state_positions
 from rewrite.engine.replace import RULE_KEY
+from rewrite.engine.symbolic import size_hint
 from rewrite.ops import bind_node
 
 __all__ = ["NodeStats", "Totals", "GroupStats", "GraphAnalysis", "analyze", "RULE_KEY", "module_path",
@@ -482,7 +484,7 @@ def _inputs_from_meta(gm: fx.GraphModule) -> tuple:
         val = next((node.meta[k] for k in ("val", "example_value") if k in node.meta), None)
         if not isinstance(val, torch.Tensor):
             raise ValueError(f"analyze: placeholder {node.name!r} records no shape: pass example_inputs")
-        shape = tuple(int(d) for d in val.shape)
+        shape = tuple(size_hint(d) for d in val.shape)  # int(d) would pin a dynamic size for good
         if val.dtype.is_floating_point or val.dtype.is_complex:
             out.append(torch.randn(shape, dtype=val.dtype))
         else:
@@ -546,7 +548,7 @@ def analyze(gm: Any, example_inputs: Sequence[Any] | None = None, *, show_progre
         gm = gm.module()
     if not isinstance(gm, fx.GraphModule):
         raise TypeError(f"analyze wants a torch.fx.GraphModule or ExportedProgram, not {type(gm).__name__}")
-    from rewrite.trust.check import preserved_state
+    from rewrite.trust.check import inputs_copy, preserved_state
 
     inputs = tuple(example_inputs) if example_inputs is not None else _inputs_from_meta(gm)
     # a measurement leaves no trace: the graph runs on copies of the inputs (a model
@@ -556,16 +558,32 @@ def analyze(gm: Any, example_inputs: Sequence[Any] | None = None, *, show_progre
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     lifted = set(lifted_state_positions(gm))
     with torch.no_grad():
-        inputs = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in inputs)
+        inputs = tuple(inputs_copy(inputs))
     params = {_storage_key(t) for t in list(gm.parameters()) + list(gm.buffers())}
     params |= {_storage_key(inputs[i]) for i in lifted if i < len(inputs) and isinstance(inputs[i], torch.Tensor)}
     runner = _Runner(gm, params, show_progress)
     try:
-        with torch.no_grad(), preserved_state(gm, runs_only=True):
+        # no fused fast path (nn.MultiheadAttention, nn.TransformerEncoderLayer in eval
+        # mode under no_grad): its kernels are opaque to the FLOP registry
+        with torch.no_grad(), preserved_state(gm, runs_only=True), _mha_fastpath_off():
             runner.run(*inputs)
     finally:
         runner.close()
     return _summarize(gm, runner, {placeholders[i] for i in lifted if i < len(placeholders)})
+
+
+@contextlib.contextmanager
+def _mha_fastpath_off() -> Any:
+    mha = getattr(torch.backends, "mha", None)
+    if mha is None or not hasattr(mha, "set_fastpath_enabled"):
+        yield
+        return
+    was = mha.get_fastpath_enabled()
+    mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        mha.set_fastpath_enabled(was)
 
 
 def _node_inputs(gm: fx.GraphModule, node: fx.Node, values: dict) -> list:

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["SymbolicUnknown", "as_traced", "decide", "deciding", "symbolic_env"]
+__all__ = ["SymbolicUnknown", "as_traced", "decide", "deciding", "size_hint", "symbolic_env"]
 
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
@@ -150,3 +150,18 @@ def _one_answer(env: Any, substitutions: list, question: Any) -> Any:
 
 
 _RELATIONS = {"==": "Eq", "!=": "Ne", "<": "Lt", "<=": "Le", ">": "Gt", ">=": "Ge"}
+
+
+def size_hint(n: Any, fallback: int = 2) -> int:
+    """A size as a plain int without guarding on it: a symbolic size's example value
+    (its hint), ``fallback`` for one without any. ``int(s0)`` would add ``s0 == 2``
+    to the graph's ShapeEnv and pin a dynamic export to that size for good."""
+    if isinstance(n, int):
+        return n
+    try:
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+        return int(optimization_hint(n, fallback=fallback))
+    except Exception:  # noqa: BLE001 - an older torch: the node's own hint, never int(n)
+        hint = getattr(getattr(n, "node", None), "hint", None)
+        return int(hint) if isinstance(hint, int) else fallback

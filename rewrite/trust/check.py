@@ -54,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import warnings
 import functools
 import inspect
 import math
@@ -69,6 +70,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from rewrite.capture import is_export_guard
 from rewrite.engine.shapes import addressing, layout_of
+from rewrite.engine.symbolic import size_hint
 from rewrite.engine.workspace import gc_paused
 from rewrite.ops.base import ConstRef, attribute
 from rewrite.ops.effects import state_writes, written_args
@@ -102,8 +104,10 @@ __all__ = [
     "random_like",
     "generate_inputs",
     "inputs_from_graph",
+    "inputs_copy",
     "new_half_precisions",
     "static_float_dtypes",
+    "uninitialized_filled",
 ]
 
 #: A rewrite that newly computes in lower precision (bfloat16 for a float32 model) may
@@ -294,16 +298,7 @@ def _laid_out_like(example: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 
 
 def _concrete(n: Any) -> int:
-    if isinstance(n, int):
-        return n
-    try:
-        from torch.fx.experimental.symbolic_shapes import optimization_hint
-        return int(optimization_hint(n, fallback=2))
-    except Exception:  # older torch or an unbacked symbol
-        try:
-            return int(n)
-        except Exception:
-            return 2
+    return size_hint(n)
 
 
 def _node_shape(node: Any, gm: fx.GraphModule) -> Optional[Tuple[int, ...]]:
@@ -408,7 +403,7 @@ def inputs_from_graph(gm: fx.GraphModule, seed: int = 0, *,
 # --------------------------------------------------------------------------- running
 
 
-def _clone(tree: Any) -> Any:
+def inputs_copy(tree: Any) -> Any:
     """A private copy of the inputs as the caller gave them: each tensor with its
     own strides and storage offset (a ``reshape => view`` rule fails on a sliced
     input as it would for the caller), and tensors sharing memory (the same tensor
@@ -825,7 +820,7 @@ def _call(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool = True, watch: 
 def _call_once(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool, watch: Optional[_Watch],
                grad: bool) -> _Run:
     watch = watch if watch is not None else _Watch.of(fn, dtypes)
-    args = _clone(inputs)
+    args = inputs_copy(inputs)
     leaves = pytree.tree_leaves(args)
     before = [t._version if isinstance(t, torch.Tensor) else None for t in leaves]
     state = watch.state
@@ -845,7 +840,7 @@ def _call_once(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool, watch: Op
         grad_mode.enter_context(torch.autograd.graph.saved_tensors_hooks(_discard, _discard))
     else:
         grad_mode.enter_context(torch.no_grad())
-    with grad_mode, seeded(rng_seed), recorder:
+    with grad_mode, seeded(rng_seed), recorder, uninitialized_filled():
         out = _fields_as_dicts(call_with(fn, args))
     requires_grad = roots = None
     if grad:
@@ -874,6 +869,34 @@ def _call_once(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool, watch: Op
                      or (name in values_before and not _same_values(state[name], values_before[name]))}
     seen = static if static is not None else (frozenset(recorder.dtypes) if dtypes else frozenset())
     return _Run(out, args, written, state_written, state, seen, watch.storages, lineage, requires_grad, roots)
+
+
+@contextlib.contextmanager
+def uninitialized_filled() -> Iterator[None]:
+    """Memory ``empty``-like ops return is filled (NaN for floats, the largest value
+    for integers: ``torch.utils.deterministic.fill_uninitialized_memory``, which
+    takes effect in torch's deterministic mode) while the block runs: a rewrite that
+    reads memory nobody wrote (``zeros_like(x) => empty_like(x)``) cannot pass
+    because the allocator happened to hand back zeroed pages. Deterministic mode is
+    entered warn-only (an op without a deterministic kernel still runs; its warning
+    is not shown) and left as it was."""
+    import torch.utils.deterministic as deterministic
+
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = deterministic.fill_uninitialized_memory
+    if enabled and fill:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*does not have a deterministic implementation.*")
+        torch.use_deterministic_algorithms(True, warn_only=not enabled or warn_only)
+        deterministic.fill_uninitialized_memory = True
+        try:
+            yield
+        finally:
+            deterministic.fill_uninitialized_memory = fill
+            torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
 
 
 def _fields_as_dicts(tree: Any) -> Any:
@@ -1234,10 +1257,13 @@ def _requires_grad_change(trial: int, ref: _Run, cand: _Run, candidate: Any = No
     paths = [pytree.keystr(kp) for kp, _ in pytree.tree_flatten_with_path(ref.outputs)[0]]
     names = {id(t): name for name, t in ref.state.items()}
     trained = {id(t) for t in cand.state.values() if t.requires_grad}
-    # a fold leaves a constant it computed in place of what it folded; a rewrite that
-    # only drops a parameter (``w * 0 => zeros``) leaves none; per output when the
-    # graph tells (a fold elsewhere must not excuse an output that lost its gradient)
-    folded = any(id(t) not in names for t in cand.state.values())
+    # a fold leaves a constant it computed, under a name of its own, in place of what
+    # it folded; a rewrite that only drops a parameter (``w * 0 => zeros``) leaves
+    # none, and the rewrite's own copy of a buffer its forward writes keeps the
+    # buffer's name; per output when the graph tells (a fold elsewhere must not
+    # excuse an output that lost its gradient)
+    new_constants = {id(t) for name, t in cand.state.items() if name not in ref.state}
+    folded = bool(new_constants)
     for i, (path, mine, theirs) in enumerate(zip(paths, ref.requires_grad, cand.requires_grad)):
         if not mine and theirs:
             return Mismatch("output" + path, trial, None, None, math.inf, math.inf,
@@ -1253,7 +1279,7 @@ def _requires_grad_change(trial: int, ref: _Run, cand: _Run, candidate: Any = No
             fresh = folded
         else:  # what this output is computed from, in the rewrite's graph
             kept = [t for t in _grad_leaves(root) if id(t) not in names or id(t) in reads]
-            fresh = any(r not in names for r in reads)
+            fresh = any(r in new_constants for r in reads)
         if root is not None and not kept and fresh:
             continue  # only through parameters the rewrite folded away, into constants it reads
         through = "" if not kept else (
@@ -1549,7 +1575,7 @@ class Reference:
             if ref is None:
                 return None
             with self._running(state) as fn:
-                self._noise[key] = estimate(ref, fn, _clone(self.inputs(trial)), self.seed + trial)
+                self._noise[key] = estimate(ref, fn, inputs_copy(self.inputs(trial)), self.seed + trial)
         return self._noise.get(key)
 
     def _records(self) -> bool:
