@@ -30,6 +30,7 @@ import torch.fx as fx
 from rewrite.capture import symbolic_trace
 from rewrite.engine.compile import compile_rule
 from rewrite.engine.driver import Driver, Schedule
+from rewrite.engine.facts import forget_recorded_facts
 from rewrite.engine.layout import output_values, restore_output_layouts
 from rewrite.engine.workspace import Journal, check_touched, gc_paused, own_written_state, shared_copy
 from rewrite.language import Program, ast, load_program, load_program_text
@@ -603,6 +604,7 @@ class _Transaction:
             self._done = True
 
     def commit(self) -> None:
+        forget_recorded_facts(self.gm)
         self.sync()
         self._done = True
 

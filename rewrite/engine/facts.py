@@ -23,7 +23,8 @@ from rewrite.engine.shapes import cast_of, fresh_cast, fresh_constant, fresh_lik
 from rewrite.ops.base import ConstRef, attribute, by_identity
 from rewrite.ops.effects import graph_trains, op_name, state_writes, written_args
 
-__all__ = ["GraphFacts", "Value", "TensorFacts", "FACTS_KEY", "NEW_NODE_KEY", "fetch_attr", "tensor_meta_of"]
+__all__ = ["GraphFacts", "Value", "TensorFacts", "FACTS_KEY", "NEW_NODE_KEY", "fetch_attr", "forget_recorded_facts",
+           "tensor_meta_of"]
 
 #: ``node.meta`` key of the facts this library records on graphs without ``val``.
 FACTS_KEY = "rewrite_facts"
@@ -508,6 +509,18 @@ def _first_vals(gm: fx.GraphModule, n: int) -> list:
 def _carries(gm: fx.GraphModule, key: str) -> bool:
     """Whether call nodes carry ``meta[key]`` (dynamo's graphs: ``example_value``)."""
     return any(key in node.meta for node in gm.graph.nodes if node.op.startswith("call_"))
+
+
+def forget_recorded_facts(gm: fx.GraphModule) -> None:
+    """Drop the facts recorded from one call's example inputs (``TensorFacts`` on
+    nodes that carry no ``val`` of their own: a symbolic_trace graph's, and those
+    inferred from them) when the rewrite is done: they hold for those inputs only,
+    and a later ``apply`` given other inputs (or none) must not take them for facts
+    of the graph. Facts read from a capture's own ``val`` stay."""
+    for node in gm.graph.nodes:
+        meta = node.meta
+        if FACTS_KEY in meta and "val" not in meta and "example_value" not in meta:
+            del meta[FACTS_KEY]
 
 
 def _record_facts(gm: fx.GraphModule, inputs: Any, on_meta: Any = None) -> None:

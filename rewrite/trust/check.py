@@ -76,6 +76,7 @@ from rewrite.ops.base import ConstRef, attribute
 from rewrite.ops.effects import state_writes, written_args
 from rewrite.ops.vocabulary import CALL_OPS, OPS, bind_node
 from rewrite.trust.gradients import GradientRun, gradient_run
+from rewrite.trust.modes import is_higher_order, run_higher_order
 from rewrite.trust.nonfinite import non_finite_births
 from rewrite.trust.precision import HALF, NOISE_MULTIPLIER, computes_in_half, narrowed_run, rounding_noise, widened_run
 from rewrite.trust.rng import seeded
@@ -542,6 +543,8 @@ class _DtypeRecorder(TorchDispatchMode):
     result in fresh memory starts anew. Tensors no op produced (inputs, constants)
     count none: what a lower precision changes is what ops compute."""
 
+    supports_higher_order_operators = True  # rewrite.trust.modes
+
     def __init__(self, lineage: bool = False) -> None:
         super().__init__()
         self.dtypes: set = set()
@@ -550,6 +553,8 @@ class _DtypeRecorder(TorchDispatchMode):
         self.lineage: Optional[Dict[int, Tuple[Any, frozenset]]] = {} if lineage else None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if is_higher_order(func):
+            return run_higher_order(self, func, args, kwargs)
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         results = pytree.tree_leaves(out)

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
+from rewrite.trust.modes import is_higher_order, run_higher_order
 
 __all__ = ["NonFiniteCounter", "non_finite_births"]
 
@@ -30,11 +31,15 @@ class NonFiniteCounter(TorchDispatchMode):
     result (a Python scalar argument such as ``masked_fill``'s ``-inf`` counts as
     input: the model asked for it, in both runs alike)."""
 
+    supports_higher_order_operators = True  # rewrite.trust.modes
+
     def __init__(self) -> None:
         super().__init__()
         self.births: dict = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if is_higher_order(func):
+            return run_higher_order(self, func, args, kwargs)
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         results = _floats(out)

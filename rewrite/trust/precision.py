@@ -43,6 +43,7 @@ from torch.utils import _pytree as pytree
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from rewrite.trust.modes import is_higher_order, run_higher_order
 from rewrite.trust.rng import seeded
 from rewrite.trust.runner import call_with
 from rewrite.trust.tolerance import SCALE_RADIUS, window_max
@@ -130,7 +131,11 @@ _METADATA_CHECKS = frozenset({torch.ops.aten._assert_tensor_metadata.default})
 class _UncheckedMetadata(TorchDispatchMode):
     """Export's dtype checks pass: autocast computes in another dtype on purpose."""
 
+    supports_higher_order_operators = True  # rewrite.trust.modes
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if is_higher_order(func):
+            return run_higher_order(self, func, args, kwargs)
         if func in _METADATA_CHECKS:
             return None
         return func(*args, **(kwargs or {}))
@@ -141,11 +146,15 @@ class _WidenedOps(TorchDispatchMode):
     float32 where it was asked for a half precision (``_to_copy``, factories); an op
     that writes a half-precision tensor, or the copy of one, ends the run."""
 
+    supports_higher_order_operators = True  # rewrite.trust.modes
+
     def __init__(self, widening: _Widening) -> None:
         super().__init__()
         self.widening = widening
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if is_higher_order(func):
+            return run_higher_order(self, func, args, kwargs)
         if func in _METADATA_CHECKS:  # export's dtype checks: another precision is the point here
             return None
         kwargs = kwargs or {}
