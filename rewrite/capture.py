@@ -181,7 +181,25 @@ def load_model(spec: str) -> Tuple[nn.Module, tuple]:
     if not (isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module)):
         raise ModelSpecError(f"{spec} must return (model, example_inputs), got {type(built).__name__}")
     model, inputs = built
-    return model.eval(), _as_tuple(inputs)
+    model, inputs = model.eval(), _as_tuple(inputs)
+    _runs_on(model, inputs, spec)
+    return model, inputs
+
+
+def _runs_on(model: nn.Module, inputs: tuple, spec: str) -> None:
+    """Raise ``ModelSpecError`` when ``model`` cannot run on ``inputs`` (a factory
+    whose example input has the wrong shape, or that returns a number for the
+    inputs): the user's mistake, said in one line before any capture or check
+    fails on it deeper down. Run once on copies, its state put back."""
+    from rewrite.trust.check import inputs_copy, preserved_state
+
+    try:
+        with torch.no_grad(), preserved_state(model):
+            model(*inputs_copy(inputs))
+    except Exception as err:  # noqa: BLE001 - the user's model failed on the user's inputs
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise ModelSpecError(f"{spec}: the model raised on its example inputs ({type(err).__name__}: {first})") \
+            from err
 
 
 class ExportError(RuntimeError):

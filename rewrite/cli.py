@@ -257,7 +257,7 @@ def _parser() -> argparse.ArgumentParser:
                         "exit 1 on any counterexample, rule that did not fire, or skipped (unverified) rule")
     c.add_argument("--allow-skipped", action="store_true",
                    help="with --verify: a rule no instance could be built for is reported, not failed")
-    c.add_argument("--max-examples", type=int, default=100,
+    c.add_argument("--max-examples", type=_positive_int, default=100,
                    help="instances checked per rule for --verify (discarded ones are drawn again)")
     c.add_argument("--seed", type=int, default=0, help="seed for --verify (the same seed, the same instances)")
     c.set_defaults(fn=_cmd_check)

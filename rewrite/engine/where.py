@@ -150,6 +150,30 @@ _COMPARE = {
 }
 
 
+def _graph_value(v: Any) -> bool:
+    """A value computed when the model runs (a node, a constant tensor): what it
+    holds is not known when the rule is matched."""
+    return isinstance(v, Value) and not v.is_literal
+
+
+def _holds_graph_value(v: Any) -> bool:
+    return _graph_value(v) or (isinstance(v, (list, tuple)) and any(_graph_value(i) for i in v))
+
+
+def _about_graph_values(op: str, a: Any, b: Any) -> Any:
+    """A comparison with a graph value on a side: a value is equal to itself (the
+    same node bound twice), anything else about its contents is unknown (``c != 0``
+    for a tensor ``c`` would hold whatever it holds when the model runs)."""
+    if op in ("==", "!="):
+        if _graph_value(a) and _graph_value(b) and _same_operand(a.operand, b.operand):
+            return op == "=="
+        return UNKNOWN
+    if op in ("in", "not in") and _graph_value(a) and isinstance(b, (list, tuple)) and any(
+            _graph_value(i) and _same_operand(a.operand, i.operand) for i in b):
+        return op == "in"
+    return UNKNOWN
+
+
 def _truth(v: Any) -> Any:
     if v is UNKNOWN or isinstance(v, (fx.Node, torch.Tensor)):
         return UNKNOWN  # a graph value's (or a tensor's) truth is not known at rewrite time
@@ -203,10 +227,14 @@ def _eval(e: Any) -> Compiled:
     if isinstance(e, ast.Compare):
         left, right, compare = _side(_eval(e.left)), _side(_eval(e.right)), _COMPARE[e.op]
 
+        op = e.op
+
         def comparison(env: dict, facts: Any) -> Any:
             a, b = left(env, facts), right(env, facts)
             if a is UNKNOWN or b is UNKNOWN:
                 return UNKNOWN
+            if _graph_value(a) or _holds_graph_value(b):
+                return _about_graph_values(op, a, b)
             return bool(compare(a, b))
         return comparison
     if isinstance(e, ast.Call):
