@@ -181,25 +181,8 @@ def load_model(spec: str) -> Tuple[nn.Module, tuple]:
     if not (isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module)):
         raise ModelSpecError(f"{spec} must return (model, example_inputs), got {type(built).__name__}")
     model, inputs = built
-    model, inputs = model.eval(), _as_tuple(inputs)
-    _runs_on(model, inputs, spec)
-    return model, inputs
+    return model.eval(), _as_tuple(inputs)
 
-
-def _runs_on(model: nn.Module, inputs: tuple, spec: str) -> None:
-    """Raise ``ModelSpecError`` when ``model`` cannot run on ``inputs`` (a factory
-    whose example input has the wrong shape, or that returns a number for the
-    inputs): the user's mistake, said in one line before any capture or check
-    fails on it deeper down. Run once on copies, its state put back."""
-    from rewrite.trust.check import inputs_copy, preserved_state
-
-    try:
-        with torch.no_grad(), preserved_state(model):
-            model(*inputs_copy(inputs))
-    except Exception as err:  # noqa: BLE001 - the user's model failed on the user's inputs
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise ModelSpecError(f"{spec}: the model raised on its example inputs ({type(err).__name__}: {first})") \
-            from err
 
 
 class ExportError(RuntimeError):
@@ -361,7 +344,9 @@ def picklable(gm: fx.GraphModule) -> fx.GraphModule:
         elif node.op == "call_module" and not node.users and is_export_guard(gm, node.target):
             graph.erase_node(node)
     plain = fx.GraphModule(gm, graph)
-    plain.train(gm.training)
+    # the root's own flag only: the submodules are gm's own (shared), each in its
+    # own mode (a BatchNorm left in train mode in an eval model stays so, in gm too)
+    plain.training = gm.training
     return plain
 
 

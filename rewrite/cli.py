@@ -120,7 +120,8 @@ def _cmd_apply(args: argparse.Namespace) -> int:
     import torch
 
     import rewrite
-    from rewrite.capture import load_model, save, save_path_problem
+    from rewrite.capture import save, save_path_problem
+    from rewrite.trust.runnable import load_runnable_model
 
     rules = _load(args.rules)
     if args.ruleset:
@@ -133,7 +134,7 @@ def _cmd_apply(args: argparse.Namespace) -> int:
         print("rewrite: error: --report needs --capture fx or export (dynamo rewrites its graphs inside "
               "torch.compile): use rewrite stats --capture dynamo for the figures", file=sys.stderr)
         return 2
-    model, inputs = load_model(args.model)
+    model, inputs = load_runnable_model(args.model)
     if args.capture == "dynamo":
         results = []
         compiled = torch.compile(model, backend=rewrite.backend(
@@ -333,9 +334,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _captured(spec: str, level: str) -> tuple:
     """(graph module, the inputs to run it with) for a ``--model`` spec."""
-    from rewrite.capture import load_model
+    from rewrite.trust.runnable import load_runnable_model
 
-    model, inputs = load_model(spec)
+    model, inputs = load_runnable_model(spec)
     return _captured_model(model, inputs, level, spec, with_inputs=True)
 
 

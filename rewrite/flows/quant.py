@@ -1223,10 +1223,10 @@ def quantize_command(args: argparse.Namespace) -> int:
     """``rewrite quantize --model pkg.mod:factory [--capture export] ...``: quantize
     the model, print the rule counts and the accuracy report, optionally save it.
     Exit 0 on success, 1 when quantization fails its check."""
-    from rewrite.capture import load_model
     from rewrite.trust.check import generate_inputs
+    from rewrite.trust.runnable import load_runnable_model
 
-    model, inputs = load_model(args.model)
+    model, inputs = load_runnable_model(args.model)
     calib = [generate_inputs(inputs, seed=1000 + i) for i in range(args.calibration)]
     held = [generate_inputs(inputs, seed=2000 + i) for i in range(args.held_out)]
     try:
