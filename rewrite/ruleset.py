@@ -535,6 +535,7 @@ class _Transaction:
         self._journal: Journal | None = None
         self._stale = False  # the graph changed since its code was last generated
         self._done = False
+        self._recorded = False  # a run recorded facts from the example inputs: forgotten at commit
 
     def run(self, limit: int | None = None, sync: bool = True) -> tuple:
         """One replay from the module as given; the nodes the rewrites created are
@@ -570,6 +571,7 @@ class _Transaction:
             finally:
                 if journal is not None:
                     journal.close()
+            self._recorded |= driver.facts.recorded
             # unjournaled, the graph changed exactly when a rule fired (the cleanups
             # and layout restores run only then; recorded facts are not code)
             self._stale |= journal.changed if journal is not None else bool(driver.counts)
@@ -604,7 +606,8 @@ class _Transaction:
             self._done = True
 
     def commit(self) -> None:
-        forget_recorded_facts(self.gm)
+        if self._recorded:
+            forget_recorded_facts(self.gm)
         self.sync()
         self._done = True
 

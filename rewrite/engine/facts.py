@@ -96,6 +96,7 @@ class GraphFacts:
         # nodes have none).
         carried = _first_vals(gm, 8)
         self._example_inputs = None if carried or _carries(gm, "example_value") else example_inputs
+        self.recorded = False  # facts were recorded from the example inputs (forget_recorded_facts)
         # Graphs whose values are FakeTensors (export, dynamo) get a FakeTensor
         # ``val`` on every new node that survives the rewrite (``settle``), for later
         # consumers of the graph; any node's facts are inferred earlier when a rule
@@ -357,6 +358,7 @@ class GraphFacts:
         from rewrite.trust.check import inputs_copy, preserved_state
 
         inputs, self._example_inputs = self._example_inputs, None  # once
+        self.recorded = True
         if self.before_run is not None:
             self.before_run()
         # on copies of the inputs, restoring the module's state: recording facts has
