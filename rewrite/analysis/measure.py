@@ -548,7 +548,7 @@ def analyze(gm: Any, example_inputs: Sequence[Any] | None = None, *, show_progre
         gm = gm.module()
     if not isinstance(gm, fx.GraphModule):
         raise TypeError(f"analyze wants a torch.fx.GraphModule or ExportedProgram, not {type(gm).__name__}")
-    from rewrite.trust.check import inputs_copy, preserved_state
+    from rewrite.trust.check import laid_out_copy, preserved_state
 
     inputs = tuple(example_inputs) if example_inputs is not None else _inputs_from_meta(gm)
     # a measurement leaves no trace: the graph runs on copies of the inputs (a model
@@ -558,7 +558,7 @@ def analyze(gm: Any, example_inputs: Sequence[Any] | None = None, *, show_progre
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     lifted = set(lifted_state_positions(gm))
     with torch.no_grad():
-        inputs = tuple(inputs_copy(inputs))
+        inputs = tuple(laid_out_copy(inputs))
     params = {_storage_key(t) for t in list(gm.parameters()) + list(gm.buffers())}
     params |= {_storage_key(inputs[i]) for i in lifted if i < len(inputs) and isinstance(inputs[i], torch.Tensor)}
     runner = _Runner(gm, params, show_progress)

@@ -355,7 +355,7 @@ class GraphFacts:
         """Run the example inputs through the graph once, recording TensorFacts on
         every node that has none (symbolic_trace graphs carry no shapes). Done on
         the first question about a shape, so rules that never ask pay nothing."""
-        from rewrite.trust.check import inputs_copy, preserved_state
+        from rewrite.trust.check import laid_out_copy, preserved_state
 
         inputs, self._example_inputs = self._example_inputs, None  # once
         self.recorded = True
@@ -364,7 +364,7 @@ class GraphFacts:
         # on copies of the inputs, restoring the module's state: recording facts has
         # no side effects (a model may write its input, or its BatchNorm statistics);
         # copies laid out as the inputs are (a sliced input's strides are a fact)
-        inputs = inputs_copy(inputs)
+        inputs = laid_out_copy(inputs)
         try:
             with torch.no_grad(), preserved_state(self.gm, runs_only=True), torch.random.fork_rng(devices=[]):
                 _record_facts(self.gm, inputs, self._on_meta)

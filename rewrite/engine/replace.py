@@ -384,7 +384,9 @@ class Replacer:
         of the same kind: both known, of another dtype or static shape. A pattern's
         ``1`` matches the graph's ``1.0`` (``same_arg``), and ``h * 1.0`` of an int64
         ``h`` is float32: ``mul(x, 1) => x`` must not hand back the int64 ``h``."""
-        before, after = self._facts_of(root), self._facts_of(result)
+        # recorded now if need be (a symbolic_trace graph given example inputs): a
+        # forwarded value is where a literal of the other kind slips through
+        before, after = self.facts.meta(root), self.facts.meta(result)
         dtype_before, dtype_after = getattr(before, "dtype", None), getattr(after, "dtype", None)
         if isinstance(dtype_before, torch.dtype) and isinstance(dtype_after, torch.dtype) \
                 and dtype_before != dtype_after:

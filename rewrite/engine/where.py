@@ -24,7 +24,7 @@ from rewrite.engine.dtypes import DTYPES
 from rewrite.engine.facts import Value
 from rewrite.functions.registry import BUILTIN_MODULES, lookup_function
 from rewrite.language import ast
-from rewrite.ops.base import by_identity
+from rewrite.ops.base import ConstRef, by_identity
 from rewrite.ops.forms import same_arg
 
 __all__ = ["UNKNOWN", "PredicateError", "compile_where", "where_function", "plain"]
@@ -153,11 +153,15 @@ _COMPARE = {
 def _graph_value(v: Any) -> bool:
     """A value computed when the model runs (a node, a constant tensor): what it
     holds is not known when the rule is matched."""
-    return isinstance(v, Value) and not v.is_literal
+    return (isinstance(v, Value) and not v.is_literal) or isinstance(v, (fx.Node, ConstRef))
 
 
 def _holds_graph_value(v: Any) -> bool:
-    return _graph_value(v) or (isinstance(v, (list, tuple)) and any(_graph_value(i) for i in v))
+    """``v`` is a graph value or a sequence holding one, at any depth (``(c, 1)``;
+    a size list whose dims are nodes in a dynamo graph)."""
+    if isinstance(v, Value) and v.is_literal:
+        v = v.operand
+    return _graph_value(v) or (isinstance(v, (list, tuple)) and any(_holds_graph_value(i) for i in v))
 
 
 def _about_graph_values(op: str, a: Any, b: Any) -> Any:
@@ -165,13 +169,17 @@ def _about_graph_values(op: str, a: Any, b: Any) -> Any:
     same node bound twice), anything else about its contents is unknown (``c != 0``
     for a tensor ``c`` would hold whatever it holds when the model runs)."""
     if op in ("==", "!="):
-        if _graph_value(a) and _graph_value(b) and _same_operand(a.operand, b.operand):
+        if _graph_value(a) and _graph_value(b) and _same_operand(_operand(a), _operand(b)):
             return op == "=="
         return UNKNOWN
     if op in ("in", "not in") and _graph_value(a) and isinstance(b, (list, tuple)) and any(
-            _graph_value(i) and _same_operand(a.operand, i.operand) for i in b):
+            _graph_value(i) and _same_operand(_operand(a), _operand(i)) for i in b):
         return op == "in"
     return UNKNOWN
+
+
+def _operand(v: Any) -> Any:
+    return v.operand if isinstance(v, Value) else v
 
 
 def _truth(v: Any) -> Any:
@@ -233,7 +241,7 @@ def _eval(e: Any) -> Compiled:
             a, b = left(env, facts), right(env, facts)
             if a is UNKNOWN or b is UNKNOWN:
                 return UNKNOWN
-            if _graph_value(a) or _holds_graph_value(b):
+            if _holds_graph_value(a) or _holds_graph_value(b):
                 return _about_graph_values(op, a, b)
             return bool(compare(a, b))
         return comparison

@@ -1,11 +1,12 @@
-"""What kind of value each part of a where clause is, and the conditions that can never hold.
+"""What kind of value each part of a where clause is, and the clauses that can never hold.
 
-A where clause runs in three-valued logic: a comparison Python refuses (``shape(x) >
-3``: a tuple and an int) or a value that is no condition at all (``where 3``,
-``where rank(x)``) does not raise at rewrite time, it makes the clause not hold, so
-the rule silently never fires (or, under ``not``, makes an unknown fact decide).
-Such clauses are mistakes, found here when the file is checked (E306), from the
-kinds of values the parts can have:
+A where clause runs in three-valued logic, and a rule fires only when its clause is
+True. A comparison Python refuses (``shape(x) > 3``: a tuple and an int) raises at
+rewrite time, which makes the clause not hold wherever it stands; a clause that is
+no condition at all (``where 3``, ``where rank(x)``) is never True; a comparison of
+values of kinds that are never equal (``dtype(x) == 4``) is never true. Each makes
+the rule silently never fire: a mistake, found here when the file is checked (E306),
+from the kinds of values the parts can have:
 
 * literals: ``int``, ``float``, ``bool``, ``str``, ``None``, dtypes; tuples and lists
   are sequences;
@@ -15,11 +16,14 @@ kinds of values the parts can have:
   anything and are never reported;
 * predicates, comparisons, ``and``/``or``/``not``: conditions.
 
-Only kinds known for certain are reported, so a clause this passes may still be
-wrong, never the other way round. Python's own rules decide what compares: ``==``
-between an int and a sequence is allowed (a per-dimension int equals its expansion,
-``stride == 1``), ordering needs two numbers or two sequences, ``in`` needs a
-sequence (or a string) on its right.
+Inside ``and``/``or``/``not`` a value counts by its truth, as in Python (``not
+numel(x)``: an empty tensor), and a comparison that is never true is reported only
+where the clause needs it true (the clause or one of its conjuncts: under ``not`` or
+beside an ``or`` it may be meant). Only kinds known for certain are reported, so a
+clause this passes may still be wrong, never the other way round. Python's own
+rules decide what compares: ``==`` between an int and a sequence is allowed (a
+per-dimension int equals its expansion, ``stride == 1``), ordering needs two numbers
+or two sequences, ``in`` needs a sequence (or a string) on its right.
 """
 
 from __future__ import annotations
@@ -56,28 +60,36 @@ def where_problems(where: Any, query_kind: Callable[[str], str]) -> list:
     """The E306 problems of a where clause. ``query_kind(name)`` is the kind a
     registered query returns (``ANY`` when unknown); predicates are conditions."""
     problems: list = []
-    _condition(where, query_kind, problems, "a where clause")
+    if not isinstance(where, (ast.BoolOp, ast.Not)):
+        # only the clause itself must be True: inside and/or/not a value counts by its
+        # truth (not numel(x): an empty tensor), as in Python
+        kind = _kind(where, query_kind, problems, True)
+        if kind not in (ANY, BOOL):
+            problems.append(Problem(
+                getattr(where, "span", None), f"a where clause must be a condition; this is {_NAMES[kind]}",
+                "compare it with something (rank(x) == 4) or call a predicate"))
+    else:
+        _condition(where, query_kind, problems, True)
     return problems
 
 
-def _condition(e: Any, query_kind: Callable, problems: list, place: str) -> None:
-    """``e`` stands where a truth value is needed (the clause, an operand of and/or/not)."""
+def _condition(e: Any, query_kind: Callable, problems: list, positive: bool) -> None:
+    """``e`` stands where a truth value is taken. ``positive``: the clause holds only
+    if ``e`` does (the clause, or a conjunct of it); a comparison that never holds is
+    reported there only (under ``not`` or beside an ``or`` it may be meant)."""
     if isinstance(e, ast.BoolOp):
         for item in e.items:
-            _condition(item, query_kind, problems, f"an operand of '{e.op}'")
-        return
-    if isinstance(e, ast.Not):
-        _condition(e.expr, query_kind, problems, "the operand of 'not'")
-        return
-    kind = _kind(e, query_kind, problems)
-    if kind not in (ANY, BOOL):
-        problems.append(Problem(
-            getattr(e, "span", None), f"{place} must be a condition; this is {_NAMES[kind]}",
-            "compare it with something (rank(x) == 4) or call a predicate"))
+            _condition(item, query_kind, problems, positive and e.op == "and")
+    elif isinstance(e, ast.Not):
+        _condition(e.expr, query_kind, problems, False)
+    else:
+        _kind(e, query_kind, problems, positive)
 
 
-def _kind(e: Any, query_kind: Callable, problems: list) -> str:
-    """The kind of ``e``'s value, reporting what inside it never holds."""
+def _kind(e: Any, query_kind: Callable, problems: list, positive: bool = False) -> str:
+    """The kind of ``e``'s value, reporting what inside it cannot decide: a
+    comparison Python refuses (anywhere: it raises, and the clause does not hold),
+    one that is never true (where the clause needs it: ``positive``)."""
     if isinstance(e, ast.Literal):
         return _literal_kind(e.value)
     if isinstance(e, ast.DTypeLit):
@@ -101,12 +113,12 @@ def _kind(e: Any, query_kind: Callable, problems: list) -> str:
         return INT if base == SEQ and _is_shape(e.expr) else ANY
     if isinstance(e, ast.Compare):
         left, right = _kind(e.left, query_kind, problems), _kind(e.right, query_kind, problems)
-        problem = _comparison_problem(e.op, left, right, _items_kinds(e.right, query_kind))
+        problem = _comparison_problem(e.op, left, right, _items_kinds(e.right, query_kind), positive)
         if problem is not None:
             problems.append(Problem(getattr(e, "span", None), problem[0], problem[1]))
         return BOOL
     if isinstance(e, (ast.BoolOp, ast.Not)):
-        _condition(e, query_kind, problems, "a condition")
+        _condition(e, query_kind, problems, False)
         return BOOL
     return ANY  # a variable: a bound operand, graph value or literal
 
@@ -131,23 +143,24 @@ def _items_kinds(e: Any, query_kind: Callable) -> tuple | None:
     return tuple(_kind(item, query_kind, []) for item in e.items)
 
 
-def _comparison_problem(op: str, left: str, right: str, right_items: tuple | None) -> tuple | None:
-    """(message, help) when ``left op right`` can never hold (or never fail)."""
+def _comparison_problem(op: str, left: str, right: str, right_items: tuple | None,
+                        positive: bool) -> tuple | None:
+    """(message, help) when ``left op right`` raises (anywhere), or is never true
+    where the clause needs it true (``positive``)."""
     if op in ("in", "not in"):
         if right not in (ANY, SEQ, STR):
             return (f"'{op}' needs a sequence on its right, not {_NAMES[right]}",
                     "write x in (1, 2) or compare with ==")
         if right == STR and left not in (ANY, STR):
-            return f"{_NAMES[left]} is never in a string", "compare it with =="
-        if right_items and left != ANY and all(not _may_equal(left, k) for k in right_items):
-            never = "always holds" if op == "not in" else "never holds"
-            return (f"{_NAMES[left]} is never one of these items: '{op}' {never}",
+            return f"{_NAMES[left]} is never in a string: '{op}' raises", "compare it with =="
+        if op == "in" and positive and right_items and left != ANY \
+                and all(not _may_equal(left, k) for k in right_items):
+            return (f"{_NAMES[left]} is never one of these items: 'in' never holds",
                     "the items must be of the kind compared (dtypes as torch.float16)")
         return None
     if op in ("==", "!="):
-        if not _may_equal(left, right):
-            never = "always holds" if op == "!=" else "never holds"
-            return (f"{_NAMES[left]} is never equal to {_NAMES[right]}: '{op}' {never}",
+        if op == "==" and positive and not _may_equal(left, right) and NONE not in (left, right):
+            return (f"{_NAMES[left]} is never equal to {_NAMES[right]}: '==' never holds",
                     "compare values of one kind: dtype(x) == torch.float16, rank(x) == 4, "
                     "shape(x)[0] == 1")
         return None
@@ -190,6 +203,9 @@ def _hint_kind(hint: Any) -> str:
     import torch
 
     origin = typing.get_origin(hint) or hint
-    if origin in (tuple, list, torch.Size):
-        return SEQ
-    return {bool: BOOL, int: INT, float: FLOAT, str: STR, torch.dtype: DTYPE}.get(origin, ANY)
+    try:
+        if origin in (tuple, list, torch.Size):
+            return SEQ
+        return {bool: BOOL, int: INT, float: FLOAT, str: STR, torch.dtype: DTYPE}.get(origin, ANY)
+    except TypeError:  # an annotation that is no type (-> [int]): says nothing
+        return ANY

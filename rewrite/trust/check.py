@@ -106,6 +106,7 @@ __all__ = [
     "generate_inputs",
     "inputs_from_graph",
     "inputs_copy",
+    "laid_out_copy",
     "new_half_precisions",
     "static_float_dtypes",
     "uninitialized_filled",
@@ -434,6 +435,27 @@ def inputs_copy(tree: Any) -> Any:
     return pytree.tree_map(one, tree)
 
 
+def laid_out_copy(tree: Any) -> Any:
+    """Copies of the tensors in ``tree`` with their own strides (a sliced or
+    channels_last input stays one; ``is_contiguous`` is a fact about it), each in
+    memory spanning only what it addresses: a 40-byte view of a 200 MB tensor is not
+    the 200 MB ``inputs_copy`` copies to keep its storage offset and what it shares.
+    For what only reads layouts (recording facts, ``analyze``)."""
+    def one(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if t.requires_grad or type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided \
+                or t.is_quantized or t.is_conj() or t.is_neg():
+            return t.clone()
+        try:
+            with torch.no_grad():
+                return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+        except RuntimeError:  # strides that overlap (an expand): a dense copy
+            return t.clone()
+
+    return pytree.tree_map(one, tree)
+
+
 def _state(fn: Any) -> Dict[str, torch.Tensor]:
     """Parameters, buffers and plain tensor attributes (``torch.export``'s lifted
     constants, fx's ``_tensor_constant``s, a counter a forward writes) of a module
@@ -444,7 +466,9 @@ def _state(fn: Any) -> Dict[str, torch.Tensor]:
     out.update(fn.named_buffers(remove_duplicate=False))
     for prefix, module in fn.named_modules(remove_duplicate=False):
         for name, value in module.__dict__.items():
-            if isinstance(value, torch.Tensor):
+            # an inference tensor (a cache filled under inference_mode) keeps no version
+            # counter: nothing can write it outside inference mode, nothing to watch
+            if isinstance(value, torch.Tensor) and not value.is_inference():
                 out[f"{prefix}.{name}" if prefix else name] = value
     return out
 
@@ -883,25 +907,41 @@ def uninitialized_filled() -> Iterator[None]:
     takes effect in torch's deterministic mode) while the block runs: a rewrite that
     reads memory nobody wrote (``zeros_like(x) => empty_like(x)``) cannot pass
     because the allocator happened to hand back zeroed pages. Deterministic mode is
-    entered warn-only (an op without a deterministic kernel still runs; its warning
-    is not shown) and left as it was."""
-    import torch.utils.deterministic as deterministic
+    process-wide: it is entered warn-only (an op without a deterministic kernel still
+    runs, its warning not shown) when the first of overlapping blocks (threads) starts
+    and left as it was when the last one ends; other threads see it meanwhile."""
+    global _FILLING, _FILL_RESTORE
+    with _FILL_LOCK:
+        if _FILLING == 0:
+            import torch.utils.deterministic as deterministic
 
-    enabled = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    fill = deterministic.fill_uninitialized_memory
-    if enabled and fill:
-        yield
-        return
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*does not have a deterministic implementation.*")
-        torch.use_deterministic_algorithms(True, warn_only=not enabled or warn_only)
-        deterministic.fill_uninitialized_memory = True
-        try:
+            enabled = torch.are_deterministic_algorithms_enabled()
+            warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+            fill = deterministic.fill_uninitialized_memory
+            _FILL_RESTORE = (enabled, warn_only, fill)
+            if not (enabled and fill):
+                torch.use_deterministic_algorithms(True, warn_only=not enabled or warn_only)
+                deterministic.fill_uninitialized_memory = True
+        _FILLING += 1
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*does not have a deterministic implementation.*")
             yield
-        finally:
-            deterministic.fill_uninitialized_memory = fill
-            torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+    finally:
+        with _FILL_LOCK:
+            _FILLING -= 1
+            if _FILLING == 0 and _FILL_RESTORE is not None:
+                import torch.utils.deterministic as deterministic
+
+                enabled, warn_only, fill = _FILL_RESTORE
+                deterministic.fill_uninitialized_memory = fill
+                torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+                _FILL_RESTORE = None
+
+
+_FILL_LOCK = threading.Lock()
+_FILLING = 0  # blocks of uninitialized_filled running (over all threads)
+_FILL_RESTORE: Any = None  # the deterministic settings to put back when the last ends
 
 
 def _fields_as_dicts(tree: Any) -> Any:
@@ -1092,7 +1132,9 @@ def _same_leaf(r: Any, c: Any) -> bool:
         return True
     try:
         same = r == c
-        return same if isinstance(same, bool) else r is c
+        if isinstance(same, bool) or type(same).__name__ in ("bool", "bool_"):  # numpy's scalars: numpy's bool
+            return bool(same)
+        return r is c
     except Exception:  # noqa: BLE001 - an object that cannot tell
         return r is c
 
@@ -1184,10 +1226,17 @@ def _shared_only_in(mine: Dict[str, tuple], theirs: Dict[str, tuple]) -> Optiona
     for path, where in mine.items():
         by_storage.setdefault(where[0], []).append(path)
     for paths in by_storage.values():
-        for i, path in enumerate(paths):
-            for other in paths[:i]:
+        # swept by start: each span meets only the earlier ones still open (disjoint
+        # slices, ``x.unbind(0)`` into thousands of outputs, stay linear)
+        paths.sort(key=lambda p: mine[p][1])
+        open_: list = []
+        for path in paths:
+            start = mine[path][1]
+            open_ = [other for other in open_ if mine[other][2] > start]
+            for other in open_:
                 if _overlap(mine[path], mine[other]) and not _overlap(theirs.get(path), theirs.get(other)):
                     return path, other
+            open_.append(path)
     return None
 
 

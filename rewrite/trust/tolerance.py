@@ -249,10 +249,8 @@ def _kind_change(ref: torch.Tensor, got: torch.Tensor) -> Optional[str]:
     if got.device != ref.device:
         return f"device {got.device} != expected {ref.device}"
     for bit, what in (("is_conj", "conjugate"), ("is_neg", "negative")):
-        mine, theirs = getattr(ref, bit)(), getattr(got, bit)()
-        if mine != theirs:
-            return (f"the lazy {what} bit is {'set' if theirs else 'not set'} in the rewrite's output and "
-                    f"{'set' if mine else 'not set'} in the original's ({bit}() tells)")
+        if getattr(got, bit)() and not getattr(ref, bit)():  # one cleared serves every use the set one did
+            return f"the lazy {what} bit is set in the rewrite's output, not in the original's ({bit}() tells)"
     return None
 
 
