@@ -254,3 +254,31 @@ def test_cli_model_that_cannot_run_on_its_example_inputs_is_a_usage_error(tmp_pa
         assert "the model raised on its example inputs" in done.stderr and "internal error" not in done.stderr
         assert len([line for line in done.stderr.splitlines() if line.startswith("rewrite")]) == 1
 
+
+
+# ---------------------------------------------------------------- layouts the graph records wrongly
+
+
+class _ConvFlattenBn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.bn(self.c(x).flatten(2))
+
+
+@pytest.mark.parametrize("rules", [FUSION, "rules/amp_bf16.rw"])
+def test_an_output_layout_the_fake_kernel_got_wrong_is_mended_at_the_output(rules):
+    # torch's fake batch_norm lays out its output as its strided input; the CPU kernel
+    # returns it contiguous: the layout restore trusted the record, the check caught it,
+    # and the output is now copied into the original's format instead of rejected
+    torch.manual_seed(0)
+    model = _ConvFlattenBn().eval()
+    x = torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)
+    gm = torch.export.export(model, (x,)).module()
+    result = rewrite.load(rules).apply(gm, example_inputs=(x,))
+    assert result.counts and result.equivalence.ok
+    out = result.graph_module(x)
+    assert out.is_contiguous() and model(x).is_contiguous()
+    torch.testing.assert_close(out, model(x), rtol=2e-2, atol=2e-2)

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.utils import _pytree as pytree
 
 from rewrite.engine.aliasing import caller_owned, storage_base
 from rewrite.engine.facts import GraphFacts, fetch_attr, tensor_meta_of
@@ -101,11 +102,14 @@ def _made_through(node: fx.Node, created: set, made_by: Any) -> bool:
 
 
 def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, dialect: str,
-                            created: Any, replaced: Any = ()) -> list:
+                            created: Any, replaced: Any = (), forced: Any = None) -> list:
     """Copy each output whose layout the rewrite changed back into the layout it had
     (``before``: ``output_values`` of the graph before the rewrite, same order;
     ``created``: the nodes the rewrite created; ``replaced``: (value, what its
-    readers read instead) per rewrite).
+    readers read instead) per rewrite; ``forced``: output leaf index -> the memory
+    format the original's run gave it, where the equivalence check found the
+    recorded layouts wrong: a fake kernel lays out a batch norm of a strided input as
+    its input, the CPU kernel contiguously).
     Returns the nodes created. Runs before ``GraphFacts.settle``, while new nodes'
     facts can still be inferred."""
     after = output_values(gm)
@@ -174,6 +178,35 @@ def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, 
         copies.extend(made)
     for new, copy in fixed.items():
         out_node.replace_input_with(new, copy)  # through the replace hooks: an undo journal sees it
+    if forced:
+        copies.extend(_forced_layouts(gm, facts, forced, dialect))
+    return copies
+
+
+def _forced_layouts(gm: fx.GraphModule, facts: GraphFacts, forced: dict, dialect: str) -> list:
+    """Each output leaf of ``forced`` copied into its memory format (at no cost
+    when laid out so already), unless the copy would end memory it shares with
+    another output or an input."""
+    out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    leaves = pytree.tree_leaves(out_node.args[0]) if out_node.args else []
+    after = output_values(gm)
+    bases = Counter(storage_base(v, gm) for v in set(after))
+    copies, fixed = [], {}
+    for index, want in sorted(forced.items()):
+        new = leaves[index] if index < len(leaves) else None
+        if not isinstance(new, fx.Node) or new in fixed or want not in _FORMATS:
+            continue
+        base = storage_base(new, gm)
+        if bases[base] > 1 or caller_owned(base):
+            continue
+        with gm.graph.inserting_before(out_node):
+            made = _relaid(gm.graph, new, want, None, dialect)
+        for node in made:
+            facts.new_node(node)
+        fixed[new] = made[-1]
+        copies.extend(made)
+    for new, copy in fixed.items():
+        out_node.replace_input_with(new, copy)
     return copies
 
 

@@ -138,6 +138,10 @@ class Mismatch:
     max_abs_error: float
     max_rel_error: float
     message: str
+    #: (output leaf index, memory format it has in the original: "contiguous",
+    #: "channels_last", "channels_last_3d") when only its layout changed, which a
+    #: copy into that format at the output mends (``RuleSet.apply`` does)
+    relayout: Optional[Tuple[int, str]] = None
 
     def __str__(self) -> str:
         where = f"{self.path} (trial {self.trial}"
@@ -1415,7 +1419,7 @@ def _layout_change(ref_out: Any, cand_out: Any, trial: int) -> Optional[Mismatch
     nothing and are not compared."""
     ref_leaves = pytree.tree_flatten_with_path(ref_out)[0]
     cand_leaves = pytree.tree_leaves(cand_out)
-    for (kp, r), c in zip(ref_leaves, cand_leaves):
+    for index, ((kp, r), c) in enumerate(zip(ref_leaves, cand_leaves)):
         if not (isinstance(r, torch.Tensor) and isinstance(c, torch.Tensor)) or r.shape != c.shape \
                 or r.numel() < 2 or r.layout != torch.strided or c.layout != torch.strided:
             continue
@@ -1429,7 +1433,7 @@ def _layout_change(ref_out: Any, cand_out: Any, trial: int) -> Optional[Mismatch
             return Mismatch("output" + pytree.keystr(kp), trial, tuple(r.shape), str(r.dtype).replace("torch.", ""),
                             0.0, 0.0, f"memory layout changed: {mine} (strides {tuple(r.stride())}) in the original, "
                                       f"{theirs} (strides {tuple(c.stride())}) in the rewrite (out.view() or "
-                                      "is_contiguous() would tell)")
+                                      "is_contiguous() would tell)", relayout=(index, mine))
     return None
 
 
