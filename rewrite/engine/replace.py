@@ -169,8 +169,7 @@ class Replacer:
         if result is not root:
             problem = new_aliasing(root, result, self._created, self.gm, self._graph_writes(), self._classes)
             if problem is None and result not in self._created:  # a value forwarded as it is
-                problem = layout_change_seen(root, result, self.facts) or self._regions.spanned((), root, result) \
-                    or self._kind_changed(root, result)
+                problem = layout_change_seen(root, result, self.facts) or self._regions.spanned((), root, result)
             elif problem is None:  # a new value: laid out as its root, if a reader depends on strides
                 problem = layout_change_seen(root, result, self.facts, self._created)
             if problem is not None:
@@ -378,25 +377,6 @@ class Replacer:
             result.args = (b, a)
             for key in ("val", FACTS_KEY):  # inferred with the operands as they were
                 result.meta.pop(key, None)
-
-    def _kind_changed(self, root: fx.Node, result: fx.Node) -> str | None:
-        """Why ``result``, forwarded in place of ``root``, is not known to be a value
-        of the same kind: both known, of another dtype or static shape. A pattern's
-        ``1`` matches the graph's ``1.0`` (``same_arg``), and ``h * 1.0`` of an int64
-        ``h`` is float32: ``mul(x, 1) => x`` must not hand back the int64 ``h``."""
-        # recorded now if need be (a symbolic_trace graph given example inputs): a
-        # forwarded value is where a literal of the other kind slips through
-        before, after = self.facts.meta(root), self.facts.meta(result)
-        dtype_before, dtype_after = getattr(before, "dtype", None), getattr(after, "dtype", None)
-        if isinstance(dtype_before, torch.dtype) and isinstance(dtype_after, torch.dtype) \
-                and dtype_before != dtype_after:
-            return f"the replacement is {dtype_after} where the original computed {dtype_before}"
-        shape_before, shape_after = getattr(before, "shape", None), getattr(after, "shape", None)
-        if shape_before is not None and shape_after is not None and all(
-                type(d) is int for d in (*shape_before, *shape_after)) and tuple(shape_before) != tuple(shape_after):
-            return (f"the replacement has shape {tuple(shape_after)} where the original's was "
-                    f"{tuple(shape_before)}")
-        return None
 
     def _facts_of(self, value: Any) -> Any:
         # Known facts only: new nodes of a graph nobody asked shapes about need none.
