@@ -166,22 +166,30 @@ def load_model(spec: str) -> Tuple[nn.Module, tuple]:
     cwd = os.getcwd()
     if cwd not in sys.path and "" not in sys.path:
         sys.path.insert(0, cwd)
+    if module_name.startswith("."):
+        raise ModelSpecError(f"--model wants an absolute module path, got {module_name!r} in {spec!r}")
     try:
         factory = importlib.import_module(module_name)
         for part in attr.split("."):
             factory = getattr(factory, part)
     except (ImportError, AttributeError) as err:
         raise ModelSpecError(f"cannot load {spec!r}: {err}") from None
+    except (Exception, SystemExit) as err:  # noqa: BLE001 - the user's module failed on import: one line
+        raise ModelSpecError(f"cannot load {spec!r}: {type(err).__name__} while loading it: {err}") from None
     if not callable(factory):
         raise ModelSpecError(f"{spec} is not callable: it must return (model, example_inputs)")
     try:
         built = factory()
-    except Exception as err:  # noqa: BLE001 - the user's factory failed: say where, one line
+    except (Exception, SystemExit) as err:  # noqa: BLE001 - the user's factory failed: say where, one line
         raise ModelSpecError(f"{spec}() raised {type(err).__name__}: {err}") from err
     if not (isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module)):
         raise ModelSpecError(f"{spec} must return (model, example_inputs), got {type(built).__name__}")
     model, inputs = built
-    return model.eval(), _as_tuple(inputs)
+    try:
+        model = model.eval()
+    except (Exception, SystemExit) as err:  # noqa: BLE001 - the user's eval() failed
+        raise ModelSpecError(f"{spec}: the model's eval() raised {type(err).__name__}: {err}") from err
+    return model, _as_tuple(inputs)
 
 
 

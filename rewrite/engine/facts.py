@@ -167,7 +167,7 @@ class GraphFacts:
             return False
         if not isinstance(value, torch.Tensor):
             return True
-        if value.requires_grad and self._trains:
+        if value.requires_grad and (self._trains or self._owner_trains(qualname)):
             return False  # folded into a new tensor, it would no longer get the caller's gradients
         written = self._written_state
         return written is not None and id(value) not in written
@@ -179,6 +179,21 @@ class GraphFacts:
         and a rule that folds it (AMP's weights cast once) would leave the caller's
         optimizer with nothing to update. Inference graphs fold freely."""
         return graph_trains(self.gm)
+
+    def _owner_trains(self, qualname: str) -> bool:
+        """The module holding ``qualname`` is in training mode, where that flag is the
+        caller's: a module ``symbolic_trace`` kept (a ``Linear``, a user's own class),
+        not ``torch.export``'s plain ``Module`` containers (always in training mode)
+        nor a GraphModule. A model fine-tuned around frozen parts (``model.train();
+        model.bn.eval()``) trains the conv before that batch norm."""
+        path = qualname.rpartition(".")[0]
+        if not path:
+            return False
+        try:
+            owner = self.gm.get_submodule(path)
+        except AttributeError:
+            return False
+        return owner.training and type(owner) is not torch.nn.Module and not isinstance(owner, fx.GraphModule)
 
     @functools.cached_property
     def _written_state(self) -> frozenset | None:

@@ -308,8 +308,15 @@ def _value(e: Any) -> Compiled:
 
 
 def compile_where(expr: Any) -> Compiled:
-    """``expr`` (a where clause's AST) as a closure ``f(env, facts)``."""
-    return _eval(expr)
+    """``expr`` (a where clause's AST) as a closure ``f(env, facts)``. A clause that
+    is a literal (``where True``) holds by its truth, as inside ``and``/``or``/``not``."""
+    compiled = _eval(expr)
+    if isinstance(expr, (ast.BoolOp, ast.Not, ast.Compare, ast.Call)):
+        return compiled
+
+    def truth(env: dict, facts: Any) -> Any:
+        return _truth(compiled(env, facts))
+    return truth
 
 
 _CACHE: dict = {}

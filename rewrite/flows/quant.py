@@ -1226,6 +1226,12 @@ def quantize_command(args: argparse.Namespace) -> int:
     from rewrite.trust.check import generate_inputs
     from rewrite.trust.runnable import load_runnable_model
 
+    for option in ("save", "pt2", "onnx"):  # before any work, as ``rewrite apply --save``
+        path = getattr(args, option, None)
+        if path and not Path(path).parent.is_dir():
+            print(f"rewrite: error: --{option} {path}: the folder {str(Path(path).parent)!r} does not exist",
+                  file=sys.stderr)
+            return 2
     model, inputs = load_runnable_model(args.model)
     calib = [generate_inputs(inputs, seed=1000 + i) for i in range(args.calibration)]
     held = [generate_inputs(inputs, seed=2000 + i) for i in range(args.held_out)]

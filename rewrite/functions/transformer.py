@@ -94,11 +94,12 @@ def attention_operands(q: Value, k: Value, v: Value) -> bool:
 def additive_mask(mask: Value, scores: Value) -> bool:
     """``mask`` is a floating tensor of the scores' dtype whose broadcast against the
     scores leaves their shape unchanged: ``scores + mask`` is what sdpa computes for
-    a float ``attn_mask``. (A bool mask, or a number, is not this.)"""
+    a float ``attn_mask``. (A bool mask, or a number, is not this; nor a mask of rank
+    0 or 1, which broadcasts against the scores but which sdpa refuses.)"""
     mm, ms = mask.meta, scores.meta
     if mm is None or ms is None:
         return False if mask.is_literal or scores.is_literal else None
-    if mm.dtype != ms.dtype or not mm.dtype.is_floating_point or len(mm.shape) > len(ms.shape):
+    if mm.dtype != ms.dtype or not mm.dtype.is_floating_point or not 2 <= len(mm.shape) <= len(ms.shape):
         return False
     try:
         shape = torch.broadcast_shapes(tuple(mm.shape), tuple(ms.shape))

@@ -313,10 +313,15 @@ class _Builder(Transformer):
     def int_lit(self, meta, children):
         span = self._s(meta)
         try:
-            return ast.Literal(int(children[0]), span=span)
+            value = int(children[0])
         except ValueError:  # longer than Python's int-string conversion limit
             self._error(span, "integer literal is too long", "E010", help="write a shorter number")
             return ast.Literal(0, span=span)
+        if value > 2 ** 63:  # 2**63 itself: the magnitude of int64's smallest, written -9223372036854775808
+            self._error(span, f"integer literal {children[0]} is out of range (graphs hold 64-bit integers)",
+                        "E010", help="write a number of at most 9223372036854775807")
+            return ast.Literal(0, span=span)
+        return ast.Literal(value, span=span)
 
     def float_lit(self, meta, children):
         span = self._s(meta)

@@ -197,7 +197,7 @@ def random_like(example: torch.Tensor, generator: torch.Generator,
 
     Floats: normal with the example's mean/std (std 1 when it is 0 or
     undefined), folded to non-negative when the example has no negative
-    entries. Integers: uniform in the example's ``[min, max]`` (``[0, 1]`` for an
+    entries and some positive one (an image in [0, 1]; all zeros say nothing). Integers: uniform in the example's ``[min, max]`` (``[0, 1]`` for an
     all-ones example: a mask without padding hides what a mask changes). Bools: fair
     coin. ``value_range`` overrides both with a uniform ``[low, high]``.
     """
@@ -223,8 +223,8 @@ def random_like(example: torch.Tensor, generator: torch.Generator,
             else:
                 noise = torch.randn(shape, generator=generator, dtype=real)
             out = noise * std + mean
-            if not dtype.is_complex and finite.numel() and bool((finite >= 0).all()):
-                out = out.abs()
+            if not dtype.is_complex and finite.numel() and bool((finite >= 0).all()) and bool(finite.any()):
+                out = out.abs()  # an all-zero example (an RNN's h0) tells no sign: both signs
         out = out.to(dtype)
     else:
         if value_range is not None:
@@ -972,13 +972,16 @@ class _SavedState:
     compared by value (a write through ``unsafe_chunk`` bumps no version)."""
 
     def __init__(self, fns: Any, runs_only: bool = False, watches: Iterable[Optional[_Watch]] = ()) -> None:
-        self.saved, self.modes, seen = [], [], set()
+        self.saved, self.modes, self.attributes, seen = [], [], [], set()
         self.flags: list = []  # (parameter, requires_grad): a forward may call w.requires_grad_(False)
         watches = list(watches)
         for i, fn in enumerate(fns):
             if not isinstance(fn, torch.nn.Module):
                 continue
             self.modes += [(m, m.training) for m in fn.modules()]
+            # what a run leaves in a module's attributes (a hook caching features, a
+            # leaf module counting its calls); a GraphModule's own are its code
+            self.attributes += [(m, m.__dict__.copy()) for m in fn.modules() if not isinstance(m, fx.GraphModule)]
             self.flags += [(p, p.requires_grad) for p in fn.parameters()]
             # A block that only runs graphs can write only what their nodes may
             # write (rewrite.ops.effects.state_writes): ResNet-50 in eval mode, nothing.
@@ -1008,6 +1011,11 @@ class _SavedState:
                     _SET_VERSIONS((t,), (version,))
         for m, training in self.modes:
             m.training = training
+        for m, attributes in self.attributes:
+            now = m.__dict__
+            if len(now) != len(attributes) or any(now.get(k, _ABSENT) is not v for k, v in attributes.items()):
+                now.clear()
+                now.update(attributes)
         for p, requires_grad in self.flags:
             if p.requires_grad is not requires_grad:
                 p.requires_grad_(requires_grad)
@@ -1042,6 +1050,7 @@ def preserved_state(*fns: Any, runs_only: bool = False, watches: Iterable[Any] =
 
 
 _SET_VERSIONS = torch._C._autograd._unsafe_set_version_counter
+_ABSENT = object()  # an attribute a module did not have
 
 #: Held while a block that may write module state runs: two threads checking the same
 #: train-mode model would otherwise each snapshot the other's half-done update and

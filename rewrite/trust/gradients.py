@@ -36,6 +36,8 @@ GRADIENT_OPS = frozenset({
     "detach", "detach_", "detach_copy", "requires_grad_", "_set_grad_enabled", "set_grad_enabled",
     "wrap_with_set_grad_enabled", "no_grad", "enable_grad", "inference_mode",
     "round", "floor", "ceil", "trunc", "fix", "sign", "sgn", "signbit", "heaviside", "floor_divide",
+    # arguments that change only the gradient (padding_idx, scale_grad_by_freq, sparse)
+    "embedding", "embedding_bag",
 })
 #: Substrings that mark quantizer and fake-quantizer ops and modules.
 _GRADIENT_WORDS = ("quantize", "fake_quant", "fakequant")

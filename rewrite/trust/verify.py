@@ -81,6 +81,8 @@ from torch.utils import _pytree as pytree
 from rewrite.engine.compile import CompiledRule
 from rewrite.trust.instances import (Instance, Plan, draw_instance, hypothesis_api, instances, plan_for, quantized_engines,
                                rule_tolerance, strategies, trapping_division)
+from rewrite.trust.check import check_equivalence
+from rewrite.trust.gradients import touches_gradients
 from rewrite.trust.rng import seeded
 from rewrite.trust.tolerance import Tolerance, compare_tensors, loosest, newly_nonfinite
 
@@ -350,9 +352,23 @@ class _Checker:
                                                            "from its own ops, even without the where clause"))
         if not self._compare(inst, result.graph_module, inst.example_inputs, self.plan.tolerance):
             return
+        if touches_gradients(self.rule):
+            self._compare_gradients(inst, result.graph_module)
         if self.plan.tolerance == "approx" and inst.dtype != torch.float64:
             self._check_float64(inst, result.graph_module)
         self.counts["checked"] += 1
+
+    def _compare_gradients(self, inst: Instance, rewritten: fx.GraphModule) -> None:
+        """A rule naming an op whose gradient its forward values do not tell
+        (``GRADIENT_OPS``: a stop-gradient, a rounding, an embedding's
+        ``padding_idx``) is compared on one backward pass too, as ``apply`` does."""
+        report = check_equivalence(inst.graph_module, rewritten, inst.example_inputs, trials=1,
+                                   tolerance=self.plan.tolerance, gradients=True)
+        # gradients that differ where both reach (a quantizer's rewrite may leave an
+        # output no gradient at all: what inference-only rules such as convert.rw's do)
+        mismatch = report.first_mismatch if not report.ok else None
+        if mismatch is not None and mismatch.path.startswith("gradient"):
+            raise _Failure(self._cex(inst, "mismatch", f"{mismatch.path}: {mismatch.message}", rewritten))
 
     def _other_engine(self, inst: Instance) -> bool:
         """The replacement failed to build on the instance's quantized engine but
