@@ -280,3 +280,7 @@ def test_quantize_save_into_a_missing_folder_fails_before_any_work(tmp_path, cap
     captured = capsys.readouterr()
     assert code == 2 and "does not exist" in captured.err and "internal error" not in captured.err
     assert "SQNR" not in captured.out  # nothing was quantized first
+
+
+def test_parse_takes_text_with_a_byte_order_mark_as_load_does():
+    assert list(rewrite.parse("\ufeffrule r: relu(relu(x)) => relu(x)").rules) == ["r"]

@@ -104,7 +104,7 @@ def test_integer_constants_from_trainable_parameters_do_not_require_grad():
     rules = rewrite.parse("""
     rule int8_weight: linear(x, w, b) where const(w) => linear(x, to(as_int8_for_test(w), torch.float32), b)
     """)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3)).eval()  # in training mode its weight is no constant
     assert model[0].weight.requires_grad
     gm = torch.fx.symbolic_trace(model)
     result = rules.apply(gm, example_inputs=(torch.randn(2, 4),), check=False)
