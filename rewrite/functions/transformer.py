@@ -96,10 +96,22 @@ def additive_mask(mask: Value, scores: Value) -> bool:
     scores leaves their shape unchanged: ``scores + mask`` is what sdpa computes for
     a float ``attn_mask``. (A bool mask, or a number, is not this; nor a mask of rank
     0 or 1, which broadcasts against the scores but which sdpa refuses.)"""
+    return _adds_to_scores(mask, scores, 2)
+
+
+@register_predicate()
+def additive_bias(bias: Value, scores: Value) -> bool:
+    """``additive_mask`` of any rank: a bias added to the scores before a mask that
+    ``additive_mask`` accepts (T5's position bias), whose sum then has that mask's
+    rank at least."""
+    return _adds_to_scores(bias, scores, 0)
+
+
+def _adds_to_scores(mask: Value, scores: Value, min_rank: int) -> bool | None:
     mm, ms = mask.meta, scores.meta
     if mm is None or ms is None:
         return False if mask.is_literal or scores.is_literal else None
-    if mm.dtype != ms.dtype or not mm.dtype.is_floating_point or not 2 <= len(mm.shape) <= len(ms.shape):
+    if mm.dtype != ms.dtype or not mm.dtype.is_floating_point or not min_rank <= len(mm.shape) <= len(ms.shape):
         return False
     try:
         shape = torch.broadcast_shapes(tuple(mm.shape), tuple(ms.shape))
