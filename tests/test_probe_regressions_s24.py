@@ -284,3 +284,24 @@ def test_quantize_save_into_a_missing_folder_fails_before_any_work(tmp_path, cap
 
 def test_parse_takes_text_with_a_byte_order_mark_as_load_does():
     assert list(rewrite.parse("\ufeffrule r: relu(relu(x)) => relu(x)").rules) == ["r"]
+
+
+class _BiasedAttention(nn.Module):
+    def forward(self, q, k, v, b, m):
+        a = torch.matmul(q, k.transpose(-2, -1)) * 0.25 + b + m
+        return torch.matmul(torch.softmax(a, -1), v)
+
+
+@pytest.mark.parametrize("bias_shape, mask_shape, fires", [
+    ((1, 2, 4, 6), (1, 1, 1, 6), True),  # T5: a position bias, then the mask
+    ((6,), (1, 6), True),  # a per-key bias before a mask sdpa takes: their sum has rank 2
+    ((1, 2, 4, 6), (6,), False),  # the mask itself a per-key vector
+])
+def test_a_bias_then_a_mask_becomes_one_sdpa_mask_of_a_rank_it_takes(bias_shape, mask_shape, fires):
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    b, m = torch.randn(bias_shape), torch.randn(mask_shape)
+    gm = torch.export.export(_BiasedAttention(), (q, k, v, b, m), strict=False).module()
+    result = rewrite.load(str(ROOT / "rules" / "transformer.rw")).apply(gm, example_inputs=(q, k, v, b, m))
+    assert ("attention_scale_bias_mask" in result.counts) == fires
+    torch.testing.assert_close(result.graph_module(q, k, v, b, m), gm(q, k, v, b, m), rtol=1e-4, atol=1e-5)
