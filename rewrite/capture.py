@@ -41,7 +41,7 @@ from torch import fx, nn
 __all__ = ["LEVELS", "DYNAMO_SOURCE", "ExportError", "ModelSpecError", "capture", "capture_with_inputs",
            "symbolic_trace",
            "capture_dynamo", "dynamic_shapes_of", "export_keeping_sizes", "export_program", "is_export_guard", "lifted_state_positions", "load_model", "save",
-           "save_format", "save_path_problem"]
+           "save_format", "save_path_problem", "missing_folder"]
 
 LEVELS: Tuple[str, ...] = ("fx", "export", "export_core", "dynamo")
 
@@ -327,10 +327,14 @@ def save_path_problem(path: Any, level: str) -> str | None:
     if Path(path).suffix != wanted:
         kind = "an ExportedProgram (torch.export.save)" if wanted == ".pt2" else "a pickled GraphModule (torch.save)"
         return f"a {level!r} result is saved as {kind}: name the file *{wanted}, not {Path(path).name!r}"
+    return missing_folder(path)
+
+
+def missing_folder(path: Any) -> str | None:
+    """Why nothing can be written at ``path`` (its folder does not exist), or None:
+    asked before any work by every command that saves."""
     folder = Path(path).parent
-    if not folder.is_dir():
-        return f"the folder {str(folder)!r} does not exist"
-    return None
+    return None if folder.is_dir() else f"the folder {str(folder)!r} does not exist"
 
 
 def picklable(gm: fx.GraphModule) -> fx.GraphModule:

@@ -1226,11 +1226,13 @@ def quantize_command(args: argparse.Namespace) -> int:
     from rewrite.trust.check import generate_inputs
     from rewrite.trust.runnable import load_runnable_model
 
+    from rewrite.capture import missing_folder
+
     for option in ("save", "pt2", "onnx"):  # before any work, as ``rewrite apply --save``
         path = getattr(args, option, None)
-        if path and not Path(path).parent.is_dir():
-            print(f"rewrite: error: --{option} {path}: the folder {str(Path(path).parent)!r} does not exist",
-                  file=sys.stderr)
+        problem = path and missing_folder(path)
+        if problem:
+            print(f"rewrite: error: --{option} {path}: {problem}", file=sys.stderr)
             return 2
     model, inputs = load_runnable_model(args.model)
     calib = [generate_inputs(inputs, seed=1000 + i) for i in range(args.calibration)]

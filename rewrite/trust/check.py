@@ -197,7 +197,8 @@ def random_like(example: torch.Tensor, generator: torch.Generator,
 
     Floats: normal with the example's mean/std (std 1 when it is 0 or
     undefined), folded to non-negative when the example has no negative
-    entries and some positive one (an image in [0, 1]; all zeros say nothing). Integers: uniform in the example's ``[min, max]`` (``[0, 1]`` for an
+    entries and some positive one (an image in [0, 1]; all zeros say nothing).
+    Integers: uniform in the example's ``[min, max]`` (``[0, 1]`` for an
     all-ones example: a mask without padding hides what a mask changes). Bools: fair
     coin. ``value_range`` overrides both with a uniform ``[low, high]``.
     """
@@ -978,10 +979,11 @@ class _SavedState:
         for i, fn in enumerate(fns):
             if not isinstance(fn, torch.nn.Module):
                 continue
-            self.modes += [(m, m.training) for m in fn.modules()]
+            modules = list(fn.modules())
+            self.modes += [(m, m.training) for m in modules]
             # what a run leaves in a module's attributes (a hook caching features, a
             # leaf module counting its calls); a GraphModule's own are its code
-            self.attributes += [(m, m.__dict__.copy()) for m in fn.modules() if not isinstance(m, fx.GraphModule)]
+            self.attributes += [(m, m.__dict__.copy()) for m in modules if not isinstance(m, fx.GraphModule)]
             self.flags += [(p, p.requires_grad) for p in fn.parameters()]
             # A block that only runs graphs can write only what their nodes may
             # write (rewrite.ops.effects.state_writes): ResNet-50 in eval mode, nothing.
