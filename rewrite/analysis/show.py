@@ -33,6 +33,7 @@ from typing import Any, Sequence
 import torch.fx as fx
 
 from rewrite.analysis.measure import GraphAnalysis, NodeStats, analyze
+from rewrite.capture import missing_folder
 
 __all__ = ["render", "to_dot", "to_svg", "to_html", "layout_program", "output_problem", "ShowError"]
 
@@ -50,10 +51,7 @@ def output_problem(path: Any) -> str | None:
     suffix = Path(path).suffix
     if suffix not in (".svg", ".html"):
         return f"the output must be *.svg or *.html, not {Path(path).name!r}"
-    parent = Path(path).parent
-    if not parent.is_dir():
-        return f"the folder {str(parent)!r} does not exist"
-    return None
+    return missing_folder(path)
 
 
 def layout_program() -> str:
