@@ -117,7 +117,7 @@ def _read_outside(cls: set, allowed: set) -> bool:
 
 
 def new_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any, writes: bool = True,
-                 classes: dict | None = None) -> str | None:
+                 classes: dict | None = None, nbytes: Any = None) -> str | None:
     """Why replacing ``root`` by ``result`` would let the caller observe new memory
     sharing, or None when it would not. ``created``: the nodes the replacement built
     (they will compute ``root``'s value). ``writes=False``: no node of the graph
@@ -127,7 +127,10 @@ def new_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any, writes: 
     rewrite of one of them). ``classes``: alias classes by storage base, kept by the
     caller while the graph does not change (emptied when it does), used when the
     replacement created nothing: refusing the same rewrite at each of a value's
-    thousand readers walks that value's class once."""
+    thousand readers walks that value's class once. ``nbytes(node)``: the bytes of
+    a node's value (None when unknown); given, a returned value may not become a view
+    of a larger intermediate (``cat([h[-1]]) => h[-1]``: the caller's output would
+    keep all of ``h`` alive, and ``torch.save`` would write it)."""
     base = storage_base(result, gm)
     created = frozenset(created)
     if not isinstance(base, fx.Node) or (base in created and not caller_owned(base)):
@@ -142,6 +145,11 @@ def new_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any, writes: 
     written = writes and _written(mine, gm)
     what = {"placeholder": "the graph input", "get_attr": "the module constant"}.get(base.op, "the value")
     what = f"{what} {base.target if base.op == 'get_attr' else base.name!r}"
+    if escapes and nbytes is not None and base is not result and not caller_owned(base):
+        kept, had, own = nbytes(base), nbytes(before), nbytes(root)
+        if kept is None or had is None or own is None or kept > max(had, own):
+            return (f"the graph would return a view of {what}, which keeps all of its memory alive "
+                    f"({_bytes(kept)}, where the original returned {_bytes(had)})")
     if caller_owned(base) and (escapes or written):
         verb = "returned by the graph" if escapes else "written in place"
         return f"its result would be {what} itself, and it is {verb}: the rewrite would alias it"
@@ -172,6 +180,10 @@ def new_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any, writes: 
     if escapes and (known[0] if known is not None else _escapes(theirs)):
         return f"its result and {what} are both returned by the graph: the outputs would alias each other"
     return None
+
+
+def _bytes(n: int | None) -> str:
+    return "an unknown size" if n is None else f"{n} bytes"
 
 
 def written_between(nodes: tuple, env: dict, gm: Any) -> str | None:

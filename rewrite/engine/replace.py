@@ -15,6 +15,7 @@ the graph as it was: nodes created so far are erased before the error propagates
 from __future__ import annotations
 
 import functools
+import math
 import operator
 import re
 from typing import Any
@@ -167,7 +168,8 @@ class Replacer:
         if result is not root and result in self._created:
             self._first_operand_laid_out_as(root, result)
         if result is not root:
-            problem = new_aliasing(root, result, self._created, self.gm, self._graph_writes(), self._classes)
+            problem = new_aliasing(root, result, self._created, self.gm, self._graph_writes(), self._classes,
+                                   self._nbytes)
             if problem is None and result not in self._created:  # a value forwarded as it is
                 problem = layout_change_seen(root, result, self.facts) or self._regions.spanned((), root, result)
             elif problem is None:  # a new value: laid out as its root, if a reader depends on strides
@@ -208,7 +210,7 @@ class Replacer:
                 problem = self._regions.spanned((), root, value)
             for getitem in read[i]:
                 problem = problem or new_aliasing(getitem, value, self._created, self.gm, self._graph_writes(),
-                                                  self._classes)
+                                                  self._classes, self._nbytes)
             if problem is not None:
                 self._undo()
                 raise ReplacementError(f"rule {match.rule.name!r} at {root.name}: {problem}")
@@ -377,6 +379,15 @@ class Replacer:
             result.args = (b, a)
             for key in ("val", FACTS_KEY):  # inferred with the operands as they were
                 result.meta.pop(key, None)
+
+    def _nbytes(self, node: fx.Node) -> int | None:
+        """The bytes of ``node``'s value from its facts, or None when unknown
+        (no facts, a symbolic size)."""
+        meta = self.facts.meta(node)
+        shape, dtype = getattr(meta, "shape", None), getattr(meta, "dtype", None)
+        if shape is None or not isinstance(dtype, torch.dtype) or not all(type(n) is int for n in shape):
+            return None  # a symbolic size is not asked (that would guard on it)
+        return math.prod(shape) * dtype.itemsize
 
     def _facts_of(self, value: Any) -> Any:
         # Known facts only: new nodes of a graph nobody asked shapes about need none.

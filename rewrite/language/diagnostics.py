@@ -91,8 +91,19 @@ def _excerpt(span: Span, source: str) -> list:
         end = len(line.rstrip())
     width = max(end - start, 1)
     # Non-printable characters would garble the excerpt; show them as '?'.
-    shown = "".join(c if c.isprintable() else "?" for c in line)
-    return ["    " + shown.rstrip(), "    " + " " * start + "^" * width]
+    shown = "".join(c if c.isprintable() else "?" for c in line).rstrip()
+    if len(shown) > _EXCERPT_WIDTH:  # a long line: the part around the span, marked as cut
+        first = max(0, min(start - _EXCERPT_WIDTH // 3, len(shown) - _EXCERPT_WIDTH))
+        last = first + _EXCERPT_WIDTH
+        before, after = ("..." if first else ""), ("..." if last < len(shown) else "")
+        shown = before + shown[first:last] + after
+        start = start - first + len(before)
+        width = max(1, min(width, len(shown) - len(after) - start))
+    return ["    " + shown, "    " + " " * start + "^" * width]
+
+
+#: characters of a source line shown under a diagnostic (a generated line may be huge)
+_EXCERPT_WIDTH = 120
 
 
 def did_you_mean(name: str, candidates: Iterable[str], valid: Callable | None = None) -> str | None:

@@ -1394,6 +1394,9 @@ def _side_effects(trial: int, ref: _Run, cand: _Run, kind: str, rtol: Optional[f
     layout = _layout_change(ref.outputs, cand.outputs, trial)
     if layout is not None:
         return layout
+    retained = _retained_memory(ref.outputs, cand.outputs, trial, {path for path, _ in cand_sharing})
+    if retained is not None:
+        return retained
     ref_inputs, cand_inputs = pytree.tree_leaves(ref.inputs), pytree.tree_leaves(cand.inputs)
     for i in sorted(ref.inputs_written | cand.inputs_written):
         if i not in ref.inputs_written:
@@ -1445,6 +1448,36 @@ def _layout_change(ref_out: Any, cand_out: Any, trial: int) -> Optional[Mismatch
                             0.0, 0.0, f"memory layout changed: {mine} (strides {tuple(r.stride())}) in the original, "
                                       f"{theirs} (strides {tuple(c.stride())}) in the rewrite (out.view() or "
                                       "is_contiguous() would tell)", relayout=(index, mine))
+    return None
+
+
+def _storage_bytes(t: Any) -> Optional[int]:
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.numel() == 0:
+        return None
+    try:
+        return t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError, TypeError):  # no storage (a subclass, quantized)
+        return None
+
+
+def _retained_memory(ref_out: Any, cand_out: Any, trial: int, caller_memory: set) -> Optional[Mismatch]:
+    """An output whose memory is larger in the rewrite than in the original: a view
+    of a larger intermediate (``cat([h[-1]])`` returned as ``h[-1]``) keeps all of it
+    alive as long as the caller keeps the output, and ``torch.save`` writes all of it.
+    Memory the output's own elements fill is never too much. Outputs sharing the caller's memory (``caller_memory``: their paths) are compared
+    as sharing instead."""
+    ref_leaves = pytree.tree_flatten_with_path(ref_out)[0]
+    cand_leaves = pytree.tree_leaves(cand_out)
+    for (kp, r), c in zip(ref_leaves, cand_leaves):
+        path = "output" + pytree.keystr(kp)
+        if path in caller_memory:
+            continue
+        had, kept = _storage_bytes(r), _storage_bytes(c)
+        # a compact copy of an expanded output (the AMP files' cast back) holds only itself
+        if had is not None and kept is not None and kept > max(had, c.numel() * c.element_size()):
+            return Mismatch(path, trial, tuple(r.shape), str(r.dtype).replace("torch.", ""), 0.0, 0.0,
+                            f"keeps {kept} bytes of memory alive in the rewrite, {had} in the original "
+                            "(a view of a larger value: torch.save(out) writes all of it)")
     return None
 
 
