@@ -32,7 +32,8 @@ from rewrite.engine.compile import compile_rule
 from rewrite.engine.driver import Driver, Schedule
 from rewrite.engine.facts import forget_recorded_facts
 from rewrite.engine.layout import output_values, restore_output_layouts
-from rewrite.engine.workspace import Journal, check_touched, gc_paused, own_written_state, shared_copy
+from rewrite.engine.workspace import (Journal, check_touched, gc_paused, own_module_path, own_written_state,
+                                       shared_copy)
 from rewrite.language import Program, ast, load_program, load_program_text
 from rewrite.ops import detect_dialect
 
@@ -573,7 +574,8 @@ class _Transaction:
                 with torch.no_grad():
                     driver.run(self.ruleset.schedule, self.ruleset._resolve)
                 if driver.counts:
-                    _remove_unused(gm, driver.replacer.released_nodes, driver.replacer.released_targets)
+                    _remove_unused(gm, driver.replacer.released_nodes, driver.replacer.released_targets,
+                                   copy_on_write=self.inplace)
                     driver.created.extend(restore_output_layouts(gm, driver.facts, outputs, detect_dialect(gm),
                                                                  driver.created, driver.replacer.replaced,
                                                                  self.relayouts))
@@ -615,6 +617,9 @@ class _Transaction:
         """After a failure: an in-place module goes back exactly as it was given."""
         if self.inplace and not self._done:
             self._undo(keep_meta=False)
+            if self._journal is not None:  # the graph is the one given: so is its code
+                self._journal.restore_code()
+                self._stale = False
             self.sync()
             self._done = True
 
@@ -696,10 +701,14 @@ def _referenced_attrs(gm: fx.GraphModule) -> set:
     return {n.target for op in ("get_attr", "call_module") for n in graph.find_nodes(op=op, sort=False)}
 
 
-def _remove_unused(gm: fx.GraphModule, released_nodes: list, released_targets: set) -> None:
+def _remove_unused(gm: fx.GraphModule, released_nodes: list, released_targets: set,
+                   copy_on_write: bool = False) -> None:
     """Erase the get_attr nodes the rewrite left without readers, then delete the
     parameters, buffers and submodules it left unreferenced (only ones whose last
-    reference it erased: the cost follows the rewrite, not the graph)."""
+    reference it erased: the cost follows the rewrite, not the graph).
+    ``copy_on_write`` (in place): a submodule something is deleted from is first
+    replaced in ``gm`` by a copy (``own_module_path``): ``gm``'s submodules may be
+    the eager model's own objects (``symbolic_trace`` shares them)."""
     targets = set(released_targets)
     for node in released_nodes:
         if not node._erased and not node.users:
@@ -713,6 +722,7 @@ def _remove_unused(gm: fx.GraphModule, released_nodes: list, released_targets: s
     # a name still in use, one under it (``a`` of ``a.b``) or one over it (``a.b`` of
     # ``a``) stays: by dotted prefix, not by comparing every pair (amp releases
     # thousands of weights while thousands stay referenced)
+    owned: set = set()  # copies own_module_path made
     used_or_under = set(now)
     for r in now:
         parts = r.split(".")
@@ -727,6 +737,10 @@ def _remove_unused(gm: fx.GraphModule, released_nodes: list, released_targets: s
         except AttributeError:
             continue
         if attr in owner._parameters or attr in owner._buffers or attr in owner._modules:
+            if copy_on_write and owner_name:
+                owner = own_module_path(gm, owner_name, owned)
+                if owner is None:
+                    continue  # inside a subgraph module: left as it is
             delattr(owner, attr)
             _delete_emptied_owners(gm, owner_name, used_or_under)
 

@@ -152,3 +152,161 @@ def test_a_diagnostic_on_a_short_line_shows_it_whole():
         rewrite.parse("rule r: reluu(x) => x\n")
     lines = str(err.value).splitlines()
     assert lines[1] == "    rule r: reluu(x) => x" and lines[2] == "            ^^^^^"
+
+
+# -- in place and the caller's modules (helper-55)
+
+
+class _TiedLinear(nn.Module):
+    """One Linear called as a module and again through its weight (a tied head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.nn.functional.linear(torch.relu(self.fc(x)), self.fc.weight, self.fc.bias)
+
+
+class _Nested(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+
+    def forward(self, x):
+        return self.block(x)
+
+
+def test_in_place_never_changes_the_eager_models_modules():
+    # symbolic_trace shares the called submodules with the eager model: what the
+    # rewrite removes from one is removed from a copy of it in gm (copy-on-write)
+    x = torch.randn(2, 16)
+    model = _TiedLinear().eval().requires_grad_(False)
+    expected = model(x)
+    gm = fx.symbolic_trace(model)
+    assert gm.fc is model.fc
+    result = rewrite.load("rules/amp_bf16.rw").apply(gm, (x,), inplace=True, rtol=0.05, atol=0.05)
+    assert result.graph_module is gm and result.counts["linear_bf16"] == 2
+    assert [n for n, _ in model.fc.named_parameters()] == ["weight", "bias"]
+    torch.testing.assert_close(model(x), expected)
+
+
+def test_in_place_fusion_of_a_nested_batch_norm_leaves_the_eager_model_whole():
+    x = torch.randn(2, 3, 8, 8)
+    model = _Nested().eval()
+    expected = model(x)
+    gm = fx.symbolic_trace(model)
+    result = rewrite.load("rules/fusion.rw").apply(gm, (x,), inplace=True)
+    assert sum(result.counts.values()) >= 1
+    assert not any(n.op == "call_module" and n.target == "block.1" for n in gm.graph.nodes)
+    assert isinstance(model.block[1], nn.BatchNorm2d)
+    torch.testing.assert_close(model(x), expected)
+    torch.testing.assert_close(gm(x), expected, rtol=1e-4, atol=1e-5)
+
+
+class _SigmoidTwice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return torch.sigmoid(self.bn(self.conv(x))) * 2.0
+
+
+@pytest.mark.parametrize("second", ["lazy", "graph_module"])
+def test_in_place_on_a_graph_another_module_owns(second):
+    # a second module built over the same Graph owns it: fx calls that one's node
+    # hooks, and the journal must still see every change
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    x = torch.randn(2, 3, 8, 8)
+    gm = fx.symbolic_trace(_SigmoidTwice().eval())
+    other = _LazyGraphModule.from_graphmodule(gm) if second == "lazy" else fx.GraphModule(gm, gm.graph)
+    assert gm.graph.owning_module is other
+    before, expected = gm.code, gm(x)
+    with pytest.raises(rewrite.EquivalenceError):
+        rewrite.parse("rule broken: sigmoid(x) => neg(x)\n").apply(gm, (x,), inplace=True)
+    assert gm.code == before and gm.graph.owning_module is other
+    torch.testing.assert_close(gm(x), expected)
+    result = rewrite.load("rules/fusion.rw").apply(gm, (x,), inplace=True)
+    assert sum(result.counts.values()) >= 1 and gm.graph.owning_module is other
+    torch.testing.assert_close(gm(x), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_rolled_back_lazy_module_keeps_its_compiled_code():
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    x = torch.randn(4)
+    traced = fx.symbolic_trace(_Sigmoid())
+    gm = _LazyGraphModule(traced, traced.graph)
+    calls = []
+    gm.register_forward_hook(lambda m, i, o: calls.append(1))
+    gm(x)  # compiled on this first call
+    assert not gm._needs_recompile()
+    with pytest.raises(rewrite.EquivalenceError):
+        rewrite.parse("rule broken: sigmoid(x) => relu(x)\n").apply(gm, (x,), inplace=True)
+    assert not gm._needs_recompile()
+    calls.clear()
+    gm(x)
+    assert len(calls) == 1  # a module to compile again would run its hooks twice here
+
+
+class _Sigmoid(nn.Module):
+    def forward(self, x):
+        return torch.sigmoid(x) * 2.0
+
+
+class _Counter(nn.Module):
+    """A leaf user module counting its calls by replacing its buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("step", torch.zeros(()))
+
+    def forward(self, x):
+        self.step = self.step + 1
+        return x
+
+
+class _Counted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.counter = _Counter()
+
+    def forward(self, x):
+        return self.counter(torch.sigmoid(self.lin(x)) * 1.0)
+
+
+class _LeafCounter(fx.Tracer):
+    def is_leaf_module(self, m, qualname):
+        return isinstance(m, _Counter) or super().is_leaf_module(m, qualname)
+
+
+def test_a_buffer_a_run_replaces_is_put_back():
+    x = torch.randn(2, 4)
+    model = _Counted().eval()
+    gm = fx.GraphModule(model, _LeafCounter().trace(model))
+    step = gm.counter.step
+    result = rewrite.load("rules/cleanup.rw").apply(gm, (x,))
+    assert result.counts["mul_one"] == 1
+    assert gm.counter.step is step and float(step) == 0.0
+
+
+def test_attributes_a_hook_sets_on_the_graph_module_are_put_back():
+    def cache_features(m, inputs, out):
+        m.calls += 1
+        m.last = out.detach()
+
+    x = torch.randn(2, 3, 8, 8)
+    for inplace in (False, True):
+        gm = fx.symbolic_trace(_SigmoidTwice().eval())
+        gm.calls = 0
+        gm.register_forward_hook(cache_features)
+        rules = rewrite.load("rules/cleanup.rw") + rewrite.parse("rule broken: sigmoid(x) => neg(x)\n")
+        with pytest.raises(rewrite.EquivalenceError):
+            rules.apply(gm, (x,), inplace=inplace)
+        assert gm.calls == 0 and not hasattr(gm, "last")
+        gm(x)
+        assert gm.calls == 1

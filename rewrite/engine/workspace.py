@@ -37,8 +37,8 @@ from torch.fx.graph import _illegal_names
 
 from rewrite.ops.effects import state_writes
 
-__all__ = ["Journal", "check_touched", "compile_now", "gc_paused", "own_written_state", "shared_copy",
-           "working_copy"]
+__all__ = ["Journal", "check_touched", "compile_now", "gc_paused", "own_module_path", "own_written_state",
+           "shared_copy", "working_copy"]
 
 
 def working_copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -334,7 +334,32 @@ def _shallow_module(m: torch.nn.Module, memo: dict) -> torch.nn.Module:
     return new
 
 
-def _fill_shallow(m: torch.nn.Module, new: torch.nn.Module, memo: dict) -> None:
+def own_module_path(gm: fx.GraphModule, path: str, owned: set) -> torch.nn.Module | None:
+    """The submodule of ``gm`` at ``path`` (dotted), after each module on the way
+    to it (below ``gm``) is replaced in its owner by a copy with tables of its own,
+    its children shared (copy-on-write: ``gm``'s submodules may be the objects of the
+    eager model it was traced from, which an in-place rewrite must not change).
+    ``owned``: ids of the copies made so far (made once). None when a module on the
+    way is a GraphModule (its graph is not copied here)."""
+    parent = gm
+    for part in path.split("."):
+        child = parent._modules[part]
+        if isinstance(child, fx.GraphModule):
+            return None
+        if id(child) not in owned:
+            copied = type(child).__new__(type(child))
+            _fill_shallow(child, copied, None)
+            parent._modules[part] = copied
+            owned.add(id(copied))
+            child = copied
+        parent = child
+    return parent
+
+
+def _fill_shallow(m: torch.nn.Module, new: torch.nn.Module, memo: dict | None) -> None:
+    """``new`` gets ``m``'s attributes, with tables of its own; its submodules are
+    shallow copies too (``memo``: copies made, by id), or with ``memo`` None the
+    same objects."""
     d = m.__dict__.copy()
     method = types.MethodType
     for key, value in d.items():  # values replaced in place: the keys do not change
@@ -350,7 +375,7 @@ def _fill_shallow(m: torch.nn.Module, new: torch.nn.Module, memo: dict) -> None:
     modules = d.get("_modules")
     if modules is not None and modules is m.__dict__["_modules"]:  # a table type not copied above
         modules = d["_modules"] = dict(modules)
-    if modules:
+    if modules and memo is not None:
         for key, child in modules.items():
             if child is not None:
                 modules[key] = _shallow_module(child, memo)
@@ -386,6 +411,10 @@ class Journal:
         namespace = self.graph._graph_namespace
         self._base_count = dict(namespace._base_count)
         self._modules = _module_snapshots(gm)
+        # the root's own attribute values (a hook's counter on it) and its code
+        self._root = gm.__dict__.copy()
+        self._code = _code_state(gm)
+        self._owner: Any = None  # the graph's owner while the journal is open, when not gm
         self._open = False
 
     @property
@@ -396,6 +425,13 @@ class Journal:
 
     def open(self) -> "Journal":
         if not self._open:
+            # fx calls the node hooks of the graph's owning module: a graph another
+            # module was built over (``fx.GraphModule(gm, gm.graph)``) is owned by that
+            # one, and its changes would escape the journal
+            owner = self.graph.owning_module
+            if owner is not self.gm:
+                self._owner = (owner,)
+                self.graph.owning_module = self.gm
             self.gm._register_create_node_hook(self._on_create)
             self.gm._register_erase_node_hook(self._on_erase)
             self.gm._register_replace_node_hook(self._on_replace)
@@ -407,6 +443,9 @@ class Journal:
             self.gm._unregister_create_node_hook(self._on_create)
             self.gm._unregister_erase_node_hook(self._on_erase)
             self.gm._unregister_replace_node_hook(self._on_replace)
+            if self._owner is not None:
+                self.graph.owning_module = self._owner[0]
+                self._owner = None
             self._open = False
 
     def _on_create(self, node: fx.Node) -> None:
@@ -487,6 +526,10 @@ class Journal:
             if len(attributes) != len(keys) or any(a is not b for a, b in zip(attributes, keys)):
                 for key in set(attributes) - set(keys):
                     del attributes[key]
+        attributes = self.gm.__dict__
+        for key, value in self._root.items():
+            if key not in _CODE_KEYS and attributes.get(key, _ABSENT) is not value:
+                attributes[key] = value
         if not keep_meta:
             for node, key in reversed(self._meta):
                 node.meta.pop(key, None)
@@ -495,7 +538,39 @@ class Journal:
             self.open()
 
 
+    def restore_code(self) -> None:
+        """Give the module back the code it had when the journal was made (after an
+        exact ``undo``, its graph is that code's): a compiled module stays compiled,
+        a lazy one stays to be compiled on first use."""
+        _set_code_state(self.gm, self._code)
+
+
 _ABSENT = object()  # a module without that table
+#: a GraphModule's generated code: instance attributes and its own class's (fx makes
+#: a class per instance, ``GraphModule.recompile`` sets these)
+_CODE_KEYS = ("_code", "_lineno_map", "_prologue_start", "_in_spec", "_out_spec")
+_CLASS_CODE_KEYS = ("forward", "__call__", "_wrapped_call")
+
+
+def _code_state(gm: fx.GraphModule) -> tuple:
+    own, cls = gm.__dict__, type(gm).__dict__
+    return (tuple((k, own.get(k, _ABSENT)) for k in _CODE_KEYS),
+            tuple((k, cls.get(k, _ABSENT)) for k in _CLASS_CODE_KEYS))
+
+
+def _set_code_state(gm: fx.GraphModule, state: tuple) -> None:
+    own, cls = gm.__dict__, type(gm)
+    for key, value in state[0]:
+        if value is _ABSENT:
+            own.pop(key, None)
+        else:
+            own[key] = value
+    for key, value in state[1]:
+        if value is _ABSENT:
+            if key in cls.__dict__:
+                delattr(cls, key)
+        else:
+            setattr(cls, key, value)
 
 
 def _module_snapshots(gm: fx.GraphModule) -> list:

@@ -982,8 +982,10 @@ class _SavedState:
             modules = list(fn.modules())
             self.modes += [(m, m.training) for m in modules]
             # what a run leaves in a module's attributes (a hook caching features, a
-            # leaf module counting its calls); a GraphModule's own are its code
-            self.attributes += [(m, m.__dict__.copy()) for m in modules if not isinstance(m, fx.GraphModule)]
+            # leaf module counting its calls with ``self.step = self.step + 1``, which
+            # replaces the entry of its ``_buffers`` table); a GraphModule's code is
+            # its graph's, not state
+            self.attributes += [(m, m.__dict__.copy(), _table_contents(m)) for m in modules]
             self.flags += [(p, p.requires_grad) for p in fn.parameters()]
             # A block that only runs graphs can write only what their nodes may
             # write (rewrite.ops.effects.state_writes): ResNet-50 in eval mode, nothing.
@@ -1013,14 +1015,39 @@ class _SavedState:
                     _SET_VERSIONS((t,), (version,))
         for m, training in self.modes:
             m.training = training
-        for m, attributes in self.attributes:
+        for m, attributes, tables in self.attributes:
             now = m.__dict__
             if len(now) != len(attributes) or any(now.get(k, _ABSENT) is not v for k, v in attributes.items()):
-                now.clear()
-                now.update(attributes)
+                code = _CODE_KEYS if isinstance(m, fx.GraphModule) else ()
+                for key in [k for k in now if k not in attributes and k not in code]:
+                    del now[key]
+                for key, value in attributes.items():
+                    if key not in code and now.get(key, _ABSENT) is not value:
+                        now[key] = value
+            for table, contents in tables:
+                if len(table) != len(contents) or any(table.get(k, _ABSENT) is not v for k, v in contents.items()):
+                    table.clear()
+                    table.update(contents)
         for p, requires_grad in self.flags:
             if p.requires_grad is not requires_grad:
                 p.requires_grad_(requires_grad)
+
+
+#: a GraphModule's attributes that are its generated code (``recompile`` sets them):
+#: they follow its graph, a run of a lazily compiled module may set them
+_CODE_KEYS = frozenset({"_code", "_lineno_map", "_prologue_start", "_in_spec", "_out_spec"})
+
+
+def _table_contents(m: torch.nn.Module) -> tuple:
+    """``(table, a copy of its entries)`` for a module's parameters, buffers and
+    submodules: a run that assigns one (``self.step = self.step + 1``) changes the
+    table's entry, not the attribute that holds the table."""
+    out = []
+    for key in ("_parameters", "_buffers", "_modules"):
+        table = m.__dict__.get(key)
+        if isinstance(table, dict):
+            out.append((table, dict(table)))
+    return tuple(out)
 
 
 @contextlib.contextmanager
