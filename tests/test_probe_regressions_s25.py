@@ -310,3 +310,32 @@ def test_attributes_a_hook_sets_on_the_graph_module_are_put_back():
         assert gm.calls == 0 and not hasattr(gm, "last")
         gm(x)
         assert gm.calls == 1
+
+
+class _TimesOne(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        return torch.sigmoid(self.conv(x)) * 1.0
+
+
+@pytest.mark.parametrize("rules, model", [("rules/cleanup.rw", _TimesOne), ("rules/fusion.rw", _SigmoidTwice)])
+def test_the_check_keeps_running_the_rewrite_node_by_node(rules, model, monkeypatch):
+    # the check runs the rewrite through its runner (no code generated inside apply);
+    # putting the module's attributes back after each run must not drop that runner
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    from rewrite.trust.runner import GraphRunner
+
+    codegen, runs = [], []
+    real_recompile, run = _LazyGraphModule._real_recompile, GraphRunner.__call__
+    monkeypatch.setattr(_LazyGraphModule, "_real_recompile", lambda self: codegen.append(1) or real_recompile(self))
+    monkeypatch.setattr(GraphRunner, "__call__", lambda self, *a, **k: runs.append(1) or run(self, *a, **k))
+    x = torch.randn(2, 3, 8, 8)
+    gm = fx.symbolic_trace(model().eval())
+    result = rewrite.load(rules).apply(gm, (x,), trials=3)
+    assert sum(result.counts.values()) >= 1
+    assert not codegen and len(runs) >= 3
+    torch.testing.assert_close(result.graph_module(x), gm(x), rtol=1e-4, atol=1e-5)

@@ -73,17 +73,46 @@ def _has_strided_constants(gm: fx.GraphModule, created: set) -> bool:
     return False
 
 
-def _from_new_module(node: fx.Node, created: set, gm: fx.GraphModule) -> bool:
-    """``node`` is computed, through nodes the rewrite created, from a module call it
-    inserted (a quantized conv): such a value's recorded facts are the value it
-    replaced (shape and dtype), its layout is whatever the module's kernel picks.
-    Observers and fake quantizers return their input as it is: they pick nothing."""
+def _new_module_reach(created: set, gm: fx.GraphModule) -> "_MadeThrough":
+    """Whether a node is computed, through nodes the rewrite created, from a module
+    call it inserted (a quantized conv): such a value's recorded facts are the value
+    it replaced (shape and dtype), its layout is whatever the module's kernel picks.
+    Observers and fake quantizers return their input as it is: they pick nothing.
+    One answer per node for the whole restore (rewrites that read each other's
+    results, a residual stream's adds, chain thousands of created nodes)."""
     from torch.ao.quantization import FakeQuantizeBase, ObserverBase
 
     def picks_layout(n: fx.Node) -> bool:
         return n.op == "call_module" and not isinstance(fetch_attr(gm, n.target), (ObserverBase, FakeQuantizeBase))
 
-    return _made_through(node, created, picks_layout)
+    return _MadeThrough(created, picks_layout)
+
+
+class _MadeThrough:
+    """``_made_through`` over one set of created nodes, each node's answer kept:
+    asked of every node of a chain, the chain is walked once."""
+
+    def __init__(self, created: set, made_by: Any) -> None:
+        self.created, self.made_by = created, made_by
+        self.known: dict = {}
+
+    def __call__(self, node: fx.Node) -> bool:
+        created, known = self.created, self.known
+        if node not in created:
+            return False
+        stack = [(node, False)]
+        while stack:
+            n, inputs_done = stack.pop()
+            if n in known:
+                continue
+            if inputs_done:
+                known[n] = any(known.get(i, False) for i in n.all_input_nodes)
+            elif self.made_by(n):
+                known[n] = True
+            else:
+                stack.append((n, True))
+                stack.extend((i, False) for i in n.all_input_nodes if i in created and i not in known)
+        return known[node]
 
 
 def _made_through(node: fx.Node, created: set, made_by: Any) -> bool:
@@ -120,7 +149,9 @@ def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, 
     copies, fixed = [], {}
     bases = None
     strided_constants = _has_strided_constants(gm, created_nodes)
-    kept = _KeptValues(gm, _relaid_sources(replaced, facts, gm, created_nodes, strided_constants))
+    from_new_module = _new_module_reach(created_nodes, gm)
+    picker = _layout_picker_reach(created_nodes)
+    kept = _KeptValues(gm, _relaid_sources(replaced, facts, created_nodes, strided_constants, from_new_module))
     for old, new in zip(before, after):
         if new in fixed:
             continue
@@ -137,11 +168,11 @@ def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, 
         # swapped): what either recorded was true before that replacement
         relaid = kept.relaid(new)
         if relaid:
-            known = not strided_constants and not any(_from_new_module(n, created_nodes, gm)
+            known = not strided_constants and not any(from_new_module(n)
                                                       for n in kept.read(relaid))
             if new in created_nodes:
-                known = known and not _from_new_module(new, created_nodes, gm) \
-                    and not _meta_layout_unreliable(new, created_nodes, facts)
+                known = known and not from_new_module(new) \
+                    and not _meta_layout_unreliable(new, created_nodes, facts, picker)
             new_meta = facts.rerun(relaid).get(new) if known else None
             if _laid_out_as(new_meta, old_meta, want, order):
                 continue
@@ -157,8 +188,8 @@ def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, 
             # choose layouts as CPU kernels do (a channels_last weight gives a
             # channels_last convolution on CPU, a contiguous one on meta)
             inferred = layout_of(facts.meta(new, record=False))
-            if not strided_constants and inferred == want and not _from_new_module(new, created_nodes, gm) \
-                    and not _meta_layout_unreliable(new, created_nodes, facts):
+            if not strided_constants and inferred == want and not from_new_module(new) \
+                    and not _meta_layout_unreliable(new, created_nodes, facts, picker):
                 continue
             # unknown (a quantized kernel's output, channels_last on CPU): the copy
             # costs nothing when the value is laid out so already
@@ -216,8 +247,8 @@ def _laid_out_as(meta: Any, old_meta: Any, want: str, order: tuple | None) -> bo
     return layout_of(meta) == want and (order is None or addressing(meta) == addressing(old_meta))
 
 
-def _relaid_sources(replaced: Any, facts: GraphFacts, gm: fx.GraphModule, created: set,
-                    strided_constants: bool) -> set:
+def _relaid_sources(replaced: Any, facts: GraphFacts, created: set, strided_constants: bool,
+                    from_new_module: Any) -> set:
     """The values readers read instead of a replaced value laid out otherwise (or not
     known to be laid out alike: a new value computed from a strided constant or an
     inserted module, whose layout the CPU kernel picks): what may change the layout
@@ -227,7 +258,7 @@ def _relaid_sources(replaced: Any, facts: GraphFacts, gm: fx.GraphModule, create
         if result._erased or result in sources:
             continue
         if result in created:
-            if strided_constants or _from_new_module(result, created, gm):
+            if strided_constants or from_new_module(result):
                 sources.add(result)
                 continue
         before, after = tensor_meta_of(root), facts.meta(result, record=False)
@@ -349,16 +380,28 @@ STRIDE_READERS = frozenset({
 _CPU_PICKS_LAYOUT = frozenset({"scaled_dot_product_attention"})
 
 
-def _meta_layout_unreliable(node: fx.Node, created: set, facts: GraphFacts) -> bool:
+def _meta_layout_unreliable(node: fx.Node, created: set, facts: GraphFacts, picker: Any = None) -> bool:
     """``node``'s inferred layout comes from meta kernels (no fake mode) through a new
-    op whose CPU kernel picks another (``_CPU_PICKS_LAYOUT``)."""
-    return facts.fake_mode is None and _through_layout_picker(node, created)
+    op whose CPU kernel picks another (``_CPU_PICKS_LAYOUT``). ``picker``: a
+    ``_layout_picker_reach(created)`` kept over many questions."""
+    if facts.fake_mode is not None:
+        return False
+    return picker(node) if picker is not None else _through_layout_picker(node, created)
+
+
+def _picks_cpu_layout(n: fx.Node) -> bool:
+    return n.op in ("call_function", "call_method") and op_name(n.target) in _CPU_PICKS_LAYOUT
+
+
+def _layout_picker_reach(created: set) -> _MadeThrough:
+    """Whether a node is computed, through new nodes, by an op of ``_CPU_PICKS_LAYOUT``
+    (one answer per node)."""
+    return _MadeThrough(created, _picks_cpu_layout)
 
 
 def _through_layout_picker(node: fx.Node, created: set) -> bool:
     """``node`` is computed, through new nodes, by an op of ``_CPU_PICKS_LAYOUT``."""
-    return _made_through(node, created, lambda n: n.op in ("call_function", "call_method")
-                         and op_name(n.target) in _CPU_PICKS_LAYOUT)
+    return _made_through(node, created, _picks_cpu_layout)
 
 
 def layout_change_seen(root: fx.Node, result: fx.Node, facts: GraphFacts, created: Any = ()) -> str | None:

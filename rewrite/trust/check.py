@@ -1033,9 +1033,10 @@ class _SavedState:
                 p.requires_grad_(requires_grad)
 
 
-#: a GraphModule's attributes that are its generated code (``recompile`` sets them):
-#: they follow its graph, a run of a lazily compiled module may set them
-_CODE_KEYS = frozenset({"_code", "_lineno_map", "_prologue_start", "_in_spec", "_out_spec"})
+#: a GraphModule's attributes that are its generated code (``recompile`` sets them:
+#: they follow its graph, a run of a lazily compiled module may set them) or how the
+#: check runs it (``running_as_graph`` installs a ``forward`` while a block runs)
+_CODE_KEYS = frozenset({"_code", "_lineno_map", "_prologue_start", "_in_spec", "_out_spec", "forward"})
 
 
 def _table_contents(m: torch.nn.Module) -> tuple:
