@@ -89,8 +89,9 @@ def _new_module_reach(created: set, gm: fx.GraphModule) -> "_MadeThrough":
 
 
 class _MadeThrough:
-    """``_made_through`` over one set of created nodes, each node's answer kept:
-    asked of every node of a chain, the chain is walked once."""
+    """Whether a node of the rewrite's ``created`` ones that a node is computed from
+    (the node included, through created nodes only) satisfies ``made_by``. Each
+    node's answer is kept: asked of every node of a chain, the chain is walked once."""
 
     def __init__(self, created: set, made_by: Any) -> None:
         self.created, self.made_by = created, made_by
@@ -113,21 +114,6 @@ class _MadeThrough:
                 stack.append((n, True))
                 stack.extend((i, False) for i in n.all_input_nodes if i in created and i not in known)
         return known[node]
-
-
-def _made_through(node: fx.Node, created: set, made_by: Any) -> bool:
-    """Whether a node of the rewrite's ``created`` ones that ``node`` is computed from
-    (``node`` included, through created nodes only) satisfies ``made_by``."""
-    seen, frontier = set(), [node]
-    while frontier:
-        n = frontier.pop()
-        if n in seen or n not in created:
-            continue
-        seen.add(n)
-        if made_by(n):
-            return True
-        frontier.extend(n.all_input_nodes)
-    return False
 
 
 def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, dialect: str,
@@ -401,7 +387,7 @@ def _layout_picker_reach(created: set) -> _MadeThrough:
 
 def _through_layout_picker(node: fx.Node, created: set) -> bool:
     """``node`` is computed, through new nodes, by an op of ``_CPU_PICKS_LAYOUT``."""
-    return _made_through(node, created, _picks_cpu_layout)
+    return _MadeThrough(created, _picks_cpu_layout)(node)
 
 
 def layout_change_seen(root: fx.Node, result: fx.Node, facts: GraphFacts, created: Any = ()) -> str | None:

@@ -37,8 +37,8 @@ from torch.fx.graph import _illegal_names
 
 from rewrite.ops.effects import state_writes
 
-__all__ = ["Journal", "check_touched", "compile_now", "gc_paused", "own_module_path", "own_written_state",
-           "shared_copy", "working_copy"]
+__all__ = ["CODE_ATTRIBUTES", "Journal", "check_touched", "compile_now", "gc_paused", "own_module_path",
+           "own_written_state", "shared_copy", "working_copy"]
 
 
 def working_copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -528,7 +528,7 @@ class Journal:
                     del attributes[key]
         attributes = self.gm.__dict__
         for key, value in self._root.items():
-            if key not in _CODE_KEYS and attributes.get(key, _ABSENT) is not value:
+            if key not in CODE_ATTRIBUTES and attributes.get(key, _ABSENT) is not value:
                 attributes[key] = value
         if not keep_meta:
             for node, key in reversed(self._meta):
@@ -536,7 +536,6 @@ class Journal:
             self._meta.clear()
         if was_open:
             self.open()
-
 
     def restore_code(self) -> None:
         """Give the module back the code it had when the journal was made (after an
@@ -546,15 +545,15 @@ class Journal:
 
 
 _ABSENT = object()  # a module without that table
-#: a GraphModule's generated code: instance attributes and its own class's (fx makes
-#: a class per instance, ``GraphModule.recompile`` sets these)
-_CODE_KEYS = ("_code", "_lineno_map", "_prologue_start", "_in_spec", "_out_spec")
+#: a GraphModule's generated code: its instance attributes (``GraphModule.recompile``
+#: sets them) and its own class's (fx makes a class per instance)
+CODE_ATTRIBUTES = ("_code", "_lineno_map", "_prologue_start", "_in_spec", "_out_spec")
 _CLASS_CODE_KEYS = ("forward", "__call__", "_wrapped_call")
 
 
 def _code_state(gm: fx.GraphModule) -> tuple:
     own, cls = gm.__dict__, type(gm).__dict__
-    return (tuple((k, own.get(k, _ABSENT)) for k in _CODE_KEYS),
+    return (tuple((k, own.get(k, _ABSENT)) for k in CODE_ATTRIBUTES),
             tuple((k, cls.get(k, _ABSENT)) for k in _CLASS_CODE_KEYS))
 
 

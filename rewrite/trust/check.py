@@ -71,7 +71,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from rewrite.capture import is_export_guard
 from rewrite.engine.shapes import addressing, layout_of
 from rewrite.engine.symbolic import size_hint
-from rewrite.engine.workspace import gc_paused
+from rewrite.engine.workspace import CODE_ATTRIBUTES, gc_paused
 from rewrite.ops.base import ConstRef, attribute
 from rewrite.ops.effects import state_writes, written_args
 from rewrite.ops.vocabulary import CALL_OPS, OPS, bind_node
@@ -1036,7 +1036,7 @@ class _SavedState:
 #: a GraphModule's attributes that are its generated code (``recompile`` sets them:
 #: they follow its graph, a run of a lazily compiled module may set them) or how the
 #: check runs it (``running_as_graph`` installs a ``forward`` while a block runs)
-_CODE_KEYS = frozenset({"_code", "_lineno_map", "_prologue_start", "_in_spec", "_out_spec", "forward"})
+_CODE_KEYS = frozenset(CODE_ATTRIBUTES) | {"forward"}
 
 
 def _table_contents(m: torch.nn.Module) -> tuple:
@@ -1492,8 +1492,8 @@ def _retained_memory(ref_out: Any, cand_out: Any, trial: int, caller_memory: set
     """An output whose memory is larger in the rewrite than in the original: a view
     of a larger intermediate (``cat([h[-1]])`` returned as ``h[-1]``) keeps all of it
     alive as long as the caller keeps the output, and ``torch.save`` writes all of it.
-    Memory the output's own elements fill is never too much. Outputs sharing the caller's memory (``caller_memory``: their paths) are compared
-    as sharing instead."""
+    Memory the output's own elements fill is never too much. Outputs sharing the
+    caller's memory (``caller_memory``: their paths) are compared as sharing instead."""
     ref_leaves = pytree.tree_flatten_with_path(ref_out)[0]
     cand_leaves = pytree.tree_leaves(cand_out)
     for (kp, r), c in zip(ref_leaves, cand_leaves):
