@@ -70,6 +70,11 @@ EXTRA = rewrite.parse(
     rule x_permute: permute(x, (1, 0)) => x
     rule x_view: view(x, (4, 4)) => x
     rule x_same: mul(x, x) => x
+    rule x_nested_lit: add(x, mul(_, 2.0)) => x
+    rule x_nested_lit_first: add(x, mul(-1, _)) => x
+    rule x_nested_kw: relu(transpose(x, dim1=1, dim0=-1)) => x
+    rule x_nested_deep_lit: add(neg(mul(x, 1)), _) => x
+    rule x_nested_alt: sub(x, (mul | div)(_, 2.0)) => x
     """,
     "extra.rw",
 )
@@ -813,4 +818,85 @@ def test_stats_count_turned_away_nodes():
     assert s_on.tries - s_on.prefiltered == s_on.applied == 1  # only the matching relu reached the matcher
     assert s_on.prefiltered >= 2
     assert s_off.prefiltered == 0 and s_off.tries == s_on.tries
+    assert on.graph_module.code == off.graph_module.code
+
+
+NESTED_LIT_CASES = [  # add(x, mul(y, 2.0)): the literal one level down, in every spelling
+    (lambda g, x, y: fn(g, operator.add, x, fn(g, operator.mul, y, 2.0)), True),
+    (lambda g, x, y: fn(g, operator.add, fn(g, torch.mul, 2, y), x), True),  # both commuted, int 2
+    (lambda g, x, y: fn(g, torch.add, x, meth(g, "mul", y, other=2.0)), True),
+    (lambda g, x, y: fn(g, aten.add.Tensor, x, fn(g, aten.mul.Tensor, y, 2.0)), True),
+    (lambda g, x, y: fn(g, operator.add, x, fn(g, operator.mul, y, 3.0)), False),
+    (lambda g, x, y: fn(g, operator.add, x, fn(g, operator.mul, y, x)), False),
+    (lambda g, x, y: fn(g, operator.add, x, fn(g, operator.mul, y, True)), False),
+    (lambda g, x, y: fn(g, operator.add, fn(g, torch.mul, y, 3.0), fn(g, torch.mul, x, 2.0)), True),
+    (lambda g, x, y: fn(g, operator.add, fn(g, torch.mul, y, 3.0), fn(g, torch.mul, x, 4.0)), False),
+]
+
+
+@pytest.mark.parametrize("case", range(len(NESTED_LIT_CASES)))
+def test_nested_literal_is_a_prefilter_need(case):
+    spell, expect = NESTED_LIT_CASES[case]
+    pf, passed, matched = verdict(EXTRA, "x_nested_lit", lambda g, x, y: same(spell(g, x, y)))
+    assert pf is not None
+    assert passed is expect and matched is expect
+
+
+@pytest.mark.parametrize("spell,expect", [
+    (lambda g, x: fn(g, torch.relu, meth(g, "transpose", x, -1, 1)), True),
+    (lambda g, x: fn(g, torch.relu, meth(g, "transpose", x, 0, 1)), False),
+    (lambda g, x: fn(g, torch.relu, fn(g, torch.transpose, x, dim0=-1, dim1=1)), True),
+    (lambda g, x: fn(g, torch.relu, fn(g, torch.transpose, x, dim0=1, dim1=-1)), False),
+    (lambda g, x: fn(g, torch.relu, fn(g, torch.relu, x)), False),
+])
+def test_nested_keyword_literals(spell, expect):
+    pf, passed, matched = verdict(EXTRA, "x_nested_kw", lambda g, x, y: same(spell(g, x)))
+    assert pf is not None
+    assert passed is expect and matched is expect
+
+
+@pytest.mark.parametrize("inner,lit,expect", [
+    (operator.mul, 1, True), (operator.mul, 1.0, True), (operator.mul, 2, False), (torch.div, 1, False),
+])
+def test_nested_literal_two_levels_down(inner, lit, expect):
+    def build(g, x, y):
+        return same(fn(g, operator.add, fn(g, torch.neg, fn(g, inner, x, lit)), y))
+
+    pf, passed, matched = verdict(EXTRA, "x_nested_deep_lit", build)
+    assert pf is not None
+    assert passed is expect and matched is expect
+
+
+def test_nested_alternatives_each_keep_their_literal():
+    for inner, lit, expect in ((torch.mul, 2.0, True), (torch.div, 2.0, True), (torch.div, 3.0, False),
+                               (torch.mul, 3.0, False), (torch.sub, 2.0, False)):
+        pf, passed, matched = verdict(
+            EXTRA, "x_nested_alt", lambda g, x, y, inner=inner, lit=lit: same(fn(g, torch.sub, x, fn(g, inner, y, lit))))
+        assert pf is not None
+        assert passed is expect and matched is expect
+
+
+def test_many_rules_differing_one_level_down_reach_the_matcher_only_where_they_match():
+    """Rules that share a root and differ only in a nested literal: each rule's
+    matcher runs only at the adds whose mul holds its literal."""
+    text = "".join(f"rule r{k}: add(x, mul(y, {float(k)})) => sub(x, mul(y, {float(-k)}))\n" for k in range(1, 9))
+    rules = rewrite.parse(text, "many.rw")
+
+    class M(nn.Module):
+        def forward(self, x):
+            for k in range(12):
+                x = x + (-x) * float(k)
+            return x
+
+    gm = fx.symbolic_trace(M())
+    ex = (torch.randn(3, 3),)
+    with compiled_mode(True):
+        on = rules.apply(gm, ex)
+    with compiled_mode(False):
+        off = rules.apply(gm, ex, check=False)
+    assert on.counts == off.counts == {f"r{k}": 1 for k in range(1, 9)}
+    assert on.equivalence.ok
+    for k in range(1, 9):
+        s = on.stats[f"r{k}"]
+        assert s.tries - s.prefiltered == s.applied == 1  # no failed match reached the matcher
     assert on.graph_module.code == off.graph_module.code

@@ -59,6 +59,7 @@ class _Need:
     kwarg: str
     keys: frozenset | None
     literal: Any = None
+    nested: Prefilter | None = None  # what the producer must hold beyond its key
 
 
 def build_prefilter(rule: CompiledRule, key: Any) -> Prefilter | None:
@@ -67,21 +68,52 @@ def build_prefilter(rule: CompiledRule, key: Any) -> Prefilter | None:
     root = rule.pattern
     if not isinstance(root, PCall):
         return None
-    conjuncts = _root_conjuncts(rule)
-    options: list = []  # any option's needs all holding lets the node through
-    for alt in root.alts:
+    options = _options(root, key, _root_conjuncts(rule))
+    return None if options is None else _checker(options)
+
+
+def _options(call: PCall, key: Any, conjuncts: tuple) -> tuple | None:
+    """``(needs, where-needs)`` per reading of a node with key ``key`` as ``call``
+    (form, argument order): any option's needs all holding lets the node through.
+    None when some reading constrains nothing (or none exists)."""
+    options: list = []
+    for alt in call.alts:
         for form in _forms_at(alt, key):
             if not isinstance(form, (FunctionForm, MethodForm, ModuleForm)):
                 return None
             for order in _orders(alt):
                 needs = _needs(form, order)
-                clauses = _where_needs(form, alt, order, root.name, conjuncts)
+                clauses = _where_needs(form, alt, order, call.name, conjuncts)
                 if not needs and not clauses:
                     return None  # this reading of the node constrains nothing
                 options.append((needs, clauses))
-    if not options:
+    return tuple(options) if options else None
+
+
+def _operand_filter(call: PCall) -> Prefilter | None:
+    """What a nested call asks of the node in its place beyond its key (its own
+    literals and producers, ``add(x, mul(y, 2.0))``), per node key: a rule set of
+    many rules that differ one level down then fails at the root's arguments
+    instead of binding the node in full for each rule. None when no key of the
+    nested call constrains anything."""
+    by_function: dict = {}
+    by_key: dict = {}
+    for key in _keys_of(call):
+        options = _options(call, key, ())
+        if options is None:
+            continue
+        if key[0] == "call_function":
+            by_function[id(key[1])] = _checker(options)
+        else:
+            by_key[key] = _checker(options)
+    if not by_function and not by_key:
         return None
-    return _checker(tuple(options))
+
+    def nested(matcher: Any, node: fx.Node) -> bool:
+        check = by_function.get(id(node.target)) if node.op == "call_function" else by_key.get(matcher.key(node))
+        return check is None or check(matcher, node)
+
+    return nested
 
 
 _ROOT = -1  # a where-need's place for the root node itself (``relu(_) as r``)
@@ -165,16 +197,16 @@ def _orders(alt: PAlt) -> list:
 def _needs(form: Any, order: tuple) -> tuple:
     needs = []
     for param, pat in order:
+        nested = None
         if isinstance(pat, PCall):
-            keys = _keys_of(pat)
-            literal = None
+            keys, literal, nested = _keys_of(pat), None, _operand_filter(pat)
         elif isinstance(pat, (PLit, PDefault)) and param not in getattr(form, "convert", {}):
             keys, literal = None, pat.value
         else:
             continue
         place = _position(form, param)
         if place is not None:
-            needs.append(_Need(place[0], place[1], keys, literal))
+            needs.append(_Need(place[0], place[1], keys, literal, nested))
     return tuple(needs)
 
 
@@ -219,14 +251,14 @@ def _checker(options: tuple) -> Prefilter:
     # the where-needs; the producer test is inlined (a call per need was a tenth
     # of the visit loop on a 10k-node graph)
     compiled = tuple((tuple((need.index, need.kwarg, None if need.keys is None else _producer_keys(need.keys),
-                             need.literal) for need in needs), clauses) for needs, clauses in options)
+                             need.literal, need.nested) for need in needs), clauses) for needs, clauses in options)
 
     def check(matcher: Any, node: fx.Node) -> bool:
         args = node.args
         n = len(args)
         try:
             for needs, clauses in compiled:
-                for index, kwarg, producer, literal in needs:
+                for index, kwarg, producer, literal, nested in needs:
                     value = args[index] if index < n else node.kwargs.get(kwarg, _ABSENT)
                     if producer is not None:  # a node one of the nested call's keys
                         if not isinstance(value, _NODE):
@@ -235,6 +267,8 @@ def _checker(options: tuple) -> Prefilter:
                             if id(value.target) not in producer[0]:
                                 break
                         elif not producer[1] or matcher.key(value) not in producer[1]:
+                            break
+                        if nested is not None and not nested(matcher, value):
                             break
                     elif value is not _ABSENT and (value.__class__ is _NODE or not same_arg(literal, value)):
                         break  # a literal is never a node
