@@ -900,3 +900,22 @@ def test_many_rules_differing_one_level_down_reach_the_matcher_only_where_they_m
         s = on.stats[f"r{k}"]
         assert s.tries - s.prefiltered == s.applied == 1  # no failed match reached the matcher
     assert on.graph_module.code == off.graph_module.code
+
+
+@pytest.mark.parametrize("spell,passes,matches", [
+    (lambda g, x, y: fn(g, operator.mul, x, x), True, True),
+    (lambda g, x, y: meth(g, "mul", x, other=x), True, True),
+    (lambda g, x, y: fn(g, aten.mul.Tensor, y, y), True, True),
+    (lambda g, x, y: fn(g, torch.mul, x, y), False, False),
+    (lambda g, x, y: fn(g, torch.mul, x, 2.0), False, False),
+    (lambda g, x, y: fn(g, operator.mul, 2.0, x), False, False),
+    # two get_attr nodes of one constant are the same operand; two constants are
+    # left to the matcher (it compares them by name)
+    (lambda g, x, y: fn(g, torch.mul, g.get_attr("m.weight"), g.get_attr("m.weight")), True, True),
+    (lambda g, x, y: fn(g, torch.mul, g.get_attr("m.weight"), g.get_attr("m.bias")), True, False),
+])
+def test_variable_written_twice_needs_the_same_operand(spell, passes, matches):
+    pf, passed, matched = verdict(EXTRA, "x_same", lambda g, x, y: same(spell(g, x, y)),
+                                  modules={"m": nn.Linear(4, 4)})
+    assert pf is not None
+    assert passed is passes and matched is matches

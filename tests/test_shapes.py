@@ -97,6 +97,21 @@ def test_binary_shortcut_matches_fake_propagation(target, s1, s2, d1, d2, l1, l2
     _agrees(mode, target, (x, y))
 
 
+def _broadcast_pair(big: tuple):
+    """``(big, a shape that broadcasts to it)``: a suffix of ``big`` with some sizes 1."""
+    return st.integers(0, len(big)).flatmap(
+        lambda k: st.tuples(*[st.sampled_from([1, d]) for d in big[len(big) - k:]])).map(lambda small: (big, small))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(BINARY), shapes.flatmap(_broadcast_pair), st.booleans(), st.sampled_from(DTYPES),
+       st.sampled_from(DTYPES), layouts, layouts)
+def test_broadcast_shortcut_matches_fake_propagation(target, pair, swap, d1, d2, l1, l2):
+    mode = FakeTensorMode()
+    big, small = _make(mode, pair[0], d1, l1), _make(mode, pair[1], d2, l2)
+    _agrees(mode, target, (small, big) if swap else (big, small))
+
+
 def test_shortcut_answers_the_common_cases_and_declines_the_rest():
     mode = FakeTensorMode()
     x = _make(mode, (2, 3, 4, 5), torch.float32, "contiguous")
@@ -105,9 +120,16 @@ def test_shortcut_answers_the_common_cases_and_declines_the_rest():
     assert _agrees(mode, aten.sub.Tensor, (x, x))
     assert _agrees(mode, aten.mul.Tensor, (cl, 0.5))
     assert _agrees(mode, aten.gelu.default, (x,), {"approximate": "tanh"})
-    # broadcasting, promotion, in-place flags, integer inputs to float ops: declined
-    y = _make(mode, (3, 4, 5), torch.float32, "contiguous")
-    assert like_input(*_node(aten.add.Tensor, (x, y))) is None
+    # one full-size contiguous operand and one that broadcasts to it (a bias): answered
+    bias = _make(mode, (3, 1, 1), torch.float32, "contiguous")
+    assert _agrees(mode, aten.add.Tensor, (x, bias))
+    assert _agrees(mode, operator.mul, (_make(mode, (5,), torch.float32, "contiguous"), x))
+    # both broadcast, broadcasting onto channels_last, promotion, in-place flags,
+    # integer inputs to float ops: declined
+    assert like_input(*_node(aten.add.Tensor, (_make(mode, (3, 1), torch.float32, "contiguous"),
+                                               _make(mode, (1, 4), torch.float32, "contiguous")))) is None
+    assert like_input(*_node(aten.add.Tensor, (cl, bias))) is None
+    assert like_input(*_node(aten.add.Tensor, (x, _make(mode, (5,), torch.float16, "contiguous")))) is None
     assert like_input(*_node(aten.add.Tensor, (x, _make(mode, (2, 3, 4, 5), torch.float16, "contiguous")))) is None
     assert like_input(*_node(F.relu, (x, True))) is None
     assert like_input(*_node(aten.sigmoid.default, (_make(mode, (3,), torch.int64, "contiguous"),))) is None

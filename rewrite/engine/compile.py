@@ -93,13 +93,28 @@ class PAlt:
     literals: tuple = ()  # (param, value)
     variables: tuple = ()  # (param, variable name)
     nested: tuple = ()  # (param, pattern): calls and sequences
+    # the arguments with a commutative op's two operands swapped: the other order
+    # the matcher and its prefilter try; None when the op does not commute or the
+    # two are one variable or both wildcards (``mul(x, x)``: the same match again)
+    swapped: tuple | None = None
 
     @classmethod
     def of(cls, opdef: OpDef, canonical: bool, args: tuple) -> "PAlt":
         literals = tuple((n, p.value) for n, p in args if isinstance(p, (PLit, PDefault)))
         variables = tuple((n, p.name) for n, p in args if isinstance(p, PVar))
         nested = tuple((n, p) for n, p in args if isinstance(p, (PCall, PSeq, PResults)))
-        return cls(opdef, canonical, args, literals, variables, nested)
+        swapped = opdef.commuted(args)
+        if swapped is not None:
+            operands = [p for (n, p), (m, _) in zip(args, swapped) if n != m]
+            if len(operands) == 2 and _same_operand_pattern(*operands):
+                swapped = None
+        return cls(opdef, canonical, args, literals, variables, nested, swapped)
+
+
+def _same_operand_pattern(a: Any, b: Any) -> bool:
+    """Two operand patterns that match exactly the same operands, written alike."""
+    return (isinstance(a, PWild) and isinstance(b, PWild)) or (
+        isinstance(a, PVar) and isinstance(b, PVar) and a.name == b.name)
 
 
 @attrs.frozen

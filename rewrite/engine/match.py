@@ -400,7 +400,7 @@ class Matcher:
     @staticmethod
     def _arg_orders(alt: Any, bound: Any) -> Iterator[tuple]:
         yield alt.args
-        swapped = alt.opdef.commuted(alt.args)
+        swapped = alt.swapped
         if swapped is not None and same_arg(bound.args.get("alpha", 1), 1):  # x + 2*y does not commute
             yield swapped
 

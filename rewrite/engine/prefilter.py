@@ -45,6 +45,7 @@ __all__ = ["build_prefilter"]
 
 _NODE = fx.Node
 _ABSENT = object()
+_SAME = object()  # a need's literal: the argument is the same node as another one
 
 #: ``check(matcher, node) -> bool``: False only if the rule cannot match at node.
 Prefilter = Callable[[Any, fx.Node], bool]
@@ -60,6 +61,7 @@ class _Need:
     keys: frozenset | None
     literal: Any = None
     nested: Prefilter | None = None  # what the producer must hold beyond its key
+    other: tuple | None = None  # literal _SAME: (index, kwarg) of the argument it must be the same node as
 
 
 def build_prefilter(rule: CompiledRule, key: Any) -> Prefilter | None:
@@ -82,7 +84,7 @@ def _options(call: PCall, key: Any, conjuncts: tuple) -> tuple | None:
             if not isinstance(form, (FunctionForm, MethodForm, ModuleForm)):
                 return None
             for order in _orders(alt):
-                needs = _needs(form, order)
+                needs = _needs(form, order) + _same_needs(form, alt, order)
                 clauses = _where_needs(form, alt, order, call.name, conjuncts)
                 if not needs and not clauses:
                     return None  # this reading of the node constrains nothing
@@ -190,8 +192,7 @@ def _forms_at(alt: PAlt, key: Any) -> list:
 def _orders(alt: PAlt) -> list:
     """The argument orders the matcher tries: as written, and for commutative ops
     the first two tensor parameters swapped."""
-    swapped = alt.opdef.commuted(alt.args)
-    return [alt.args] if swapped is None else [alt.args, swapped]
+    return [alt.args] if alt.swapped is None else [alt.args, alt.swapped]
 
 
 def _needs(form: Any, order: tuple) -> tuple:
@@ -208,6 +209,22 @@ def _needs(form: Any, order: tuple) -> tuple:
         if place is not None:
             needs.append(_Need(place[0], place[1], keys, literal, nested))
     return tuple(needs)
+
+
+def _same_needs(form: Any, alt: PAlt, order: tuple) -> tuple:
+    """``mul(x, x)``: a variable written twice among the root's own arguments needs
+    the same operand at both places. Only for forms that bind through their plain
+    plan (the bound operand is the node's argument at its position)."""
+    if not isinstance(form, (Fn, Method)) or binding_plan(form, alt.opdef) is None:
+        return ()
+    places: dict = {}
+    for param, pat in order:
+        if isinstance(pat, PVar):
+            place = _position(form, param)
+            if place is not None:
+                places.setdefault(pat.name, []).append(place)
+    return tuple(_Need(first[0], first[1], None, _SAME, None, other)
+                 for spots in places.values() if len(spots) > 1 for first, other in zip(spots, spots[1:]))
 
 
 def _position(form: Any, param: str) -> tuple | None:
@@ -251,14 +268,15 @@ def _checker(options: tuple) -> Prefilter:
     # the where-needs; the producer test is inlined (a call per need was a tenth
     # of the visit loop on a 10k-node graph)
     compiled = tuple((tuple((need.index, need.kwarg, None if need.keys is None else _producer_keys(need.keys),
-                             need.literal, need.nested) for need in needs), clauses) for needs, clauses in options)
+                             need.literal, need.nested or need.other) for need in needs), clauses)
+                     for needs, clauses in options)
 
     def check(matcher: Any, node: fx.Node) -> bool:
         args = node.args
         n = len(args)
         try:
             for needs, clauses in compiled:
-                for index, kwarg, producer, literal, nested in needs:
+                for index, kwarg, producer, literal, more in needs:  # more: nested filter or other place
                     value = args[index] if index < n else node.kwargs.get(kwarg, _ABSENT)
                     if producer is not None:  # a node one of the nested call's keys
                         if not isinstance(value, _NODE):
@@ -268,8 +286,15 @@ def _checker(options: tuple) -> Prefilter:
                                 break
                         elif not producer[1] or matcher.key(value) not in producer[1]:
                             break
-                        if nested is not None and not nested(matcher, value):
+                        if more is not None and not more(matcher, value):
                             break
+                    elif literal is _SAME:
+                        other = args[more[0]] if more[0] < n else node.kwargs.get(more[1], _ABSENT)
+                        if value is other or value is _ABSENT or other is _ABSENT:
+                            continue
+                        nodes = (value.__class__ is _NODE) + (other.__class__ is _NODE)
+                        if nodes == 1 or (nodes == 2 and value.op != "get_attr" and other.op != "get_attr"):
+                            break  # a node and a literal, or two computed values (constants compare by name)
                     elif value is not _ABSENT and (value.__class__ is _NODE or not same_arg(literal, value)):
                         break  # a literal is never a node
                 else:

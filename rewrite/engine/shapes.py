@@ -9,7 +9,9 @@ the same shape, dtype and device and exactly the canonical contiguous (or
 channels_last) strides, so TensorIterator's output strides are those strides too;
 scalars are plain Python numbers that cannot change the result dtype. Anything
 else (broadcasting, type promotion, views, integer inputs to a float-valued op)
-returns None and the caller runs the op on fake tensors. A cast of such a tensor
+returns None and the caller runs the op on fake tensors; one broadcast is certain
+too: a binary op of two contiguous tensors of one dtype, one of full size
+(``x + bias``), is laid out as that one. A cast of such a tensor
 from one floating dtype to another (``aten.to.dtype``, ``aten._to_copy``: what the
 AMP rules insert around every op) is the same tensor in the new dtype (``cast_of``).
 A ``view``/``reshape`` of a contiguous tensor to a static shape is a view of its
@@ -138,13 +140,35 @@ def like_input(node: fx.Node, values: dict) -> Any:
         return None
     if kind in ("float", "binary") and not dtype.is_floating_point:
         return None
-    if first.requires_grad or not _dense(first):
+    if any(t.requires_grad for t in tensors) or not _dense(first):
         return None  # _dense first: comparing symbolic sizes would guard on the example's
     for t in tensors[1:]:
         if (any(not isinstance(s, int) for s in t.shape) or t.shape != first.shape or t.dtype != dtype
                 or t.device != first.device or t.stride() != first.stride()):
-            return None
+            return _broadcast_like(tensors) if kind == "binary" else None
     return first
+
+
+def _broadcast_like(tensors: list) -> Any:
+    """Of two contiguous tensors of one floating dtype and device where one's shape
+    is what both broadcast to (``x + bias``: (8, 16) and (16,) or (1, 16)), that one:
+    TensorIterator lays the result out as its one full-size contiguous operand
+    (``tests/test_shapes.py`` checks it against dispatch, size-1 dims included).
+    None otherwise (both broadcast, channels_last, promotion)."""
+    if len(tensors) != 2:
+        return None
+    a, b = tensors
+    if a.dtype != b.dtype or a.device != b.device:
+        return None
+    for t in (a, b):
+        shape = tuple(t.shape)
+        if any(not isinstance(s, int) for s in shape) or tuple(t.stride()) != _canonical_strides(shape, False):
+            return None
+    big, small = (a, b) if a.dim() >= b.dim() else (b, a)
+    offset = big.dim() - small.dim()
+    if any(s != 1 and s != d for s, d in zip(small.shape, big.shape[offset:])):
+        return None  # small does not broadcast to big's shape: both grow, or they do not broadcast
+    return big
 
 
 def fresh_like(t: FakeTensor) -> FakeTensor:
