@@ -88,8 +88,8 @@ class PAlt:
     opdef: OpDef
     canonical: bool  # the vocabulary's own OpDef (bind via the shared node index)
     args: tuple  # of (param name, pattern)
-    # The same arguments split for the matcher's straight-line path (used when the
-    # op is not commutative): literal checks, plain variables, and the rest.
+    # The same arguments split for the matcher's straight-line path: literal
+    # checks, plain variables, and the rest.
     literals: tuple = ()  # (param, value)
     variables: tuple = ()  # (param, variable name)
     nested: tuple = ()  # (param, pattern): calls and sequences
@@ -97,18 +97,24 @@ class PAlt:
     # the matcher and its prefilter try; None when the op does not commute or the
     # two are one variable or both wildcards (``mul(x, x)``: the same match again)
     swapped: tuple | None = None
+    flipped: "PAlt | None" = None  # the alternative with its arguments ``swapped``, split alike
 
     @classmethod
     def of(cls, opdef: OpDef, canonical: bool, args: tuple) -> "PAlt":
-        literals = tuple((n, p.value) for n, p in args if isinstance(p, (PLit, PDefault)))
-        variables = tuple((n, p.name) for n, p in args if isinstance(p, PVar))
-        nested = tuple((n, p) for n, p in args if isinstance(p, (PCall, PSeq, PResults)))
         swapped = opdef.commuted(args)
         if swapped is not None:
             operands = [p for (n, p), (m, _) in zip(args, swapped) if n != m]
             if len(operands) == 2 and _same_operand_pattern(*operands):
                 swapped = None
-        return cls(opdef, canonical, args, literals, variables, nested, swapped)
+        flipped = None if swapped is None else cls(opdef, canonical, swapped, *_split(swapped))
+        return cls(opdef, canonical, args, *_split(args), swapped, flipped)
+
+
+def _split(args: tuple) -> tuple:
+    """``(literals, variables, nested)`` of an alternative's arguments."""
+    return (tuple((n, p.value) for n, p in args if isinstance(p, (PLit, PDefault))),
+            tuple((n, p.name) for n, p in args if isinstance(p, PVar)),
+            tuple((n, p) for n, p in args if isinstance(p, (PCall, PSeq, PResults))))
 
 
 def _same_operand_pattern(a: Any, b: Any) -> bool:
@@ -211,10 +217,10 @@ class CompiledRule:
     @functools.cached_property
     def flat(self) -> bool:
         """The pattern is one call whose arguments are variables, literals and
-        wildcards, of an op that does not commute (``permute(x, p)``, ``to(x, d)``):
-        the matcher binds it without recursion (``Matcher.match``)."""
+        wildcards (``permute(x, p)``, ``add(x, 0)``): the matcher binds it without
+        recursion (``Matcher.match``), a commutative op in both orders."""
         p = self.pattern
-        return p.results is None and all(not alt.nested and not alt.opdef.commutative for alt in p.alts)
+        return p.results is None and all(not alt.nested for alt in p.alts)
 
     @property
     def location(self) -> str:

@@ -11,6 +11,7 @@ module tensors (symbolic_trace's ``call_module``), and literals.
 
 from __future__ import annotations
 
+import itertools
 import operator
 import os
 from typing import Any, Iterator
@@ -104,11 +105,16 @@ def _fits_straight(alt: Any, args: dict, env: dict) -> bool:
     return True
 
 
+_RECENT = 32  # bindings kept: more than any pattern binds at one root
+
+
 class Matcher:
-    """Matches rules at nodes of one GraphModule. The bindings of the node matched
-    last are kept (the rules rooted at one op try it in turn); a cache of every
-    node's was hit for under 2% of look-ups on 10k-node graphs and held a binding
-    per visited node (a fifth of the rewrite's memory on a GPT-2 graph)."""
+    """Matches rules at nodes of one GraphModule. The bindings of the last few
+    nodes bound are kept until the graph changes (the rules rooted at one op try
+    it in turn, a nested commutative pattern binds its operands once per order); a
+    cache of every node's was hit for under 2% of look-ups on 10k-node graphs and
+    held a binding per visited node (a fifth of the rewrite's memory on a GPT-2
+    graph)."""
 
     def __init__(self, gm: fx.GraphModule, facts: GraphFacts, compiled: bool | None = None,
                  on_failure: Any = None) -> None:
@@ -119,7 +125,7 @@ class Matcher:
         self.gm = gm
         self.compiled = (COMPILED if compiled is None else compiled) and on_failure is None
         self.facts = facts
-        self._last: tuple = (None, ())  # (node, its bindings)
+        self._recent: dict = {}  # node -> its bindings, _RECENT at most, emptied when the graph changes
         self.where_error: str | None = None  # the first PredicateError since the driver last looked
         self._inplace_ok: dict = {}
         self._module_keys: dict = {}
@@ -132,16 +138,18 @@ class Matcher:
     # -- per-node facts
 
     def bindings(self, node: fx.Node) -> tuple:
-        last, b = self._last
-        if last is not node:
+        b = self._recent.get(node)
+        if b is None:
             b = bind_node(node, self.gm) if node.op in ("call_function", "call_method", "call_module") else ()
-            self._last = (node, b)
+            if len(self._recent) >= _RECENT:
+                self._recent.clear()
+            self._recent[node] = b
         return b
 
     def forget(self, node: fx.Node) -> None:
-        """Drop what is known of a node whose arguments changed."""
-        if self._last[0] is node:
-            self._last = (None, ())
+        """Drop what is known of a node whose arguments changed (and every kept
+        binding: a rewrite changed the graph)."""
+        self._recent.clear()
         self._inplace_ok.pop(node, None)
 
     def rewritable(self, node: fx.Node) -> bool:
@@ -212,18 +220,21 @@ class Matcher:
         where_fn = rule.where_fn
         for alt in p.alts:
             for bound in self._alt_bindings(alt, node):
-                env = {_NODES: (node,) + bound.interior}
-                if p.name is not None:
-                    env[p.name] = node
-                if not _fits_straight(alt, bound.args, env):
-                    continue
-                if not self.rewritable(node):
-                    return None
-                if where_fn is not None and not self._holds(where_fn, env):
-                    continue
-                if not rule.shared and bound.interior and self.interior_escape(rule, env) is not None:
-                    continue
-                return Match(rule, node, env)
+                orders = (alt,) if alt.flipped is None or not same_arg(bound.args.get("alpha", 1), 1) \
+                    else (alt, alt.flipped)  # x + 2*y does not commute
+                for order in orders:
+                    env = {_NODES: (node,) + bound.interior}
+                    if p.name is not None:
+                        env[p.name] = node
+                    if not _fits_straight(order, bound.args, env):
+                        continue
+                    if not self.rewritable(node):
+                        return None
+                    if where_fn is not None and not self._holds(where_fn, env):
+                        continue
+                    if not rule.shared and bound.interior and self.interior_escape(rule, env) is not None:
+                        continue
+                    return Match(rule, node, env)
         return None
 
     def attempts(self, rule: CompiledRule, node: fx.Node) -> Iterator[tuple]:
@@ -329,8 +340,11 @@ class Matcher:
                     if p.name in env2 and env2[p.name] is not node:
                         continue
                     env2[p.name] = node
-                if self.compiled and not alt.opdef.commutative:
+                if self.compiled:
                     matches = self._match_straight(alt, bound.args, env2)
+                    if alt.flipped is not None and same_arg(bound.args.get("alpha", 1), 1):
+                        # the other order gets its own env: the first one writes env2
+                        matches = itertools.chain(matches, self._match_straight(alt.flipped, bound.args, dict(env2)))
                 else:
                     matches = (env3 for order in self._arg_orders(alt, bound)
                                for env3 in self._match_args(tuple((pat, bound.args[name]) for name, pat in order), env2))
