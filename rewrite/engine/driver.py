@@ -240,7 +240,7 @@ class Driver:
         self.gm = gm
         self.facts = GraphFacts(gm, example_inputs, on_meta=on_meta)
         self.matcher = Matcher(gm, self.facts)
-        self.replacer = Replacer(gm, self.facts, dialect)
+        self.replacer = Replacer(gm, self.facts, dialect, self.matcher.bindings)
         self.facts.before_run = self.replacer.flush  # recording facts runs the graph
         self.counts: collections.Counter = collections.Counter()
         self.stats: dict = collections.defaultdict(RuleStats)

@@ -81,11 +81,14 @@ class ReplacementError(Exception):
 class Replacer:
     """Applies matches to one GraphModule in one dialect."""
 
-    def __init__(self, gm: fx.GraphModule, facts: GraphFacts, dialect: str) -> None:
+    def __init__(self, gm: fx.GraphModule, facts: GraphFacts, dialect: str, bindings: Any = None) -> None:
+        """``bindings(node)``: a node's bindings (``bind_node``), as the matcher keeps
+        them for the nodes it just matched."""
         self.gm = gm
         self.graph = gm.graph
         self.facts = facts
         self.dialect = dialect
+        self._bindings = bindings or (lambda node: bind_node(node, gm))
         self._created: list = []
         #: (replaced value, what its readers read instead), per rewrite: where the
         #: readers' layouts may have changed (rewrite.engine.layout)
@@ -353,7 +356,7 @@ class Replacer:
         (stack trace, module stack) it takes: the first covered node, root first,
         that binds as ``op`` (the conv of a conv+BN fold), else the root."""
         for node in self._covered:
-            if any(b.op == op for b in bind_node(node, self.gm)):
+            if any(b.op == op for b in self._bindings(node)):
                 return node
         return root
 
@@ -369,7 +372,10 @@ class Replacer:
         a, b = result.args
         if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
             return
-        metas = [self.facts.meta(n, record=False) for n in (root, a, b)]
+        metas = [self.facts.meta(root, record=False)]
+        if getattr(metas[0], "shape", None) is None:
+            return  # nothing recorded to keep (operands' facts are not inferred for it)
+        metas += [self.facts.meta(n, record=False) for n in (a, b)]
         if any(getattr(m, "shape", None) is None for m in metas):
             return
         want, first, second = (addressing(m) for m in metas)  # None for symbolic sizes or strides
