@@ -544,9 +544,25 @@ def test_a_rule_that_settles_is_not_rejected(text):
     ('shape(x)["a"] == 1', "1:32", "an index must be an int, not a string"),
     ("1 in 3", "1:23", "'in' needs a sequence on its right, not an int"),
     ("rank(x) == 2 or (shape(x) >= 1)", "1:40", "'>=' cannot order a sequence and an int: the comparison never holds"),
+    ("rank(x) == None", "1:23", "a fact is never None (None is what a query gives when the fact is unknown, and a "
+     "comparison with an unknown fact does not hold): '==' never holds"),
+    ("None == dtype(x)", "1:23", "a fact is never None (None is what a query gives when the fact is unknown, and a "
+     "comparison with an unknown fact does not hold): '==' never holds"),
+    ("rank(x) in []", "1:23", "nothing is in an empty sequence: 'in' never holds"),
+    ("is_float(x) and rank(x) in ()", "1:39", "nothing is in an empty sequence: 'in' never holds"),
+    ("[1, 2] < (1, 2)", "1:23", "'<' cannot order a list and a tuple (a shape is a tuple): the comparison never holds"),
+    ("shape(x) >= [1, 1]", "1:23",
+     "'>=' cannot order a list and a tuple (a shape is a tuple): the comparison never holds"),
+    ('shape(x) == (2, "a")', "1:23", "a shape holds ints, never a string: '==' never holds"),
+    ("[2, None] == shape(x)", "1:23", "a shape holds ints, never None: '==' never holds"),
 ])
 def test_where_clause_that_never_decides(clause, position, message):
     assert diags(f"rule r: relu(x) where {clause} => x") == [("E306", position, message)]
+
+
+def test_a_predicate_s_parameters_before_its_varargs_are_required():
+    # const() of nothing would hold everywhere: const takes one value at least
+    assert diags("rule r: relu(x) where const() => x") == [("E205", "1:23", "const() is missing argument 'value'")]
 
 
 @pytest.mark.parametrize("clause", [
@@ -557,6 +573,8 @@ def test_where_clause_that_never_decides(clause, position, message):
     # inside and/or/not a value counts by its truth; a never-true comparison may be meant there
     "not numel(x)", "rank(x) and is_float(x)", "users(x) or is_float(x)", "rank(x) != None",
     'dtype(x) != "float16"', "not (dtype(x) == 4)", "is_float(x) or dtype(x) == 4",
+    "value(x) == None", "x == None", "rank(x) in [] or is_float(x)", "not rank(x) == None", "[1] < [2]",
+    "shape(x) == [2, 3]", "(2, 3) == shape(x)", "shape(x)[0] in [1, 2]", "const(x)", "const(x, x)",
 ])
 def test_where_clauses_of_known_kinds_that_can_decide(clause):
     ok(f"rule r: relu(x) where {clause} => x")

@@ -37,9 +37,9 @@ __all__ = ["overflows"]  # the rest is reached through the registry
 
 
 @register_predicate(local=True)
-def const(*values: Value) -> bool:
-    """All arguments are constants: parameters, buffers or literals."""
-    return all(v.is_const for v in values)
+def const(value: Value, *more: Value) -> bool:
+    """All arguments (one at least) are constants: parameters, buffers or literals."""
+    return value.is_const and all(v.is_const for v in more)
 
 
 @register_predicate(local=True)

@@ -58,7 +58,7 @@ class FunctionSpec:
                 return f"{self.name}() has no parameter {kw!r}"
         given = set(self.params[:n_positional]) | set(keywords)
         missing = [p for p in self.params[: self.required] if p not in given]
-        if missing and not self.variadic:
+        if missing:  # the parameters before a *args are required all the same
             return f"{self.name}() is missing argument {missing[0]!r}"
         return None
 

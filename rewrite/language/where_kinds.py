@@ -113,7 +113,8 @@ def _kind(e: Any, query_kind: Callable, problems: list, positive: bool = False) 
         return INT if base == SEQ and _is_shape(e.expr) else ANY
     if isinstance(e, ast.Compare):
         left, right = _kind(e.left, query_kind, problems), _kind(e.right, query_kind, problems)
-        problem = _comparison_problem(e.op, left, right, _items_kinds(e.right, query_kind), positive)
+        problem = _comparison_problem(e.op, left, right, _items_kinds(e.right, query_kind), positive) \
+            or _sequence_problem(e, query_kind, positive)
         if problem is not None:
             problems.append(Problem(getattr(e, "span", None), problem[0], problem[1]))
         return BOOL
@@ -153,12 +154,18 @@ def _comparison_problem(op: str, left: str, right: str, right_items: tuple | Non
                     "write x in (1, 2) or compare with ==")
         if right == STR and left not in (ANY, STR):
             return f"{_NAMES[left]} is never in a string: '{op}' raises", "compare it with =="
+        if op == "in" and positive and right_items == ():
+            return "nothing is in an empty sequence: 'in' never holds", "list the values it may be: x in (1, 2)"
         if op == "in" and positive and right_items and left != ANY \
                 and all(not _may_equal(left, k) for k in right_items):
             return (f"{_NAMES[left]} is never one of these items: 'in' never holds",
                     "the items must be of the kind compared (dtypes as torch.float16)")
         return None
     if op in ("==", "!="):
+        if op == "==" and positive and NONE in (left, right) and ANY not in (left, right) and left != right:
+            return ("a fact is never None (None is what a query gives when the fact is unknown, and a comparison "
+                    "with an unknown fact does not hold): '==' never holds",
+                    "drop the comparison: a rule fires only where the facts its where clause reads are known")
         if op == "==" and positive and not _may_equal(left, right) and NONE not in (left, right):
             return (f"{_NAMES[left]} is never equal to {_NAMES[right]}: '==' never holds",
                     "compare values of one kind: dtype(x) == torch.float16, rank(x) == 4, "
@@ -171,6 +178,37 @@ def _comparison_problem(op: str, left: str, right: str, right_items: tuple | Non
         return None
     return (f"'{op}' cannot order {_NAMES[left]} and {_NAMES[right]}: the comparison never holds",
             "order numbers (rank(x) >= 2, shape(x)[0] > 3)")
+
+
+def _sequence_problem(e: Any, query_kind: Callable, positive: bool) -> tuple | None:
+    """(message, help) for a comparison of sequences the kinds alone let through:
+    ordering a list against a tuple (Python refuses: a shape is a tuple), and, where
+    the clause needs it true, a shape equal to a literal sequence holding an item
+    that is never a size (``shape(x) == (2, "a")``)."""
+    if e.op in ("<", "<=", ">", ">="):
+        types_ = {_python_sequence(e.left), _python_sequence(e.right)}
+        if types_ == {"list", "tuple"}:
+            return (f"'{e.op}' cannot order a list and a tuple (a shape is a tuple): the comparison never holds",
+                    "write both as tuples: shape(x) >= (1, 1)")
+        return None
+    if e.op != "==" or not positive:
+        return None
+    for shape_side, other in ((e.left, e.right), (e.right, e.left)):
+        items = _items_kinds(other, query_kind)
+        if _is_shape(shape_side) and items and any(not _may_equal(INT, k) for k in items):
+            bad = next(k for k in items if not _may_equal(INT, k))
+            return (f"a shape holds ints, never {_NAMES[bad]}: '==' never holds",
+                    "compare with sizes: shape(x) == (2, 3)")
+    return None
+
+
+def _python_sequence(e: Any) -> str | None:
+    """``"list"`` or ``"tuple"`` when ``e`` is certainly one (a literal, a shape)."""
+    if isinstance(e, ast.ListLit):
+        return "list"
+    if isinstance(e, ast.TupleLit) or _is_shape(e):
+        return "tuple"
+    return None
 
 
 def _may_equal(a: str, b: str) -> bool:
