@@ -4,28 +4,16 @@ rule, and the rewritten graph computes what the original does. No timing here.""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from tests.fx_helpers import load_benchmark
+
 SCALE = 0.04
 
 
-def _load(name: str, filename: str):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, BENCH / filename)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-cliffs = _load("bench_cliffs", "cliffs.py")
+cliffs = load_benchmark("bench_cliffs", "cliffs.py")
 
 
 @pytest.mark.parametrize("name", list(cliffs.CASES))

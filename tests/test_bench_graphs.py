@@ -6,30 +6,17 @@ their speed only when that holds). No timing here."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch import fx
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from tests.fx_helpers import load_benchmark
 
 
-def _load(name: str, filename: str):
-    if name in sys.modules:
-        return sys.modules[name]
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(name, BENCH / filename)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-synthetic = _load("synthetic", "synthetic.py")
-bench = _load("bench_matcher", "matcher.py")
+synthetic = load_benchmark("synthetic", "synthetic.py")
+bench = load_benchmark("bench_matcher", "matcher.py")
 
 # every motif planted at least once in 300 nodes
 SMALL = {"n_nodes": 300, "density": 120.0}
@@ -111,7 +98,7 @@ def test_inductor_makes_the_same_rewrites(small, graph_patterns_only):
 def test_fan_out_benchmark_runs_and_both_rewriters_agree(shape, capsys, monkeypatch):
     """benchmarks/fan_out.py: both rewriters make every rewrite (it asserts the
     counts itself) and it prints one row per size. No timing here."""
-    fan_out = _load("bench_fan_out", "fan_out.py")
+    fan_out = load_benchmark("bench_fan_out", "fan_out.py")
     monkeypatch.setattr(sys, "argv", ["fan_out.py", "--sizes", "20,40", "--shape", shape])
     fan_out.main()
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 20 |") or
@@ -121,7 +108,7 @@ def test_fan_out_benchmark_runs_and_both_rewriters_agree(shape, capsys, monkeypa
 
 def test_rule_set_scaling_benchmark_runs(capsys, monkeypatch):
     """benchmarks/rule_set_scaling.py prints a row per rule file and graph family."""
-    scaling = _load("bench_rule_set_scaling", "rule_set_scaling.py")
+    scaling = load_benchmark("bench_rule_set_scaling", "rule_set_scaling.py")
     monkeypatch.setattr(sys, "argv", ["rule_set_scaling.py", "--sizes", "200,400",
                                       "--files", "rules/cleanup.rw,rules/fusion.rw"])
     scaling.main()
