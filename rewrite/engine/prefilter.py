@@ -92,12 +92,29 @@ def _options(call: PCall, key: Any, conjuncts: tuple) -> tuple | None:
     return tuple(options) if options else None
 
 
+#: id(nested call pattern) -> (the pattern, its operand filter): built once per
+#: pattern, not once per reading of each enclosing node (a 5-deep attention pattern
+#: of ops with many spellings would multiply those readings level by level)
+_OPERAND_FILTERS: dict = {}
+
+
 def _operand_filter(call: PCall) -> Prefilter | None:
     """What a nested call asks of the node in its place beyond its key (its own
     literals and producers, ``add(x, mul(y, 2.0))``), per node key: a rule set of
     many rules that differ one level down then fails at the root's arguments
     instead of binding the node in full for each rule. None when no key of the
     nested call constrains anything."""
+    known = _OPERAND_FILTERS.get(id(call))
+    if known is not None and known[0] is call:
+        return known[1]
+    made = _build_operand_filter(call)
+    if len(_OPERAND_FILTERS) > 4096:  # rule files loaded again and again: keep it bounded
+        _OPERAND_FILTERS.clear()
+    _OPERAND_FILTERS[id(call)] = (call, made)
+    return made
+
+
+def _build_operand_filter(call: PCall) -> Prefilter | None:
     by_function: dict = {}
     by_key: dict = {}
     for key in _keys_of(call):
