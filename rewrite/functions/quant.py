@@ -725,35 +725,91 @@ def _quantized_weight(w: Any) -> torch.Tensor:
     return w.detach()
 
 
-class QuantizedConv(QuantizedModule):
+def _reads_padding_only(n: int, kernel: int, stride: int, pad: int, dilation: int) -> bool:
+    """Some output position of a conv along a dim of ``n`` inputs has every tap in
+    the padding (a 1x1 conv padded by 1, a dilated kernel over a size-1 dim)."""
+    out = (n + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1
+    return any(all(not 0 <= o * stride - pad + j * dilation < n for j in range(kernel)) for o in range(max(out, 0)))
+
+
+class _PaddedWindows:
+    """The int8 convs of the x86 and onednn engines return wrong values (and can
+    crash) where a window lies wholly in the padding: their zero-point compensation
+    assumes every window reads the input. On such input shapes (known per call,
+    remembered per shape) the module computes what it replaced instead:
+    dequantize, the float conv, quantize. ``window``: (stride, padding, dilation,
+    groups) per spatial dim, as packed."""
+
+    def _init_window(self, window: tuple, kernel: tuple) -> None:
+        self.window, self.kernel = window, tuple(kernel)
+        self._padded_only: dict = {}
+
+    def _needs_reference(self, x: torch.Tensor) -> bool:
+        window = getattr(self, "window", None)
+        if window is None:
+            return False
+        spatial = tuple(x.shape[2:])
+        hit = self._padded_only.get(spatial)
+        if hit is None:
+            stride, padding, dilation, _ = window
+            hit = any(_reads_padding_only(n, k, s, p, d)
+                      for n, k, s, p, d in zip(spatial, self.kernel, stride, padding, dilation))
+            self._padded_only[spatial] = hit
+        return hit
+
+    def _reference(self, x: torch.Tensor, accum: torch.Tensor | None = None) -> torch.Tensor:
+        stride, padding, dilation, groups = self.window
+        rank = len(self.kernel)
+        w, b = getattr(torch.ops.quantized, f"conv{rank}d_unpack")(self._packed)
+        conv = getattr(torch.nn.functional, f"conv{rank}d")
+        # strides made afresh: torch's float conv crashes on these windows too when an
+        # operand reads as channels-last (a 1x1 weight's strides can)
+        fresh = torch.contiguous_format
+        y = conv(x.dequantize().clone(memory_format=fresh), w.dequantize().clone(memory_format=fresh), b, stride,
+                 padding, dilation, groups)
+        if accum is not None:
+            y = y + accum.dequantize()
+        if self.relu:
+            y = torch.relu(y)
+        return torch.quantize_per_tensor(y, self.scale, self.zero_point, x.dtype)
+
+
+class QuantizedConv(_PaddedWindows, QuantizedModule):
     """``quantized::conv{1,2,3}d[_relu]`` with a weight prepacked once."""
 
     def __init__(self, packed: Any, rank: int, scale: float, zero_point: int, relu: bool,
-                 weight_shape: tuple) -> None:
+                 weight_shape: tuple, window: tuple | None = None) -> None:
         super().__init__(scale, zero_point, f"conv{rank}d{'_relu' if relu else ''}")
         self._packed = packed
         self.rank = rank
         self.relu = relu
         self.weight_shape = tuple(weight_shape)
+        self._init_window(window, self.weight_shape[2:])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._needs_reference(x):
+            return self._reference(x)
         return self._op(x, self._packed, self.scale, self.zero_point)
 
     def extra_repr(self) -> str:
         return f"weight={list(self.weight_shape)}, relu={self.relu}, " + super().extra_repr()
 
 
-class QuantizedConvAdd(QuantizedModule):
+class QuantizedConvAdd(_PaddedWindows, QuantizedModule):
     """onednn's ``quantized::conv2d_add[_relu]``: ``relu(conv(x) + accum)`` in one
     kernel (the residual add of a ResNet block fused into its last conv)."""
 
-    def __init__(self, packed: Any, scale: float, zero_point: int, relu: bool, weight_shape: tuple) -> None:
+    def __init__(self, packed: Any, scale: float, zero_point: int, relu: bool, weight_shape: tuple,
+                 window: tuple | None = None) -> None:
         super().__init__(scale, zero_point, "conv2d_add_relu" if relu else "conv2d_add")
         self._packed = packed
         self.relu = relu
         self.weight_shape = tuple(weight_shape)
+        self._init_window(window, self.weight_shape[2:])
 
     def forward(self, x: torch.Tensor, accum: torch.Tensor) -> torch.Tensor:
+        if self._needs_reference(x):
+            return self._reference(x, accum)
         # onednn reads the accumulator in the input's memory format
         if x.is_contiguous(memory_format=torch.channels_last) != accum.is_contiguous(memory_format=torch.channels_last):
             fmt = torch.channels_last if x.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format
@@ -858,7 +914,7 @@ def quantized_conv(x: Any = None, weight: Any = None, bias: Any = None, stride: 
         packed = torch.ops.quantized.conv1d_prepack(w, b, st, pd, dl, groups)
     else:
         packed = getattr(torch.ops.quantized, f"conv{rank}d_prepack")(w, b, st, pd, dl, groups)
-    return QuantizedConv(packed, rank, scale, zero_point, bool(relu), tuple(w.shape))
+    return QuantizedConv(packed, rank, scale, zero_point, bool(relu), tuple(w.shape), (st, pd, dl, groups))
 
 
 @register_module(inputs=("x", "accum"))
@@ -877,7 +933,7 @@ def quantized_conv_add(x: Any = None, accum: Any = None, weight: Any = None, bia
     st, dl = (_per_dim(v, 2, n) for v, n in ((stride, "stride"), (dilation, "dilation")))
     b = None if bias is None else bias.detach().float()
     packed = torch.ops.quantized.conv2d_prepack(w, b, st, pd, dl, groups)
-    return QuantizedConvAdd(packed, scale, zero_point, bool(relu), tuple(w.shape))
+    return QuantizedConvAdd(packed, scale, zero_point, bool(relu), tuple(w.shape), (st, pd, dl, groups))
 
 
 @register_module(inputs=("x",))

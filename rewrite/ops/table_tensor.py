@@ -183,7 +183,7 @@ OPS = [
 
     # ---- matrix products -----------------------------------------------------
     op("matmul", "input: T, other: T", fn("operator.matmul", "operator.imatmul", sig=_BINARY), standard("matmul"),
-       instances=Instances("mm"),
+       instances=Instances("matmul"),
        torch="torch.matmul", aten="aten.matmul.default", doc="input @ other (broadcasting)"),
     op("mm", "input: T, mat2: T", standard("mm"),
        instances=Instances("mm"),

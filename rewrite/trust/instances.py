@@ -244,8 +244,20 @@ class Plan:
     #: variable -> a dtype ``dtype(w) != torch.T`` rules out for it (a float32 weight
     #: of a layer norm on float16 activations)
     avoided: Any = attrs.field(factory=dict)
+    #: variables the where clause wants a Python number (``is_number(s)``,
+    #: ``positive_number(s)``), and those of them it wants positive
+    numbers: frozenset = frozenset()
+    positives: frozenset = frozenset()
+    #: variables the where clause wants to broadcast into the other operand without
+    #: growing it (``additive_mask(m, scores)``, ``broadcasts_to(x, y)``'s y)
+    fitting: frozenset = frozenset()
 
 
+# where-clause predicates that want a number literal (the positive ones too), and
+# those that want their first (broadcasts_to: second) operand to fit the other's shape
+_NUMBERS = {"is_number", "is_finite_number", "is_literal", "positive_number", "positive_scalar"}
+_POSITIVE = {"positive_number", "positive_scalar"}
+_FITTING = {"additive_mask": 0, "additive_bias": 0, "broadcasts_to": 1}
 # where-clause predicates that say which op computes a variable
 _PRODUCED = {"dequantized": ("dequantize",), "has_qparams": ("quantize_per_tensor",)}
 _QUANT_OPS = {"quantize_per_tensor", "dequantize", "torch.fake_quantize_per_tensor_affine",
@@ -267,6 +279,7 @@ def plan_for(rule: CompiledRule) -> Plan:
     consts, params, favoured, floats_only = set(), set(), [], False
     producers: dict = {}
     quantized_outputs, symmetric_pads, same_shapes, ranks, avoided = set(), set(), set(), {}, {}
+    numbers, positives, fitting = set(), set(), set()
     for c in _conjuncts(rule.where):
         if isinstance(c, ast.Call):
             name = c.op.names[0]
@@ -280,6 +293,13 @@ def plan_for(rule: CompiledRule) -> Plan:
             if name in ("same_shape", "shapes_equal"):
                 same_shapes |= vars_
             first = c.args[0].name if c.args and isinstance(c.args[0], ast.Var) else None
+            if first is not None and name in _NUMBERS:
+                numbers.add(first)
+                if name in _POSITIVE:
+                    positives.add(first)
+            at = _FITTING.get(name)
+            if at is not None and len(c.args) > at and isinstance(c.args[at], ast.Var):
+                fitting.add(c.args[at].name)
             if first is not None and name == "produced_by":
                 ops_ = tuple(a.value for a in c.args[1:] if isinstance(a, ast.Literal) and isinstance(a.value, str))
                 producers[first] = ops_
@@ -319,7 +339,8 @@ def plan_for(rule: CompiledRule) -> Plan:
     dtypes += [d for d in pool if d not in dtypes]
     return Plan(rule, tolerance, frozenset(consts), frozenset(params), tuple(dtypes), unsupported,
                 tuple(dict.fromkeys(favoured)), producers, frozenset(quantized_outputs),
-                frozenset(symmetric_pads), quantized, frozenset(same_shapes), ranks, avoided)
+                frozenset(symmetric_pads), quantized, frozenset(same_shapes), ranks, avoided,
+                frozenset(numbers), frozenset(positives), frozenset(fitting))
 
 
 def _pattern_ops(p: Any) -> list:
@@ -619,11 +640,20 @@ def _unary(ctx: _Ctx, a: _Args) -> dict:
     return {"input": a.tensor("input", lambda: ctx.shape(scalar=True, empty=True), lo=lo, hi=hi)}
 
 
-def _operand_like(ctx: _Ctx, a: _Args, shape: tuple) -> Any:
+def _operand_like(ctx: _Ctx, a: _Args, shape: tuple, name: str) -> Any:
     """A tensor of the same shape, of a broadcasting suffix of it, 0-dim, one the first
     operand broadcasts to (a leading dim more: the result is larger than it), or a
-    Python number."""
-    kind = ctx.pick(["same", "suffix", "0-dim", "number", "wider"])
+    Python number. What the where clause asks of the variable ``name`` binds comes
+    first: a number (``positive_number(s)``: a positive one) or a tensor that fits
+    the other operand (``additive_mask(m, scores)``: the same shape or a suffix)."""
+    plan = a.plan
+    if plan is not None and a.hinted(name, plan.numbers):
+        positive = a.hinted(name, plan.positives)
+        if a.dtype.is_floating_point:
+            return ctx.pick([2.0, 0.5, 0.125, 3] if positive else [2.0, 0.5, -1.0, 3])
+        return ctx.pick([2, 3] if positive else [2, -1, 3])
+    fitting = plan is not None and a.hinted(name, plan.fitting)
+    kind = ctx.pick(["same", "suffix"] if fitting else ["same", "suffix", "0-dim", "number", "wider"])
     if kind == "number":
         return ctx.pick([2.0, 0.5, -1.0, 3] if a.dtype.is_floating_point else [2, -1, 3])
     if kind == "wider":
@@ -636,7 +666,7 @@ def _binary(ctx: _Ctx, a: _Args) -> dict:
     first, second = ("input", "exponent") if a.op == "pow" else ("input", "other")
     x, y = a.get(first), a.get(second)
     if x is _FREE and _shape(y) is not None:
-        x = _operand_like(ctx, a, _shape(y))  # `2 - x` is sub(2, x)
+        x = _operand_like(ctx, a, _shape(y), first)  # `2 - x` is sub(2, x)
     elif x is _FREE:
         x = a.fresh(ctx.shape(scalar=True, empty=True))
     if y is _FREE:
@@ -645,7 +675,7 @@ def _binary(ctx: _Ctx, a: _Args) -> dict:
         if shape is not None and same:
             y = a.fresh(shape)  # same_shape(x, y)
         else:
-            y = _operand_like(ctx, a, shape) if shape is not None else a.fresh(ctx.shape(scalar=True, empty=True))
+            y = _operand_like(ctx, a, shape, second) if shape is not None else a.fresh(ctx.shape(scalar=True, empty=True))
     return {first: x, second: y}
 
 
@@ -1301,6 +1331,24 @@ def _mm(ctx: _Ctx, a: _Args) -> dict:
     k = _shape(x)[-1] if _shape(x) else (_shape(y)[0] if _shape(y) else ctx.int(1, 4))
     x = a.tensor("input", lambda: (ctx.int(1, 4), k))
     return {"input": x, second: a.tensor(second, lambda: (k, ctx.int(1, 4)))}
+
+
+@_family("matmul")
+def _matmul(ctx: _Ctx, a: _Args) -> dict:
+    """``input @ other`` with the batch dims of whichever operand is given (both
+    free: none, one or two of them): ``q @ k.transpose(-2, -1)`` on 4-d heads, then
+    ``scores @ v``. A 1-d operand is a vector (``(n, k) @ (k,)``)."""
+    x, y = a.get("input"), a.get("other")
+    sx, sy = _shape(x), _shape(y)
+    if sx is not None and len(sx) >= 2:
+        batch, k = sx[:-2], sx[-1]
+    elif sy is not None and len(sy) >= 2:
+        batch, k = sy[:-2], sy[-2]
+    else:
+        batch = tuple(ctx.int(1, 3) for _ in range(ctx.int(0, 2)))
+        k = sx[-1] if sx else (sy[0] if sy else ctx.int(1, 4))
+    x = a.tensor("input", lambda: (*batch, ctx.int(1, 4), k))
+    return {"input": x, "other": a.tensor("other", lambda: (*batch, k, ctx.int(1, 4)))}
 
 
 @_family("bmm")
