@@ -271,7 +271,9 @@ def plan_for(rule: CompiledRule) -> Plan:
     ``is_float`` and ``activation`` keep integers and bool out; ``same_shape`` and
     ``shapes_equal`` make binary operands of one shape; ``produced_by``,
     ``dequantized`` and ``has_qparams`` compute a variable with the op they name;
-    ``output_quantized`` quantizes the root; ``symmetric_pad`` draws symmetric pads.
+    ``output_quantized`` quantizes the root; ``symmetric_pad`` draws symmetric pads;
+    ``positive_number``/``is_number`` make a binary operand a (positive) number and
+    ``additive_mask``/``additive_bias``/``broadcasts_to`` one that fits the other.
     Otherwise every dtype is drawn: float32, float64, bfloat16, float16, int64, int32,
     int16, int8, uint8 and bool for exact rules, all but float16 and bfloat16 for approximate
     ones unless favoured (an op that rejects the dtype discards the instance).
