@@ -3,13 +3,17 @@ number (``positive_number(s)``) is drawn as one, a mask the clause wants to fit 
 scores (``additive_mask(m, sc)``) is drawn of their shape or a suffix of it, and
 ``matmul`` keeps its operands' batch dims, so a rule whose where clause is a
 conjunction of such facts meets instances where all of them hold (a rule that
-never meets one is reported skipped, and CI fails on a skipped shipped rule)."""
+never meets one is reported skipped, and CI fails on a skipped shipped rule); a
+reshape whose result the clause wants of rank N (``rank(f) == 2``) is drawn so."""
 
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import rewrite
+from rewrite.testing import rule_instances
 from rewrite.trust.instances import plan_for
 from rewrite.trust.verify import verify_rule
 
@@ -64,3 +68,18 @@ def test_the_shipped_bias_and_mask_attention_rule_verifies_on_few_examples(seed)
     rules = rewrite.load("rules/transformer.rw")
     v = verify_rule(rules, "attention_scale_bias_mask", max_examples=4, seed=seed)
     assert v.status == "ok", str(v)
+
+
+FLATTENED = """
+rule flat_relu:
+    relu((flatten | reshape | view)(x, ...) as f) where is_float(x) and rank(f) == 2 => relu(f)
+"""
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_a_reshape_draws_the_rank_the_where_clause_asks_of_its_result(data, tmp_path_factory):
+    rules = _rules(tmp_path_factory.mktemp("hints"), FLATTENED)
+    instance = data.draw(rule_instances(rules, "flat_relu", firing=False))
+    f = instance.bindings["f"]
+    assert f.dim() == 2, (tuple(instance.bindings["x"].shape), tuple(f.shape))

@@ -520,6 +520,7 @@ class _Args:
         # the value a parent drew for this call's output (see _Builder.call: deferred)
         self.seed = seed
         self.variables, self.plan = variables or {}, plan
+        self.output: str | None = None  # the variable the call's result binds (``... as f``)
         # fresh operands take the dtype of the floating tensors already there (a batch
         # norm after a cast to float32 gets float32 statistics)
         self.dtype = next((v.dtype for v in _leaves(given.values())
@@ -1040,16 +1041,33 @@ def _target_shape(ctx: _Ctx, shape: tuple) -> tuple:
     return ctx.pick(options)
 
 
+def _wanted_rank(a: _Args) -> int | None:
+    """The rank ``rank(f) == N`` asks of this call's result (``... as f``)."""
+    return a.plan.ranks.get(a.output) if a.plan is not None and a.output is not None else None
+
+
 @_family("reshape")
 def _reshape(ctx: _Ctx, a: _Args) -> dict:
     x = a.tensor("input", lambda: ctx.shape(1, 4, scalar=True, empty=True))
-    return {"input": x, "shape": a.lit("shape", lambda: _target_shape(ctx, _shape(x) or ()))}
+    shape, rank = _shape(x) or (), _wanted_rank(a)
+    if rank is not None and rank >= 1 and shape and a.free("shape"):
+        # the leading dims merged (flatten before a linear) or leading 1s added
+        merged = (math.prod(shape[:len(shape) - rank + 1]), *shape[len(shape) - rank + 1:]) \
+            if len(shape) >= rank else (1,) * (rank - len(shape)) + tuple(shape)
+        return {"input": x, "shape": merged}
+    return {"input": x, "shape": a.lit("shape", lambda: _target_shape(ctx, shape))}
 
 
 @_family("flatten")
 def _flatten(ctx: _Ctx, a: _Args) -> dict:
-    x = a.tensor("input", lambda: ctx.shape(1, 4, scalar=True, empty=True))
+    rank = _wanted_rank(a)
+    least = rank if rank is not None and 1 <= rank <= 4 else 1  # flatten cannot add dims
+    x = a.tensor("input", lambda: ctx.shape(least, 4, scalar=least == 1, empty=True))
     r = max(_rank(x), 1)
+    if rank is not None and 1 <= rank <= r and a.free("start_dim") and a.free("end_dim"):
+        # trailing dims merged (x.flatten(1)) or leading ones (keeping the last dim)
+        start, end = ctx.pick([(rank - 1, -1), (0, r - rank)])
+        return {"input": x, "start_dim": start, "end_dim": end}
     start = a.lit("start_dim", lambda: ctx.int(0, r - 1))
     return {"input": x, "start_dim": start, "end_dim": a.lit("end_dim", lambda: ctx.pick([-1, r - 1]))}
 
@@ -1659,6 +1677,7 @@ class _Builder:
             if isinstance(inner, PVar):
                 variables[name] = inner.name
         args = _Args(self.ctx, opdef.name, given, self.producers, seed, variables, self.plan, opdef.instances)
+        args.output = p.name
         try:
             drawn = generator_for(opdef)(self.ctx, args)
         except (TypeError, ValueError, IndexError, KeyError, AttributeError, ZeroDivisionError,
