@@ -43,6 +43,19 @@ def test_plan_reads_number_and_fitting_hints(tmp_path):
     assert plan.fitting == {"m"}
 
 
+def test_plan_reads_a_per_feature_weight():
+    rules = rewrite.load("rules/transformer.rw")
+    assert plan_for(rules.rules["rms_norm_upcast_bf16"]).features == {"w"}
+
+
+@pytest.mark.parametrize("rule", ["rms_norm_upcast_bf16", "rms_norm_upcast_fp16"])
+def test_a_per_feature_weight_is_drawn_as_one(rule):
+    """``mul(w, normalized) where norm_weight(w, x)``: w of x's last dim, not a
+    broadcasting operand of any shape (1 draw in 30 met the clause before)."""
+    v = verify_rule(rewrite.load("rules/transformer.rw"), rule, max_examples=6, seed=0)
+    assert v.status == "ok" and v.checked >= 6 and v.generated <= 10 * v.checked, (v.checked, v.generated)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_positive_number_operand_is_drawn_as_one(tmp_path, seed):
     rules = _rules(tmp_path, SCALED_RELU)

@@ -251,6 +251,8 @@ class Plan:
     #: variables the where clause wants to broadcast into the other operand without
     #: growing it (``additive_mask(m, scores)``, ``broadcasts_to(x, y)``'s y)
     fitting: frozenset = frozenset()
+    #: variables the where clause wants a vector of the last dim (``norm_weight(w, x)``)
+    features: frozenset = frozenset()
 
 
 # where-clause predicates that want a number literal (the positive ones too), and
@@ -273,7 +275,8 @@ def plan_for(rule: CompiledRule) -> Plan:
     ``dequantized`` and ``has_qparams`` compute a variable with the op they name;
     ``output_quantized`` quantizes the root; ``symmetric_pad`` draws symmetric pads;
     ``positive_number``/``is_number`` make a binary operand a (positive) number and
-    ``additive_mask``/``additive_bias``/``broadcasts_to`` one that fits the other.
+    ``additive_mask``/``additive_bias``/``broadcasts_to`` one that fits the other,
+    ``norm_weight(w, x)`` a vector of the other's last dim.
     Otherwise every dtype is drawn: float32, float64, bfloat16, float16, int64, int32,
     int16, int8, uint8 and bool for exact rules, all but float16 and bfloat16 for approximate
     ones unless favoured (an op that rejects the dtype discards the instance).
@@ -281,7 +284,7 @@ def plan_for(rule: CompiledRule) -> Plan:
     consts, params, favoured, floats_only = set(), set(), [], False
     producers: dict = {}
     quantized_outputs, symmetric_pads, same_shapes, ranks, avoided = set(), set(), set(), {}, {}
-    numbers, positives, fitting = set(), set(), set()
+    numbers, positives, fitting, features = set(), set(), set(), set()
     for c in _conjuncts(rule.where):
         if isinstance(c, ast.Call):
             name = c.op.names[0]
@@ -299,6 +302,8 @@ def plan_for(rule: CompiledRule) -> Plan:
                 numbers.add(first)
                 if name in _POSITIVE:
                     positives.add(first)
+            if first is not None and name == "norm_weight":
+                features.add(first)
             at = _FITTING.get(name)
             if at is not None and len(c.args) > at and isinstance(c.args[at], ast.Var):
                 fitting.add(c.args[at].name)
@@ -342,7 +347,7 @@ def plan_for(rule: CompiledRule) -> Plan:
     return Plan(rule, tolerance, frozenset(consts), frozenset(params), tuple(dtypes), unsupported,
                 tuple(dict.fromkeys(favoured)), producers, frozenset(quantized_outputs),
                 frozenset(symmetric_pads), quantized, frozenset(same_shapes), ranks, avoided,
-                frozenset(numbers), frozenset(positives), frozenset(fitting))
+                frozenset(numbers), frozenset(positives), frozenset(fitting), frozenset(features))
 
 
 def _pattern_ops(p: Any) -> list:
@@ -655,6 +660,8 @@ def _operand_like(ctx: _Ctx, a: _Args, shape: tuple, name: str) -> Any:
         if a.dtype.is_floating_point:
             return ctx.pick([2.0, 0.5, 0.125, 3] if positive else [2.0, 0.5, -1.0, 3])
         return ctx.pick([2, 3] if positive else [2, -1, 3])
+    if plan is not None and a.hinted(name, plan.features) and shape:
+        return a.fresh(shape[-1:])  # norm_weight(w, x): a per-feature weight
     fitting = plan is not None and a.hinted(name, plan.fitting)
     kind = ctx.pick(["same", "suffix"] if fitting else ["same", "suffix", "0-dim", "number", "wider"])
     if kind == "number":
