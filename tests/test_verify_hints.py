@@ -96,3 +96,18 @@ def test_a_reshape_draws_the_rank_the_where_clause_asks_of_its_result(data, tmp_
     instance = data.draw(rule_instances(rules, "flat_relu", firing=False))
     f = instance.bindings["f"]
     assert f.dim() == 2, (tuple(instance.bindings["x"].shape), tuple(f.shape))
+
+
+ROUND_TRIP = """
+rule reshape_back:
+    reshape(relu(reshape(x, _)), _) as r where same_shape(r, x) => relu(x)
+"""
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_a_reshape_draws_the_shape_same_shape_pairs_it_with(data, tmp_path_factory):
+    rules = _rules(tmp_path_factory.mktemp("hints"), ROUND_TRIP)
+    instance = data.draw(rule_instances(rules, "reshape_back", firing=False))
+    x, r = instance.bindings["x"], instance.bindings["r"]
+    assert r.shape == x.shape

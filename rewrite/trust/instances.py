@@ -253,6 +253,9 @@ class Plan:
     fitting: frozenset = frozenset()
     #: variables the where clause wants a vector of the last dim (``norm_weight(w, x)``)
     features: frozenset = frozenset()
+    #: variable -> the variables ``same_shape``/``shapes_equal`` pair it with (a reshape
+    #: back to the shape of a value bound before: ``same_shape(r, l)``)
+    partners: Any = attrs.field(factory=dict)
 
 
 # where-clause predicates that want a number literal (the positive ones too), and
@@ -284,7 +287,7 @@ def plan_for(rule: CompiledRule) -> Plan:
     consts, params, favoured, floats_only = set(), set(), [], False
     producers: dict = {}
     quantized_outputs, symmetric_pads, same_shapes, ranks, avoided = set(), set(), set(), {}, {}
-    numbers, positives, fitting, features = set(), set(), set(), set()
+    numbers, positives, fitting, features, partners = set(), set(), set(), set(), {}
     for c in _conjuncts(rule.where):
         if isinstance(c, ast.Call):
             name = c.op.names[0]
@@ -297,6 +300,8 @@ def plan_for(rule: CompiledRule) -> Plan:
                 floats_only = True
             if name in ("same_shape", "shapes_equal"):
                 same_shapes |= vars_
+                for v in vars_:
+                    partners.setdefault(v, set()).update(vars_ - {v})
             first = c.args[0].name if c.args and isinstance(c.args[0], ast.Var) else None
             if first is not None and name in _NUMBERS:
                 numbers.add(first)
@@ -347,7 +352,8 @@ def plan_for(rule: CompiledRule) -> Plan:
     return Plan(rule, tolerance, frozenset(consts), frozenset(params), tuple(dtypes), unsupported,
                 tuple(dict.fromkeys(favoured)), producers, frozenset(quantized_outputs),
                 frozenset(symmetric_pads), quantized, frozenset(same_shapes), ranks, avoided,
-                frozenset(numbers), frozenset(positives), frozenset(fitting), frozenset(features))
+                frozenset(numbers), frozenset(positives), frozenset(fitting), frozenset(features),
+                {v: frozenset(o) for v, o in partners.items()})
 
 
 def _pattern_ops(p: Any) -> list:
@@ -526,6 +532,7 @@ class _Args:
         self.seed = seed
         self.variables, self.plan = variables or {}, plan
         self.output: str | None = None  # the variable the call's result binds (``... as f``)
+        self.partner_shapes: list = []  # shapes of values bound before that it must equal
         # fresh operands take the dtype of the floating tensors already there (a batch
         # norm after a cast to float32 gets float32 statistics)
         self.dtype = next((v.dtype for v in _leaves(given.values())
@@ -1057,6 +1064,9 @@ def _wanted_rank(a: _Args) -> int | None:
 def _reshape(ctx: _Ctx, a: _Args) -> dict:
     x = a.tensor("input", lambda: ctx.shape(1, 4, scalar=True, empty=True))
     shape, rank = _shape(x) or (), _wanted_rank(a)
+    fits = [s for s in a.partner_shapes if math.prod(s) == math.prod(shape)] if a.free("shape") else []
+    if fits:
+        return {"input": x, "shape": fits[0]}  # same_shape(r, l): back to l's shape
     if rank is not None and rank >= 1 and shape and a.free("shape"):
         # the leading dims merged (flatten before a linear) or leading 1s added
         merged = (math.prod(shape[:len(shape) - rank + 1]), *shape[len(shape) - rank + 1:]) \
@@ -1685,6 +1695,9 @@ class _Builder:
                 variables[name] = inner.name
         args = _Args(self.ctx, opdef.name, given, self.producers, seed, variables, self.plan, opdef.instances)
         args.output = p.name
+        args.partner_shapes = [tuple(v.shape) for v in (self._concrete(self.env[o])
+                                                        for o in sorted(self.plan.partners.get(p.name, ()))
+                                                        if o in self.env) if isinstance(v, torch.Tensor)]
         try:
             drawn = generator_for(opdef)(self.ctx, args)
         except (TypeError, ValueError, IndexError, KeyError, AttributeError, ZeroDivisionError,
