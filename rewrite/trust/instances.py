@@ -286,7 +286,7 @@ def plan_for(rule: CompiledRule) -> Plan:
     Patterns with quantized ops favour float32."""
     consts, params, favoured, floats_only = set(), set(), [], False
     producers: dict = {}
-    quantized_outputs, symmetric_pads, same_shapes, ranks, avoided = set(), set(), set(), {}, {}
+    quantized_outputs, symmetric_pads, ranks, avoided = set(), set(), {}, {}
     numbers, positives, fitting, features, partners = set(), set(), set(), set(), {}
     for c in _conjuncts(rule.where):
         if isinstance(c, ast.Call):
@@ -299,7 +299,6 @@ def plan_for(rule: CompiledRule) -> Plan:
             if name in ("is_float", "activation"):
                 floats_only = True
             if name in ("same_shape", "shapes_equal"):
-                same_shapes |= vars_
                 for v in vars_:
                     partners.setdefault(v, set()).update(vars_ - {v})
             first = c.args[0].name if c.args and isinstance(c.args[0], ast.Var) else None
@@ -351,7 +350,7 @@ def plan_for(rule: CompiledRule) -> Plan:
     dtypes += [d for d in pool if d not in dtypes]
     return Plan(rule, tolerance, frozenset(consts), frozenset(params), tuple(dtypes), unsupported,
                 tuple(dict.fromkeys(favoured)), producers, frozenset(quantized_outputs),
-                frozenset(symmetric_pads), quantized, frozenset(same_shapes), ranks, avoided,
+                frozenset(symmetric_pads), quantized, frozenset(partners), ranks, avoided,
                 frozenset(numbers), frozenset(positives), frozenset(fitting), frozenset(features),
                 {v: frozenset(o) for v, o in partners.items()})
 
@@ -524,15 +523,16 @@ class _Args:
     pattern, nested calls, literals) and ``_FREE`` ones the generator draws."""
 
     def __init__(self, ctx: _Ctx, op: str, given: dict, producers: dict, seed: Any = None,
-                 variables: dict | None = None, plan: Plan | None = None, spec: Any = None) -> None:
+                 variables: dict | None = None, plan: Plan | None = None, spec: Any = None,
+                 output: str | None = None, partner_shapes: list | None = None) -> None:
         self.ctx, self.op, self.given, self.producers = ctx, op, given, producers
         # the op's domain, from its vocabulary entry (sqrt: positive)
         self.input_range = spec.input_range if spec is not None else (-4.0, 4.0)
         # the value a parent drew for this call's output (see _Builder.call: deferred)
         self.seed = seed
         self.variables, self.plan = variables or {}, plan
-        self.output: str | None = None  # the variable the call's result binds (``... as f``)
-        self.partner_shapes: list = []  # shapes of values bound before that it must equal
+        self.output = output  # the variable the call's result binds (``... as f``)
+        self.partner_shapes = partner_shapes or []  # shapes of values bound before that it must equal
         # fresh operands take the dtype of the floating tensors already there (a batch
         # norm after a cast to float32 gets float32 statistics)
         self.dtype = next((v.dtype for v in _leaves(given.values())
@@ -655,6 +655,13 @@ def _unary(ctx: _Ctx, a: _Args) -> dict:
     return {"input": a.tensor("input", lambda: ctx.shape(scalar=True, empty=True), lo=lo, hi=hi)}
 
 
+def _numbers(dtype: torch.dtype, positive: bool = False) -> list:
+    """The Python numbers a binary operand is drawn from (``positive_number``: > 0)."""
+    if dtype.is_floating_point:
+        return [2.0, 0.5, 0.125, 3] if positive else [2.0, 0.5, -1.0, 3]
+    return [2, 3] if positive else [2, -1, 3]
+
+
 def _operand_like(ctx: _Ctx, a: _Args, shape: tuple, name: str) -> Any:
     """A tensor of the same shape, of a broadcasting suffix of it, 0-dim, one the first
     operand broadcasts to (a leading dim more: the result is larger than it), or a
@@ -663,16 +670,13 @@ def _operand_like(ctx: _Ctx, a: _Args, shape: tuple, name: str) -> Any:
     the other operand (``additive_mask(m, scores)``: the same shape or a suffix)."""
     plan = a.plan
     if plan is not None and a.hinted(name, plan.numbers):
-        positive = a.hinted(name, plan.positives)
-        if a.dtype.is_floating_point:
-            return ctx.pick([2.0, 0.5, 0.125, 3] if positive else [2.0, 0.5, -1.0, 3])
-        return ctx.pick([2, 3] if positive else [2, -1, 3])
+        return ctx.pick(_numbers(a.dtype, positive=a.hinted(name, plan.positives)))
     if plan is not None and a.hinted(name, plan.features) and shape:
         return a.fresh(shape[-1:])  # norm_weight(w, x): a per-feature weight
     fitting = plan is not None and a.hinted(name, plan.fitting)
     kind = ctx.pick(["same", "suffix"] if fitting else ["same", "suffix", "0-dim", "number", "wider"])
     if kind == "number":
-        return ctx.pick([2.0, 0.5, -1.0, 3] if a.dtype.is_floating_point else [2, -1, 3])
+        return ctx.pick(_numbers(a.dtype))
     if kind == "wider":
         return a.fresh((ctx.int(2, 3), *shape))
     return a.fresh({"same": shape, "suffix": shape[1:], "0-dim": ()}[kind])
@@ -692,7 +696,8 @@ def _binary(ctx: _Ctx, a: _Args) -> dict:
         if shape is not None and same:
             y = a.fresh(shape)  # same_shape(x, y)
         else:
-            y = _operand_like(ctx, a, shape, second) if shape is not None else a.fresh(ctx.shape(scalar=True, empty=True))
+            y = (_operand_like(ctx, a, shape, second) if shape is not None
+                 else a.fresh(ctx.shape(scalar=True, empty=True)))
     return {first: x, second: y}
 
 
@@ -1693,11 +1698,9 @@ class _Builder:
             inner = dict(pat.alts[0].args).get("input") if isinstance(pat, PCall) else None
             if isinstance(inner, PVar):
                 variables[name] = inner.name
-        args = _Args(self.ctx, opdef.name, given, self.producers, seed, variables, self.plan, opdef.instances)
-        args.output = p.name
-        args.partner_shapes = [tuple(v.shape) for v in (self._concrete(self.env[o])
-                                                        for o in sorted(self.plan.partners.get(p.name, ()))
-                                                        if o in self.env) if isinstance(v, torch.Tensor)]
+        partners = (self._concrete(self.env[o]) for o in sorted(self.plan.partners.get(p.name, ())) if o in self.env)
+        args = _Args(self.ctx, opdef.name, given, self.producers, seed, variables, self.plan, opdef.instances,
+                     output=p.name, partner_shapes=[tuple(v.shape) for v in partners if isinstance(v, torch.Tensor)])
         try:
             drawn = generator_for(opdef)(self.ctx, args)
         except (TypeError, ValueError, IndexError, KeyError, AttributeError, ZeroDivisionError,
