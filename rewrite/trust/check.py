@@ -72,7 +72,7 @@ from rewrite.capture import is_export_guard
 from rewrite.engine.shapes import addressing, layout_of
 from rewrite.engine.symbolic import size_hint
 from rewrite.engine.workspace import CODE_ATTRIBUTES, gc_paused
-from rewrite.ops.base import ConstRef, attribute
+from rewrite.ops.base import ConstRef, attribute, nodes_by_target
 from rewrite.ops.effects import state_writes, written_args
 from rewrite.ops.vocabulary import CALL_OPS, OPS, bind_node
 from rewrite.trust.gradients import GradientRun, gradient_run
@@ -991,19 +991,22 @@ class _SavedState:
             # replaces the entry of its ``_buffers`` table); a GraphModule's code is
             # its graph's, not state
             self.attributes += [(m, m.__dict__.copy(), _table_contents(m)) for m in modules]
-            self.flags += [(p, p.requires_grad) for p in fn.parameters()]
             # A block that only runs graphs can write only what their nodes may
-            # write (rewrite.ops.effects.state_writes): ResNet-50 in eval mode, nothing.
+            # write (rewrite.ops.effects.state_writes): ResNet-50 in eval mode, nothing,
+            # not even a parameter's requires_grad (``w.requires_grad_(False)`` writes w).
             watch = watches[i] if i < len(watches) else None
             writable = None if not runs_only else watch.writable if watch is not None else state_writes(fn)
             if writable is not None and not writable:
                 continue
+            self.flags += [(p, p.requires_grad) for p in fn.parameters()]
             buffers = {id(t) for t in fn.buffers()}
             for t in (watch.state if watch is not None else _state(fn)).values():
                 if id(t) not in seen and (writable is None or id(t) in writable):
                     seen.add(id(t))
                     self.saved.append([t, t._version, t.detach().clone(), writable is not None or id(t) in buffers,
                                        t.grad_fn])
+        # the flags' parameters and values apart: restore reads them at C speed
+        self._params, self._flag_values = [p for p, _ in self.flags], [flag for _, flag in self.flags]
 
     def restore(self) -> None:
         with torch.no_grad():
@@ -1022,7 +1025,7 @@ class _SavedState:
             m.training = training
         for m, attributes, tables in self.attributes:
             now = m.__dict__
-            if len(now) != len(attributes) or any(now.get(k, _ABSENT) is not v for k, v in attributes.items()):
+            if not _same_entries(now, attributes):
                 code = _CODE_KEYS if isinstance(m, fx.GraphModule) else ()
                 for key in [k for k in now if k not in attributes and k not in code]:
                     del now[key]
@@ -1030,18 +1033,30 @@ class _SavedState:
                     if key not in code and now.get(key, _ABSENT) is not value:
                         now[key] = value
             for table, contents in tables:
-                if len(table) != len(contents) or any(table.get(k, _ABSENT) is not v for k, v in contents.items()):
+                if not _same_entries(table, contents):
                     table.clear()
                     table.update(contents)
-        for p, requires_grad in self.flags:
-            if p.requires_grad is not requires_grad:
-                p.requires_grad_(requires_grad)
+        if list(map(_REQUIRES_GRAD, self._params)) != self._flag_values:  # thousands of parameters: one look
+            for p, requires_grad in self.flags:
+                if p.requires_grad is not requires_grad:
+                    p.requires_grad_(requires_grad)
 
 
 #: a GraphModule's attributes that are its generated code (``recompile`` sets them:
 #: they follow its graph, a run of a lazily compiled module may set them) or how the
 #: check runs it (``running_as_graph`` installs a ``forward`` while a block runs)
 _CODE_KEYS = frozenset(CODE_ATTRIBUTES) | {"forward"}
+
+
+def _same_entries(now: dict, saved: dict) -> bool:
+    """The same keys holding the same objects (never compares values: tensors). At C
+    speed when the order is unchanged, as after almost every run (a root module of
+    a 10k-node graph holds thousands of attributes, looked at after every run)."""
+    if len(now) != len(saved):
+        return False
+    if all(map(operator.is_, now.values(), saved.values())) and all(map(operator.eq, now, saved)):
+        return True
+    return not any(now.get(k, _ABSENT) is not v for k, v in saved.items())
 
 
 def _table_contents(m: torch.nn.Module) -> tuple:
@@ -1085,6 +1100,7 @@ def preserved_state(*fns: Any, runs_only: bool = False, watches: Iterable[Any] =
 
 
 _SET_VERSIONS = torch._C._autograd._unsafe_set_version_counter
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _ABSENT = object()  # an attribute a module did not have
 
 #: Held while a block that may write module state runs: two threads checking the same
@@ -1986,8 +2002,10 @@ def graph_quantum(fn: Any) -> Union[float, Tuple[float, ...]]:
     (``quantize_per_tensor(x, scale, zero_point, dtype)``; 0.0 for an output no such
     value reaches); the largest of the whole graph when its outputs' structure is
     not known from the graph, 0.0 when it is not a graph or quantizes nothing."""
-    if not isinstance(fn, fx.GraphModule):
-        return 0.0
+    if not isinstance(fn, fx.GraphModule) or not any(
+            op == "call_function" and "quantize_per_tensor" in str(target)
+            for op, target, _ in nodes_by_target(fn.graph)):
+        return 0.0  # most graphs: one look per distinct target, no walk
     steps: Dict[fx.Node, float] = {}
     largest = 0.0
     output = None
