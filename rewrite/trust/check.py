@@ -73,7 +73,7 @@ from rewrite.engine.shapes import addressing, layout_of
 from rewrite.engine.symbolic import size_hint
 from rewrite.engine.workspace import CODE_ATTRIBUTES, gc_paused
 from rewrite.ops.base import ConstRef, attribute, nodes_by_target
-from rewrite.ops.effects import state_writes, written_args
+from rewrite.ops.effects import call_writes, state_writes, written_args
 from rewrite.ops.vocabulary import CALL_OPS, OPS, bind_node
 from rewrite.trust.gradients import GradientRun, gradient_run
 from rewrite.trust.modes import is_higher_order, run_higher_order
@@ -746,9 +746,11 @@ def _known_effects(node: fx.Node, gm: fx.GraphModule) -> bool:
     """The node writes none of its arguments, as far as the graph tells: no schema or
     name says so, and it is no call whose effects nothing tells (a module or a Python
     function from outside torch, a higher-order op, an ``out=``)."""
+    target = node.target
+    if node.op == "call_function" and type(target) is torch._ops.OpOverload and call_writes(target) == "never":
+        return True  # most nodes of an ATen graph: known by target (an overload's out= is in its schema)
     if written_args(node, gm) or "out" in node.kwargs:
         return False
-    target = node.target
     if node.op == "call_module":
         try:
             module = gm.get_submodule(target)
