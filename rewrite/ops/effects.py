@@ -35,6 +35,7 @@ import torch.fx as fx
 from torch.nn.modules import module as nn_module
 from torch.utils import _pytree as pytree
 
+from rewrite.capture import is_export_guard
 from rewrite.ops.base import attribute, by_identity, nodes_by_target, submodule
 
 __all__ = [
@@ -1004,6 +1005,9 @@ def _only_quiet_calls(graph: fx.Graph) -> bool:
     Read by target from the graph's index (export graphs: a few dozen targets for
     10k nodes), so ``state_writes`` need not walk the graph."""
     for op, target, nodes in nodes_by_target(graph):
+        if op == "call_module" and graph.owning_module is not None and all(
+                not n.users and _quiet_guard(graph.owning_module, n.target) for n in nodes):
+            continue  # torch.export's input guard: it checks shapes, computes and writes nothing
         if op != "call_function":
             return False
         if target is operator.getitem:
@@ -1014,6 +1018,12 @@ def _only_quiet_calls(graph: fx.Graph) -> bool:
         if how == "node" or (how == "flag" and any(flag_on(n, flagged_writes(target)) for n in nodes)):
             return False
     return True
+
+
+def _quiet_guard(gm: Any, target: str) -> bool:
+    """A ``torch.export`` input guard without hooks (no global ones: ``state_writes``)."""
+    module = _attr(gm, target)
+    return is_export_guard(gm, target) and not (module._forward_hooks or module._forward_pre_hooks)
 
 
 def _attr(gm: Any, target: str) -> Any:
