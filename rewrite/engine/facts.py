@@ -182,18 +182,30 @@ class GraphFacts:
 
     def _owner_trains(self, qualname: str) -> bool:
         """The module holding ``qualname`` is in training mode, where that flag is the
-        caller's: a module ``symbolic_trace`` kept (a ``Linear``, a user's own class),
-        not ``torch.export``'s plain ``Module`` containers (always in training mode)
-        nor a GraphModule. A model fine-tuned around frozen parts (``model.train();
-        model.bn.eval()``) trains the conv before that batch norm."""
+        caller's: a module ``symbolic_trace`` kept (a ``Linear``, a user's own class).
+        A model fine-tuned around frozen parts (``model.train(); model.bn.eval()``)
+        trains the conv before that batch norm. The plain ``Module`` containers fx
+        and ``torch.export`` make for attribute paths (in training mode whatever the
+        model's) and a GraphModule say nothing of their own: there the root's flag
+        counts when it is the traced model's (``_traced_in_training``): a parameter a
+        train-mode model reads functionally (``F.linear(x, self.w)``, a submodule
+        ``symbolic_trace`` inlined) is being trained."""
         path = qualname.rpartition(".")[0]
-        if not path:
-            return False
         try:
-            owner = self.gm.get_submodule(path)
+            owner = self.gm.get_submodule(path) if path else self.gm
         except AttributeError:
             return False
-        return owner.training and type(owner) is not torch.nn.Module and not isinstance(owner, fx.GraphModule)
+        if type(owner) is torch.nn.Module or isinstance(owner, fx.GraphModule):
+            return self._traced_in_training
+        return owner.training
+
+    @functools.cached_property
+    def _traced_in_training(self) -> bool:
+        """The root is in training mode and its flag is the caller's: a ``symbolic_trace``
+        GraphModule copies the traced model's. Graphs that carry a capture's values
+        (``torch.export``, whose module is always in training mode, and dynamo) do not
+        tell it that way: their batch norms and dropouts do (``graph_trains``)."""
+        return self.gm.training and not _first_vals(self.gm, 1) and not _carries(self.gm, "example_value")
 
     @functools.cached_property
     def _written_state(self) -> frozenset | None:

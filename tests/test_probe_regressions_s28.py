@@ -1,0 +1,76 @@
+"""Regressions from session 28's probes: each test failed before its fix."""
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import fx
+
+import rewrite
+
+RULES = Path(__file__).resolve().parents[1] / "rules"
+AMP_BF16 = rewrite.load(RULES / "amp_bf16.rw")
+
+
+class _Sub(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8) * 0.3)
+        self.b = nn.Parameter(torch.zeros(8))
+
+    def forward(self, x):
+        return F.linear(x, self.w, self.b)
+
+
+class _FunctionalWeights(nn.Module):
+    """Weights read functionally: on the root, and in a submodule symbolic_trace inlines."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8) * 0.3)
+        self.b = nn.Parameter(torch.zeros(8))
+        self.sub = _Sub()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(self.sub(F.linear(x, self.w, self.b)))
+
+
+def _new_tensors(result, gm) -> set:
+    before = {id(t) for t in [*gm.parameters(), *gm.buffers()]}
+    after = result.graph_module
+    return {name for name, t in [*after.named_parameters(), *after.named_buffers()] if id(t) not in before}
+
+
+def test_a_train_mode_models_functional_weights_are_not_folded():
+    """const(w) is false for a parameter a train-mode symbolic_trace model reads
+    functionally: cast once into a new constant, it would get no gradient."""
+    model = _FunctionalWeights().train()
+    gm = fx.symbolic_trace(model)
+    x = torch.randn(4, 8)
+    result = AMP_BF16.apply(gm, example_inputs=(x,))
+    assert sum(n for rule, n in result.counts.items() if rule.startswith("linear")) == 3  # cast as it runs
+    assert _new_tensors(result, gm) == set()
+    result.graph_module(x).float().sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_an_eval_mode_models_functional_weights_are_folded():
+    model = _FunctionalWeights().eval()
+    gm = fx.symbolic_trace(model)
+    x = torch.randn(4, 8)
+    result = AMP_BF16.apply(gm, example_inputs=(x,))
+    assert _new_tensors(result, gm)  # the weights cast once
+    torch.testing.assert_close(result.graph_module(x).float(), gm(x), atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_an_export_graph_folds_as_its_batch_norms_say(train):
+    """torch.export's module is in training mode whatever the model's: its flag
+    does not stop a fold (the graph's own ops tell training)."""
+    model = _FunctionalWeights().train(train)
+    x = torch.randn(4, 8)
+    gm = torch.export.export(model, (x,)).module()
+    result = AMP_BF16.apply(gm, example_inputs=(x,))
+    assert _new_tensors(result, gm)
