@@ -74,3 +74,36 @@ def test_an_export_graph_folds_as_its_batch_norms_say(train):
     gm = torch.export.export(model, (x,)).module()
     result = AMP_BF16.apply(gm, example_inputs=(x,))
     assert _new_tensors(result, gm)
+
+
+class _ItemOutput(nn.Module):
+    def forward(self, x, y):
+        return (x / y).sum().item()
+
+
+def _item_inputs(dtype=torch.float32):
+    return (torch.randn(4, 5, dtype=dtype), torch.rand(4, 5, dtype=dtype) + 0.5)
+
+
+@pytest.mark.parametrize("tolerance", ["exact", "approx"])
+def test_a_python_float_output_compares_with_the_rules_tolerance(tolerance):
+    """``loss.item()`` rounds as its tensor: a rewrite that only rounds differently passes."""
+    rules = rewrite.parse(f'rule r(tolerance="{tolerance}"): div(x, y) => mul(x, reciprocal(y))\n')
+    gm = fx.symbolic_trace(_ItemOutput())
+    result = rules.apply(gm, example_inputs=_item_inputs())
+    assert result.counts["r"] == 1
+
+
+def test_a_wrong_python_float_output_is_still_caught():
+    rules = rewrite.parse("rule r: div(x, y) => mul(x, y)\n")
+    with pytest.raises(rewrite.EquivalenceError):
+        rules.apply(fx.symbolic_trace(_ItemOutput()), example_inputs=_item_inputs())
+
+
+def test_a_float64_python_float_is_held_to_float64():
+    """A float64 model's ``.item()`` is not a float32 value: computing it in float32
+    instead is caught, as it would be on the tensor."""
+    rules = rewrite.parse("rule r: div(x, y) where dtype(x) == torch.float64\n"
+                          "    => to(div(to(x, torch.float32), to(y, torch.float32)), torch.float64)\n")
+    with pytest.raises(rewrite.EquivalenceError):
+        rules.apply(fx.symbolic_trace(_ItemOutput()), example_inputs=_item_inputs(torch.float64))

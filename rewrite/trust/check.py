@@ -1171,6 +1171,8 @@ def _compare(trial: int, ref_out: Any, cand_out: Any, kind: str, rtol: Optional[
         quantum = max(quantum, default=0.0)  # the graph's outputs are not these leaves: its largest step
     for i, ((kp, r), (_, c)) in enumerate(zip(ref_leaves, cand_leaves)):
         path = prefix + pytree.keystr(kp)
+        if type(r) is float and type(c) is float:  # ``loss.item()``: rounds as the tensor it was read from
+            r, c = _as_tensors(r, c)
         if isinstance(r, torch.Tensor):
             low = compute_dtypes[i] if compute_dtypes is not None else compute_dtype
             a, rel, mm = _compare_tensor(path, trial, r, c, kind, rtol, atol, low,
@@ -1186,6 +1188,17 @@ def _compare(trial: int, ref_out: Any, cand_out: Any, kind: str, rtol: Optional[
         if mm is not None and first is None:
             first = mm
     return worst_abs, worst_rel, first
+
+
+def _as_tensors(r: float, c: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Two Python float outputs as 0-dim tensors of the precision they were computed
+    in, so they compare with its tolerance (``==`` would fail any rewrite that rounds
+    differently): float32 when both are float32 values (``.item()`` of a float32 or
+    half-precision tensor; a float64 result almost never is one), else float64."""
+    narrow = torch.tensor([r, c], dtype=torch.float32).tolist()
+    fits = all(math.isnan(v) or v == n for v, n in zip((r, c), narrow))
+    dtype = torch.float32 if fits else torch.float64
+    return torch.tensor(r, dtype=dtype), torch.tensor(c, dtype=dtype)
 
 
 def _same_leaf(r: Any, c: Any) -> bool:
