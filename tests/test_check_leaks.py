@@ -330,8 +330,32 @@ def test_d_a_rule_that_drops_a_parameter_is_no_fold(level):
 
 
 def test_d_a_fold_that_makes_parameters_constants_passes():
-    """A RepVGG block folded into one convolution: the output no longer requires grad,
-    through parameters the rewrite no longer has (the shipped folds are for inference)."""
+    """A conv whose weight is a frozen buffer, folded with the batch norm after it: the
+    new weight is a buffer as its source was, so the output no longer requires grad
+    through the batch norm's parameters, which the rewrite no longer has (the shipped
+    folds are for inference)."""
+
+    class Frozen(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c, self.bn = nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4)
+            weight = self.c.weight.detach().clone()
+            del self.c.weight
+            self.c.register_buffer("weight", weight)
+
+        def forward(self, x):
+            return torch.relu(self.bn(self.c(x)))
+
+    torch.manual_seed(0)
+    model, x = Frozen().eval(), torch.randn(2, 4, 7, 6)
+    result = rewrite.load("rules/fusion.rw").apply(_capture(model, (x,), "export"), (x,))
+    assert result.equivalence.ok and result.counts.get("conv_bn") == 1
+    assert model(x).requires_grad and not result.graph_module(x).requires_grad
+
+
+def test_d_a_fold_of_parameters_keeps_them_parameters():
+    """A RepVGG block folded into one convolution: the folded weight and bias are
+    parameters that require grad, as their sources did, through every fold."""
 
     class Rep(nn.Module):
         def __init__(self):
@@ -347,7 +371,7 @@ def test_d_a_fold_that_makes_parameters_constants_passes():
     model, x = Rep().eval(), torch.randn(2, 4, 7, 6)
     result = rewrite.load("rules/fusion.rw").apply(_capture(model, (x,), "export"), (x,))
     assert result.equivalence.ok and result.counts.get("conv_add_bn") == 1
-    assert model(x).requires_grad and not result.graph_module(x).requires_grad
+    assert model(x).requires_grad and result.graph_module(x).requires_grad
 
 
 def test_d_a_model_that_cannot_run_with_gradients_is_still_checked():

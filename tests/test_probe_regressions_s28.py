@@ -107,3 +107,65 @@ def test_a_float64_python_float_is_held_to_float64():
                           "    => to(div(to(x, torch.float32), to(y, torch.float32)), torch.float64)\n")
     with pytest.raises(rewrite.EquivalenceError):
         rules.apply(fx.symbolic_trace(_ItemOutput()), example_inputs=_item_inputs(torch.float64))
+
+
+class _RepVGG(nn.Module):
+    """conv3x3(x) + conv1x1(x) + bn(x): conv_add_conv, then conv_add_bn on its result."""
+
+    def __init__(self):
+        super().__init__()
+        self.c3 = nn.Conv2d(4, 4, 3, padding=1)
+        self.c1 = nn.Conv2d(4, 4, 1)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return self.c3(x) + self.c1(x) + self.bn(x)
+
+
+def test_a_fold_of_a_fold_keeps_its_weights_parameters():
+    """A constant folded from a parameter is a parameter (requires_grad as the
+    source's) however many folds it went through: one fold kept it, two made a buffer."""
+    torch.manual_seed(0)
+    gm = fx.symbolic_trace(_RepVGG().eval())
+    x = torch.randn(2, 4, 6, 6)
+    result = rewrite.load(RULES / "fusion.rw").apply(gm, example_inputs=(x,))
+    assert result.counts["conv_add_conv"] == 1 and result.counts["conv_add_bn"] == 1
+    out = result.graph_module
+    assert out(x).requires_grad == gm(x).requires_grad is True
+    assert sorted(n for n, _ in out.named_buffers()) == []
+    assert len(list(out.parameters())) == 2
+    torch.testing.assert_close(out(x), gm(x), atol=1e-5, rtol=1e-5)
+
+
+class _IntScale(nn.Module):
+    def forward(self, x, n):
+        return x * n
+
+
+def test_a_one_valued_integer_input_varies_in_the_check():
+    """``mul(x, n) => add(x, x)`` holds for n == 2 only: an example ``torch.tensor(2)``
+    must not hide it (random trials drew n from [2, 2])."""
+    rules = rewrite.parse("rule double: mul(x, n) where rank(n) == 0 => add(x, x)\n")
+    gm = fx.symbolic_trace(_IntScale())
+    with pytest.raises(rewrite.EquivalenceError):
+        rules.apply(gm, example_inputs=(torch.randn(4, 5), torch.tensor(2)))
+
+
+class _LastRow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(3, 4))
+
+    def forward(self, i):
+        return torch.relu(torch.relu(self.table[i]))
+
+
+def test_a_one_valued_index_the_original_cannot_widen_is_drawn_as_given():
+    """Index 2 of a 3-row table: a trial drawing 3 makes the original fail; the trial
+    is drawn again with the index as the example has it (not an error)."""
+    gm = fx.symbolic_trace(_LastRow())
+    rules = rewrite.parse("rule relu_relu: relu(relu(_) as r) => r\n")
+    result = rules.apply(gm, example_inputs=(torch.tensor([2, 2]),))
+    assert result.counts == {"relu_relu": 1}
+    assert result.equivalence.ok and result.equivalence.trials == 3
+    torch.testing.assert_close(result.graph_module(torch.tensor([2, 2])), gm(torch.tensor([2, 2])))

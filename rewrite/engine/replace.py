@@ -297,16 +297,20 @@ class Replacer:
         source = next((self._qualname(env, a) for a in r.args if self._qualname(env, a)), None)
         base = f"{source}_{r.spec.name}" if source else r.spec.name
         name = self._fresh_name(re.sub(r"\W", "_", base.replace(".", "_")))
-        requires_grad = False
+        requires_grad = from_parameter = False
         if source is not None:
             try:
-                requires_grad = bool(self.facts.constant_of(ConstRef(source)).requires_grad)
+                value = self.facts.constant_of(ConstRef(source))
             except AttributeError:
-                requires_grad = False
+                value = None
+            requires_grad = bool(getattr(value, "requires_grad", False))
+            # a parameter of the input's, or one an earlier fold of this rewrite made
+            # (a RepVGG block: conv_add_conv, then conv_add_bn on its weight)
+            from_parameter = source in self.facts.param_names or isinstance(value, torch.nn.Parameter)
         tensor = tensor.detach().clone()
         # only floating-point and complex tensors can require grad (int8 weights cannot)
         requires_grad = requires_grad and (tensor.is_floating_point() or tensor.is_complex())
-        if source is not None and source in self.facts.param_names:
+        if from_parameter:
             registered = torch.nn.Parameter(tensor, requires_grad=requires_grad)
             self.gm.register_parameter(name, registered)
         else:

@@ -192,7 +192,7 @@ def _is_float(dtype: torch.dtype) -> bool:
 
 
 def random_like(example: torch.Tensor, generator: torch.Generator,
-                value_range: Optional[Range] = None, widen_zeros: bool = False) -> torch.Tensor:
+                value_range: Optional[Range] = None, widen_constants: bool = False) -> torch.Tensor:
     """A random tensor with ``example``'s shape, dtype and device.
 
     Floats: normal with the example's mean/std (std 1 when it is 0 or
@@ -201,8 +201,10 @@ def random_like(example: torch.Tensor, generator: torch.Generator,
     Integers: uniform in the example's ``[min, max]`` (``[0, 1]`` for an
     all-ones example: a mask without padding hides what a mask changes). Bools: fair
     coin. ``value_range`` overrides both with a uniform ``[low, high]``.
-    ``widen_zeros``: an all-zero integer example draws ``[0, 1]`` (``token_type_ids``
-    of one segment: zeros alone hide what the ids select).
+    ``widen_constants``: an integer example holding one value ``v`` draws
+    ``[v - 1, v + 1]`` within its dtype, ``[0, 1]`` for zeros (``token_type_ids`` of
+    one segment: zeros alone hide what the ids select; a scale ``torch.tensor(2)``
+    kept at 2 hides a rewrite that holds for 2 only).
     """
     shape, dtype = tuple(example.shape), example.dtype
     ex = example.detach().to("cpu")
@@ -236,12 +238,23 @@ def random_like(example: torch.Tensor, generator: torch.Generator,
             lo, hi = int(ex.min()), int(ex.max())
             if lo == hi == 1:
                 lo = 0  # an all-ones mask (attention_mask without padding): draw zeros too
-            elif lo == hi == 0 and widen_zeros:
-                hi = 1
+            elif lo == hi and widen_constants:
+                info = torch.iinfo(dtype)
+                lo, hi = max(lo - 1, 0 if lo == 0 else info.min), min(hi + 1, info.max)
         else:
             lo, hi = DEFAULT_INT_RANGE
         out = torch.randint(lo, hi + 1, shape, generator=generator, dtype=torch.int64).to(dtype)
     return out.to(example.device)
+
+
+def _one_valued_int(leaf: Any) -> bool:
+    """An integer tensor example holding one value throughout (not ones alone: an
+    all-ones mask is always widened), which ``widen_constants`` widens."""
+    if not isinstance(leaf, torch.Tensor) or leaf.dtype.is_floating_point or leaf.dtype.is_complex \
+            or leaf.dtype == torch.bool or not leaf.numel():
+        return False
+    lo, hi = leaf.min(), leaf.max()
+    return bool(lo == hi) and int(lo) != 1
 
 
 def _each_element_once(size: Any, stride: Any) -> bool:
@@ -265,14 +278,14 @@ def _lookup_range(ranges: Optional[Mapping[InputKey, Range]], index: int, path: 
 
 def generate_inputs(example_inputs: Any, seed: int = 0, *,
                     input_ranges: Optional[Mapping[InputKey, Range]] = None,
-                    fixed_inputs: Iterable[InputKey] = (), widen_zeros: bool = False) -> Any:
+                    fixed_inputs: Iterable[InputKey] = (), widen_constants: bool = False) -> Any:
     """Random inputs with the same pytree structure as ``example_inputs``.
 
     Leaves are addressed by flat index or by ``pytree.keystr`` path (``"[0]"``,
     ``"[1]['mask']"``). ``input_ranges`` maps leaves to a uniform range;
     ``fixed_inputs`` lists leaves passed through unchanged. ``nn.Parameter``
     leaves (weights lifted to inputs by dynamo) and non-tensors are always
-    passed through. ``widen_zeros``: see ``random_like``.
+    passed through. ``widen_constants``: see ``random_like``.
     """
     generator = torch.Generator().manual_seed(seed)
     fixed = set(fixed_inputs)
@@ -289,7 +302,7 @@ def generate_inputs(example_inputs: Any, seed: int = 0, *,
         else:
             made[id(leaf)] = value = _laid_out_like(leaf, random_like(leaf, generator,
                                                                       _lookup_range(input_ranges, i, path),
-                                                                      widen_zeros))
+                                                                      widen_constants))
             out.append(value)
     return pytree.tree_unflatten(out, spec)
 
@@ -1603,7 +1616,7 @@ class Reference:
         self.fixed_inputs = tuple(fixed_inputs)
         self.graph = graph if graph is not None else fn
         self._inputs: Dict[int, Any] = {}
-        self._narrowed: set = set()  # trials whose all-zero integer inputs stay zero (_narrow)
+        self._narrowed: set = set()  # trials whose one-valued integer inputs keep their value (_narrow)
         self._runs: Dict[int, _Run] = {}
         self._with_dtypes: Dict[int, bool] = {}
         self._repeats: Dict[int, bool] = {}
@@ -1626,19 +1639,19 @@ class Reference:
                 made = self.example_inputs
             else:
                 made = generate_inputs(self.example_inputs, self.seed + trial, input_ranges=self.input_ranges,
-                                       fixed_inputs=self.fixed_inputs, widen_zeros=trial not in self._narrowed)
+                                       fixed_inputs=self.fixed_inputs,
+                                       widen_constants=trial not in self._narrowed)
             self._inputs[trial] = made
         return self._inputs[trial]
 
     def _narrow(self, trial: int) -> bool:
-        """After the original failed on a random trial whose all-zero integer inputs
-        drew ones too (a one-segment model's ``token_type_ids``, an index into a
-        table of one row): the trial's inputs drawn again with those inputs zero, as
-        the example has them. False when there is nothing to take back."""
+        """After the original failed on a random trial whose one-valued integer inputs
+        drew their neighbours too (a one-segment model's ``token_type_ids``, an index
+        into a table of one row, the last position): the trial's inputs drawn again
+        with those inputs as the example has them. False when there is nothing to
+        take back."""
         if trial == 0 or trial in self._narrowed or self.example_inputs is None or not any(
-                isinstance(leaf, torch.Tensor) and not leaf.dtype.is_floating_point and not leaf.dtype.is_complex
-                and leaf.dtype != torch.bool and leaf.numel() and not bool(leaf.any())
-                for leaf in pytree.tree_leaves(self.example_inputs)):
+                _one_valued_int(leaf) for leaf in pytree.tree_leaves(self.example_inputs)):
             return False
         self._narrowed.add(trial)
         self._inputs.pop(trial, None)
