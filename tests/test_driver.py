@@ -178,7 +178,7 @@ def test_failed_replacements_are_reported_with_their_reason():
         def forward(self, x):
             return x + (-self.w)
 
-    result = rules.apply(M(), (torch.randn(3),))
+    result = rules.apply(M().eval(), (torch.randn(3),))
     assert result.counts == {} and result.stats["boom"].failed == 1
     assert "no such thing" in result.stats["boom"].first_error
     summary = result.summary()

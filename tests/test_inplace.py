@@ -325,7 +325,7 @@ def test_a_module_built_from_a_parameter_holds_its_own_copy():
     # the result shares the input's parameters, so a module a rule builds from one
     # gets a copy: training it leaves the input alone
     x = torch.randn(2, 4)
-    gm = fx.symbolic_trace(Lin())
+    gm = fx.symbolic_trace(Lin().eval())  # inference: const(w) holds
     weight = gm.fc.weight
     before = weight.detach().clone()
     rules = rewrite.parse("rule hold: linear(x, w) where const(w) => inplace_test_holder(x, w)\n")
@@ -368,7 +368,7 @@ class Ids(nn.Module):
 
 
 def test_trials_that_cannot_tell_are_skipped_and_reported():
-    ids = torch.full((3,), 4, dtype=torch.long)  # an integer input in [4, 4]: every trial the same
+    ids = torch.zeros((0,), dtype=torch.long)  # an empty input: every trial the same
     rules = rewrite.parse("rule rr: relu(relu(x)) => relu(x)\n")
     result = rules.apply(fx.symbolic_trace(Ids()), example_inputs=(ids,))
     assert result.counts == {"rr": 1}

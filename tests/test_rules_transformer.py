@@ -47,7 +47,8 @@ def export(model, args):
 
 
 def rewritten(model, args, level="export"):
-    gm = export(model, args) if level == "export" else fx.symbolic_trace(model)
+    # an inference model (const(w) is false for the trained weights of a train-mode trace)
+    gm = export(model, args) if level == "export" else fx.symbolic_trace(model.eval())
     result = rules().apply(gm, example_inputs=args)  # checked: raises if outputs differ
     with torch.no_grad():
         torch.testing.assert_close(result.graph_module(*args), gm(*args), rtol=1e-4, atol=1e-5)

@@ -132,7 +132,7 @@ def test_a_constant_function_can_be_the_whole_replacement():
     rule fold_cast: to(w, d) where is_tensor(w) and const(w) => cast(w, d)
     """)
     model = _CastWeight()
-    gm = torch.fx.symbolic_trace(model)
+    gm = torch.fx.symbolic_trace(model.eval())  # inference: const(w) holds
     x = torch.randn(3, dtype=torch.float64)
     result = rules.apply(gm, example_inputs=(x,))
     assert result.counts == {"fold_cast": 2}
@@ -152,7 +152,7 @@ def test_a_constant_root_that_is_no_tensor_fails_cleanly():
     rules = rewrite.parse("""
     rule scalar: to(w, _) where const(w) => first_element_for_test(w)
     """)
-    gm = torch.fx.symbolic_trace(_CastWeight())
+    gm = torch.fx.symbolic_trace(_CastWeight().eval())
     code = gm.code
     result = rules.apply(gm, example_inputs=(torch.randn(3, dtype=torch.float64),))
     assert result.counts == {} and result.stats["scalar"].failed == 2
@@ -188,7 +188,7 @@ class _WritesIntoCast(torch.nn.Module):
 def test_a_constant_never_replaces_a_value_the_graph_returns_or_writes(model_cls, rule):
     """Returned, the module's tensor would be handed to the caller; written in place,
     every call would change it: such rewrites fail instead, and calls stay independent."""
-    gm = torch.fx.symbolic_trace(model_cls())
+    gm = torch.fx.symbolic_trace(model_cls().eval())
     x = torch.ones(3, dtype=torch.float64)
     result = rewrite.parse(rule).apply(gm, example_inputs=(x,), check=False)
     out = result.graph_module

@@ -22,6 +22,7 @@ from rewrite.engine.symbolic import as_traced, symbolic_env
 from rewrite.engine.shapes import cast_of, fresh_cast, fresh_constant, fresh_like, fresh_view, like_input, view_of
 from rewrite.ops.base import ConstRef, attribute, by_identity
 from rewrite.ops.effects import graph_trains, op_name, state_writes, written_args
+from rewrite.ops.vocabulary import detect_dialect
 
 __all__ = ["GraphFacts", "Value", "TensorFacts", "FACTS_KEY", "NEW_NODE_KEY", "fetch_attr", "forget_recorded_facts",
            "tensor_meta_of"]
@@ -202,10 +203,12 @@ class GraphFacts:
     @functools.cached_property
     def _traced_in_training(self) -> bool:
         """The root is in training mode and its flag is the caller's: a ``symbolic_trace``
-        GraphModule copies the traced model's. Graphs that carry a capture's values
-        (``torch.export``, whose module is always in training mode, and dynamo) do not
-        tell it that way: their batch norms and dropouts do (``graph_trains``)."""
-        return self.gm.training and not _first_vals(self.gm, 1) and not _carries(self.gm, "example_value")
+        GraphModule copies the traced model's. ATen graphs (``torch.export``, whose
+        module is always in training mode, and what flows make of it, values carried
+        or not) and dynamo's (which carry ``example_value``s) do not tell it that way:
+        their batch norms and dropouts do (``graph_trains``)."""
+        return self.gm.training and not _first_vals(self.gm, 1) and not _carries(self.gm, "example_value") \
+            and detect_dialect(self.gm) == "torch"
 
     @functools.cached_property
     def _written_state(self) -> frozenset | None:
