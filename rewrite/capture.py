@@ -98,13 +98,34 @@ def symbolic_trace(model: nn.Module) -> fx.GraphModule:
     """``torch.fx.symbolic_trace(model)`` that leaves ``model`` as it was: fx's tracer
     stores every tensor the forward reads that is no attribute of the model (a
     module-level mask) on the model itself (``_tensor_constant0``); the GraphModule
-    keeps its own reference, and those attributes are removed from the caller's model."""
+    keeps its own reference, and those attributes are removed from the caller's model.
+
+    The tracer runs a write into a buffer the forward makes without a traced value
+    (``self.step.add_(1)``) on the real tensor, once, and records nothing of it: the
+    buffer is put back and the capture refused (``ValueError``), as for a parameter
+    written that way, since the graph would not compute what the model does."""
     before = set(vars(model))
+    state = {id(t): (name, t, t._version) for name, t in
+             [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]}
+    buffers = {id(t): t.detach().clone() for _, t in model.named_buffers()}  # small: statistics, counters
     try:
-        return fx.symbolic_trace(model)
+        gm = fx.symbolic_trace(model)
     finally:
         for name in set(vars(model)) - before:
             del model.__dict__[name]
+        written = [(name, t, version) for key, (name, t, version) in state.items() if t._version != version]
+        with torch.no_grad():
+            for name, t, version in written:
+                if id(t) in buffers:
+                    t.copy_(buffers[id(t)])
+                    torch._C._autograd._unsafe_set_version_counter((t,), (version,))
+    if written:
+        names = ", ".join(repr(name) for name, _, _ in written)
+        raise ValueError(f"tracing {type(model).__name__} wrote {names} in place: torch.fx.symbolic_trace runs such a "
+                         "write once on the real tensor and leaves it out of the graph (put back now); capture "
+                         "the model with torch.export.export(model, example_inputs, strict=False).module() "
+                         "(capture='export' in the quantization flows, --capture export on the command line)")
+    return gm
 
 
 def capture_with_inputs(model: nn.Module, example_inputs: Any, level: str) -> Tuple[fx.GraphModule, tuple]:
@@ -323,6 +344,8 @@ def save_path_problem(path: Any, level: str) -> str | None:
     if level == "dynamo":
         return ("a dynamo capture's graphs live inside torch.compile and cannot be saved; "
                 "use --capture fx or export")
+    if level not in LEVELS:
+        return f"unknown capture level {level!r}; expected one of {LEVELS}"
     wanted = save_format(level)
     if Path(path).suffix != wanted:
         kind = "an ExportedProgram (torch.export.save)" if wanted == ".pt2" else "a pickled GraphModule (torch.save)"
@@ -334,7 +357,11 @@ def missing_folder(path: Any) -> str | None:
     """Why nothing can be written at ``path`` (its folder does not exist), or None:
     asked before any work by every command that saves."""
     folder = Path(path).parent
-    return None if folder.is_dir() else f"the folder {str(folder)!r} does not exist"
+    if not folder.is_dir():
+        return f"the folder {str(folder)!r} does not exist"
+    if Path(path).is_dir():
+        return f"{str(path)!r} is a folder: name a file to write"
+    return None
 
 
 def picklable(gm: fx.GraphModule) -> fx.GraphModule:
@@ -375,6 +402,12 @@ def is_export_guard(gm: fx.GraphModule, target: Any) -> bool:
     return type(module).__name__ == "GuardsFn" and type(module).__module__.startswith("torch.export")
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def save(gm: fx.GraphModule, path: Any, level: str = "fx", example_inputs: Any = None) -> Path:
     """Save a rewritten GraphModule, all or nothing.
 
@@ -386,10 +419,13 @@ def save(gm: fx.GraphModule, path: Any, level: str = "fx", example_inputs: Any =
     an existing file untouched.
 
     Raises:
-        ValueError: the path's suffix does not match the level's format.
+        ValueError: the path's suffix does not match the level's format, names a
+            folder, or the level is unknown; an export level without example_inputs.
         ExportError: an export level's result cannot be exported (names the node).
     """
     problem = save_path_problem(path, level)
+    if problem is None and save_format(level) == ".pt2" and example_inputs is None:
+        problem = f"a {level!r} result is exported again to be saved: pass its example_inputs"
     if problem is not None:
         raise ValueError(problem)
     path = Path(path)
@@ -403,6 +439,9 @@ def save(gm: fx.GraphModule, path: Any, level: str = "fx", example_inputs: Any =
     os.close(fd)
     try:
         write(tmp)
+        # mkstemp makes the file private (0600): the saved model gets the permissions
+        # any new file gets (what torch.save would have given it), a serving process can read it
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

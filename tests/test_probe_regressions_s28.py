@@ -169,3 +169,71 @@ def test_a_one_valued_index_the_original_cannot_widen_is_drawn_as_given():
     assert result.counts == {"relu_relu": 1}
     assert result.equivalence.ok and result.equivalence.trials == 3
     torch.testing.assert_close(result.graph_module(torch.tensor([2, 2])), gm(torch.tensor([2, 2])))
+
+
+class _StepCounter(nn.Module):
+    """A write symbolic_trace runs once on the real buffer and leaves out of the graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(3, 4, 3)
+        self.register_buffer("step", torch.zeros(()))
+
+    def forward(self, x):
+        self.step.add_(1)
+        return torch.relu(torch.relu(self.c(x)))
+
+
+@pytest.mark.parametrize("how", ["apply", "prepare"])
+def test_a_trace_that_writes_the_callers_buffer_is_refused_and_put_back(how):
+    from rewrite.flows import quant as rq
+
+    model = _StepCounter().eval()
+    version = model.step._version
+    x = torch.randn(1, 3, 6, 6)
+    with pytest.raises((TypeError, ValueError), match="'step' in place"):
+        if how == "apply":
+            rewrite.parse("rule rr: relu(relu(_) as r) => r\n").apply(model, (x,))
+        else:
+            rq.prepare(model, (x,), capture="fx")
+    assert model.step.item() == 0 and model.step._version == version
+
+
+def test_a_saved_model_gets_the_permissions_of_any_new_file(tmp_path):
+    import os
+
+    from rewrite.capture import save
+
+    gm = fx.symbolic_trace(_IntScale())
+    mask = os.umask(0o022)
+    try:
+        path = save(gm, tmp_path / "m.pt")
+    finally:
+        os.umask(mask)
+    assert path.stat().st_mode & 0o777 == 0o644
+
+
+def test_save_refuses_a_folder_an_unknown_level_and_a_missing_example_before_any_work(tmp_path):
+    from rewrite.capture import save
+
+    gm = fx.symbolic_trace(_IntScale())
+    (tmp_path / "taken.pt").mkdir()
+    with pytest.raises(ValueError, match="is a folder"):
+        save(gm, tmp_path / "taken.pt")
+    with pytest.raises(ValueError, match="unknown capture level"):
+        save(gm, tmp_path / "m.pt", level="bogus")
+    with pytest.raises(ValueError, match="example_inputs"):
+        save(gm, tmp_path / "m.pt2", level="export")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken.pt"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--ruleset", "nope"], "--ruleset nope: no rule or ruleset named 'nope'"),
+    (["--save", "q.pt2"], "name the file *.pt"),
+    (["--pt2", "q.onnx"], "name the file *.pt2"),
+])
+def test_quantize_refuses_bad_options_before_any_work(argv, message, capsys):
+    from rewrite.cli import main
+
+    code = main(["quantize", "--model", "rewrite.examples.cnn:no_such_factory", *argv])
+    assert code == 2 and message in capsys.readouterr().err

@@ -1228,11 +1228,18 @@ def quantize_command(args: argparse.Namespace) -> int:
 
     from rewrite.capture import missing_folder
 
-    for option in ("save", "pt2", "onnx"):  # before any work, as ``rewrite apply --save``
+    for option, suffix in (("save", ".pt"), ("pt2", ".pt2"), ("onnx", ".onnx")):  # before any work
         path = getattr(args, option, None)
-        problem = path and missing_folder(path)
+        problem = path and (missing_folder(path) or (
+            f"name the file *{suffix}, not {Path(path).name!r}" if Path(path).suffix != suffix else None))
         if problem:
             print(f"rewrite: error: --{option} {path}: {problem}", file=sys.stderr)
+            return 2
+    if args.ruleset:
+        try:
+            _as_rules(args.observe, "observe", args.ruleset)
+        except KeyError as err:
+            print(f"rewrite: error: --ruleset {args.ruleset}: {err.args[0]}", file=sys.stderr)
             return 2
     model, inputs = load_runnable_model(args.model)
     calib = [generate_inputs(inputs, seed=1000 + i) for i in range(args.calibration)]
