@@ -237,3 +237,18 @@ def test_quantize_refuses_bad_options_before_any_work(argv, message, capsys):
 
     code = main(["quantize", "--model", "rewrite.examples.cnn:no_such_factory", *argv])
     assert code == 2 and message in capsys.readouterr().err
+
+
+def test_the_quantization_steps_say_what_they_take():
+    from rewrite.flows import quant as rq
+
+    model, x = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()).eval(), torch.randn(1, 3, 8, 8)
+    observed = rq.prepare(model, (x,))
+    with pytest.raises(TypeError, match=r"not one tensor: pass \[x\]"):
+        rq.calibrate(observed, x)
+    with pytest.raises(TypeError, match="the observed GraphModule that prepare"):
+        rq.convert(model)
+    rq.calibrate(observed, [x])
+    int8 = rq.convert(observed)
+    with pytest.raises(ValueError, match="no held-out batches"):
+        rq.accuracy_report(observed, int8, [])

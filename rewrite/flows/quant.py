@@ -443,11 +443,27 @@ def prepare(
     return observed
 
 
+def _require_prepared(observed: Any, step: str) -> None:
+    """``step`` takes the GraphModule ``prepare`` returned (its metadata says what it observes)."""
+    if not isinstance(observed, fx.GraphModule) or _META not in getattr(observed, "meta", {}):
+        raise TypeError(f"{step} takes the observed GraphModule that prepare() returned, "
+                        f"not {type(observed).__name__}: observed = rewrite.quant.prepare(model, example_inputs)")
+
+
+def _require_batches(batches: Any, step: str) -> None:
+    """Batches are an iterable of batches; one tensor would be iterated along its first dim."""
+    if isinstance(batches, torch.Tensor):
+        raise TypeError(f"{step} takes an iterable of batches (each a tensor or a tuple of inputs), not one "
+                        f"tensor: pass [x]")
+
+
 def calibrate(observed: fx.GraphModule, batches: Iterable) -> int:
     """Run ``batches`` (each a tensor or a tuple of inputs) through the observed
     model so its observers record activation ranges (each on copies: a model that
     writes its input leaves the caller's batches as they were). Returns the number of
     batches."""
+    _require_prepared(observed, "calibrate")
+    _require_batches(batches, "calibrate")
     n = 0
     with torch.no_grad():
         for batch in batches:
@@ -492,6 +508,7 @@ def convert(
         rule counts, the ``coverage`` (convs and linears lowered to int8, and those
         left in float with the reason) and the QDQ-vs-int8 SQNR when checked.
     """
+    _require_prepared(observed, "convert")
     state = dict(observed.meta.get(_META, {}))
     backend = state.get("backend", torch.backends.quantized.engine)
     _set_backend(backend)
@@ -1020,6 +1037,8 @@ def accuracy_report(
     bypassed, nothing is recorded. The int8 model's nodes say which observer's
     tensor they compute (``convert`` marks them).
     """
+    _require_prepared(observed, "accuracy_report")
+    _require_batches(batches, "accuracy_report")
     points = int8.meta.get(_META, {}).get("points", [])
     sig: dict = {}
     noise: dict = {}
@@ -1048,6 +1067,9 @@ def accuracy_report(
             n_out = len(pairs)
             for i, (r, o) in enumerate(pairs):
                 add(("output", i), r, o.dequantize() if o.is_quantized else o)
+    if not sig and not n_out:
+        raise ValueError("accuracy_report got no held-out batches: pass a list of batches (each a tensor or a "
+                         "tuple of inputs) unlike the calibration ones")
 
     def db(key: Any) -> float:
         return math.inf if noise[key] == 0 else 10 * math.log10(sig[key] / noise[key]) if sig[key] else -math.inf
