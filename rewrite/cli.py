@@ -20,6 +20,7 @@ import collections
 import functools
 import importlib
 import math
+import os
 import sys
 from typing import Any, Sequence
 
@@ -226,7 +227,9 @@ def _cmd_fmt(args: argparse.Namespace) -> int:
             status = 1
             continue
         except OSError as err:
-            print(f"{path}: error: cannot read rule file: {err}", file=sys.stderr)
+            why = err.strerror or str(err)
+            hint = f"\n  help: {path} is a folder: name the .rw files in it" if os.path.isdir(path) else ""
+            print(f"{path}:1:1: error: cannot read rule file: {why}{hint}", file=sys.stderr)
             status = 1
             continue
         if args.check:

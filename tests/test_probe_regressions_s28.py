@@ -252,3 +252,15 @@ def test_the_quantization_steps_say_what_they_take():
     int8 = rq.convert(observed)
     with pytest.raises(ValueError, match="no held-out batches"):
         rq.accuracy_report(observed, int8, [])
+
+
+@pytest.mark.parametrize("command", ["check", "fmt"])
+def test_a_folder_given_as_a_rule_file_is_named_a_folder(command, tmp_path, capsys):
+    from rewrite.cli import main
+
+    folder = tmp_path / "rules.rw"
+    folder.mkdir()
+    assert main([command, str(folder)]) == 1
+    err = capsys.readouterr().err
+    assert f"{folder}:1:1: error: cannot read rule file" in err
+    assert "is a folder" in err and "did you mean" not in err
