@@ -264,3 +264,12 @@ def test_a_folder_given_as_a_rule_file_is_named_a_folder(command, tmp_path, caps
     err = capsys.readouterr().err
     assert f"{folder}:1:1: error: cannot read rule file" in err
     assert "is a folder" in err and "did you mean" not in err
+
+
+def test_a_calibration_batch_export_did_not_capture_is_a_quantization_error():
+    from rewrite.flows import quant as rq
+
+    model, x = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()).eval(), torch.randn(1, 3, 8, 8)
+    observed = rq.prepare(model, (x,), capture="export")
+    with pytest.raises(rq.QuantizationError, match="does not fit the shapes torch.export captured"):
+        rq.calibrate(observed, [torch.randn(2, 3, 8, 8)])

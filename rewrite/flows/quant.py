@@ -443,6 +443,10 @@ def prepare(
     return observed
 
 
+def _first_line(err: BaseException) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
 def _require_prepared(observed: Any, step: str) -> None:
     """``step`` takes the GraphModule ``prepare`` returned (its metadata says what it observes)."""
     if not isinstance(observed, fx.GraphModule) or _META not in getattr(observed, "meta", {}):
@@ -467,7 +471,15 @@ def calibrate(observed: fx.GraphModule, batches: Iterable) -> int:
     n = 0
     with torch.no_grad():
         for batch in batches:
-            observed(*_clones(_as_args(batch)))
+            try:
+                observed(*_clones(_as_args(batch)))
+            except AssertionError as err:
+                if "Guard failed" not in str(err):
+                    raise
+                raise QuantizationError(
+                    f"calibration batch {n} does not fit the shapes torch.export captured the model with "
+                    f"({_first_line(err)}): calibrate with batches shaped like the example inputs, or prepare "
+                    "with capture='fx'") from err
             n += 1
     return n
 
