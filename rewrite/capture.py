@@ -435,12 +435,27 @@ def save(gm: fx.GraphModule, path: Any, level: str = "fx", example_inputs: Any =
     else:
         plain = picklable(gm)
         write = lambda f: torch.save(plain, f)  # noqa: E731
+    return write_atomically(path, write)
+
+
+def file_problem(path: Any, suffix: str) -> str | None:
+    """Why ``path`` cannot take a ``suffix`` file (None when it can): its name, a
+    missing folder, a folder in its place. Asked before any work."""
+    if Path(path).suffix != suffix:
+        return f"name the file *{suffix}, not {Path(path).name!r}"
+    return missing_folder(path)
+
+
+def write_atomically(path: Any, write: Any) -> Path:
+    """``write(name)`` into a file next to ``path``, renamed onto it only once complete:
+    a failure leaves no partial file and an existing file untouched. The file gets
+    the permissions any new file gets (``mkstemp`` makes it private, 0600: a serving
+    process could not read it)."""
+    path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".partial{path.suffix}", dir=path.parent or ".")
     os.close(fd)
     try:
         write(tmp)
-        # mkstemp makes the file private (0600): the saved model gets the permissions
-        # any new file gets (what torch.save would have given it), a serving process can read it
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     finally:

@@ -273,3 +273,27 @@ def test_a_calibration_batch_export_did_not_capture_is_a_quantization_error():
     observed = rq.prepare(model, (x,), capture="export")
     with pytest.raises(rq.QuantizationError, match="does not fit the shapes torch.export captured"):
         rq.calibrate(observed, [torch.randn(2, 3, 8, 8)])
+
+
+def test_the_quantized_files_are_checked_before_any_work_and_written_whole(tmp_path):
+    import os
+
+    from rewrite.flows import quant as rq
+
+    model, x = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()).eval(), torch.randn(1, 3, 8, 8)
+    observed = rq.prepare(model, (x,))
+    rq.calibrate(observed, [x])
+    int8, qdq = rq.convert(observed), rq.convert(observed, form="qdq")
+    for call, wrong in ((lambda p: rq.save(int8, p), "m.pt2"), (lambda p: rq.export(qdq, (x,), p), "m.onnx"),
+                        (lambda p: rq.export_onnx(qdq, (x,), p), "m.pt")):
+        with pytest.raises(ValueError, match="name the file"):
+            call(tmp_path / wrong)
+    mask = os.umask(0o022)
+    try:
+        rq.save(int8, tmp_path / "m.pt")
+        rq.export(qdq, (x,), tmp_path / "m.pt2")
+    finally:
+        os.umask(mask)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt", "m.pt2"]  # no partial files left
+    assert all(p.stat().st_mode & 0o777 == 0o644 for p in tmp_path.iterdir())
+    torch.testing.assert_close(torch.export.load(str(tmp_path / "m.pt2")).module()(x), qdq(x))

@@ -51,6 +51,7 @@ import argparse
 import copy
 import functools
 import math
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -1150,10 +1151,12 @@ def export(gm: fx.GraphModule, example_inputs: Any = None, path: Any = None) -> 
     Returns:
         The ``torch.export.ExportedProgram``.
     """
+    from rewrite.capture import export_keeping_sizes, write_atomically
+
+    _check_target(path, ".pt2")
     args = _as_args(example_inputs) if example_inputs is not None else gm.meta.get(_META, {}).get("example_inputs")
     if args is None:
         raise QuantizationError("export needs example inputs (none given, none recorded by prepare)")
-    from rewrite.capture import export_keeping_sizes
 
     bad = _unexportable(gm)
     if bad is not None:
@@ -1169,8 +1172,24 @@ def export(gm: fx.GraphModule, example_inputs: Any = None, path: Any = None) -> 
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise QuantizationError(f"torch.export could not capture the model: {first}") from err
     if path is not None:
-        torch.export.save(program, str(path))
+        if _is_path(path):
+            write_atomically(path, lambda f: torch.export.save(program, f))
+        else:  # a file object, as torch.export.save takes
+            torch.export.save(program, path)
     return program
+
+
+def _is_path(path: Any) -> bool:
+    return isinstance(path, (str, os.PathLike))
+
+
+def _check_target(path: Any, suffix: str) -> None:
+    """A file to write a ``suffix`` file at, before any work (``rewrite.capture.file_problem``)."""
+    from rewrite.capture import file_problem
+
+    problem = file_problem(path, suffix) if _is_path(path) else None
+    if problem is not None:
+        raise ValueError(f"{path}: {problem}")
 
 
 def _require_onnx() -> None:
@@ -1193,12 +1212,14 @@ def export_onnx(gm: fx.GraphModule, example_inputs: Any = None, path: Any = "mod
     DequantizeLinear pair, int8 weights become int8 initializers with their
     per-channel scales, ready for onnxruntime (its CPU provider fuses the pairs
     into int8 kernels) or TensorRT. Needs the ``onnx`` extra. Returns ``path``."""
+    _check_target(path, ".onnx")
     _require_onnx()
     program = export(gm, example_inputs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         onnx_program = torch.onnx.export(program, dynamo=True, verbose=False,
                                          **({"opset_version": opset} if opset else {}))
+    # written in place: a large model's weights go to a file named after it (external data)
     onnx_program.save(str(path))
     return Path(path)
 
@@ -1226,9 +1247,14 @@ def save(gm: fx.GraphModule, path: Any) -> None:
     ``rewrite.capture.picklable`` makes it: ``gm`` is not changed; from an export
     capture, without export's input guard (the saved module does not check its
     inputs' shapes)."""
-    from rewrite.capture import picklable
+    from rewrite.capture import picklable, write_atomically
 
-    torch.save(picklable(gm), path)
+    _check_target(path, ".pt")
+    plain = picklable(gm)
+    if _is_path(path):
+        write_atomically(path, lambda f: torch.save(plain, f))
+    else:  # a file object (io.BytesIO), as torch.save takes
+        torch.save(plain, path)
 
 
 def add_quantize_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -1260,12 +1286,11 @@ def quantize_command(args: argparse.Namespace) -> int:
     from rewrite.trust.check import generate_inputs
     from rewrite.trust.runnable import load_runnable_model
 
-    from rewrite.capture import missing_folder
+    from rewrite.capture import file_problem
 
     for option, suffix in (("save", ".pt"), ("pt2", ".pt2"), ("onnx", ".onnx")):  # before any work
         path = getattr(args, option, None)
-        problem = path and (missing_folder(path) or (
-            f"name the file *{suffix}, not {Path(path).name!r}" if Path(path).suffix != suffix else None))
+        problem = path and file_problem(path, suffix)
         if problem:
             print(f"rewrite: error: --{option} {path}: {problem}", file=sys.stderr)
             return 2
