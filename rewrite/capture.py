@@ -113,7 +113,7 @@ def symbolic_trace(model: nn.Module) -> fx.GraphModule:
     finally:
         for name in set(vars(model)) - before:
             del model.__dict__[name]
-        written = [(name, t, version) for key, (name, t, version) in state.items() if t._version != version]
+        written = [(name, t, version) for name, t, version in state.values() if t._version != version]
         with torch.no_grad():
             for name, t, version in written:
                 if id(t) in buffers:

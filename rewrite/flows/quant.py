@@ -1169,8 +1169,7 @@ def export(gm: fx.GraphModule, example_inputs: Any = None, path: Any = None) -> 
             warnings.simplefilter("ignore", UserWarning)
             program = export_keeping_sizes(gm, tuple(args))
     except Exception as err:  # noqa: BLE001  (torch.export raises many types)
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise QuantizationError(f"torch.export could not capture the model: {first}") from err
+        raise QuantizationError(f"torch.export could not capture the model: {_first_line(err)}") from err
     if path is not None:
         if _is_path(path):
             write_atomically(path, lambda f: torch.export.save(program, f))

@@ -994,7 +994,10 @@ class _SavedState:
 
     def __init__(self, fns: Any, runs_only: bool = False, watches: Iterable[Optional[_Watch]] = ()) -> None:
         self.saved, self.modes, self.attributes, seen = [], [], [], set()
-        self.flags: list = []  # (parameter, requires_grad): a forward may call w.requires_grad_(False)
+        # parameters and whether each requires grad (a forward may call w.requires_grad_(False)),
+        # apart: restore reads the flags at C speed
+        self._params: list = []
+        self._flag_values: list = []
         watches = list(watches)
         for i, fn in enumerate(fns):
             if not isinstance(fn, torch.nn.Module):
@@ -1013,15 +1016,15 @@ class _SavedState:
             writable = None if not runs_only else watch.writable if watch is not None else state_writes(fn)
             if writable is not None and not writable:
                 continue
-            self.flags += [(p, p.requires_grad) for p in fn.parameters()]
+            params = list(fn.parameters())
+            self._params += params
+            self._flag_values += list(map(_REQUIRES_GRAD, params))
             buffers = {id(t) for t in fn.buffers()}
             for t in (watch.state if watch is not None else _state(fn)).values():
                 if id(t) not in seen and (writable is None or id(t) in writable):
                     seen.add(id(t))
                     self.saved.append([t, t._version, t.detach().clone(), writable is not None or id(t) in buffers,
                                        t.grad_fn])
-        # the flags' parameters and values apart: restore reads them at C speed
-        self._params, self._flag_values = [p for p, _ in self.flags], [flag for _, flag in self.flags]
 
     def restore(self) -> None:
         with torch.no_grad():
@@ -1052,7 +1055,7 @@ class _SavedState:
                     table.clear()
                     table.update(contents)
         if list(map(_REQUIRES_GRAD, self._params)) != self._flag_values:  # thousands of parameters: one look
-            for p, requires_grad in self.flags:
+            for p, requires_grad in zip(self._params, self._flag_values):
                 if p.requires_grad is not requires_grad:
                     p.requires_grad_(requires_grad)
 
