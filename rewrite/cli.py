@@ -61,7 +61,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _verify(rulesets: list, max_examples: int, seed: int, allow_skipped: bool = False) -> int:
-    """Verify every rule once (a rule imported by two files is verified once); print
+    """Verify every rule once (a rule imported by two files is verified once; a
+    parametrized file's rules once per instantiation: ``amp/policy.rw`` with
+    ``lowp = torch.bfloat16`` and with ``torch.float16`` are two rules); print
     the verdict table and each counterexample. Returns the number of failed rules:
     skipped ones too (an unverified rule), unless ``allow_skipped``. Intentional
     changes (``change=True``) are listed, not verified."""
@@ -74,8 +76,9 @@ def _verify(rulesets: list, max_examples: int, seed: int, allow_skipped: bool = 
     for rules in rulesets:
         for rule in rules:
             bar.update(1)
-            if rule.location not in seen:
-                seen.add(rule.location)
+            key = (rule.location, rule.rule)  # the rule as written, parameters substituted
+            if key not in seen:
+                seen.add(key)
                 verdicts.append(verify_rule(rules, rule, max_examples=max_examples, seed=seed))
     bar.close()
     report = VerificationReport(tuple(verdicts))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import glob
+import re
 
 import pytest
 import torch
@@ -204,6 +205,31 @@ def test_check_verify_passes_on_good_rules(tmp_path, capsys):
     assert "neg_neg  ok" in capsys.readouterr().out
 
 
+def test_check_verify_verifies_each_instantiation_of_a_parametrized_file(tmp_path, capsys):
+    # amp_bf16.rw and amp_fp16.rw import amp/policy.rw with two dtypes: the same
+    # place in the same file, two rules (the float16 one was never verified)
+    (tmp_path / "policy.rw").write_text(
+        "param lowp\n"
+        "rule exp_lowp(tolerance=\"approx\"):\n"
+        "    exp(to(y, torch.float32)) where dtype(y) == lowp => to(exp(y), torch.float32)\n")
+    (tmp_path / "a.rw").write_text('import "policy.rw" with lowp = torch.bfloat16 as bf16\n')
+    (tmp_path / "b.rw").write_text('import "policy.rw" with lowp = torch.float16 as fp16\n')
+    assert main(["check", "--verify", "--max-examples", "5", str(tmp_path / "a.rw"), str(tmp_path / "b.rw")]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"exp_bf16 +ok", out) and re.search(r"exp_fp16 +counterexample", out)
+    # float16's exp overflows past 11 where float32's does not: caught at large magnitudes
+    assert "rule exp_fp16: mismatch" in out and "operands of large magnitude" in out
+
+
+def test_a_dtype_dependent_default_is_no_counterexample_in_float64():
+    # rms_norm's eps=None is float32's epsilon for a float32 (and a bfloat16) input and
+    # float64's for a float64 one: the float64 recheck of rms_norm_bf16 runs the
+    # original's float32 cast widened too, so a tiny input is no counterexample
+    rules = rewrite.load("rules/amp_bf16.rw")
+    for seed in (102, 103):  # the seeds that drew one (|y| ~ 0.004)
+        assert verify_rule(rules, "rms_norm_bf16", max_examples=40, seed=seed).status == "ok"
+
+
 def test_constant_root_folds_are_verified():
     rules = rewrite.parse("""
     rule fold_cast: to(w, d) where is_tensor(w) and const(w) => cast(w, d)
@@ -295,9 +321,35 @@ def test_a_new_infinity_is_wrong_whatever_the_tolerance():
     assert "inf or nan in the rewritten graph (wrong whatever the tolerance)" in v.counterexample.message
 
 
+def test_approximate_rules_meet_large_magnitudes():
+    # an approximate rule's instances stay within [-4, 4] but for a few drawn at large
+    # magnitudes (WIDE_SCALES), where only a new inf or NaN is a failure: exp overflows
+    # float16 past 11, a float16 round trip past 65504, exp(x) / sum(exp(x)) float32
+    # past 88 (softmax subtracts the maximum first)
+    for name, text in (
+            ("exp16", "exp(x) where dtype(x) == torch.float32 => to(exp(to(x, torch.float16)), torch.float32)"),
+            ("relu16", "relu(x) where dtype(x) == torch.float32 => to(relu(to(x, torch.float16)), torch.float32)"),
+            ("softmax_naive", "softmax(x, -1) where dtype(x) == torch.float32 "
+                              "=> div(exp(x), sum(exp(x), -1, True))")):
+        v = _verify(f'rule {name}(tolerance="approx"): {text}', name, n=10)
+        assert v.status == "counterexample", (name, v)
+        assert "operands of large magnitude" in v.counterexample.message
+        # declared to rely on the values staying in range (autocast's contract), it verifies
+        assert _verify(f'rule {name}(tolerance="approx", assumes_range=True): {text}', name,
+                       n=10).status == "ok"
+    # large values amplify rounding past the tolerance; only overflow is judged there
+    # (a bfloat16 layer norm with a weight of 3e4 is 0.23 off where it is 0 in float32)
+    assert _verify("""rule ln16(tolerance="approx"):
+        layer_norm(to(y, torch.float32), s, w, b, eps)
+        where dtype(y) == torch.bfloat16 and is_tensor(w) and is_tensor(b)
+        => to(layer_norm(y, s, to(w, torch.bfloat16), to(b, torch.bfloat16), eps), torch.float32)""",
+                   "ln16", n=20).status == "ok"
+
+
 def test_lowering_precision_is_judged_on_rounded_inputs():
     # a matmul run in float16 loses what float16 cannot hold of its operands: approx
-    good = """rule mm16(tolerance="approx"):
+    # (within autocast's contract, that its operands and result fit float16)
+    good = """rule mm16(tolerance="approx", assumes_range=True):
         mm(a, b) where dtype(a) == torch.float32 and dtype(b) == torch.float32
         => to(mm(to(a, torch.float16), to(b, torch.float16)), torch.float32)"""
     assert _verify(good, "mm16", n=60).status == "ok"

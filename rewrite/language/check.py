@@ -42,6 +42,7 @@ OPTIONS = {
     "shared": (lambda v: isinstance(v, bool), "True or False"),
     "tolerance": (lambda v: v in ("exact", "approx"), "\"exact\" or \"approx\""),
     "change": (lambda v: isinstance(v, bool), "True or False"),
+    "assumes_range": (lambda v: isinstance(v, bool), "True or False"),
 }
 
 _PATTERN, _WHERE, _REPLACEMENT = "pattern", "where clause", "replacement"

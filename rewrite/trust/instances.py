@@ -84,7 +84,7 @@ from rewrite.ops.base import REQUIRED
 
 __all__ = ["Instance", "FAMILIES", "OUTSIDE_VOCABULARY", "literal_strategy", "generator_for", "instances",
            "rule_tolerance", "Plan", "plan_for", "draw_instance",
-           "hypothesis_api", "strategies", "spread_integers", "trapping_division"]
+           "hypothesis_api", "strategies", "spread_integers", "trapping_division", "WIDE_SCALES"]
 
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # uint16/32/64 are left out: most CPU kernels reject them (add, abs, relu, where,
@@ -94,6 +94,10 @@ _INTS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 _ALL = _FLOATS + _INTS + (torch.bool,)
 _SPECIALS = (math.nan, math.inf, -math.inf, -0.0)
 _DRAWN = 24  # values drawn one by one per tensor; the rest come from a seed
+#: magnitudes a wide instance scales its float tensors' ranges by ([-4, 4] becomes
+#: [-16, 16] ... [-4e5, 4e5]): exp overflows float16 past 11 and float32 past 88;
+#: float16 holds nothing past 65504
+WIDE_SCALES = (4.0, 32.0, 1e3, 3e4, 1e5)
 
 
 def spread_integers(dtype: torch.dtype) -> tuple:
@@ -161,6 +165,11 @@ class Instance:
         dialect: ``"torch"`` (symbolic_trace/dynamo spelling) or ``"aten"`` (export).
         engine: the quantized engine (``"x86"``, ``"onednn"``) the instance is
             rewritten and run with, for patterns with quantized ops; else None.
+        wide: its float tensors were drawn up to large magnitudes
+            (``draw_instance(wide=True)``): what it tests is that the rewrite makes
+            no inf or NaN the original does not, not the tolerance, which large
+            values amplify legitimately (a bfloat16 layer norm's rounding times a
+            weight of 3e4).
     """
 
     rule: str
@@ -170,6 +179,7 @@ class Instance:
     dtype: torch.dtype
     dialect: str
     engine: str | None = None  # torch.backends.quantized.engine, for quantized patterns
+    wide: bool = False  # floats drawn up to large magnitudes (``_Ctx``): only a new inf or NaN fails
 
 
 # ================================================================ rule analysis
@@ -387,7 +397,7 @@ class _Ctx:
     """Hypothesis draws with names that read like the shapes they make."""
 
     def __init__(self, draw: Callable, dtype: torch.dtype, specials: bool, int_specials: bool | None = None,
-                 shapes: str | None = None) -> None:
+                 shapes: str | None = None, wide: float = 0.0) -> None:
         """``specials``: floats meet NaN, infinities, -0.0 and their largest finite
         values (exact rules); ``int_specials`` (default: ``specials``): integers meet
         their dtype's extremes and values whose arithmetic wraps (every rule: integer
@@ -395,8 +405,11 @@ class _Ctx:
         shapes only), ``"mixed"`` (a tenth of the fresh shapes 0-d, a tenth with an
         empty dim, where the op takes them), ``"scalar"`` / ``"empty"`` (most of them
         so; see ``shape``), or ``"strided"`` (ranks and dims from 2, every tensor laid
-        out in reverse dim order)."""
-        self.draw, self.dtype, self.specials = draw, dtype, specials
+        out in reverse dim order); ``wide`` (a magnitude, ``WIDE_SCALES``): each
+        float tensor over an unbounded domain is drawn over its range times it (at
+        most a quarter of its dtype's largest value), where a narrower float or an
+        exponential overflows."""
+        self.draw, self.dtype, self.specials, self.wide = draw, dtype, specials, wide
         self.int_specials = specials if int_specials is None else int_specials
         self.mode, self.forced = shapes, False
         self.shapes: list = []  # shapes drawn so far: operands drawn apart may share one
@@ -495,6 +508,9 @@ class _Ctx:
             head = torch.tensor(self.draw(st.lists(element, min_size=k, max_size=k)), dtype=dtype)
             tail = (lambda g, m: torch.randint(ilo, ihi + 1, (m,), generator=g, dtype=dtype))
         else:
+            if self.wide and hi >= 4.0:  # an unbounded domain (not acos's, a probability's)
+                scale = min(self.wide, torch.finfo(dtype).max / 4 / hi)
+                lo, hi = (lo * scale if lo < 0 else lo), hi * scale
             element = st.floats(lo, hi, width=32)
             if self.specials and lo < 0 and self.draw(st.booleans()):
                 info = torch.finfo(dtype)  # and the largest finite values (2 * x overflows), the smallest normal
@@ -1891,7 +1907,8 @@ def _quantize_weight(t: torch.Tensor) -> torch.Tensor:
     return quantize_weight(w, "per_channel_symmetric" if w.dim() >= 2 else "per_tensor_symmetric")
 
 
-def draw_instance(draw: Callable, plan: Plan, attempts: int = 3, shapes: str | None = None) -> Instance | str:
+def draw_instance(draw: Callable, plan: Plan, attempts: int = 3, shapes: str | None = None,
+                  wide: float = 0.0) -> Instance | str:
     """An instance, or the reason the drawn one is not a valid program.
 
     A drawn instance that is not a program (an op rejects the dtype drawn, shapes
@@ -1900,7 +1917,8 @@ def draw_instance(draw: Callable, plan: Plan, attempts: int = 3, shapes: str | N
     None, ordinary shapes only; ``"mixed"``, also (a tenth of the time each) 0-d
     tensors and dims of size 0 where the ops take them; ``"scalar"``, ``"empty"``:
     mostly those; ``"strided"``: tensors of rank 2 and more, none contiguous (dims
-    laid out in reverse order)."""
+    laid out in reverse order). ``wide``: float tensors' ranges scaled by this
+    magnitude (``Instance.wide``)."""
     st = strategies()
     dtypes = st.sampled_from(plan.dtypes)
     if plan.favoured:  # what the where clause asks for, at least half the time
@@ -1911,7 +1929,7 @@ def draw_instance(draw: Callable, plan: Plan, attempts: int = 3, shapes: str | N
         dialect = draw(st.sampled_from(("torch", "aten")))
         # quantizing NaN or an infinity is not defined: quantized patterns meet finite values
         ctx = _Ctx(draw, dtype, specials=plan.tolerance == "exact" and not plan.quantized,
-                   int_specials=not plan.quantized, shapes=shapes)
+                   int_specials=not plan.quantized, shapes=shapes, wide=wide)
         builder = _Builder(ctx, plan, dialect)
         try:
             inst = builder.finish(builder.call(plan.rule.pattern), plan.rule.pattern.name)
@@ -1920,7 +1938,7 @@ def draw_instance(draw: Callable, plan: Plan, attempts: int = 3, shapes: str | N
             continue
         if plan.quantized:
             inst = attrs.evolve(inst, engine=draw(st.sampled_from(quantized_engines())))
-        return inst
+        return attrs.evolve(inst, wide=True) if wide else inst
     return why
 
 

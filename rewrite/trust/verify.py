@@ -79,8 +79,8 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from rewrite.engine.compile import CompiledRule
-from rewrite.trust.instances import (Instance, Plan, draw_instance, hypothesis_api, instances, plan_for, quantized_engines,
-                               rule_tolerance, strategies, trapping_division)
+from rewrite.trust.instances import (WIDE_SCALES, Instance, Plan, draw_instance, hypothesis_api, instances,
+                                     plan_for, quantized_engines, rule_tolerance, strategies, trapping_division)
 from rewrite.trust.check import check_equivalence
 from rewrite.trust.gradients import touches_gradients
 from rewrite.trust.rng import seeded
@@ -340,6 +340,11 @@ class _Checker:
         result = self._apply(self.one, inst)
         if not result.counts:
             stats = result.stats.get(self.rule.name)
+            if stats is not None and stats.failed and inst.wide:
+                # declining large values (a constant float16 cannot hold) is sound
+                self.counts["invalid"] += 1
+                self.last_discard = "its replacement declined the large values drawn"
+                return
             if stats is not None and stats.failed and self._other_engine(inst):
                 return
             if stats is not None and stats.failed:
@@ -350,6 +355,11 @@ class _Checker:
                 return
             raise _Failure(self._cex(inst, "did not fire", "its pattern does not match an instance built "
                                                            "from its own ops, even without the where clause"))
+        if inst.wide:
+            if self._no_new_nonfinite(inst, result.graph_module):
+                self.counts["checked"] += 1
+                self.counts["wide"] += 1
+            return
         if not self._compare(inst, result.graph_module, inst.example_inputs, self.plan.tolerance):
             return
         if touches_gradients(self.rule):
@@ -415,8 +425,8 @@ class _Checker:
         """Approximate rules again in float64, where rounding cannot hide a wrong
         formula. A rule that does not fire there (a where clause pins the dtype:
         ``dtype(x) == torch.float32``) has what it rewrote to, ``rewritten``, run in
-        float64 instead; one that casts to a dtype of its own runs with every float
-        value widened to float64, the original too (``_compare_widened``)."""
+        float64 instead, with every float value widened to float64 as it is made,
+        the original's too (``_compare_widened``)."""
         if not all(not isinstance(t, torch.Tensor) or t.dtype.is_floating_point for t in inst.example_inputs):
             return
         gm = copy.deepcopy(inst.graph_module).to(torch.float64)
@@ -436,10 +446,11 @@ class _Checker:
             same = dtypes == [getattr(t, "dtype", None) for t in pytree.tree_leaves(wanted)]
         except Exception:  # noqa: BLE001 - its replacement computes in a dtype of its own
             same = False
-        if same:
-            self._compare(inst64, widened, inputs, "approx")
-        else:  # it casts to a dtype of its own (a float16 lowering): widen its casts too
-            self._compare_widened(inst64, widened, inputs, _lowest_cast(rewritten))
+        # both run with every float widened to float64 as it is made: the original's
+        # own casts (``to(y, torch.float32)`` in ``rms_norm(to(y, float32))``) widened
+        # too, or an op whose default depends on its dtype (rms_norm's eps=None is
+        # float32's epsilon there, float64's in the replacement) differs by design
+        self._compare_widened(inst64, widened, inputs, None if same else _lowest_cast(rewritten))
 
     def _compare_widened(self, inst: Instance, rewritten: fx.GraphModule, inputs: tuple,
                          narrow: torch.dtype | None) -> None:
@@ -464,6 +475,29 @@ class _Checker:
             problem += " (in float64, the replacement's own casts widened to float64)"
             cex = self._cex(inst, "mismatch", problem, rewritten, ref_seen, got_seen)
             raise _Failure(attrs.evolve(cex, expected=_show(ref, full=True), got=_show(got, full=True)))
+
+    def _no_new_nonfinite(self, inst: Instance, rewritten: fx.GraphModule) -> bool:
+        """A wide instance (large magnitudes): raise ``_Failure`` when the rewrite
+        makes inf or NaN where the original's output is finite; False when the
+        original cannot run on it. Values are not compared: large operands amplify
+        a legitimate rounding difference past any tolerance."""
+        try:
+            ref, ref_seen = _run(inst.graph_module, inst.example_inputs)
+        except Exception:  # noqa: BLE001 - values outside the ops' domain: not an instance
+            self.counts["invalid"] += 1
+            self.last_discard = "the original graph raised on its inputs"
+            return False
+        try:
+            got, got_seen = _run(rewritten, inst.example_inputs)
+        except Exception as err:  # noqa: BLE001
+            raise _Failure(self._cex(inst, "error", f"the rewritten graph raised {type(err).__name__}: {err}",
+                                     rewritten)) from None
+        problem = _overflow(ref, got)
+        if problem is not None:
+            cex = self._cex(inst, "mismatch", problem + " (operands of large magnitude: the rewrite overflows "
+                            "where the original does not)", rewritten, ref_seen, got_seen)
+            raise _Failure(attrs.evolve(cex, expected=_show(ref, full=True), got=_show(got, full=True)))
+        return True
 
     def _compare(self, inst: Instance, rewritten: fx.GraphModule, inputs: tuple, tolerance: str) -> bool:
         """Raise ``_Failure`` when the outputs differ; False when the original itself
@@ -746,11 +780,13 @@ def verify_rule(ruleset: Any, rule: CompiledRule | str, *, max_examples: int = 1
     checker = _Checker(ruleset, plan)
     failures: list = []
 
-    def search(p: Plan, n: int, shapes: str | None = None, leading: bool = False, salt: Any = None) -> None:
+    def search(p: Plan, n: int, shapes: str | None = None, leading: bool = False, salt: Any = None,
+               wide: float = 0.0) -> None:
         """Check ``n`` instances of plan ``p`` (hypothesis draws and shrinks them).
         A leading search wants one random instance (not hypothesis' all-simplest
         first one) and gives up after a few discarded draws; ``salt`` varies its
-        seed (each dtype gets other shapes and values)."""
+        seed (each dtype gets other shapes and values); ``wide``: instances of
+        that magnitude (``Instance.wide``)."""
         tries = [0]
 
         @_settings(n)
@@ -759,7 +795,7 @@ def verify_rule(ruleset: Any, rule: CompiledRule | str, *, max_examples: int = 1
         def run(data: Any) -> None:
             if leading:
                 hyp.assume(data.draw(st.booleans()))  # False: the all-simplest draw
-            inst = data.draw(st.composite(lambda draw: draw_instance(draw, p, shapes=shapes))())
+            inst = data.draw(st.composite(lambda draw: draw_instance(draw, p, shapes=shapes, wide=wide))())
             if leading:  # (after drawing as every call does: hypothesis checks that)
                 if tries[0] >= _LEADING_TRIES and not failures:
                     raise _GiveUp()
@@ -798,6 +834,10 @@ def verify_rule(ruleset: Any, rule: CompiledRule | str, *, max_examples: int = 1
             search(attrs.evolve(plan, dtypes=(dtype,), favoured=()), 1, shapes=shapes, leading=True, salt=shapes)
         # then hypothesis' own search over every dtype, for the rest of the budget
         search(plan, max(max_examples - checker.counts["checked"], min(max_examples, 2)), shapes="mixed")
+        # an approximate rule meets large magnitudes too, one instance each (an exact
+        # one meets infinities and float32's largest values anyway)
+        for scale in _wide_scales(plan):
+            search(plan, 1, leading=True, salt=f"wide {scale:g}", wide=scale)
     except _Failure as f:
         return _failed(verdict, checker, f.counterexample)
     except Exception as err:  # noqa: BLE001 - flaky replays and the like: report the last failure
@@ -818,6 +858,16 @@ def verify_rule(ruleset: Any, rule: CompiledRule | str, *, max_examples: int = 1
             if counts["float64 unchecked"] else "")
     return RuleVerdict(status="ok", checked=counts["checked"], generated=counts["generated"], reason=note,
                        **verdict)
+
+
+def _wide_scales(plan: Plan) -> tuple:
+    """The magnitudes an approximate rule's wide instances are drawn at: none for
+    an exact or quantized rule (quantized kernels clamp to their grid), nor for
+    one declared ``assumes_range=True`` (a lowering to float16 that relies on
+    autocast's contract: the values it casts fit)."""
+    if plan.tolerance != "approx" or plan.quantized or plan.rule.rule.option("assumes_range", False):
+        return ()
+    return WIDE_SCALES
 
 
 class _GiveUp(BaseException):
