@@ -84,7 +84,7 @@ from rewrite.ops.base import REQUIRED
 
 __all__ = ["Instance", "FAMILIES", "OUTSIDE_VOCABULARY", "literal_strategy", "generator_for", "instances",
            "rule_tolerance", "Plan", "plan_for", "draw_instance",
-           "hypothesis_api", "strategies", "spread_integers", "trapping_division", "WIDE_SCALES"]
+           "hypothesis_api", "strategies", "spread_integers", "trapping_division"]
 
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # uint16/32/64 are left out: most CPU kernels reject them (add, abs, relu, where,
@@ -94,10 +94,6 @@ _INTS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 _ALL = _FLOATS + _INTS + (torch.bool,)
 _SPECIALS = (math.nan, math.inf, -math.inf, -0.0)
 _DRAWN = 24  # values drawn one by one per tensor; the rest come from a seed
-#: magnitudes a wide instance scales its float tensors' ranges by ([-4, 4] becomes
-#: [-16, 16] ... [-4e5, 4e5]): exp overflows float16 past 11 and float32 past 88;
-#: float16 holds nothing past 65504
-WIDE_SCALES = (4.0, 32.0, 1e3, 3e4, 1e5)
 
 
 def spread_integers(dtype: torch.dtype) -> tuple:
@@ -405,7 +401,7 @@ class _Ctx:
         shapes only), ``"mixed"`` (a tenth of the fresh shapes 0-d, a tenth with an
         empty dim, where the op takes them), ``"scalar"`` / ``"empty"`` (most of them
         so; see ``shape``), or ``"strided"`` (ranks and dims from 2, every tensor laid
-        out in reverse dim order); ``wide`` (a magnitude, ``WIDE_SCALES``): each
+        out in reverse dim order); ``wide`` (a magnitude, ``rewrite.trust.verify.WIDE_DRAWS``): each
         float tensor over an unbounded domain is drawn over its range times it (at
         most a quarter of its dtype's largest value), where a narrower float or an
         exponential overflows."""

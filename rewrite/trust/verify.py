@@ -79,16 +79,17 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from rewrite.engine.compile import CompiledRule
-from rewrite.trust.instances import (WIDE_SCALES, Instance, Plan, draw_instance, hypothesis_api, instances,
+from rewrite.trust.instances import (Instance, Plan, draw_instance, hypothesis_api, instances,
                                      plan_for, quantized_engines, rule_tolerance, strategies, trapping_division)
 from rewrite.trust.check import check_equivalence
+from rewrite.trust.nonfinite import non_finite_births
 from rewrite.trust.gradients import touches_gradients
 from rewrite.trust.rng import seeded
 from rewrite.trust.tolerance import Tolerance, compare_tensors, loosest, newly_nonfinite
 
 __all__ = [
     "RuleVerdict", "Counterexample", "VerificationReport", "Instance",
-    "verify_rules", "verify_rule", "instances", "rule_tolerance",
+    "verify_rules", "verify_rule", "instances", "rule_tolerance", "WIDE_DRAWS",
 ]
 
 
@@ -308,6 +309,15 @@ def _run(gm: fx.GraphModule, inputs: tuple, widen: bool = False) -> tuple:
     return out, rec.seen
 
 
+def _births(gm: fx.GraphModule, inputs: tuple) -> int:
+    """How many op calls of a run of ``gm`` turn finite values into inf or NaN."""
+    try:
+        with seeded(0):
+            return non_finite_births(lambda: gm(*[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs]))
+    except Exception:  # noqa: BLE001 - a run the recorder made already: nothing to add
+        return 0
+
+
 def _one_rule(ruleset: Any, rule: CompiledRule, without_where: bool = False) -> Any:
     return ruleset.only(attrs.evolve(rule, where=None) if without_where else rule.name)
 
@@ -493,6 +503,15 @@ class _Checker:
             raise _Failure(self._cex(inst, "error", f"the rewritten graph raised {type(err).__name__}: {err}",
                                      rewritten)) from None
         problem = _overflow(ref, got)
+        if problem is None and _births(rewritten, inst.example_inputs) > _births(inst.graph_module,
+                                                                                 inst.example_inputs):
+            # an inf the rewrite made inside (x * x in float16) and absorbed after
+            # (rsqrt(inf) = 0) shows as a wrong value: judged by the tolerance then
+            # (where nothing overflowed, large operands only amplify rounding)
+            seen = [*ref_seen.values(), *got_seen.values()]
+            problem = _differ(ref, got, "approx", _lowest_precision(seen), _quantum(seen))
+            if problem is not None:
+                problem += "; an intermediate value overflowed"
         if problem is not None:
             cex = self._cex(inst, "mismatch", problem + " (operands of large magnitude: the rewrite overflows "
                             "where the original does not)", rewritten, ref_seen, got_seen)
@@ -797,7 +816,7 @@ def verify_rule(ruleset: Any, rule: CompiledRule | str, *, max_examples: int = 1
                 hyp.assume(data.draw(st.booleans()))  # False: the all-simplest draw
             inst = data.draw(st.composite(lambda draw: draw_instance(draw, p, shapes=shapes, wide=wide))())
             if leading:  # (after drawing as every call does: hypothesis checks that)
-                if tries[0] >= _LEADING_TRIES and not failures:
+                if tries[0] >= (_WIDE_TRIES if wide else _LEADING_TRIES) and not failures:
                     raise _GiveUp()
                 tries[0] += 1
             checked = checker.counts["checked"]
@@ -834,10 +853,11 @@ def verify_rule(ruleset: Any, rule: CompiledRule | str, *, max_examples: int = 1
             search(attrs.evolve(plan, dtypes=(dtype,), favoured=()), 1, shapes=shapes, leading=True, salt=shapes)
         # then hypothesis' own search over every dtype, for the rest of the budget
         search(plan, max(max_examples - checker.counts["checked"], min(max_examples, 2)), shapes="mixed")
-        # an approximate rule meets large magnitudes too, one instance each (an exact
-        # one meets infinities and float32's largest values anyway)
-        for scale in _wide_scales(plan):
-            search(plan, 1, leading=True, salt=f"wide {scale:g}", wide=scale)
+        # an approximate rule meets large magnitudes too, one instance each, in half
+        # precision as well (an exact one meets infinities and the largest values anyway)
+        for scale, dtype in _wide_draws(plan):
+            search(attrs.evolve(plan, dtypes=(dtype,), favoured=()), 1, leading=True,
+                   salt=f"wide {scale:g} {dtype}", wide=scale)
     except _Failure as f:
         return _failed(verdict, checker, f.counterexample)
     except Exception as err:  # noqa: BLE001 - flaky replays and the like: report the last failure
@@ -860,14 +880,22 @@ def verify_rule(ruleset: Any, rule: CompiledRule | str, *, max_examples: int = 1
                        **verdict)
 
 
-def _wide_scales(plan: Plan) -> tuple:
-    """The magnitudes an approximate rule's wide instances are drawn at: none for
-    an exact or quantized rule (quantized kernels clamp to their grid), nor for
-    one declared ``assumes_range=True`` (a lowering to float16 that relies on
-    autocast's contract: the values it casts fit)."""
+def _wide_draws(plan: Plan) -> tuple:
+    """(magnitude, dtype) of an approximate rule's wide instances (``WIDE_DRAWS``),
+    in float16 and bfloat16 too, which an approximate rule's ordinary instances do
+    not draw (``plan_for``): a rewrite that squares a float16 value overflows past
+    256 where the original's kernel computes in float32. A where clause that pins
+    dtypes (``dtype(x) == torch.float32``) gets those instead. None for an exact or quantized rule
+    (quantized kernels clamp to their grid), nor for one declared
+    ``assumes_range=True`` (a lowering to float16 that relies on autocast's
+    contract: the values it casts fit)."""
     if plan.tolerance != "approx" or plan.quantized or plan.rule.rule.option("assumes_range", False):
         return ()
-    return WIDE_SCALES
+    draws = list(WIDE_DRAWS)
+    pinned = [d for d in plan.favoured if d.is_floating_point]
+    if plan.favoured:
+        draws = [(scale, pinned[i % len(pinned)]) for i, (scale, _) in enumerate(draws)] if pinned else []
+    return tuple(dict.fromkeys(draws))
 
 
 class _GiveUp(BaseException):
@@ -875,8 +903,19 @@ class _GiveUp(BaseException):
     the ops, or the where clause). A BaseException: hypothesis lets it through."""
 
 
+#: (magnitude, dtype) of an approximate rule's wide instances, whose float tensors'
+#: ranges ([-4, 4] for most ops) are scaled by the magnitude (at most to a quarter of
+#: the dtype's largest value): float32's exp overflows past 88 ([-128, 128] at 32), a
+#: float16 round trip past 65504 (1e5), float16's exp past 11 (4), its x * x past 256
+WIDE_DRAWS = ((32.0, torch.float32), (1e3, torch.float32), (1e5, torch.float32), (4.0, torch.float16),
+               (1e3, torch.float16), (3e4, torch.bfloat16))
+
 #: draws a leading search (one per dtype, then the shaped ones) makes before it gives up
 _LEADING_TRIES = 3
+#: and a wide one: its dtype is one the rule was not tried in yet, its where clause
+#: may hold rarely (``is_number(e) and last_dim(x, s)``), and it is the only look at
+#: large magnitudes
+_WIDE_TRIES = 12
 
 
 def _failed(verdict: dict, checker: _Checker, cex: Counterexample) -> RuleVerdict:
