@@ -258,7 +258,7 @@ OPS = [
        torch="F.hardtanh", aten="aten.hardtanh.default", elementwise=True, doc="clamp(x, min_val, max_val)"),
     op("leaky_relu", "input: T, negative_slope=0.01", standard("leaky_relu"),
        module("nn.LeakyReLU", extract=modules.leaky_relu),
-       instances=Instances("unary", literals=(("negative_slope", (0.01, 0.2, 0.0, 1.0, -0.5)),)),
+       instances=Instances("unary", literals=(("negative_slope", (0.01, 0.2, 0.0, 1.0, -0.5, 2.0)),)),
        torch="F.leaky_relu", aten="aten.leaky_relu.default", elementwise=True,
        doc="max(x, 0) + negative_slope * min(x, 0)"),
     # glu halves `dim`: first half * sigmoid(second half); core ATen spells it slice, sigmoid, mul
@@ -279,7 +279,7 @@ OPS = [
        fn("torch.dropout", "aten.dropout.default", rename={"train": "training"}),
        item("aten.native_dropout.default", rename={"train": "training"}),
        module("nn.Dropout", extract=modules.dropout),
-       instances=Instances("unary", literals=(("p", (0.0, 0.1, 0.5)), ("training", (False,)))),
+       instances=Instances("unary", literals=(("p", (0.0, 0.1, 0.5)), ("training", (False, True)))),
        torch="F.dropout", aten="aten.dropout.default",
        doc="zero elements with probability p when training (identity otherwise)"),
     op("identity", "input: T",

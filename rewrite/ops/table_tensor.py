@@ -104,7 +104,7 @@ OPS = [
        fn("operator.add", "operator.iadd", sig=_BINARY),
        fn("torch.add", "aten.add.Tensor", "aten.add.Scalar", "aten.add_.Tensor", "aten.add_.Scalar"),
        method("add", "add_"),
-       instances=Instances("binary", literals=(("alpha", (1, 2, -1, 0.5)),)),
+       instances=Instances("binary", literals=(("alpha", (1, 2, -1, 0.5, 0)),)),
        torch="torch.add", aten="aten.add.Tensor", commutative=True, elementwise=True,
        doc="input + alpha * other"),
     # rsub(a, b, alpha) = b - alpha * a = sub(b, a, alpha): `1 - x` is aten.rsub(x, 1)
@@ -114,7 +114,7 @@ OPS = [
        method("sub", "sub_"),
        fn("torch.rsub", rename={"input": "other", "other": "input"}),
        fn("aten.rsub.Scalar", "aten.rsub.Tensor", rename={"self": "other", "other": "input"}),
-       instances=Instances("binary", literals=(("alpha", (1, 2, -1, 0.5)),)),
+       instances=Instances("binary", literals=(("alpha", (1, 2, -1, 0.5, 0)),)),
        torch="torch.sub", aten="aten.sub.Tensor", elementwise=True, doc="input - alpha * other"),
     op("mul", "input: T, other: T",
        fn("operator.mul", "operator.imul", sig=_BINARY),
@@ -192,10 +192,10 @@ OPS = [
        instances=Instances("bmm"),
        torch="torch.bmm", aten="aten.bmm.default", doc="batched 3d matrix product"),
     op("addmm", "input: T, mat1: T, mat2: T, beta=1, alpha=1", standard("addmm"),
-       instances=Instances("addmm", literals=(("beta", (1, 0.5)), ("alpha", (1, 2)))),
+       instances=Instances("addmm", literals=(("beta", (1, 0.5, 0)), ("alpha", (1, 2)))),
        torch="torch.addmm", aten="aten.addmm.default", doc="beta * input + alpha * (mat1 @ mat2)"),
     op("baddbmm", "input: T, batch1: T, batch2: T, beta=1, alpha=1", standard("baddbmm"),
-       instances=Instances("addmm", literals=(("beta", (1, 0.5)), ("alpha", (1, 2)))),
+       instances=Instances("addmm", literals=(("beta", (1, 0.5, 0)), ("alpha", (1, 2)))),
        torch="torch.baddbmm", aten="aten.baddbmm.default", doc="beta * input + alpha * (batch1 @ batch2)"),
 
     # torch.einsum(eq, a, b) takes varargs (or one list); aten.einsum takes the list
@@ -236,7 +236,7 @@ OPS = [
        fn("torch.linalg.vector_norm", sig="input, ord=2, dim=None, keepdim=False, *, dtype=None",
           guards={"dtype": None}),
        fn("aten.linalg_vector_norm.default", guards={"dtype": None}),
-       instances=Instances("reduce", literals=(("ord", (2, 1, float("inf"), 3)), ("keepdim", bool))),
+       instances=Instances("reduce", literals=(("ord", (2, 1, float("inf"), 3, 0, -1, float("-inf"), 0.5)), ("keepdim", bool))),
        torch="torch.linalg.vector_norm", aten="aten.linalg_vector_norm.default",
        doc="(sum |x| ** ord) ** (1 / ord) over dim (all dims when None)"),
     # F.softmax carries _stacklevel; core ATen's _softmax carries half_to_float

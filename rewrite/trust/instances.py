@@ -510,7 +510,9 @@ class _Ctx:
             element = st.floats(lo, hi, width=32)
             if self.specials and lo < 0 and self.draw(st.booleans()):
                 info = torch.finfo(dtype)  # and the largest finite values (2 * x overflows), the smallest normal
-                element = element | st.sampled_from(_SPECIALS + (info.max, -info.max, info.tiny))
+                # and an odd multiple of the smallest subnormal (halving it rounds)
+                element = element | st.sampled_from(_SPECIALS + (info.max, -info.max, info.tiny,
+                                                                 3 * info.tiny * info.eps))
             head = torch.tensor(self.draw(st.lists(element, min_size=k, max_size=k)), dtype=torch.float64)
             tail = (lambda g, m: torch.rand(m, generator=g, dtype=torch.float64) * (hi - lo) + lo)
         if n > k:
@@ -1337,9 +1339,14 @@ def _softmax(ctx: _Ctx, a: _Args) -> dict:
 
 @_family("reduce")
 def _reduce(ctx: _Ctx, a: _Args) -> dict:
+    """``sum``, ``mean``, ``linalg_vector_norm``: dim None, one int, or a list of
+    dims (one, all of them, or none: ``[]`` is every dim for sum and mean)."""
     x = a.tensor("input", lambda: ctx.shape(1, 4, scalar=True, empty=True))
     r = _rank(x)
-    return {"input": x, "dim": a.lit("dim", lambda: ctx.pick([None, ctx.int(-r, r - 1) if r else 0]))}
+    if not r:
+        return {"input": x, "dim": a.lit("dim", lambda: ctx.pick([None, 0]))}
+    one = lambda: ctx.int(-r, r - 1)  # noqa: E731
+    return {"input": x, "dim": a.lit("dim", lambda: ctx.pick([None, one(), [one()], list(range(r)), []]))}
 
 
 @_family("embedding")
