@@ -38,10 +38,11 @@ from typing import Any, List, Sequence, Tuple
 import torch
 from torch import fx, nn
 
-__all__ = ["LEVELS", "DYNAMO_SOURCE", "ExportError", "ModelSpecError", "capture", "capture_with_inputs",
-           "symbolic_trace",
-           "capture_dynamo", "dynamic_shapes_of", "export_keeping_sizes", "export_program", "is_export_guard", "lifted_state_positions", "load_model", "save",
-           "save_format", "save_path_problem", "missing_folder"]
+__all__ = ["LEVELS", "DYNAMO_SOURCE", "ExportError", "ModelSpecError", "SaveError", "higher_order_ops",
+           "as_input_tuple",
+           "capture", "capture_with_inputs", "symbolic_trace", "capture_dynamo", "dynamic_shapes_of",
+           "export_keeping_sizes", "export_program", "is_export_guard", "lifted_state_positions",
+           "load_model", "save", "save_format", "save_path_problem", "missing_folder"]
 
 LEVELS: Tuple[str, ...] = ("fx", "export", "export_core", "dynamo")
 
@@ -49,7 +50,10 @@ LEVELS: Tuple[str, ...] = ("fx", "export", "export_core", "dynamo")
 DYNAMO_SOURCE = "dynamo_source"
 
 
-def _as_tuple(example_inputs: Any) -> tuple:
+def as_input_tuple(example_inputs: Any) -> tuple:
+    """A model's positional inputs as a tuple: a tuple as is, a list's items, and
+    anything else (a bare tensor) as the only input, never iterated (a tensor's
+    rows are not its inputs)."""
     if isinstance(example_inputs, tuple):
         return example_inputs
     if isinstance(example_inputs, list):
@@ -86,7 +90,7 @@ def capture_dynamo(model: nn.Module, example_inputs: Sequence[Any]) -> Tuple[fx.
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=record, fullgraph=False, dynamic=False)
     with torch.no_grad():
-        compiled(*_as_tuple(example_inputs))
+        compiled(*as_input_tuple(example_inputs))
     torch._dynamo.reset()
     if not recorded:
         raise RuntimeError("torch.compile produced no graph for this model")
@@ -135,7 +139,7 @@ def capture_with_inputs(model: nn.Module, example_inputs: Any, level: str) -> Tu
     themselves; for ``"dynamo"`` they are the placeholders dynamo recorded
     (parameters and buffers included).
     """
-    args = _as_tuple(example_inputs)
+    args = as_input_tuple(example_inputs)
     if level == "fx":
         return symbolic_trace(model), args
     if level in ("export", "export_core"):
@@ -210,8 +214,13 @@ def load_model(spec: str) -> Tuple[nn.Module, tuple]:
         model = model.eval()
     except (Exception, SystemExit) as err:  # noqa: BLE001 - the user's eval() failed
         raise ModelSpecError(f"{spec}: the model's eval() raised {type(err).__name__}: {err}") from err
-    return model, _as_tuple(inputs)
+    return model, as_input_tuple(inputs)
 
+
+
+class SaveError(ValueError):
+    """A GraphModule ``torch.save`` cannot write faithfully (``picklable``); the
+    message says which format keeps it."""
 
 
 class ExportError(RuntimeError):
@@ -235,7 +244,7 @@ def export_program(gm: fx.GraphModule, example_inputs: Any) -> "torch.export.Exp
             torch's own reason, e.g. ``torch.export cannot capture node 'to_numpy'
             (call_function to_numpy, from model.py:12): RuntimeError: ...``.
     """
-    args = _as_tuple(example_inputs)
+    args = as_input_tuple(example_inputs)
     try:
         return export_keeping_sizes(gm, args)
     except Exception as err:  # noqa: BLE001 - any failure: name the node, keep torch's reason
@@ -371,7 +380,21 @@ def picklable(gm: fx.GraphModule) -> fx.GraphModule:
     ``torch.Tensor.m(x, ...)`` call becomes ``x.m(...)`` (fx would write its import as
     ``from torch._C import TensorBase.m``); a ``torch.export`` capture's input guard
     (``_guards_fn``, a local function) is left out, so the copy does not check its
-    inputs' shapes."""
+    inputs' shapes.
+
+    Raises:
+        SaveError: the graph holds a higher-order op (``torch.cond``, an autocast
+            or ``no_grad`` region of an export capture): ``torch.load`` re-traces
+            the code ``torch.save`` writes, which calls the op's subgraph as a plain
+            submodule, so the file would load without it (and run in float32, or
+            with gradients, or not at all). ``torch.export.save`` (``.pt2``) keeps it.
+    """
+    held = higher_order_ops(gm)
+    if held:
+        raise SaveError(
+            f"the graph holds {', '.join(held)} (a higher-order op: torch.cond, an autocast or no_grad "
+            "region), which torch.save cannot keep (torch.load re-traces the code without it): save an "
+            "export capture as .pt2 (rewrite.capture.save(..., level='export'), rq.export, --pt2)")
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     graph._codegen = copy.deepcopy(gm.graph._codegen)
@@ -387,6 +410,18 @@ def picklable(gm: fx.GraphModule) -> fx.GraphModule:
     # own mode (a BatchNorm left in train mode in an eval model stays so, in gm too)
     plain.training = gm.training
     return plain
+
+
+def higher_order_ops(gm: fx.GraphModule) -> list:
+    """The names of the higher-order ops (``cond``, ``wrap_with_autocast``,
+    ``wrap_with_set_grad_enabled``...) ``gm``'s graphs call, its subgraphs' too."""
+    names: dict = {}
+    for module in gm.modules():
+        if isinstance(module, fx.GraphModule):
+            for node in module.graph.nodes:
+                if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
+                    names[node.target.name()] = None
+    return list(names)
 
 
 def _tensor_method(target: Any) -> bool:

@@ -264,7 +264,7 @@ def _parser() -> argparse.ArgumentParser:
                         "exit 1 on any counterexample, rule that did not fire, or skipped (unverified) rule")
     c.add_argument("--allow-skipped", action="store_true",
                    help="with --verify: a rule no instance could be built for is reported, not failed")
-    c.add_argument("--max-examples", type=_positive_int, default=100,
+    c.add_argument("--max-examples", type=positive_int, default=100,
                    help="instances checked per rule for --verify (discarded ones are drawn again)")
     c.add_argument("--seed", type=int, default=0, help="seed for --verify (the same seed, the same instances)")
     c.set_defaults(fn=_cmd_check)
@@ -282,7 +282,7 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--capture", choices=("fx", "export", "dynamo"), default="fx")
     a.add_argument("--ruleset", help="apply only this ruleset of the files")
     a.add_argument("--no-check", action="store_true", help="skip the equivalence check")
-    a.add_argument("--trials", type=_positive_int, default=3)
+    a.add_argument("--trials", type=positive_int, default=3)
     a.add_argument("--rtol", type=_tolerance, help="relative tolerance of the check (default: by dtype)")
     a.add_argument("--atol", type=_tolerance, help="absolute tolerance of the check (default: by dtype)")
     a.add_argument("--save", metavar="PATH", help="save the result: *.pt (torch.save of the GraphModule) for "
@@ -310,8 +310,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--model", required=True, help="module:callable returning (model, example_inputs)")
     s.add_argument("--capture", choices=("fx", "export", "export_core", "dynamo"), default="fx")
     s.add_argument("--by", choices=("module", "op"), help="roll the table up by module path or by op")
-    s.add_argument("--depth", type=int, default=2, help="with --by module: module path components kept")
-    s.add_argument("--limit", type=int, help="print at most this many rows")
+    s.add_argument("--depth", type=non_negative_int, default=2,
+                   help="with --by module: module path components kept (0: the whole path)")
+    s.add_argument("--limit", type=non_negative_int, help="print at most this many rows")
     out = s.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print plain data: nodes, totals, groups (--by, default op)")
     out.add_argument("--csv", action="store_true", help="print one CSV row per node")
@@ -428,7 +429,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         args = _parser().parse_args(argv)
         run = functools.partial(args.fn, args)
-    from rewrite.capture import ExportError, ModelSpecError
+    from rewrite.capture import ExportError, ModelSpecError, SaveError
     from rewrite.language import RuleError
 
     for module in imports:  # the user's own code, named on the command line (never by a rule file)
@@ -442,7 +443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RuleError as err:
         print(str(err), file=sys.stderr)
         return 1
-    except (ModelSpecError, ExportError, _NoSuchRuleset) as err:  # the user's model, rules or result
+    except (ModelSpecError, ExportError, SaveError, _NoSuchRuleset) as err:  # the user's model, rules or result
         print(f"rewrite: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -454,14 +455,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     """argparse type: an int of at least 1."""
+    return _int_at_least(text, 1, "a positive int")
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an int of at least 0."""
+    return _int_at_least(text, 0, "a non-negative int")
+
+
+def _int_at_least(text: str, least: int, what: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive int")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{value} is not {what}")
     return value
 
 

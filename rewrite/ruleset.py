@@ -27,7 +27,7 @@ import attrs
 import torch
 import torch.fx as fx
 
-from rewrite.capture import symbolic_trace
+from rewrite.capture import as_input_tuple, symbolic_trace
 from rewrite.engine.compile import compile_rule
 from rewrite.engine.driver import Driver, Schedule
 from rewrite.engine.facts import forget_recorded_facts
@@ -300,7 +300,7 @@ class RuleSet:
                 "result yourself), or wrap the model in a module whose forward takes them positionally")
         original = model if isinstance(model, fx.GraphModule) else _symbolic_trace(model)
         self._warn_hidden(original)
-        example_inputs = tuple(example_inputs) if example_inputs is not None else None
+        example_inputs = as_input_tuple(example_inputs) if example_inputs is not None else None
         # one pause of the cyclic collector for the whole call: paused separately, the
         # copy's young objects were collected once between copying and rewriting.
         # Outside inference mode: a constant a rule computes (a folded weight) is then

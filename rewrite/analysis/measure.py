@@ -56,7 +56,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from rewrite.analysis.progress import progress
-from rewrite.capture import is_export_guard, lifted_state_positions
+from rewrite.capture import as_input_tuple, is_export_guard, lifted_state_positions
 from rewrite.engine.replace import RULE_KEY
 from rewrite.engine.symbolic import size_hint
 from rewrite.ops import bind_node
@@ -550,12 +550,17 @@ def analyze(gm: Any, example_inputs: Sequence[Any] | None = None, *, show_progre
         raise TypeError(f"analyze wants a torch.fx.GraphModule or ExportedProgram, not {type(gm).__name__}")
     from rewrite.trust.check import laid_out_copy, preserved_state
 
-    inputs = tuple(example_inputs) if example_inputs is not None else _inputs_from_meta(gm)
+    inputs = as_input_tuple(example_inputs) if example_inputs is not None else _inputs_from_meta(gm)
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    if type(gm.graph._codegen) is fx.graph.CodeGen and len(inputs) > len(placeholders):
+        # (an export graph takes its inputs as the model's pytree; the interpreter
+        # would quietly leave extra inputs out)
+        raise ValueError(f"analyze got {len(inputs)} inputs for a graph of {len(placeholders)}: pass "
+                         f"example_inputs as a tuple of the graph's inputs")
     # a measurement leaves no trace: the graph runs on copies of the inputs (a model
     # may write its input; a dynamo graph's lifted parameters and buffers are the
     # caller's model's own, a train-mode BatchNorm writes its running statistics), and
     # the state its forward writes (a step counter, running statistics) is put back
-    placeholders = list(gm.graph.find_nodes(op="placeholder"))
     lifted = set(lifted_state_positions(gm))
     with torch.no_grad():
         inputs = tuple(laid_out_copy(inputs))

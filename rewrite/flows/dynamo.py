@@ -184,6 +184,8 @@ def backend(rules: Any, *, compiler: Any = "python", check: bool = True, on_resu
         # counter, ``self.step = self.step + 1``) hands a new tensor on later calls
         kept_set = set(kept)
         frozen = tuple((i, t) for i, t in enumerate(example_inputs) if i not in kept_set)
+        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for _, t in frozen):
+            _warn_no_gradients()
         # in place on our copy (a failed check puts it back; no second copy)
         result = rules.apply(gm, example_inputs=tuple(kept_inputs), check=check, **{"inplace": True, **apply_options})
         if on_result is not None:
@@ -202,6 +204,13 @@ def backend(rules: Any, *, compiler: Any = "python", check: bool = True, on_resu
         return run
 
     return compile_fn
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_no_gradients() -> None:
+    warnings.warn("rewrite.backend freezes the model's parameters into the compiled graph: with gradients "
+                  "enabled, they get none through it (the backend is for inference: compile model.eval() and "
+                  "call it under torch.no_grad(); to train a rewritten model, use rewrite.qat)", stacklevel=3)
 
 
 @functools.lru_cache(maxsize=1)

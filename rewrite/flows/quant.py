@@ -1258,15 +1258,18 @@ def save(gm: fx.GraphModule, path: Any) -> None:
 
 def add_quantize_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The options of ``rewrite quantize`` (see ``quantize_command``)."""
+    from rewrite.cli import non_negative_int, positive_int  # (the command line imports this module late)
+
     p.add_argument("--model", required=True, help="module:callable returning (model, example_inputs)")
     p.add_argument("--capture", choices=("fx", "export"), default="fx")
     p.add_argument("--backend", choices=BACKENDS, default="x86")
     p.add_argument("--ruleset", help="ruleset of the observe rules: main (all ops), onednn, or linear "
                                       "(linear layers only); default: onednn for that backend, else main")
     p.add_argument("--observe", help="your own observe rule file instead of rules/quant/observe.rw")
-    p.add_argument("--calibration", type=int, default=8, metavar="N",
-                   help="calibrate on N random batches shaped like the example inputs")
-    p.add_argument("--held-out", type=int, default=4, metavar="N", help="report SQNR on N other random batches")
+    p.add_argument("--calibration", type=non_negative_int, default=8, metavar="N",
+                   help="calibrate on the example inputs and N random batches shaped like them")
+    p.add_argument("--held-out", type=positive_int, default=4, metavar="N",
+                   help="report SQNR on N other random batches")
     p.add_argument("--flag-below", type=float, default=20.0, help="flag tensors below this SQNR (dB)")
     p.add_argument("--no-check", action="store_true",
                    help="skip the equivalence checks (fused and observed vs float, int8 vs QDQ)")
