@@ -24,6 +24,8 @@ import os
 import sys
 from typing import Any, Sequence
 
+from rewrite.arguments import non_negative_int, positive_int
+
 __all__ = ["main"]
 
 
@@ -453,26 +455,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as err:  # noqa: BLE001 - report, do not dump a traceback on users
         print(f"rewrite: internal error: {type(err).__name__}: {err}", file=sys.stderr)
         return 2
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an int of at least 1."""
-    return _int_at_least(text, 1, "a positive int")
-
-
-def non_negative_int(text: str) -> int:
-    """argparse type: an int of at least 0."""
-    return _int_at_least(text, 0, "a non-negative int")
-
-
-def _int_at_least(text: str, least: int, what: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
-    if value < least:
-        raise argparse.ArgumentTypeError(f"{value} is not {what}")
-    return value
 
 
 def _tolerance(text: str) -> float:

@@ -1258,7 +1258,7 @@ def save(gm: fx.GraphModule, path: Any) -> None:
 
 def add_quantize_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The options of ``rewrite quantize`` (see ``quantize_command``)."""
-    from rewrite.cli import non_negative_int, positive_int  # (the command line imports this module late)
+    from rewrite.arguments import non_negative_int, positive_int
 
     p.add_argument("--model", required=True, help="module:callable returning (model, example_inputs)")
     p.add_argument("--capture", choices=("fx", "export"), default="fx")

@@ -1345,7 +1345,9 @@ def _reduce(ctx: _Ctx, a: _Args) -> dict:
     r = _rank(x)
     if not r:
         return {"input": x, "dim": a.lit("dim", lambda: ctx.pick([None, 0]))}
-    one = lambda: ctx.int(-r, r - 1)  # noqa: E731
+    empty = [i for i, size in enumerate(_shape(x) or ()) if size == 0]
+    # an empty tensor is reduced over a dim of size 0 (a mean of nothing is NaN)
+    one = (lambda: ctx.pick(empty)) if empty else (lambda: ctx.int(-r, r - 1))  # noqa: E731
     return {"input": x, "dim": a.lit("dim", lambda: ctx.pick([None, one(), [one()], list(range(r)), []]))}
 
 
