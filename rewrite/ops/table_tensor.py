@@ -236,7 +236,8 @@ OPS = [
        fn("torch.linalg.vector_norm", sig="input, ord=2, dim=None, keepdim=False, *, dtype=None",
           guards={"dtype": None}),
        fn("aten.linalg_vector_norm.default", guards={"dtype": None}),
-       instances=Instances("reduce", literals=(("ord", (2, 1, float("inf"), 3, 0, -1, float("-inf"), 0.5)), ("keepdim", bool))),
+       instances=Instances("reduce", literals=(("ord", (2, 1, float("inf"), 3, 0, -1, float("-inf"), 0.5)),
+                                               ("keepdim", bool))),
        torch="torch.linalg.vector_norm", aten="aten.linalg_vector_norm.default",
        doc="(sum |x| ** ord) ** (1 / ord) over dim (all dims when None)"),
     # F.softmax carries _stacklevel; core ATen's _softmax carries half_to_float

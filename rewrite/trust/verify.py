@@ -82,7 +82,7 @@ from rewrite.engine.compile import CompiledRule
 from rewrite.trust.instances import (Instance, Plan, draw_instance, hypothesis_api, instances,
                                      plan_for, quantized_engines, rule_tolerance, strategies, trapping_division)
 from rewrite.trust.check import check_equivalence
-from rewrite.trust.nonfinite import non_finite_births
+from rewrite.trust.nonfinite import NonFiniteCounter
 from rewrite.trust.gradients import touches_gradients
 from rewrite.trust.rng import seeded
 from rewrite.trust.tolerance import Tolerance, compare_tensors, loosest, newly_nonfinite
@@ -309,13 +309,12 @@ def _run(gm: fx.GraphModule, inputs: tuple, widen: bool = False) -> tuple:
     return out, rec.seen
 
 
-def _births(gm: fx.GraphModule, inputs: tuple) -> int:
-    """How many op calls of a run of ``gm`` turn finite values into inf or NaN."""
-    try:
-        with seeded(0):
-            return non_finite_births(lambda: gm(*[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs]))
-    except Exception:  # noqa: BLE001 - a run the recorder made already: nothing to add
-        return 0
+def _counted_run(gm: fx.GraphModule, inputs: tuple) -> tuple:
+    """``_run``, and how many of its op calls turn finite values into inf or NaN."""
+    counter = NonFiniteCounter()
+    with counter:
+        out, seen = _run(gm, inputs)
+    return out, seen, sum(counter.births.values())
 
 
 def _one_rule(ruleset: Any, rule: CompiledRule, without_where: bool = False) -> Any:
@@ -368,7 +367,6 @@ class _Checker:
         if inst.wide:
             if self._no_new_nonfinite(inst, result.graph_module):
                 self.counts["checked"] += 1
-                self.counts["wide"] += 1
             return
         if not self._compare(inst, result.graph_module, inst.example_inputs, self.plan.tolerance):
             return
@@ -486,25 +484,32 @@ class _Checker:
             cex = self._cex(inst, "mismatch", problem, rewritten, ref_seen, got_seen)
             raise _Failure(attrs.evolve(cex, expected=_show(ref, full=True), got=_show(got, full=True)))
 
+    def _both_runs(self, inst: Instance, rewritten: fx.GraphModule, inputs: tuple, run: Any) -> tuple | None:
+        """``(run(original), run(rewritten))`` on ``inputs``; None (counted as not an
+        instance) when the original raises, ``_Failure`` when only the rewrite does."""
+        try:
+            ref = run(inst.graph_module, inputs)
+        except Exception:  # noqa: BLE001 - values outside the ops' domain: not an instance
+            self.counts["invalid"] += 1
+            self.last_discard = "the original graph raised on its inputs"
+            return None
+        try:
+            return ref, run(rewritten, inputs)
+        except Exception as err:  # noqa: BLE001
+            raise _Failure(self._cex(inst, "error", f"the rewritten graph raised {type(err).__name__}: {err}",
+                                     rewritten)) from None
+
     def _no_new_nonfinite(self, inst: Instance, rewritten: fx.GraphModule) -> bool:
         """A wide instance (large magnitudes): raise ``_Failure`` when the rewrite
         makes inf or NaN where the original's output is finite; False when the
         original cannot run on it. Values are not compared: large operands amplify
         a legitimate rounding difference past any tolerance."""
-        try:
-            ref, ref_seen = _run(inst.graph_module, inst.example_inputs)
-        except Exception:  # noqa: BLE001 - values outside the ops' domain: not an instance
-            self.counts["invalid"] += 1
-            self.last_discard = "the original graph raised on its inputs"
+        runs = self._both_runs(inst, rewritten, inst.example_inputs, _counted_run)
+        if runs is None:
             return False
-        try:
-            got, got_seen = _run(rewritten, inst.example_inputs)
-        except Exception as err:  # noqa: BLE001
-            raise _Failure(self._cex(inst, "error", f"the rewritten graph raised {type(err).__name__}: {err}",
-                                     rewritten)) from None
+        (ref, ref_seen, ref_births), (got, got_seen, got_births) = runs
         problem = _overflow(ref, got)
-        if problem is None and _births(rewritten, inst.example_inputs) > _births(inst.graph_module,
-                                                                                 inst.example_inputs):
+        if problem is None and got_births > ref_births:
             # an inf the rewrite made inside (x * x in float16) and absorbed after
             # (rsqrt(inf) = 0) shows as a wrong value: judged by the tolerance then
             # (where nothing overflowed, large operands only amplify rounding)
@@ -521,17 +526,10 @@ class _Checker:
     def _compare(self, inst: Instance, rewritten: fx.GraphModule, inputs: tuple, tolerance: str) -> bool:
         """Raise ``_Failure`` when the outputs differ; False when the original itself
         cannot run on the inputs (not an instance after all)."""
-        try:
-            ref, ref_seen = _run(inst.graph_module, inputs)
-        except Exception:  # noqa: BLE001 - values outside the ops' domain: not an instance
-            self.counts["invalid"] += 1
-            self.last_discard = "the original graph raised on its inputs"
+        runs = self._both_runs(inst, rewritten, inputs, _run)
+        if runs is None:
             return False
-        try:
-            got, got_seen = _run(rewritten, inputs)
-        except Exception as err:  # noqa: BLE001
-            raise _Failure(self._cex(inst, "error", f"the rewritten graph raised {type(err).__name__}: {err}",
-                                     rewritten)) from None
+        (ref, ref_seen), (got, got_seen) = runs
         seen = [*ref_seen.values(), *got_seen.values()]
         problem = _overflow(ref, got) or _differ(ref, got, tolerance, _lowest_precision(seen), _quantum(seen))
         if problem is not None and tolerance == "approx" and not problem.startswith("output structure"):
