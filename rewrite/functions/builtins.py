@@ -260,7 +260,12 @@ def broadcasts_to(x: Value, y: Value) -> bool:
         return False if x.is_literal else None
     my = y.meta
     if my is None:
-        return y.is_literal and isinstance(y.operand, (int, float)) and not isinstance(y.operand, bool)
+        number = y.operand if y.is_literal else None
+        if not isinstance(number, (int, float)) or isinstance(number, bool):
+            return False
+        # a number leaves the shape, and the dtype unless it is of a wider kind
+        # (``x + 0.0`` of an int64 ``x`` is float32)
+        return torch.result_type(torch.empty(0, dtype=mx.dtype), number) == mx.dtype
     try:
         shape = torch.broadcast_shapes(tuple(mx.shape), tuple(my.shape))
     except RuntimeError:
@@ -417,7 +422,20 @@ def _memo_last(fn: Any) -> Any:
 @_memo_last
 def _conv_bn(w: Any, b: Any, mean: Any, var: Any, gamma: Any, beta: Any, eps: float, transpose: bool) -> tuple:
     fw, fb = _fusion.fuse_conv_bn_weights(*map(_wide, (w, b, mean, var)), eps, _wide(gamma), _wide(beta), transpose)
-    return (_held(fw, w.dtype, "conv_bn_weight"), _held(fb, w.dtype if b is None else b.dtype, "conv_bn_bias"))
+    return (_bn_laid_out(_held(fw, w.dtype, "conv_bn_weight"), w),
+            _held(fb, w.dtype if b is None else b.dtype, "conv_bn_bias"))
+
+
+def _bn_laid_out(fw: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The folded weight laid out so that the conv lays its result out as the batch
+    norm it replaces did: CPU's batch norm keeps a channels_last (3d) input so and
+    makes anything else contiguous, while a conv lays its result out after its
+    weight, so a 1-d conv's channels-last-strided weight (strides ``(k*c, 1, c)``)
+    kept would leave a strided result where a ``view`` read a contiguous one."""
+    for fmt, rank in ((torch.channels_last, 4), (torch.channels_last_3d, 5)):
+        if w.dim() == rank and w.is_contiguous(memory_format=fmt) and not w.is_contiguous():
+            return fw.contiguous(memory_format=fmt)
+    return fw.contiguous()
 
 
 @_memo_last

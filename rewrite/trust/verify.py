@@ -317,6 +317,42 @@ def _counted_run(gm: fx.GraphModule, inputs: tuple) -> tuple:
     return out, seen, sum(counter.births.values())
 
 
+def _strided_input(inst: Instance) -> bool:
+    """Some input tensor of the instance is laid out otherwise than contiguously."""
+    return any(isinstance(t, torch.Tensor) and not t.is_quantized and t.numel() > 1 and not t.is_contiguous()
+               for t in inst.example_inputs)
+
+
+def _viewed(inst: Instance) -> Instance | None:
+    """The instance with each contiguous tensor output of two or more elements read
+    by a flattening ``view`` (as a reader inside a bigger graph would); None when
+    there is none."""
+    try:
+        outputs, _ = _run(inst.graph_module, inst.example_inputs)
+    except Exception:  # noqa: BLE001
+        return None
+    gm = copy.deepcopy(inst.graph_module)
+    out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    leaves, spec = pytree.tree_flatten(out_node.args[0])
+    values = pytree.tree_leaves(outputs)
+    if len(values) != len(leaves):
+        return None
+    viewed = False
+    with gm.graph.inserting_before(out_node):
+        for i, (leaf, value) in enumerate(zip(leaves, values)):
+            if (isinstance(leaf, fx.Node) and isinstance(value, torch.Tensor) and not value.is_quantized
+                    and value.layout == torch.strided and value.numel() > 1 and value.dim() > 1
+                    and value.is_contiguous()):
+                leaves[i] = (gm.graph.call_function(torch.ops.aten.view.default, (leaf, [-1]))
+                             if inst.dialect == "aten" else gm.graph.call_method("view", (leaf, -1)))
+                viewed = True
+    if not viewed:
+        return None
+    out_node.args = (pytree.tree_unflatten(leaves, spec),)
+    gm.recompile()
+    return attrs.evolve(inst, graph_module=gm)
+
+
 def _one_rule(ruleset: Any, rule: CompiledRule, without_where: bool = False) -> Any:
     return ruleset.only(attrs.evolve(rule, where=None) if without_where else rule.name)
 
@@ -330,6 +366,7 @@ class _Checker:
 
     def __init__(self, ruleset: Any, plan: Plan) -> None:
         self.plan, self.rule = plan, plan.rule
+        self.whole = ruleset
         self.one = _one_rule(ruleset, plan.rule)
         self.probe = _one_rule(ruleset, plan.rule, without_where=True)
         self.counts: collections.Counter = collections.Counter()
@@ -372,9 +409,43 @@ class _Checker:
             return
         if touches_gradients(self.rule):
             self._compare_gradients(inst, result.graph_module)
+        if _strided_input(inst):
+            self._check_viewable(inst)
         if self.plan.tolerance == "approx" and inst.dtype != torch.float64:
             self._check_float64(inst, result.graph_module)
         self.counts["checked"] += 1
+
+    def _check_viewable(self, inst: Instance) -> None:
+        """Inside a graph, the rule's result is read by ops that depend on its strides,
+        which the layout restore of outputs does not reach: where the original's
+        result can be ``view``-ed flat, the rewritten one must be too
+        (``contiguous(x) => clone(x)`` keeps a transposed ``x`` transposed, and a
+        ``.view(-1)`` after it raises). Unless the rule's own file makes it so: the
+        AMP files lower such a view to a ``reshape``."""
+        probe = _viewed(inst)
+        if probe is None:
+            return
+        try:
+            _run(probe.graph_module, probe.example_inputs)
+        except Exception:  # noqa: BLE001 - the original cannot be viewed either
+            return
+        problem = None
+        for ruleset in (self.one, self.whole):
+            result = self._apply(ruleset, probe, quiet=True)
+            if result is None or self.rule.name not in result.counts:
+                return  # it does not fire before a view: nothing to tell
+            try:
+                _run(result.graph_module, probe.example_inputs)
+                return
+            except Exception as err:  # noqa: BLE001
+                strides = ", ".join(f"{t.stride()}" for t in probe.example_inputs
+                                    if isinstance(t, torch.Tensor) and not t.is_contiguous())
+                problem = (f"a view of its result raised {type(err).__name__}: {str(err).splitlines()[0]} "
+                           f"(on inputs of strides {strides}, the replacement lays its result out "
+                           f"otherwise than the original: a reader inside a graph that depends on "
+                           f"strides, such as view, fails where it worked)")
+                rewritten = result.graph_module
+        raise _Failure(self._cex(probe, "error", problem, rewritten))
 
     def _compare_gradients(self, inst: Instance, rewritten: fx.GraphModule) -> None:
         """A rule naming an op whose gradient its forward values do not tell
