@@ -30,7 +30,10 @@ Verdicts, per rule:
 * ``ok``: every instance on which the rule fired gave the same outputs, in the
   instance's dtype and, for approximate rules, again in float64;
 * ``counterexample``: outputs differed, or the engine raised, or the rule did not
-  terminate. Whatever the tolerance: shapes and dtypes must be equal (an integer
+  terminate, or (on an instance with a non-contiguous input) a flattening ``view``
+  of the rewritten result raised where the original's worked: the rule changes its
+  result's layout, which a stride-dependent reader inside a graph sees (unless the
+  rule's own file lowers such a view: ``_Checker._check_viewable``). Whatever the tolerance: shapes and dtypes must be equal (an integer
   output that became float is a mismatch), integer and bool outputs equal, and a
   value finite in the original must be finite in the rewritten graph (a rewrite that
   overflows to inf or makes a NaN is wrong however close the rest is). ``exact``
