@@ -262,6 +262,9 @@ class Plan:
     #: variable -> the variables ``same_shape``/``shapes_equal`` pair it with (a reshape
     #: back to the shape of a value bound before: ``same_shape(r, l)``)
     partners: Any = attrs.field(factory=dict)
+    #: dim variables the where clause wants to be the last dim (``last_dim(x, d)``):
+    #: drawn as one of its spellings, not one dim in the rank's
+    last_dims: frozenset = frozenset()
 
 
 # where-clause predicates that want a number literal (the positive ones too), and
@@ -285,7 +288,8 @@ def plan_for(rule: CompiledRule) -> Plan:
     ``output_quantized`` quantizes the root; ``symmetric_pad`` draws symmetric pads;
     ``positive_number``/``is_number`` make a binary operand a (positive) number and
     ``additive_mask``/``additive_bias``/``broadcasts_to`` one that fits the other,
-    ``norm_weight(w, x)`` a vector of the other's last dim.
+    ``norm_weight(w, x)`` a vector of the other's last dim, ``last_dim(x, d)`` a
+    reduction's or softmax's ``d`` one of the last dim's spellings.
     Otherwise every dtype is drawn: float32, float64, bfloat16, float16, int64, int32,
     int16, int8, uint8 and bool for exact rules, all but float16 and bfloat16 for approximate
     ones unless favoured (an op that rejects the dtype discards the instance).
@@ -293,7 +297,7 @@ def plan_for(rule: CompiledRule) -> Plan:
     consts, params, favoured, floats_only = set(), set(), [], False
     producers: dict = {}
     quantized_outputs, symmetric_pads, ranks, avoided = set(), set(), {}, {}
-    numbers, positives, fitting, features, partners = set(), set(), set(), set(), {}
+    numbers, positives, fitting, features, partners, last_dims = set(), set(), set(), set(), {}, set()
     for c in _conjuncts(rule.where):
         if isinstance(c, ast.Call):
             name = c.op.names[0]
@@ -314,6 +318,8 @@ def plan_for(rule: CompiledRule) -> Plan:
                     positives.add(first)
             if first is not None and name == "norm_weight":
                 features.add(first)
+            if name == "last_dim" and len(c.args) == 2 and isinstance(c.args[1], ast.Var):
+                last_dims.add(c.args[1].name)
             at = _FITTING.get(name)
             if at is not None and len(c.args) > at and isinstance(c.args[at], ast.Var):
                 fitting.add(c.args[at].name)
@@ -358,7 +364,7 @@ def plan_for(rule: CompiledRule) -> Plan:
                 tuple(dict.fromkeys(favoured)), producers, frozenset(quantized_outputs),
                 frozenset(symmetric_pads), quantized, frozenset(partners), ranks, avoided,
                 frozenset(numbers), frozenset(positives), frozenset(fitting), frozenset(features),
-                {v: frozenset(o) for v, o in partners.items()})
+                {v: frozenset(o) for v, o in partners.items()}, frozenset(last_dims))
 
 
 def _pattern_ops(p: Any) -> list:
@@ -1334,7 +1340,15 @@ def _group_norm(ctx: _Ctx, a: _Args) -> dict:
 def _softmax(ctx: _Ctx, a: _Args) -> dict:
     x = a.tensor("input", lambda: ctx.shape(1, 4, scalar=True, empty=True))
     r = _rank(x)
+    if r and _wants_last(a):
+        return {"input": x, "dim": a.lit("dim", lambda: ctx.pick([-1, r - 1]))}
     return {"input": x, "dim": a.lit("dim", lambda: ctx.int(-r, r - 1) if r else 0)}
+
+
+def _wants_last(a: _Args) -> bool:
+    """The where clause wants the op's ``dim`` to be the last dim (``last_dim(x, d)``),
+    which a dim drawn among the rank's is a quarter of the time at best."""
+    return a.plan is not None and a.hinted("dim", a.plan.last_dims)
 
 
 @_family("reduce")
@@ -1348,6 +1362,8 @@ def _reduce(ctx: _Ctx, a: _Args) -> dict:
     empty = [i for i, size in enumerate(_shape(x) or ()) if size == 0]
     # an empty tensor is reduced over a dim of size 0 (a mean of nothing is NaN)
     one = (lambda: ctx.pick(empty)) if empty else (lambda: ctx.int(-r, r - 1))  # noqa: E731
+    if _wants_last(a):
+        return {"input": x, "dim": a.lit("dim", lambda: ctx.pick([-1, r - 1, [-1], [r - 1]]))}
     return {"input": x, "dim": a.lit("dim", lambda: ctx.pick([None, one(), [one()], list(range(r)), []]))}
 
 
