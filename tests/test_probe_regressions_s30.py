@@ -99,3 +99,27 @@ def test_a_folded_conv_keeps_the_layout_the_batch_norm_gave():
     result = rewrite.load("rules/fusion.rw").apply(gm, (x,), check=False)
     assert sum(result.counts.values()) == 1
     torch.testing.assert_close(result.graph_module(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- QAT's error names what stays float
+
+
+class _CircularConvs(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = torch.nn.Conv2d(3, 4, 3, padding=1, padding_mode="circular")
+        self.c2 = torch.nn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect")
+
+    def forward(self, x):
+        return self.c2(torch.relu(self.c(x)))
+
+
+def test_prepare_qat_names_the_convs_it_could_not_quantize():
+    import rewrite.qat as rqat
+
+    x = torch.randn(2, 3, 8, 8)
+    with pytest.raises(rqat.QATError) as err:
+        rqat.prepare_qat(_CircularConvs().eval(), (x,), calibration=[(x,)], capture="fx")
+    message = str(err.value)
+    assert "has no conv" not in message
+    assert "c (conv)" in message and "c2 (conv)" in message and "leaf module" in message

@@ -235,6 +235,13 @@ def prepare_qat(
         if dtypes:
             raise QATError(f"the QAT rules inserted no fake quantizer: the inputs are {', '.join(dtypes)}, and "
                            "int8 kernels and fake quantizers take float32 (convert the model with .float())")
+        left = ptq.coverage(gm).left_float
+        if left:
+            # convs and linears the rules cannot quantize (inside a leaf module the
+            # capture calls whole, a transposed conv...): named, as coverage names them
+            named = "; ".join(f"{f.layer} ({f.op}): {f.reason}" for f in left)
+            raise QATError(f"the QAT rules inserted no fake quantizer: every conv and linear of the model "
+                           f"stays float: {named}")
         raise QATError("the QAT rules inserted no fake quantizer: the model has no conv, linear, add, "
                        "mul, cat or matmul they quantize")
     qat.meta[_META] = {"backend": backend, "ruleset": ruleset, "example_inputs": args,
