@@ -123,3 +123,36 @@ def test_prepare_qat_names_the_convs_it_could_not_quantize():
     message = str(err.value)
     assert "has no conv" not in message
     assert "c (conv)" in message and "c2 (conv)" in message and "leaf module" in message
+
+
+# ---------------------------------------------------------------- ops a replacement may not build
+
+
+@pytest.mark.parametrize("op", [
+    "aten._reshape_alias(x, [1024], [1])",     # reads past its storage: a segfault
+    "aten._sparse_coo_tensor_unsafe(x, x, [10])",
+    "aten.empty_like(x)", "aten.new_empty(x, [4])", "torch.empty_like(x)", "Tensor.new_empty(x, [4])",
+    "aten._backward(x, [x])", "Tensor.retain_grad(x)",
+])
+def test_a_replacement_may_not_build_unsafe_ops(op):
+    with pytest.raises(rewrite.RuleError, match=r"E106") as err:
+        rewrite.parse(f"rule r: sigmoid(x) => neg({op})", "probe.rw")
+    assert "probe.rw:1:" in str(err.value)
+
+
+def test_a_pattern_may_still_match_them_and_the_vocabularys_spellings_build():
+    rewrite.parse("rule r: aten._unsafe_view(x, s) => aten.view(x, s)")
+    rewrite.parse("rule r: aten.empty_like(x) => aten.zeros_like(x)")
+    rewrite.parse("rule r: sigmoid(x) => aten._unsafe_view(tanh(x), [-1])")
+
+
+def test_the_memory_unsafe_rule_no_longer_reaches_the_model():
+    from rewrite.cli import main
+
+    import pathlib
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = pathlib.Path(tmp) / "crash.rw"
+        path.write_text("rule crash: sigmoid(x) => neg(aten._reshape_alias(x, [1073741824], [1]))\n")
+        assert main(["check", "--verify", str(path)]) == 1

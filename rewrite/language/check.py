@@ -696,6 +696,7 @@ class _Checker:
         if kind == "op":
             self._op_args(c, found, f"'{name}'", span)
             self._writes(c, found, name, span)
+            self._unsafe_emission(name, span)
         elif kind == "function" and found.kind in ("constant", "module"):
             self._function_args(c, found, span)
         elif kind == "function":
@@ -735,6 +736,21 @@ class _Checker:
                        f"a value it creates", "E105",
                        help="emit the functional op (e.g. 'mul' rather than 'aten.mul_'), or write into a "
                             "fresh copy: aten.mul_(clone(x), -1.0)")
+
+    def _unsafe_emission(self, name: str, span: Any) -> None:
+        """A replacement builds ops outside the vocabulary only where they are safe
+        (``rewrite.ops.generic.emission_refusal``)."""
+        from rewrite.ops.generic import emission_refusal
+        from rewrite.ops.resolve import normalize_qualname
+
+        qualname = normalize_qualname(name)
+        if qualname is None or "." not in qualname or _vocabulary().in_vocabulary(name):
+            return
+        why = emission_refusal(qualname)
+        if why is not None:
+            self.error(span, f"'{name}' cannot be built by a replacement: {why}", "E106",
+                       help="build the public op the vocabulary names (rewrite.reference lists them); "
+                            "a pattern may still match this one")
 
     @staticmethod
     def _arguments(c: ast.Call, opdef: Any) -> dict:

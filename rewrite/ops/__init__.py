@@ -10,6 +10,7 @@ from rewrite.ops.vocabulary import (
     detect_dialect,
     forms_for_key,
     forms_for_node,
+    in_vocabulary,
     lookup_op,
     mutates_input,
     op_refusal,
@@ -18,6 +19,6 @@ from rewrite.ops.vocabulary import (
 
 __all__ = [
     "REQUIRED", "Bound", "ConstRef", "OpDef", "Param", "node_key", "bind_node",
-    "detect_dialect", "forms_for_key", "forms_for_node", "lookup_op", "mutates_input", "op_names",
+    "detect_dialect", "forms_for_key", "forms_for_node", "in_vocabulary", "lookup_op", "mutates_input", "op_names",
     "op_refusal",
 ]

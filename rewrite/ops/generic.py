@@ -23,6 +23,10 @@ is, after ``rewrite.ops.resolve.normalize_qualname`` rejects dunders:
   random numbers are refused, as are torch's own namespaces. See
   ``rewrite.ops.custom`` for the full allow/deny rules.
 
+A replacement may not build every op it may name: ``emission_refusal`` says which
+(private aten ops, ops that make uninitialized or unchecked memory, autograd effects;
+E106). A pattern may match any of them.
+
 A name without an overload takes the signature of the default overload (or the
 first that takes a tensor first); ``aten.sum.dim_IntList`` names another. An aten
 packet name also matches its other overloads that take the same arguments.
@@ -44,7 +48,7 @@ from rewrite.ops.builders import fn, make_op, method, sig_params
 from rewrite.ops.custom import custom_opdef, library_name
 from rewrite.ops.resolve import Sig, aten_overload, resolve, schema_sig, signature_of
 
-__all__ = ["generic_opdef", "OPERATOR_ALLOWED", "DECOMPOSED_ALLOWED"]
+__all__ = ["generic_opdef", "emission_refusal", "OPERATOR_ALLOWED", "DECOMPOSED_ALLOWED"]
 
 _UNARY = ("neg", "pos", "abs", "invert", "not_")
 _BINARY = (
@@ -124,6 +128,32 @@ def _decomposed(name: str) -> OpDef | None:
         return None
     q = f"quantized_decomposed.{name}"
     return _build(q, schema_sig(resolve(q).default, "input"), fn(f"{q}.default"), f"{q}.default")
+
+
+#: words in an op's name that mark memory a rule must not make: uninitialized memory
+#: (``empty_like``, ``new_empty``), tensors whose invariants are not checked
+#: (``_sparse_coo_tensor_unsafe``: its ``to_dense`` writes out of bounds), nested
+#: and sparse constructors
+_UNSAFE_WORDS = ("empty", "unsafe", "sparse", "nested")
+#: autograd effects no schema annotates: they reach the caller's leaves
+_AUTOGRAD = frozenset({"backward", "retain_grad", "requires_grad_", "register_hook"})
+
+
+def emission_refusal(qualname: str) -> str | None:
+    """Why a replacement may not build the op a qualified name outside the
+    vocabulary names (None: it may). A pattern may match any of them; only building
+    one is refused: a private aten op (``aten._reshape_alias`` reads past its
+    storage; torch's private ops check nothing for their callers), an op that makes
+    uninitialized or unchecked memory, or one with autograd effects."""
+    root, _, op = qualname.partition(".")
+    op = op.split(".")[0]
+    if root == "aten" and op.startswith("_"):
+        return "a private aten op, which checks nothing for its callers (it may read or write past its storage)"
+    if any(word in op for word in _UNSAFE_WORDS):
+        return "it makes uninitialized memory or a tensor whose invariants nothing checks"
+    if op in _AUTOGRAD:
+        return "it has autograd effects, which reach the caller's tensors"
+    return None
 
 
 def generic_opdef(qualname: str) -> OpDef | None:

@@ -37,7 +37,7 @@ from rewrite.ops.generic import generic_opdef
 from rewrite.ops.resolve import normalize_qualname
 
 __all__ = [
-    "OPS", "lookup_op", "op_refusal", "op_names", "forms_for_key", "forms_for_node", "bind_node", "detect_dialect",
+    "OPS", "in_vocabulary", "lookup_op", "op_refusal", "op_names", "forms_for_key", "forms_for_node", "bind_node", "detect_dialect",
     "mutates_input", "nodes_by_target", "CALL_OPS",
 ]
 
@@ -234,6 +234,15 @@ def lookup_op(name: str) -> OpDef | None:
         return pinned
     # built afresh each time, so only canonical ops satisfy lookup_op(op.name) is op
     return generic_opdef(qualname)
+
+
+def in_vocabulary(name: str) -> bool:
+    """``name`` is a canonical op or names a surface of one (``aten.conv2d``,
+    ``F.relu``): an op whose meaning the vocabulary states, not one built from a schema."""
+    if name in OPS:
+        return True
+    qualname = normalize_qualname(name)
+    return qualname is not None and _pinned(qualname) is not None
 
 
 def op_refusal(name: str) -> Refusal | None:
