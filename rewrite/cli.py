@@ -20,7 +20,6 @@ import collections
 import functools
 import importlib
 import math
-import os
 import sys
 from typing import Any, Sequence
 
@@ -187,6 +186,9 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         if not explanations:
             print("no near misses: the rule's root op occurs nowhere in the graph")
         return 0
+    if args.rule and args.rule not in {rule.name for rule in rules}:
+        print(f"rewrite: error: no rule named {args.rule!r}", file=sys.stderr)
+        return 2
     stats = {}
     if args.model:
         gm, inputs = _captured(args.model, args.capture)
@@ -212,29 +214,15 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
 def _cmd_fmt(args: argparse.Namespace) -> int:
     from rewrite.language import RuleError, format_source
+    from rewrite.language.program import read_rule_file
 
     status = 0
     for path in args.files:
         try:
-            with open(path, encoding="utf-8-sig") as fh:
-                text = fh.read()
+            text = read_rule_file(path)  # unreadable: E402, as check says it
             formatted = format_source(text, path)
         except RuleError as err:
             print(str(err), file=sys.stderr)
-            status = 1
-            continue
-        except UnicodeDecodeError as err:
-            from rewrite.language.program import utf8_error_position
-
-            with open(path, "rb") as fh:
-                line, col = utf8_error_position(fh.read(), err)
-            print(f"{path}:{line}:{col}: error: cannot read rule file: not valid UTF-8", file=sys.stderr)
-            status = 1
-            continue
-        except OSError as err:
-            why = err.strerror or str(err)
-            hint = f"\n  help: {path} is a folder: name the .rw files in it" if os.path.isdir(path) else ""
-            print(f"{path}:1:1: error: cannot read rule file: {why}{hint}", file=sys.stderr)
             status = 1
             continue
         if args.check:
@@ -247,8 +235,19 @@ def _cmd_fmt(args: argparse.Namespace) -> int:
                     fh.write(formatted)
                 print(f"{path}: formatted")
         else:
-            sys.stdout.write(formatted)
+            _write_text(formatted)
     return status
+
+
+def _write_text(text: str) -> None:
+    """``text`` on stdout; characters its encoding cannot hold (a legacy console's)
+    escaped, not an internal error."""
+    encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
+    try:
+        text.encode(encoding)
+    except (UnicodeEncodeError, LookupError):
+        text = text.encode(encoding, errors="backslashreplace").decode(encoding)
+    sys.stdout.write(text)
 
 
 def _parser() -> argparse.ArgumentParser:

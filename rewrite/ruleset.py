@@ -816,5 +816,7 @@ def parse(text: str, path: str = "<string>") -> RuleSet:
     if not isinstance(text, str):
         raise TypeError(f"rewrite.parse takes the rules as str, not {type(text).__name__}"
                         + (" (decode the bytes first)" if isinstance(text, bytes) else ""))
+    if not isinstance(path, str) or any(c in path for c in "\n\r"):
+        raise TypeError(f"rewrite.parse's path names the text in diagnostics: a one-line str, not {path!r}")
     # a byte-order mark, as a file read without "utf-8-sig" keeps it (``load`` drops it too)
     return RuleSet.from_program(load_program_text(text.removeprefix("\ufeff"), path), name=Path(path).stem)

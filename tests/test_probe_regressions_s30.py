@@ -156,3 +156,86 @@ def test_the_memory_unsafe_rule_no_longer_reaches_the_model():
         path = pathlib.Path(tmp) / "crash.rw"
         path.write_text("rule crash: sigmoid(x) => neg(aten._reshape_alias(x, [1073741824], [1]))\n")
         assert main(["check", "--verify", str(path)]) == 1
+
+
+# ---------------------------------------------------------------- the language front end (probe H)
+
+
+def _files(tmp_path, **texts):
+    for name, text in texts.items():
+        (tmp_path / f"{name}.rw").write_text(text)
+    return tmp_path
+
+
+def test_a_parameter_can_be_a_rules_option(tmp_path):
+    _files(tmp_path, tmpl="param p\nparam q\nrule rr(priority=p, shared=q): relu(relu(x)) => relu(x)\n",
+           main='import "tmpl.rw" with p = 3, q = True\n')
+    (rule,) = rewrite.load(str(tmp_path / "main.rw"))
+    assert rule.priority == 3
+
+
+def test_a_parameter_compared_in_a_where_clause_is_checked_as_bound(tmp_path):
+    _files(tmp_path, policy="param lowp\nrule r_lowp: relu(relu(x)) where shape(x) > 3 and dtype(x) == lowp => relu(x)\n",
+           main='import "policy.rw" with lowp = "bfloat16" as bf16\n')
+    with pytest.raises(rewrite.RuleError) as err:
+        rewrite.load(str(tmp_path / "main.rw"))
+    codes = [d.code for d in err.value.diagnostics]
+    assert codes == ["E306", "E306"]  # shape(x) > 3, and a dtype compared with a string
+
+
+@pytest.mark.parametrize("literal, ok", [("9223372036854775807", True), ("-9223372036854775808", True),
+                                         ("9223372036854775808", False), ("-9223372036854775809", False),
+                                         ("1e-400", False), ("0e5", True), ("5e-324", True)])
+def test_literals_out_of_range_are_refused_on_both_sides(literal, ok):
+    text = f"rule r: add(x, {literal}) => x"
+    if ok:
+        rewrite.parse(text)
+    else:
+        with pytest.raises(rewrite.RuleError, match="E010"):
+            rewrite.parse(text)
+
+
+def test_parameters_declared_twice_or_as_the_wildcard_are_refused(tmp_path):
+    _files(tmp_path, tmpl="param p\nparam p\nparam _\nrule rr: mul(x, _) where rank(x) == p => x\n",
+           main='import "tmpl.rw" with p = 4, _ = 1\n')
+    with pytest.raises(rewrite.RuleError) as err:
+        rewrite.load(str(tmp_path / "main.rw"))
+    assert [d.code for d in err.value.diagnostics] == ["E413", "E413"]
+
+
+def test_parse_names_a_bad_path_argument():
+    with pytest.raises(TypeError, match="path"):
+        rewrite.parse("rule r: relu(relu(x)) => relu(x)", None)
+
+
+def test_fmt_reports_unreadable_files_as_check_does(tmp_path, capsys):
+    from rewrite.cli import main
+
+    assert main(["fmt", str(tmp_path / "missing.rw")]) == 1
+    assert "[E402]" in capsys.readouterr().err
+    bad = tmp_path / "bad.rw"
+    bad.write_bytes(b"rule a: relu(relu(x)) => relu(x)\n\xff\n")
+    assert main(["fmt", str(bad)]) == 1
+    assert "[E402]" in capsys.readouterr().err
+
+
+def test_fmt_escapes_what_stdout_cannot_encode(tmp_path, monkeypatch, capsys):
+    import io
+    import sys
+
+    from rewrite.cli import main
+
+    path = tmp_path / "cafe.rw"
+    path.write_text("# caf\u00e9\nrule r: relu(relu(x)) => relu(x)\n", encoding="utf-8")
+    out = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    monkeypatch.setattr(sys, "stdout", out)
+    assert main(["fmt", str(path)]) == 0
+    out.flush()
+    assert out.buffer.getvalue().decode("ascii").startswith("# caf\\xe9")
+
+
+def test_explain_names_a_missing_rule_without_a_model(capsys):
+    from rewrite.cli import main
+
+    assert main(["explain", "rules/cleanup.rw", "--rule", "nope"]) == 2
+    assert "no rule named 'nope'" in capsys.readouterr().err

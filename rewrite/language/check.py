@@ -377,9 +377,9 @@ class _Checker:
         self.check(r.pattern, _PATTERN)
         if r.where is not None:
             self.check(r.where, _WHERE)
-            # kinds of values only in a clause whose names resolve, and as written: a
-            # parameter's binding is checked by where it is passed (E206), not compared
-            if len(self.diags) == errors_before and not _holds_bound_values(r.where, self.scope.uses):
+            # kinds of values only in a clause whose names resolve; a parameter's
+            # value too, as bound (``dtype(y) == lowp`` bound to a string never holds)
+            if len(self.diags) == errors_before:
                 for problem in where_problems(r.where, self._query_kind):
                     self.error(problem.span, problem.message, "E306", help=problem.help)
         if isinstance(r.pattern, ast.AsTuple) and isinstance(r.replacement, ast.TupleLit):
@@ -866,26 +866,6 @@ def _default_of(opdef: Any, param: str) -> Any:
 def _may_be_true(e: object) -> bool:
     """Whether an argument can be true when the rule fires: anything but a falsy literal."""
     return not (isinstance(e, ast.Literal) and not e.value) and e is not None
-
-
-def _holds_bound_values(e: object, uses: dict) -> bool:
-    """``e`` holds a value an import bound to a parameter (``Scope.uses``: the span
-    of each use of a parameter, which the value substituted there carries)."""
-    if not uses:
-        return False
-    stack = [e]
-    while stack:
-        node = stack.pop()
-        span = getattr(node, "span", None)
-        if isinstance(node, (ast.Literal, ast.DTypeLit, ast.TupleLit, ast.ListLit)) and span in uses:
-            return True
-        if isinstance(node, (ast.Compare, ast.BoolOp, ast.Not, ast.Index)):
-            stack.extend(_children(node))
-        elif isinstance(node, (ast.TupleLit, ast.ListLit)):
-            stack.extend(node.items)
-        elif isinstance(node, ast.Call):
-            stack.extend((*node.args, *(k.value for k in node.kwargs)))
-    return False
 
 
 def _children(e: object) -> tuple:

@@ -46,7 +46,8 @@ class Instance:
     Attributes:
         module: the file with the bindings substituted and its names renamed (the
             file as parsed when there are diagnostics).
-        diagnostics: problems of the bindings (E410, E411, E412).
+        diagnostics: problems of the bindings (E410, E411, E412) and of the
+            declarations (E413).
         shared: names (after renaming) of the declarations that depend on no
             parameter: the same declaration in every instance of the file.
         uses: span of each use of a parameter -> its ``ast.Binding``: the value
@@ -77,9 +78,24 @@ def _is_literal(value: Any) -> bool:
     return isinstance(value, (ast.TupleLit, ast.ListLit)) and all(_is_literal(i) for i in value.items)
 
 
+def declaration_diagnostics(module: ast.Module) -> list:
+    """E413 for a parameter declared twice, or named ``_`` (the wildcard: a binding
+    of it would change nothing, and ``mul(x, _)`` would still match anything)."""
+    diags, seen = [], set()
+    for p in declared_params(module):
+        if p.name == "_":
+            diags.append(Diagnostic(p.span, "a parameter cannot be named '_', the wildcard", "E413",
+                                    help="name it: param scale"))
+        elif p.name in seen:
+            diags.append(Diagnostic(p.span, f"parameter '{p.name}' declared twice", "E413",
+                                    help="declare each parameter once"))
+        seen.add(p.name)
+    return diags
+
+
 def unbound_diagnostics(module: ast.Module, display: str) -> list:
     """E411 for each parameter of a file loaded without an import that binds it."""
-    return [Diagnostic(p.span, f"'{display}' takes parameter '{p.name}', which nothing binds", "E411",
+    return declaration_diagnostics(module) + [Diagnostic(p.span, f"'{display}' takes parameter '{p.name}', which nothing binds", "E411",
                        help=f'load it through an import that binds it: import "{display}" with {p.name} = ...')
             for p in declared_params(module)]
 
@@ -87,7 +103,7 @@ def unbound_diagnostics(module: ast.Module, display: str) -> list:
 def instantiate(module: ast.Module, bindings: tuple, display: str, import_span: Any) -> Instance:
     """The instance of ``module`` that an import with ``bindings`` makes."""
     params = {p.name for p in declared_params(module)}
-    diags: list = []
+    diags: list = declaration_diagnostics(module)
     bound: dict = {}
     for b in bindings:
         if b.name not in params:
@@ -204,4 +220,6 @@ def _substitute(node: Any, values: dict, renames: dict, uses: dict) -> Any:
                 changes[field.name] = new
     if isinstance(node, ast.Family):
         changes["ops"] = tuple(renames.get(n, n) for n in node.ops)
+    if isinstance(node, ast.RuleOption) and isinstance(changes.get("value"), ast.Literal):
+        changes["value"] = changes["value"].value  # an option holds the bare value, as parsed
     return attrs.evolve(node, **changes) if changes else node

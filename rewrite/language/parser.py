@@ -317,9 +317,9 @@ class _Builder(Transformer):
         except ValueError:  # longer than Python's int-string conversion limit
             self._error(span, "integer literal is too long", "E010", help="write a shorter number")
             return ast.Literal(0, span=span)
-        if value > 2 ** 63:  # 2**63 itself: the magnitude of int64's smallest, written -9223372036854775808
+        if not -2 ** 63 <= value < 2 ** 63:  # the sign is part of the literal
             self._error(span, f"integer literal {children[0]} is out of range (graphs hold 64-bit integers)",
-                        "E010", help="write a number of at most 9223372036854775807")
+                        "E010", help="write a number from -9223372036854775808 to 9223372036854775807")
             return ast.Literal(0, span=span)
         return ast.Literal(value, span=span)
 
@@ -329,6 +329,11 @@ class _Builder(Transformer):
         if not math.isfinite(value):  # 1e400 overflows: `fmt` could only print it as inf
             self._error(span, f"float literal {children[0]} is out of range (it overflows to infinity)", "E010",
                         help="write a finite number; the largest float is about 1.8e308")
+            return ast.Literal(0.0, span=span)
+        if value == 0.0 and any(c in "123456789" for c in children[0].lower().split("e")[0]):
+            # 1e-400 underflows to 0.0: a pattern's mul(x, 1e-400) would match mul(x, 0.0)
+            self._error(span, f"float literal {children[0]} is out of range (it underflows to zero)", "E010",
+                        help="write 0.0 for zero; the smallest float is about 4.9e-324")
             return ast.Literal(0.0, span=span)
         return ast.Literal(value, span=span)
 

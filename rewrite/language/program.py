@@ -85,6 +85,16 @@ def load_program(paths: list) -> Program:
     return loader.finish()
 
 
+def read_rule_file(path: str) -> str:
+    """The text of a rule file named on the command line (``rewrite fmt``);
+    ``RuleError`` with the E402 diagnostic ``load`` gives when it cannot be read."""
+    loader = _Loader()
+    text = loader.read(Path(path), path)
+    if text is None:
+        raise RuleError(loader.diags, {})
+    return text
+
+
 def load_program_text(text: str, path: str = "<string>") -> Program:
     """Like ``load_program`` for rule text held in a string.
 
@@ -128,20 +138,25 @@ class _Loader:
             key = f"{key}?{binding_key(imp.bindings)}"
         if key in self.files:
             return key
+        text = self.read(path, display, import_span)
+        if text is None:
+            return None
+        self.load_source(text, display, key, path.parent, imp)
+        return key
+
+    def read(self, path: Path, display: str, import_span: ast.Span | None = None) -> str | None:
+        """The file's text, or None with an E402 diagnostic (unreadable, not UTF-8)."""
         try:
             raw = path.read_bytes()
-            text = raw.decode("utf-8-sig")
+            return raw.decode("utf-8-sig")
         except UnicodeDecodeError as exc:
             line, col = utf8_error_position(raw, exc)
             at = ast.Span(display, line, col, line, col + 1) if import_span is None else import_span
             self._unreadable(display, at, f"not valid UTF-8 at line {line}, column {col} (byte {exc.start})",
                              imported=import_span is not None)
-            return None
         except OSError as exc:
             self._unreadable(display, import_span, exc.strerror or str(exc), path)
-            return None
-        self.load_source(text, display, key, path.parent, imp)
-        return key
+        return None
 
     def _unreadable(self, display: str, span: ast.Span | None, why: str, path: Path | None = None,
                     imported: bool | None = None) -> None:
