@@ -239,3 +239,11 @@ def test_explain_names_a_missing_rule_without_a_model(capsys):
 
     assert main(["explain", "rules/cleanup.rw", "--rule", "nope"]) == 2
     assert "no rule named 'nope'" in capsys.readouterr().err
+
+
+def test_fmt_keeps_a_trailing_comment_with_the_declaration_it_follows():
+    from rewrite.language import format_source
+
+    out = format_source("rule a: relu(relu(x)) => relu(x) rule b: neg(neg(x)) => x # about b only\n")
+    assert out == "rule a: relu(relu(x)) => relu(x)\nrule b: neg(neg(x)) => x  # about b only\n"
+    assert format_source(out) == out

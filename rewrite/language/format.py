@@ -60,10 +60,13 @@ def format_source(text: str, path: str = "<string>") -> str:
         lines.pop()
     out: list = []
     done = 0  # source lines consumed
-    for item in module.items:
+    items = module.items
+    for i, item in enumerate(items):
         span = item.span
         out += _gap(lines[done:span.line - 1], bool(out))
         inner, trailing = _comments_in(lines, span)
+        if i + 1 < len(items) and items[i + 1].span.line == span.end_line:
+            trailing = ""  # the comment ends the line after the next declaration: it is that one's
         if inner:
             out += _as_written(lines, span)
         else:
