@@ -247,3 +247,9 @@ def test_fmt_keeps_a_trailing_comment_with_the_declaration_it_follows():
     out = format_source("rule a: relu(relu(x)) => relu(x) rule b: neg(neg(x)) => x # about b only\n")
     assert out == "rule a: relu(relu(x)) => relu(x)\nrule b: neg(neg(x)) => x  # about b only\n"
     assert format_source(out) == out
+
+
+@pytest.mark.parametrize("clause", ["module_name(x) > 3", "module_name(x) == 3"])
+def test_a_module_name_compared_with_a_number_never_holds(clause):
+    with pytest.raises(rewrite.RuleError, match="E306"):
+        rewrite.parse(f"rule r: relu(x) where {clause} => x")

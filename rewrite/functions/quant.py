@@ -507,7 +507,7 @@ def int8_padding(w: Value, padding: Value, dilation: Value) -> bool:
 
 
 @register_query()
-def module_name(x: Value) -> Any:
+def module_name(x: Value) -> str | None:
     """The dotted path of the module ``x`` came from, or None."""
     return None if x.node is None else module_path(x.node, _gm(x))
 
