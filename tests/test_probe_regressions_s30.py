@@ -253,3 +253,16 @@ def test_fmt_keeps_a_trailing_comment_with_the_declaration_it_follows():
 def test_a_module_name_compared_with_a_number_never_holds(clause):
     with pytest.raises(rewrite.RuleError, match="E306"):
         rewrite.parse(f"rule r: relu(x) where {clause} => x")
+
+
+# ---------------------------------------------------------------- verification meets large shapes (probe G)
+
+
+@pytest.mark.parametrize("name, text", [
+    # right only when the last dim is 4
+    ("mean_ge4", "mean(x, -1) where shape(x)[-1] >= 4 and is_float(x) => mul(sum(x, -1), 0.25)"),
+    # right only up to rank 4: a video tensor (N, C, T, H, W) keeps a dim
+    ("flat13", "flatten(x, 1, 3) => flatten(x, 1)"),
+])
+def test_rules_wrong_only_past_rank_4_or_a_dim_of_4_fail_verification(name, text):
+    assert _verdict(f"rule {name}: {text}", name).status == "counterexample"

@@ -15,10 +15,10 @@ every dtype the ops accept (float32, float64, float16, bfloat16, int64, int32, i
 uint8, bool; an op that rejects the dtype discards the instance), quantized tensors
 made with torch's observers and rewritten under a drawn quantized engine. The first
 instances are drawn one per dtype the rule admits (its where clause's favoured ones,
-else every one), then one with an empty dim, a 0-d one and a non-contiguous one,
-whatever hypothesis' adaptive state; then hypothesis searches over every dtype for
-the rest of the budget, a tenth of the shapes 0-d and a tenth empty where the ops
-take them (``rewrite.trust.instances``). Each
+else every one), then one with an empty dim, a 0-d one, a non-contiguous one and a
+large one (rank 5, a dim past 4), whatever hypothesis' adaptive state; then
+hypothesis searches over every dtype for the rest of the budget, a tenth of the
+shapes 0-d, a tenth empty where the ops take them and a tenth large (``rewrite.trust.instances``). Each
 instance is rewritten by the rule alone (``ruleset[rule.name].apply(...,
 check=False)``) and both graphs are run on the same inputs. ``max_examples`` counts
 instances checked, the leading ones included (hypothesis' search checks at least two
@@ -910,7 +910,7 @@ def verify_rule(ruleset: Any, rule: CompiledRule | str, *, max_examples: int = 1
 
     try:
         # Leading instances, one per dtype the rule admits, then one with an empty
-        # dim, a 0-d one and a non-contiguous one, in the dtypes that made an
+        # dim, a 0-d one, a non-contiguous one and a large one, in the dtypes that made an
         # instance: whatever hypothesis' adaptive state (which depends on what ran
         # before in the process), every dtype and these shapes are met.
         valid = []
@@ -920,7 +920,8 @@ def verify_rule(ruleset: Any, rule: CompiledRule | str, *, max_examples: int = 1
                    salt=str(dtype))
             if checker.counts["checked"] > before:
                 valid.append(dtype)
-        shaped = [(m, valid[i % len(valid)]) for i, m in enumerate(("empty", "scalar", "strided"))] if valid else []
+        shaped = ([(m, valid[i % len(valid)]) for i, m in enumerate(("empty", "scalar", "strided", "large"))]
+                  if valid else [])
         for shapes, dtype in shaped:
             search(attrs.evolve(plan, dtypes=(dtype,), favoured=()), 1, shapes=shapes, leading=True, salt=shapes)
         # then hypothesis' own search over every dtype, for the rest of the budget
