@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 from typing import Any
 
 import attrs
@@ -23,6 +24,23 @@ from rewrite.engine.shapes import cast_of, fresh_cast, fresh_constant, fresh_lik
 from rewrite.ops.base import ConstRef, attribute, by_identity
 from rewrite.ops.effects import graph_trains, op_name, state_writes, written_args
 from rewrite.ops.vocabulary import detect_dialect
+
+class _QuietWhileInferring(logging.Filter):
+    """Drops torch's fake-tensor error log records while a fact is inferred: a meta
+    kernel that cannot take the sizes given (``baddbmm`` of a bias with concrete
+    sizes among symbolic ones) leaves the fact unknown, which is no error of the
+    caller's model; torch would print its traceback for each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.depth = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.depth == 0
+
+
+_QUIET = _QuietWhileInferring()
+logging.getLogger("torch._subclasses.fake_tensor").addFilter(_QUIET)
 
 __all__ = ["GraphFacts", "Value", "TensorFacts", "FACTS_KEY", "NEW_NODE_KEY", "fetch_attr", "forget_recorded_facts",
            "tensor_meta_of"]
@@ -362,9 +380,13 @@ class GraphFacts:
                     node.meta["val"] = fresh_view(*view)
                     return
                 target = self._callable(node, fake=True)
-                with mode:
-                    args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
-                    node.meta["val"] = target(*args, **kwargs)
+                _QUIET.depth += 1
+                try:
+                    with mode:
+                        args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+                        node.meta["val"] = target(*args, **kwargs)
+                finally:
+                    _QUIET.depth -= 1
                 return
             except Exception:  # noqa: BLE001 - e.g. inputs from another fake mode: use meta tensors
                 pass
