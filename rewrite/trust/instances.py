@@ -398,11 +398,10 @@ _FREE: Any = type("_Free", (), {"__repr__": lambda self: "FREE"})()
 class _Ctx:
     """Hypothesis draws with names that read like the shapes they make."""
 
-    def __init__(self, draw: Callable, dtype: torch.dtype, specials: bool | str, int_specials: bool | None = None,
+    def __init__(self, draw: Callable, dtype: torch.dtype, specials: bool, int_specials: bool | None = None,
                  shapes: str | None = None, wide: float = 0.0) -> None:
         """``specials``: floats meet NaN, infinities, -0.0 and their largest finite
-        values (True: exact rules), or only NaN, infinities and -0.0 (``"nonfinite"``:
-        approximate ones); ``int_specials`` (default: ``specials``): integers meet
+        values (exact rules); ``int_specials`` (default: ``specials``): integers meet
         their dtype's extremes and values whose arithmetic wraps (every rule: integer
         outputs must be equal whatever the tolerance); ``shapes``: None (ordinary
         shapes only), ``"mixed"`` (a tenth of the fresh shapes 0-d, a tenth with an
@@ -534,8 +533,8 @@ class _Ctx:
             if self.specials and lo < 0 and self.draw(st.booleans()):
                 info = torch.finfo(dtype)  # and the largest finite values (2 * x overflows), the smallest normal
                 # and an odd multiple of the smallest subnormal (halving it rounds)
-                extremes = (info.max, -info.max, info.tiny, 3 * info.tiny * info.eps)
-                element = element | st.sampled_from(_SPECIALS + (extremes if self.specials != "nonfinite" else ()))
+                element = element | st.sampled_from(_SPECIALS + (info.max, -info.max, info.tiny,
+                                                                 3 * info.tiny * info.eps))
             head = torch.tensor(self.draw(st.lists(element, min_size=k, max_size=k)), dtype=torch.float64)
             tail = (lambda g, m: torch.rand(m, generator=g, dtype=torch.float64) * (hi - lo) + lo)
         if n > k:
@@ -1945,17 +1944,6 @@ def _quantize_weight(t: torch.Tensor) -> torch.Tensor:
     return quantize_weight(w, "per_channel_symmetric" if w.dim() >= 2 else "per_tensor_symmetric")
 
 
-def _specials(plan: Plan) -> bool | str:
-    """What special floats a rule's instances meet: every one for an exact rule (NaN,
-    infinities, -0.0, the largest finite values, the smallest normal and subnormal);
-    NaN, infinities and -0.0 for an approximate one (``fmax(x, 0)`` for ``relu``
-    turns NaN into 0; the largest values are the wide instances' business, where a
-    rounding difference may overflow legitimately); none for a quantized one."""
-    if plan.quantized:
-        return False
-    return True if plan.tolerance == "exact" else "nonfinite"
-
-
 def draw_instance(draw: Callable, plan: Plan, attempts: int = 3, shapes: str | None = None,
                   wide: float = 0.0) -> Instance | str:
     """An instance, or the reason the drawn one is not a valid program.
@@ -1977,7 +1965,8 @@ def draw_instance(draw: Callable, plan: Plan, attempts: int = 3, shapes: str | N
         dtype = draw(dtypes)
         dialect = draw(st.sampled_from(("torch", "aten")))
         # quantizing NaN or an infinity is not defined: quantized patterns meet finite values
-        ctx = _Ctx(draw, dtype, specials=_specials(plan), int_specials=not plan.quantized, shapes=shapes, wide=wide)
+        ctx = _Ctx(draw, dtype, specials=plan.tolerance == "exact" and not plan.quantized,
+                   int_specials=not plan.quantized, shapes=shapes, wide=wide)
         builder = _Builder(ctx, plan, dialect)
         try:
             inst = builder.finish(builder.call(plan.rule.pattern), plan.rule.pattern.name)

@@ -33,15 +33,12 @@ Verdicts, per rule:
   terminate, or (on an instance with a non-contiguous input) a flattening ``view``
   of the rewritten result raised where the original's worked: the rule changes its
   result's layout, which a stride-dependent reader inside a graph sees (unless the
-  rule's own file lowers such a view: ``_Checker._check_viewable``). Whatever the
-  tolerance: shapes and dtypes must be equal (an integer output that became float is
-  a mismatch), integer and bool outputs equal, and a
+  rule's own file lowers such a view: ``_Checker._check_viewable``). Whatever the tolerance: shapes and dtypes must be equal (an integer
+  output that became float is a mismatch), integer and bool outputs equal, and a
   value finite in the original must be finite in the rewritten graph (a rewrite that
   overflows to inf or makes a NaN is wrong however close the rest is). ``exact``
   rules: floats equal too, NaN = NaN and -0.0 = 0.0 (so ``x + 0 => x`` is exact),
   quantized outputs with the same parameters and integer values. ``approx`` rules:
-  an element NaN or infinite in the original may be either in the rewrite (a fold
-  sums infinities otherwise) but not finite; the rest within
   ``rewrite.trust.check.TOLERANCES`` at the lowest precision either graph computes in; a
   rewrite computing in a narrower float than its inputs (a cast to float16) is also
   compared with the original run on inputs and constants rounded to that float, so it
@@ -323,13 +320,6 @@ def _counted_run(gm: fx.GraphModule, inputs: tuple) -> tuple:
     return out, seen, sum(counter.births.values())
 
 
-def _nonfinite(inst: Instance) -> bool:
-    """Some float tensor of the instance, input or bound constant, holds NaN or an infinity."""
-    values = [*inst.example_inputs, *inst.bindings.values()]
-    return any(isinstance(t, torch.Tensor) and not t.is_quantized and t.is_floating_point()
-               and not bool(torch.isfinite(t).all()) for t in values)
-
-
 def _strided_input(inst: Instance) -> bool:
     """Some input tensor of the instance is laid out otherwise than contiguously."""
     return any(isinstance(t, torch.Tensor) and not t.is_quantized and t.numel() > 1 and not t.is_contiguous()
@@ -399,11 +389,10 @@ class _Checker:
         result = self._apply(self.one, inst)
         if not result.counts:
             stats = result.stats.get(self.rule.name)
-            if stats is not None and stats.failed and (inst.wide or _nonfinite(inst)):
-                # declining large values (a constant float16 cannot hold) is sound, and
-                # so is declining to fold a NaN or an infinity into a constant
+            if stats is not None and stats.failed and inst.wide:
+                # declining large values (a constant float16 cannot hold) is sound
                 self.counts["invalid"] += 1
-                self.last_discard = "its replacement declined the large or non-finite values drawn"
+                self.last_discard = "its replacement declined the large values drawn"
                 return
             if stats is not None and stats.failed and self._other_engine(inst):
                 return
@@ -563,7 +552,6 @@ class _Checker:
             self.counts["float64 unchecked"] += 1
             return
         seen = [*ref_seen.values(), *got_seen.values()]
-        got = _nonfinite_as_in(ref, got)
         problem = _overflow(ref, got) or _differ(ref, got, "approx", torch.float64, _quantum(seen))
         if problem is not None:
             problem += " (in float64, the replacement's own casts widened to float64)"
@@ -616,8 +604,6 @@ class _Checker:
         if runs is None:
             return False
         (ref, ref_seen), (got, got_seen) = runs
-        if tolerance == "approx":
-            got = _nonfinite_as_in(ref, got)
         seen = [*ref_seen.values(), *got_seen.values()]
         problem = _overflow(ref, got) or _differ(ref, got, tolerance, _lowest_precision(seen), _quantum(seen))
         if problem is not None and tolerance == "approx" and not problem.startswith("output structure"):
@@ -706,27 +692,6 @@ def _run_rounded(gm: fx.GraphModule, inputs: tuple, dtype: torch.dtype) -> Any:
         return _run(_rounded_copy(gm, dtype), tuple(_round_to(t, dtype) for t in inputs))[0]
     except Exception:  # noqa: BLE001 - no rounded reference: the comparison stands
         return None
-
-
-def _nonfinite_as_in(ref: Any, got: Any) -> Any:
-    """``got`` with each float element that is NaN or infinite where ``ref``'s is
-    too taken from ``ref``: an approximate rule may turn a NaN into an infinity or
-    back (a fold sums ``inf * w1 + inf * w2`` as ``inf * (w1 + w2)``: NaN where the
-    signs differ before, an infinity after), never a non-finite value into a finite
-    one (``fmax(x, 0)`` for ``relu`` makes NaN 0) or the reverse (``_overflow``)."""
-    ref_leaves, spec = pytree.tree_flatten(ref)
-    got_leaves, got_spec = pytree.tree_flatten(got)
-    if spec != got_spec:
-        return got
-    out = []
-    for r, g in zip(ref_leaves, got_leaves):
-        if (isinstance(r, torch.Tensor) and isinstance(g, torch.Tensor) and r.shape == g.shape
-                and r.dtype == g.dtype and r.is_floating_point() and not r.is_quantized):
-            both = ~torch.isfinite(r) & ~torch.isfinite(g)
-            if bool(both.any()):
-                g = torch.where(both, r, g)
-        out.append(g)
-    return pytree.tree_unflatten(out, got_spec)
 
 
 def _overflow(ref: Any, got: Any) -> str | None:
