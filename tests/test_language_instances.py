@@ -271,10 +271,13 @@ def test_the_shipped_policy_refuses_a_binding_that_is_no_dtype(tmp_path):
     assert "conv_x" in rewrite.load(tmp_path / "main.rw").rules
 
 
-def test_a_binding_only_compared_is_not_typed(tmp_path):
-    # a where clause compares values of any type: nothing says lowp is a dtype there
+def test_a_binding_only_compared_is_checked_as_bound(tmp_path):
+    # dtype(x) == 3 never holds: the rule would never fire (E306, with a note at the import)
     _write(tmp_path, policy="param lowp\nrule r_lowp: relu(x) where dtype(x) == lowp => x\n",
            main='import "policy.rw" with lowp = 3 as x\n')
+    (d,) = _errors(tmp_path / "main.rw")
+    assert d.code == "E306" and d.span.path.endswith("policy.rw")
+    _write(tmp_path, main='import "policy.rw" with lowp = torch.float16 as x\n')
     assert list(rewrite.load(tmp_path / "main.rw").rules) == ["r_x"]
 
 

@@ -265,7 +265,9 @@ def test_a_module_name_compared_with_a_number_never_holds(clause):
     ("flat13", "flatten(x, 1, 3) => flatten(x, 1)"),
 ])
 def test_rules_wrong_only_past_rank_4_or_a_dim_of_4_fail_verification(name, text):
-    assert _verdict(f"rule {name}: {text}", name).status == "counterexample"
+    # a large shape is a tenth of the draws (and the leading one's big dim may not be the
+    # last): 40 instances meet one whatever hypothesis' state (6 of 6 seeds; 10: 4 of 6)
+    assert _verdict(f"rule {name}: {text}", name, n=40).status == "counterexample"
 
 
 # ---------------------------------------------------------------- quiet fact inference (probe F)

@@ -329,8 +329,10 @@ def test_approximate_rules_meet_large_magnitudes():
     for name, text in (
             ("exp16", "exp(x) where dtype(x) == torch.float32 => to(exp(to(x, torch.float16)), torch.float32)"),
             ("relu16", "relu(x) where dtype(x) == torch.float32 => to(relu(to(x, torch.float16)), torch.float32)"),
+            # (contiguous: softmax's kernel returns a strided input's result contiguous,
+            # elementwise ops keep the layout, which a view after it would see)
             ("softmax_naive", "softmax(x, -1) where dtype(x) == torch.float32 "
-                              "=> div(exp(x), sum(exp(x), -1, True))"),
+                              "=> contiguous(div(exp(x), sum(exp(x), -1, True)))"),
             # float16's x * x overflows past 256, where the norm's kernel accumulates in
             # float32: half precision is drawn at large magnitudes though not otherwise
             ("l2_naive", "linalg_vector_norm(x, 2, d, k) where is_float(x) => sqrt(sum(mul(x, x), d, k))")):

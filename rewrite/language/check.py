@@ -88,7 +88,9 @@ def check_module(module: ast.Module, scope: Scope) -> list:
             checker.family(item)
         elif isinstance(item, ast.RuleSetDecl):
             checker.ruleset(item)
-    return checker.diags + checker.binding_misuses()
+    misused = set(checker.misused)
+    where = [d for d, bindings in checker.where_diags if not bindings & misused]
+    return checker.diags + where + checker.binding_misuses()
 
 
 # ---------------------------------------------------------------- declarations
@@ -284,6 +286,9 @@ class _Checker:
         self.bound: dict = {}  # name -> span, for the rule being checked
         self.used: set = set()
         self.misused: dict = {}  # id(ast.Binding) -> (binding, [(use span, argument, who, expected, help)])
+        # where-clause problems (E306) with the ids of the bindings whose values they
+        # hold: dropped when such a binding is misused (its E206 says it already)
+        self.where_diags: list = []
 
     def _suggest(self, name: str, candidates: Any, valid: Any = None) -> str | None:
         """``did_you_mean``, for the first ``_HINTS`` unknown names of a file: each
@@ -380,8 +385,10 @@ class _Checker:
             # kinds of values only in a clause whose names resolve; a parameter's
             # value too, as bound (``dtype(y) == lowp`` bound to a string never holds)
             if len(self.diags) == errors_before:
+                bindings = _bindings_in(r.where, self.scope.uses)
                 for problem in where_problems(r.where, self._query_kind):
-                    self.error(problem.span, problem.message, "E306", help=problem.help)
+                    self.where_diags.append((Diagnostic(problem.span, problem.message, "E306", problem.help),
+                                             bindings))
         if isinstance(r.pattern, ast.AsTuple) and isinstance(r.replacement, ast.TupleLit):
             for item in r.replacement.items:  # `_`: a result the replacement does not provide
                 if not isinstance(item, ast.Wildcard):
@@ -866,6 +873,27 @@ def _default_of(opdef: Any, param: str) -> Any:
 def _may_be_true(e: object) -> bool:
     """Whether an argument can be true when the rule fires: anything but a falsy literal."""
     return not (isinstance(e, ast.Literal) and not e.value) and e is not None
+
+
+def _bindings_in(e: object, uses: dict) -> set:
+    """Ids of the import bindings whose values ``e`` holds (``Scope.uses``: the span
+    of each use of a parameter, which the value substituted there carries)."""
+    found: set = set()
+    if not uses:
+        return found
+    stack = [e]
+    while stack:
+        node = stack.pop()
+        span = getattr(node, "span", None)
+        if isinstance(node, (ast.Literal, ast.DTypeLit, ast.TupleLit, ast.ListLit)) and span in uses:
+            found.add(id(uses[span]))
+        if isinstance(node, (ast.Compare, ast.BoolOp, ast.Not, ast.Index)):
+            stack.extend(_children(node))
+        elif isinstance(node, (ast.TupleLit, ast.ListLit)):
+            stack.extend(node.items)
+        elif isinstance(node, ast.Call):
+            stack.extend((*node.args, *(k.value for k in node.kwargs)))
+    return found
 
 
 def _children(e: object) -> tuple:

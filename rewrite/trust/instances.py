@@ -472,7 +472,7 @@ class _Ctx:
         => sum(x, -1) * 0.25``) meets a shape it is wrong on."""
         if self.mode == "large":
             return True
-        return self.mode == "mixed" and self.int(0, 9) == 0
+        return self.mode == "mixed" and self.int(0, 9) == 9  # (9: shrinking goes to 0, an ordinary shape)
 
     def degenerate(self, scalar: bool = False, empty: bool = False) -> str | None:
         """``"scalar"``, ``"empty"`` or None (an ordinary shape), among the kinds the

@@ -326,10 +326,16 @@ def _strided_input(inst: Instance) -> bool:
                for t in inst.example_inputs)
 
 
+_CLONES = (torch.clone, torch.ops.aten.clone.default)
+
+
 def _viewed(inst: Instance) -> Instance | None:
     """The instance with each contiguous tensor output of two or more elements read
     by a flattening ``view`` (as a reader inside a bigger graph would); None when
-    there is none."""
+    there is none. The view reads the rule's result itself, not the ``clone`` the
+    instance returns (a copy keeps the layout): the engine refuses to forward a value
+    laid out otherwise to a reader of strides (``layout_change_seen``), but it looks
+    at the result's direct readers only."""
     try:
         outputs, _ = _run(inst.graph_module, inst.example_inputs)
     except Exception:  # noqa: BLE001
@@ -346,12 +352,16 @@ def _viewed(inst: Instance) -> Instance | None:
             if (isinstance(leaf, fx.Node) and isinstance(value, torch.Tensor) and not value.is_quantized
                     and value.layout == torch.strided and value.numel() > 1 and value.dim() > 1
                     and value.is_contiguous()):
-                leaves[i] = (gm.graph.call_function(torch.ops.aten.view.default, (leaf, [-1]))
-                             if inst.dialect == "aten" else gm.graph.call_method("view", (leaf, -1)))
+                read = leaf.args[0] if leaf.target in _CLONES and isinstance(leaf.args[0], fx.Node) else leaf
+                leaves[i] = (gm.graph.call_function(torch.ops.aten.view.default, (read, [-1]))
+                             if inst.dialect == "aten" else gm.graph.call_method("view", (read, -1)))
                 viewed = True
     if not viewed:
         return None
     out_node.args = (pytree.tree_unflatten(leaves, spec),)
+    for node in list(gm.graph.nodes):
+        if node.target in _CLONES and not node.users:
+            gm.graph.erase_node(node)  # the copy the view now bypasses: no second reader of the result
     gm.recompile()
     return attrs.evolve(inst, graph_module=gm)
 
