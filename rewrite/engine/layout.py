@@ -390,20 +390,48 @@ def _through_layout_picker(node: fx.Node, created: set) -> bool:
     return _MadeThrough(created, _picks_cpu_layout)(node)
 
 
+_READER_WALK = 256  # nodes looked at downstream of a replaced value for a reader of its strides
+
+
+def _stride_reader(root: fx.Node) -> fx.Node | None | bool:
+    """A reader of strides (``STRIDE_READERS``) that reads ``root``'s layout, directly
+    or through ops that carry their input's layout on (clones, elementwise ops,
+    views, convolutions: any op but ``_OWN_LAYOUT`` ones), ``_READER_WALK`` nodes at
+    most; None when there is none; True when too far to tell."""
+    carried, stack, budget = {root}, [root], _READER_WALK
+    while stack:
+        node = stack.pop()
+        for user in node.users:
+            if user in carried or user.op == "output":
+                continue
+            name = op_name(user.target) if user.op in ("call_function", "call_method") else ""
+            if name in STRIDE_READERS:
+                if user.args and user.args[0] is node:
+                    return user
+                continue
+            if name in _OWN_LAYOUT:
+                continue
+            budget -= 1
+            if budget < 0:
+                return True
+            carried.add(user)
+            stack.append(user)
+    return None
+
+
 def layout_change_seen(root: fx.Node, result: fx.Node, facts: GraphFacts, created: Any = ()) -> str | None:
-    """Why replacing ``root`` by ``result`` may change what a reader of ``root``
-    that depends on strides sees, or None: no such reader, or both values are
-    known to have the same strides (an identity rule that drops the copy in front
-    of ``t.view(-1)`` makes the view fail, or read other elements)."""
-    reader = next((u for u in root.users if u.op in ("call_function", "call_method") and u.args
-                   and u.args[0] is root and op_name(u.target) in STRIDE_READERS), None)
-    if reader is None:
-        return None
+    """Why replacing ``root`` by ``result`` may change what a reader that depends on
+    strides sees, or None: both values are known to have the same strides, or no
+    such reader reads ``root``'s layout, directly or through ops that carry it on
+    (an identity rule that drops the copy in front of ``t.view(-1)``, or of
+    ``t.clone().view(-1)``, makes the view fail, or read other elements)."""
     if created:  # a new value: left to the rules (AMP lowers such a view to a reshape), but
         # for an op laying its result out as its input (attention as q, often transposed)
         created = set(created)
         if not _through_layout_picker(result, created):
             return None
+    elif not root.users:
+        return None
     before, after = facts.meta(root), facts.meta(result)
     if created and _meta_layout_unreliable(result, created, facts):
         after = None
@@ -415,5 +443,11 @@ def layout_change_seen(root: fx.Node, result: fx.Node, facts: GraphFacts, create
             pass
     elif layout_of(before) == "contiguous" and layout_of(after) == "contiguous":
         return None
+    reader = _stride_reader(root)
+    if reader is None:
+        return None
+    if reader is True:
+        return (f"{root.name}'s readers depend on its memory layout further than the "
+                f"{_READER_WALK} nodes looked at, and the replacement is not known to keep it")
     return (f"{reader.name} depends on the memory layout of the value it reads, which the "
             f"replacement is not known to keep")

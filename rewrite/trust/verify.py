@@ -333,9 +333,8 @@ def _viewed(inst: Instance) -> Instance | None:
     """The instance with each contiguous tensor output of two or more elements read
     by a flattening ``view`` (as a reader inside a bigger graph would); None when
     there is none. The view reads the rule's result itself, not the ``clone`` the
-    instance returns (a copy keeps the layout): the engine refuses to forward a value
-    laid out otherwise to a reader of strides (``layout_change_seen``), but it looks
-    at the result's direct readers only."""
+    instance returns (a copy keeps the layout, and the clone is a reader the engine
+    looks through: ``layout_change_seen``)."""
     try:
         outputs, _ = _run(inst.graph_module, inst.example_inputs)
     except Exception:  # noqa: BLE001

@@ -1,0 +1,81 @@
+"""A replacement that forwards a value laid out otherwise is refused when a reader of
+strides reads it through ops that carry the layout on (a ``clone``, elementwise ops,
+views), not only when it reads it directly; behind an op that lays its result out
+itself (``matmul``), or when the layouts agree, the rule fires."""
+
+import torch
+import torch.fx as fx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import rewrite
+
+IDENTITY = rewrite.parse("rule drop_copy: mul(contiguous(x), 1) => x\n", "drop_copy.rw")
+
+CARRIERS = {
+    "clone": lambda t: t.clone(),
+    "relu": torch.relu,
+    "neg": torch.neg,
+    "double": lambda t: t * 2,
+    "add_self": lambda t: t + t,
+    "unsqueeze": lambda t: t.unsqueeze(0),
+    "sigmoid": torch.sigmoid,
+}
+
+
+class _Chain(torch.nn.Module):
+    def __init__(self, names: list, transposed: bool) -> None:
+        super().__init__()
+        self.names, self.transposed = names, transposed
+
+    def forward(self, x):
+        source = x.t() if self.transposed else x
+        y = source.contiguous() * 1
+        for name in self.names:
+            y = CARRIERS[name](y)
+        return y.view(-1) + 1
+
+
+def _capture(model: torch.nn.Module, x: torch.Tensor, how: str) -> fx.GraphModule:
+    return fx.symbolic_trace(model) if how == "fx" else torch.export.export(model, (x,)).module()
+
+
+@settings(max_examples=30, deadline=None)
+@given(names=st.lists(st.sampled_from(sorted(CARRIERS)), min_size=1, max_size=4),
+       how=st.sampled_from(["fx", "export"]))
+def test_a_view_behind_layout_carriers_keeps_the_copy(names, how):
+    x = torch.randn(3, 4)
+    model = _Chain(names, transposed=True)
+    expected = model(x)
+    result = IDENTITY.apply(_capture(model, x, how), (x,), check=False)
+    assert result.counts.get("drop_copy", 0) == 0
+    assert "memory layout" in result.stats["drop_copy"].first_error
+    torch.testing.assert_close(result.graph_module(x), expected)
+
+
+@settings(max_examples=15, deadline=None)
+@given(names=st.lists(st.sampled_from(sorted(CARRIERS)), min_size=1, max_size=4))
+def test_the_copy_goes_when_the_layout_is_the_same(names):
+    # symbolic_trace only: export drops a contiguous() of a contiguous tensor itself
+    x = torch.randn(3, 4)
+    model = _Chain(names, transposed=False)
+    expected = model(x)
+    gm = _capture(model, x, "fx")
+    result = IDENTITY.apply(gm, (x,), check=False)
+    assert result.counts.get("drop_copy", 0) == 1
+    assert not any("contiguous" in str(n.target) for n in result.graph_module.graph.nodes)
+    torch.testing.assert_close(result.graph_module(x), expected)
+
+
+class _BehindMatmul(torch.nn.Module):
+    def forward(self, x, w):
+        y = x.t().contiguous() * 1
+        return (y.clone() @ w).view(-1)
+
+
+def test_a_view_behind_a_matmul_does_not_stop_the_rule():
+    x, w = torch.randn(3, 4), torch.randn(3, 5)
+    model = _BehindMatmul()
+    result = IDENTITY.apply(fx.symbolic_trace(model), (x, w), check=False)
+    assert result.counts.get("drop_copy", 0) == 1
+    torch.testing.assert_close(result.graph_module(x, w), model(x, w))
