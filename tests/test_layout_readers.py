@@ -79,3 +79,48 @@ def test_a_view_behind_a_matmul_does_not_stop_the_rule():
     result = IDENTITY.apply(fx.symbolic_trace(model), (x, w), check=False)
     assert result.counts.get("drop_copy", 0) == 1
     torch.testing.assert_close(result.graph_module(x, w), model(x, w))
+
+
+class _Reshaped(torch.nn.Module):
+    """The copy's layout change dies out: ``reshape`` copies the transposed value
+    into the layout the contiguous one had."""
+
+    def forward(self, x):
+        y = x.t().contiguous() * 1
+        return y.neg().reshape(-1).view(2, -1)
+
+
+class _ViewedAlike(torch.nn.Module):
+    """A view the transposed value still allows: same values, same readers."""
+
+    def forward(self, x):
+        y = x.t().contiguous() * 1
+        return y.clone().view(4, 3).sum(0).view(-1)
+
+
+class _StrideRead(torch.nn.Module):
+    def forward(self, x):
+        y = x.t().contiguous() * 1
+        return y.relu().is_contiguous()
+
+
+def test_a_change_that_dies_out_or_a_view_that_still_works_does_not_stop_the_rule():
+    x = torch.randn(3, 4)
+    for model in (_Reshaped(), _ViewedAlike()):
+        for gm in (fx.symbolic_trace(model), torch.export.export(model, (x,)).module()):
+            result = IDENTITY.apply(gm, (x,), check=False)
+            assert result.counts.get("drop_copy", 0) == 1, (type(model).__name__, result.stats)
+            torch.testing.assert_close(result.graph_module(x), model(x))
+
+
+def test_a_stride_query_behind_an_elementwise_op_keeps_the_copy():
+    x = torch.randn(3, 4)
+    result = IDENTITY.apply(fx.symbolic_trace(_StrideRead()), (x,), check=False)
+    assert result.counts.get("drop_copy", 0) == 0
+    assert result.graph_module(x) is True
+
+
+def test_without_facts_a_reachable_reader_keeps_the_copy():
+    # no example inputs: strides unknown on a symbolic_trace graph
+    result = IDENTITY.apply(fx.symbolic_trace(_Chain(["clone", "relu"], transposed=True)), check=False)
+    assert result.counts.get("drop_copy", 0) == 0

@@ -271,14 +271,16 @@ class GraphFacts:
                 self.meta(node, record=False)
             node.meta.pop(NEW_NODE_KEY, None)
 
-    def rerun(self, nodes: list) -> dict:
+    def rerun(self, nodes: list, given: dict | None = None) -> dict:
         """Facts of ``nodes`` (an original graph's nodes whose inputs a rewrite changed,
         in graph order) computed again from their inputs' current facts, each one's
         fresh result taking the place of what it recorded for the later ones: what
-        ``val`` they would have now, without changing the recorded facts. A node that
-        cannot be inferred (an input without facts, an op without a fake or meta
-        kernel) and every later one are left out."""
-        fresh: dict = {}
+        ``val`` they would have now, without changing the recorded facts. ``given``:
+        facts to read for some inputs instead of what they recorded (a value a
+        replacement would put in their place). A node that cannot be inferred (an
+        input without facts, an op without a fake or meta kernel) and every later one
+        are left out."""
+        fresh: dict = dict(given or {})
         for node in nodes:
             inputs = node.all_input_nodes
             values = []

@@ -34,7 +34,7 @@ from rewrite.engine.shapes import addressing, layout_of
 from rewrite.ops.effects import op_name
 from rewrite.ops.vocabulary import bind_node
 
-__all__ = ["layout_change_seen", "output_values", "restore_output_layouts"]
+__all__ = ["StrideReaders", "layout_change_seen", "output_values", "restore_output_layouts"]
 
 _KEPT_WALK = 4096  # nodes looked at, over all outputs, for kept values a rewrite may have relaid
 #: ops whose result is laid out by the op alone, whatever its inputs' layouts (a
@@ -390,41 +390,135 @@ def _through_layout_picker(node: fx.Node, created: set) -> bool:
     return _MadeThrough(created, _picks_cpu_layout)(node)
 
 
-_READER_WALK = 256  # nodes looked at downstream of a replaced value for a reader of its strides
+def _carries_layout(node: fx.Node) -> bool:
+    """A call whose result's layout may follow its inputs' (clones, elementwise ops,
+    views, convolutions, module calls): any call but ``_OWN_LAYOUT`` ones."""
+    if node.op == "call_module":
+        return True
+    return node.op in ("call_function", "call_method") and op_name(node.target) not in _OWN_LAYOUT
 
 
-def _stride_reader(root: fx.Node) -> fx.Node | None | bool:
-    """A reader of strides (``STRIDE_READERS``) that reads ``root``'s layout, directly
-    or through ops that carry their input's layout on (clones, elementwise ops,
-    views, convolutions: any op but ``_OWN_LAYOUT`` ones), ``_READER_WALK`` nodes at
-    most; None when there is none; True when too far to tell."""
-    carried, stack, budget = {root}, [root], _READER_WALK
+def _reads_strides(node: fx.Node) -> fx.Node | None:
+    """The value whose strides ``node`` depends on (a ``STRIDE_READERS`` call's
+    first argument), or None."""
+    if node.op in ("call_function", "call_method") and node.args and isinstance(node.args[0], fx.Node) \
+            and op_name(node.target) in STRIDE_READERS:
+        return node.args[0]
+    return None
+
+
+class StrideReaders:
+    """Which values of a graph a reader of strides may see the layout of: read
+    directly (``t.view(-1)``) or through ops that carry it on (``t.clone().view(-1)``,
+    ``t.relu().view(-1)``; not through ``_OWN_LAYOUT`` ones such as ``matmul``).
+    Worked out on the first question (one walk up from every reader), then kept up to
+    date with each replacement (``replaced``): a superset, since edges rewrites
+    remove are not subtracted."""
+
+    def __init__(self, graph: fx.Graph) -> None:
+        self.graph = graph
+        self._seen: dict | None = None  # value -> a reader that may see its layout
+
+    def reader_of(self, value: fx.Node) -> fx.Node | None:
+        """A reader of strides that may see ``value``'s layout, or None."""
+        if self._seen is None:
+            self._seen = {}
+            for node in self.graph.nodes:
+                self._note(node)
+        return self._seen.get(value)
+
+    def replaced(self, result: fx.Node, created: Any) -> None:
+        """``result`` (and the ``created`` nodes computing it) took a replaced value's
+        readers: what those readers may see they may see now."""
+        if self._seen is None:
+            return
+        created = list(created)
+        for node in created:
+            self._note(node)
+        for node in reversed([*created, result]):  # readers before what they read
+            reader = next((r for u in node.users if (r := self._reader_through(u, node)) is not None), None)
+            if reader is not None:
+                self._spread(node, reader)
+
+    def _reader_through(self, user: fx.Node, value: fx.Node) -> fx.Node | None:
+        if _reads_strides(user) is value:
+            return user
+        return self._seen.get(user) if _carries_layout(user) else None
+
+    def _note(self, node: fx.Node) -> None:
+        read = _reads_strides(node)
+        if read is not None:
+            self._spread(read, node)
+
+    def _spread(self, value: fx.Node, reader: fx.Node) -> None:
+        seen, stack = self._seen, [value]
+        while stack:
+            node = stack.pop()
+            if node in seen:
+                continue
+            seen[node] = reader
+            if _carries_layout(node):
+                stack.extend(node.all_input_nodes)
+
+
+_FOLLOW_BUDGET = 256  # ops inferred again, per replacement, following a layout change to its readers
+
+
+def _same_strides(a: Any, b: Any) -> bool:
+    """``a`` and ``b`` are known to have the same shape and strides."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        try:
+            return a.shape == b.shape and a.stride() == b.stride()
+        except (RuntimeError, NotImplementedError):  # symbolic strides
+            return False
+    return layout_of(a) == "contiguous" and layout_of(b) == "contiguous" and tuple(a.shape) == tuple(b.shape)
+
+
+def _reader_seeing(root: fx.Node, after: Any, facts: GraphFacts, readers: StrideReaders) -> fx.Node | None:
+    """A reader of strides that would see a change if ``root``'s readers read a value
+    laid out as ``after``, or None. The change is followed down the ops that carry
+    it on, each inferred again from the new layout, until it dies out (a
+    ``reshape`` that copies either way) or reaches a reader: a ``view`` that can
+    still reinterpret the new layout computes the same values and carries it on;
+    one that cannot, and any other reader of strides, sees it. Unknown facts, an op
+    that cannot be inferred or a change followed past ``_FOLLOW_BUDGET`` ops count
+    as seen."""
+    changed = {root: after}
+    stack, budget = [root], _FOLLOW_BUDGET
     while stack:
         node = stack.pop()
         for user in node.users:
-            if user in carried or user.op == "output":
-                continue
-            name = op_name(user.target) if user.op in ("call_function", "call_method") else ""
-            if name in STRIDE_READERS:
-                if user.args and user.args[0] is node:
-                    return user
-                continue
-            if name in _OWN_LAYOUT:
-                continue
+            seer = readers.reader_of(user)
+            viewing = _reads_strides(user) is not None and op_name(user.target) in _VIEWS
+            if _reads_strides(user) is node and not viewing:
+                return user
+            if not viewing and (seer is None or not _carries_layout(user)):
+                continue  # no reader sees this user's layout, or it lays its result out itself
             budget -= 1
-            if budget < 0:
-                return True
-            carried.add(user)
+            if after is None or budget < 0:
+                return seer or user
+            fresh = facts.rerun([user], given=changed).get(user)
+            if fresh is None:
+                return user if viewing else seer
+            if seer is None or _same_strides(fresh, facts.meta(user, record=False)):
+                continue  # the change dies out here
+            changed[user] = fresh
             stack.append(user)
     return None
 
 
-def layout_change_seen(root: fx.Node, result: fx.Node, facts: GraphFacts, created: Any = ()) -> str | None:
+#: readers of strides that compute the same values on any layout they accept
+_VIEWS = frozenset({"view", "_unsafe_view"})
+
+
+def layout_change_seen(root: fx.Node, result: fx.Node, facts: GraphFacts, readers: StrideReaders,
+                       created: Any = ()) -> str | None:
     """Why replacing ``root`` by ``result`` may change what a reader that depends on
-    strides sees, or None: both values are known to have the same strides, or no
-    such reader reads ``root``'s layout, directly or through ops that carry it on
-    (an identity rule that drops the copy in front of ``t.view(-1)``, or of
-    ``t.clone().view(-1)``, makes the view fail, or read other elements)."""
+    strides sees, or None: both values are known to have the same strides, no such
+    reader reads ``root``'s layout, directly or through ops that carry it on, or the
+    change is known to die out before it reaches one (an identity rule that drops
+    the copy in front of ``t.view(-1)``, or of ``t.clone().view(-1)``, makes the
+    view fail, or read other elements)."""
     if created:  # a new value: left to the rules (AMP lowers such a view to a reshape), but
         # for an op laying its result out as its input (attention as q, often transposed)
         created = set(created)
@@ -435,19 +529,12 @@ def layout_change_seen(root: fx.Node, result: fx.Node, facts: GraphFacts, create
     before, after = facts.meta(root), facts.meta(result)
     if created and _meta_layout_unreliable(result, created, facts):
         after = None
-    if isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor):
-        try:
-            if before.shape == after.shape and before.stride() == after.stride():
-                return None
-        except (RuntimeError, NotImplementedError):  # symbolic strides
-            pass
-    elif layout_of(before) == "contiguous" and layout_of(after) == "contiguous":
+    if before is not None and after is not None and _same_strides(before, after):
         return None
-    reader = _stride_reader(root)
+    if readers.reader_of(root) is None:
+        return None
+    reader = _reader_seeing(root, after if before is not None else None, facts, readers)
     if reader is None:
         return None
-    if reader is True:
-        return (f"{root.name}'s readers depend on its memory layout further than the "
-                f"{_READER_WALK} nodes looked at, and the replacement is not known to keep it")
-    return (f"{reader.name} depends on the memory layout of the value it reads, which the "
-            f"replacement is not known to keep")
+    return (f"{reader.name} depends on the memory layout of {root.name}, which the replacement is "
+            f"not known to keep")

@@ -31,7 +31,7 @@ from rewrite.ops import bind_node
 from rewrite.ops.base import ConstRef, by_identity
 from rewrite.engine.aliasing import graph_writes, new_aliasing, written_between
 from rewrite.engine.regions import Regions
-from rewrite.engine.layout import layout_change_seen
+from rewrite.engine.layout import StrideReaders, layout_change_seen
 from rewrite.engine.rewire import Rewirer
 from rewrite.engine.shapes import addressing
 from rewrite.ops.effects import note_built_module, written_args
@@ -102,6 +102,7 @@ class Replacer:
         self._writes: bool | None = None  # whether some node writes in place (None: not asked yet)
         self._classes: dict = {}  # alias classes while the graph is unchanged (new_aliasing)
         self._rewirer = Rewirer(gm)  # readers of replaced values, wide ones without fx's rebuild
+        self._readers = StrideReaders(gm.graph)  # values whose layout a view may see (layout_change_seen)
         self._regions = Regions(gm.graph)  # grad-mode and autocast regions (dynamo's no_grad blocks)
         self._target_names: dict = {}  # id(target) -> (target, the node name fx derives from it)
 
@@ -174,9 +175,10 @@ class Replacer:
             problem = new_aliasing(root, result, self._created, self.gm, self._graph_writes(), self._classes,
                                    self._nbytes)
             if problem is None and result not in self._created:  # a value forwarded as it is
-                problem = layout_change_seen(root, result, self.facts) or self._regions.spanned((), root, result)
+                problem = layout_change_seen(root, result, self.facts, self._readers) \
+                    or self._regions.spanned((), root, result)
             elif problem is None:  # a new value: laid out as its root, if a reader depends on strides
-                problem = layout_change_seen(root, result, self.facts, self._created)
+                problem = layout_change_seen(root, result, self.facts, self._readers, self._created)
             if problem is not None:
                 self._undo()
                 raise ReplacementError(f"rule {match.rule.name!r} at {root.name}: {problem}")
@@ -190,8 +192,10 @@ class Replacer:
             created = set(self._created)
             users = [u for u in root.users if u not in created]
             self._rewirer.replace_uses(root, result, keep=lambda user: user not in created)
+            self._readers.replaced(result, self._created)
             return tuple(self._created), tuple(users)
         self._rewirer.replace_uses(root, result)
+        self._readers.replaced(result, self._created)
         touched = self._retire(match)
         return tuple(self._created), touched
 
@@ -214,6 +218,8 @@ class Replacer:
             for getitem in read[i]:
                 problem = problem or new_aliasing(getitem, value, self._created, self.gm, self._graph_writes(),
                                                   self._classes, self._nbytes)
+                if problem is None and value not in self._created:  # a value forwarded as it is
+                    problem = layout_change_seen(getitem, value, self.facts, self._readers)
             if problem is not None:
                 self._undo()
                 raise ReplacementError(f"rule {match.rule.name!r} at {root.name}: {problem}")
@@ -224,6 +230,7 @@ class Replacer:
         for i, value in values.items():
             for getitem in read[i]:
                 self._rewirer.replace_uses(getitem, value)
+            self._readers.replaced(value, self._created)
         touched = self._retire(match)
         return tuple(self._created), touched
 
