@@ -3,6 +3,7 @@ strides reads it through ops that carry the layout on (a ``clone``, elementwise 
 views), not only when it reads it directly; behind an op that lays its result out
 itself (``matmul``), or when the layouts agree, the rule fires."""
 
+import pytest
 import torch
 import torch.fx as fx
 from hypothesis import given, settings
@@ -124,3 +125,134 @@ def test_without_facts_a_reachable_reader_keeps_the_copy():
     # no example inputs: strides unknown on a symbolic_trace graph
     result = IDENTITY.apply(fx.symbolic_trace(_Chain(["clone", "relu"], transposed=True)), check=False)
     assert result.counts.get("drop_copy", 0) == 0
+
+
+# ---------------------------------------------------------------- what the caller observes, case by case
+# (each case broke with check=False before the change-following: adversarial probe I)
+
+CLEANUP = rewrite.load("rules/cleanup.rw")
+
+
+def _flat(t):
+    return t.view(-1)
+
+
+torch.fx.wrap("_flat")
+
+
+class _ViewAs(torch.nn.Module):
+    def forward(self, x, z):
+        return (x.t().contiguous() * 1).view_as(z) + 1
+
+
+class _WriteThroughReshape(torch.nn.Module):
+    def forward(self, x):
+        y = (x * 2).t().contiguous() * 1
+        y.reshape(-1).add_(100)
+        return y + 0
+
+
+class _WriteThroughFlatten(torch.nn.Module):  # cleanup's mul_one on an expanded value
+    def forward(self, x):
+        y = (x[:, :1] * 2).expand(3, 4) * 1
+        y.flatten().add_(100)
+        return y + 0
+
+
+class _StaleContiguity(torch.nn.Module):  # mul_one, then cat_single's is_contiguous(x)
+    def forward(self, x):
+        y = (x * 2)[:, :2] * 1
+        return torch.cat([y.unsqueeze(0)]).view(-1) * 3
+
+
+class _Offset(torch.nn.Module):
+    def forward(self, x):
+        y = (x * 2)[1:].contiguous() * 1
+        return torch.as_strided(y, (2, 3), (3, 1), 0) + 0
+
+
+class _WrappedView(torch.nn.Module):
+    def forward(self, x):
+        return _flat((x * 2).t().contiguous() * 1) + 1
+
+
+class _WriteIntoExpanded(torch.nn.Module):  # cleanup's mul_one: add_ into an overlapping value
+    def forward(self, x):
+        y = (x[:, :1] * 2).expand(3, 4) * 1
+        y.add_(1)
+        return y + 0
+
+
+class _DimOrder(torch.nn.Module):
+    def forward(self, x):
+        y = (x * 2).t().contiguous() * 1
+        return y + 1, y.dim_order()
+
+
+class _SharedOutputs(torch.nn.Module):
+    def forward(self, x):
+        y = (x * 2).t().contiguous() * 1
+        return y, y.reshape(-1)
+
+
+class _GappedOutput(torch.nn.Module):
+    def forward(self, x):
+        return ((x * 2).permute(2, 1, 0).contiguous() * 1)[::2]
+
+
+def _write_first(outputs):
+    a, b = outputs
+    a[0, 0] = 1000.0
+    return torch.stack([b[0], torch.tensor(float(a.is_contiguous()))])
+
+
+CASES = {
+    "view_as": (_ViewAs, lambda: (torch.randn(3, 4), torch.randn(12)), IDENTITY, None),
+    "write_through_reshape": (_WriteThroughReshape, lambda: (torch.randn(3, 4),), IDENTITY, None),
+    "write_through_flatten": (_WriteThroughFlatten, lambda: (torch.randn(3, 4),), CLEANUP, None),
+    "stale_contiguity": (_StaleContiguity, lambda: (torch.randn(3, 4),), CLEANUP, None),
+    "storage_offset": (_Offset, lambda: (torch.randn(5, 3),), IDENTITY, None),
+    "write_into_expanded": (_WriteIntoExpanded, lambda: (torch.randn(3, 4),), CLEANUP, None),
+    "dim_order": (_DimOrder, lambda: (torch.randn(3, 4),), IDENTITY, lambda o: (o[0], torch.tensor(o[1]))),
+    "shared_outputs": (_SharedOutputs, lambda: (torch.randn(3, 4),), IDENTITY, _write_first),
+    "gapped_output": (_GappedOutput, lambda: (torch.randn(2, 3, 4),),
+                      IDENTITY, lambda o: torch.tensor(o.view(2, 6).shape)),
+}
+
+
+def _observe(f, inputs, post):
+    try:
+        out = f(*[t.clone() for t in inputs])
+    except RuntimeError as err:
+        return ("raises", type(err).__name__)
+    return post(out) if post is not None else out
+
+
+@pytest.mark.parametrize("how", ["fx", "export"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_caller_sees_no_change_of_layout(case, how):
+    build, inputs_of, rules, post = CASES[case]
+    if how == "export" and case == "storage_offset":
+        pytest.skip("export specializes as_strided's offset at capture")
+    torch.manual_seed(0)
+    model, inputs = build(), inputs_of()
+    gm = fx.symbolic_trace(model) if how == "fx" else torch.export.export(model, inputs).module()
+    expected = _observe(model, inputs, post)
+    assert not (isinstance(expected, tuple) and expected[0] == "raises")
+    result = rules.apply(gm, inputs, check=False)
+    torch.testing.assert_close(_observe(result.graph_module, inputs, post), expected)
+
+
+def test_a_wrapped_function_may_read_strides():
+    x = torch.randn(3, 4)
+    result = IDENTITY.apply(fx.symbolic_trace(_WrappedView()), (x,), check=False)
+    assert result.counts.get("drop_copy", 0) == 0
+    torch.testing.assert_close(result.graph_module(x), _WrappedView()(x))
+
+
+def test_after_a_relayout_a_later_rule_reads_the_new_contiguity():
+    x = torch.randn(3, 4)
+    result = CLEANUP.apply(fx.symbolic_trace(_StaleContiguity()), (x,), check=False)
+    assert result.counts.get("mul_one", 0) == 1  # the copy-free forward is allowed: cat copies
+    assert result.counts.get("cat_single", 0) == 0  # its x is no longer contiguous
+    torch.testing.assert_close(result.graph_module(x), _StaleContiguity()(x))

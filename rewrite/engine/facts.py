@@ -77,6 +77,7 @@ class TensorFacts:
     device: torch.device
     contiguous: bool | None = None  # laid out row-major (None: not recorded)
     stride: tuple | None = None
+    storage_offset: int | None = None
 
     @property
     def ndim(self) -> int:
@@ -86,7 +87,7 @@ class TensorFacts:
     def of(cls, t: Any) -> "TensorFacts":
         strided = t.layout == torch.strided
         return cls(tuple(t.shape), t.dtype, t.device, t.is_contiguous() if strided else None,
-                   tuple(t.stride()) if strided else None)
+                   tuple(t.stride()) if strided else None, t.storage_offset() if strided else None)
 
 
 fetch_attr = attribute  # ``root.a.b.c`` by dotted name (rewrite.ops.base.attribute)
@@ -125,6 +126,9 @@ class GraphFacts:
         #: None: where clauses decide only what holds for every size (rewrite.engine.symbolic)
         self.shape_env = symbolic_env(self.fake_mode)
         self._fakes: dict = {}  # id(real constant) -> (constant, its FakeTensor)
+        #: node -> its facts inferred again after a rewrite changed the layout of
+        #: what it reads (``relay``): read before what the node recorded
+        self._relaid: dict = {}
 
     def _fake_of(self, mode: Any, v: Any) -> Any:
         """``_fake``, converting each real constant (a weight new nodes read) once
@@ -238,6 +242,8 @@ class GraphFacts:
         """A tensor-like with .shape/.dtype/.device for the operand, or None.
         ``record=False`` never runs the graph to find out."""
         if isinstance(operand, fx.Node) and operand.op != "get_attr":
+            if self._relaid and operand in self._relaid:
+                return self._relaid[operand]
             val = operand.meta.get("val")
             if isinstance(val, torch.Tensor):
                 return val  # export and dynamo graphs: a FakeTensor (the common case, first)
@@ -256,6 +262,12 @@ class GraphFacts:
             return operand
         return None
 
+
+    def relay(self, fresh: dict) -> None:
+        """Nodes of the graph whose layout a rewrite changed, with their facts
+        inferred again (``rewrite.engine.layout``): later questions about them (a
+        where clause's ``is_contiguous``) get these, not what they recorded."""
+        self._relaid.update(fresh)
 
     def new_node(self, node: fx.Node) -> None:
         """A node a rewrite created: its facts are inferred when first asked, or by
@@ -402,7 +414,7 @@ class GraphFacts:
         device = next((m.device for m in metas if getattr(m, "device", None) is not None), torch.device("cpu"))
         node.meta[FACTS_KEY] = torch.utils._pytree.tree_map_only(
             torch.Tensor, lambda t: TensorFacts(tuple(t.shape), t.dtype, torch.device(device), t.is_contiguous(),
-                                                tuple(t.stride())), out
+                                                tuple(t.stride()), t.storage_offset()), out
         )
 
     def _record(self, node: fx.Node) -> None:

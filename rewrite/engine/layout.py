@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 from rewrite.engine.aliasing import caller_owned, storage_base
 from rewrite.engine.facts import GraphFacts, fetch_attr, tensor_meta_of
 from rewrite.engine.shapes import addressing, layout_of
-from rewrite.ops.effects import op_name
+from rewrite.ops.effects import op_name, written_args
 from rewrite.ops.vocabulary import bind_node
 
 __all__ = ["StrideReaders", "layout_change_seen", "output_values", "restore_output_layouts"]
@@ -144,8 +144,14 @@ def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, 
         old_meta = tensor_meta_of(old)
         want = layout_of(old_meta)
         order = _dense_order(old_meta) if want == "strided" else None
-        if want not in _FORMATS and order is None:
+        if want == "strided" and order is None and addressing(old_meta) is not None:
+            # with gaps (a slice): kept, else made compact (contiguous), which every
+            # view of the original's still reinterprets
+            want, gaps = "contiguous", addressing(old_meta)
+        elif want not in _FORMATS and order is None:
             continue
+        else:
+            gaps = None
         # a value computed from a replacement's result laid out otherwise, through ops
         # that carry their input's layout on, has its layout inferred again: a value
         # of the original graph (``y.unsqueeze(0)`` once a rule dropped the
@@ -160,22 +166,22 @@ def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, 
                 known = known and not from_new_module(new) \
                     and not _meta_layout_unreliable(new, created_nodes, facts, picker)
             new_meta = facts.rerun(relaid).get(new) if known else None
-            if _laid_out_as(new_meta, old_meta, want, order):
+            if _laid_out_as(new_meta, old_meta, want, order, gaps):
                 continue
             # unknown: copied (at no cost if laid out so already)
         elif new not in created_nodes:
             # a value of the original graph no new value reaches so: its recorded
             # layout is what it computes (or too far to tell: the check compares strides)
             new_meta = tensor_meta_of(new)
-            if old is new or layout_of(new_meta) is None or _laid_out_as(new_meta, old_meta, want, order):
+            if old is new or layout_of(new_meta) is None or _laid_out_as(new_meta, old_meta, want, order, gaps):
                 continue
         else:
             # a new value: its layout is inferred on meta tensors, whose kernels do not
             # choose layouts as CPU kernels do (a channels_last weight gives a
             # channels_last convolution on CPU, a contiguous one on meta)
-            inferred = layout_of(facts.meta(new, record=False))
-            if not strided_constants and inferred == want and not from_new_module(new) \
-                    and not _meta_layout_unreliable(new, created_nodes, facts, picker):
+            inferred = facts.meta(new, record=False)
+            if not strided_constants and _laid_out_as(inferred, old_meta, want, None, gaps) \
+                    and not from_new_module(new) and not _meta_layout_unreliable(new, created_nodes, facts, picker):
                 continue
             # unknown (a quantized kernel's output, channels_last on CPU): the copy
             # costs nothing when the value is laid out so already
@@ -227,9 +233,12 @@ def _forced_layouts(gm: fx.GraphModule, facts: GraphFacts, forced: dict, dialect
     return copies
 
 
-def _laid_out_as(meta: Any, old_meta: Any, want: str, order: tuple | None) -> bool:
+def _laid_out_as(meta: Any, old_meta: Any, want: str, order: tuple | None, gaps: tuple | None = None) -> bool:
     """``meta`` is laid out as ``want`` (``old_meta``'s layout), in ``old_meta``'s
-    strides for a permuted dense layout (``order``)."""
+    strides for a permuted dense layout (``order``); or, for a layout with gaps,
+    in those strides (``gaps``)."""
+    if gaps is not None and meta is not None and addressing(meta) == gaps:
+        return True
     return layout_of(meta) == want and (order is None or addressing(meta) == addressing(old_meta))
 
 
@@ -356,9 +365,16 @@ def _dense_order(meta: Any) -> tuple | None:
 #: Readers whose result depends on their first argument's strides, not only on its
 #: values: a view cannot reinterpret every layout; the others report or use them.
 STRIDE_READERS = frozenset({
-    "view", "_unsafe_view", "as_strided", "stride", "is_contiguous", "is_non_overlapping_and_dense",
-    "data_ptr", "storage_offset", "untyped_storage", "storage",
+    "view", "_unsafe_view", "view_as", "unflatten", "view_as_real", "view_as_complex", "as_strided",
+    "stride", "is_contiguous", "is_non_overlapping_and_dense", "dim_order", "data_ptr", "storage_offset",
+    "untyped_storage", "storage",
 })
+#: readers of strides that compute the same values on any layout they accept (and
+#: raise on one they cannot reinterpret): inferred again on the new layout
+_VIEWS = frozenset({"view", "_unsafe_view", "view_as", "unflatten", "view_as_real", "view_as_complex"})
+#: ops whose result is a view of their input or a copy, depending on its layout: a
+#: new layout may end (or start) the sharing, which writes in place and outputs see
+_MAY_COPY = frozenset({"reshape", "flatten", "reshape_as", "ravel", "contiguous"})
 
 
 #: ops whose CPU kernel lays its result out otherwise than the meta kernel facts are
@@ -407,25 +423,49 @@ def _reads_strides(node: fx.Node) -> fx.Node | None:
     return None
 
 
+def _written_inputs(node: fx.Node, gm: fx.GraphModule) -> list:
+    """The values ``node`` may write in place (``written_args``: every argument of a
+    call whose code nothing here describes, such as an ``fx.wrap``-ed function or a
+    module of the model's own, which may read strides too)."""
+    found: list = []
+    for where in written_args(node, gm):
+        if isinstance(where, int):
+            value = node.args[where] if where < len(node.args) else None
+        else:
+            value = node.kwargs.get(where)
+        fx.node.map_arg(value, found.append)
+    return found
+
+
 class StrideReaders:
     """Which values of a graph a reader of strides may see the layout of: read
-    directly (``t.view(-1)``) or through ops that carry it on (``t.clone().view(-1)``,
-    ``t.relu().view(-1)``; not through ``_OWN_LAYOUT`` ones such as ``matmul``).
-    Worked out on the first question (one walk up from every reader), then kept up to
-    date with each replacement (``replaced``): a superset, since edges rewrites
-    remove are not subtracted."""
+    directly (``t.view(-1)``, ``t.add_(1)``: a write in place needs a layout
+    without overlap; an opaque call) or through ops that carry it on
+    (``t.clone().view(-1)``, ``t.relu().view(-1)``; not through ``_OWN_LAYOUT``
+    ones such as ``matmul``). Worked out on the first question (one walk up from
+    every reader), then kept up to date with each replacement (``replaced``): a
+    superset, since edges rewrites remove are not subtracted. ``writes()``: whether
+    the graph writes in place at all (writers are looked for only then)."""
 
-    def __init__(self, graph: fx.Graph) -> None:
-        self.graph = graph
+    def __init__(self, gm: fx.GraphModule, writes: Any) -> None:
+        self.gm, self.writes = gm, writes
         self._seen: dict | None = None  # value -> a reader that may see its layout
 
     def reader_of(self, value: fx.Node) -> fx.Node | None:
         """A reader of strides that may see ``value``'s layout, or None."""
         if self._seen is None:
             self._seen = {}
-            for node in self.graph.nodes:
+            self._writes = self.writes()
+            for node in self.gm.graph.nodes:
                 self._note(node)
         return self._seen.get(value)
+
+    def sees(self, user: fx.Node, value: fx.Node) -> bool:
+        """``user`` depends on ``value``'s layout itself, whatever its values: a
+        reader of strides other than a view (which is inferred again), or a write."""
+        if _reads_strides(user) is value and op_name(user.target) not in _VIEWS:
+            return True
+        return self.writes() and value in _written_inputs(user, self.gm)
 
     def replaced(self, result: fx.Node, created: Any) -> None:
         """``result`` (and the ``created`` nodes computing it) took a replaced value's
@@ -433,6 +473,7 @@ class StrideReaders:
         if self._seen is None:
             return
         created = list(created)
+        self._writes = self._writes or self.writes()
         for node in created:
             self._note(node)
         for node in reversed([*created, result]):  # readers before what they read
@@ -441,7 +482,7 @@ class StrideReaders:
                 self._spread(node, reader)
 
     def _reader_through(self, user: fx.Node, value: fx.Node) -> fx.Node | None:
-        if _reads_strides(user) is value:
+        if _reads_strides(user) is value or (self._writes and value in _written_inputs(user, self.gm)):
             return user
         return self._seen.get(user) if _carries_layout(user) else None
 
@@ -449,6 +490,9 @@ class StrideReaders:
         read = _reads_strides(node)
         if read is not None:
             self._spread(read, node)
+        if self._writes:
+            for value in _written_inputs(node, self.gm):
+                self._spread(value, node)
 
     def _spread(self, value: fx.Node, reader: fx.Node) -> None:
         seen, stack = self._seen, [value]
@@ -461,64 +505,92 @@ class StrideReaders:
                 stack.extend(node.all_input_nodes)
 
 
-_FOLLOW_BUDGET = 256  # ops inferred again, per replacement, following a layout change to its readers
+_FOLLOW_BUDGET = 256  # ops inferred again, per replacement, following a layout change
+
+
+def _placement(meta: Any) -> tuple | None:
+    """(shape, strides, storage offset) of a tensor or of recorded facts, or None
+    when not known."""
+    if isinstance(meta, torch.Tensor):
+        try:
+            return tuple(meta.shape), tuple(meta.stride()), meta.storage_offset()
+        except (RuntimeError, NotImplementedError):  # symbolic strides, no storage
+            return None
+    stride, offset = getattr(meta, "stride", None), getattr(meta, "storage_offset", None)
+    if stride is None or offset is None or callable(stride):
+        return None
+    return tuple(meta.shape), tuple(stride), offset
 
 
 def _same_strides(a: Any, b: Any) -> bool:
-    """``a`` and ``b`` are known to have the same shape and strides."""
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        try:
-            return a.shape == b.shape and a.stride() == b.stride()
-        except (RuntimeError, NotImplementedError):  # symbolic strides
-            return False
-    return layout_of(a) == "contiguous" and layout_of(b) == "contiguous" and tuple(a.shape) == tuple(b.shape)
+    """``a`` and ``b`` are known to have the same shape, strides and storage offset."""
+    placed = _placement(a)
+    return placed is not None and placed == _placement(b)
 
 
-def _reader_seeing(root: fx.Node, after: Any, facts: GraphFacts, readers: StrideReaders) -> fx.Node | None:
-    """A reader of strides that would see a change if ``root``'s readers read a value
-    laid out as ``after``, or None. The change is followed down the ops that carry
-    it on, each inferred again from the new layout, until it dies out (a
-    ``reshape`` that copies either way) or reaches a reader: a ``view`` that can
-    still reinterpret the new layout computes the same values and carries it on;
-    one that cannot, and any other reader of strides, sees it. Unknown facts, an op
-    that cannot be inferred or a change followed past ``_FOLLOW_BUDGET`` ops count
-    as seen."""
+def _sharing_seen(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """Whether the caller may see ``node`` (a ``_MAY_COPY`` op) start or stop sharing
+    its input's memory: two outputs share that memory (the caller's write to one
+    shows in the other), or it is the caller's own (an input, a parameter)."""
+    base = storage_base(node, gm)
+    if caller_owned(base):
+        return True
+    return sum(1 for value in output_values(gm) if storage_base(value, gm) is base) > 1
+
+
+def _follow_change(root: fx.Node, after: Any, facts: GraphFacts, readers: StrideReaders) -> tuple:
+    """Follows a change of ``root``'s layout (its readers reading a value laid out as
+    ``after``) down the ops that carry it on, each inferred again from the new
+    layout, until it dies out (a ``reshape`` that copies either way, an op that lays
+    its result out itself). Returns (a node that would see the change, or None;
+    the fresh facts of the nodes whose layout changed). Seen: a reader of strides
+    other than a view, a ``view`` that cannot reinterpret the new layout (one that
+    can computes the same values and carries the layout on), a write in place, a
+    ``reshape``-like op whose sharing of memory may change where the graph writes
+    in place or returns it. Unknown facts (``after`` None) follow nothing: any
+    reader that may see the layout sees it. An op that cannot be inferred, or more
+    than ``_FOLLOW_BUDGET`` of them, counts as seen."""
+    if after is None:
+        return readers.reader_of(root), {}
     changed = {root: after}
     stack, budget = [root], _FOLLOW_BUDGET
     while stack:
         node = stack.pop()
         for user in node.users:
-            seer = readers.reader_of(user)
-            viewing = _reads_strides(user) is not None and op_name(user.target) in _VIEWS
-            if _reads_strides(user) is node and not viewing:
-                return user
-            if not viewing and (seer is None or not _carries_layout(user)):
-                continue  # no reader sees this user's layout, or it lays its result out itself
+            if user.op == "output":
+                continue  # outputs keep their layout (restore_output_layouts)
+            if readers.sees(user, node):
+                return user, {}
+            name = op_name(user.target) if user.op != "call_module" else ""
+            if name in _MAY_COPY and (readers.writes() or _sharing_seen(user, readers.gm)):
+                return user, {}
+            viewing = name in _VIEWS and _reads_strides(user) is node
+            if not viewing and not _carries_layout(user):
+                continue
             budget -= 1
-            if after is None or budget < 0:
-                return seer or user
+            if budget < 0:
+                return user, {}
             fresh = facts.rerun([user], given=changed).get(user)
             if fresh is None:
-                return user if viewing else seer
-            if seer is None or _same_strides(fresh, facts.meta(user, record=False)):
+                return user, {}
+            if _same_strides(fresh, facts.meta(user, record=False)):
                 continue  # the change dies out here
             changed[user] = fresh
             stack.append(user)
-    return None
-
-
-#: readers of strides that compute the same values on any layout they accept
-_VIEWS = frozenset({"view", "_unsafe_view"})
+    del changed[root]
+    return None, changed
 
 
 def layout_change_seen(root: fx.Node, result: fx.Node, facts: GraphFacts, readers: StrideReaders,
-                       created: Any = ()) -> str | None:
+                       created: Any = (), relaid: dict | None = None) -> str | None:
     """Why replacing ``root`` by ``result`` may change what a reader that depends on
-    strides sees, or None: both values are known to have the same strides, no such
-    reader reads ``root``'s layout, directly or through ops that carry it on, or the
-    change is known to die out before it reaches one (an identity rule that drops
-    the copy in front of ``t.view(-1)``, or of ``t.clone().view(-1)``, makes the
-    view fail, or read other elements)."""
+    strides sees, or None: both values are known to be laid out alike, or the
+    change is known to die out before a reader sees it (``_follow_change``: an
+    identity rule that drops the copy in front of ``t.view(-1)``, or of
+    ``t.clone().view(-1)``, makes the view fail, or read other elements). When the
+    change is allowed, ``relaid`` gets the fresh facts of the nodes it relays, for
+    ``GraphFacts.relay`` once the replacement is made: a later rule's
+    ``is_contiguous`` reads the new layout."""
     if created:  # a new value: left to the rules (AMP lowers such a view to a reshape), but
         # for an op laying its result out as its input (attention as q, often transposed)
         created = set(created)
@@ -531,10 +603,10 @@ def layout_change_seen(root: fx.Node, result: fx.Node, facts: GraphFacts, reader
         after = None
     if before is not None and after is not None and _same_strides(before, after):
         return None
-    if readers.reader_of(root) is None:
-        return None
-    reader = _reader_seeing(root, after if before is not None else None, facts, readers)
+    reader, fresh = _follow_change(root, after if before is not None else None, facts, readers)
     if reader is None:
+        if relaid is not None:
+            relaid.update(fresh)
         return None
     return (f"{reader.name} depends on the memory layout of {root.name}, which the replacement is "
             f"not known to keep")

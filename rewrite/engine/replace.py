@@ -102,7 +102,7 @@ class Replacer:
         self._writes: bool | None = None  # whether some node writes in place (None: not asked yet)
         self._classes: dict = {}  # alias classes while the graph is unchanged (new_aliasing)
         self._rewirer = Rewirer(gm)  # readers of replaced values, wide ones without fx's rebuild
-        self._readers = StrideReaders(gm.graph)  # values whose layout a view may see (layout_change_seen)
+        self._readers = StrideReaders(gm, self._graph_writes)  # values whose layout a view may see (layout_change_seen)
         self._regions = Regions(gm.graph)  # grad-mode and autocast regions (dynamo's no_grad blocks)
         self._target_names: dict = {}  # id(target) -> (target, the node name fx derives from it)
 
@@ -171,17 +171,19 @@ class Replacer:
                                    f"results is not known to be {len(results)}")
         if result is not root and result in self._created:
             self._first_operand_laid_out_as(root, result)
+        relaid: dict = {}  # facts of the nodes whose layout the replacement changes
         if result is not root:
             problem = new_aliasing(root, result, self._created, self.gm, self._graph_writes(), self._classes,
                                    self._nbytes)
             if problem is None and result not in self._created:  # a value forwarded as it is
-                problem = layout_change_seen(root, result, self.facts, self._readers) \
+                problem = layout_change_seen(root, result, self.facts, self._readers, relaid=relaid) \
                     or self._regions.spanned((), root, result)
             elif problem is None:  # a new value: laid out as its root, if a reader depends on strides
-                problem = layout_change_seen(root, result, self.facts, self._readers, self._created)
+                problem = layout_change_seen(root, result, self.facts, self._readers, self._created, relaid)
             if problem is not None:
                 self._undo()
                 raise ReplacementError(f"rule {match.rule.name!r} at {root.name}: {problem}")
+            self.facts.relay(relaid)
         if result is root:
             return (), ()
         self._classes.clear()  # the graph changes from here on
@@ -204,6 +206,7 @@ class Replacer:
         that is read is rewired to the replacement's ``i``-th value (the matcher
         made sure every read result has one), then the root and its getitems go."""
         root, items = match.root, match.rule.replacement.items
+        relaid: dict = {}  # facts of the nodes whose layout the replacement changes
         read = {i: gs for i, gs in (getitem_users(root) or {}).items() if any(g.users for g in gs)}
         try:
             with self.graph.inserting_before(root):
@@ -219,11 +222,12 @@ class Replacer:
                 problem = problem or new_aliasing(getitem, value, self._created, self.gm, self._graph_writes(),
                                                   self._classes, self._nbytes)
                 if problem is None and value not in self._created:  # a value forwarded as it is
-                    problem = layout_change_seen(getitem, value, self.facts, self._readers)
+                    problem = layout_change_seen(getitem, value, self.facts, self._readers, relaid=relaid)
             if problem is not None:
                 self._undo()
                 raise ReplacementError(f"rule {match.rule.name!r} at {root.name}: {problem}")
         self._classes.clear()  # the graph changes from here on
+        self.facts.relay(relaid)
         for node in self._created:
             node.meta[RULE_KEY] = (match.rule.name, match.rule.location)
         self.replaced.extend((getitem, value) for i, value in values.items() for getitem in read[i])
