@@ -159,6 +159,52 @@ def test_gpt2_conv1d_layers_quantize_as_linears():
     assert len(rqat.qat_layers(qat)) == 8
 
 
+# ---------------------------------------------------------------- x @ w.T linear layers (Falcon)
+
+
+def _tiny_falcon():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                       new_decoder_architecture=False, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.FalconModel(config).eval()
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    return model, (ids,)
+
+
+def test_falcon_transposed_weight_products_quantize_as_linears():
+    model, inputs = _tiny_falcon()
+    gm = torch.export.export(model, inputs, strict=False).module()
+    assert sum(1 for n in gm.graph.nodes if n.target is torch.ops.aten.numpy_T.default) == 8
+    int8 = rq.quantize(gm, _batches(inputs), ruleset="linear")
+    cov = int8.meta["rewrite.quant"]["coverage"]
+    assert cov.count("linear") == (8, 8), str(cov)  # query_key_value, dense, h_to_4h, 4h_to_h per layer
+    assert int8.meta["rewrite.quant"]["observe_counts"]["matmul_transposed_as_linear"] == 8
+    with torch.no_grad():
+        ref, out = model(*inputs).last_hidden_state, int8(*inputs)
+    assert _sqnr(ref, out) > FP32_FLOOR
+
+
+class _TransposedProduct(nn.Module):
+    """A linear layer spelled ``x @ w.transpose(0, 1)``: no rule makes it a linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(6, 4))
+
+    def forward(self, x):
+        return torch.relu(x @ self.weight.transpose(0, 1))
+
+
+def test_coverage_names_a_product_with_a_constant_weight_it_left_in_float():
+    model, inputs = _TransposedProduct().eval(), (torch.randn(2, 3, 4),)
+    int8 = rq.quantize(torch.export.export(model, inputs).module(), _batches(inputs), ruleset="linear")
+    cov = int8.meta["rewrite.quant"]["coverage"]
+    assert cov.count("linear") == (0, 1), str(cov)
+    assert "constant weight" in cov.left_float[0].reason
+    assert "1 left in float" in str(cov)
+
+
 # ---------------------------------------------------------------- runs that leave no trace
 
 

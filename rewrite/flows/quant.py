@@ -858,6 +858,30 @@ def _float_reason(node: fx.Node, op: str, bound: Any, gm: fx.GraphModule) -> str
     return "no lowering rule matched"
 
 
+#: ops through which a product's right operand is still its constant weight, laid out
+#: otherwise (``w.T``, ``w.transpose(0, 1)``, ``w.permute(1, 0)``)
+_WEIGHT_VIEWS = ("numpy_T", "t", "transpose", "permute", "contiguous", "clone")
+
+
+def _constant_weight_product(bound: Any, gm: fx.GraphModule) -> bool:
+    """A ``matmul`` whose right operand is a constant 2-d weight, possibly through
+    transposes: a linear layer the rules did not see as one."""
+    from rewrite.functions.quant import ops_of
+
+    operand = bound.args.get("other")
+    for _ in range(4):
+        if not isinstance(operand, fx.Node):
+            return False
+        weight = _const_tensor(operand, gm)
+        if weight is not None:
+            return weight.dim() == 2 and weight.is_floating_point()
+        view = next((b for name, b in ops_of(operand, gm).items() if name in _WEIGHT_VIEWS), None)
+        if view is None:
+            return False
+        operand = view.args.get("input")
+    return False
+
+
 def _module_kind(mod: Any) -> str | None:
     if isinstance(mod, torch.nn.modules.conv._ConvTransposeNd):
         return "conv_transpose"
@@ -901,6 +925,11 @@ def coverage(int8: fx.GraphModule) -> Coverage:
             continue
         if op is not None:
             left.append(FloatLayer(module_path(node) or node.name, op, _float_reason(node, op, bound[op], int8)))
+            continue
+        if "matmul" in bound and _constant_weight_product(bound["matmul"], int8):
+            left.append(FloatLayer(module_path(node) or node.name, "linear",
+                                   "a product with a constant weight in a spelling no rule turns into a "
+                                   "linear (observe.rw's layers: x @ w.T, x @ w.t(), addmm)"))
             continue
         if node.op == "call_module" and not bound:
             # a leaf module: the graph calls it whole, its convs and linears unseen

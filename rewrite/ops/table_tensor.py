@@ -275,6 +275,10 @@ OPS = [
     op("t", "input: T", standard("t"),
        instances=Instances("t"),
        torch="torch.t", aten="aten.t.default", doc="transpose of a <= 2d tensor"),
+    # x.T as torch.export spells it (Falcon's linears compute x @ self.weight.T)
+    op("numpy_T", "input: T", fn("aten.numpy_T.default"),
+       instances=Instances("unary"),
+       torch="aten.numpy_T.default", aten="aten.numpy_T.default", doc="dims reversed (x.T)"),
     op("unsqueeze", "input: T, dim", standard("unsqueeze"),
        instances=Instances("unsqueeze"),
        torch="torch.unsqueeze", aten="aten.unsqueeze.default", doc="insert a size-1 dim"),
