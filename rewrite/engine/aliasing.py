@@ -34,7 +34,8 @@ from rewrite.ops.effects import (always_aliases, call_writes, flag_on, flagged_w
                                  may_alias_any_argument, written_args, written_nodes)
 from rewrite.ops.vocabulary import nodes_by_target
 
-__all__ = ["storage_base", "alias_class", "new_aliasing", "caller_owned", "graph_writes", "written_between"]
+__all__ = ["storage_base", "alias_class", "new_aliasing", "caller_owned", "graph_writes", "written_between",
+           "memory_written"]
 
 
 def storage_base(node: Any, gm: Any, through: Any = may_alias) -> Any:
@@ -112,8 +113,27 @@ def _written(cls: set, gm: Any) -> bool:
     return any(_writes_into(user, n, gm) for n in cls for user in n.users)
 
 
+def memory_written(node: fx.Node, gm: Any) -> bool:
+    """Some node writes in place into ``node``'s memory (``node`` or a value that may
+    share it downstream: ``alias_class``)."""
+    return _written(alias_class(node, gm), gm)
+
+
 def _read_outside(cls: set, allowed: set) -> bool:
     return any(user not in cls and user not in allowed for n in cls for user in n.users)
+
+
+def _at_most(size: Any, bound: Any) -> bool:
+    """``size <= bound`` is known: both numbers, or (a symbolic size, a sympy
+    expression over sizes, which are positive) their difference is known not to be
+    positive for every size; None (unknown) is not."""
+    if size is None or bound is None:
+        return False
+    if isinstance(size, int) and isinstance(bound, int):
+        return size <= bound
+    import sympy
+
+    return bool(sympy.expand(sympy.sympify(size) - sympy.sympify(bound)).is_nonpositive)
 
 
 def new_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any, writes: bool = True,
@@ -147,7 +167,7 @@ def new_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any, writes: 
     what = f"{what} {base.target if base.op == 'get_attr' else base.name!r}"
     if escapes and nbytes is not None and base is not result and not caller_owned(base):
         kept, had, own = nbytes(base), nbytes(before), nbytes(root)
-        if kept is None or had is None or own is None or kept > max(had, own):
+        if kept is None or not (_at_most(kept, had) or _at_most(kept, own)):
             return (f"the graph would return a view of {what}, which keeps all of its memory alive "
                     f"({_bytes(kept)}, where the original returned {_bytes(had)})")
     if caller_owned(base) and (escapes or written):

@@ -121,7 +121,8 @@ class GraphFacts:
         # ``val`` on every new node that survives the rewrite (``settle``), for later
         # consumers of the graph; any node's facts are inferred earlier when a rule
         # asks. Nodes created and replaced again meanwhile never cost a propagation.
-        self.fake_mode = detect_fake_mode([v for v in carried if isinstance(v, torch.Tensor)])
+        self.fake_mode = _own_mode([v for v in carried if isinstance(v, torch.Tensor)]) \
+            or _symbolic_example_mode(gm)
         #: the ShapeEnv of a graph with symbolic sizes (a dynamic-shape export), else
         #: None: where clauses decide only what holds for every size (rewrite.engine.symbolic)
         self.shape_env = symbolic_env(self.fake_mode)
@@ -572,6 +573,33 @@ def _first_vals(gm: fx.GraphModule, n: int) -> list:
             if len(out) >= n:
                 break
     return out
+
+
+def _symbolic_example_mode(gm: fx.GraphModule) -> Any:
+    """The fake mode of a dynamo graph's ``example_value``s when their sizes are
+    symbolic (``dynamic=True``, or a recompile for another batch): new nodes' facts
+    are then inferred in it, as their sizes cannot be made real on meta tensors.
+    None for a graph of static sizes (inferred on meta tensors, as before)."""
+    values = []
+    for node in gm.graph.nodes:
+        value = node.meta.get("example_value") if node.op == "placeholder" or node.op.startswith("call_") else None
+        if isinstance(value, torch.Tensor):
+            values.append(value)
+            if len(values) >= 8:
+                break
+    if not any(isinstance(n, torch.SymInt) for v in values for n in v.shape):
+        return None
+    return _own_mode(values)
+
+
+def _own_mode(values: list) -> Any:
+    """The fake mode ``values`` were made in (``detect_fake_mode`` would answer the
+    active tracing context's, which a backend called by dynamo runs under: the
+    graph's values and new ones would then mix modes, and no fact is inferred)."""
+    modes = {id(m): m for v in values if (m := getattr(v, "fake_mode", None)) is not None}
+    if len(modes) == 1:
+        return next(iter(modes.values()))
+    return detect_fake_mode(values) if values else None
 
 
 def _carries(gm: fx.GraphModule, key: str) -> bool:

@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from rewrite.engine.aliasing import caller_owned, storage_base
+from rewrite.engine.aliasing import caller_owned, memory_written, storage_base
 from rewrite.engine.facts import GraphFacts, fetch_attr, tensor_meta_of
 from rewrite.engine.shapes import addressing, layout_of
 from rewrite.ops.effects import op_name, written_args
@@ -524,16 +524,22 @@ def _placement(meta: Any) -> tuple | None:
 
 def _same_strides(a: Any, b: Any) -> bool:
     """``a`` and ``b`` are known to have the same shape, strides and storage offset."""
+    if a.__class__ is b.__class__ and isinstance(a, torch.Tensor):  # two FakeTensors: the common case, quickly
+        try:
+            return a.shape == b.shape and a.stride() == b.stride() and a.storage_offset() == b.storage_offset()
+        except (RuntimeError, NotImplementedError):  # symbolic strides, no storage
+            return False
     placed = _placement(a)
     return placed is not None and placed == _placement(b)
 
 
-def _sharing_seen(node: fx.Node, gm: fx.GraphModule) -> bool:
+def _sharing_seen(node: fx.Node, gm: fx.GraphModule, writes: bool) -> bool:
     """Whether the caller may see ``node`` (a ``_MAY_COPY`` op) start or stop sharing
-    its input's memory: two outputs share that memory (the caller's write to one
-    shows in the other), or it is the caller's own (an input, a parameter)."""
+    its input's memory: the memory is the caller's own (an input, a parameter),
+    something writes into it in place (``writes``: the graph writes at all), or two
+    outputs share it (the caller's write to one shows in the other)."""
     base = storage_base(node, gm)
-    if caller_owned(base):
+    if caller_owned(base) or (writes and memory_written(base, gm)):
         return True
     return sum(1 for value in output_values(gm) if storage_base(value, gm) is base) > 1
 
@@ -562,7 +568,7 @@ def _follow_change(root: fx.Node, after: Any, facts: GraphFacts, readers: Stride
             if readers.sees(user, node):
                 return user, {}
             name = op_name(user.target) if user.op != "call_module" else ""
-            if name in _MAY_COPY and (readers.writes() or _sharing_seen(user, readers.gm)):
+            if name in _MAY_COPY and _sharing_seen(user, readers.gm, readers.writes()):
                 return user, {}
             viewing = name in _VIEWS and _reads_strides(user) is node
             if not viewing and not _carries_layout(user):

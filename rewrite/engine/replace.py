@@ -401,14 +401,25 @@ class Replacer:
             for key in ("val", FACTS_KEY):  # inferred with the operands as they were
                 result.meta.pop(key, None)
 
-    def _nbytes(self, node: fx.Node) -> int | None:
-        """The bytes of ``node``'s value from its facts, or None when unknown
-        (no facts, a symbolic size)."""
+    def _nbytes(self, node: fx.Node) -> Any:
+        """The bytes of ``node``'s value from its facts: a number, a sympy expression
+        over a symbolic shape's sizes (read from the SymInts, not asked: asking
+        would guard the graph on them), or None when unknown."""
         meta = self.facts.meta(node)
         shape, dtype = getattr(meta, "shape", None), getattr(meta, "dtype", None)
-        if shape is None or not isinstance(dtype, torch.dtype) or not all(type(n) is int for n in shape):
-            return None  # a symbolic size is not asked (that would guard on it)
-        return math.prod(shape) * dtype.itemsize
+        if shape is None or not isinstance(dtype, torch.dtype):
+            return None
+        if all(type(n) is int for n in shape):
+            return math.prod(shape) * dtype.itemsize
+        sizes = []
+        for n in shape:
+            if type(n) is int:
+                sizes.append(n)
+            elif isinstance(n, torch.SymInt):
+                sizes.append(n.node.expr)
+            else:
+                return None
+        return math.prod(sizes) * dtype.itemsize
 
     def _facts_of(self, value: Any) -> Any:
         # Known facts only: new nodes of a graph nobody asked shapes about need none.

@@ -863,18 +863,39 @@ def _float_reason(node: fx.Node, op: str, bound: Any, gm: fx.GraphModule) -> str
 _WEIGHT_VIEWS = ("numpy_T", "t", "transpose", "permute", "contiguous", "clone")
 
 
-def _constant_weight_product(bound: Any, gm: fx.GraphModule) -> bool:
-    """A ``matmul`` whose right operand is a constant 2-d weight, possibly through
-    transposes: a linear layer the rules did not see as one."""
+#: products and the operands that may be a layer's constant weight
+_PRODUCT_WEIGHTS = {"matmul": ("input", "other"), "mm": ("input", "mat2"), "bmm": ("input", "mat2"),
+                    "einsum": ("tensors",)}
+
+
+def _constant_weight_product(bound: dict, gm: fx.GraphModule) -> bool:
+    """A matrix product (``matmul``, ``mm``, ``bmm``, ``einsum``) with a constant
+    floating-point weight of rank >= 2 among its operands, possibly through
+    transposes: a linear layer (or a mixture of experts' stacked ones) the rules
+    did not see as one."""
+    for op, names in _PRODUCT_WEIGHTS.items():
+        if op not in bound:
+            continue
+        operands = []
+        for name in names:
+            value = bound[op].args.get(name)
+            operands.extend(value if isinstance(value, (list, tuple)) else [value])
+        if any(_constant_weight(operand, gm) for operand in operands):
+            return True
+    return False
+
+
+def _constant_weight(operand: Any, gm: fx.GraphModule) -> bool:
+    """``operand`` is a constant floating-point tensor of rank >= 2, or a transpose
+    or copy of one."""
     from rewrite.functions.quant import ops_of
 
-    operand = bound.args.get("other")
     for _ in range(4):
         if not isinstance(operand, fx.Node):
             return False
         weight = _const_tensor(operand, gm)
         if weight is not None:
-            return weight.dim() == 2 and weight.is_floating_point()
+            return weight.dim() >= 2 and weight.is_floating_point()
         view = next((b for name, b in ops_of(operand, gm).items() if name in _WEIGHT_VIEWS), None)
         if view is None:
             return False
@@ -926,7 +947,7 @@ def coverage(int8: fx.GraphModule) -> Coverage:
         if op is not None:
             left.append(FloatLayer(module_path(node) or node.name, op, _float_reason(node, op, bound[op], int8)))
             continue
-        if "matmul" in bound and _constant_weight_product(bound["matmul"], int8):
+        if _constant_weight_product(bound, int8):
             left.append(FloatLayer(module_path(node) or node.name, "linear",
                                    "a product with a constant weight in a spelling no rule turns into a "
                                    "linear (observe.rw's layers: x @ w.T, x @ w.t(), addmm)"))
