@@ -256,3 +256,44 @@ def test_after_a_relayout_a_later_rule_reads_the_new_contiguity():
     assert result.counts.get("mul_one", 0) == 1  # the copy-free forward is allowed: cat copies
     assert result.counts.get("cat_single", 0) == 0  # its x is no longer contiguous
     torch.testing.assert_close(result.graph_module(x), _StaleContiguity()(x))
+
+
+class _SlicedProduct(torch.nn.Module):
+    """Strides that follow no input (a matrix product's): export knows them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        y = (x @ self.w)[:, :2] * 1
+        return torch.cat([y.unsqueeze(0)]).view(-1) * 3
+
+
+def test_the_result_graph_carries_the_new_layout_into_a_second_apply():
+    x = torch.randn(3, 4)
+    model = _SlicedProduct().eval()
+    gm = torch.export.export(model, (x,)).module()
+    first = CLEANUP.only("mul_one").apply(gm, (x,), check=False)
+    assert first.counts.get("mul_one", 0) == 1
+    second = CLEANUP.only("cat_single").apply(first.graph_module, (x,), check=False)
+    assert second.counts.get("cat_single", 0) == 0  # the slice it reads is not contiguous
+    torch.testing.assert_close(second.graph_module(x), model(x))
+
+
+class _RelaidThenWrong(torch.nn.Module):
+    def forward(self, x):
+        y = (x * 2)[:, :2] * 1
+        return torch.relu(torch.cat([y.unsqueeze(0)]).view(-1))
+
+
+def test_an_in_place_rollback_puts_back_the_layout_a_rewrite_relaid():
+    x = torch.randn(3, 4)
+    gm = torch.export.export(_RelaidThenWrong(), (x,)).module()
+    before = {n.name: n.meta.get("val") for n in gm.graph.nodes}
+    rules = rewrite.parse("rule mul_one: mul(x, 1) => x\nrule wrong: relu(x) => neg(x)\n", "wrong.rw")
+    with pytest.raises(rewrite.EquivalenceError):
+        rules.apply(gm, (x,), inplace=True)
+    after = {n.name: n.meta.get("val") for n in gm.graph.nodes}
+    assert after.keys() == before.keys()
+    assert all(after[k] is before[k] for k in before)

@@ -283,6 +283,18 @@ class GraphFacts:
             if node.meta.get(NEW_NODE_KEY) and not node._erased and self.fake_mode is not None:
                 self.meta(node, record=False)
             node.meta.pop(NEW_NODE_KEY, None)
+        # nodes of the graph whose layout a rewrite changed carry it on (a later apply
+        # on the result, or a compiler reading ``val``, must not see the old strides)
+        for node, fresh in self._relaid.items():
+            if node._erased or not isinstance(fresh, torch.Tensor):
+                continue
+            for key in ("val", "example_value"):
+                old = node.meta.get(key)
+                if isinstance(old, torch.Tensor) and getattr(old, "fake_mode", None) is getattr(fresh, "fake_mode", 0):
+                    if self._on_meta is not None:
+                        self._on_meta(node, key)
+                    node.meta[key] = fresh
+                    break
 
     def rerun(self, nodes: list, given: dict | None = None) -> dict:
         """Facts of ``nodes`` (an original graph's nodes whose inputs a rewrite changed,

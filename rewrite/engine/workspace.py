@@ -404,6 +404,7 @@ class Journal:
         self.graph = gm.graph
         self._entries: list = []
         self._meta: list = []  # (node, key) written on pre-existing nodes
+        self._replaced_meta: list = []  # (node, key, old value) overwritten on pre-existing nodes
         # users of nodes that lose a user (it is erased, or reads another node):
         # restored in their order (a user regained would otherwise come last)
         self._users: dict = {}
@@ -473,9 +474,14 @@ class Journal:
             self._users[old] = list(old.users)
 
     def note_meta(self, node: fx.Node, key: str) -> None:
-        """``node.meta[key]`` is about to be set on a node that existed before."""
+        """``node.meta[key]`` is about to be set on a node that existed before: a new
+        fact (kept by ``undo(keep_meta=True)``: still true of the graph), or one that
+        replaces what the node carried (a layout a rewrite changed: always put back,
+        as it is true of the rewritten graph only)."""
         if key not in node.meta:
             self._meta.append((node, key))
+        else:
+            self._replaced_meta.append((node, key, node.meta[key]))
 
     # -- undoing
 
@@ -530,6 +536,9 @@ class Journal:
         for key, value in self._root.items():
             if key not in CODE_ATTRIBUTES and attributes.get(key, _ABSENT) is not value:
                 attributes[key] = value
+        for node, key, value in reversed(self._replaced_meta):
+            node.meta[key] = value
+        self._replaced_meta.clear()
         if not keep_meta:
             for node, key in reversed(self._meta):
                 node.meta.pop(key, None)
