@@ -297,3 +297,36 @@ def test_an_in_place_rollback_puts_back_the_layout_a_rewrite_relaid():
     after = {n.name: n.meta.get("val") for n in gm.graph.nodes}
     assert after.keys() == before.keys()
     assert all(after[k] is before[k] for k in before)
+
+
+class _Residuals(torch.nn.Module):
+    """y = y + f(y), seven times: each op is reached along many paths."""
+
+    def forward(self, x):
+        y = x.t().contiguous() * 1
+        for _ in range(7):
+            y = y + torch.sigmoid(y)
+        return y.sum(0)
+
+
+def test_a_change_reached_along_many_paths_is_followed_once_per_op():
+    x = torch.randn(3, 4)
+    for gm in (fx.symbolic_trace(_Residuals()), torch.export.export(_Residuals(), (x,)).module()):
+        result = IDENTITY.apply(gm, (x,), check=False)
+        assert result.counts.get("drop_copy", 0) == 1, result.stats["drop_copy"].first_error
+        torch.testing.assert_close(result.graph_module(x), _Residuals()(x))
+
+
+class _Rolled(torch.nn.Module):
+    """CPU's roll keeps a channels_last input channels_last; its meta kernel does not."""
+
+    def forward(self, x):
+        y = x.contiguous() * 1
+        return torch.roll(y, 1, 2).view(-1) + 1
+
+
+def test_a_change_through_an_op_laid_out_otherwise_on_cpu_than_inferred_is_not_followed():
+    x = torch.randn(2, 6, 5, 4).contiguous(memory_format=torch.channels_last)
+    for gm in (fx.symbolic_trace(_Rolled()), torch.export.export(_Rolled(), (x,)).module()):
+        result = IDENTITY.apply(gm, (x,), check=False)
+        torch.testing.assert_close(result.graph_module(x), _Rolled()(x))

@@ -35,7 +35,7 @@ from rewrite.ops.effects import (always_aliases, call_writes, flag_on, flagged_w
 from rewrite.ops.vocabulary import nodes_by_target
 
 __all__ = ["storage_base", "alias_class", "new_aliasing", "caller_owned", "graph_writes", "written_between",
-           "memory_written"]
+           "memory_observed"]
 
 
 def storage_base(node: Any, gm: Any, through: Any = may_alias) -> Any:
@@ -113,10 +113,14 @@ def _written(cls: set, gm: Any) -> bool:
     return any(_writes_into(user, n, gm) for n in cls for user in n.users)
 
 
-def memory_written(node: fx.Node, gm: Any) -> bool:
-    """Some node writes in place into ``node``'s memory (``node`` or a value that may
-    share it downstream: ``alias_class``)."""
-    return _written(alias_class(node, gm), gm)
+def memory_observed(node: fx.Node, gm: Any, writes: bool) -> bool:
+    """Whether the caller could tell ``node``'s memory shared or not: some node
+    writes into it in place (``writes``: the graph writes at all), or two graph
+    outputs may share it (the values of ``alias_class``, walked once)."""
+    cls = alias_class(node, gm)
+    if writes and _written(cls, gm):
+        return True
+    return sum(1 for n in cls if any(u.op == "output" for u in n.users)) > 1
 
 
 def _read_outside(cls: set, allowed: set) -> bool:

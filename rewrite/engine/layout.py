@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from rewrite.engine.aliasing import caller_owned, memory_written, storage_base
+from rewrite.engine.aliasing import caller_owned, memory_observed, storage_base
 from rewrite.engine.facts import GraphFacts, fetch_attr, tensor_meta_of
 from rewrite.engine.shapes import addressing, layout_of
 from rewrite.ops.effects import op_name, written_args
@@ -161,7 +161,8 @@ def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, 
         relaid = kept.relaid(new)
         if relaid:
             known = not strided_constants and not any(from_new_module(n)
-                                                      for n in kept.read(relaid))
+                                                      for n in kept.read(relaid)) \
+                and not any(_layout_not_inferable(n, gm) for n in relaid)
             if new in created_nodes:
                 known = known and not from_new_module(new) \
                     and not _meta_layout_unreliable(new, created_nodes, facts, picker)
@@ -536,53 +537,83 @@ def _same_strides(a: Any, b: Any) -> bool:
 def _sharing_seen(node: fx.Node, gm: fx.GraphModule, writes: bool) -> bool:
     """Whether the caller may see ``node`` (a ``_MAY_COPY`` op) start or stop sharing
     its input's memory: the memory is the caller's own (an input, a parameter),
-    something writes into it in place (``writes``: the graph writes at all), or two
-    outputs share it (the caller's write to one shows in the other)."""
+    something writes into it in place, or two outputs share it (the caller's write
+    to one shows in the other)."""
     base = storage_base(node, gm)
-    if caller_owned(base) or (writes and memory_written(base, gm)):
-        return True
-    return sum(1 for value in output_values(gm) if storage_base(value, gm) is base) > 1
+    return caller_owned(base) or memory_observed(base, gm, writes)
+
+
+#: ops whose CPU kernel lays a strided (channels_last, transposed) input's result out
+#: otherwise than their meta/fake kernel, which facts are inferred with: a change of
+#: layout cannot be followed through them
+_CPU_LAYOUT_DIFFERS = frozenset({"roll", "group_norm", "native_group_norm", "pixel_shuffle", "pixel_unshuffle",
+                                 "channel_shuffle", "native_channel_shuffle"})
+
+
+def _layout_not_inferable(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """``node`` is an op of ``_CPU_LAYOUT_DIFFERS`` (a module call: by what it binds)."""
+    if node.op == "call_module":
+        return any(b.op in _CPU_LAYOUT_DIFFERS for b in bind_node(node, gm))
+    return node.op in ("call_function", "call_method") and op_name(node.target) in _CPU_LAYOUT_DIFFERS
+
+
+_SCAN_BUDGET = 4096  # nodes passed in graph order, per replacement, following a layout change
 
 
 def _follow_change(root: fx.Node, after: Any, facts: GraphFacts, readers: StrideReaders) -> tuple:
     """Follows a change of ``root``'s layout (its readers reading a value laid out as
-    ``after``) down the ops that carry it on, each inferred again from the new
-    layout, until it dies out (a ``reshape`` that copies either way, an op that lays
-    its result out itself). Returns (a node that would see the change, or None;
-    the fresh facts of the nodes whose layout changed). Seen: a reader of strides
-    other than a view, a ``view`` that cannot reinterpret the new layout (one that
-    can computes the same values and carries the layout on), a write in place, a
-    ``reshape``-like op whose sharing of memory may change where the graph writes
-    in place or returns it. Unknown facts (``after`` None) follow nothing: any
-    reader that may see the layout sees it. An op that cannot be inferred, or more
-    than ``_FOLLOW_BUDGET`` of them, counts as seen."""
+    ``after``) down the ops that carry it on, in graph order (each op inferred once,
+    from all of its changed inputs), until it dies out (a ``reshape`` that copies
+    either way, an op that lays its result out itself). Returns (why a reader would
+    see the change, or None; the fresh facts of the nodes whose layout changed).
+    Seen: a reader of strides other than a view, a ``view`` that cannot
+    reinterpret the new layout (one that can computes the same values and carries
+    the layout on), a write in place, a ``reshape``-like op whose sharing of memory
+    the caller may observe. Unknown facts (``after`` None) follow nothing: any
+    reader that may see the layout sees it. An op that cannot be inferred, or a
+    change still alive after ``_FOLLOW_BUDGET`` ops inferred (``_SCAN_BUDGET``
+    passed), counts as seen."""
+    def seen_by(reader: fx.Node) -> tuple:
+        return (f"{reader.name} depends on the memory layout of {root.name}, which the replacement is "
+                f"not known to keep"), {}
+
     if after is None:
-        return readers.reader_of(root), {}
+        reader = readers.reader_of(root)
+        return (None, {}) if reader is None else seen_by(reader)
     changed = {root: after}
-    stack, budget = [root], _FOLLOW_BUDGET
-    while stack:
-        node = stack.pop()
-        for user in node.users:
-            if user.op == "output":
-                continue  # outputs keep their layout (restore_output_layouts)
-            if readers.sees(user, node):
-                return user, {}
-            name = op_name(user.target) if user.op != "call_module" else ""
-            if name in _MAY_COPY and _sharing_seen(user, readers.gm, readers.writes()):
-                return user, {}
-            viewing = name in _VIEWS and _reads_strides(user) is node
-            if not viewing and not _carries_layout(user):
-                continue
-            budget -= 1
-            if budget < 0:
-                return user, {}
-            fresh = facts.rerun([user], given=changed).get(user)
-            if fresh is None:
-                return user, {}
-            if _same_strides(fresh, facts.meta(user, record=False)):
-                continue  # the change dies out here
-            changed[user] = fresh
-            stack.append(user)
+    frontier = {u for u in root.users if u.op != "output"}
+    inferred = scanned = 0
+    node = root.next
+    while frontier:
+        scanned += 1
+        if node.op == "root" or scanned > _SCAN_BUDGET or inferred > _FOLLOW_BUDGET:
+            return (f"the change of {root.name}'s memory layout reaches further than the "
+                    f"{_FOLLOW_BUDGET} ops it is followed through"), {}
+        user, node = node, node.next
+        if user not in frontier:
+            continue
+        frontier.discard(user)
+        inputs = [i for i in user.all_input_nodes if i in changed]
+        if any(readers.sees(user, i) for i in inputs):
+            return seen_by(user)
+        name = op_name(user.target) if user.op != "call_module" else ""
+        if name in _MAY_COPY and _sharing_seen(user, readers.gm, readers.writes()):
+            return seen_by(user)
+        if not (name in _VIEWS and _reads_strides(user) in changed) and not _carries_layout(user):
+            continue
+        if _layout_not_inferable(user, readers.gm):
+            reader = readers.reader_of(user)
+            if reader is not None or any(u.op == "output" for u in user.users):
+                return seen_by(reader or user)
+            continue  # no reader sees it: the layout it gets stays unknown (and unread)
+        inferred += 1
+        fresh = facts.rerun([user], given=changed).get(user)
+        if fresh is None:
+            return seen_by(user)
+        if _same_strides(fresh, facts.meta(user, record=False)):
+            continue  # the change dies out here
+        changed[user] = fresh
+        frontier.update(u for u in user.users if u.op != "output")
     del changed[root]
     return None, changed
 
@@ -609,10 +640,7 @@ def layout_change_seen(root: fx.Node, result: fx.Node, facts: GraphFacts, reader
         after = None
     if before is not None and after is not None and _same_strides(before, after):
         return None
-    reader, fresh = _follow_change(root, after if before is not None else None, facts, readers)
-    if reader is None:
-        if relaid is not None:
-            relaid.update(fresh)
-        return None
-    return (f"{reader.name} depends on the memory layout of {root.name}, which the replacement is "
-            f"not known to keep")
+    why, fresh = _follow_change(root, after if before is not None else None, facts, readers)
+    if why is None and relaid is not None:
+        relaid.update(fresh)
+    return why
