@@ -118,7 +118,12 @@ def test_qdq_form_on_the_bundled_cnn():
 def test_qdq_form_through_quantize_and_export_capture():
     model, inputs = demo_cnn_with_inputs()
     batches = [inputs] + [generate_inputs(inputs, seed=i) for i in range(2)]
+    # two calibrations compared: from one state of the global generator (the scales
+    # they reach depend on it: 27-34 dB apart after other tests drew from it; not yet
+    # traced to the draw, see session 31's note)
+    torch.manual_seed(0)
     qdq = rq.quantize(model, batches, capture="export", form="qdq", check=False)
+    torch.manual_seed(0)
     int8 = rq.quantize(model, batches, capture="export", check=False)
     _assert_pt2e(qdq, int8)
     held = generate_inputs(inputs, seed=11)
