@@ -593,12 +593,12 @@ def _symbolic_example_mode(gm: fx.GraphModule) -> Any:
     are then inferred in it, as their sizes cannot be made real on meta tensors.
     None for a graph of static sizes (inferred on meta tensors, as before)."""
     values = []
-    for node in gm.graph.nodes:
-        value = node.meta.get("example_value") if node.op == "placeholder" or node.op.startswith("call_") else None
+    for node in gm.graph.nodes:  # the inputs, which come first: where sizes are symbolic
+        if node.op != "placeholder":
+            break
+        value = node.meta.get("example_value")
         if isinstance(value, torch.Tensor):
             values.append(value)
-            if len(values) >= 8:
-                break
     if not any(isinstance(n, torch.SymInt) for v in values for n in v.shape):
         return None
     return _own_mode(values)
