@@ -69,3 +69,21 @@ def test_coverage_names_every_product_with_a_constant_weight_left_in_float():
     cov = rq.coverage(int8)
     assert cov.count("linear") == (1, 4), str(cov)
     assert sorted(f.layer for f in cov.left_float) == ["bmm", "einsum", "mm"], str(cov)
+
+
+def test_gpt2_exported_with_dynamic_sizes_gets_sdpa():
+    # the layout walk re-infers the reshape after attention, which reads the export's
+    # sym_size nodes: symbolic ints are facts too (it refused before: unknown)
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=100, n_positions=64,
+                                     use_cache=False, bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.GPT2Model(config).eval()
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    batch, seq = torch.export.Dim("batch", min=1, max=8), torch.export.Dim("seq", min=2, max=32)
+    gm = torch.export.export(model, (ids,), dynamic_shapes=({0: batch, 1: seq},), strict=False).module()
+    result = rewrite.load("rules/transformer.rw")["transformer"].apply(gm, (ids,))  # checked
+    assert result.counts.get("attention_scale_mask") == 2, dict(result.counts)
+    other = torch.randint(0, 100, (3, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(result.graph_module(other)[0], gm(other)[0], rtol=1e-4, atol=1e-5)

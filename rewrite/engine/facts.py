@@ -454,11 +454,15 @@ class GraphFacts:
 NEW_NODE_KEY = "rewrite_new"  # set on nodes a rewrite created, until their facts are inferred
 
 
+_SCALARS = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
 def _plain_value(node: fx.Node) -> Any:
-    """A recorded non-tensor value of a node (a shape, an int), or None."""
+    """A recorded non-tensor value of a node (a shape, an int; symbolic ones too: a
+    dynamic-shape export's ``sym_size`` nodes, which reshapes read), or None."""
     value = tensor_meta_of(node)
-    if isinstance(value, (int, float, bool, torch.Size)) or (
-        isinstance(value, (tuple, list)) and all(isinstance(v, (int, float, bool)) for v in value)
+    if isinstance(value, (*_SCALARS, torch.Size)) or (
+        isinstance(value, (tuple, list)) and all(isinstance(v, _SCALARS) for v in value)
     ):
         return value
     return None
