@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 from rewrite.engine.aliasing import caller_owned, memory_observed, storage_base
 from rewrite.engine.facts import GraphFacts, fetch_attr, tensor_meta_of
 from rewrite.engine.shapes import addressing, layout_of
-from rewrite.ops.effects import op_name, written_args
+from rewrite.ops.effects import op_name, written_nodes
 from rewrite.ops.vocabulary import bind_node
 
 __all__ = ["StrideReaders", "layout_change_seen", "output_values", "restore_output_layouts"]
@@ -424,24 +424,11 @@ def _reads_strides(node: fx.Node) -> fx.Node | None:
     return None
 
 
-def _written_inputs(node: fx.Node, gm: fx.GraphModule) -> list:
-    """The values ``node`` may write in place (``written_args``: every argument of a
-    call whose code nothing here describes, such as an ``fx.wrap``-ed function or a
-    module of the model's own, which may read strides too)."""
-    found: list = []
-    for where in written_args(node, gm):
-        if isinstance(where, int):
-            value = node.args[where] if where < len(node.args) else None
-        else:
-            value = node.kwargs.get(where)
-        fx.node.map_arg(value, found.append)
-    return found
-
-
 class StrideReaders:
     """Which values of a graph a reader of strides may see the layout of: read
     directly (``t.view(-1)``, ``t.add_(1)``: a write in place needs a layout
-    without overlap; an opaque call) or through ops that carry it on
+    without overlap; an opaque call, which ``written_nodes`` counts as writing
+    every argument) or through ops that carry it on
     (``t.clone().view(-1)``, ``t.relu().view(-1)``; not through ``_OWN_LAYOUT``
     ones such as ``matmul``). Worked out on the first question (one walk up from
     every reader), then kept up to date with each replacement (``replaced``): a
@@ -456,7 +443,6 @@ class StrideReaders:
         """A reader of strides that may see ``value``'s layout, or None."""
         if self._seen is None:
             self._seen = {}
-            self._writes = self.writes()
             for node in self.gm.graph.nodes:
                 self._note(node)
         return self._seen.get(value)
@@ -466,7 +452,7 @@ class StrideReaders:
         reader of strides other than a view (which is inferred again), or a write."""
         if _reads_strides(user) is value and op_name(user.target) not in _VIEWS:
             return True
-        return self.writes() and value in _written_inputs(user, self.gm)
+        return self.writes() and value in written_nodes(user, self.gm)
 
     def replaced(self, result: fx.Node, created: Any) -> None:
         """``result`` (and the ``created`` nodes computing it) took a replaced value's
@@ -474,7 +460,6 @@ class StrideReaders:
         if self._seen is None:
             return
         created = list(created)
-        self._writes = self._writes or self.writes()
         for node in created:
             self._note(node)
         for node in reversed([*created, result]):  # readers before what they read
@@ -483,7 +468,7 @@ class StrideReaders:
                 self._spread(node, reader)
 
     def _reader_through(self, user: fx.Node, value: fx.Node) -> fx.Node | None:
-        if _reads_strides(user) is value or (self._writes and value in _written_inputs(user, self.gm)):
+        if _reads_strides(user) is value or (self.writes() and value in written_nodes(user, self.gm)):
             return user
         return self._seen.get(user) if _carries_layout(user) else None
 
@@ -491,8 +476,8 @@ class StrideReaders:
         read = _reads_strides(node)
         if read is not None:
             self._spread(read, node)
-        if self._writes:
-            for value in _written_inputs(node, self.gm):
+        if self.writes():
+            for value in written_nodes(node, self.gm):
                 self._spread(value, node)
 
     def _spread(self, value: fx.Node, reader: fx.Node) -> None:

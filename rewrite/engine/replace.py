@@ -409,8 +409,6 @@ class Replacer:
         shape, dtype = getattr(meta, "shape", None), getattr(meta, "dtype", None)
         if shape is None or not isinstance(dtype, torch.dtype):
             return None
-        if all(type(n) is int for n in shape):
-            return math.prod(shape) * dtype.itemsize
         sizes = []
         for n in shape:
             if type(n) is int:
