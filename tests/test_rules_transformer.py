@@ -173,12 +173,15 @@ class Attention(nn.Module):
     symbolic_trace, ``q.shape[-1]`` would be a graph value, and the rules do not fire
     on a scale they cannot read."""
 
-    def __init__(self, form="mul", softmax_dim=-1, scale=None, mask_op="add", masked=False):
+    def __init__(self, form="mul", softmax_dim=-1, scale=None, mask_op="add", masked=False, keep=False):
         super().__init__()
         self.form, self.softmax_dim, self.scale, self.mask_op = form, softmax_dim, scale, mask_op
         self.masked = masked or mask_op != "add"
+        self.keep = keep  # the mask input is a bool "attend here" mask, made additive in the graph
 
     def forward(self, q, k, v, mask=None):
+        if self.keep:  # as transformers builds it: 0 where attended, a finite minimum elsewhere
+            mask = torch.where(mask, 0.0, -3.4028234663852886e38)
         d = 8  # the head dim of _qkv()
         scale = self.scale if self.scale is not None else 1 / math.sqrt(d)
         if self.form == "mul":
@@ -205,8 +208,8 @@ def _qkv(b=2, h=2, lq=5, s=5, e=8, ev=8, seed=0):
 @pytest.mark.parametrize("masked", [False, True])
 def test_attention_spellings(form, masked, level):
     q, k, v = _qkv()
-    args = (q, k, v, torch.randn(1, 1, 5, 5)) if masked else (q, k, v)
-    _, _, after = rewritten(Attention(form, masked=masked), args, level)
+    args = (q, k, v, torch.randn(1, 1, 5, 5) > -1) if masked else (q, k, v)
+    _, _, after = rewritten(Attention(form, masked=masked, keep=masked), args, level)
     assert after["scaled_dot_product_attention"] == 1
     assert after["softmax"] == after["matmul"] == after["dropout"] == 0
 
@@ -217,8 +220,8 @@ def test_attention_spellings(form, masked, level):
 def test_attention_on_random_shapes(b, h, lq, s, e, ev, scale, mask):
     q, k, v = _qkv(b, h, lq, s, e, ev)
     masks = {"full": (b, h, lq, s), "row": (lq, s), "col": (b, 1, 1, s)}
-    args = (q, k, v) if mask is None else (q, k, v, torch.randn(masks[mask]))
-    _, _, after = rewritten(Attention("mul", scale=scale, masked=mask is not None), args, "fx")
+    args = (q, k, v) if mask is None else (q, k, v, torch.randn(masks[mask]) > -1)
+    _, _, after = rewritten(Attention("mul", scale=scale, masked=mask is not None, keep=mask is not None), args, "fx")
     assert after["scaled_dot_product_attention"] == 1 and after["softmax"] == 0
 
 

@@ -14,8 +14,10 @@ from typing import Any
 
 import torch
 
+from rewrite.engine.aliasing import graph_writes, storage_base
 from rewrite.engine.facts import Value
 from rewrite.functions.registry import register_constant, register_predicate
+from rewrite.ops.effects import written_nodes
 
 __all__: list = []  # everything here is reached through the registry
 
@@ -183,3 +185,150 @@ def inverse(x: Any) -> Any:
     """``1 / x`` of a number, at rewrite time: ``scores / sqrt(d)`` is sdpa's
     ``scale=1 / sqrt(d)``."""
     return 1.0 / x
+
+
+# -- masks that never hold -inf
+#
+# softmax over a row of scores that is -inf throughout is NaN (0/0) in the written-out
+# attention and 0 in scaled_dot_product_attention, so a mask that may mask a whole row
+# with -inf (``masked_fill(zeros, ~keep, -inf)`` of a padding mask) cannot go into sdpa
+# unchanged. What can be proved from the graph is that a mask holds no -inf at all:
+# transformers' masks are ``where(keep, 0, finfo.min)``, finite by construction.
+
+# ops whose every output element is an element of a floating input or a number
+# argument (or 0: tril/triu): selection, views, copies, joins, gathers
+_SELECTING = frozenset({
+    "expand", "expand_as", "view", "view_as", "reshape", "reshape_as", "_unsafe_view", "unsqueeze",
+    "squeeze", "permute", "transpose", "t", "numpy_T", "contiguous", "clone", "slice", "select",
+    "narrow", "flatten", "unflatten", "alias", "detach", "lift_fresh_copy", "repeat", "tile",
+    "index_select", "gather", "take", "getitem", "cat", "concat", "concatenate", "stack", "tril",
+    "triu", "where", "masked_fill", "embedding", "flip", "roll", "movedim", "moveaxis", "swapaxes",
+    "swapdims",
+})
+# ops that take integer tensors as positions, never as values
+_INDEXING = frozenset({"index_select", "gather", "take", "getitem", "embedding"})
+# ops that fill a new tensor with their number arguments only
+_FILLING = frozenset({"zeros", "ones", "zeros_like", "ones_like", "new_zeros", "new_ones", "full",
+                      "full_like", "new_full", "fill", "scalar_tensor"})
+# ops whose output is their input converted to the output's dtype
+_CASTING = frozenset({"to", "_to_copy", "type", "type_as", "float", "double", "half", "bfloat16"})
+# ...of which those whose number arguments are sizes only, and selections that fill
+# with a number argument
+_FILLING_NOTHING = frozenset({"zeros", "ones", "zeros_like", "ones_like", "new_zeros", "new_ones"})
+_FILLING_WITH = frozenset({"where", "masked_fill"})
+_MASK_WALK_LIMIT = 64  # nodes looked at, at most: past it the mask is not known
+
+
+def _op_name(node: Any) -> str | None:
+    """What ``node`` computes, by name, the same in every dialect: ``aten.where.self``,
+    ``torch.where`` and ``x.where`` are all ``"where"``."""
+    target = node.target
+    if node.op == "call_method":
+        return target if isinstance(target, str) else None
+    if node.op != "call_function":
+        return None
+    packet = getattr(target, "overloadpacket", None)
+    name = getattr(packet if packet is not None else target, "__name__", None)
+    return name.rstrip("_") if name == "masked_fill_" else name
+
+
+def _holds_finitely(dtype: torch.dtype, source: torch.dtype) -> bool:
+    """Every finite value of ``source`` converts to a finite value of ``dtype``."""
+    if source == dtype or source == torch.bool:
+        return True
+    if not dtype.is_floating_point:
+        return True  # an integer or bool result holds no -inf
+    if source.is_floating_point:
+        return torch.finfo(source).max <= torch.finfo(dtype).max and (
+            source != torch.float32 or dtype != torch.bfloat16)  # float32's max rounds up to inf there
+    if source.is_complex:
+        return False
+    return torch.iinfo(source).max <= torch.finfo(dtype).max
+
+
+def _finite_number(v: int | float, dtype: torch.dtype) -> bool:
+    """A number that stays finite converted to ``dtype`` (-3.4e38 is -inf in float16)."""
+    return not dtype.is_floating_point or bool(torch.isfinite(torch.tensor(float(v), dtype=torch.float64).to(dtype)))
+
+
+def _no_minus_inf(x: Value) -> bool | None:
+    """True when no element of ``x`` can be -inf, from how the graph computes it;
+    None when that is not known."""
+    facts = x.facts
+    gm = facts.gm
+    # a write in place may put -inf into a value after it is computed: the memory of
+    # every value written (T5's bucket arithmetic writes integers in place)
+    written = {storage_base(w, gm) for n in gm.graph.nodes for w in written_nodes(n, gm)} \
+        if graph_writes(gm) else ()
+    todo, seen = [x.operand], set()
+    while todo:
+        operand = todo.pop()
+        if not isinstance(operand, torch.fx.Node):
+            if isinstance(operand, (int, float)) and not isinstance(operand, bool) and operand == float("-inf"):
+                return None
+            continue
+        if operand in seen:
+            continue
+        seen.add(operand)
+        if len(seen) > _MASK_WALK_LIMIT:
+            return None
+        meta = facts.meta(operand)
+        if meta is None:
+            return None
+        dtype = meta.dtype
+        if not dtype.is_floating_point:
+            continue  # integers and bools hold no -inf (a conversion of them is looked at)
+        if written and storage_base(operand, gm) in written:
+            return None
+        if operand.op == "get_attr":
+            if not facts.is_const(operand):
+                return None  # the graph writes it: its values when it is read are not these
+            t = facts.constant_of(operand)
+            if not isinstance(t, torch.Tensor) or bool(torch.isneginf(t).any()):
+                return None
+            continue
+        name = _op_name(operand)
+        # the numbers that become values (a fill's, where's, masked_fill's: not sizes,
+        # dims or positions, and no list of them)
+        numbers = [v for v in (*operand.args, *operand.kwargs.values())
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if name in _FILLING:
+            if not all(_finite_number(v, dtype) for v in numbers if name not in _FILLING_NOTHING):
+                return None
+            todo.extend(n for n in operand.all_input_nodes if name == "fill")
+            continue
+        if name in _CASTING:
+            source = operand.args[0] if operand.args else None
+            sm = facts.meta(source) if isinstance(source, torch.fx.Node) else None
+            if sm is None or not _holds_finitely(dtype, sm.dtype):
+                return None
+            todo.append(source)
+            continue
+        if name not in _SELECTING:
+            return None
+        if name in _FILLING_WITH and not all(_finite_number(v, dtype) for v in numbers):
+            return None
+        for arg in operand.all_input_nodes:
+            am = facts.meta(arg)
+            if am is None:
+                return None
+            if am.dtype.is_floating_point:
+                todo.append(arg)
+            elif name not in _INDEXING and not _holds_finitely(dtype, am.dtype):
+                return None  # integer values that a half-precision result may not hold
+    return True
+
+
+@register_predicate()
+def never_minus_inf(x: Value) -> bool:
+    """No element of ``x`` can be -inf, as far as the graph shows: a constant without
+    -inf, a finite fill (``zeros``, ``full(..., finfo.min)``), or a selection of such
+    values (``where``, ``masked_fill`` with a finite value, views, ``cat``, ``embedding``
+    of a constant table, conversions that cannot overflow). A mask in the attention
+    rules must be: a query row masked with -inf throughout is NaN in the written-out
+    softmax and 0 in ``scaled_dot_product_attention``. Anything else (a graph input, an
+    arithmetic op that may overflow) is not known: the rule does not fire."""
+    if x.is_literal:
+        v = x.literal
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and v != float("-inf")
+    return _no_minus_inf(x)

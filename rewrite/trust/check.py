@@ -76,6 +76,7 @@ from rewrite.ops.base import ConstRef, attribute, nodes_by_target
 from rewrite.ops.effects import call_writes, state_writes, written_args
 from rewrite.ops.vocabulary import CALL_OPS, OPS, bind_node
 from rewrite.trust.gradients import GradientRun, gradient_run
+from rewrite.trust.held import input_leaves, map_held
 from rewrite.trust.modes import is_higher_order, run_higher_order
 from rewrite.trust.nonfinite import non_finite_births
 from rewrite.trust.precision import HALF, NOISE_MULTIPLIER, computes_in_half, narrowed_run, rounding_noise, widened_run
@@ -283,27 +284,35 @@ def generate_inputs(example_inputs: Any, seed: int = 0, *,
 
     Leaves are addressed by flat index or by ``pytree.keystr`` path (``"[0]"``,
     ``"[1]['mask']"``). ``input_ranges`` maps leaves to a uniform range;
-    ``fixed_inputs`` lists leaves passed through unchanged. ``nn.Parameter``
-    leaves (weights lifted to inputs by dynamo) and non-tensors are always
-    passed through. ``widen_constants``: see ``random_like``.
+    ``fixed_inputs`` lists leaves passed through unchanged. Non-tensors are passed
+    through, but for the tensors an object holds (a dataclass, a ``UserDict``:
+    ``rewrite.trust.held``), which are drawn too; an ``nn.Parameter`` is drawn as a
+    parameter requiring grad as the example does. ``widen_constants``: see
+    ``random_like``.
     """
     generator = torch.Generator().manual_seed(seed)
     fixed = set(fixed_inputs)
     leaves, spec = pytree.tree_flatten_with_path(example_inputs)
     out = []
     made: Dict[int, torch.Tensor] = {}  # the same tensor given twice is one random tensor
+
+    def drawn(leaf: torch.Tensor, value_range: Optional[Range]) -> torch.Tensor:
+        value = made.get(id(leaf))
+        if value is None:
+            value = _laid_out_like(leaf, random_like(leaf, generator, value_range, widen_constants))
+            if isinstance(leaf, torch.nn.Parameter):
+                value = torch.nn.Parameter(value, requires_grad=leaf.requires_grad)
+            made[id(leaf)] = value
+        return value
+
     for i, (kp, leaf) in enumerate(leaves):
         path = pytree.keystr(kp)
-        if (not isinstance(leaf, torch.Tensor) or isinstance(leaf, torch.nn.Parameter)
-                or i in fixed or path in fixed):
+        if i in fixed or path in fixed:
             out.append(leaf)
-        elif id(leaf) in made:
-            out.append(made[id(leaf)])
+        elif not isinstance(leaf, torch.Tensor):
+            out.append(map_held(leaf, lambda t: drawn(t, None)))
         else:
-            made[id(leaf)] = value = _laid_out_like(leaf, random_like(leaf, generator,
-                                                                      _lookup_range(input_ranges, i, path),
-                                                                      widen_constants))
-            out.append(value)
+            out.append(drawn(leaf, _lookup_range(input_ranges, i, path)))
     return pytree.tree_unflatten(out, spec)
 
 
@@ -439,7 +448,7 @@ def inputs_copy(tree: Any) -> Any:
 
     def one(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
-            return t
+            return map_held(t, one)  # an object holding tensors: a copy holding copies
         if t.requires_grad or type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_conj() or t.is_neg() \
                 or t.layout != torch.strided or t.is_quantized:
             return t.clone()
@@ -466,7 +475,7 @@ def laid_out_copy(tree: Any) -> Any:
     For what only reads layouts (recording facts, ``analyze``)."""
     def one(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
-            return t
+            return map_held(t, one)
         if t.requires_grad or type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided \
                 or t.is_quantized or t.is_conj() or t.is_neg():
             return t.clone()
@@ -875,7 +884,7 @@ def _call_once(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool, watch: Op
                grad: bool) -> _Run:
     watch = watch if watch is not None else _Watch.of(fn, dtypes)
     args = inputs_copy(inputs)
-    leaves = pytree.tree_leaves(args)
+    leaves = input_leaves(args)
     before = [t._version if isinstance(t, torch.Tensor) else None for t in leaves]
     state = watch.state
     versions = {name: state[name]._version for name in watch.watched}
@@ -915,7 +924,7 @@ def _call_once(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool, watch: Op
     # an input written through a view that does not share its version counter
     # (unsafe_chunk) bumps none: inputs are compared by value too (the trial's own
     # inputs were never passed to the model)
-    written = frozenset(i for i, (t, v, given) in enumerate(zip(leaves, before, pytree.tree_leaves(inputs)))
+    written = frozenset(i for i, (t, v, given) in enumerate(zip(leaves, before, input_leaves(inputs)))
                         if isinstance(t, torch.Tensor) and (t._version != v or (
                             isinstance(given, torch.Tensor) and not _same_values(t, given))))
     state_written = {name: state[name].detach().clone() for name in watch.watched
@@ -1281,7 +1290,7 @@ def _sharing(run: _Run) -> Tuple[set, Dict[str, tuple]]:
     and the bytes of it that it spans, ``_span``: two outputs share memory when they
     overlap there, not merely when they are two slices of one storage)."""
     inputs = {}
-    for i, t in enumerate(pytree.tree_leaves(run.inputs)):
+    for i, t in enumerate(input_leaves(run.inputs)):
         ptr = _storage(t)
         if ptr is not None:
             inputs.setdefault(ptr, i)
@@ -1442,7 +1451,7 @@ def _requires_grad_change(trial: int, ref: _Run, cand: _Run, candidate: Any = No
 
 def _returned_inputs(run: _Run) -> set:
     """``(output path, "input i")`` for each output that is input ``i`` itself."""
-    inputs = {id(t): i for i, t in enumerate(pytree.tree_leaves(run.inputs)) if isinstance(t, torch.Tensor)}
+    inputs = {id(t): i for i, t in enumerate(input_leaves(run.inputs)) if isinstance(t, torch.Tensor)}
     return {("output" + pytree.keystr(kp), f"input {inputs[id(t)]}")
             for kp, t in pytree.tree_flatten_with_path(run.outputs)[0]
             if isinstance(t, torch.Tensor) and id(t) in inputs}
@@ -1477,7 +1486,7 @@ def _side_effects(trial: int, ref: _Run, cand: _Run, kind: str, rtol: Optional[f
     retained = _retained_memory(ref.outputs, cand.outputs, trial, {path for path, _ in cand_sharing})
     if retained is not None:
         return retained
-    ref_inputs, cand_inputs = pytree.tree_leaves(ref.inputs), pytree.tree_leaves(cand.inputs)
+    ref_inputs, cand_inputs = input_leaves(ref.inputs), input_leaves(cand.inputs)
     for i in sorted(ref.inputs_written | cand.inputs_written):
         if i not in ref.inputs_written:
             return Mismatch(f"input {i}", trial, None, None, math.inf, math.inf,
@@ -1579,7 +1588,7 @@ def _gapped_row_major(t: torch.Tensor) -> bool:
 
 
 def _same_inputs(a: Any, b: Any) -> bool:
-    la, lb = pytree.tree_leaves(a), pytree.tree_leaves(b)
+    la, lb = input_leaves(a), input_leaves(b)
     if len(la) != len(lb):
         return False
     for x, y in zip(la, lb):
@@ -1654,7 +1663,7 @@ class Reference:
         with those inputs as the example has them. False when there is nothing to
         take back."""
         if trial == 0 or trial in self._narrowed or self.example_inputs is None or not any(
-                _one_valued_int(leaf) for leaf in pytree.tree_leaves(self.example_inputs)):
+                _one_valued_int(leaf) for leaf in input_leaves(self.example_inputs)):
             return False
         self._narrowed.add(trial)
         self._inputs.pop(trial, None)
@@ -1949,7 +1958,7 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
                 reference.stop_recording()  # the rewrite changed values early: most is recomputed
             # per output: only what the rewrite newly computes it from in a lower
             # precision loosens its tolerance (and lets its integers flip)
-            given = frozenset(t.dtype for t in pytree.tree_leaves(inputs)
+            given = frozenset(t.dtype for t in input_leaves(inputs)
                               if isinstance(t, torch.Tensor) and t.is_floating_point())
             low = _new_precision(ref, cand, given) if tolerance == "approx" else None
             lows = _new_precisions(ref, cand, given) if low is not None else None

@@ -302,7 +302,8 @@ def plan_for(rule: CompiledRule) -> Plan:
         if isinstance(c, ast.Call):
             name = c.op.names[0]
             vars_ = {a.name for a in c.args if isinstance(a, ast.Var)}
-            if name in ("const", "is_param", "is_buffer"):
+            if name in ("const", "is_param", "is_buffer", "never_minus_inf"):
+                # never_minus_inf: a graph input may hold anything; a constant is read
                 consts |= vars_
             if name == "is_param":
                 params |= vars_

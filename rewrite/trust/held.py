@@ -1,0 +1,112 @@
+"""Tensors an example input holds inside an object torch's pytree does not flatten.
+
+A model may take its inputs in a dataclass, a ``types.SimpleNamespace``, a ``dict``
+subclass or a ``collections.UserDict`` (transformers' ``BatchEncoding`` is one):
+``symbolic_trace`` traces through the attribute reads, but ``torch.utils._pytree``
+sees the object as one opaque leaf. The check must still copy those tensors before
+running the model (a forward that writes its input must not write the caller's),
+draw random values for them (or every random trial equals the example) and compare
+what the runs wrote into them. ``held_tensors`` finds them, in an order that a deep
+copy of the object repeats; ``map_held`` deep-copies the object with each of them
+replaced; ``input_leaves`` is pytree's leaves with such objects opened.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import types
+from typing import Any, Callable
+
+import torch
+from torch.utils import _pytree as pytree
+
+__all__ = ["held_tensors", "input_leaves", "map_held"]
+
+_ATOMS = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device, torch.layout,
+          torch.memory_format, type, types.FunctionType, types.BuiltinFunctionType, types.ModuleType)
+_MAX_OBJECTS = 10_000  # objects looked into per input, at most (a tokenizer's tables are not inputs)
+
+
+def _children(obj: Any) -> list | None:
+    """The values ``obj`` holds, in a fixed order, or None for an object not looked into."""
+    if isinstance(obj, (list, tuple)):
+        return list(obj)
+    if isinstance(obj, collections.UserDict):
+        return list(obj.data.values())
+    if isinstance(obj, dict):
+        return list(obj.values())
+    if isinstance(obj, (torch.nn.Module, set, frozenset)) or isinstance(obj, _ATOMS):
+        return None  # a module's tensors are its state; a set has no order a copy repeats
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        values = [getattr(obj, f.name, None) for f in dataclasses.fields(obj)]
+        extra = getattr(obj, "__dict__", {})
+        return values + [v for k, v in extra.items() if k not in {f.name for f in dataclasses.fields(obj)}]
+    found = list(vars(obj).values()) if isinstance(getattr(obj, "__dict__", None), dict) else []
+    for cls in type(obj).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and hasattr(obj, name):
+                found.append(getattr(obj, name))
+    return found
+
+
+def held_tensors(obj: Any) -> list:
+    """The tensors ``obj`` holds through its attributes, items and slots (each once,
+    in the order met), or ``[]``. A tensor itself is not "held"."""
+    if isinstance(obj, torch.Tensor):
+        return []
+    found: list = []
+    seen: set = set()
+    todo = [obj]
+    while todo:
+        value = todo.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if len(seen) > _MAX_OBJECTS:
+            raise TypeError(f"an example input of type {type(obj).__name__} holds more than {_MAX_OBJECTS} "
+                            "objects: pass the model's tensors positionally, or in a dict, list or tuple")
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+            continue
+        children = _children(value)
+        if children:
+            todo.extend(reversed(children))
+    return found
+
+
+def map_held(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """A deep copy of ``obj`` in which each tensor it holds is ``fn(tensor)`` (a
+    tensor held twice is one value in the copy), or ``obj`` itself when it holds none."""
+    held = held_tensors(obj)
+    if not held:
+        return obj
+    memo: dict = {}
+    for t in held:
+        memo[id(t)] = fn(t)
+    memo[id(memo)] = [obj, held]  # copy.deepcopy's keep-alive list: the ids above stay valid
+    try:
+        return copy.deepcopy(obj, memo)
+    except Exception:  # noqa: BLE001 - a class whose __getattr__ answers for __deepcopy__ with a KeyError
+        pass
+    try:  # what deepcopy does for an object without __deepcopy__, asked directly
+        return copy._reconstruct(obj, memo, *obj.__reduce_ex__(4))
+    except Exception as err:  # noqa: BLE001 - any object that refuses to be copied
+        raise TypeError(
+            f"an example input of type {type(obj).__name__} holds tensors, and the check cannot copy it "
+            f"({type(err).__name__}: {err}): pass its tensors positionally, or in a dict, list or tuple "
+            "(or pass check=False and compare the result yourself)") from err
+
+
+def input_leaves(tree: Any) -> list:
+    """``pytree.tree_leaves(tree)``, each object that holds tensors replaced by them."""
+    out: list = []
+    for leaf in pytree.tree_leaves(tree):
+        held = held_tensors(leaf) if not isinstance(leaf, torch.Tensor) else ()
+        if held:
+            out.extend(held)
+        else:
+            out.append(leaf)
+    return out
