@@ -37,6 +37,9 @@ from typing import Any, List, Sequence, Tuple
 
 import torch
 from torch import fx, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from rewrite.module_state import AttributeSnapshot
 
 __all__ = ["LEVELS", "DYNAMO_SOURCE", "ExportError", "ModelSpecError", "SaveError", "higher_order_ops",
            "as_input_tuple",
@@ -99,37 +102,90 @@ def capture_dynamo(model: nn.Module, example_inputs: Sequence[Any]) -> Tuple[fx.
 
 
 def symbolic_trace(model: nn.Module) -> fx.GraphModule:
-    """``torch.fx.symbolic_trace(model)`` that leaves ``model`` as it was: fx's tracer
-    stores every tensor the forward reads that is no attribute of the model (a
-    module-level mask) on the model itself (``_tensor_constant0``); the GraphModule
-    keeps its own reference, and those attributes are removed from the caller's model.
+    """``torch.fx.symbolic_trace(model)`` that leaves ``model`` as it was.
 
-    The tracer runs a write into a buffer the forward makes without a traced value
-    (``self.step.add_(1)``) on the real tensor, once, and records nothing of it: the
-    buffer is put back and the capture refused (``ValueError``), as for a parameter
-    written that way, since the graph would not compute what the model does."""
-    before = set(vars(model))
-    state = {id(t): (name, t, t._version) for name, t in
-             [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]}
-    buffers = {id(t): t.detach().clone() for _, t in model.named_buffers()}  # small: statistics, counters
+    fx's tracer runs the forward's Python on the caller's own module objects. What
+    that Python does to them besides the traced values is undone or refused:
+
+    - attributes it sets or deletes on any submodule (``self.calls += 1``, a cache
+      filled with a Proxy, the ``_tensor_constant0`` attributes the tracer itself
+      adds for tensors the forward reads from elsewhere), and lists, dicts and sets
+      it fills in place, are put back (``AttributeSnapshot``); the GraphModule keeps
+      its own references to the constants;
+    - a write in place into a tensor that existed before the trace (a buffer
+      ``self.step.add_(1)``, weights clamped through ``self.parameters()`` or
+      ``p.data``, a plain tensor attribute) is stopped before it happens and the
+      capture refused (``ValueError``): the tracer would run it once on the real
+      tensor and record nothing of it, so the graph would not compute what the
+      model does. Writes into tensors the forward creates itself are run as usual.
+    """
+    snapshot = AttributeSnapshot(model.modules())
+    guard = _NoWritesToExisting()
     try:
-        gm = fx.symbolic_trace(model)
+        with guard:
+            gm = fx.symbolic_trace(model)
+    except _ExistingWrite as write:
+        names = _tensor_names(model).get(write.memory)
+        what = f"{names[0]!r}" if names else f"a tensor of shape {write.shape} the forward did not create"
+        raise ValueError(
+            f"tracing {type(model).__name__} would write {what} in place ({write.op}): torch.fx.symbolic_trace "
+            "runs such a write on the real tensor and leaves it out of the graph (nothing was written); capture the "
+            "model with torch.export.export(model, example_inputs, strict=False).module() (capture='export' in the "
+            "quantization flows, --capture export on the command line)") from None
     finally:
-        for name in set(vars(model)) - before:
-            del model.__dict__[name]
-        written = [(name, t, version) for name, t, version in state.values() if t._version != version]
-        with torch.no_grad():
-            for name, t, version in written:
-                if id(t) in buffers:
-                    t.copy_(buffers[id(t)])
-                    torch._C._autograd._unsafe_set_version_counter((t,), (version,))
-    if written:
-        names = ", ".join(repr(name) for name, _, _ in written)
-        raise ValueError(f"tracing {type(model).__name__} wrote {names} in place: torch.fx.symbolic_trace runs such a "
-                         "write once on the real tensor and leaves it out of the graph (put back now); capture "
-                         "the model with torch.export.export(model, example_inputs, strict=False).module() "
-                         "(capture='export' in the quantization flows, --capture export on the command line)")
+        snapshot.restore()
     return gm
+
+
+class _ExistingWrite(Exception):
+    def __init__(self, op: str, t: torch.Tensor) -> None:
+        super().__init__(op)
+        self.op, self.memory, self.shape = op, _memory(t), tuple(t.shape)
+
+
+def _tensor_names(model: nn.Module) -> dict:
+    """Memory -> the names of the model's tensors there (parameters, buffers, plain
+    tensor attributes)."""
+    names: dict = {}
+    for prefix, m in model.named_modules(remove_duplicate=False):
+        for name, value in [*m._parameters.items(), *m._buffers.items(), *vars(m).items()]:
+            if isinstance(value, torch.Tensor):
+                names.setdefault(_memory(value), []).append(f"{prefix}.{name}" if prefix else name)
+    return names
+
+
+class _NoWritesToExisting(TorchDispatchMode):
+    """Stops an op that writes in place into memory that existed before the mode
+    was entered (raising ``_ExistingWrite`` before it runs); memory the ops run
+    under it allocate (a mask the forward builds and fills) may be written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fresh: set = set()  # storages allocated under the mode (their data pointers)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        for i, argument in enumerate(func._schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            value = args[i] if i < len(args) else kwargs.get(argument.name)
+            for t in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(t, torch.Tensor) and _memory(t) not in self.fresh:
+                    raise _ExistingWrite(str(func), t)
+        out = func(*args, **kwargs)
+        inputs = {_memory(t) for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and _memory(t) not in inputs:  # new memory, not a view of an input's
+                self.fresh.add(_memory(t))
+        return out
+
+
+def _memory(t: torch.Tensor) -> int:
+    """Where ``t``'s elements live (0 when nowhere: empty, or no storage to ask)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0
 
 
 def capture_with_inputs(model: nn.Module, example_inputs: Any, level: str) -> Tuple[fx.GraphModule, tuple]:

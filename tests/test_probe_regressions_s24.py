@@ -206,8 +206,15 @@ def test_fine_tuning_around_a_frozen_batch_norm_does_not_fold_the_trained_conv()
 
 
 class _Attention(nn.Module):
-    def forward(self, q, k, v, m):
-        a = torch.matmul(q, k.transpose(-2, -1)) * 0.25 + m
+    """The mask a constant: a mask given as an input may hold -inf rows, which sdpa
+    does not keep (tests/test_attention_masks.py)."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.register_buffer("m", m)
+
+    def forward(self, q, k, v):
+        a = torch.matmul(q, k.transpose(-2, -1)) * 0.25 + self.m
         return torch.matmul(torch.softmax(a, -1), v)
 
 
@@ -215,11 +222,10 @@ class _Attention(nn.Module):
 def test_masked_attention_rules_need_a_mask_sdpa_takes(mask_shape, fires):
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
-    m = torch.randn(mask_shape)
-    gm = torch.export.export(_Attention(), (q, k, v, m), strict=False).module()
-    result = rewrite.load(str(ROOT / "rules" / "transformer.rw")).apply(gm, example_inputs=(q, k, v, m))
+    gm = torch.export.export(_Attention(torch.randn(mask_shape)), (q, k, v), strict=False).module()
+    result = rewrite.load(str(ROOT / "rules" / "transformer.rw")).apply(gm, example_inputs=(q, k, v))
     assert bool(result.counts) == fires
-    torch.testing.assert_close(result.graph_module(q, k, v, m), gm(q, k, v, m), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(result.graph_module(q, k, v), gm(q, k, v), rtol=1e-4, atol=1e-5)
 
 
 # ---------------------------------------------------------------- language and CLI
@@ -287,8 +293,13 @@ def test_parse_takes_text_with_a_byte_order_mark_as_load_does():
 
 
 class _BiasedAttention(nn.Module):
-    def forward(self, q, k, v, b, m):
-        a = torch.matmul(q, k.transpose(-2, -1)) * 0.25 + b + m
+    def __init__(self, b, m):
+        super().__init__()
+        self.register_buffer("b", b)
+        self.register_buffer("m", m)
+
+    def forward(self, q, k, v):
+        a = torch.matmul(q, k.transpose(-2, -1)) * 0.25 + self.b + self.m
         return torch.matmul(torch.softmax(a, -1), v)
 
 
@@ -300,8 +311,8 @@ class _BiasedAttention(nn.Module):
 def test_a_bias_then_a_mask_becomes_one_sdpa_mask_of_a_rank_it_takes(bias_shape, mask_shape, fires):
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
-    b, m = torch.randn(bias_shape), torch.randn(mask_shape)
-    gm = torch.export.export(_BiasedAttention(), (q, k, v, b, m), strict=False).module()
-    result = rewrite.load(str(ROOT / "rules" / "transformer.rw")).apply(gm, example_inputs=(q, k, v, b, m))
+    model = _BiasedAttention(torch.randn(bias_shape), torch.randn(mask_shape))
+    gm = torch.export.export(model, (q, k, v), strict=False).module()
+    result = rewrite.load(str(ROOT / "rules" / "transformer.rw")).apply(gm, example_inputs=(q, k, v))
     assert ("attention_scale_bias_mask" in result.counts) == fires
-    torch.testing.assert_close(result.graph_module(q, k, v, b, m), gm(q, k, v, b, m), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(result.graph_module(q, k, v), gm(q, k, v), rtol=1e-4, atol=1e-5)

@@ -72,6 +72,7 @@ from rewrite.capture import is_export_guard
 from rewrite.engine.shapes import addressing, layout_of
 from rewrite.engine.symbolic import size_hint
 from rewrite.engine.workspace import CODE_ATTRIBUTES, gc_paused
+from rewrite.module_state import AttributeSnapshot
 from rewrite.ops.base import ConstRef, attribute, nodes_by_target
 from rewrite.ops.effects import call_writes, state_writes, written_args
 from rewrite.ops.vocabulary import CALL_OPS, OPS, bind_node
@@ -1002,7 +1003,8 @@ class _SavedState:
     compared by value (a write through ``unsafe_chunk`` bumps no version)."""
 
     def __init__(self, fns: Any, runs_only: bool = False, watches: Iterable[Optional[_Watch]] = ()) -> None:
-        self.saved, self.modes, self.attributes, seen = [], [], [], set()
+        self.saved, self.modes, seen = [], [], set()
+        self.attributes: list = []  # an AttributeSnapshot per module given
         # parameters and whether each requires grad (a forward may call w.requires_grad_(False)),
         # apart: restore reads the flags at C speed
         self._params: list = []
@@ -1015,9 +1017,9 @@ class _SavedState:
             self.modes += [(m, m.training) for m in modules]
             # what a run leaves in a module's attributes (a hook caching features, a
             # leaf module counting its calls with ``self.step = self.step + 1``, which
-            # replaces the entry of its ``_buffers`` table); a GraphModule's code is
-            # its graph's, not state
-            self.attributes += [(m, m.__dict__.copy(), _table_contents(m)) for m in modules]
+            # replaces the entry of its ``_buffers`` table, a list it appends to); a
+            # GraphModule's code is its graph's, not state
+            self.attributes.append(AttributeSnapshot(modules))
             # A block that only runs graphs can write only what their nodes may
             # write (rewrite.ops.effects.state_writes): ResNet-50 in eval mode, nothing,
             # not even a parameter's requires_grad (``w.requires_grad_(False)`` writes w).
@@ -1050,19 +1052,8 @@ class _SavedState:
                     _SET_VERSIONS((t,), (version,))
         for m, training in self.modes:
             m.training = training
-        for m, attributes, tables in self.attributes:
-            now = m.__dict__
-            if not _same_entries(now, attributes):
-                code = _CODE_KEYS if isinstance(m, fx.GraphModule) else ()
-                for key in [k for k in now if k not in attributes and k not in code]:
-                    del now[key]
-                for key, value in attributes.items():
-                    if key not in code and now.get(key, _ABSENT) is not value:
-                        now[key] = value
-            for table, contents in tables:
-                if not _same_entries(table, contents):
-                    table.clear()
-                    table.update(contents)
+        for snapshot in self.attributes:
+            snapshot.restore(code=_CODE_KEYS)
         if list(map(_REQUIRES_GRAD, self._params)) != self._flag_values:  # thousands of parameters: one look
             for p, requires_grad in zip(self._params, self._flag_values):
                 if p.requires_grad is not requires_grad:
@@ -1073,29 +1064,6 @@ class _SavedState:
 #: they follow its graph, a run of a lazily compiled module may set them) or how the
 #: check runs it (``running_as_graph`` installs a ``forward`` while a block runs)
 _CODE_KEYS = frozenset(CODE_ATTRIBUTES) | {"forward"}
-
-
-def _same_entries(now: dict, saved: dict) -> bool:
-    """The same keys holding the same objects (never compares values: tensors). At C
-    speed when the order is unchanged, as after almost every run (a root module of
-    a 10k-node graph holds thousands of attributes, looked at after every run)."""
-    if len(now) != len(saved):
-        return False
-    if all(map(operator.is_, now.values(), saved.values())) and all(map(operator.eq, now, saved)):
-        return True
-    return not any(now.get(k, _ABSENT) is not v for k, v in saved.items())
-
-
-def _table_contents(m: torch.nn.Module) -> tuple:
-    """``(table, a copy of its entries)`` for a module's parameters, buffers and
-    submodules: a run that assigns one (``self.step = self.step + 1``) changes the
-    table's entry, not the attribute that holds the table."""
-    out = []
-    for key in ("_parameters", "_buffers", "_modules"):
-        table = m.__dict__.get(key)
-        if isinstance(table, dict):
-            out.append((table, dict(table)))
-    return tuple(out)
 
 
 @contextlib.contextmanager
@@ -1128,7 +1096,6 @@ def preserved_state(*fns: Any, runs_only: bool = False, watches: Iterable[Any] =
 
 _SET_VERSIONS = torch._C._autograd._unsafe_set_version_counter
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
-_ABSENT = object()  # an attribute a module did not have
 
 #: Held while a block that may write module state runs: two threads checking the same
 #: train-mode model would otherwise each snapshot the other's half-done update and

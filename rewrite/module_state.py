@@ -1,0 +1,87 @@
+"""What running a module's Python changes besides tensors, saved and put back.
+
+Tracing a model with ``torch.fx.symbolic_trace`` runs its ``forward`` on the caller's
+own module objects, and the check runs an eager model as its reference: a forward
+that sets an attribute (``self.calls += 1``, a rotary cache ``self._cos = ...`` that
+tracing fills with a Proxy) or appends to a list it keeps (``self.seen.append(x)``)
+changes the caller's model. ``AttributeSnapshot`` records every submodule's attribute
+dict and the contents of the containers it holds (lists, dicts, sets: the
+parameter, buffer and submodule tables among them), and ``restore`` puts back what
+changed, in place (the same objects), as often as needed.
+"""
+
+from __future__ import annotations
+
+import collections
+import operator
+from collections.abc import Iterable
+from typing import Any
+
+from torch import fx
+
+__all__ = ["AttributeSnapshot", "same_entries"]
+
+_ABSENT = object()  # an attribute a module did not have
+_CONTAINERS = (dict, collections.OrderedDict, list, set)
+
+
+def same_entries(now: dict, saved: dict) -> bool:
+    """The same keys holding the same objects (never compares values: tensors). At C
+    speed when the order is unchanged, as after almost every run (a root module of
+    a 10k-node graph holds thousands of attributes, looked at after every run)."""
+    if len(now) != len(saved):
+        return False
+    if all(map(operator.is_, now.values(), saved.values())) and all(map(operator.eq, now, saved)):
+        return True
+    return not any(now.get(k, _ABSENT) is not v for k, v in saved.items())
+
+
+def _same_contents(container: Any, saved: Any) -> bool:
+    if isinstance(container, dict):
+        return same_entries(container, saved)
+    if isinstance(container, list):
+        return len(container) == len(saved) and all(map(operator.is_, container, saved))
+    return container == saved  # a set: its members by identity first
+
+
+def _put_back(container: Any, saved: Any) -> None:
+    if isinstance(container, list):
+        container[:] = saved
+    else:
+        container.clear()
+        container.update(saved)
+
+
+class AttributeSnapshot:
+    """Every given module's attributes and the contents of the containers they hold,
+    as they are now."""
+
+    def __init__(self, modules: Iterable[Any]) -> None:
+        self._entries = []
+        for m in modules:
+            attributes = m.__dict__.copy()
+            held = tuple((v, v.copy()) for v in attributes.values() if type(v) in _CONTAINERS)
+            self._entries.append((m, attributes, held))
+
+    def restore(self, code: frozenset = frozenset()) -> bool:
+        """Put back what changed; ``code``: the attributes a GraphModule's generated
+        code lives in, left as they are on GraphModules (they follow its graph, and a
+        lazily compiled module sets them on its first run). Returns whether anything
+        had changed."""
+        changed = False
+        for m, attributes, held in self._entries:
+            now = m.__dict__
+            keep = code if isinstance(m, fx.GraphModule) else ()
+            if not same_entries(now, attributes):
+                for key in [k for k in now if k not in attributes and k not in keep]:
+                    del now[key]
+                    changed = True
+                for key, value in attributes.items():
+                    if key not in keep and now.get(key, _ABSENT) is not value:
+                        now[key] = value
+                        changed = True
+            for container, contents in held:
+                if not _same_contents(container, contents):
+                    _put_back(container, contents)
+                    changed = True
+        return changed
