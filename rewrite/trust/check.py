@@ -444,7 +444,7 @@ def inputs_copy(tree: Any) -> Any:
     input as it would for the caller), and tensors sharing memory (the same tensor
     passed twice, views of one base) sharing one copy of it. Tensors whose memory
     cannot be copied as such (requiring grad, conjugated, quantized, sparse,
-    subclasses) are cloned one by one."""
+    subclasses) are cloned one by one (``_own_clone``)."""
     copies: Dict[int, Any] = {}
 
     def one(t: Any) -> Any:
@@ -452,7 +452,7 @@ def inputs_copy(tree: Any) -> Any:
             return map_held(t, one)  # an object holding tensors: a copy holding copies
         if t.requires_grad or type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_conj() or t.is_neg() \
                 or t.layout != torch.strided or t.is_quantized:
-            return t.clone()
+            return _own_clone(t)
         try:
             storage = t.untyped_storage()
             key = storage._cdata
@@ -463,9 +463,17 @@ def inputs_copy(tree: Any) -> Any:
                 return torch.empty(0, dtype=t.dtype, device=t.device).set_(copy, t.storage_offset(), t.size(),
                                                                           t.stride())
         except (RuntimeError, NotImplementedError, TypeError):
-            return t.clone()
+            return _own_clone(t)
 
     return pytree.tree_map(one, tree)
+
+
+def _own_clone(t: torch.Tensor) -> torch.Tensor:
+    """A clone of ``t`` with no autograd link to it: a leaf that requires grad when
+    ``t`` does (a gradient in a run reaches the run's copy, never the caller's tensor)."""
+    with torch.no_grad():
+        copy = t.detach().clone()
+    return copy.requires_grad_() if t.requires_grad and (copy.is_floating_point() or copy.is_complex()) else copy
 
 
 def laid_out_copy(tree: Any) -> Any:
@@ -479,12 +487,12 @@ def laid_out_copy(tree: Any) -> Any:
             return map_held(t, one)
         if t.requires_grad or type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided \
                 or t.is_quantized or t.is_conj() or t.is_neg():
-            return t.clone()
+            return _own_clone(t)
         try:
             with torch.no_grad():
                 return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device).copy_(t)
         except RuntimeError:  # strides that overlap (an expand): a dense copy
-            return t.clone()
+            return _own_clone(t)
 
     return pytree.tree_map(one, tree)
 
@@ -528,6 +536,8 @@ class _Run:
     #: per leaf of ``outputs`` that requires grad, where its gradient starts (its
     #: ``grad_fn``, or the tensor itself when it is a leaf): what it requires grad through
     grad_roots: Optional[Tuple[Any, ...]] = None
+    #: what the call raised with gradients enabled (it then ran under ``no_grad``)
+    grad_error: Optional[str] = None
     #: every value of the run, by node (``rewrite.trust.reuse.Recording``), or None
     recorded: Any = None
 
@@ -875,9 +885,11 @@ def _call(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool = True, watch: 
     if grad:
         try:
             return _call_once(fn, inputs, rng_seed, dtypes, watch, True)
-        except Exception:  # noqa: BLE001 - the caller could not run it with gradients either
+        except Exception as err:  # noqa: BLE001 - if the original raises so too, the caller could not run it so
             if restore is not None:
                 restore()
+            run = _call_once(fn, inputs, rng_seed, dtypes, watch, False)
+            return attrs.evolve(run, grad_error=f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
     return _call_once(fn, inputs, rng_seed, dtypes, watch, False)
 
 
@@ -1395,7 +1407,18 @@ def _requires_grad_change(trial: int, ref: _Run, cand: _Run, candidate: Any = No
                             "requires grad in the rewrite only (the caller's out.numpy() fails, and a backward "
                             "through it reaches tensors the original's did not); both called with gradients "
                             "enabled on the inputs as given")
-        if not mine or theirs:
+        if not mine:
+            continue
+        if theirs:
+            # a parameter a fold made a constant is not lost: this output is no longer
+            # computed from it in the rewrite's graph
+            reads = _output_reads(candidate, i, len(paths)) if folded else None
+            lost = _lost_gradient(ref, cand, i, names, trained, reads)
+            if lost is not None:
+                return Mismatch("output" + path, trial, None, None, math.inf, math.inf,
+                                f"gradients reach {lost} through this output in the original, not in the rewrite "
+                                "(it still requires grad, through other tensors); both called with gradients "
+                                "enabled on the inputs as given")
             continue
         root = ref.grad_roots[i] if ref.grad_roots is not None else None
         reads = _output_reads(candidate, i, len(paths)) if folded else None
@@ -1413,6 +1436,30 @@ def _requires_grad_change(trial: int, ref: _Run, cand: _Run, candidate: Any = No
         return Mismatch("output" + path, trial, None, None, math.inf, math.inf,
                         "gradients reach this output in the original, not in the rewrite: it requires grad "
                         f"in the original only{through}; both called with gradients enabled on the inputs as given")
+    return None
+
+
+def _lost_gradient(ref: _Run, cand: _Run, index: int, names: dict, trained: set,
+                   reads: Optional[set] = None) -> Optional[str]:
+    """What a gradient from output ``index`` reaches in the original and not in the
+    rewrite, though the rewrite still trains it: a parameter it holds requiring grad,
+    an input (by position: each run has its own copies), a tensor outside the module
+    (``x.view(torch.int32).view(torch.float32)`` keeps every value and cuts the
+    path). A parameter a fold made a constant is not lost (``reads``: the tensors the
+    rewrite's graph computes this output from, when it folded). None when nothing is."""
+    if ref.grad_roots is None or cand.grad_roots is None or len(cand.grad_roots) <= index:
+        return None
+    ref_inputs = {id(t): k for k, t in enumerate(input_leaves(ref.inputs)) if isinstance(t, torch.Tensor)}
+    cand_inputs = {id(t): k for k, t in enumerate(input_leaves(cand.inputs)) if isinstance(t, torch.Tensor)}
+    reached = {("input", cand_inputs[id(t)]) if id(t) in cand_inputs else id(t)
+               for t in _grad_leaves(cand.grad_roots[index])}
+    for t in _grad_leaves(ref.grad_roots[index]):
+        if id(t) in ref_inputs:
+            if ("input", ref_inputs[id(t)]) not in reached:
+                return f"input {ref_inputs[id(t)]}"
+        elif id(t) not in reached and (id(t) not in names or id(t) in trained) \
+                and (reads is None or id(t) in reads or id(t) not in names):
+            return f"parameter {names[id(t)]}" if id(t) in names else "a tensor outside the module"
     return None
 
 
@@ -1953,6 +2000,10 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
                 mm = _confirm_below_unit(t, reference, ref, cand, tolerance, state)
             if mm is None:
                 mm = _side_effects(t, ref, cand, tolerance, rtol, atol, low)
+            if mm is None and cand.grad_error is not None and ref.grad_error is None and ref.requires_grad is not None:
+                mm = Mismatch("output", t, None, None, math.inf, math.inf,
+                              f"the rewrite raises with gradients enabled, where the original runs (a caller "
+                              f"training through it would see it): {cand.grad_error}")
             if mm is None:
                 mm = _requires_grad_change(t, ref, cand, candidate)
             if mm is not None:
