@@ -1451,7 +1451,10 @@ def _lost_gradient(ref: _Run, cand: _Run, index: int, names: dict, trained: set,
         return None
     ref_inputs = {id(t): k for k, t in enumerate(input_leaves(ref.inputs)) if isinstance(t, torch.Tensor)}
     cand_inputs = {id(t): k for k, t in enumerate(input_leaves(cand.inputs)) if isinstance(t, torch.Tensor)}
-    reached = {("input", cand_inputs[id(t)]) if id(t) in cand_inputs else id(t)
+    # a rewrite's run may reuse the original's values (rewrite.trust.reuse): their
+    # gradients reach the original's copies of the inputs
+    positions = {**ref_inputs, **cand_inputs}
+    reached = {("input", positions[id(t)]) if id(t) in positions else id(t)
                for t in _grad_leaves(cand.grad_roots[index])}
     for t in _grad_leaves(ref.grad_roots[index]):
         if id(t) in ref_inputs:
