@@ -273,6 +273,9 @@ class RuleSet:
         """
         if on_mismatch not in ("raise", "skip-rule"):
             raise ValueError(f"on_mismatch must be 'raise' or 'skip-rule', not {on_mismatch!r}")
+        if max_rewrites is not None and (not isinstance(max_rewrites, int) or isinstance(max_rewrites, bool)
+                                         or max_rewrites < 1):
+            raise ValueError(f"max_rewrites must be a positive int (or None: 20 per node, plus 1000), not {max_rewrites!r}")
         if check and (not isinstance(trials, int) or trials < 1):
             raise ValueError(f"trials must be a positive int when check=True, not {trials!r}")
         for name, tol in (("rtol", rtol), ("atol", atol)):

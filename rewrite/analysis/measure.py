@@ -477,8 +477,10 @@ def _canonical_op(node: fx.Node, gm: fx.GraphModule) -> str:
 
 
 def _inputs_from_meta(gm: fx.GraphModule) -> tuple:
-    """Inputs made from placeholder metadata when none are given: normal floats,
+    """Inputs made from placeholder metadata when none are given: normal floats
+    (from a generator of their own: the caller's random stream is left as it was),
     zeros for integers (valid indices)."""
+    generator = torch.Generator().manual_seed(0)
     out = []
     for node in gm.graph.find_nodes(op="placeholder"):
         val = next((node.meta[k] for k in ("val", "example_value") if k in node.meta), None)
@@ -486,7 +488,7 @@ def _inputs_from_meta(gm: fx.GraphModule) -> tuple:
             raise ValueError(f"analyze: placeholder {node.name!r} records no shape: pass example_inputs")
         shape = tuple(size_hint(d) for d in val.shape)  # int(d) would pin a dynamic size for good
         if val.dtype.is_floating_point or val.dtype.is_complex:
-            out.append(torch.randn(shape, dtype=val.dtype))
+            out.append(torch.randn(shape, generator=generator).to(val.dtype))
         else:
             out.append(torch.zeros(shape, dtype=val.dtype))
     return tuple(out)
@@ -549,6 +551,7 @@ def analyze(gm: Any, example_inputs: Sequence[Any] | None = None, *, show_progre
     if not isinstance(gm, fx.GraphModule):
         raise TypeError(f"analyze wants a torch.fx.GraphModule or ExportedProgram, not {type(gm).__name__}")
     from rewrite.trust.check import laid_out_copy, preserved_state
+    from rewrite.trust.rng import seeded
 
     inputs = as_input_tuple(example_inputs) if example_inputs is not None else _inputs_from_meta(gm)
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
@@ -570,7 +573,8 @@ def analyze(gm: Any, example_inputs: Sequence[Any] | None = None, *, show_progre
     try:
         # no fused fast path (nn.MultiheadAttention, nn.TransformerEncoderLayer in eval
         # mode under no_grad): its kernels are opaque to the FLOP registry
-        with torch.no_grad(), preserved_state(gm, runs_only=True), _mha_fastpath_off():
+        # and a train-mode dropout draws from a generator of its own, not the caller's
+        with torch.no_grad(), preserved_state(gm, runs_only=True), _mha_fastpath_off(), seeded(0):
             runner.run(*inputs)
     finally:
         runner.close()

@@ -184,11 +184,13 @@ def record_shapes(gm: fx.GraphModule, args: tuple) -> None:
     (the engine then no longer records the rest from the example inputs)."""
     from torch.fx.passes.shape_prop import ShapeProp
     from rewrite.trust.check import preserved_state
+    from rewrite.trust.rng import seeded
 
-    # a run for facts only: the caller's inputs and the model's state (a buffer the
-    # forward updates, shared with the caller's model) are left as they were
+    # a run for facts only: the caller's inputs, the model's state (a buffer the
+    # forward updates, shared with the caller's model) and random stream (a train-mode
+    # dropout draws) are left as they were
     args = pytree.tree_map_only(torch.Tensor, lambda t: t.clone(), args)
-    with torch.no_grad(), preserved_state(gm, runs_only=True):
+    with torch.no_grad(), preserved_state(gm, runs_only=True), seeded(0):
         ShapeProp(gm).propagate(*args)
 
 
@@ -465,12 +467,13 @@ def _require_batches(batches: Any, step: str) -> None:
 def calibrate(observed: fx.GraphModule, batches: Iterable) -> int:
     """Run ``batches`` (each a tensor or a tuple of inputs) through the observed
     model so its observers record activation ranges (each on copies: a model that
-    writes its input leaves the caller's batches as they were). Returns the number of
-    batches."""
+    writes its input leaves the caller's batches as they were; a train-mode dropout
+    draws from a fork of the caller's random stream, left as it was). Returns the
+    number of batches."""
     _require_prepared(observed, "calibrate")
     _require_batches(batches, "calibrate")
     n = 0
-    with torch.no_grad():
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
         for batch in batches:
             try:
                 observed(*_clones(_as_args(batch)))
