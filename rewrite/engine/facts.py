@@ -643,9 +643,17 @@ def _record_facts(gm: fx.GraphModule, inputs: Any, on_meta: Any = None) -> None:
     the runner does not plan."""
     from rewrite.trust.runner import GraphRunner
 
+    # values whose sizes (or, for item(), values used as sizes) come from the
+    # example's values, not its shapes, and everything computed from them: facts of
+    # the example alone, which other inputs of the same shapes do not share
+    by_values: set = set()
+
     def record(node: fx.Node, result: Any) -> None:
         meta = node.meta
         if "val" in meta or "example_value" in meta or FACTS_KEY in meta:
+            return
+        if sized_by_values(node) or any(n in by_values for n in node.all_input_nodes):
+            by_values.add(node)
             return
         if isinstance(result, torch.Tensor):
             facts = TensorFacts.of(result)
@@ -665,6 +673,38 @@ def _record_facts(gm: fx.GraphModule, inputs: Any, on_meta: Any = None) -> None:
         _Recorder(gm, record).run(*inputs)
     else:
         runner.observed(record, *inputs)
+
+
+_SIZED_BY_VALUES = frozenset({"nonzero", "masked_select", "unique", "unique_consecutive", "argwhere",
+                               "bincount", "repeat_interleave", "item", "tolist", "masked_scatter",
+                               "nanquantile", "histogramdd"})
+
+
+def sized_by_values(node: fx.Node) -> bool:
+    """Whether ``node``'s result has sizes its inputs' values decide (``nonzero``,
+    ``x[x > 0]``, ``unique``, ``torch.where(c)``), or is a value later used as one
+    (``item``): a size recorded from the example inputs is no fact about other inputs
+    of their shapes."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return torch.Tag.dynamic_output_shape in target.tags or torch.Tag.data_dependent_output in target.tags
+    if node.op == "call_method":
+        name = target
+    elif node.op == "call_function":
+        name = getattr(target, "__name__", None)
+    else:
+        return False
+    if name in _SIZED_BY_VALUES:
+        return name != "repeat_interleave" or any(isinstance(a, fx.Node) for a in node.args[1:2])
+    if name == "where":  # torch.where(condition): the positions, one tensor per dim
+        return len(node.args) + len(node.kwargs) == 1
+    if name == "getitem":  # x[mask]: a boolean index picks as many as it holds True
+        index = node.args[1] if len(node.args) > 1 else None
+        for i in index if isinstance(index, (tuple, list)) else (index,):
+            facts = tensor_meta_of(i) if isinstance(i, fx.Node) else None
+            if getattr(facts, "dtype", None) in (torch.bool, torch.uint8):
+                return True
+    return False
 
 
 class _Recorder(fx.Interpreter):

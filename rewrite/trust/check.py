@@ -444,7 +444,7 @@ def inputs_copy(tree: Any) -> Any:
     input as it would for the caller), and tensors sharing memory (the same tensor
     passed twice, views of one base) sharing one copy of it. Tensors whose memory
     cannot be copied as such (requiring grad, conjugated, quantized, sparse,
-    subclasses) are cloned one by one (``_own_clone``)."""
+    subclasses) are cloned one by one."""
     copies: Dict[int, Any] = {}
 
     def one(t: Any) -> Any:
@@ -452,7 +452,7 @@ def inputs_copy(tree: Any) -> Any:
             return map_held(t, one)  # an object holding tensors: a copy holding copies
         if t.requires_grad or type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_conj() or t.is_neg() \
                 or t.layout != torch.strided or t.is_quantized:
-            return _own_clone(t)
+            return t.clone()
         try:
             storage = t.untyped_storage()
             key = storage._cdata
@@ -463,17 +463,10 @@ def inputs_copy(tree: Any) -> Any:
                 return torch.empty(0, dtype=t.dtype, device=t.device).set_(copy, t.storage_offset(), t.size(),
                                                                           t.stride())
         except (RuntimeError, NotImplementedError, TypeError):
-            return _own_clone(t)
+            return t.clone()
 
     return pytree.tree_map(one, tree)
 
-
-def _own_clone(t: torch.Tensor) -> torch.Tensor:
-    """A clone of ``t`` with no autograd link to it: a leaf that requires grad when
-    ``t`` does (a gradient in a run reaches the run's copy, never the caller's tensor)."""
-    with torch.no_grad():
-        copy = t.detach().clone()
-    return copy.requires_grad_() if t.requires_grad and (copy.is_floating_point() or copy.is_complex()) else copy
 
 
 def laid_out_copy(tree: Any) -> Any:
@@ -487,12 +480,12 @@ def laid_out_copy(tree: Any) -> Any:
             return map_held(t, one)
         if t.requires_grad or type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided \
                 or t.is_quantized or t.is_conj() or t.is_neg():
-            return _own_clone(t)
+            return t.clone()
         try:
             with torch.no_grad():
                 return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device).copy_(t)
         except RuntimeError:  # strides that overlap (an expand): a dense copy
-            return _own_clone(t)
+            return t.clone()
 
     return pytree.tree_map(one, tree)
 
@@ -1449,17 +1442,23 @@ def _lost_gradient(ref: _Run, cand: _Run, index: int, names: dict, trained: set,
     rewrite's graph computes this output from, when it folded). None when nothing is."""
     if ref.grad_roots is None or cand.grad_roots is None or len(cand.grad_roots) <= index:
         return None
-    ref_inputs = {id(t): k for k, t in enumerate(input_leaves(ref.inputs)) if isinstance(t, torch.Tensor)}
-    cand_inputs = {id(t): k for k, t in enumerate(input_leaves(cand.inputs)) if isinstance(t, torch.Tensor)}
-    # a rewrite's run may reuse the original's values (rewrite.trust.reuse): their
-    # gradients reach the original's copies of the inputs
-    positions = {**ref_inputs, **cand_inputs}
+    # an input by position: each run's copy of it, and what that copy was cloned
+    # from (a clone of an input that requires grad passes its gradient on: to the
+    # tensor given, a dynamo graph's lifted parameter); a rewrite's run may reuse the
+    # original's values (rewrite.trust.reuse), whose gradients reach the original's
+    positions: dict = {}
+    for run in (ref, cand):
+        for k, t in enumerate(input_leaves(run.inputs)):
+            if isinstance(t, torch.Tensor):
+                positions[id(t)] = k
+                for source in _grad_leaves(t.grad_fn) if t.grad_fn is not None else ():
+                    positions.setdefault(id(source), k)
     reached = {("input", positions[id(t)]) if id(t) in positions else id(t)
                for t in _grad_leaves(cand.grad_roots[index])}
     for t in _grad_leaves(ref.grad_roots[index]):
-        if id(t) in ref_inputs:
-            if ("input", ref_inputs[id(t)]) not in reached:
-                return f"input {ref_inputs[id(t)]}"
+        if id(t) in positions:
+            if ("input", positions[id(t)]) not in reached:
+                return f"input {positions[id(t)]}"
         elif id(t) not in reached and (id(t) not in names or id(t) in trained) \
                 and (reads is None or id(t) in reads or id(t) not in names):
             return f"parameter {names[id(t)]}" if id(t) in names else "a tensor outside the module"
