@@ -419,9 +419,21 @@ class RuleSet:
         """The model with only the intentional changes this run made (``fired``: not
         every ``change`` rule of the file, which this rule set may not schedule)
         applied: what the whole rewrite must stay equivalent to."""
-        names = tuple(sorted(fired))
-        only = RuleSet(self.rules, {}, Schedule("fixpoint", names), f"{self.name}:changes")
+        # under the rule set's own schedule (a change rule that matches its own
+        # replacement runs in once(...)): its other rules left out
+        schedule = self._only(self.schedule, fired) or Schedule("fixpoint", tuple(sorted(fired)))
+        only = RuleSet(self.rules, {}, schedule, f"{self.name}:changes")
         return only.apply(original, check=False).graph_module
+
+    def _only(self, item: Any, rules: set) -> Any:
+        """``item`` of a schedule with every rule not in ``rules`` left out (rule-set
+        names resolved into their schedules); None when nothing is left."""
+        if isinstance(item, str):
+            if item in self.rules:
+                return item if item in rules else None
+            return self._only(self.sets[item], rules) if item in self.sets else None
+        kept = tuple(k for k in (self._only(i, rules) for i in item.items) if k is not None)
+        return Schedule(item.kind, kept) if kept else None
 
     def _touches_gradients(self, fired: set) -> bool:
         """Whether a rule that fired may change gradients without changing a value

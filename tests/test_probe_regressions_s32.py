@@ -53,3 +53,30 @@ def test_max_rewrites_must_be_a_positive_int(bad):
     with pytest.raises(ValueError, match="max_rewrites must be a positive int"):
         rules.apply(gm, (torch.randn(2, 4),), max_rewrites=bad)
     assert rules.apply(gm, (torch.randn(2, 4),), max_rewrites=1).counts == {}
+
+
+def test_a_change_rule_in_once_is_replayed_under_its_own_schedule_for_the_check():
+    """The check compares the rewrite with the model after the intentional changes
+    alone: replayed under the rule set's schedule (a change rule that matches its own
+    replacement runs in once(...); in a fixpoint it never settled)."""
+    rules = rewrite.parse("""
+rule bump(change=True): relu(x) => relu(add(x, 1.0))
+rule mul_one: mul(x, 1) where is_float(x) => x
+ruleset main = seq(once(bump), once(mul_one))
+""")["main"]
+
+    class M(nn.Module):
+        def forward(self, x):
+            return torch.relu(x) * 1.0
+
+    gm, x = fx.symbolic_trace(M()), torch.randn(4)
+    result = rules.apply(gm, (x,))
+    assert result.counts == {"bump": 1, "mul_one": 1} and result.equivalence.ok
+    torch.testing.assert_close(result.graph_module(x), torch.relu(x + 1.0))
+    wrong = rewrite.parse("""
+rule bump(change=True): relu(x) => relu(add(x, 1.0))
+rule bad: mul(x, 1) where is_float(x) => neg(x)
+ruleset main = seq(once(bump), once(bad))
+""")["main"]
+    with pytest.raises(rewrite.EquivalenceError, match="bad"):
+        wrong.apply(gm, (x,))
