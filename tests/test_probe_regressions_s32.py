@@ -80,3 +80,92 @@ ruleset main = seq(once(bump), once(bad))
 """)["main"]
     with pytest.raises(rewrite.EquivalenceError, match="bad"):
         wrong.apply(gm, (x,))
+
+
+# ---------------------------------------------------------------- probe O: rule files that hang or leak
+
+
+def test_nested_families_compile_each_argument_once():
+    """family act = relu | gelu | silu | sigmoid; act(act(...)) 30 deep compiled each
+    argument once per alternative: 4^30 patterns. Now every alternative shares them."""
+    depth = 30
+    pattern = "x"
+    for _ in range(depth):
+        pattern = f"act({pattern})"
+    rules = rewrite.parse(f"family act = relu | gelu | silu | sigmoid\nrule r: {pattern} => clamp(x, 0.0)\n")
+    root = rules.rules["r"].pattern
+    inputs = {id(dict(alt.args)["input"]) for alt in root.alts}
+    shared = len(root.alts) == 4 and len(inputs) == 1  # one argument pattern for every alternative
+    assert shared  # (a bare bool: pytest would print the pattern, 4^30 nodes written out)
+
+
+def test_a_match_with_exponentially_many_bindings_gives_up_and_says_so():
+    from rewrite.engine import match as match_module
+
+    n = 16  # a 4-level tree of adds: 2^15 commutative orders, none binding v0 twice
+    names = ["v0"] + [f"_v{i}" for i in range(1, n - 1)] + ["v0"]
+    while len(names) > 1:
+        names = [f"add({names[i]}, {names[i + 1]})" for i in range(0, len(names), 2)]
+    rules = rewrite.parse(f"rule r: {names[0]} => mul(v0, 2.0)\n")
+
+    class Tree(nn.Module):
+        def forward(self, x):
+            leaves = [x[i] for i in range(n)]
+            while len(leaves) > 1:
+                leaves = [leaves[i] + leaves[i + 1] for i in range(0, len(leaves), 2)]
+            return leaves[0]
+
+    gm = fx.symbolic_trace(Tree())
+    budget = match_module.MATCH_BUDGET
+    match_module.MATCH_BUDGET = 500
+    try:
+        result = rules.apply(gm, (torch.randn(n, 3),), check=False)
+    finally:
+        match_module.MATCH_BUDGET = budget
+    assert result.counts == {}
+    assert "tried over 500 ways to bind the pattern" in result.stats["r"].first_error
+
+
+@pytest.mark.parametrize("body, message", [
+    ("operator.pow(10, 100000000000)", "may compute a number without bound"),
+    ("operator.lshift(1, 100000000000)", "may compute a number without bound"),
+    ("operator.pow(operator.pow(10, 60), 60)", "may compute a number without bound"),
+    ("operator.getitem(operator.mul('aaaa', 1000000000000), 0)", "repeats a literal sequence"),
+])
+def test_python_arithmetic_without_a_bound_is_a_load_error(body, message):
+    with pytest.raises(rewrite.RuleError, match=message) as err:
+        rewrite.parse(f"rule r: relu(x) => add(x, {body})\n")
+    assert "[E207]" in str(err.value) and "<string>:1:" in str(err.value)
+
+
+def test_bounded_python_arithmetic_still_loads():
+    rewrite.parse("rule r: relu(x) => add(x, operator.pow(2, 10))\n")
+    rewrite.parse("rule r: mul(x, x) where is_float(x) => operator.pow(x, 2)\n")
+
+
+@pytest.mark.parametrize("spelling", ["Tensor.conj_physical", "torch.conj_physical"])
+def test_a_write_into_what_conj_physical_returns_is_refused(spelling):
+    """conj_physical of a real tensor returns the tensor itself: writing into it
+    writes the caller's input."""
+    with pytest.raises(rewrite.RuleError, match="E105"):
+        rewrite.parse(f"rule r: sigmoid(add(x, y)) => sigmoid(aten.add_({spelling}(y), x))\n")
+
+
+@pytest.mark.parametrize("op", ["c10d_functional.all_reduce", "fsdp.all_gather_copy_in", "onnx.Add"])
+def test_torchs_collective_and_export_namespaces_are_refused(op):
+    import torch._dynamo  # noqa: F401 - registers c10d_functional, fsdp...
+
+    with pytest.raises(rewrite.RuleError, match="torch's own namespace"):
+        rewrite.parse(f"rule r: relu(x) => {op}(x)\n")
+
+
+def test_a_rewrite_that_draws_other_random_numbers_is_rejected():
+    class Doubled(nn.Module):
+        def forward(self, x):
+            return torch.relu(x) * 2
+
+    gm, x = fx.symbolic_trace(Doubled()), torch.randn(4, 4)
+    rules = rewrite.parse("rule r: relu(x) => clamp(add(x, mul(aten.rand_like(x), 0.0)), 0.0)\n")
+    assert rules.apply(gm, (x,), check=False).counts == {"r": 1}  # every value the same...
+    with pytest.raises(rewrite.EquivalenceError, match="draws other random numbers"):
+        rules.apply(gm, (x,))  # ...but the caller's next torch.rand would differ

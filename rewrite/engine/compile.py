@@ -284,10 +284,13 @@ class _PatternBuilder:
 
     def call(self, e: ast.Call, results: bool = False) -> PCall:
         alts = []
+        # the arguments once for every alternative op (built per alternative, nested
+        # families cost their product: act(act(...)) over 4 ops, 4^depth)
+        positional = tuple(self.build(a) for a in e.args)
+        keywords = tuple((kw.name, self.build(kw.value)) for kw in e.kwargs)
         for opdef in _resolve_ops(e.op.names, self.families, results):
-            given = dict(zip(opdef.param_names, (self.build(a) for a in e.args)))
-            for kw in e.kwargs:
-                given[kw.name] = self.build(kw.value)
+            given = dict(zip(opdef.param_names, positional))
+            given.update(keywords)
             args = []
             for param in opdef.params:
                 if param.name in given:

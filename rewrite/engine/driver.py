@@ -337,6 +337,10 @@ class Driver:
                     if not stats.first_error:
                         stats.first_error = f"where clause: {self.matcher.where_error}"
                     self.matcher.where_error = None
+                if self.matcher.over_budget is not None:  # gave up binding the pattern there
+                    if not stats.first_error:
+                        stats.first_error = self.matcher.over_budget
+                    self.matcher.over_budget = None
                 continue
             # a multi-output root's results are read through getitems: their
             # readers are the ones that get new inputs

@@ -108,6 +108,16 @@ def _fits_straight(alt: Any, args: dict, env: dict) -> bool:
 _RECENT = 32  # bindings kept: more than any pattern binds at one root
 
 
+#: Calls a match may try to bind at one root before it gives up there (the rule does
+#: not fire at that node; the driver reports it): a pattern of nested commutative
+#: ops with a repeated variable can have exponentially many ways to bind.
+MATCH_BUDGET = 100_000
+
+
+class _OverBudget(Exception):
+    """A match tried more than ``MATCH_BUDGET`` bindings."""
+
+
 class Matcher:
     """Matches rules at nodes of one GraphModule. The bindings of the last few
     nodes bound are kept until the graph changes (the rules rooted at one op try
@@ -127,6 +137,8 @@ class Matcher:
         self.facts = facts
         self._recent: dict = {}  # node -> its bindings, _RECENT at most, emptied when the graph changes
         self.where_error: str | None = None  # the first PredicateError since the driver last looked
+        self._steps = 0  # calls bound at the match being tried (MATCH_BUDGET)
+        self.over_budget: str | None = None  # the first match given up since the driver last looked
         self._inplace_ok: dict = {}
         self._module_keys: dict = {}
         self._names_by_key: dict = {}
@@ -202,12 +214,18 @@ class Matcher:
     def match(self, rule: CompiledRule, node: fx.Node) -> Match | None:
         if self.compiled and rule.flat:
             return self._match_flat(rule, node)
-        for env in self._match_root(rule, node):
-            if rule.where_fn is not None and not self._holds(rule.where_fn, env):
-                continue
-            if not rule.shared and self.interior_escape(rule, env) is not None:
-                continue
-            return Match(rule, node, env)
+        self._steps = 0
+        try:
+            for env in self._match_root(rule, node):
+                if rule.where_fn is not None and not self._holds(rule.where_fn, env):
+                    continue
+                if not rule.shared and self.interior_escape(rule, env) is not None:
+                    continue
+                return Match(rule, node, env)
+        except _OverBudget:
+            if self.over_budget is None:
+                self.over_budget = (f"matching at node {node.name!r} tried over {MATCH_BUDGET} ways to bind the "
+                                    "pattern (nested commutative ops, repeated variables): not matched there")
         return None
 
     def _match_flat(self, rule: CompiledRule, node: fx.Node) -> Match | None:
@@ -241,6 +259,13 @@ class Matcher:
         """``(env, refusal)`` for each structural match of ``rule`` at ``node`` in the
         order ``match`` tries them, up to the one it takes (refusal None): what
         ``match`` decides, with the reason for each refusal (a ``Refusal``)."""
+        self._steps = 0
+        try:
+            yield from self._attempts(rule, node)
+        except _OverBudget:
+            return
+
+    def _attempts(self, rule: CompiledRule, node: fx.Node) -> Iterator[tuple]:
         for env in self._match_root(rule, node):
             if rule.where_fn is not None and not self._holds(rule.where_fn, env):
                 yield env, Refusal("where", self.failed_conjunct(rule.where, env))
@@ -331,6 +356,9 @@ class Matcher:
             return
         if node in env[_NODES]:
             return
+        self._steps += 1
+        if self._steps > MATCH_BUDGET:
+            raise _OverBudget
         for alt in p.alts:
             for bound in self._alt_bindings(alt, node):
                 nodes = env[_NODES] + (node,) + bound.interior

@@ -704,6 +704,7 @@ class _Checker:
             self._op_args(c, found, f"'{name}'", span)
             self._writes(c, found, name, span)
             self._unsafe_emission(name, span)
+            self._unbounded_arithmetic(c, name, span)
         elif kind == "function" and found.kind in ("constant", "module"):
             self._function_args(c, found, span)
         elif kind == "function":
@@ -758,6 +759,35 @@ class _Checker:
             self.error(span, f"'{name}' cannot be built by a replacement: {why}", "E106",
                        help="build the public op the vocabulary names (rewrite.reference lists them); "
                             "a pattern may still match this one")
+
+    def _unbounded_arithmetic(self, c: ast.Call, name: str, span: Any) -> None:
+        """E207: Python arithmetic whose result may be unboundedly large, which
+        inferring the replacement's facts (and every call of the rewritten model)
+        would compute: ``operator.pow(10, 100000000000)``, a shift that far, a power
+        of a power, a string or list repeated that many times."""
+        from rewrite.ops.resolve import normalize_qualname
+
+        op = normalize_qualname(name)
+        args = list(c.args) + [k.value for k in c.kwargs]
+        if op in _GROWING and len(args) == 2:
+            base, exponent = args
+            small = isinstance(exponent, ast.Var) or (
+                isinstance(exponent, ast.Literal) and isinstance(exponent.value, (int, float))
+                and abs(exponent.value) <= _MAX_EXPONENT)
+            if not small or isinstance(base, ast.Call):
+                self.error(span, f"'{name}' may compute a number without bound here: its exponent or shift must be "
+                                 f"a pattern variable or a number literal of at most {_MAX_EXPONENT}, and its base "
+                                 "a variable or a literal", "E207",
+                           help="compute the constant in a registered constant function, or write the number")
+        elif op in _REPEATING and len(args) == 2:
+            sequences = [a for a in args if isinstance(a, (ast.ListLit, ast.TupleLit)) or (
+                isinstance(a, ast.Literal) and isinstance(a.value, str))]
+            counts = [a for a in args if a not in sequences]
+            if sequences and not all(isinstance(n, ast.Literal) and isinstance(n.value, int)
+                                     and n.value <= _MAX_REPEAT for n in counts):
+                self.error(span, f"'{name}' repeats a literal sequence a number of times that may have no bound: "
+                                 f"the count must be an int literal of at most {_MAX_REPEAT}", "E207",
+                           help="write the sequence out")
 
     @staticmethod
     def _arguments(c: ast.Call, opdef: Any) -> dict:
@@ -868,6 +898,12 @@ def _default_of(opdef: Any, param: str) -> Any:
     if p is None or p.default is _vocabulary().REQUIRED:
         return None
     return ast.Literal(p.default)
+
+
+_GROWING = frozenset({"operator.pow", "operator.ipow", "operator.lshift", "operator.ilshift"})
+_REPEATING = frozenset({"operator.mul", "operator.imul"})
+_MAX_EXPONENT = 64
+_MAX_REPEAT = 4096
 
 
 def _may_be_true(e: object) -> bool:

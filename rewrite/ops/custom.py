@@ -45,6 +45,10 @@ INTERNAL_NAMESPACES = frozenset({
     "_c10d_functional_autograd", "symm_mem", "static_runtime", "profiler", "debugprims", "rngprims",
     "inductor", "inductor_prims", "higher_order", "debug_mode_ops", "export", "_dtensor", "_test",
     "_native", "fbgemm", "cuda", "xpu", "mps", "streams",
+    # registered once torch._dynamo, torch.distributed or torch.onnx is imported: legacy
+    # collectives (all_reduce, isend: a rule must never emit them), FSDP's, flex
+    # attention's, ONNX export's and Inductor's test ops
+    "c10d_functional", "fsdp", "flex_lib", "onnx", "onnx_symbolic", "_inductor_test",
 })
 
 

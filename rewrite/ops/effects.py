@@ -68,6 +68,9 @@ ALIASING_NAMES = VIEW_NAMES | {
     "dsplit", "sum_to_size", "to_dense", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
     "feature_alpha_dropout", "feature_dropout", "_unsafe_view", "dequantize", "lift", "unsafe_split",
     "unsafe_split_with_sizes", "unsafe_chunk", "pos", "new", "as_tensor", "asarray", "as_subclass", "einsum",
+    # no alias in their schemas, yet their kernels return the input itself: conj_physical
+    # of a real tensor, resize_as, slice_inverse (probe O's scan of every aten op)
+    "conj_physical", "resize_as", "slice_inverse",
 }
 #: CompositeImplicitAutograd aten ops (their schema annotates no alias, yet such an
 #: op may return its input: ``aten.dropout`` in eval mode) known to return a new

@@ -531,6 +531,9 @@ class _Run:
     grad_roots: Optional[Tuple[Any, ...]] = None
     #: what the call raised with gradients enabled (it then ran under ``no_grad``)
     grad_error: Optional[str] = None
+    #: the CPU generator's state after the call (it started from the trial's seed):
+    #: what the caller's next ``torch.rand`` would draw from
+    rng_after: Optional[torch.Tensor] = None
     #: every value of the run, by node (``rewrite.trust.reuse.Recording``), or None
     recorded: Any = None
 
@@ -911,6 +914,7 @@ def _call_once(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool, watch: Op
         grad_mode.enter_context(torch.no_grad())
     with grad_mode, seeded(rng_seed), recorder, uninitialized_filled():
         out = _fields_as_dicts(call_with(fn, args))
+        rng_after = torch.get_rng_state()
     requires_grad = roots = None
     if grad:
         flat, spec = pytree.tree_flatten(out)
@@ -937,7 +941,8 @@ def _call_once(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool, watch: Op
                      if state[name]._version != versions[name]
                      or (name in values_before and not _same_values(state[name], values_before[name]))}
     seen = static if static is not None else (frozenset(recorder.dtypes) if dtypes else frozenset())
-    return _Run(out, args, written, state_written, state, seen, watch.storages, lineage, requires_grad, roots)
+    return _Run(out, args, written, state_written, state, seen, watch.storages, lineage, requires_grad, roots,
+                rng_after=rng_after)
 
 
 @contextlib.contextmanager
@@ -1514,6 +1519,10 @@ def _side_effects(trial: int, ref: _Run, cand: _Run, kind: str, rtol: Optional[f
                                    atol, low)
         if mm is not None:
             return mm
+    if ref.rng_after is not None and cand.rng_after is not None and not torch.equal(ref.rng_after, cand.rng_after):
+        return Mismatch("random stream", trial, None, None, math.inf, math.inf,
+                        "the rewrite draws other random numbers than the original (from the same seed, the "
+                        "generator ends elsewhere: the caller's next torch.rand would differ)")
     for name in sorted(set(ref.state_written) | set(cand.state_written)):
         if name not in cand.state_written and name not in cand.state:
             continue  # the rewrite folded it away; outputs tell whether that was right
