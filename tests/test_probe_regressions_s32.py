@@ -169,3 +169,34 @@ def test_a_rewrite_that_draws_other_random_numbers_is_rejected():
     assert rules.apply(gm, (x,), check=False).counts == {"r": 1}  # every value the same...
     with pytest.raises(rewrite.EquivalenceError, match="draws other random numbers"):
         rules.apply(gm, (x,))  # ...but the caller's next torch.rand would differ
+
+
+def test_a_rule_file_that_is_not_a_regular_file_or_too_large_is_refused(tmp_path):
+    import os
+
+    fifo = tmp_path / "pipe.rw"
+    os.mkfifo(fifo)  # reading it would block for ever
+    with pytest.raises(rewrite.RuleError, match="not a regular file") as err:
+        rewrite.load(str(fifo))
+    assert "[E402]" in str(err.value)
+    big = tmp_path / "big.rw"
+    with open(big, "wb") as fh:
+        fh.truncate(17 * 2**20)  # sparse: nothing is written
+    with pytest.raises(rewrite.RuleError, match="a rule file is at most 16 MiB"):
+        rewrite.load(str(big))
+    importer = tmp_path / "main.rw"
+    importer.write_text('import "big.rw"\n')
+    with pytest.raises(rewrite.RuleError, match=r"cannot import '.*big.rw'.*at most 16 MiB"):
+        rewrite.load(str(importer))
+
+
+@pytest.mark.parametrize("end", ["\r", "\u2028", "\u2029"])
+def test_every_line_break_ends_a_line(end):
+    """A lone CR (or a Unicode line separator) ends a line, as editors show it: a rule
+    after a comment is a rule, and a comment after a rule is not part of it."""
+    after_comment = rewrite.parse(f"# a comment{end}rule r: relu(relu(x)) => relu(x){end}")
+    assert list(after_comment.rules) == ["r"]
+    before_comment = rewrite.parse(f"rule r: relu(relu(x)) => relu(x){end}# disabled? no: a comment")
+    assert list(before_comment.rules) == ["r"]
+    with pytest.raises(rewrite.RuleError, match=":2:"):  # the second line, as an editor numbers it
+        rewrite.parse(f"# a comment{end}rule r: relu(relu(x) => relu(x)")

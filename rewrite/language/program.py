@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 import attrs
@@ -121,6 +122,22 @@ class _File:
     uses: dict = attrs.Factory(dict)  # span of each parameter use -> its ast.Binding
 
 
+def one_line_end(text: str) -> str:
+    """Every line break as ``\\n``: CRLF, a lone CR (old Mac files) and the Unicode
+    line and paragraph separators. The grammar ends lines at ``\\n`` only, and a
+    terminal or editor that ends them elsewhere would show a file other than the one
+    loaded (``rule evil ...\\r# disabled`` shows as a comment, and is a rule)."""
+    if "\r" in text:
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
+    if "\u2028" in text or "\u2029" in text or "\x85" in text:
+        text = text.replace("\u2028", "\n").replace("\u2029", "\n").replace("\x85", "\n")
+    return text
+
+
+#: Larger rule files are refused before they are read (the shipped ones are under 50 KiB).
+MAX_RULE_FILE_BYTES = 16 * 2**20
+
+
 class _Loader:
     def __init__(self) -> None:
         self.files: dict = {}  # key -> _File
@@ -145,8 +162,17 @@ class _Loader:
         return key
 
     def read(self, path: Path, display: str, import_span: ast.Span | None = None) -> str | None:
-        """The file's text, or None with an E402 diagnostic (unreadable, not UTF-8)."""
+        """The file's text, or None with an E402 diagnostic (unreadable, not a regular
+        file, too large, not UTF-8). A FIFO would block the read, /dev/zero never end it."""
         try:
+            status = os.stat(path)
+            if not stat.S_ISREG(status.st_mode):
+                self._unreadable(display, import_span, "not a regular file (a pipe, a device or a socket)")
+                return None
+            if status.st_size > MAX_RULE_FILE_BYTES:
+                self._unreadable(display, import_span, f"{status.st_size} bytes: a rule file is at most "
+                                                       f"{MAX_RULE_FILE_BYTES // 2**20} MiB")
+                return None
             raw = path.read_bytes()
             return raw.decode("utf-8-sig")
         except UnicodeDecodeError as exc:
@@ -175,6 +201,7 @@ class _Loader:
             self.diags.append(Diagnostic(span, f"cannot import '{display}': {why}", "E402", help=hint))
 
     def load_source(self, text: str, display: str, key: str, base: Path, imp: ast.Import | None = None) -> None:
+        text = one_line_end(text)
         f = _File(display, key)
         self.files[key] = f
         self.sources[display] = text
