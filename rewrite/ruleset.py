@@ -226,6 +226,8 @@ class RuleSet:
         on_mismatch: str = "raise",
         shuffle_seed: int | None = None,
         inplace: bool = False,
+        input_ranges: dict | None = None,
+        fixed_inputs: tuple = (),
     ) -> RewriteResult:
         """Apply the rule set to a copy of ``model`` (or to ``model`` itself).
 
@@ -258,6 +260,13 @@ class RuleSet:
                 that shares its parameters and buffers (no rule writes a tensor:
                 a rule that changes a constant makes a new one), except those its
                 forward writes in place, which it owns copies of.
+            input_ranges: for the check's random trials, inputs drawn uniformly in a
+                range: ``{index or pytree path: (low, high)}`` (``{1: (0, 5)}``,
+                ``{"[0]['lengths']": (1, 8)}``), for models whose inputs must be
+                valid in a way random normals are not.
+            fixed_inputs: inputs (by flat index or pytree path) every trial passes as
+                the example gives them (a symmetric positive definite matrix, sorted
+                lengths): the trials vary the others.
 
         Returns:
             RewriteResult with ``graph_module`` and ``counts``.
@@ -275,12 +284,18 @@ class RuleSet:
             raise ValueError(f"on_mismatch must be 'raise' or 'skip-rule', not {on_mismatch!r}")
         if max_rewrites is not None and (not isinstance(max_rewrites, int) or isinstance(max_rewrites, bool)
                                          or max_rewrites < 1):
-            raise ValueError(f"max_rewrites must be a positive int (or None: 20 per node, plus 1000), not {max_rewrites!r}")
+            raise ValueError(f"max_rewrites must be a positive int (or None: 20 per node, plus 1000), "
+                             f"not {max_rewrites!r}")
         if check and (not isinstance(trials, int) or trials < 1):
             raise ValueError(f"trials must be a positive int when check=True, not {trials!r}")
         for name, tol in (("rtol", rtol), ("atol", atol)):
             if tol is not None and not (isinstance(tol, (int, float)) and tol >= 0):
                 raise ValueError(f"{name} must be a non-negative number, not {tol!r}")
+        if input_ranges is not None and not (isinstance(input_ranges, dict) and all(
+                isinstance(v, (tuple, list)) and len(v) == 2 for v in input_ranges.values())):
+            raise ValueError(f"input_ranges maps an input (index or pytree path) to (low, high), not {input_ranges!r}")
+        if isinstance(fixed_inputs, (str, int)) or not all(isinstance(k, (str, int)) for k in fixed_inputs):
+            raise ValueError(f"fixed_inputs is a list of input indices or pytree paths, not {fixed_inputs!r}")
         if not isinstance(model, (torch.nn.Module, torch.export.ExportedProgram)):
             raise TypeError(f"apply needs a torch.fx.GraphModule, a torch.export.ExportedProgram or an "
                             f"nn.Module, not {type(model).__name__}")
@@ -311,14 +326,15 @@ class RuleSet:
         with gc_paused(), torch.inference_mode(False):
             txn = _Transaction(self, original, example_inputs, max_rewrites, shuffle_seed, inplace, checked=check)
             try:
-                return self._apply(txn, model, original, example_inputs, check, trials, rtol, atol, on_mismatch)
+                return self._apply(txn, model, original, example_inputs, check, trials, rtol, atol, on_mismatch,
+                                   {"input_ranges": input_ranges, "fixed_inputs": tuple(fixed_inputs)})
             except BaseException:
                 txn.rollback()  # in place: the module as it was; a copy: nothing to do
                 raise
 
     def _apply(self, txn: "_Transaction", model: Any, original: fx.GraphModule, example_inputs: tuple | None,
                check: bool, trials: int, rtol: float | None, atol: float | None,
-               on_mismatch: str) -> RewriteResult:
+               on_mismatch: str, drawn: dict) -> RewriteResult:
         gm, driver = txn.run()
         seconds, copy_seconds = txn.seconds, txn.copy_seconds
         report, rejected = None, []
@@ -348,12 +364,12 @@ class RuleSet:
                 txn.restore()
                 base = original if not changes else self._changed(original, changes)
                 lower = new_half_precisions(static_float_dtypes(original), rewritten_dtypes)
-                reference = Reference(base, example_inputs, graph=original).prepare(trials, kind, gradients,
-                                                                                     lower)
+                reference = Reference(base, example_inputs, graph=original, **drawn)
+                reference.prepare(trials, kind, gradients, lower)
                 gm, driver = txn.run()
             else:
                 base = model if not changes else self._changed(original, changes)
-                reference = Reference(base, example_inputs, graph=original)
+                reference = Reference(base, example_inputs, graph=original, **drawn)
 
             def verdict(candidate: fx.GraphModule) -> Any:
                 return check_equivalence(reference, candidate, example_inputs, trials=trials, rtol=rtol,

@@ -200,3 +200,24 @@ def test_every_line_break_ends_a_line(end):
     assert list(before_comment.rules) == ["r"]
     with pytest.raises(rewrite.RuleError, match=":2:"):  # the second line, as an editor numbers it
         rewrite.parse(f"# a comment{end}rule r: relu(relu(x) => relu(x)")
+
+
+def test_apply_takes_fixed_inputs_and_input_ranges_for_the_check():
+    """A model whose input must be structured (cholesky of a positive definite matrix)
+    fails on random trials; apply now takes what check_equivalence takes (probe N F10)."""
+    class Chol(nn.Module):
+        def forward(self, a, scale):
+            return torch.relu(torch.relu(torch.linalg.cholesky(a))) * scale
+
+    gm = fx.symbolic_trace(Chol())
+    b = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
+    args = (b @ b.T + 4 * torch.eye(4), torch.tensor(2.0))
+    rules = rewrite.parse("rule relu_twice: relu(relu(x)) => relu(x)\n")
+    with pytest.raises(RuntimeError, match="pass fixed_inputs"):
+        rules.apply(gm, args)
+    result = rules.apply(gm, args, fixed_inputs=[0], input_ranges={1: (1.0, 3.0)})
+    assert result.counts == {"relu_twice": 1} and result.equivalence.ok and result.equivalence.trials == 3
+    with pytest.raises(ValueError, match="input_ranges maps an input"):
+        rules.apply(gm, args, input_ranges={1: 3.0})
+    with pytest.raises(ValueError, match="fixed_inputs is a list"):
+        rules.apply(gm, args, fixed_inputs=0)

@@ -1730,7 +1730,11 @@ class Reference:
                     self._runs[trial] = _call(fn, self.inputs(trial), self.seed + trial, dtypes, self.watch(dtypes),
                                               trial == 0, saved.restore)
                 except Exception as e:
-                    raise RuntimeError(f"reference failed on trial {trial} inputs: {type(e).__name__}: {e}") from e
+                    hint = "" if trial == 0 else (
+                        " (the original itself fails on these random inputs: if it needs inputs random ones are "
+                        "not, such as sorted lengths or a positive definite matrix, pass fixed_inputs=[index] or "
+                        "input_ranges={index: (low, high)} to apply, or trials=1)")
+                    raise RuntimeError(f"reference failed on trial {trial} inputs: {type(e).__name__}: {e}{hint}") from e
                 finally:
                     if recording is not None:
                         runner.recording = None
