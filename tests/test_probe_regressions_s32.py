@@ -221,3 +221,17 @@ def test_apply_takes_fixed_inputs_and_input_ranges_for_the_check():
         rules.apply(gm, args, input_ranges={1: 3.0})
     with pytest.raises(ValueError, match="fixed_inputs is a list"):
         rules.apply(gm, args, fixed_inputs=0)
+
+
+def test_parametrized_imports_that_double_at_every_level_stop_at_a_bound(tmp_path):
+    """Each file imports the next twice with a new binding: 2^depth instances. The
+    load stops at MAX_LOADED_FILES with an E402 at the import (probe O F02)."""
+    depth = 12
+    (tmp_path / "root.rw").write_text('import "l0.rw" with p = 0\nrule top: relu(relu(x)) => relu(x)\n')
+    for i in range(depth):
+        imports = (f'import "l{i + 1}.rw" with p = [p, 0]\nimport "l{i + 1}.rw" with p = [p, 1]\n'
+                   if i + 1 < depth else "")
+        (tmp_path / f"l{i}.rw").write_text(f"param p\n{imports}rule r{i}: mul(x, {i}) => x\n")
+    with pytest.raises(rewrite.RuleError, match="one load reads at most 1000 rule files") as err:
+        rewrite.load(str(tmp_path / "root.rw"))
+    assert "[E402]" in str(err.value)

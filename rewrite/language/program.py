@@ -134,6 +134,9 @@ def one_line_end(text: str) -> str:
     return text
 
 
+#: Files and instances one load may read: past it, an import is an E402.
+MAX_LOADED_FILES = 1000
+
 #: Larger rule files are refused before they are read (the shipped ones are under 50 KiB).
 MAX_RULE_FILE_BYTES = 16 * 2**20
 
@@ -155,6 +158,11 @@ class _Loader:
             key = f"{key}?{binding_key(imp.bindings)}"
         if key in self.files:
             return key
+        if len(self.files) >= MAX_LOADED_FILES:
+            self._unreadable(display, import_span, f"one load reads at most {MAX_LOADED_FILES} rule files and "
+                                                   "parametrized instances of them (imports that bind a parameter "
+                                                   "anew at every level double them)")
+            return None
         text = self.read(path, display, import_span)
         if text is None:
             return None
