@@ -191,12 +191,34 @@ class RuleSet:
         raise KeyError(f"no rule or ruleset named {name!r}; have {sorted(self.sets) + sorted(self.rules)}")
 
     def only(self, rule: Any) -> "RuleSet":
-        """A rule set that runs one rule to a fixpoint: a name of this set, or a
-        ``CompiledRule`` (a variant of one, e.g. without its where clause, which
-        replaces the rule of that name)."""
-        if isinstance(rule, str):
-            return self[rule]
-        return RuleSet({**self.rules, rule.name: rule}, self.sets, Schedule("fixpoint", (rule.name,)), rule.name)
+        """A rule set that runs one rule as this set's schedule runs it: to a
+        fixpoint, or in one sweep when the schedule runs it only in ``once(...)`` (a
+        rule that matches its own replacement; verified so). ``rule``: a name of this
+        set, or a ``CompiledRule`` (a variant of one, e.g. without its where clause,
+        which replaces the rule of that name)."""
+        name = rule if isinstance(rule, str) else rule.name
+        kind = "once" if self._runs_once(self.schedule, name) else "fixpoint"
+        rules = self.rules if isinstance(rule, str) else {**self.rules, name: rule}
+        return RuleSet(rules, self.sets, Schedule(kind, (name,)), name)
+
+    def _runs_once(self, schedule: Any, name: str) -> bool:
+        """Whether every run of rule ``name`` under ``schedule`` is one sweep: the rule
+        sits directly in a ``once(...)`` with no ``fixpoint(...)`` around it (a bare
+        rule in ``seq(...)`` runs to a fixpoint). False when the schedule never runs it."""
+        found: list = []
+
+        def walk(node: Any, container: str, repeated: bool, seen: frozenset) -> None:
+            if isinstance(node, str):
+                if node == name:
+                    found.append(container == "once" and not repeated)
+                elif node in self.sets and node not in seen:
+                    walk(self.sets[node], container, repeated, seen | {node})
+                return
+            for child in node.items:
+                walk(child, node.kind, repeated or node.kind == "fixpoint", seen)
+
+        walk(schedule, "fixpoint", False, frozenset())
+        return bool(found) and all(found)
 
     def __add__(self, other: "RuleSet") -> "RuleSet":
         """Run ``self`` then ``other``."""

@@ -235,3 +235,24 @@ def test_parametrized_imports_that_double_at_every_level_stop_at_a_bound(tmp_pat
     with pytest.raises(rewrite.RuleError, match="one load reads at most 1000 rule files") as err:
         rewrite.load(str(tmp_path / "root.rw"))
     assert "[E402]" in str(err.value)
+
+
+def test_verify_runs_a_rule_as_its_schedule_does():
+    """A rule that matches its own replacement runs in once(...) (E409's advice):
+    verify ran it to a fixpoint and reported non-termination instead of comparing
+    values (probe N F06)."""
+    right = rewrite.parse("""
+rule r2: gelu(x) where dtype(x) == torch.float32 => mul(gelu(x), 1.0)
+ruleset main = once(r2)
+""")
+    assert right["main"].verify(max_examples=5, seed=0).ok
+    wrong = rewrite.parse("""
+rule r: gelu(x, ...) => aten.gelu(x, approximate="tanh")
+ruleset main = once(r)
+""")
+    report = wrong["main"].verify(max_examples=5, seed=0)
+    assert not report.ok and "non-termination" not in str(report)
+    repeated = rewrite.parse("rule r2: gelu(x) where dtype(x) == torch.float32 => mul(gelu(x), 1.0)\n"
+                             "ruleset main = fixpoint(seq(once(r2)))\n")
+    assert not repeated._runs_once(repeated["main"].schedule, "r2")
+    assert repeated._runs_once(right["main"].schedule, "r2")

@@ -174,7 +174,7 @@ class _Loader:
         file, too large, not UTF-8). A FIFO would block the read, /dev/zero never end it."""
         try:
             status = os.stat(path)
-            if not stat.S_ISREG(status.st_mode):
+            if not stat.S_ISREG(status.st_mode) and not stat.S_ISDIR(status.st_mode):  # a folder: named below
                 self._unreadable(display, import_span, "not a regular file (a pipe, a device or a socket)")
                 return None
             if status.st_size > MAX_RULE_FILE_BYTES:
