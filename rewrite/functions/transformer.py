@@ -17,6 +17,7 @@ import torch
 from rewrite.engine.aliasing import graph_writes, storage_base
 from rewrite.engine.facts import Value
 from rewrite.functions.registry import register_constant, register_predicate
+from rewrite.ops.base import ConstRef
 from rewrite.ops.effects import written_nodes
 
 __all__: list = []  # everything here is reached through the registry
@@ -263,6 +264,11 @@ def _no_minus_inf(x: Value) -> bool | None:
     todo, seen = [x.operand], set()
     while todo:
         operand = todo.pop()
+        if isinstance(operand, ConstRef):  # a module's tensor (symbolic_trace's call_module operands)
+            t = facts.constant_of(operand) if facts.is_const(operand) else None
+            if not isinstance(t, torch.Tensor) or bool(torch.isneginf(t).any()):
+                return None
+            continue
         if not isinstance(operand, torch.fx.Node):
             if isinstance(operand, (int, float)) and not isinstance(operand, bool) and operand == float("-inf"):
                 return None
@@ -276,6 +282,8 @@ def _no_minus_inf(x: Value) -> bool | None:
         if meta is None:
             return None
         dtype = meta.dtype
+        if dtype.is_complex:
+            return None
         if not dtype.is_floating_point:
             continue  # integers and bools hold no -inf (a conversion of them is looked at)
         if written and storage_base(operand, gm) in written:
