@@ -256,3 +256,29 @@ ruleset main = once(r)
                              "ruleset main = fixpoint(seq(once(r2)))\n")
     assert not repeated._runs_once(repeated["main"].schedule, "r2")
     assert repeated._runs_once(right["main"].schedule, "r2")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_examples": 0}, "max_examples must be a positive int"),
+    ({"max_examples": -1}, "max_examples must be a positive int"),
+    ({"seed": "a"}, "seed must be an int"),
+    ({"names": ["nope"]}, "no rule named 'nope'"),
+])
+def test_verify_refuses_arguments_that_would_verify_nothing(kwargs, message):
+    rules = rewrite.parse("rule relu_twice: relu(relu(x)) => relu(x)\n")
+    with pytest.raises(ValueError, match=message):
+        rules.verify(**kwargs)
+    assert rules.verify(max_examples=2, names="relu_twice").ok
+
+
+def test_example_factories_leave_the_callers_random_stream_alone():
+    from rewrite.examples import demo_cnn_with_inputs, resnet_tiny
+
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    first, _ = demo_cnn_with_inputs()
+    resnet_tiny()
+    assert torch.equal(torch.rand(3), expected)
+    second, _ = demo_cnn_with_inputs()  # still the same weights every time
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values()))

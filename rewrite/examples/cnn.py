@@ -13,11 +13,23 @@ and a wrong fold would go unnoticed.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple, Type, Union
+import functools
+from typing import Any, Callable, Optional, Sequence, Tuple, Type, Union
 
 import torch
 from torch import nn
 import torch.nn.functional as F
+
+
+def own_random_stream(build: Callable) -> Callable:
+    """Run a model factory on a fork of torch's random stream: it seeds the stream to
+    make the same weights every time, and the caller's stream is left as it was."""
+    @functools.wraps(build)
+    def built(*args: Any, **kwargs: Any) -> Any:
+        with torch.random.fork_rng(devices=[]):
+            return build(*args, **kwargs)
+
+    return built
 
 __all__ = [
     "BasicBlock",
@@ -200,18 +212,21 @@ def _finish(model: nn.Module, seed: int) -> nn.Module:
     return model.eval()
 
 
+@own_random_stream
 def resnet50(seed: int = 0, num_classes: int = 1000) -> ResNet:
     """ResNet-50 (Bottleneck, [3, 4, 6, 3]): 53 conv+bn pairs, eval mode, random BN stats."""
     torch.manual_seed(seed)
     return _finish(ResNet(Bottleneck, [3, 4, 6, 3], num_classes=num_classes), seed)
 
 
+@own_random_stream
 def resnet18(seed: int = 0, num_classes: int = 1000) -> ResNet:
     """ResNet-18 (BasicBlock, [2, 2, 2, 2]): 20 conv+bn pairs."""
     torch.manual_seed(seed)
     return _finish(ResNet(BasicBlock, [2, 2, 2, 2], num_classes=num_classes), seed)
 
 
+@own_random_stream
 def resnet_tiny(seed: int = 0, num_classes: int = 10) -> ResNet:
     """Bottleneck ResNet with one block per stage and widths (8, 16, 32, 64).
 
@@ -301,6 +316,7 @@ class DemoCNN(nn.Module):
         return self.fc2(h)
 
 
+@own_random_stream
 def demo_cnn(seed: int = 0) -> DemoCNN:
     """The demo network, eval mode, random BN statistics."""
     torch.manual_seed(seed)

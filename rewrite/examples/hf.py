@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, Tuple
 import torch
 from torch import nn
 
-from rewrite.examples.cnn import randomize_batchnorm
+from rewrite.examples.cnn import own_random_stream, randomize_batchnorm
 
 __all__ = [
     "CAPTURE_LEVELS",
@@ -73,6 +73,7 @@ def _tokens(batch: int, seq: int, vocab: int, seed: int) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, seq), generator=_gen(seed))
 
 
+@own_random_stream
 def hf_resnet(batch: int = 1, size: int = 64, seed: int = 0) -> Built:
     """``ResNetModel`` (bottleneck, one block per stage, widths 16..128): 16 conv+BN pairs
     (the first stage keeps its width, so it has no shortcut conv)."""
@@ -84,6 +85,7 @@ def hf_resnet(batch: int = 1, size: int = 64, seed: int = 0) -> Built:
     return _finish(ResNetModel(config), seed), (_pixels(batch, size, seed),)
 
 
+@own_random_stream
 def hf_convnext(batch: int = 1, size: int = 64, seed: int = 0) -> Built:
     """``ConvNextModel`` (widths 16..128, one block per stage): LayerNorm only, no BN."""
     from transformers import ConvNextConfig, ConvNextModel
@@ -93,6 +95,7 @@ def hf_convnext(batch: int = 1, size: int = 64, seed: int = 0) -> Built:
     return _finish(ConvNextModel(config), seed), (_pixels(batch, size, seed),)
 
 
+@own_random_stream
 def hf_mobilenet_v2(batch: int = 1, size: int = 64, seed: int = 0) -> Built:
     """``MobileNetV2Model`` at depth multiplier 0.35: depthwise convs, every BN after a conv."""
     from transformers import MobileNetV2Config, MobileNetV2Model
@@ -102,6 +105,7 @@ def hf_mobilenet_v2(batch: int = 1, size: int = 64, seed: int = 0) -> Built:
     return _finish(MobileNetV2Model(config), seed), (_pixels(batch, size, seed),)
 
 
+@own_random_stream
 def _bert(config_kwargs: Dict[str, Any], batch: int, seq: int, seed: int) -> Built:
     from transformers import BertConfig, BertModel
 
@@ -124,6 +128,7 @@ def bert_base(batch: int = 1, seq: int = 128, seed: int = 0) -> Built:
     return _bert(dict(), batch, seq, seed)
 
 
+@own_random_stream
 def hf_gpt2(batch: int = 2, seq: int = 8, seed: int = 0) -> Built:
     """``GPT2Model`` (``use_cache=False``), 2 layers, n_embd 32, vocab 100; input: token ids."""
     from transformers import GPT2Config, GPT2Model
@@ -135,6 +140,7 @@ def hf_gpt2(batch: int = 2, seq: int = 8, seed: int = 0) -> Built:
     return model, (_tokens(batch, seq, config.vocab_size, seed),)
 
 
+@own_random_stream
 def hf_vit(batch: int = 1, size: int = 32, seed: int = 0) -> Built:
     """``ViTModel``, 2 layers, hidden 32, 8x8 patches; input: pixels (batch, 3, size, size)."""
     from transformers import ViTConfig, ViTModel

@@ -1024,6 +1024,16 @@ def verify_rules(ruleset: Any, *, max_examples: int = 100, seed: int = 0,
         report = verify_rules(rewrite.load("rules/fusion.rw"), max_examples=50)
         print(report)
     """
+    if isinstance(max_examples, bool) or not isinstance(max_examples, int) or max_examples < 1:
+        raise ValueError(f"max_examples must be a positive int, not {max_examples!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an int, not {seed!r}")
+    if names is not None:
+        names = [names] if isinstance(names, str) else list(names)
+        unknown = [n for n in names if n not in {r.name for r in ruleset}]
+        if unknown:
+            raise ValueError(f"no rule named {', '.join(map(repr, unknown))} in this rule set; it has "
+                             f"{', '.join(r.name for r in ruleset)}")
     verdicts = [verify_rule(ruleset, r, max_examples=max_examples, seed=seed)
                 for r in ruleset if names is None or r.name in names]
     return VerificationReport(tuple(verdicts))
