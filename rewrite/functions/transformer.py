@@ -270,9 +270,7 @@ def _no_minus_inf(x: Value) -> bool | None:
                 return None
             continue
         if not isinstance(operand, torch.fx.Node):
-            if isinstance(operand, (int, float)) and not isinstance(operand, bool) and operand == float("-inf"):
-                return None
-            continue
+            return None  # (a literal is never_minus_inf's to answer; only nodes are queued)
         if operand in seen:
             continue
         seen.add(operand)
@@ -301,7 +299,7 @@ def _no_minus_inf(x: Value) -> bool | None:
         numbers = [v for v in (*operand.args, *operand.kwargs.values())
                    if isinstance(v, (int, float)) and not isinstance(v, bool)]
         if name in _FILLING:
-            if not all(_finite_number(v, dtype) for v in numbers if name not in _FILLING_NOTHING):
+            if name not in _FILLING_NOTHING and not all(_finite_number(v, dtype) for v in numbers):
                 return None
             todo.extend(n for n in operand.all_input_nodes if name == "fill")
             continue

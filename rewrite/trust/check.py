@@ -1399,6 +1399,7 @@ def _requires_grad_change(trial: int, ref: _Run, cand: _Run, candidate: Any = No
     # excuse an output that lost its gradient)
     new_constants = {id(t) for name, t in cand.state.items() if name not in ref.state}
     folded = bool(new_constants)
+    positions = None  # _input_positions, when first needed
     for i, (path, mine, theirs) in enumerate(zip(paths, ref.requires_grad, cand.requires_grad)):
         if not mine and theirs:
             return Mismatch("output" + path, trial, None, None, math.inf, math.inf,
@@ -1411,7 +1412,9 @@ def _requires_grad_change(trial: int, ref: _Run, cand: _Run, candidate: Any = No
             # a parameter a fold made a constant is not lost: this output is no longer
             # computed from it in the rewrite's graph
             reads = _output_reads(candidate, i, len(paths)) if folded else None
-            lost = _lost_gradient(ref, cand, i, names, trained, reads)
+            if positions is None:  # once per call, only when some output requires grad in both
+                positions = _input_positions(ref, cand)
+            lost = _lost_gradient(ref, cand, i, positions, names, trained, reads)
             if lost is not None:
                 return Mismatch("output" + path, trial, None, None, math.inf, math.inf,
                                 f"gradients reach {lost} through this output in the original, not in the rewrite "
@@ -1437,7 +1440,22 @@ def _requires_grad_change(trial: int, ref: _Run, cand: _Run, candidate: Any = No
     return None
 
 
-def _lost_gradient(ref: _Run, cand: _Run, index: int, names: dict, trained: set,
+def _input_positions(ref: _Run, cand: _Run) -> dict:
+    """id -> position of each input: each run's copy of it, and what that copy was
+    cloned from (a clone of an input that requires grad passes its gradient on: to
+    the tensor given, a dynamo graph's lifted parameter); a rewrite's run may reuse
+    the original's values (rewrite.trust.reuse), whose gradients reach the original's."""
+    positions: dict = {}
+    for run in (ref, cand):
+        for k, t in enumerate(input_leaves(run.inputs)):
+            if isinstance(t, torch.Tensor):
+                positions[id(t)] = k
+                for source in _grad_leaves(t.grad_fn) if t.grad_fn is not None else ():
+                    positions.setdefault(id(source), k)
+    return positions
+
+
+def _lost_gradient(ref: _Run, cand: _Run, index: int, positions: dict, names: dict, trained: set,
                    reads: Optional[set] = None) -> Optional[str]:
     """What a gradient from output ``index`` reaches in the original and not in the
     rewrite, though the rewrite still trains it: a parameter it holds requiring grad,
@@ -1447,17 +1465,6 @@ def _lost_gradient(ref: _Run, cand: _Run, index: int, names: dict, trained: set,
     rewrite's graph computes this output from, when it folded). None when nothing is."""
     if ref.grad_roots is None or cand.grad_roots is None or len(cand.grad_roots) <= index:
         return None
-    # an input by position: each run's copy of it, and what that copy was cloned
-    # from (a clone of an input that requires grad passes its gradient on: to the
-    # tensor given, a dynamo graph's lifted parameter); a rewrite's run may reuse the
-    # original's values (rewrite.trust.reuse), whose gradients reach the original's
-    positions: dict = {}
-    for run in (ref, cand):
-        for k, t in enumerate(input_leaves(run.inputs)):
-            if isinstance(t, torch.Tensor):
-                positions[id(t)] = k
-                for source in _grad_leaves(t.grad_fn) if t.grad_fn is not None else ():
-                    positions.setdefault(id(source), k)
     reached = {("input", positions[id(t)]) if id(t) in positions else id(t)
                for t in _grad_leaves(cand.grad_roots[index])}
     for t in _grad_leaves(ref.grad_roots[index]):

@@ -40,9 +40,9 @@ def _children(obj: Any) -> list | None:
     if isinstance(obj, (torch.nn.Module, set, frozenset)) or isinstance(obj, _ATOMS):
         return None  # a module's tensors are its state; a set has no order a copy repeats
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        values = [getattr(obj, f.name, None) for f in dataclasses.fields(obj)]
+        names = [f.name for f in dataclasses.fields(obj)]
         extra = getattr(obj, "__dict__", {})
-        return values + [v for k, v in extra.items() if k not in {f.name for f in dataclasses.fields(obj)}]
+        return [getattr(obj, n, None) for n in names] + [v for k, v in extra.items() if k not in names]
     found = list(vars(obj).values()) if isinstance(getattr(obj, "__dict__", None), dict) else []
     for cls in type(obj).__mro__:
         slots = cls.__dict__.get("__slots__", ())
