@@ -1666,6 +1666,7 @@ class Reference:
         self._repeats: Dict[int, bool] = {}
         self._watch: Optional[_Watch] = None
         self._gradients: Optional[Tuple[Optional[GradientRun], Optional[str]]] = None
+        self._second: Dict[Tuple[int, bool], Optional[_Run]] = {}  # second_call's runs
         self._noise: Dict[Any, Optional[tuple]] = {}
         self._prepared = False  # in place: the module is the candidate after prepare()
         self._recordable: Optional[bool] = None
@@ -1764,6 +1765,25 @@ class Reference:
                 except Exception as e:  # noqa: BLE001 - no gradient to preserve
                     self._gradients = (None, f"the original's backward failed: {type(e).__name__}: {e}")
         return self._gradients
+
+    def second_call(self, trial: int, dtypes: bool, state: Optional[_SavedState] = None) -> Optional[_Run]:
+        """The reference's second call in a row, on ``trial``'s inputs, from the
+        module state its call on trial 0's inputs left (computed once); None when that
+        call writes no module state (or before trial 0 ran): the second call would
+        start from the state the first did (``_second_call_mismatch``)."""
+        first = self._runs.get(0)
+        if first is None or not first.state_written:
+            return None
+        key = (trial, dtypes)
+        if key not in self._second and not self._prepared:
+            with self._running(state) as fn:
+                watch = self.watch(dtypes)
+                try:
+                    _call(fn, self.inputs(0), self.seed, False, watch)
+                    self._second[key] = _call(fn, self.inputs(trial), self.seed + trial, dtypes, watch)
+                except Exception:  # noqa: BLE001 - the original cannot be called twice so: nothing to compare
+                    self._second[key] = None
+        return self._second.get(key)
 
     @contextlib.contextmanager
     def _running(self, state: Optional[_SavedState]) -> Iterator[Any]:
@@ -1886,6 +1906,7 @@ class Reference:
                         self.narrowing_noise(t, dtype, state)
                     if lower:  # a rewrite newly computing in half precision may let integers flip
                         self.non_finite_births(t, state)
+            self.second_call(_second_call_trial(self, trials), tolerance == "approx", state)
             if gradients:
                 self.gradients(state)
         self._prepared = True
@@ -1972,6 +1993,7 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
             running_as_graph(reference.fn), running_as_graph(candidate, force=records) as run_candidate:
         runner = active_runner(run_candidate) if records and not watch.dispatches(dtypes) else None
         plan = ReusePlan(run_candidate, runner.steps, reference._plan) if runner is not None else None
+        compare = _Comparison(reference, run_candidate, state, tolerance, rtol, atol, int_agreement, quantum)
         for t in range(trials):
             if reference.repeats(t):
                 skipped += 1
@@ -1992,36 +2014,10 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
                 state.restore()
             if plan is not None and runner.reused * 4 < plan.computing:
                 reference.stop_recording()  # the rewrite changed values early: most is recomputed
-            # per output: only what the rewrite newly computes it from in a lower
-            # precision loosens its tolerance (and lets its integers flip)
-            given = frozenset(t.dtype for t in input_leaves(inputs)
-                              if isinstance(t, torch.Tensor) and t.is_floating_point())
-            low = _new_precision(ref, cand, given) if tolerance == "approx" else None
-            lows = _new_precisions(ref, cand, given) if low is not None else None
-            bound = None if low is None else (INT_AGREEMENT if int_agreement is None else int_agreement)
-            a, r, mm = _compare(t, ref.outputs, cand.outputs, tolerance, rtol, atol, None, agreement=bound,
-                                compute_dtypes=lows, quantum=quantum)
-            if mm is not None and rtol is None and atol is None:
-                # one newly computed in a lower precision may be as far from the original
-                # as torch's autocast to it is; a model in half precision is itself far
-                # from exact, and a rewrite may be as far, elsewhere (rewrite.trust.precision)
-                noises = reference.narrowing_noise(t, low, state) if low is not None else None
-                if noises is None:
-                    noises = reference.noise(t, state)
-                if noises is not None:
-                    a, r, mm = _compare(t, ref.outputs, cand.outputs, tolerance, rtol, atol, None,
-                                        agreement=bound, compute_dtypes=lows, noises=noises, quantum=quantum)
-            if bound is not None:
-                share = _int_agreement(ref.outputs, cand.outputs, lows)
-                if share is not None:
-                    agreed = share if agreed is None else min(agreed, share)
-                    if share < 1.0 and mm is None:
-                        mm = _flips_from_non_finite(t, reference, run_candidate, state)
+            a, r, share, mm, low = compare.runs(t, ref, cand, inputs)
+            if share is not None:
+                agreed = share if agreed is None else min(agreed, share)
             worst_abs, worst_rel = max(worst_abs, a), max(worst_rel, r)
-            if mm is None and rtol is None and atol is None and low is None and not _any_step(quantum):
-                mm = _confirm_below_unit(t, reference, ref, cand, tolerance, state)
-            if mm is None:
-                mm = _side_effects(t, ref, cand, tolerance, rtol, atol, low)
             if mm is None and cand.grad_error is not None and ref.grad_error is None and ref.requires_grad is not None:
                 mm = Mismatch("output", t, None, None, math.inf, math.inf,
                               f"the rewrite raises with gradients enabled, where the original runs (a caller "
@@ -2032,11 +2028,97 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
                 return EquivalenceReport(False, t + 1, worst_abs, worst_rel, mm, agreed, skipped)
             if t == 0:
                 low0 = low
+        mm = _second_call_mismatch(compare, watch, trials, dtypes)
+        if mm is not None:
+            return EquivalenceReport(False, trials, worst_abs, worst_rel, mm, agreed, skipped)
         if gradients:
             mm = _gradient_mismatch(reference, run_candidate, state, tolerance, rtol, atol, low0)
             if mm is not None:
                 return EquivalenceReport(False, trials, worst_abs, worst_rel, mm, agreed, skipped)
     return EquivalenceReport(True, trials, worst_abs, worst_rel, None, agreed, skipped)
+
+
+@attrs.frozen
+class _Comparison:
+    """How a pair of runs, the original's and the rewrite's on the same inputs, is
+    compared: the check's settings, the same for every trial."""
+
+    reference: "Reference"
+    candidate: Callable
+    state: Any
+    tolerance: str
+    rtol: Optional[float]
+    atol: Optional[float]
+    int_agreement: Optional[float]
+    quantum: Union[float, Tuple[float, ...]]
+
+    def runs(self, t: int, ref: _Run, cand: _Run, inputs: Any
+             ) -> Tuple[float, float, Optional[float], Optional[Mismatch], Optional[torch.dtype]]:
+        """``(worst abs error, worst rel error, integer agreement or None, first
+        mismatch or None, the lower precision the rewrite newly computes in or None)``
+        of the outputs and side effects of two runs on trial ``t``'s inputs."""
+        reference, state, tolerance, rtol, atol, quantum = (self.reference, self.state, self.tolerance, self.rtol,
+                                                            self.atol, self.quantum)
+        # per output: only what the rewrite newly computes it from in a lower
+        # precision loosens its tolerance (and lets its integers flip)
+        given = frozenset(x.dtype for x in input_leaves(inputs)
+                          if isinstance(x, torch.Tensor) and x.is_floating_point())
+        low = _new_precision(ref, cand, given) if tolerance == "approx" else None
+        lows = _new_precisions(ref, cand, given) if low is not None else None
+        bound = None if low is None else (INT_AGREEMENT if self.int_agreement is None else self.int_agreement)
+        a, r, mm = _compare(t, ref.outputs, cand.outputs, tolerance, rtol, atol, None, agreement=bound,
+                            compute_dtypes=lows, quantum=quantum)
+        if mm is not None and rtol is None and atol is None:
+            # one newly computed in a lower precision may be as far from the original
+            # as torch's autocast to it is; a model in half precision is itself far
+            # from exact, and a rewrite may be as far, elsewhere (rewrite.trust.precision)
+            noises = reference.narrowing_noise(t, low, state) if low is not None else None
+            if noises is None:
+                noises = reference.noise(t, state)
+            if noises is not None:
+                a, r, mm = _compare(t, ref.outputs, cand.outputs, tolerance, rtol, atol, None,
+                                    agreement=bound, compute_dtypes=lows, noises=noises, quantum=quantum)
+        share = _int_agreement(ref.outputs, cand.outputs, lows) if bound is not None else None
+        if share is not None and share < 1.0 and mm is None:
+            mm = _flips_from_non_finite(t, reference, self.candidate, state)
+        if mm is None and rtol is None and atol is None and low is None and not _any_step(quantum):
+            mm = _confirm_below_unit(t, reference, ref, cand, tolerance, state)
+        if mm is None:
+            mm = _side_effects(t, ref, cand, tolerance, rtol, atol, low)
+        return a, r, share, mm, low
+
+
+def _second_call_trial(reference: "Reference", trials: int) -> int:
+    """The trial whose inputs a second call takes: the first random one, or the
+    example's when only it runs (a model that needs inputs random ones are not)."""
+    return 1 if trials > 1 and not reference.repeats(1) else 0
+
+
+def _second_call_mismatch(compare: _Comparison, watch: _Watch, trials: int, dtypes: bool) -> Optional[Mismatch]:
+    """A model that writes its own state (a step counter, a cache position, running
+    statistics) computes its next call from what its first call left: each trial
+    starts from the state as it was, so a rewrite right only for that state
+    (``mul(n, 3.0) => zeros_like(n)`` while the counter ``n`` is 0) would pass. Both
+    are called twice in a row, on trial 0's inputs and then on the next trial's,
+    and the second calls compared as a trial's are."""
+    k = _second_call_trial(compare.reference, trials)
+    ref = compare.reference.second_call(k, dtypes, compare.state)
+    if ref is None:
+        return None
+    inputs = compare.reference.inputs(k)
+    try:
+        _call(compare.candidate, compare.reference.inputs(0), compare.reference.seed, False, watch)
+        cand = _call(compare.candidate, inputs, compare.reference.seed + k, dtypes, watch)
+    except Exception as e:  # noqa: BLE001 - reported as the mismatch
+        return Mismatch("output", k, None, None, math.inf, math.inf,
+                        f"the rewrite raised {type(e).__name__} on a second call in a row (the original runs it): {e}")
+    finally:
+        compare.state.restore()
+    mm = compare.runs(k, ref, cand, inputs)[3]
+    if mm is None:
+        return None
+    return attrs.evolve(mm, message=f"{mm.message} (on a second call in a row, from the module state the first "
+                                    "call left: the original writes its own state)")
 
 
 def _confirm_below_unit(t: int, reference: "Reference", ref: _Run, cand: _Run, kind: str,
