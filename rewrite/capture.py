@@ -25,6 +25,7 @@ with, so tests run each rule set on the graphs of all four levels:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import inspect
@@ -33,7 +34,7 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, List, Sequence, Tuple
+from typing import Any, Iterator, List, Sequence, Tuple
 
 import torch
 from torch import fx, nn
@@ -43,7 +44,7 @@ from rewrite.module_state import AttributeSnapshot
 
 __all__ = ["LEVELS", "DYNAMO_SOURCE", "ExportError", "ModelSpecError", "SaveError", "higher_order_ops",
            "as_input_tuple",
-           "capture", "capture_with_inputs", "symbolic_trace", "capture_dynamo", "dynamic_shapes_of",
+           "capture", "capture_with_inputs", "symbolic_trace", "capture_dynamo", "GraphBreakError", "mha_fastpath_off", "dynamic_shapes_of",
            "export_keeping_sizes", "export_program", "is_export_guard", "lifted_state_positions",
            "load_model", "save", "save_format", "save_path_problem", "missing_folder"]
 
@@ -65,7 +66,10 @@ def as_input_tuple(example_inputs: Any) -> tuple:
 
 
 def capture_dynamo(model: nn.Module, example_inputs: Sequence[Any]) -> Tuple[fx.GraphModule, List[Any]]:
-    """Return dynamo's first graph and the inputs it was called with.
+    """Return dynamo's graph of ``model`` and the inputs it was called with
+    (``GraphBreakError`` when dynamo splits it into several: one would be only part
+    of the model; the multi-head attention fast path is off, as ``mha_fastpath_off``
+    says why).
 
     Dynamo deletes each placeholder's ``meta["grapharg"]`` (which says whether
     it is a parameter, a buffer or a user input) once compilation ends, so the
@@ -74,9 +78,10 @@ def capture_dynamo(model: nn.Module, example_inputs: Sequence[Any]) -> Tuple[fx.
     lifted module state.
 
     The recording backend returns the graph's own ``forward``, so the model
-    still runs; only the first graph is kept (a graph break would produce more,
-    which the examples avoid). ``torch._dynamo.reset()`` is called first so a
-    cached compilation from an earlier call cannot bypass the backend.
+    still runs, once, on the example inputs: its buffers, attributes and the
+    caller's random stream are left as they were. ``torch._dynamo.reset()`` is called first so a cached compilation
+    from an earlier call cannot bypass the backend (and after, so the recording
+    backend is not left in dynamo's cache).
     """
     import torch._dynamo
 
@@ -92,13 +97,52 @@ def capture_dynamo(model: nn.Module, example_inputs: Sequence[Any]) -> Tuple[fx.
 
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=record, fullgraph=False, dynamic=False)
-    with torch.no_grad():
-        compiled(*as_input_tuple(example_inputs))
-    torch._dynamo.reset()
+    # the recording run is the caller's model's own: what it writes (a train-mode batch
+    # norm's statistics, attributes) is put back, and its random draws come from a fork
+    attributes = AttributeSnapshot(list(model.modules()))
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        with torch.no_grad(), mha_fastpath_off(), torch.random.fork_rng(devices=[]):
+            compiled(*as_input_tuple(example_inputs))
+    finally:
+        torch._dynamo.reset()
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                if not torch.equal(buffer, saved):
+                    buffer.copy_(saved)
+        attributes.restore()
     if not recorded:
         raise RuntimeError("torch.compile produced no graph for this model")
+    if len(recorded) > 1:
+        raise GraphBreakError(
+            f"dynamo split this model into {len(recorded)} graphs at graph breaks (a print, an .item(), "
+            "a data-dependent branch): one graph is only part of the model. Capture it with 'export' or "
+            "'fx', or rewrite every graph with rewrite.backend(rules) under torch.compile")
     gm, inputs = recorded[0]
     return gm, inputs
+
+
+class GraphBreakError(ValueError):
+    """A dynamo capture that came out as several graphs (``capture_dynamo``)."""
+
+
+@contextlib.contextmanager
+def mha_fastpath_off() -> Iterator[None]:
+    """nn.MultiheadAttention and nn.TransformerEncoderLayer without their fused fast
+    path (taken in eval mode under no_grad) while the block runs: a capture or a
+    measurement then sees the attention's and the layer's own ops, not one opaque
+    kernel (``aten._transformer_encoder_layer_fwd``) the FLOP registry cannot count
+    nor a rule match."""
+    mha = getattr(torch.backends, "mha", None)
+    if mha is None or not hasattr(mha, "set_fastpath_enabled"):
+        yield
+        return
+    was = mha.get_fastpath_enabled()
+    mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        mha.set_fastpath_enabled(was)
 
 
 def symbolic_trace(model: nn.Module) -> fx.GraphModule:

@@ -56,7 +56,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from rewrite.analysis.progress import progress
-from rewrite.capture import as_input_tuple, is_export_guard, lifted_state_positions
+from rewrite.capture import as_input_tuple, is_export_guard, lifted_state_positions, mha_fastpath_off
 from rewrite.engine.replace import RULE_KEY
 from rewrite.engine.symbolic import size_hint
 from rewrite.ops import bind_node
@@ -574,25 +574,11 @@ def analyze(gm: Any, example_inputs: Sequence[Any] | None = None, *, show_progre
         # no fused fast path (nn.MultiheadAttention, nn.TransformerEncoderLayer in eval
         # mode under no_grad): its kernels are opaque to the FLOP registry
         # and a train-mode dropout draws from a generator of its own, not the caller's
-        with torch.no_grad(), preserved_state(gm, runs_only=True), _mha_fastpath_off(), seeded(0):
+        with torch.no_grad(), preserved_state(gm, runs_only=True), mha_fastpath_off(), seeded(0):
             runner.run(*inputs)
     finally:
         runner.close()
     return _summarize(gm, runner, {placeholders[i] for i in lifted if i < len(placeholders)})
-
-
-@contextlib.contextmanager
-def _mha_fastpath_off() -> Any:
-    mha = getattr(torch.backends, "mha", None)
-    if mha is None or not hasattr(mha, "set_fastpath_enabled"):
-        yield
-        return
-    was = mha.get_fastpath_enabled()
-    mha.set_fastpath_enabled(False)
-    try:
-        yield
-    finally:
-        mha.set_fastpath_enabled(was)
 
 
 def _node_inputs(gm: fx.GraphModule, node: fx.Node, values: dict) -> list:

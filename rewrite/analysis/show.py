@@ -23,6 +23,7 @@ from __future__ import annotations
 import html
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -213,9 +214,12 @@ def to_html(gm: fx.GraphModule, analysis: GraphAnalysis, *, before: tuple | None
         data = _node_data(gm, analysis, "", set())
     page = (Path(__file__).with_name("viewer.html")).read_text(encoding="utf-8")
     payload = json.dumps({"nodes": data, "totals": analysis.totals.to_dict()}).replace("</", "<\\/")
-    return (page.replace("__TITLE__", html.escape(title or "rewrite show"))
-            .replace("__DATA__", payload)
-            .replace("__SVG__", svg))
+    # one pass over the template: a name or title holding a placeholder is never expanded
+    fills = {"__TITLE__": html.escape(title or "rewrite show"), "__DATA__": payload, "__SVG__": svg}
+    return _PLACEHOLDER.sub(lambda m: fills[m.group(0)], page)
+
+
+_PLACEHOLDER = re.compile("__TITLE__|__DATA__|__SVG__")
 
 
 def render(gm: Any, path: Any, example_inputs: Sequence[Any] | None = None, *, before: Any = None,

@@ -268,7 +268,17 @@ def _rules_pass_class() -> type:
             gm = graph.owning_module
             if gm is None:
                 raise ValueError("rewrite.inductor_pass: the graph has no owning GraphModule")
-            result = self.rules.apply(gm, check=self.check, **self.apply_options)
+            from rewrite.ruleset import EquivalenceError
+
+            try:
+                result = self.rules.apply(gm, check=self.check, **self.apply_options)
+            except EquivalenceError as err:
+                # Inductor passes the weights as graph inputs: the check drew them too
+                err.args = (f"{err.args[0]}. rewrite.inductor_pass checks on inputs drawn from the post-grad "
+                            "graph's metadata, the model's weights among them (Inductor passes them as graph "
+                            "inputs), so an approximate rule set is checked on random weights: "
+                            "rewrite.backend(rules, compiler=\"inductor\") checks with the model's own",)
+                raise
             if self.on_result is not None:
                 self.on_result(result)
             if result.counts:

@@ -1287,8 +1287,39 @@ def run_onnx(path: Any, inputs: Any, *, threads: int | None = None) -> list:
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
     sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-    feed = {i.name: t.detach().cpu().numpy() for i, t in zip(sess.get_inputs(), _as_args(inputs))}
+    feed = _onnx_feed(sess.get_inputs(), _as_args(inputs))
     return [torch.from_numpy(o) for o in sess.run(None, feed)]
+
+
+#: onnxruntime's tensor type names for the torch dtypes a feed may hold
+_ONNX_TYPES = {torch.float32: "tensor(float)", torch.float64: "tensor(double)", torch.float16: "tensor(float16)",
+               torch.bfloat16: "tensor(bfloat16)", torch.int64: "tensor(int64)", torch.int32: "tensor(int32)",
+               torch.int8: "tensor(int8)", torch.uint8: "tensor(uint8)", torch.bool: "tensor(bool)"}
+
+
+def _onnx_feed(expected: Sequence[Any], given: tuple) -> dict:
+    """The session's inputs, by name, from ``given`` in order; a ``QuantizationError``
+    that compares the two (count, dtype, fixed sizes) instead of onnxruntime's own."""
+    if len(given) != len(expected):
+        names = ", ".join(i.name for i in expected)
+        raise QuantizationError(f"the ONNX model takes {len(expected)} input(s) ({names}); {len(given)} were given")
+    feed = {}
+    for k, (spec, t) in enumerate(zip(expected, given)):
+        if not isinstance(t, torch.Tensor):
+            raise QuantizationError(f"ONNX input {k} ({spec.name}): expected a tensor, got {type(t).__name__}")
+        want = spec.type
+        if _ONNX_TYPES.get(t.dtype, str(t.dtype)) != want:
+            raise QuantizationError(f"ONNX input {k} ({spec.name}): the model takes {want}, "
+                                    f"given {str(t.dtype).replace('torch.', '')}")
+        shape = list(spec.shape)
+        fixed = len(shape) == t.dim() and all(not isinstance(d, int) or d == n for d, n in zip(shape, t.shape))
+        if not fixed:
+            dims = ", ".join(str(d) if isinstance(d, int) else (d or "?") for d in shape)
+            raise QuantizationError(
+                f"ONNX input {k} ({spec.name}): the model takes shape [{dims}], given {list(t.shape)} (sizes are "
+                "fixed at the export's example inputs: pad a smaller last batch, or export one of its size)")
+        feed[spec.name] = t.detach().cpu().numpy()
+    return feed
 
 
 # ---------------------------------------------------------------- command line

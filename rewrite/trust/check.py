@@ -76,7 +76,7 @@ from rewrite.module_state import AttributeSnapshot
 from rewrite.ops.base import ConstRef, attribute, nodes_by_target
 from rewrite.ops.effects import call_writes, state_writes, written_args
 from rewrite.ops.vocabulary import CALL_OPS, OPS, bind_node
-from rewrite.trust.gradients import GradientRun, gradient_run
+from rewrite.trust.gradients import GradientRun, grad_leaves, gradient_run
 from rewrite.trust.held import input_leaves, map_held
 from rewrite.trust.modes import is_higher_order, run_higher_order
 from rewrite.trust.nonfinite import non_finite_births
@@ -889,11 +889,41 @@ def _call(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool = True, watch: 
     return _call_once(fn, inputs, rng_seed, dtypes, watch, False)
 
 
+class _Activation(torch.autograd.Function):
+    """Declares a tensor written in place (``mark_dirty``), which gives it autograd
+    history without copying it: it then requires grad as an activation inside a
+    trained model does, keeping its storage, strides and identity, and can still be
+    written in place (a leaf that requires grad could not)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        ctx.mark_dirty(t)
+        return t
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[None, None]:
+        return None, None  # never run: the gradient trial keeps no graph for a backward
+
+
+def _as_activations(leaves: Iterable[Any]) -> None:
+    """The floating input copies of the gradient trial made to require grad, as the
+    same block's inputs do inside a model being trained: a rewrite that keeps every
+    value and cuts the gradient path from an input (``x.view(torch.int32)
+    .view(torch.float32)``) shows in which outputs require grad, and through what."""
+    with torch.enable_grad():
+        for t in leaves:
+            if type(t) is torch.Tensor and t.is_floating_point() and not t.requires_grad \
+                    and t.layout == torch.strided and not t.is_inference():
+                _Activation.apply(t, torch.zeros((), requires_grad=True))
+
+
 def _call_once(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool, watch: Optional[_Watch],
                grad: bool) -> _Run:
     watch = watch if watch is not None else _Watch.of(fn, dtypes)
     args = inputs_copy(inputs)
     leaves = input_leaves(args)
+    if grad:
+        _as_activations(leaves)
     before = [t._version if isinstance(t, torch.Tensor) else None for t in leaves]
     state = watch.state
     versions = {name: state[name]._version for name in watch.watched}
@@ -922,8 +952,9 @@ def _call_once(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool, watch: Op
         if any(requires_grad):  # keep where gradients start (no saved tensor), not the outputs' graph
             roots = tuple((t.grad_fn if t.grad_fn is not None else t) if needs else None
                           for t, needs in zip(flat, requires_grad))
+            given = {id(t) for t in leaves}  # an output that is an input stays that input (_returned_inputs)
             out = pytree.tree_unflatten([t.detach() if isinstance(t, torch.Tensor) and t.grad_fn is not None
-                                         else t for t in flat], spec)
+                                         and id(t) not in given else t for t in flat], spec)
     lineage = None
     if dtypes:
         results = pytree.tree_leaves(out)
@@ -1321,24 +1352,6 @@ def _shared_only_in(mine: Dict[str, tuple], theirs: Dict[str, tuple]) -> Optiona
     return None
 
 
-def _grad_leaves(root: Any) -> list:
-    """The tensors a gradient from ``root`` (a ``grad_fn`` or a leaf tensor) would
-    accumulate into: the parameters and inputs an output requires grad through."""
-    if isinstance(root, torch.Tensor):
-        return [root]
-    out, stack, seen = [], [root], set()
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        variable = getattr(node, "variable", None)  # AccumulateGrad
-        if isinstance(variable, torch.Tensor):
-            out.append(variable)
-        stack.extend(n for n, _ in getattr(node, "next_functions", ()))
-    return out
-
-
 def _output_reads(candidate: Any, index: int, leaves: int) -> Optional[set]:
     """The ids of the tensors (parameters, buffers, constants) a GraphModule's output
     leaf ``index`` (pytree order, of ``leaves``) is computed from, through its graph;
@@ -1405,7 +1418,7 @@ def _requires_grad_change(trial: int, ref: _Run, cand: _Run, candidate: Any = No
             return Mismatch("output" + path, trial, None, None, math.inf, math.inf,
                             "requires grad in the rewrite only (the caller's out.numpy() fails, and a backward "
                             "through it reaches tensors the original's did not); both called with gradients "
-                            "enabled on the inputs as given")
+                            "enabled, floating inputs requiring grad as a trained model's activations do")
         if not mine:
             continue
         if theirs:
@@ -1419,24 +1432,28 @@ def _requires_grad_change(trial: int, ref: _Run, cand: _Run, candidate: Any = No
                 return Mismatch("output" + path, trial, None, None, math.inf, math.inf,
                                 f"gradients reach {lost} through this output in the original, not in the rewrite "
                                 "(it still requires grad, through other tensors); both called with gradients "
-                                "enabled on the inputs as given")
+                                "enabled, floating inputs requiring grad as a trained model's activations do")
             continue
         root = ref.grad_roots[i] if ref.grad_roots is not None else None
         reads = _output_reads(candidate, i, len(paths)) if folded else None
         if reads is None:  # what the rewrite still holds stands for what it reads
-            kept = [t for t in _grad_leaves(root) if id(t) not in names or id(t) in trained]
+            kept = [t for t in grad_leaves(root) if id(t) not in names or id(t) in trained]
             fresh = folded
         else:  # what this output is computed from, in the rewrite's graph
-            kept = [t for t in _grad_leaves(root) if id(t) not in names or id(t) in reads]
+            kept = [t for t in grad_leaves(root) if id(t) not in names or id(t) in reads]
             fresh = any(r in new_constants for r in reads)
         if root is not None and not kept and fresh:
             continue  # only through parameters the rewrite folded away, into constants it reads
+        if positions is None:
+            positions = _input_positions(ref, cand)
         through = "" if not kept else (
             f" (through parameter {names[id(kept[0])]}, which the rewrite still has)" if id(kept[0]) in names
-            else " (through an input or a tensor outside the module)")
+            else f" (through input {positions[id(kept[0])]})" if id(kept[0]) in positions
+            else " (through a tensor outside the module)")
         return Mismatch("output" + path, trial, None, None, math.inf, math.inf,
                         "gradients reach this output in the original, not in the rewrite: it requires grad "
-                        f"in the original only{through}; both called with gradients enabled on the inputs as given")
+                        f"in the original only{through}; both called with gradients enabled, floating inputs requiring "
+                        "grad as a trained model's activations do")
     return None
 
 
@@ -1450,7 +1467,7 @@ def _input_positions(ref: _Run, cand: _Run) -> dict:
         for k, t in enumerate(input_leaves(run.inputs)):
             if isinstance(t, torch.Tensor):
                 positions[id(t)] = k
-                for source in _grad_leaves(t.grad_fn) if t.grad_fn is not None else ():
+                for source in grad_leaves(t.grad_fn) if t.grad_fn is not None else ():
                     positions.setdefault(id(source), k)
     return positions
 
@@ -1466,8 +1483,8 @@ def _lost_gradient(ref: _Run, cand: _Run, index: int, positions: dict, names: di
     if ref.grad_roots is None or cand.grad_roots is None or len(cand.grad_roots) <= index:
         return None
     reached = {("input", positions[id(t)]) if id(t) in positions else id(t)
-               for t in _grad_leaves(cand.grad_roots[index])}
-    for t in _grad_leaves(ref.grad_roots[index]):
+               for t in grad_leaves(cand.grad_roots[index])}
+    for t in grad_leaves(ref.grad_roots[index]):
         if id(t) in positions:
             if ("input", positions[id(t)]) not in reached:
                 return f"input {positions[id(t)]}"

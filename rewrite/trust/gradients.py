@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 from rewrite.trust.rng import seeded
 from rewrite.trust.runner import call_with
 
-__all__ = ["GRADIENT_OPS", "GradientRun", "gradient_run", "touches_gradients"]
+__all__ = ["GRADIENT_OPS", "GradientRun", "grad_leaves", "gradient_reach", "gradient_run", "touches_gradients"]
 
 #: Name parts (``aten.detach.default`` -> ``detach``) of ops whose gradient differs
 #: from what their forward values suggest: stop-gradients, grad-mode switches,
@@ -132,3 +132,47 @@ def gradient_run(fn: Any, inputs: Any, seed: int) -> Optional[GradientRun]:
         {i: dense(g, t) for (i, t), g in zip(wrt_inputs, grads[:n])},
         {name: (id(p), dense(g, p)) for (name, p), g in zip(params.items(), grads[n:])},
     )
+
+
+def grad_leaves(root: Any) -> list:
+    """The tensors a gradient from ``root`` (a ``grad_fn`` or a leaf tensor) would
+    accumulate into: the parameters and inputs an output requires grad through
+    (read from the autograd graph; no backward runs)."""
+    if isinstance(root, torch.Tensor):
+        return [root]
+    out, stack, seen = [], [root], set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)  # AccumulateGrad
+        if isinstance(variable, torch.Tensor):
+            out.append(variable)
+        stack.extend(n for n, _ in getattr(node, "next_functions", ()))
+    return out
+
+
+def gradient_reach(fn: Any, inputs: Tuple[Any, ...]) -> Optional[Tuple[Tuple[str, bool, frozenset], ...]]:
+    """Per floating output leaf of ``fn(*inputs)`` run with gradients enabled on
+    copies of the floating inputs that require grad: ``(path, requires grad, the
+    input positions a gradient from it would reach)``. What a rewrite that keeps
+    every value may still cut (``x.view(torch.int32).view(torch.float32)``); read
+    from the autograd graph, no backward. None when ``fn`` cannot run so (it writes
+    an input in place)."""
+    args = tuple(t.detach().clone().requires_grad_(True) if _floating(t) and not t.is_complex()
+                 else (t.clone() if isinstance(t, torch.Tensor) else t) for t in inputs)
+    position = {id(t): i for i, t in enumerate(args) if isinstance(t, torch.Tensor) and t.requires_grad}
+    try:
+        with torch.enable_grad(), seeded(0):
+            out = call_with(fn, args)
+    except Exception:  # noqa: BLE001 - nothing to compare
+        return None
+    reach = []
+    for kp, t in pytree.tree_flatten_with_path(out)[0]:
+        if _floating(t):
+            root = t.grad_fn if t.grad_fn is not None else t
+            reached = frozenset(position[id(x)] for x in grad_leaves(root) if id(x) in position) \
+                if t.requires_grad else frozenset()
+            reach.append((pytree.keystr(kp), bool(t.requires_grad), reached))
+    return tuple(reach)

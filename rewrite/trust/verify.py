@@ -73,6 +73,7 @@ import collections
 import contextlib
 import copy
 import math
+import tempfile
 import warnings
 from typing import Any
 
@@ -86,7 +87,7 @@ from rewrite.trust.instances import (Instance, Plan, draw_instance, hypothesis_a
                                      plan_for, quantized_engines, rule_tolerance, strategies, trapping_division)
 from rewrite.trust.check import check_equivalence
 from rewrite.trust.nonfinite import NonFiniteCounter
-from rewrite.trust.gradients import touches_gradients
+from rewrite.trust.gradients import gradient_reach, touches_gradients
 from rewrite.trust.rng import seeded
 from rewrite.trust.tolerance import Tolerance, compare_tensors, loosest, newly_nonfinite
 
@@ -327,6 +328,8 @@ def _strided_input(inst: Instance) -> bool:
 
 
 _CLONES = (torch.clone, torch.ops.aten.clone.default)
+#: instances per rule whose gradient paths are compared (``_Checker._compare_gradient_paths``)
+_PATH_INSTANCES = 2
 
 
 def _viewed(inst: Instance) -> Instance | None:
@@ -421,6 +424,8 @@ class _Checker:
             return
         if touches_gradients(self.rule):
             self._compare_gradients(inst, result.graph_module)
+        elif self.counts["paths"] < _PATH_INSTANCES:
+            self._compare_gradient_paths(inst, result.graph_module)
         if _strided_input(inst):
             self._check_viewable(inst)
         if self.plan.tolerance == "approx" and inst.dtype != torch.float64:
@@ -470,6 +475,33 @@ class _Checker:
         mismatch = report.first_mismatch if not report.ok else None
         if mismatch is not None and mismatch.path.startswith("gradient"):
             raise _Failure(self._cex(inst, "mismatch", f"{mismatch.path}: {mismatch.message}", rewritten))
+
+    def _compare_gradient_paths(self, inst: Instance, rewritten: fx.GraphModule) -> None:
+        """Which outputs a gradient reaches from which inputs (``gradient_reach``), on
+        the first instances with a floating input: a rule that keeps every value and
+        cuts the path (``x.view(torch.int32).view(torch.float32)``) leaves a model being
+        trained through it without gradients. Only where gradients flow, never their
+        values (a rewrite's gradient may differ where the op is not differentiable)."""
+        if not any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in inst.example_inputs):
+            return
+        ref = gradient_reach(inst.graph_module, inst.example_inputs)
+        got = gradient_reach(rewritten, inst.example_inputs)
+        if ref is None or got is None or len(ref) != len(got):
+            return
+        self.counts["paths"] += 1
+        for (path, needs, reached), (_, got_needs, got_reached) in zip(ref, got):
+            lost, gained = reached - got_reached, got_reached - reached
+            if needs == got_needs and not lost and not gained:
+                continue
+            where = f"output{path}"
+            if needs != got_needs:
+                problem = f"{where} requires grad in the {'original' if needs else 'rewrite'} only"
+            else:
+                which = sorted(lost or gained)[0]
+                problem = (f"a gradient from {where} reaches input {which} in the "
+                           f"{'original' if lost else 'rewrite'} only")
+            raise _Failure(self._cex(inst, "mismatch", problem + " (floating inputs requiring grad, as a "
+                                     "trained model's activations do; every value is the same)", rewritten))
 
     def _other_engine(self, inst: Instance) -> bool:
         """The replacement failed to build on the instance's quantized engine but
@@ -867,6 +899,28 @@ def verify_rule(ruleset: Any, rule: CompiledRule | str, *, max_examples: int = 1
     Returns:
         A ``RuleVerdict`` (``ok``, ``counterexample``, ``did not fire``, ``skipped``).
     """
+    with _private_hypothesis_home():
+        return _verify_rule(ruleset, rule, max_examples, seed)
+
+
+@contextlib.contextmanager
+def _private_hypothesis_home() -> Any:
+    """Hypothesis's storage (its cache of the constants in the code it runs, kept
+    even with ``database=None``) in a temporary folder while the block runs: verify
+    writes nothing into the caller's working directory."""
+    hypothesis_api()
+    import hypothesis.configuration as configuration
+
+    before = getattr(configuration, "__hypothesis_home_directory", None)
+    with tempfile.TemporaryDirectory(prefix="rewrite-verify-") as home:
+        configuration.set_hypothesis_home_dir(home)
+        try:
+            yield
+        finally:
+            configuration.set_hypothesis_home_dir(before)
+
+
+def _verify_rule(ruleset: Any, rule: CompiledRule | str, max_examples: int, seed: int) -> RuleVerdict:
     hyp, st = hypothesis_api(), strategies()
     if isinstance(rule, str):
         rule = ruleset.rules[rule]
