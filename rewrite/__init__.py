@@ -23,6 +23,7 @@ _EXPORTS = {
     "RuleSet": "rewrite.ruleset",
     "RewriteResult": "rewrite.ruleset",
     "EquivalenceError": "rewrite.ruleset",
+    "CaptureError": "rewrite.ruleset",
     "rules_dir": "rewrite.ruleset",
     "RuleError": "rewrite.language",
     "NonTerminationError": "rewrite.engine.driver",

@@ -37,7 +37,7 @@ from rewrite.engine.workspace import (Journal, check_touched, gc_paused, own_mod
 from rewrite.language import Program, ast, load_program, load_program_text
 from rewrite.ops import detect_dialect
 
-__all__ = ["RuleSet", "RewriteResult", "Rejection", "EquivalenceError", "load", "parse", "rules_dir"]
+__all__ = ["RuleSet", "RewriteResult", "Rejection", "EquivalenceError", "CaptureError", "load", "parse", "rules_dir"]
 
 
 class EquivalenceError(AssertionError):
@@ -66,6 +66,36 @@ class EquivalenceError(AssertionError):
         self.report = report
         self.counts = counts
         self.culprit = culprit
+
+
+class CaptureError(EquivalenceError):
+    """``torch.fx.symbolic_trace``'s graph of an ``nn.Module`` given to ``apply``
+    does not compute what the module does on the example inputs: fx records one
+    path through the forward's Python (``if mask is not None`` on an argument left
+    at its default), so no rule is to blame."""
+
+    def __init__(self, report: Any) -> None:
+        AssertionError.__init__(
+            self, f"torch.fx.symbolic_trace's graph of this model does not compute what the model does on "
+                  f"example_inputs ({report}): fx traces one path through the forward's Python control flow "
+                  "(an `if x is not None` on an argument left at its default, a branch on a value), which "
+                  "these inputs do not take. No rule was applied. Capture the model with "
+                  "torch.export.export(model, example_inputs).module() and pass that")
+        self.tolerance = "exact"
+        self.report = report
+        self.counts: dict = {}
+        self.culprit = None
+
+
+def confirm_capture(model: Any, traced: fx.GraphModule, example_inputs: tuple) -> None:
+    """Raise ``CaptureError`` when a symbolic_trace of ``model`` (``apply``'s own, the
+    quantization flows') differs from it on the example inputs as given (one run of
+    each)."""
+    from rewrite.trust.check import check_equivalence
+
+    report = check_equivalence(model, traced, example_inputs, trials=1, tolerance="exact")
+    if not report.ok:
+        raise CaptureError(report)
 
 
 @attrs.frozen
@@ -360,6 +390,9 @@ class RuleSet:
         gm, driver = txn.run()
         seconds, copy_seconds = txn.seconds, txn.copy_seconds
         report, rejected = None, []
+        traced = model is not original and example_inputs is not None  # apply captured the module itself
+        if check and traced and not set(driver.counts) - self._changes():
+            confirm_capture(model, original, example_inputs)  # nothing else checks the capture
         if check and driver.counts and not _can_check(original, example_inputs):
             warnings.warn(
                 "rewrite: the equivalence check was skipped: pass example_inputs "
@@ -408,6 +441,9 @@ class RuleSet:
                     gm, driver = txn.run()
                     report = verdict(gm)
                     continue
+                if traced:  # the capture itself, not a rule, may be what differs
+                    confirm_capture(model, original, example_inputs)
+                    traced = False
                 culprit = txn.bisect(verdict, len(driver.history))
                 if on_mismatch == "raise" or culprit is None or len(rejected) >= _MAX_REJECTIONS:
                     raise EquivalenceError(report, dict(driver.counts), culprit, kind)

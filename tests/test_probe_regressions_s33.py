@@ -113,3 +113,99 @@ def test_a_dynamo_capture_leaves_the_callers_model_and_random_stream_as_they_wer
     assert torch.equal(rng, torch.get_rng_state())
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
     assert any(n.op == "call_function" and "batch_norm" in str(n.target) for n in gm.graph.nodes)
+
+
+class _ConvThenReshape(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Conv2d(4, 16, 2, stride=2)  # (1, 4, 8, 8) -> (1, 16, 4, 4): the same numel
+        self.l = nn.Linear(8, 32)
+
+    def forward(self, x):
+        return self.l(self.c(x).reshape(1, 4, 8, 8))  # a no-op only were the conv shape-preserving
+
+
+def _facts_that_lie(gm, inputs):
+    wrong = []
+
+    class Run(torch.fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            val = n.meta.get("val")
+            if isinstance(val, torch.Tensor) and isinstance(out, torch.Tensor) and val.shape != out.shape:
+                wrong.append(f"{n.name}: recorded {tuple(val.shape)}, runs as {tuple(out.shape)}")
+            return out
+
+    with torch.no_grad():
+        Run(gm).run(*inputs)
+    return wrong
+
+
+def test_a_module_a_rule_inserts_gets_its_own_output_shape_not_its_inputs():
+    """QAT's conv and linear modules took their input's shape facts, so cleanup's
+    reshape_noop removed a reshape the model needs (probe Q F01)."""
+    import rewrite
+    import rewrite.qat as rqat
+
+    torch.manual_seed(0)
+    x = torch.randn(1, 4, 8, 8)
+    qm = rqat.prepare_qat(_ConvThenReshape().eval(), (x,), capture="export",
+                          calibration=[(torch.randn(1, 4, 8, 8),) for _ in range(2)])
+    assert any(n.op == "call_module" and "qat_conv" in str(n.target) for n in qm.graph.nodes)
+    assert _facts_that_lie(qm, (x,)) == []
+    int8 = rqat.convert(qm.eval())
+    assert _facts_that_lie(int8, (x,)) == []
+    cleanup = rewrite.load(rewrite.rules_dir() / "cleanup.rw")
+    result = cleanup.apply(int8, (x,), check=False)
+    assert "reshape_noop" not in result.counts
+    assert torch.equal(result.graph_module(x), int8(x))
+
+
+class _OptionalMask(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c, self.b = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+
+    def forward(self, x, mask=None):
+        y = self.b(self.c(x))
+        if mask is not None:  # fx traces mask as a Proxy: the branch is taken
+            y = y * mask
+        return y
+
+
+@pytest.mark.parametrize("rules", ["cleanup.rw", "fusion.rw"])
+def test_apply_refuses_its_own_trace_when_it_is_not_the_model(rules):
+    """Nothing fired (cleanup) used to return a graph that crashes on the caller's
+    inputs; a rule firing (fusion) used to be blamed for the capture (probe Q F02)."""
+    import rewrite
+
+    model = _OptionalMask().eval()
+    x = torch.randn(1, 3, 6, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(rewrite.CaptureError, match=r"symbolic_trace's graph .* torch\.export\.export"):
+            rewrite.load(rewrite.rules_dir() / rules).apply(model, example_inputs=(x,))
+        exported = torch.export.export(model, (x,)).module()  # the advice works
+        result = rewrite.load(rewrite.rules_dir() / "fusion.rw").apply(exported, example_inputs=(x,))
+    assert result.counts.get("conv_bn") == 1
+    assert torch.allclose(result.graph_module(x), model(x), atol=1e-5)
+
+
+def test_the_quantization_flow_refuses_a_trace_that_is_not_the_model():
+    import rewrite
+    import rewrite.quant as rq
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(rewrite.CaptureError):
+            rq.quantize(_OptionalMask().eval(), [(torch.randn(1, 3, 6, 6),)])
+
+
+def test_a_module_whose_trace_is_right_is_still_rewritten_when_nothing_fires():
+    import rewrite
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU()).eval()
+    x = torch.randn(2, 4)
+    result = rewrite.load(rewrite.rules_dir() / "cleanup.rw").apply(model, example_inputs=(x,))
+    assert result.counts == {}
+    assert torch.equal(result.graph_module(x), model(x))

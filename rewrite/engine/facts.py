@@ -42,7 +42,7 @@ class _QuietWhileInferring(logging.Filter):
 _QUIET = _QuietWhileInferring()
 logging.getLogger("torch._subclasses.fake_tensor").addFilter(_QUIET)
 
-__all__ = ["GraphFacts", "Value", "TensorFacts", "FACTS_KEY", "NEW_NODE_KEY", "fetch_attr", "forget_recorded_facts",
+__all__ = ["GraphFacts", "Value", "TensorFacts", "FACTS_KEY", "NEW_NODE_KEY", "keeps_shape", "fetch_attr", "forget_recorded_facts",
            "tensor_meta_of"]
 
 #: ``node.meta`` key of the facts this library records on graphs without ``val``.
@@ -359,9 +359,7 @@ class GraphFacts:
         if node.op != "call_module":
             return node.target
         module = self.gm.get_submodule(node.target)
-        from torch.ao.quantization import FakeQuantizeBase, ObserverBase
-
-        if isinstance(module, (ObserverBase, FakeQuantizeBase)):
+        if keeps_shape(module):
             # returns its input (their forward is data-dependent: no fake run)
             return lambda x, *args, **kwargs: torch.empty_like(x)
         if fake:
@@ -449,6 +447,15 @@ class GraphFacts:
                 _record_facts(self.gm, inputs, self._on_meta)
         except Exception:  # noqa: BLE001 - facts are best-effort; rules needing them won't fire
             pass
+
+
+def keeps_shape(module: Any) -> bool:
+    """Whether a module returns a tensor of its input's shape, dtype and layout, known
+    without running it: torch's observers and fake quantizers (which return their
+    input, or a fake-quantized copy of it)."""
+    from torch.ao.quantization import FakeQuantizeBase, ObserverBase
+
+    return isinstance(module, (ObserverBase, FakeQuantizeBase))
 
 
 NEW_NODE_KEY = "rewrite_new"  # set on nodes a rewrite created, until their facts are inferred

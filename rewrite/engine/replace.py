@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from rewrite.engine.compile import RConst, RLit, RModule, ROp, RResults, RSeq, RVar
-from rewrite.engine.facts import FACTS_KEY, GraphFacts, is_metadata_check
+from rewrite.engine.facts import FACTS_KEY, GraphFacts, is_metadata_check, keeps_shape
 from rewrite.engine.match import Match
 from rewrite.engine.outputs import getitem_users, result_count
 from rewrite.ops import bind_node
@@ -271,7 +271,9 @@ class Replacer:
             node = self._node("call_module", name, inputs, {}, root)
             sources = {k: self._qualname(env, v) for k, v in r.config.items()}
             node.meta[SOURCES_KEY] = {k: q for k, q in sources.items() if q is not None}
-            if inputs and isinstance(inputs[0], fx.Node):  # inserted modules keep shapes
+            if inputs and isinstance(inputs[0], fx.Node) and keeps_shape(module):
+                # an observer or a fake quantizer returns a tensor like its input; any
+                # other module (a QAT conv) has its facts inferred by running it
                 for key in ("val", FACTS_KEY):
                     if key in inputs[0].meta:
                         node.meta[key] = inputs[0].meta[key]

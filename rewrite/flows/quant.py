@@ -174,7 +174,12 @@ def _capture(model: Any, example_inputs: tuple, capture: str) -> fx.GraphModule:
         # symbolic_trace graph shares submodules with it, so flipping them back after
         # the capture would flip the graph too): capture an eval-mode copy
         model = copy.deepcopy(model).eval()
-    return capture_at(model, example_inputs, capture)
+    gm = capture_at(model, example_inputs, capture)
+    if capture == "fx":  # fx records one path through the forward's Python: the inputs' own?
+        from rewrite.ruleset import confirm_capture
+
+        confirm_capture(model, gm, example_inputs)
+    return gm
 
 
 def record_shapes(gm: fx.GraphModule, args: tuple) -> None:
