@@ -59,7 +59,7 @@ import functools
 import inspect
 import math
 import operator
-from typing import Any, Callable, Dict, Iterable, Iterator, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, Mapping, Optional, Sequence, Tuple, Union
 
 import attrs
 import torch
@@ -68,7 +68,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rewrite.capture import is_export_guard
+from rewrite.capture import is_export_guard, lifted_state_positions
 from rewrite.engine.shapes import addressing, layout_of
 from rewrite.engine.symbolic import size_hint
 from rewrite.engine.workspace import CODE_ATTRIBUTES, gc_paused
@@ -531,6 +531,9 @@ class _Run:
     grad_roots: Optional[Tuple[Any, ...]] = None
     #: what the call raised with gradients enabled (it then ran under ``no_grad``)
     grad_error: Optional[str] = None
+    #: what the call raised with its floating inputs requiring grad (``_as_activations``;
+    #: it then ran on the inputs as given)
+    activation_error: Optional[str] = None
     #: the CPU generator's state after the call (it started from the trial's seed):
     #: what the caller's next ``torch.rand`` would draw from
     rng_after: Optional[torch.Tensor] = None
@@ -864,7 +867,8 @@ def _discard(t: torch.Tensor) -> None:
 
 
 def _call(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool = True, watch: Optional[_Watch] = None,
-          grad: bool = False, restore: Optional[Callable[[], None]] = None) -> _Run:
+          grad: bool = False, restore: Optional[Callable[[], None]] = None,
+          held: frozenset = frozenset()) -> _Run:
     """Run ``fn`` on a private copy of ``inputs`` with a fixed RNG state.
 
     The fixed seed makes stochastic ops (dropout in training mode) draw the
@@ -876,17 +880,31 @@ def _call(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool = True, watch: 
     ``grad``: run with gradients enabled, as a caller outside ``no_grad`` would (the
     autograd graph keeps no tensor for a backward that never comes), and record which
     outputs require grad; should that raise (an in-place write to a parameter), put
-    the module state back with ``restore`` and run under ``no_grad`` as usual.
+    the module state back with ``restore`` and run under ``no_grad`` as usual. The
+    floating inputs then require grad, as activations inside a trained model do,
+    but those at the flat positions in ``held`` (module state a dynamo graph takes as
+    inputs, fixed inputs); should that raise, the inputs as given.
     """
     if grad:
         try:
-            return _call_once(fn, inputs, rng_seed, dtypes, watch, True)
+            return _call_once(fn, inputs, rng_seed, dtypes, watch, True, held)
+        except Exception as err:  # noqa: BLE001 - an op that takes no input requiring grad
+            activation_error = _first_line(err)
+            if restore is not None:
+                restore()
+        try:
+            run = _call_once(fn, inputs, rng_seed, dtypes, watch, True)
+            return attrs.evolve(run, activation_error=activation_error)
         except Exception as err:  # noqa: BLE001 - if the original raises so too, the caller could not run it so
             if restore is not None:
                 restore()
             run = _call_once(fn, inputs, rng_seed, dtypes, watch, False)
-            return attrs.evolve(run, grad_error=f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+            return attrs.evolve(run, grad_error=_first_line(err), activation_error=activation_error)
     return _call_once(fn, inputs, rng_seed, dtypes, watch, False)
+
+
+def _first_line(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
 
 
 class _Activation(torch.autograd.Function):
@@ -905,25 +923,25 @@ class _Activation(torch.autograd.Function):
         return None, None  # never run: the gradient trial keeps no graph for a backward
 
 
-def _as_activations(leaves: Iterable[Any]) -> None:
+def _as_activations(leaves: Sequence[Any], held: frozenset) -> None:
     """The floating input copies of the gradient trial made to require grad, as the
     same block's inputs do inside a model being trained: a rewrite that keeps every
     value and cuts the gradient path from an input (``x.view(torch.int32)
     .view(torch.float32)``) shows in which outputs require grad, and through what."""
     with torch.enable_grad():
-        for t in leaves:
-            if type(t) is torch.Tensor and t.is_floating_point() and not t.requires_grad \
+        for i, t in enumerate(leaves):
+            if i not in held and type(t) is torch.Tensor and t.is_floating_point() and not t.requires_grad \
                     and t.layout == torch.strided and not t.is_inference():
                 _Activation.apply(t, torch.zeros((), requires_grad=True))
 
 
 def _call_once(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool, watch: Optional[_Watch],
-               grad: bool) -> _Run:
+               grad: bool, held: Optional[frozenset] = None) -> _Run:
     watch = watch if watch is not None else _Watch.of(fn, dtypes)
     args = inputs_copy(inputs)
     leaves = input_leaves(args)
-    if grad:
-        _as_activations(leaves)
+    if grad and held is not None:
+        _as_activations(leaves, held)
     before = [t._version if isinstance(t, torch.Tensor) else None for t in leaves]
     state = watch.state
     versions = {name: state[name]._version for name in watch.watched}
@@ -1390,7 +1408,8 @@ def _output_reads(candidate: Any, index: int, leaves: int) -> Optional[set]:
     return reads
 
 
-def _requires_grad_change(trial: int, ref: _Run, cand: _Run, candidate: Any = None) -> Optional[Mismatch]:
+def _requires_grad_change(trial: int, ref: _Run, cand: _Run, candidate: Any = None,
+                          reaches_input: Optional[Callable[[int], Optional[bool]]] = None) -> Optional[Mismatch]:
     """An output that requires grad in the original and not in the rewrite, both
     called with gradients enabled on the same inputs: a caller training through it
     sees it (its ``backward`` fails, or no gradient reaches the parameters). Unless
@@ -1400,7 +1419,8 @@ def _requires_grad_change(trial: int, ref: _Run, cand: _Run, candidate: Any = No
     input, or a tensor outside the module, always counts. One that newly requires
     grad fails too: the caller sees it (``out.numpy()`` raises, the autograd graph
     is kept). Not compared when either could not run so."""
-    if ref.requires_grad is None or cand.requires_grad is None or len(ref.requires_grad) != len(cand.requires_grad):
+    if ref.requires_grad is None or cand.requires_grad is None or len(ref.requires_grad) != len(cand.requires_grad) \
+            or (ref.activation_error is None) != (cand.activation_error is None):
         return None
     paths = [pytree.keystr(kp) for kp, _ in pytree.tree_flatten_with_path(ref.outputs)[0]]
     names = {id(t): name for name, t in ref.state.items()}
@@ -1427,12 +1447,20 @@ def _requires_grad_change(trial: int, ref: _Run, cand: _Run, candidate: Any = No
             reads = _output_reads(candidate, i, len(paths)) if folded else None
             if positions is None:  # once per call, only when some output requires grad in both
                 positions = _input_positions(ref, cand)
-            lost = _lost_gradient(ref, cand, i, positions, names, trained, reads)
+            fresh = folded if reads is None else any(r in new_constants for r in reads)
+            lost = _lost_gradient(ref, cand, i, positions, names, trained, reads, fresh, reaches_input)
             if lost is not None:
                 return Mismatch("output" + path, trial, None, None, math.inf, math.inf,
                                 f"gradients reach {lost} through this output in the original, not in the rewrite "
                                 "(it still requires grad, through other tensors); both called with gradients "
                                 "enabled, floating inputs requiring grad as a trained model's activations do")
+            gained = _gained_gradient(ref, cand, i, positions, names)
+            if gained is not None:
+                return Mismatch("output" + path, trial, None, None, math.inf, math.inf,
+                                f"gradients reach {gained} through this output in the rewrite, not in the original "
+                                "(a backward gives it a gradient, even a zero one, where the original gave none: "
+                                "an optimizer's weight decay then moves it); both called with gradients enabled, "
+                                "floating inputs requiring grad as a trained model's activations do")
             continue
         root = ref.grad_roots[i] if ref.grad_roots is not None else None
         reads = _output_reads(candidate, i, len(paths)) if folded else None
@@ -1473,24 +1501,60 @@ def _input_positions(ref: _Run, cand: _Run) -> dict:
 
 
 def _lost_gradient(ref: _Run, cand: _Run, index: int, positions: dict, names: dict, trained: set,
-                   reads: Optional[set] = None) -> Optional[str]:
+                   reads: Optional[set] = None, fresh: bool = False,
+                   reaches_input: Optional[Callable[[int], Optional[bool]]] = None) -> Optional[str]:
     """What a gradient from output ``index`` reaches in the original and not in the
-    rewrite, though the rewrite still trains it: a parameter it holds requiring grad,
-    an input (by position: each run has its own copies), a tensor outside the module
-    (``x.view(torch.int32).view(torch.float32)`` keeps every value and cuts the
-    path). A parameter a fold made a constant is not lost (``reads``: the tensors the
-    rewrite's graph computes this output from, when it folded). None when nothing is."""
+    rewrite: an input (by position: each run has its own copies), a tensor outside
+    the module (``x.view(torch.int32).view(torch.float32)`` keeps every value and cuts
+    the path), a parameter the rewrite still trains, or one it dropped when no fold
+    explains it. A parameter a fold made a constant is not lost (``fresh``: the rewrite
+    holds constants the original did not, which this output reads when ``reads``, the
+    tensors the rewrite's graph computes it from, is known). An input counts only where
+    the original's gradient to it is not all zero (``reaches_input``: dropping the
+    unused half of ``select(stack([a, b]), 0)`` loses a path that carried zeros).
+    None when nothing is."""
     if ref.grad_roots is None or cand.grad_roots is None or len(cand.grad_roots) <= index:
         return None
     reached = {("input", positions[id(t)]) if id(t) in positions else id(t)
                for t in grad_leaves(cand.grad_roots[index])}
     for t in grad_leaves(ref.grad_roots[index]):
         if id(t) in positions:
+            k = positions[id(t)]
+            if ("input", k) not in reached and reaches_input is not None and reaches_input(k):
+                return f"input {k}"
+        elif id(t) in reached:
+            continue
+        elif id(t) not in names:
+            return "a tensor outside the module"
+        elif id(t) in trained:
+            if reads is None or id(t) in reads:
+                return f"parameter {names[id(t)]}"
+        elif not fresh:  # dropped, and no constant of the rewrite stands for it
+            return f"parameter {names[id(t)]}"
+    return None
+
+
+def _gained_gradient(ref: _Run, cand: _Run, index: int, positions: dict, names: dict) -> Optional[str]:
+    """What a gradient from output ``index`` reaches in the rewrite and not in the
+    original, of what both have: an input (by position), a parameter of the original
+    (``zeros_like(w) => mul(w, 0.0)``), a tensor outside the module. A constant the
+    rewrite made (a fold's, which requires grad as its source did) is not the
+    original's. None when nothing is."""
+    if ref.grad_roots is None or cand.grad_roots is None or len(cand.grad_roots) <= index:
+        return None
+    reached = {("input", positions[id(t)]) if id(t) in positions else id(t)
+               for t in grad_leaves(ref.grad_roots[index])}
+    own = {id(t) for t in cand.state.values()}
+    for t in grad_leaves(cand.grad_roots[index]):
+        if id(t) in positions:
             if ("input", positions[id(t)]) not in reached:
                 return f"input {positions[id(t)]}"
-        elif id(t) not in reached and (id(t) not in names or id(t) in trained) \
-                and (reads is None or id(t) in reads or id(t) not in names):
-            return f"parameter {names[id(t)]}" if id(t) in names else "a tensor outside the module"
+        elif id(t) in reached:
+            continue
+        elif id(t) in names:
+            return f"parameter {names[id(t)]}"
+        elif id(t) not in own:
+            return "a tensor outside the module"
     return None
 
 
@@ -1753,7 +1817,7 @@ class Reference:
                 try:
                     # trial 0 with gradients enabled: which outputs require grad
                     self._runs[trial] = _call(fn, self.inputs(trial), self.seed + trial, dtypes, self.watch(dtypes),
-                                              trial == 0, saved.restore)
+                                              trial == 0, saved.restore, self.held_positions())
                 except Exception as e:
                     hint = "" if trial == 0 else (
                         " (the original itself fails on these random inputs: if it needs inputs random ones are "
@@ -1774,6 +1838,8 @@ class Reference:
         """The reference's backward pass on trial 0's inputs (``rewrite.trust.gradients``),
         computed once: ``(run, None)``, or ``(None, why)`` when there is nothing to
         compare (no gradient reaches an output, or its backward fails)."""
+        if self._gradients is None and self._prepared:
+            return None, "not computed before the rewrite changed the model"
         if self._gradients is None:
             with self._running(state) as fn:
                 try:
@@ -1782,6 +1848,25 @@ class Reference:
                 except Exception as e:  # noqa: BLE001 - no gradient to preserve
                     self._gradients = (None, f"the original's backward failed: {type(e).__name__}: {e}")
         return self._gradients
+
+    def reaches_input(self, position: int, state: Optional[_SavedState] = None) -> Optional[bool]:
+        """Whether the original's backward pass on trial 0's inputs (``gradients``) gives
+        the input at flat ``position`` a gradient that is not all zero; None when
+        there is none to tell (after an in-place rewrite, unless ``prepare`` ran it)."""
+        run, _ = self.gradients(state)
+        if run is None:
+            return None
+        grad = run.inputs.get(position)
+        return None if grad is None else bool(grad.ne(0).any())
+
+    def held_positions(self) -> frozenset:
+        """Flat input positions the gradient trial passes as given rather than as
+        activations requiring grad: fixed inputs, and the parameters and buffers a
+        dynamo graph takes as inputs (``lifted_state_positions``)."""
+        held = {k for k in self.fixed_inputs if isinstance(k, int)}
+        if isinstance(self.graph, fx.GraphModule):
+            held.update(lifted_state_positions(self.graph))
+        return frozenset(held)
 
     def second_call(self, trial: int, dtypes: bool, state: Optional[_SavedState] = None) -> Optional[_Run]:
         """The reference's second call in a row, on ``trial``'s inputs, from the
@@ -2020,7 +2105,8 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
             if plan is not None and ref.recorded is not None:
                 runner.reuse = (plan, ref.recorded)
             try:
-                cand = _call(run_candidate, inputs, seed + t, dtypes, watch, t == 0, state.restore)
+                cand = _call(run_candidate, inputs, seed + t, dtypes, watch, t == 0, state.restore,
+                             reference.held_positions())
             except Exception as e:
                 mm = Mismatch("output", t, None, None, math.inf, math.inf,
                               f"candidate raised {type(e).__name__}: {e}")
@@ -2039,8 +2125,14 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
                 mm = Mismatch("output", t, None, None, math.inf, math.inf,
                               f"the rewrite raises with gradients enabled, where the original runs (a caller "
                               f"training through it would see it): {cand.grad_error}")
+            if mm is None and cand.activation_error is not None and ref.activation_error is None \
+                    and ref.requires_grad is not None:
+                mm = Mismatch("output", t, None, None, math.inf, math.inf,
+                              f"the rewrite raises when its floating inputs require grad (as a trained model's "
+                              f"activations do), where the original runs: {cand.activation_error}")
             if mm is None:
-                mm = _requires_grad_change(t, ref, cand, candidate)
+                mm = _requires_grad_change(t, ref, cand, candidate, functools.partial(reference.reaches_input,
+                                                                                      state=state))
             if mm is not None:
                 return EquivalenceReport(False, t + 1, worst_abs, worst_rel, mm, agreed, skipped)
             if t == 0:
