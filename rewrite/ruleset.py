@@ -866,7 +866,11 @@ def _resolve_path(p: Any) -> str:
     """A rule file path; a relative one that does not exist here may name a shipped
     file: ``fusion.rw``, ``rules/fusion.rw``, ``quant/observe.rw``, ``rules/quant/observe.rw``."""
     path = Path(p)
-    if not path.exists() and not path.is_absolute():
+    try:
+        here = path.exists()
+    except (ValueError, OSError, UnicodeError):  # NUL bytes, lone surrogates: load says so (E402)
+        return str(path)
+    if not here and not path.is_absolute():
         parts = path.parts[1:] if path.parts[:1] == ("rules",) else path.parts
         shipped = rules_dir().joinpath(*parts) if parts and ".." not in parts else None
         if shipped is not None and shipped.is_file():

@@ -209,3 +209,14 @@ def test_a_module_whose_trace_is_right_is_still_rewritten_when_nothing_fires():
     result = rewrite.load(rewrite.rules_dir() / "cleanup.rw").apply(model, example_inputs=(x,))
     assert result.counts == {}
     assert torch.equal(result.graph_module(x), model(x))
+
+
+@pytest.mark.parametrize("path", ["x\0.rw", "\ud800.rw"])
+def test_a_path_no_file_can_have_is_an_E402_not_a_python_error(path):
+    """probe O F11: a NUL byte or a lone surrogate in a path raised ValueError /
+    UnicodeEncodeError from deep inside; the name is shown escaped."""
+    import rewrite
+
+    with pytest.raises(rewrite.RuleError, match=r"not a usable path .*\[E402\]") as info:
+        rewrite.load(path)
+    assert "\0" not in str(info.value) and "\ud800" not in str(info.value)

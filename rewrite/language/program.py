@@ -153,7 +153,13 @@ class _Loader:
                   imp: ast.Import | None = None) -> str | None:
         """Read and load one file (an instance of it, for an import with bindings);
         the key of the file, or None if unreadable."""
-        key = os.path.realpath(path)
+        try:
+            key = os.path.realpath(path)
+            os.fsencode(key)
+        except (ValueError, OSError, UnicodeError) as exc:  # NUL bytes, names too long, lone surrogates
+            printable = "".join(c if c.isprintable() else repr(c)[1:-1] for c in display)
+            self._unreadable(printable, import_span, f"not a usable path ({type(exc).__name__})")
+            return None
         if imp is not None and imp.bindings:
             key = f"{key}?{binding_key(imp.bindings)}"
         if key in self.files:
