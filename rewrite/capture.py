@@ -161,13 +161,26 @@ def symbolic_trace(model: nn.Module) -> fx.GraphModule:
       ``p.data``, a plain tensor attribute) is stopped before it happens and the
       capture refused (``ValueError``): the tracer would run it once on the real
       tensor and record nothing of it, so the graph would not compute what the
-      model does. Writes into tensors the forward creates itself are run as usual.
+      model does. Writes into tensors the forward creates itself are run as usual;
+    - a parameter or buffer the forward replaces (``self.n = self.n + 1``) likewise:
+      the tracer would compute the new value once and freeze it into the graph.
     """
     snapshot = AttributeSnapshot(model.modules())
+    tables = [(prefix, m, dict(m._buffers), dict(m._parameters)) for prefix, m in model.named_modules()]
     guard = _NoWritesToExisting()
     try:
         with guard:
             gm = fx.symbolic_trace(model)
+        replaced = next((f"{prefix}.{name}" if prefix else name for prefix, m, buffers, params in tables
+                         for name, t in [*buffers.items(), *params.items()]
+                         if m._buffers.get(name, m._parameters.get(name)) is not t), None)
+        if replaced is not None:
+            raise ValueError(
+                f"tracing {type(model).__name__} replaces {replaced!r} (self.{replaced.rpartition('.')[2]} = ...): "
+                "torch.fx.symbolic_trace computes the new value once, at trace time, and the graph never updates "
+                "it (the model was left as it was); capture the model with "
+                "torch.export.export(model, example_inputs, strict=False).module() (capture='export' in the "
+                "quantization flows, --capture export on the command line)")
     except _ExistingWrite as write:
         names = _tensor_names(model).get(write.memory)
         what = f"{names[0]!r}" if names else f"a tensor of shape {write.shape} the forward did not create"

@@ -17,6 +17,7 @@ import operator
 from collections.abc import Iterable
 from typing import Any
 
+import torch
 from torch import fx
 
 __all__ = ["AttributeSnapshot", "same_entries"]
@@ -58,10 +59,13 @@ class AttributeSnapshot:
 
     def __init__(self, modules: Iterable[Any]) -> None:
         self._entries = []
+        self._generators = []  # a module's own torch.Generator: its state, put back too
         for m in modules:
             attributes = m.__dict__.copy()
             held = tuple((v, v.copy()) for v in attributes.values() if type(v) in _CONTAINERS)
             self._entries.append((m, attributes, held))
+            self._generators += [(v, v.get_state()) for v in attributes.values()
+                                 if isinstance(v, torch.Generator) and v.device.type == "cpu"]
 
     def restore(self, code: frozenset = frozenset()) -> bool:
         """Put back what changed; ``code``: the attributes a GraphModule's generated
@@ -84,4 +88,8 @@ class AttributeSnapshot:
                 if not _same_contents(container, contents):
                     _put_back(container, contents)
                     changed = True
+        for generator, state in self._generators:
+            if not torch.equal(generator.get_state(), state):
+                generator.set_state(state)
+                changed = True
         return changed

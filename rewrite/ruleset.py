@@ -72,14 +72,15 @@ class CaptureError(EquivalenceError):
     """``torch.fx.symbolic_trace``'s graph of an ``nn.Module`` given to ``apply``
     does not compute what the module does on the example inputs: fx records one
     path through the forward's Python (``if mask is not None`` on an argument left
-    at its default), so no rule is to blame."""
+    at its default) and drops grad-mode switches, so no rule is to blame."""
 
     def __init__(self, report: Any) -> None:
         AssertionError.__init__(
             self, f"torch.fx.symbolic_trace's graph of this model does not compute what the model does on "
-                  f"example_inputs ({report}): fx traces one path through the forward's Python control flow "
-                  "(an `if x is not None` on an argument left at its default, a branch on a value), which "
-                  "these inputs do not take. No rule was applied. Capture the model with "
+                  f"example_inputs ({report}): fx records one path through the forward's Python and drops "
+                  "what it does besides computing values (a branch such as `if mask is not None` on an "
+                  "argument left at its default, a branch on a value, a grad-mode switch such as "
+                  "`with torch.no_grad()`). No rule was applied. Capture the model with "
                   "torch.export.export(model, example_inputs).module() and pass that")
         self.tolerance = "exact"
         self.report = report

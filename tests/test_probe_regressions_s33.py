@@ -220,3 +220,124 @@ def test_a_path_no_file_can_have_is_an_E402_not_a_python_error(path):
     with pytest.raises(rewrite.RuleError, match=r"not a usable path .*\[E402\]") as info:
         rewrite.load(path)
     assert "\0" not in str(info.value) and "\ud800" not in str(info.value)
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_qat_layers_get_their_shape_facts_and_lower_to_int8_at_each_capture(capture):
+    """A QAT layer's forward cannot run on fake tensors (its weight fake quantizer is
+    data-dependent): its facts come from ``facts_forward``; without them the export
+    capture's layers stayed float (probe S F07)."""
+    import rewrite.qat as rqat
+    import rewrite.quant as rq
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
+    x = torch.randn(2, 3, 8, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        qat = rqat.prepare_qat(model.train(), (x,), capture=capture)
+        if capture == "export":
+            layers = [n for n in qat.graph.nodes if n.op == "call_module" and n.target.startswith("qat_")]
+            assert layers and all(tuple(n.meta["val"].shape) != tuple(n.args[0].meta["val"].shape) for n in layers)
+        int8 = rqat.convert(qat.eval())
+    assert rq.coverage(int8).count() == (2, 2)
+    assert _facts_that_lie(int8, (x,)) == []
+
+
+# ---------------------------------------------------------------- probe S: the gradient trial
+
+
+_ROUND_TRIP = """
+rule relu_roundtrip: relu(x) => Tensor.view(Tensor.view(relu(x), torch.int32), torch.float32)
+ruleset main = once(relu_roundtrip)
+"""
+
+
+class _TwoPaths(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+
+    def forward(self, x, y):
+        return self.l(y) + torch.relu(x)
+
+
+class _WritesY(_TwoPaths):
+    def forward(self, x, y):
+        y.mul_(2.0)
+        return self.l(y) + torch.relu(x)
+
+
+@pytest.mark.parametrize("model, inplace", [(_TwoPaths, False), (_TwoPaths, True), (_WritesY, False)])
+def test_a_path_cut_from_one_input_is_refused_while_the_output_still_requires_grad(model, inplace):
+    """In place, and where the model writes an input, the loss was let through
+    (probe S F01, F06): whether the path carried anything is told by the rewrite's
+    own output moving with the input, which needs neither the original nor a backward."""
+    import rewrite
+
+    torch.manual_seed(0)
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    gm = torch.export.export(model(), (x.clone(), y.clone())).module()
+    with pytest.raises(rewrite.EquivalenceError, match="gradients reach input 0 through this output in the original"):
+        rewrite.parse(_ROUND_TRIP)["main"].apply(gm, (x, y), inplace=inplace)
+
+
+class _PickTwo(nn.Module):
+    def forward(self, a, b):
+        return torch.stack([a, b], 0).select(0, 0) * 2.0, b * 3.0
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_dropping_a_path_that_carried_zeros_passes_though_the_input_feeds_another_output(inplace):
+    """b reaches output 0 only through the unused half of a stack (zero gradient);
+    b's gradient through output 1 is not output 0's (probe S F02)."""
+    import rewrite
+
+    pick = rewrite.parse("rule pick_first: select(stack([a, _], 0), 0, 0) => a\n")
+    a, b = torch.randn(3, 4), torch.randn(3, 4)
+    result = pick.apply(torch.fx.symbolic_trace(_PickTwo()), (a, b), inplace=inplace)
+    assert result.counts == {"pick_first": 1}
+    assert all(torch.equal(p, q) for p, q in zip(result.graph_module(a, b), _PickTwo()(a, b)))
+    assert pick.verify(max_examples=10, seed=0).ok  # verify agrees (probe S F03)
+
+
+def test_a_models_own_generator_is_put_back_between_the_checks_runs():
+    """probe S F04: the capture confirmation ran the eager model, then the graph, from
+    different states of the module's private generator."""
+    import rewrite
+
+    class Noisy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l, self.g = nn.Linear(4, 4), torch.Generator().manual_seed(0)
+
+        def forward(self, x):
+            return self.l(x) + 0.1 * torch.randn(x.shape, generator=self.g)
+
+    model, x = Noisy(), torch.randn(3, 4)
+    state = model.g.get_state()
+    result = rewrite.load(rewrite.rules_dir() / "cleanup.rw").apply(model, (x,))
+    assert result.counts == {}
+    assert torch.equal(model.g.get_state(), state)
+
+
+def test_a_forward_that_replaces_a_buffer_is_not_traced():
+    """``self.n = self.n + 1`` runs once at trace time and freezes into the graph
+    (probe S F05): refused as an in-place write is."""
+    import rewrite
+
+    class Reassign(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = nn.Linear(4, 4)
+            self.register_buffer("n", torch.zeros(()))
+
+        def forward(self, x):
+            self.n = self.n + 1
+            return self.l(x) * self.n
+
+    model = Reassign()
+    n = model.n
+    with pytest.raises(TypeError, match=r"replaces 'n'.*torch\.export"):
+        rewrite.load(rewrite.rules_dir() / "cleanup.rw").apply(model, (torch.randn(3, 4),))
+    assert model.n is n and float(n) == 0.0

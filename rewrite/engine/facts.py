@@ -366,8 +366,12 @@ class GraphFacts:
             from torch._subclasses.fake_tensor import FakeCopyMode
 
             with FakeCopyMode(self.fake_mode):
-                return copy.deepcopy(module)
-        return copy.deepcopy(module).to("meta")
+                twin = copy.deepcopy(module)
+        else:
+            twin = copy.deepcopy(module).to("meta")
+        # a module whose forward cannot run on fake values (a QAT layer's weight fake
+        # quantizer is data-dependent) names a stand-in with the same result metadata
+        return getattr(twin, "facts_forward", twin)
 
     def _infer(self, node: fx.Node, record: bool) -> None:
         """Facts of a new call from its inputs' facts: a FakeTensor ``val`` in the

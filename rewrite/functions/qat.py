@@ -177,6 +177,11 @@ class QATConv(QATLayer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.conv(x, self.weight_fake_quant(self.weight), self.bias)
 
+    def facts_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """A result with the forward's shape, dtype and layout, computable on fake
+        tensors (``rewrite.engine.facts``: the fake quantizer is data-dependent)."""
+        return self.conv(x, self.weight, self.bias)
+
     def extra_repr(self) -> str:
         return (f"weight={list(self.weight.shape)}, stride={self.stride}, padding={self.padding}, "
                 f"bits={self.weight_fake_quant.quant_max.bit_length() + 1}")
@@ -240,6 +245,10 @@ class QATLinear(QATLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight_fake_quant(self.weight), self.bias)
+
+    def facts_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """As ``QATConv.facts_forward``."""
+        return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"weight={list(self.weight.shape)}, bits={self.weight_fake_quant.quant_max.bit_length() + 1}"

@@ -1409,7 +1409,7 @@ def _output_reads(candidate: Any, index: int, leaves: int) -> Optional[set]:
 
 
 def _requires_grad_change(trial: int, ref: _Run, cand: _Run, candidate: Any = None,
-                          reaches_input: Optional[Callable[[int], Optional[bool]]] = None) -> Optional[Mismatch]:
+                          reaches_input: Optional[Callable[[int, int], bool]] = None) -> Optional[Mismatch]:
     """An output that requires grad in the original and not in the rewrite, both
     called with gradients enabled on the same inputs: a caller training through it
     sees it (its ``backward`` fails, or no gradient reaches the parameters). Unless
@@ -1502,7 +1502,7 @@ def _input_positions(ref: _Run, cand: _Run) -> dict:
 
 def _lost_gradient(ref: _Run, cand: _Run, index: int, positions: dict, names: dict, trained: set,
                    reads: Optional[set] = None, fresh: bool = False,
-                   reaches_input: Optional[Callable[[int], Optional[bool]]] = None) -> Optional[str]:
+                   reaches_input: Optional[Callable[[int, int], bool]] = None) -> Optional[str]:
     """What a gradient from output ``index`` reaches in the original and not in the
     rewrite: an input (by position: each run has its own copies), a tensor outside
     the module (``x.view(torch.int32).view(torch.float32)`` keeps every value and cuts
@@ -1510,19 +1510,22 @@ def _lost_gradient(ref: _Run, cand: _Run, index: int, positions: dict, names: di
     explains it. A parameter a fold made a constant is not lost (``fresh``: the rewrite
     holds constants the original did not, which this output reads when ``reads``, the
     tensors the rewrite's graph computes it from, is known). An input counts only where
-    the original's gradient to it is not all zero (``reaches_input``: dropping the
-    unused half of ``select(stack([a, b]), 0)`` loses a path that carried zeros).
+    the output's value moves with it (``reaches_input(input, output)``: dropping the
+    unused half of ``select(stack([a, b]), 0)`` loses a path that carried zeros; a cut
+    through ``view(torch.int32)`` keeps the value's dependence and loses its gradient).
     None when nothing is."""
     if ref.grad_roots is None or cand.grad_roots is None or len(cand.grad_roots) <= index:
         return None
     reached = {("input", positions[id(t)]) if id(t) in positions else id(t)
                for t in grad_leaves(cand.grad_roots[index])}
+    # the rewrite's own copy of a module (one with hooks) holds its parameters under their names
+    reached_names = {name for name, t in cand.state.items() if id(t) in reached}
     for t in grad_leaves(ref.grad_roots[index]):
         if id(t) in positions:
             k = positions[id(t)]
-            if ("input", k) not in reached and reaches_input is not None and reaches_input(k):
+            if ("input", k) not in reached and (reaches_input is None or reaches_input(k, index)):
                 return f"input {k}"
-        elif id(t) in reached:
+        elif id(t) in reached or names.get(id(t)) in reached_names:
             continue
         elif id(t) not in names:
             return "a tensor outside the module"
@@ -1532,6 +1535,36 @@ def _lost_gradient(ref: _Run, cand: _Run, index: int, positions: dict, names: di
         elif not fresh:  # dropped, and no constant of the rewrite stands for it
             return f"parameter {names[id(t)]}"
     return None
+
+
+def _output_moves(fn: Callable, inputs: Any, rng_seed: int, watch: _Watch, state: Any, outputs: Any,
+                  position: int, index: int) -> bool:
+    """Whether output leaf ``index`` of ``fn`` (the rewrite; ``outputs``: its run on
+    ``inputs``) changes when the input at flat ``position`` is drawn again: whether
+    its value depends on that input, so that a gradient path the rewrite lost from it
+    carried something. True when it cannot tell (conservative)."""
+    args = inputs_copy(inputs)
+    leaves = input_leaves(args)
+    t = leaves[position] if position < len(leaves) else None
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or not t.numel():
+        return True
+    generator = torch.Generator().manual_seed(rng_seed + 7919)
+    with torch.no_grad():
+        scale = 1.0 + float(t.detach().abs().nan_to_num(0.0, 0.0, 0.0).max())
+        t.add_((torch.randn(t.shape, generator=generator, dtype=torch.float64) * scale).to(t.dtype))
+    try:
+        moved = pytree.tree_leaves(_call(fn, args, rng_seed, False, watch).outputs)
+    except Exception:  # noqa: BLE001 - cannot tell
+        return True
+    finally:
+        state.restore()
+    before = pytree.tree_leaves(outputs)
+    if index >= len(moved) or index >= len(before):
+        return True
+    a, b = moved[index], before[index]
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.shape != b.shape:
+        return True
+    return not torch.equal(a.detach().nan_to_num(0.0, 1.0, -1.0), b.detach().nan_to_num(0.0, 1.0, -1.0))
 
 
 def _gained_gradient(ref: _Run, cand: _Run, index: int, positions: dict, names: dict) -> Optional[str]:
@@ -1544,15 +1577,17 @@ def _gained_gradient(ref: _Run, cand: _Run, index: int, positions: dict, names: 
         return None
     reached = {("input", positions[id(t)]) if id(t) in positions else id(t)
                for t in grad_leaves(ref.grad_roots[index])}
-    own = {id(t) for t in cand.state.values()}
+    own = {id(t): name for name, t in cand.state.items()}
+    reached_names = {name for name, t in ref.state.items() if id(t) in reached}
     for t in grad_leaves(cand.grad_roots[index]):
+        name = names.get(id(t), own.get(id(t)))
         if id(t) in positions:
             if ("input", positions[id(t)]) not in reached:
                 return f"input {positions[id(t)]}"
-        elif id(t) in reached:
+        elif id(t) in reached or name in reached_names:
             continue
-        elif id(t) in names:
-            return f"parameter {names[id(t)]}"
+        elif id(t) in names or (name is not None and name in ref.state):
+            return f"parameter {name}"
         elif id(t) not in own:
             return "a tensor outside the module"
     return None
@@ -1849,16 +1884,6 @@ class Reference:
                     self._gradients = (None, f"the original's backward failed: {type(e).__name__}: {e}")
         return self._gradients
 
-    def reaches_input(self, position: int, state: Optional[_SavedState] = None) -> Optional[bool]:
-        """Whether the original's backward pass on trial 0's inputs (``gradients``) gives
-        the input at flat ``position`` a gradient that is not all zero; None when
-        there is none to tell (after an in-place rewrite, unless ``prepare`` ran it)."""
-        run, _ = self.gradients(state)
-        if run is None:
-            return None
-        grad = run.inputs.get(position)
-        return None if grad is None else bool(grad.ne(0).any())
-
     def held_positions(self) -> frozenset:
         """Flat input positions the gradient trial passes as given rather than as
         activations requiring grad: fixed inputs, and the parameters and buffers a
@@ -2131,8 +2156,8 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
                               f"the rewrite raises when its floating inputs require grad (as a trained model's "
                               f"activations do), where the original runs: {cand.activation_error}")
             if mm is None:
-                mm = _requires_grad_change(t, ref, cand, candidate, functools.partial(reference.reaches_input,
-                                                                                      state=state))
+                mm = _requires_grad_change(t, ref, cand, candidate, functools.partial(
+                    _output_moves, run_candidate, inputs, seed + t, watch, state, cand.outputs))
             if mm is not None:
                 return EquivalenceReport(False, t + 1, worst_abs, worst_rel, mm, agreed, skipped)
             if t == 0:

@@ -376,6 +376,28 @@ def _fires(ruleset: Any, gm: fx.GraphModule, inputs: tuple, max_rewrites: int | 
     return ruleset.apply(gm, inputs, check=False, max_rewrites=max_rewrites)
 
 
+def _output_moves(gm: fx.GraphModule, inputs: tuple, position: int, path: str) -> bool:
+    """Whether the floating output at ``path`` of ``gm`` changes when input
+    ``position`` is drawn again (its value depends on it); True when it cannot tell."""
+    moved = list(inputs)
+    t = moved[position]
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or not t.numel():
+        return True
+    generator = torch.Generator().manual_seed(7919)
+    scale = 1.0 + float(t.abs().nan_to_num(0.0, 0.0, 0.0).max())
+    moved[position] = t + (torch.randn(t.shape, generator=generator, dtype=torch.float64) * scale).to(t.dtype)
+    try:
+        before, after = _run(gm, tuple(inputs))[0], _run(gm, tuple(moved))[0]
+    except Exception:  # noqa: BLE001 - cannot tell
+        return True
+    leaves = {pytree.keystr(kp): v for kp, v in pytree.tree_flatten_with_path(before)[0]}
+    a = leaves.get(path)
+    b = {pytree.keystr(kp): v for kp, v in pytree.tree_flatten_with_path(after)[0]}.get(path)
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.shape != b.shape:
+        return True
+    return not torch.equal(a.nan_to_num(0.0, 1.0, -1.0), b.nan_to_num(0.0, 1.0, -1.0))
+
+
 class _Checker:
     """Checks instances of one rule; counts what happened."""
 
@@ -489,8 +511,10 @@ class _Checker:
         if ref is None or got is None or len(ref) != len(got):
             return
         self.counts["paths"] += 1
-        for (path, needs, reached), (_, got_needs, got_reached) in zip(ref, got):
+        for leaf, ((path, needs, reached), (_, got_needs, got_reached)) in enumerate(zip(ref, got)):
             lost, gained = reached - got_reached, got_reached - reached
+            if needs and got_needs:  # a lost path that carried zeros (the unused half of a stack) is no loss
+                lost = {k for k in lost if _output_moves(rewritten, inst.example_inputs, k, path)}
             if needs == got_needs and not lost and not gained:
                 continue
             where = f"output{path}"
