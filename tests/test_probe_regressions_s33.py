@@ -341,3 +341,27 @@ def test_a_forward_that_replaces_a_buffer_is_not_traced():
     with pytest.raises(TypeError, match=r"replaces 'n'.*torch\.export"):
         rewrite.load(rewrite.rules_dir() / "cleanup.rw").apply(model, (torch.randn(3, 4),))
     assert model.n is n and float(n) == 0.0
+
+
+def test_a_chain_of_families_too_deep_to_check_is_a_positioned_E001():
+    """probe O F09: no file:line:col, and a message about expressions."""
+    import rewrite
+
+    text = "family f0 = relu\n" + "".join(f"family f{i} = f{i - 1} | relu\n" for i in range(1, 1000))
+    with pytest.raises(rewrite.RuleError, match=r"chain\.rw:1:1: error: declarations nested too deeply .*\[E001\]"):
+        rewrite.parse(text + "rule r: f999(x) => x\n", "chain.rw")
+
+
+def test_imports_nested_too_deep_are_an_E402_at_the_import(tmp_path):
+    import rewrite
+    from rewrite.language.program import MAX_IMPORT_DEPTH
+
+    n = MAX_IMPORT_DEPTH + 5
+    for i in range(n):
+        (tmp_path / f"a{i}.rw").write_text((f'import "a{i + 1}.rw"\n' if i + 1 < n else "")
+                                           + f"rule r{i}: mul(x, {i}) => x\n")
+    with pytest.raises(rewrite.RuleError, match=rf"a{MAX_IMPORT_DEPTH - 1}\.rw:1:1: error: cannot import .*"
+                                                rf"imports nested more than {MAX_IMPORT_DEPTH} levels deep"):
+        rewrite.load(str(tmp_path / "a0.rw"))
+    (tmp_path / "a20.rw").write_text("rule r20: mul(x, 20) => x\n")  # a chain within the limit loads
+    assert len(rewrite.load(str(tmp_path / "a0.rw")).rules) == 21

@@ -137,6 +137,8 @@ def one_line_end(text: str) -> str:
 #: Files and instances one load may read: past it, an import is an E402.
 MAX_LOADED_FILES = 1000
 
+#: Imports nested deeper are refused (E402): the shipped files nest at most 2 levels.
+MAX_IMPORT_DEPTH = 64
 #: Larger rule files are refused before they are read (the shipped ones are under 50 KiB).
 MAX_RULE_FILE_BYTES = 16 * 2**20
 
@@ -272,6 +274,12 @@ class _Loader:
             self._unreadable(display, imp.span, why, target)
             f.complete = False
             return
+        if len(self.stack) >= MAX_IMPORT_DEPTH and key not in self.files:
+            self._unreadable(display, imp.span, f"imports nested more than {MAX_IMPORT_DEPTH} levels deep "
+                                                f"({self.files[self.stack[0]].display} imports a file that imports "
+                                                "a file ...)")
+            f.complete = False
+            return
         loaded = self.load_file(target, display, imp.span, imp)
         if loaded is None:
             f.complete = False
@@ -331,8 +339,10 @@ class _Loader:
         unique = self._unique()
         modules = [m for _, m in unique]
         diags = list(self.diags)
+        checking = None
         try:
             for f, module in unique:
+                checking = f
                 found = check_module(module, self._scope(f))
                 if f.origin is not None:  # where the instance comes from, for what is not at the import itself
                     note = _instance_note(f.origin)
@@ -342,7 +352,10 @@ class _Loader:
                 diags += found
             diags += check_declarations(modules, [f.origin and _instance_note(f.origin) for f, _ in unique])
         except RecursionError:
-            diags.append(Diagnostic(None, "expression nested too deeply", "E001"))
+            where = ast.Span(checking.display, 1, 1, 1, 1) if checking is not None else None
+            diags.append(Diagnostic(where, "declarations nested too deeply to check (a family or rule set "
+                                           "defined through hundreds of others)", "E001",
+                                    help="define the family or rule set from its members directly"))
         if diags:
             raise RuleError(sort_diagnostics(diags, [f.display for f in self.order]), self.sources)
         items = [i for m in modules for i in m.items]
