@@ -44,7 +44,8 @@ from rewrite.module_state import AttributeSnapshot
 
 __all__ = ["LEVELS", "DYNAMO_SOURCE", "ExportError", "ModelSpecError", "SaveError", "higher_order_ops",
            "as_input_tuple",
-           "capture", "capture_with_inputs", "symbolic_trace", "capture_dynamo", "GraphBreakError", "mha_fastpath_off", "dynamic_shapes_of",
+           "capture", "capture_with_inputs", "symbolic_trace", "capture_dynamo", "GraphBreakError", "mha_fastpath_off",
+           "dynamic_shapes_of",
            "export_keeping_sizes", "export_program", "is_export_guard", "lifted_state_positions",
            "load_model", "save", "save_format", "save_path_problem", "missing_folder"]
 

@@ -42,7 +42,8 @@ class _QuietWhileInferring(logging.Filter):
 _QUIET = _QuietWhileInferring()
 logging.getLogger("torch._subclasses.fake_tensor").addFilter(_QUIET)
 
-__all__ = ["GraphFacts", "Value", "TensorFacts", "FACTS_KEY", "NEW_NODE_KEY", "keeps_shape", "fetch_attr", "forget_recorded_facts",
+__all__ = ["GraphFacts", "Value", "TensorFacts", "FACTS_KEY", "NEW_NODE_KEY", "keeps_shape", "fetch_attr",
+           "forget_recorded_facts",
            "tensor_meta_of"]
 
 #: ``node.meta`` key of the facts this library records on graphs without ``val``.

@@ -76,7 +76,7 @@ from rewrite.module_state import AttributeSnapshot
 from rewrite.ops.base import ConstRef, attribute, nodes_by_target
 from rewrite.ops.effects import call_writes, state_writes, written_args
 from rewrite.ops.vocabulary import CALL_OPS, OPS, bind_node
-from rewrite.trust.gradients import GradientRun, grad_leaves, gradient_run
+from rewrite.trust.gradients import GradientRun, grad_leaves, gradient_run, moved, redrawn
 from rewrite.trust.held import input_leaves, map_held
 from rewrite.trust.modes import is_higher_order, run_higher_order
 from rewrite.trust.nonfinite import non_finite_births
@@ -1546,25 +1546,19 @@ def _output_moves(fn: Callable, inputs: Any, rng_seed: int, watch: _Watch, state
     args = inputs_copy(inputs)
     leaves = input_leaves(args)
     t = leaves[position] if position < len(leaves) else None
-    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or not t.numel():
+    other = redrawn(t, rng_seed)
+    if other is None:
         return True
-    generator = torch.Generator().manual_seed(rng_seed + 7919)
     with torch.no_grad():
-        scale = 1.0 + float(t.detach().abs().nan_to_num(0.0, 0.0, 0.0).max())
-        t.add_((torch.randn(t.shape, generator=generator, dtype=torch.float64) * scale).to(t.dtype))
+        t.copy_(other)
     try:
-        moved = pytree.tree_leaves(_call(fn, args, rng_seed, False, watch).outputs)
+        after = pytree.tree_leaves(_call(fn, args, rng_seed, False, watch).outputs)
     except Exception:  # noqa: BLE001 - cannot tell
         return True
     finally:
         state.restore()
     before = pytree.tree_leaves(outputs)
-    if index >= len(moved) or index >= len(before):
-        return True
-    a, b = moved[index], before[index]
-    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.shape != b.shape:
-        return True
-    return not torch.equal(a.detach().nan_to_num(0.0, 1.0, -1.0), b.detach().nan_to_num(0.0, 1.0, -1.0))
+    return index >= len(after) or index >= len(before) or moved(before[index], after[index])
 
 
 def _gained_gradient(ref: _Run, cand: _Run, index: int, positions: dict, names: dict) -> Optional[str]:
@@ -1586,7 +1580,7 @@ def _gained_gradient(ref: _Run, cand: _Run, index: int, positions: dict, names: 
                 return f"input {positions[id(t)]}"
         elif id(t) in reached or name in reached_names:
             continue
-        elif id(t) in names or (name is not None and name in ref.state):
+        elif name in ref.state:  # the original's parameter (or the rewrite's copy of it, by name)
             return f"parameter {name}"
         elif id(t) not in own:
             return "a tensor outside the module"
@@ -1783,6 +1777,7 @@ class Reference:
         self._watch: Optional[_Watch] = None
         self._gradients: Optional[Tuple[Optional[GradientRun], Optional[str]]] = None
         self._second: Dict[Tuple[int, bool], Optional[_Run]] = {}  # second_call's runs
+        self._held: Optional[frozenset] = None  # held_positions
         self._noise: Dict[Any, Optional[tuple]] = {}
         self._prepared = False  # in place: the module is the candidate after prepare()
         self._recordable: Optional[bool] = None
@@ -1852,7 +1847,8 @@ class Reference:
                 try:
                     # trial 0 with gradients enabled: which outputs require grad
                     self._runs[trial] = _call(fn, self.inputs(trial), self.seed + trial, dtypes, self.watch(dtypes),
-                                              trial == 0, saved.restore, self.held_positions())
+                                              trial == 0, saved.restore,
+                                              self.held_positions() if trial == 0 else frozenset())
                 except Exception as e:
                     hint = "" if trial == 0 else (
                         " (the original itself fails on these random inputs: if it needs inputs random ones are "
@@ -1887,11 +1883,13 @@ class Reference:
     def held_positions(self) -> frozenset:
         """Flat input positions the gradient trial passes as given rather than as
         activations requiring grad: fixed inputs, and the parameters and buffers a
-        dynamo graph takes as inputs (``lifted_state_positions``)."""
-        held = {k for k in self.fixed_inputs if isinstance(k, int)}
-        if isinstance(self.graph, fx.GraphModule):
-            held.update(lifted_state_positions(self.graph))
-        return frozenset(held)
+        dynamo graph takes as inputs (``lifted_state_positions``; worked out once)."""
+        if self._held is None:
+            held = {k for k in self.fixed_inputs if isinstance(k, int)}
+            if isinstance(self.graph, fx.GraphModule):
+                held.update(lifted_state_positions(self.graph))
+            self._held = frozenset(held)
+        return self._held
 
     def second_call(self, trial: int, dtypes: bool, state: Optional[_SavedState] = None) -> Optional[_Run]:
         """The reference's second call in a row, on ``trial``'s inputs, from the
@@ -2131,7 +2129,7 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
                 runner.reuse = (plan, ref.recorded)
             try:
                 cand = _call(run_candidate, inputs, seed + t, dtypes, watch, t == 0, state.restore,
-                             reference.held_positions())
+                             reference.held_positions() if t == 0 else frozenset())
             except Exception as e:
                 mm = Mismatch("output", t, None, None, math.inf, math.inf,
                               f"candidate raised {type(e).__name__}: {e}")

@@ -26,7 +26,8 @@ from torch.utils import _pytree as pytree
 from rewrite.trust.rng import seeded
 from rewrite.trust.runner import call_with
 
-__all__ = ["GRADIENT_OPS", "GradientRun", "grad_leaves", "gradient_reach", "gradient_run", "touches_gradients"]
+__all__ = ["GRADIENT_OPS", "GradientRun", "grad_leaves", "gradient_reach", "gradient_run", "moved",
+           "redrawn", "touches_gradients"]
 
 #: Name parts (``aten.detach.default`` -> ``detach``) of ops whose gradient differs
 #: from what their forward values suggest: stop-gradients, grad-mode switches,
@@ -176,3 +177,22 @@ def gradient_reach(fn: Any, inputs: Tuple[Any, ...]) -> Optional[Tuple[Tuple[str
                 if t.requires_grad else frozenset()
             reach.append((pytree.keystr(kp), bool(t.requires_grad), reached))
     return tuple(reach)
+
+
+def redrawn(t: torch.Tensor, seed: int) -> Optional[torch.Tensor]:
+    """``t`` moved by noise on its own scale (seeded): an input drawn again, to tell
+    whether an output's value depends on it; None for a tensor that cannot tell (not
+    floating, empty)."""
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or not t.numel():
+        return None
+    generator = torch.Generator().manual_seed(seed + 7919)
+    scale = 1.0 + float(t.detach().abs().nan_to_num(0.0, 0.0, 0.0).max())
+    return t.detach() + (torch.randn(t.shape, generator=generator, dtype=torch.float64) * scale).to(t.dtype)
+
+
+def moved(before: Any, after: Any) -> bool:
+    """Whether an output leaf differs between two runs (NaN equal to NaN); True when
+    they cannot be compared."""
+    if not isinstance(before, torch.Tensor) or not isinstance(after, torch.Tensor) or before.shape != after.shape:
+        return True
+    return not torch.equal(before.detach().nan_to_num(0.0, 1.0, -1.0), after.detach().nan_to_num(0.0, 1.0, -1.0))

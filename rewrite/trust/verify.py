@@ -87,7 +87,7 @@ from rewrite.trust.instances import (Instance, Plan, draw_instance, hypothesis_a
                                      plan_for, quantized_engines, rule_tolerance, strategies, trapping_division)
 from rewrite.trust.check import check_equivalence
 from rewrite.trust.nonfinite import NonFiniteCounter
-from rewrite.trust.gradients import gradient_reach, touches_gradients
+from rewrite.trust.gradients import gradient_reach, moved, redrawn, touches_gradients
 from rewrite.trust.rng import seeded
 from rewrite.trust.tolerance import Tolerance, compare_tensors, loosest, newly_nonfinite
 
@@ -379,23 +379,19 @@ def _fires(ruleset: Any, gm: fx.GraphModule, inputs: tuple, max_rewrites: int | 
 def _output_moves(gm: fx.GraphModule, inputs: tuple, position: int, path: str) -> bool:
     """Whether the floating output at ``path`` of ``gm`` changes when input
     ``position`` is drawn again (its value depends on it); True when it cannot tell."""
-    moved = list(inputs)
-    t = moved[position]
-    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or not t.numel():
+    other = redrawn(inputs[position], 0)
+    if other is None:
         return True
-    generator = torch.Generator().manual_seed(7919)
-    scale = 1.0 + float(t.abs().nan_to_num(0.0, 0.0, 0.0).max())
-    moved[position] = t + (torch.randn(t.shape, generator=generator, dtype=torch.float64) * scale).to(t.dtype)
+    shifted = (*inputs[:position], other, *inputs[position + 1:])
     try:
-        before, after = _run(gm, tuple(inputs))[0], _run(gm, tuple(moved))[0]
+        before, after = _run(gm, tuple(inputs))[0], _run(gm, shifted)[0]
     except Exception:  # noqa: BLE001 - cannot tell
         return True
-    leaves = {pytree.keystr(kp): v for kp, v in pytree.tree_flatten_with_path(before)[0]}
-    a = leaves.get(path)
-    b = {pytree.keystr(kp): v for kp, v in pytree.tree_flatten_with_path(after)[0]}.get(path)
-    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.shape != b.shape:
-        return True
-    return not torch.equal(a.nan_to_num(0.0, 1.0, -1.0), b.nan_to_num(0.0, 1.0, -1.0))
+
+    def leaf(out: Any) -> Any:
+        return {pytree.keystr(kp): v for kp, v in pytree.tree_flatten_with_path(out)[0]}.get(path)
+
+    return moved(leaf(before), leaf(after))
 
 
 class _Checker:
