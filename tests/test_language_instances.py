@@ -193,6 +193,9 @@ def test_the_hint_names_the_signature():
     ("rule r: tanh(x) => softmax(x, torch.float32)", "1:31"),  # a dtype is no int
     ('rule r: tanh(x) => gelu(x, 1)', "1:28"),  # approximate is a string
     ('rule r: tanh(x) => leaky_relu(x, "a")', "1:34"),
+    ("rule r: tanh(x) => mm(x, 2)", "1:26"),  # a number for a tensor no form turns into one
+    ("rule r: tanh(x) => matmul(x, 1.5)", "1:30"),
+    ("rule r: tanh(x) => linear(x, weight=2)", "1:37"),
 ])
 def test_literals_no_form_can_take_are_refused(text, position):
     got = _parse_errors(text + "\n")
@@ -213,6 +216,10 @@ def test_an_item_of_a_list_is_named():
     'rule r: gelu(x, "tanh") => x',
     "rule r: mul(x, 1) => x",  # a number for a tensor
     "rule r: sub(0, x) => neg(x)",
+    "rule r: tanh(x) => div(x, 2)",  # torch turns numbers into tensors for add/sub/mul/div
+    "rule r: tanh(x) => pow(2, x)",  # another form (aten.pow.Scalar) takes a number
+    "rule r: tanh(x) => clamp(x, 0, 1)",
+    "rule r: tanh(x) => masked_fill(x, x, 0)",
     "rule r: mean(x, -1, True) => x",
     'rule r: tanh(x) => getitem(x, "a")',  # no schema: anything
     'rule r: tanh(x) => pad(x, [1, 1], "constant", 0)',

@@ -81,11 +81,31 @@ def _compute(opdef: Any) -> dict:
             if canonical not in found or canonical in fixed:
                 continue
             typ = _parse(str(getattr(arg, "real_type", arg.type)))
+            if typ is not None and not _numbers_as_tensors(target):
+                typ = _strict_tensor(typ)
             if typ is None or canonical in convert or name == varargs:
                 unknown.add(canonical)
             else:
                 found[canonical].append(typ)
     return {name: (tuple(dict.fromkeys(ts)) if ts and name not in unknown else None) for name, ts in found.items()}
+
+
+def _numbers_as_tensors(target: Any) -> bool:
+    """Whether torch's argument parser takes a number for a Tensor argument of this
+    overload (it does for a few arithmetic ops: ``aten.add.Tensor(x, 2)``)."""
+    import torch
+
+    name = target._schema.name.split("::")[-1]
+    return bool(torch._C._should_allow_numbers_as_tensors(name))
+
+
+def _strict_tensor(typ: Any) -> Any:
+    """``typ`` with each Tensor made one that refuses numbers."""
+    if typ == "tensor":
+        return "tensor_only"
+    if isinstance(typ, tuple):
+        return (typ[0], _strict_tensor(typ[1]))
+    return typ
 
 
 def _parse(text: str) -> Any:
@@ -120,7 +140,7 @@ def _fits(typ: Any, e: object) -> object | None:
             return None
         return _fits(typ[1], e)
     if isinstance(e, (ast.TupleLit, ast.ListLit)):
-        return None if typ == "tensor" else e
+        return None if typ in ("tensor", "tensor_only") else e
     if isinstance(e, ast.DTypeLit):
         return None if typ == "dtype" else e
     v = e.value
@@ -151,9 +171,9 @@ def refusal(types: Any, e: object, optional: bool) -> tuple | None:
     return bad, _expected(types, optional)
 
 
-_NAMES = {"tensor": "a tensor", "number": "a number", "int": "an int", "float": "a float", "bool": "True or False",
+_NAMES = {"tensor": "a tensor", "tensor_only": "a tensor", "number": "a number", "int": "an int", "float": "a float", "bool": "True or False",
           "str": "a string", "dtype": "a dtype"}
-_PLURALS = {"tensor": "tensors", "number": "numbers", "int": "ints", "float": "floats", "bool": "bools",
+_PLURALS = {"tensor": "tensors", "tensor_only": "tensors", "number": "numbers", "int": "ints", "float": "floats", "bool": "bools",
             "str": "strings", "dtype": "dtypes"}
 
 
