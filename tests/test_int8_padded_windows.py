@@ -106,3 +106,30 @@ def test_lowering_a_padded_1x1_conv_keeps_its_border(engine):
         expected, got = gm(x).int_repr().int(), result.graph_module(x).int_repr().int()
     assert (expected - got).abs().max().item() <= 1
     assert (got[..., 0, :] - expected[..., 0, :]).abs().max().item() <= 1  # the border row
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("kernel, pad, dil", [(3, 1, 1), (2, 1, 1), (3, 2, 1), (2, 1, 2), (5, 2, 1)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int8_conv3d_over_an_input_of_depth_one(engine, kernel, pad, dil, threads):
+    """The x86 and onednn int8 conv3d is off by up to the whole int8 range over an
+    input of depth 1 with a kernel deeper than 1, though every window reads the input
+    (DemoCNN's conv3d, fed an unsqueezed 2-d map, hit it): such inputs take the float
+    graph too."""
+    torch.manual_seed(kernel * 10 + pad)
+    x = torch.quantize_per_tensor(torch.rand(2, 3, 1, 6, 6), 0.01, 66, torch.quint8)
+    wf = torch.randn(4, 3, kernel, 3, 3)
+    w = torch.quantize_per_channel(wf, wf.abs().amax((1, 2, 3, 4)).double() / 127, torch.zeros(4, dtype=torch.long),
+                                   0, torch.qint8)
+    b = torch.randn(4)
+    y = F.conv3d(x.dequantize(), w.dequantize(), b, 1, (pad, 1, 1), (dil, 1, 1))
+    scale, ref = _steps_apart(None, y, False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with quantized_engine(engine):
+            got = quantized_conv(None, w, b, 1, (pad, 1, 1), (dil, 1, 1), 1, scale, 128, False)(x)
+    finally:
+        torch.set_num_threads(before)
+    assert got.shape == ref.shape
+    assert (got.int_repr().int() - ref.int_repr().int()).abs().max().item() <= 1

@@ -732,13 +732,22 @@ def _reads_padding_only(n: int, kernel: int, stride: int, pad: int, dilation: in
     return any(all(not 0 <= o * stride - pad + j * dilation < n for j in range(kernel)) for o in range(max(out, 0)))
 
 
+def _depth_of_one(spatial: tuple, kernel: tuple) -> bool:
+    """A 3-d conv over an input of depth 1 with a kernel deeper than 1: the x86 and
+    onednn engines' int8 conv3d returns wrong values there (off by up to the whole
+    int8 range, torch 2.13; with one thread or two), though every window reads the
+    input; depth 2 and the other dims are right."""
+    return len(kernel) == 3 and spatial[0] == 1 and kernel[0] > 1
+
+
 class _PaddedWindows:
     """The int8 convs of the x86 and onednn engines return wrong values (and can
     crash) where a window lies wholly in the padding: their zero-point compensation
-    assumes every window reads the input. On such input shapes (known per call,
-    remembered per shape) the module computes what it replaced instead:
-    dequantize, the float conv, quantize. ``window``: (stride, padding, dilation,
-    groups) per spatial dim, as packed."""
+    assumes every window reads the input; their conv3d also errs over an input of
+    depth 1 (``_depth_of_one``). On such input shapes (known per call, remembered per
+    shape) the module computes what it replaced instead: dequantize, the float conv,
+    quantize. ``window``: (stride, padding, dilation, groups) per spatial dim, as
+    packed."""
 
     def _init_window(self, window: tuple, kernel: tuple) -> None:
         self.window, self.kernel = window, tuple(kernel)
@@ -752,8 +761,8 @@ class _PaddedWindows:
         hit = self._padded_only.get(spatial)
         if hit is None:
             stride, padding, dilation, _ = window
-            hit = any(_reads_padding_only(n, k, s, p, d)
-                      for n, k, s, p, d in zip(spatial, self.kernel, stride, padding, dilation))
+            hit = _depth_of_one(spatial, self.kernel) or any(
+                _reads_padding_only(n, k, s, p, d) for n, k, s, p, d in zip(spatial, self.kernel, stride, padding, dilation))
             self._padded_only[spatial] = hit
         return hit
 
