@@ -35,6 +35,8 @@ from rewrite.engine.layout import output_values, restore_output_layouts
 from rewrite.engine.workspace import (Journal, check_touched, gc_paused, own_module_path, own_written_state,
                                        shared_copy)
 from rewrite.language import Program, ast, load_program, load_program_text
+from rewrite.trust.modes import autocast_off
+from rewrite.trust.rng import host_generators_kept
 from rewrite.ops import detect_dialect
 
 __all__ = ["RuleSet", "RewriteResult", "Rejection", "EquivalenceError", "CaptureError", "load", "parse", "rules_dir"]
@@ -376,7 +378,7 @@ class RuleSet:
         # copy's young objects were collected once between copying and rewriting.
         # Outside inference mode: a constant a rule computes (a folded weight) is then
         # a plain tensor, which the result can use anywhere, autograd included.
-        with gc_paused(), torch.inference_mode(False):
+        with gc_paused(), torch.inference_mode(False), autocast_off(), host_generators_kept():
             txn = _Transaction(self, original, example_inputs, max_rewrites, shuffle_seed, inplace, checked=check)
             try:
                 return self._apply(txn, model, original, example_inputs, check, trials, rtol, atol, on_mismatch,

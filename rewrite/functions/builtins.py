@@ -23,6 +23,7 @@ import torch
 from torch.nn.utils import fusion as _fusion
 
 from rewrite.engine.facts import Value
+from rewrite.engine.replace import RULE_KEY
 from rewrite.ops.vocabulary import bind_node
 from rewrite.functions.registry import (
     register_constant,
@@ -301,6 +302,63 @@ def lossless_cast(x: Value, to: Value) -> bool:
         mantissa = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24, torch.float64: 53}[target]
         return _INT_BITS[src] <= mantissa
     return False
+
+
+#: ops on no torch.autocast list (CPU or CUDA: lower precision, float32, promote):
+#: they compute in their inputs' dtype whether autocast is on or not. Division is not
+#: among them (a number divided by a tensor is a reciprocal, on CUDA's float32 list).
+_AUTOCAST_NEUTRAL = frozenset({
+    "abs", "add", "sub", "mul", "neg", "relu", "relu6", "hardtanh", "leaky_relu", "gelu", "silu", "sigmoid",
+    "tanh", "hardswish", "clamp", "masked_fill", "dropout", "identity", "getitem", "chunk", "split", "clone",
+    "contiguous", "expand", "expand_as", "flatten", "permute", "reshape", "reshape_as", "select", "slice",
+    "squeeze", "unsqueeze", "t", "transpose", "view", "numpy_T", "max_pool2d", "amax", "max", "type_as",
+})
+_AUTOCAST_WALK = 256  # nodes looked at before the answer is "unknown"
+_ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
+
+
+@register_predicate()
+def autocast_proof(x: Value) -> bool | None:
+    """``x`` has the same dtype whether the graph runs under ``torch.autocast`` or not:
+    no op on its way from the graph's inputs and constants changes dtype under
+    autocast (a linear, a conv, a softmax do; relu, add, views do not; an explicit
+    cast ``to(y, dtype)`` fixes the dtype whatever ``y`` is, and so does
+    ``torch.export``'s ``_assert_tensor_metadata`` of a value, which raises
+    otherwise). The dtype facts of the
+    other values were recorded without autocast: removing a model's
+    ``logits.float()`` because ``logits`` is float32 changes the dtype the caller
+    gets when it runs the result under autocast. None when the walk is too long."""
+    node = x.node
+    if node is None:
+        return True  # a literal or a constant: autocast changes neither
+    gm = x.facts.gm
+    seen, todo = {node}, [node]
+    while todo:
+        n = todo.pop()
+        if n.op in ("placeholder", "get_attr"):
+            continue
+        if len(seen) > _AUTOCAST_WALK:
+            return None
+        if any(u.target is _ASSERT_METADATA and u.kwargs.get("dtype") is not None for u in n.users):
+            continue  # torch.export asserts its dtype at run time (under autocast too)
+        bound = bind_node(n, gm)
+        if any(b.op == "to" and isinstance(b.args.get("dtype"), torch.dtype) for b in bound):
+            continue
+        if not bound or any(b.op not in _AUTOCAST_NEUTRAL for b in bound):
+            return False
+        for i in n.all_input_nodes:
+            if i not in seen:
+                seen.add(i)
+                todo.append(i)
+    return True
+
+
+@register_predicate(local=True)
+def rule_made(x: Value) -> bool:
+    """``x`` was computed by a node a rule made (a cast the AMP rules inserted, in this
+    rewrite or an earlier one: results keep each new node's rule in its metadata),
+    not by one the model wrote."""
+    return x.node is not None and RULE_KEY in x.node.meta
 
 
 # ---------------------------------------------------------------- queries

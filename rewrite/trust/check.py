@@ -78,7 +78,7 @@ from rewrite.ops.effects import call_writes, state_writes, written_args
 from rewrite.ops.vocabulary import CALL_OPS, OPS, bind_node
 from rewrite.trust.gradients import GradientRun, grad_leaves, gradient_run, moved, redrawn
 from rewrite.trust.held import input_leaves, map_held
-from rewrite.trust.modes import is_higher_order, run_higher_order
+from rewrite.trust.modes import autocast_off, is_higher_order, run_higher_order
 from rewrite.trust.nonfinite import non_finite_births
 from rewrite.trust.precision import HALF, NOISE_MULTIPLIER, computes_in_half, narrowed_run, rounding_noise, widened_run
 from rewrite.trust.rng import seeded
@@ -2018,7 +2018,7 @@ class Reference:
         need them afterwards."""
         if tolerance != "exact":
             self.stop_recording()  # see _check
-        with gc_paused(), torch.inference_mode(False), \
+        with gc_paused(), torch.inference_mode(False), autocast_off(), \
                 preserved_state(self.fn, runs_only=True, watches=(self.watch(),)) as state, \
                 running_as_graph(self.fn, force=self._records(), runner=self._recorder()):
             for t in range(trials):
@@ -2085,7 +2085,7 @@ def check_equivalence(reference: Callable, candidate: Callable, example_inputs: 
     # Under ``torch.inference_mode`` the private copies of the inputs would be
     # inference tensors, which keep no version counter: the check runs outside it
     # (the models compute the same values; a copy of an inference tensor is a plain one).
-    with gc_paused(), torch.inference_mode(False):
+    with gc_paused(), torch.inference_mode(False), autocast_off():
         return _check(reference, candidate, trials, rtol, atol, tolerance, int_agreement, gradients)
 
 

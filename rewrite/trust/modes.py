@@ -6,15 +6,40 @@ higher-order op (``torch.cond``, ``while_loop``, ``wrap_with_set_grad_enabled``)
 when the mode says it takes them, and otherwise raises ``NotImplementedError`` for
 the whole run: a model holding a ``cond`` could not be checked once an approximate
 rule fired. Every mode here takes them and calls ``run_higher_order``.
+
+``autocast_off``: ``apply`` and the check run without the caller's ``torch.autocast``.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["is_higher_order", "run_higher_order"]
+__all__ = ["autocast_off", "is_higher_order", "run_higher_order"]
+
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps")
+
+
+@contextlib.contextmanager
+def autocast_off() -> Iterator[None]:
+    """No ``torch.autocast`` inside the block, for whichever devices the caller turned
+    it on: facts recorded from an example run under it (a linear's output is
+    bfloat16) would describe the model as autocast runs it, and a rewrite relying on
+    them (a ``.to(torch.bfloat16)`` removed as a no-op) changes the model as it runs
+    without. The rewrite is of the model itself; the check's own autocast runs (the
+    precision noise of a rewrite in half precision) enter it again inside."""
+    with contextlib.ExitStack() as stack:
+        for device in _AUTOCAST_DEVICES:
+            try:
+                on = torch.is_autocast_enabled(device)
+            except (RuntimeError, ValueError, TypeError):
+                continue
+            if on:
+                stack.enter_context(torch.autocast(device, enabled=False))
+        yield
 
 
 def is_higher_order(func: Any) -> bool:

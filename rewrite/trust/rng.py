@@ -6,27 +6,51 @@ because each run starts from the same seed; the caller's generators are left as
 they were. ``torch.manual_seed`` would also queue a seed for every accelerator not
 initialized yet, formatting a stack trace each time (~0.2 ms a call, several per
 check), and leave the accelerators' generators changed: only the CPU's is seeded,
-and CUDA's when the process uses CUDA (forked, so put back too).
+and CUDA's when the process uses CUDA (forked, so put back too). Python's ``random``
+and numpy's global generator (a wrapped helper drawing from them: LayerDrop, an
+augmentation) are seeded and put back the same way.
 """
 
 from __future__ import annotations
 
 import contextlib
+import random
+import sys
 from typing import Iterator
 
 import torch
 
-__all__ = ["seeded"]
+__all__ = ["host_generators_kept", "seeded"]
+
+
+@contextlib.contextmanager
+def host_generators_kept() -> Iterator[None]:
+    """Python's ``random`` and numpy's global generator (when numpy is imported) are
+    after the block as they were before it."""
+    numpy = sys.modules.get("numpy")
+    state = random.getstate()
+    numpy_state = numpy.random.get_state() if numpy is not None else None
+    try:
+        yield
+    finally:
+        random.setstate(state)
+        if numpy_state is not None:
+            numpy.random.set_state(numpy_state)
 
 
 @contextlib.contextmanager
 def seeded(seed: int) -> Iterator[None]:
     """Within the block the CPU generator (and every CUDA device's, once CUDA is
-    initialized) starts from ``seed``; after it, they are as they were."""
+    initialized), Python's and numpy's start from ``seed``; after it, they are as
+    they were."""
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     devices = list(range(torch.cuda.device_count())) if cuda else []
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=devices), host_generators_kept():
         torch.default_generator.manual_seed(seed)
         if cuda:
             torch.cuda.manual_seed_all(seed)
+        random.seed(seed)
+        numpy = sys.modules.get("numpy")
+        if numpy is not None:
+            numpy.random.seed(seed % 2 ** 32)
         yield
