@@ -371,6 +371,7 @@ class RuleSet:
                 f"the check calls the model with example_inputs as positional arguments, and this model "
                 f"takes {', '.join(map(repr, keywords))} by keyword only: pass check=False (and compare the "
                 "result yourself), or wrap the model in a module whose forward takes them positionally")
+        _refuse_uninitialized(model)
         original = model if isinstance(model, fx.GraphModule) else _symbolic_trace(model)
         self._warn_hidden(original)
         example_inputs = as_input_tuple(example_inputs) if example_inputs is not None else None
@@ -567,17 +568,38 @@ class RuleSet:
 _MAX_REJECTIONS = 16
 
 
+def _refuse_uninitialized(model: torch.nn.Module) -> None:
+    """A lazy module (``LazyLinear``) whose parameters have no shape yet cannot be
+    rewritten: no fact about them is known until a forward pass materializes them."""
+    from torch.nn.parameter import is_lazy
+
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        if is_lazy(t):
+            owner = name.rpartition(".")[0]
+            kind = type(model.get_submodule(owner)).__name__ if owner else type(model).__name__
+            raise TypeError(
+                f"{type(model).__name__} holds a lazy module not initialized yet ({kind} "
+                f"{owner or '(the model)'!r}, {name!r} has no shape): run the model once on example inputs "
+                "to materialize it, then rewrite it")
+
+
+_ROOT_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
+               "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+
+
 def _symbolic_trace(model: torch.nn.Module) -> fx.GraphModule:
     """``torch.fx.symbolic_trace(model)``, its failures told in the user's terms. A
     hook registered on the model itself is refused: the traced graph runs without it
-    (hooks on submodules stay with them), so the result would compute something else."""
-    hooks = [kind for kind in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-             if getattr(model, kind, None)]
+    (hooks on submodules stay with them), so the result would compute something else,
+    or (a state_dict hook: a checkpoint format's version, renamed keys) save and load
+    other checkpoints than the model."""
+    hooks = [kind for kind in _ROOT_HOOKS if getattr(model, kind, None)]
     if hooks:
         raise TypeError(
             f"{type(model).__name__} has hooks registered on itself ({', '.join(h.strip('_') for h in hooks)}), "
-            "which torch.fx.symbolic_trace does not capture: the rewritten model would run without them. Remove "
-            "them (or register them on a submodule), or pass a GraphModule you captured")
+            "which torch.fx.symbolic_trace does not capture: the rewritten model would run (or save and load its "
+            "state) without them. Remove them (or register them on a submodule), or pass a GraphModule you "
+            "captured")
     try:
         return symbolic_trace(model)
     except Exception as err:  # noqa: BLE001 - any tracing failure: say what to do instead

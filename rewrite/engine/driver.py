@@ -248,6 +248,7 @@ class Driver:
         self.created: list = []  # every node a rewrite created (some erased later)
         n = len(gm.graph.nodes)
         self.max_rewrites = max_rewrites if max_rewrites is not None else 20 * n + 1000
+        self._bound_given = max_rewrites is not None
         self.max_nodes = 10 * n + 1000  # growth without end stops here
         self.limit = limit
         self.skip = frozenset(skip)
@@ -409,6 +410,14 @@ class Driver:
         recent = self.history[-200:]
         rules = tuple(sorted({name for name, _ in recent}))
         where = recent[-1][1]
+        if self._bound_given and not grown:  # the caller's own bound: no loop to diagnose
+            raise NonTerminationError(
+                f"stopped at max_rewrites={self.max_rewrites}: rules {', '.join(repr(r) for r in rules)} were "
+                f"still firing (last at node {where!r}); nothing was applied. Pass a larger max_rewrites (or "
+                "None, the default bound) if the rules settle",
+                rules,
+                where,
+            )
         raise NonTerminationError(
             f"rewriting did not settle after {len(self.history)} rewrites "
             f"({len(self.gm.graph.nodes)} nodes); "

@@ -225,6 +225,11 @@ class GraphFacts:
         return owner.training
 
     @functools.cached_property
+    def dialect(self) -> str:
+        """``detect_dialect`` of the graph, once: a rewrite does not change it."""
+        return detect_dialect(self.gm)
+
+    @functools.cached_property
     def _traced_in_training(self) -> bool:
         """The root is in training mode and its flag is the caller's: a ``symbolic_trace``
         GraphModule copies the traced model's. ATen graphs (``torch.export``, whose
@@ -232,7 +237,7 @@ class GraphFacts:
         or not) and dynamo's (which carry ``example_value``s) do not tell it that way:
         their batch norms and dropouts do (``graph_trains``)."""
         return self.gm.training and not _first_vals(self.gm, 1) and not _carries(self.gm, "example_value") \
-            and detect_dialect(self.gm) == "torch"
+            and self.dialect == "torch"
 
     @functools.cached_property
     def _written_state(self) -> frozenset | None:

@@ -85,6 +85,13 @@ class _LazyModule(_LazyGraphModule):
 
     forward = _lazy_forward
 
+    def __prepare_scriptable__(self) -> fx.GraphModule:
+        """What ``torch.jit.script`` compiles instead: TorchScript cannot compile a lazy
+        GraphModule (its ``code`` property calls ``super()``), so a plain one over a
+        copy of the graph, sharing the submodules and tensors, as the module the
+        caller traced would be."""
+        return fx.GraphModule(self, copy_graph(self.graph))
+
 
 def _lazy_type_for(base: type) -> type | None:
     """The lazily compiled type a working copy of a ``base`` module gets, or None."""

@@ -314,7 +314,6 @@ _AUTOCAST_NEUTRAL = frozenset({
     "squeeze", "unsqueeze", "t", "transpose", "view", "numpy_T", "max_pool2d", "amax", "max", "type_as",
 })
 _AUTOCAST_WALK = 256  # nodes looked at before the answer is "unknown"
-_ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
 
 
 @register_predicate()
@@ -322,15 +321,18 @@ def autocast_proof(x: Value) -> bool | None:
     """``x`` has the same dtype whether the graph runs under ``torch.autocast`` or not:
     no op on its way from the graph's inputs and constants changes dtype under
     autocast (a linear, a conv, a softmax do; relu, add, views do not; an explicit
-    cast ``to(y, dtype)`` fixes the dtype whatever ``y`` is, and so does
-    ``torch.export``'s ``_assert_tensor_metadata`` of a value, which raises
-    otherwise). The dtype facts of the
-    other values were recorded without autocast: removing a model's
+    cast ``to(y, dtype)`` fixes the dtype whatever ``y`` is). The dtype facts of
+    the other values were recorded without autocast: removing a model's
     ``logits.float()`` because ``logits`` is float32 changes the dtype the caller
-    gets when it runs the result under autocast. None when the walk is too long."""
+    gets when it runs the result under autocast. Every value of an ATen graph
+    (``torch.export``, dynamo's AOT and Inductor graphs) is: those captures resolve
+    autocast into explicit casts (export asserts each cast's input dtype, dynamo
+    guards on the autocast state). None when the walk is too long."""
     node = x.node
     if node is None:
         return True  # a literal or a constant: autocast changes neither
+    if x.facts.dialect == "aten":
+        return True
     gm = x.facts.gm
     seen, todo = {node}, [node]
     while todo:
@@ -339,8 +341,6 @@ def autocast_proof(x: Value) -> bool | None:
             continue
         if len(seen) > _AUTOCAST_WALK:
             return None
-        if any(u.target is _ASSERT_METADATA and u.kwargs.get("dtype") is not None for u in n.users):
-            continue  # torch.export asserts its dtype at run time (under autocast too)
         bound = bind_node(n, gm)
         if any(b.op == "to" and isinstance(b.args.get("dtype"), torch.dtype) for b in bound):
             continue

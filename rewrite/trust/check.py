@@ -278,6 +278,33 @@ def _lookup_range(ranges: Optional[Mapping[InputKey, Range]], index: int, path: 
     return ranges.get(path)
 
 
+def validate_input_keys(example_inputs: Any, input_ranges: Optional[Mapping[InputKey, Range]],
+                        fixed_inputs: Iterable[InputKey]) -> None:
+    """ValueError for an ``input_ranges`` or ``fixed_inputs`` key that addresses no
+    leaf of ``example_inputs`` (a flat index out of range, a path with a typo: the
+    check would draw that input at random all the same) and for a range that is not
+    two numbers ``low <= high``."""
+    leaves = pytree.tree_flatten_with_path(example_inputs)[0]
+    paths = {pytree.keystr(kp) for kp, _ in leaves}
+
+    def unknown(keys: Iterable[Any]) -> list:
+        return [k for k in keys if not ((isinstance(k, int) and not isinstance(k, bool) and 0 <= k < len(leaves))
+                                        or (isinstance(k, str) and k in paths))]
+
+    shown = ", ".join(sorted(paths)[:8]) + (", ..." if len(paths) > 8 else "")
+    for option, keys in (("fixed_inputs", list(fixed_inputs)), ("input_ranges", list(input_ranges or {}))):
+        bad = unknown(keys)
+        if bad:
+            raise ValueError(
+                f"{option}: {', '.join(map(repr, bad))} addresses no input: the example inputs have "
+                f"{len(leaves)} leaves, by flat index 0..{len(leaves) - 1} or by path ({shown})")
+    for key, value in (input_ranges or {}).items():
+        numbers = isinstance(value, (tuple, list)) and len(value) == 2 and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+        if not numbers or not value[0] <= value[1]:
+            raise ValueError(f"input_ranges[{key!r}] = {value!r}: a range is two numbers (low, high), low <= high")
+
+
 def generate_inputs(example_inputs: Any, seed: int = 0, *,
                     input_ranges: Optional[Mapping[InputKey, Range]] = None,
                     fixed_inputs: Iterable[InputKey] = (), widen_constants: bool = False) -> Any:
@@ -1768,6 +1795,8 @@ class Reference:
         self.seed = seed
         self.input_ranges = input_ranges
         self.fixed_inputs = tuple(fixed_inputs)
+        if example_inputs is not None and (input_ranges or self.fixed_inputs):
+            validate_input_keys(self.example_inputs, input_ranges, self.fixed_inputs)
         self.graph = graph if graph is not None else fn
         self._inputs: Dict[int, Any] = {}
         self._narrowed: set = set()  # trials whose one-valued integer inputs keep their value (_narrow)
