@@ -46,7 +46,7 @@ __all__ = ["LEVELS", "DYNAMO_SOURCE", "ExportError", "ModelSpecError", "SaveErro
            "as_input_tuple",
            "capture", "capture_with_inputs", "symbolic_trace", "capture_dynamo", "GraphBreakError", "mha_fastpath_off",
            "dynamic_shapes_of",
-           "export_keeping_sizes", "export_program", "is_export_guard", "lifted_state_positions",
+           "export_keeping_sizes", "export_program", "is_export_guard", "is_tensor_method", "lifted_state_positions",
            "load_model", "save", "save_format", "save_path_problem", "missing_folder"]
 
 LEVELS: Tuple[str, ...] = ("fx", "export", "export_core", "dynamo")
@@ -257,7 +257,13 @@ def capture_with_inputs(model: nn.Module, example_inputs: Any, level: str) -> Tu
     if level == "fx":
         return symbolic_trace(model), args
     if level in ("export", "export_core"):
-        ep = torch.export.export(model, args, strict=False)
+        # non-strict export runs the caller's forward: a list or dict attribute it
+        # appends to is swapped for a new one and the old one keeps the trace's entry
+        attributes = AttributeSnapshot(list(model.modules()))
+        try:
+            ep = torch.export.export(model, args, strict=False)
+        finally:
+            attributes.restore()
         if level == "export_core":
             ep = ep.run_decompositions()
         return ep.module(), args
@@ -515,7 +521,7 @@ def picklable(gm: fx.GraphModule) -> fx.GraphModule:
     for node in list(graph.nodes):
         if isinstance(node.type, str):
             node.type = None
-        if node.op == "call_function" and _tensor_method(node.target):
+        if node.op == "call_function" and is_tensor_method(node.target):
             node.op, node.target = "call_method", node.target.__name__
         elif node.op == "call_module" and not node.users and is_export_guard(gm, node.target):
             graph.erase_node(node)
@@ -538,7 +544,10 @@ def higher_order_ops(gm: fx.GraphModule) -> list:
     return list(names)
 
 
-def _tensor_method(target: Any) -> bool:
+def is_tensor_method(target: Any) -> bool:
+    """A ``torch.Tensor`` method (``torch.Tensor.to``), not a function or an
+    OpOverload: fx writes a call_function of one as an import pickled code cannot
+    run, so graphs call it as a method."""
     name = getattr(target, "__name__", None)
     return (isinstance(name, str) and not isinstance(target, torch._ops.OpOverload)
             and getattr(torch.Tensor, name, None) is target)

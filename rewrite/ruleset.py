@@ -35,6 +35,7 @@ from rewrite.engine.layout import output_values, restore_output_layouts
 from rewrite.engine.workspace import (Journal, check_touched, gc_paused, own_module_path, own_written_state,
                                        shared_copy)
 from rewrite.language import Program, ast, load_program, load_program_text
+from rewrite.module_state import AttributeSnapshot
 from rewrite.trust.modes import autocast_off
 from rewrite.trust.rng import host_generators_kept
 from rewrite.ops import detect_dialect
@@ -375,10 +376,17 @@ class RuleSet:
         original = model if isinstance(model, fx.GraphModule) else _symbolic_trace(model)
         self._warn_hidden(original)
         example_inputs = as_input_tuple(example_inputs) if example_inputs is not None else None
+        if example_inputs is not None and (input_ranges or fixed_inputs):
+            from rewrite.trust.check import validate_input_keys
+
+            validate_input_keys(example_inputs, input_ranges, fixed_inputs)  # before any work
         # one pause of the cyclic collector for the whole call: paused separately, the
         # copy's young objects were collected once between copying and rewriting.
         # Outside inference mode: a constant a rule computes (a folded weight) is then
         # a plain tensor, which the result can use anywhere, autograd included.
+        # a traced model's own modules run where facts are recorded from the example
+        # inputs: what a hook of theirs writes into them (a feature list) is put back
+        caller = AttributeSnapshot(list(model.modules())) if model is not original else None
         with gc_paused(), torch.inference_mode(False), autocast_off(), host_generators_kept():
             txn = _Transaction(self, original, example_inputs, max_rewrites, shuffle_seed, inplace, checked=check)
             try:
@@ -387,6 +395,9 @@ class RuleSet:
             except BaseException:
                 txn.rollback()  # in place: the module as it was; a copy: nothing to do
                 raise
+            finally:
+                if caller is not None:
+                    caller.restore()
 
     def _apply(self, txn: "_Transaction", model: Any, original: fx.GraphModule, example_inputs: tuple | None,
                check: bool, trials: int, rtol: float | None, atol: float | None,

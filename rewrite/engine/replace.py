@@ -51,13 +51,6 @@ _COMMUTATIVE = frozenset({torch.ops.aten.add.Tensor, torch.ops.aten.mul.Tensor, 
 SOURCES_KEY = "rewrite_module_sources"
 
 
-def _is_tensor_method(target: Any) -> bool:
-    """A ``torch.Tensor`` method (``torch.Tensor.to``), not a function or an OpOverload."""
-    name = getattr(target, "__name__", None)
-    return (isinstance(name, str) and not isinstance(target, torch._ops.OpOverload)
-            and getattr(torch.Tensor, name, None) is target)
-
-
 def uses_root(match: Match) -> bool:
     """Whether the replacement reads the matched root's own value (an insertion)."""
     return any(match.env.get(v) is match.root for v in match.rule.replacement_vars)
@@ -258,11 +251,6 @@ class Replacer:
             args = {name: self._build(v, env, root) for name, v in r.args.items()}
             emitter = r.opdef.emit.get(self.dialect) or r.opdef.emit.get("torch")
             target, call_args, call_kwargs = emitter(args, self._facts_of)
-            if _is_tensor_method(target):
-                # ``x.to(...)``, as a traced model spells it: fx writes a call_function
-                # of a method descriptor as an import that torch.load cannot read back
-                return self._node("call_method", target.__name__, call_args, call_kwargs,
-                                  self._origin(r.opdef.name, root))
             return self._node("call_function", target, call_args, call_kwargs, self._origin(r.opdef.name, root))
         if isinstance(r, RConst):
             value = self._evaluate(r, env)
@@ -375,7 +363,7 @@ class Replacer:
         for key in _CARRIED_META:
             if key in root.meta:
                 node.meta[key] = root.meta[key]
-        if op in ("call_function", "call_method", "call_module"):
+        if op in ("call_function", "call_module"):
             self.facts.new_node(node)
         self._created.append(node)
         return node

@@ -85,12 +85,38 @@ class _LazyModule(_LazyGraphModule):
 
     forward = _lazy_forward
 
+    def __reduce__(self) -> Any:
+        """``torch.save`` and ``pickle`` write ``rewrite.capture.picklable(self)``: fx
+        pickles a GraphModule as its generated code, whose import of an emitted
+        ``torch.Tensor.to`` (``from torch._C import TensorBase.to``) no
+        ``torch.load`` can run; a graph holding a higher-order op raises
+        ``SaveError`` here rather than loading without it. It loads as a plain
+        GraphModule."""
+        from rewrite.capture import picklable
+
+        return picklable(self).__reduce__()
+
     def __prepare_scriptable__(self) -> fx.GraphModule:
         """What ``torch.jit.script`` compiles instead: TorchScript cannot compile a lazy
         GraphModule (its ``code`` property calls ``super()``), so a plain one over a
         copy of the graph, sharing the submodules and tensors, as the module the
-        caller traced would be."""
-        return fx.GraphModule(self, copy_graph(self.graph))
+        caller traced would be (``rewrite.capture.picklable``: emitted
+        ``torch.Tensor.m(x)`` calls become ``x.m()``, which TorchScript reads), with
+        the hooks registered on this one."""
+        from rewrite.capture import picklable
+
+        plain = picklable(self)
+        for table in _HOOK_TABLES:
+            hooks = getattr(self, table, None)
+            if hooks:
+                setattr(plain, table, collections.OrderedDict(hooks))
+        plain._is_full_backward_hook = self._is_full_backward_hook
+        return plain
+
+
+_HOOK_TABLES = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+                "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
+                "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
 
 
 def _lazy_type_for(base: type) -> type | None:

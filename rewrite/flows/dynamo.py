@@ -43,6 +43,8 @@ import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from rewrite.language.printer import format_rule
+from rewrite.trust.check import keys_within
+from rewrite.trust.modes import ambient_autocast
 
 __all__ = ["COMPILERS", "backend", "freeze_parameters", "inductor_pass"]
 
@@ -187,7 +189,12 @@ def backend(rules: Any, *, compiler: Any = "python", check: bool = True, on_resu
         if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for _, t in frozen):
             _warn_no_gradients()
         # in place on our copy (a failed check puts it back; no second copy)
-        result = rules.apply(gm, example_inputs=tuple(kept_inputs), check=check, **{"inplace": True, **apply_options})
+        # the caller's input keys name the model's inputs: a graph dynamo split off takes
+        # fewer, and a key past them is not this graph's
+        options = {name: keys_within(tuple(kept_inputs), value) if name in ("fixed_inputs", "input_ranges") else value
+                   for name, value in apply_options.items()}
+        with ambient_autocast():  # the graph runs under the autocast it was traced in
+            result = rules.apply(gm, example_inputs=tuple(kept_inputs), check=check, **{"inplace": True, **options})
         if on_result is not None:
             on_result(result)
         compiled = compile_graph(result.graph_module, kept_inputs)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.nn.utils import fusion as _fusion
@@ -134,18 +134,36 @@ def _layout_from_inputs(node: Any, gm: Any) -> bool:
     (``x.t()`` for ``x``), which elementwise ops, views, clones and casts carry on.
     Walks back until an op that lays its result out afresh (``_FRESH_LAYOUT``), a
     constant, or too far (then it may)."""
+    def step(n: Any) -> Any:
+        if n.op == "placeholder":
+            return True
+        return _STOP if n.op == "get_attr" or any(b.op in _FRESH_LAYOUT for b in bind_node(n, gm)) else _GO_ON
+
+    return _walk_back(node, step, _LAYOUT_WALK, too_far=True, done=False)
+
+
+_STOP, _GO_ON = object(), object()
+
+
+def _walk_back(node: Any, step: Callable, limit: int, too_far: Any, done: Any) -> Any:
+    """Walk from ``node`` to the nodes it is computed from: ``step(n)`` says ``_STOP``
+    (not past ``n``), ``_GO_ON`` (on to its inputs) or gives the answer. ``too_far``
+    once more than ``limit`` nodes are seen, ``done`` when every way stopped."""
     seen, todo = {node}, [node]
     while todo:
         n = todo.pop()
-        if n.op == "placeholder" or len(seen) > _LAYOUT_WALK:
-            return True
-        if n.op == "get_attr" or any(b.op in _FRESH_LAYOUT for b in bind_node(n, gm)):
+        if len(seen) > limit:
+            return too_far
+        verdict = step(n)
+        if verdict is _STOP:
             continue
+        if verdict is not _GO_ON:
+            return verdict
         for i in n.all_input_nodes:
             if i not in seen:
                 seen.add(i)
                 todo.append(i)
-    return False
+    return done
 
 
 @register_predicate(local=True)
@@ -334,23 +352,16 @@ def autocast_proof(x: Value) -> bool | None:
     if x.facts.dialect == "aten":
         return True
     gm = x.facts.gm
-    seen, todo = {node}, [node]
-    while todo:
-        n = todo.pop()
+
+    def step(n: Any) -> Any:
         if n.op in ("placeholder", "get_attr"):
-            continue
-        if len(seen) > _AUTOCAST_WALK:
-            return None
+            return _STOP
         bound = bind_node(n, gm)
         if any(b.op == "to" and isinstance(b.args.get("dtype"), torch.dtype) for b in bound):
-            continue
-        if not bound or any(b.op not in _AUTOCAST_NEUTRAL for b in bound):
-            return False
-        for i in n.all_input_nodes:
-            if i not in seen:
-                seen.add(i)
-                todo.append(i)
-    return True
+            return _STOP
+        return False if not bound or any(b.op not in _AUTOCAST_NEUTRAL for b in bound) else _GO_ON
+
+    return _walk_back(node, step, _AUTOCAST_WALK, too_far=None, done=True)
 
 
 @register_predicate(local=True)

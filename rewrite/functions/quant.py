@@ -762,7 +762,8 @@ class _PaddedWindows:
         if hit is None:
             stride, padding, dilation, _ = window
             hit = _depth_of_one(spatial, self.kernel) or any(
-                _reads_padding_only(n, k, s, p, d) for n, k, s, p, d in zip(spatial, self.kernel, stride, padding, dilation))
+                _reads_padding_only(n, k, s, p, d)
+                for n, k, s, p, d in zip(spatial, self.kernel, stride, padding, dilation))
             self._padded_only[spatial] = hit
         return hit
 

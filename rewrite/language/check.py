@@ -674,8 +674,11 @@ class _Checker:
 
     def _call_in_pattern(self, c: ast.Call, name: str, span: Any, kind: str | None, found: Any) -> None:
         if kind == "family":
-            for member, opdef in self.family_ops(found):
-                self._op_args(c, opdef, f"'{member}' (in family '{name}')", span)
+            members = self.family_ops(found)
+            for member, opdef in members:
+                # a literal only some members take matches those (mul | matmul: f(x, 2) is a mul)
+                self._op_args(c, opdef, f"'{member}' (in family '{name}')", span,
+                              siblings=[other for _, other in members if other is not opdef])
         elif kind == "op":
             self._op_args(c, found, f"'{name}'", span)
         elif kind == "function":
@@ -815,8 +818,9 @@ class _Checker:
                 self.error(k.span, f"keyword argument '{k.name}' given twice", "E203")
             seen.add(k.name)
 
-    def _op_args(self, c: ast.Call, opdef: Any, who: str, span: Any) -> None:
-        """Check a call's arguments against an op's signature."""
+    def _op_args(self, c: ast.Call, opdef: Any, who: str, span: Any, siblings: list = ()) -> None:
+        """Check a call's arguments against an op's signature (``siblings``: the other
+        members of the family a pattern calls)."""
         names = [p.name for p in opdef.params]
         sig = f"signature: {_signature(opdef)}"
         errors_before = len(self.diags)
@@ -835,7 +839,7 @@ class _Checker:
                            "E203", help=sig)
             given.add(k.name)
         if len(self.diags) == errors_before:  # arguments that miss the signature have no types to check
-            self._literal_args(c, opdef, who, sig)
+            self._literal_args(c, opdef, who, sig, siblings)
         if c.rest:
             return
         required = _vocabulary().REQUIRED
@@ -845,18 +849,20 @@ class _Checker:
             self.error(span, f"missing argument{'s' * (len(missing) > 1)} {listed} for {who}", "E204",
                        help=f"{sig}; in a pattern, end the call with '...' to match the rest")
 
-    def _literal_args(self, c: ast.Call, opdef: Any, who: str, sig: str) -> None:
+    def _literal_args(self, c: ast.Call, opdef: Any, who: str, sig: str, siblings: list = ()) -> None:
         """E206: a literal argument no form of the op can take (a string for
         ``softmax``'s int ``dim``, an int for ``to``'s dtype). Types come from the aten
         schemas of the op's forms (``rewrite.language.literals``); a parameter of
-        unknown type takes anything."""
+        unknown type takes anything. In a family's call, a literal another member
+        takes is no error."""
         types = param_types(opdef)
-        for name, value in [*zip(opdef.param_names, c.args), *((k.name, k.value) for k in c.kwargs)]:
+        keyed = [(k.name, k.name, k.value) for k in c.kwargs]
+        for where, name, value in [*((i, n, v) for i, (n, v) in enumerate(zip(opdef.param_names, c.args))), *keyed]:
             param = opdef.param(name)
             if param is None:
                 continue
             found = refusal(types.get(name), value, optional=param.default is None)
-            if found is None:
+            if found is None or any(_takes(other, where, value) for other in siblings):
                 continue
             bad, expected = found
             what = describe(bad) if bad is value else f"{describe(value)} holding {describe(bad)}"
@@ -890,6 +896,14 @@ class _Checker:
         if problem:
             params = ", ".join(spec.params) + (", ..." if spec.variadic else "")
             self.error(span, problem, "E205", help=f"signature: {spec.name}({params})")
+
+
+def _takes(opdef: Any, where: int | str, value: Any) -> bool:
+    """Whether ``opdef`` takes literal ``value`` as its argument at ``where`` (a
+    position or a keyword)."""
+    name = (opdef.param_names[where] if where < len(opdef.param_names) else None) if isinstance(where, int) else where
+    param = opdef.param(name) if name is not None else None
+    return param is not None and refusal(param_types(opdef).get(name), value, optional=param.default is None) is None
 
 
 def _default_of(opdef: Any, param: str) -> Any:

@@ -171,10 +171,10 @@ def refusal(types: Any, e: object, optional: bool) -> tuple | None:
     return bad, _expected(types, optional)
 
 
-_NAMES = {"tensor": "a tensor", "tensor_only": "a tensor", "number": "a number", "int": "an int", "float": "a float", "bool": "True or False",
-          "str": "a string", "dtype": "a dtype"}
-_PLURALS = {"tensor": "tensors", "tensor_only": "tensors", "number": "numbers", "int": "ints", "float": "floats", "bool": "bools",
-            "str": "strings", "dtype": "dtypes"}
+_NAMES = {"tensor": "a tensor", "tensor_only": "a tensor", "number": "a number", "int": "an int", "float": "a float",
+          "bool": "True or False", "str": "a string", "dtype": "a dtype"}
+_PLURALS = {"tensor": "tensors", "tensor_only": "tensors", "number": "numbers", "int": "ints", "float": "floats",
+            "bool": "bools", "str": "strings", "dtype": "dtypes"}
 
 
 def _expected(types: tuple, optional: bool) -> str:

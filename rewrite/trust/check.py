@@ -58,6 +58,7 @@ import warnings
 import functools
 import inspect
 import math
+import numbers
 import operator
 from typing import Any, Callable, Dict, Iterable, Iterator, Mapping, Optional, Sequence, Tuple, Union
 
@@ -106,6 +107,8 @@ __all__ = [
     "preserved_state",
     "random_like",
     "generate_inputs",
+    "keys_within",
+    "validate_input_keys",
     "inputs_from_graph",
     "inputs_copy",
     "laid_out_copy",
@@ -278,30 +281,45 @@ def _lookup_range(ranges: Optional[Mapping[InputKey, Range]], index: int, path: 
     return ranges.get(path)
 
 
+def _addresses(example_inputs: Any) -> Callable[[Any], bool]:
+    """Whether a key (flat index or ``pytree.keystr`` path) addresses a leaf of
+    ``example_inputs``."""
+    leaves = pytree.tree_flatten_with_path(example_inputs)[0]
+    paths = {pytree.keystr(kp) for kp, _ in leaves}
+    return lambda k: ((isinstance(k, int) and not isinstance(k, bool) and 0 <= k < len(leaves))
+                      or (isinstance(k, str) and k in paths))
+
+
+def keys_within(example_inputs: Any, keys: Any) -> Any:
+    """``keys`` (``fixed_inputs``, or ``input_ranges``' dict) less those that address
+    no leaf of ``example_inputs``: a graph dynamo split off takes fewer inputs than
+    the model, and the caller's keys name the model's."""
+    fits = _addresses(example_inputs)
+    if isinstance(keys, Mapping):
+        return {k: v for k, v in keys.items() if fits(k)}
+    return tuple(k for k in keys if fits(k))
+
+
 def validate_input_keys(example_inputs: Any, input_ranges: Optional[Mapping[InputKey, Range]],
                         fixed_inputs: Iterable[InputKey]) -> None:
     """ValueError for an ``input_ranges`` or ``fixed_inputs`` key that addresses no
     leaf of ``example_inputs`` (a flat index out of range, a path with a typo: the
     check would draw that input at random all the same) and for a range that is not
-    two numbers ``low <= high``."""
+    two real numbers ``low <= high`` (numpy's scalars are numbers too)."""
+    fits = _addresses(example_inputs)
     leaves = pytree.tree_flatten_with_path(example_inputs)[0]
-    paths = {pytree.keystr(kp) for kp, _ in leaves}
-
-    def unknown(keys: Iterable[Any]) -> list:
-        return [k for k in keys if not ((isinstance(k, int) and not isinstance(k, bool) and 0 <= k < len(leaves))
-                                        or (isinstance(k, str) and k in paths))]
-
-    shown = ", ".join(sorted(paths)[:8]) + (", ..." if len(paths) > 8 else "")
+    paths = sorted(pytree.keystr(kp) for kp, _ in leaves)
+    shown = ", ".join(paths[:8]) + (", ..." if len(paths) > 8 else "")
     for option, keys in (("fixed_inputs", list(fixed_inputs)), ("input_ranges", list(input_ranges or {}))):
-        bad = unknown(keys)
+        bad = [k for k in keys if not fits(k)]
         if bad:
             raise ValueError(
                 f"{option}: {', '.join(map(repr, bad))} addresses no input: the example inputs have "
                 f"{len(leaves)} leaves, by flat index 0..{len(leaves) - 1} or by path ({shown})")
     for key, value in (input_ranges or {}).items():
-        numbers = isinstance(value, (tuple, list)) and len(value) == 2 and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
-        if not numbers or not value[0] <= value[1]:
+        numbers_ = isinstance(value, (tuple, list)) and len(value) == 2 and all(
+            isinstance(v, numbers.Real) and not isinstance(v, bool) for v in value)
+        if not numbers_ or not value[0] <= value[1]:
             raise ValueError(f"input_ranges[{key!r}] = {value!r}: a range is two numbers (low, high), low <= high")
 
 
@@ -1796,7 +1814,7 @@ class Reference:
         self.input_ranges = input_ranges
         self.fixed_inputs = tuple(fixed_inputs)
         if example_inputs is not None and (input_ranges or self.fixed_inputs):
-            validate_input_keys(self.example_inputs, input_ranges, self.fixed_inputs)
+            validate_input_keys(self.example_inputs, input_ranges, self.fixed_inputs)  # check_equivalence's
         self.graph = graph if graph is not None else fn
         self._inputs: Dict[int, Any] = {}
         self._narrowed: set = set()  # trials whose one-valued integer inputs keep their value (_narrow)

@@ -1593,7 +1593,8 @@ def _half_conv_over_padding(x: Any, w: Any, values: dict) -> bool:
     if isinstance(padding, str):
         return False  # "valid" pads nothing, "same" keeps every window on the input
     try:
-        stride, pad, dilation = per_dim(values.get("stride"), 1), per_dim(padding, 0), per_dim(values.get("dilation"), 1)
+        stride, pad = per_dim(values.get("stride"), 1), per_dim(padding, 0)
+        dilation = per_dim(values.get("dilation"), 1)
     except TypeError:
         return False
     for n, k, st, p, d in zip(x.shape[2:], w.shape[2:], stride, pad, dilation):

@@ -7,20 +7,37 @@ when the mode says it takes them, and otherwise raises ``NotImplementedError`` f
 the whole run: a model holding a ``cond`` could not be checked once an approximate
 rule fired. Every mode here takes them and calls ``run_higher_order``.
 
-``autocast_off``: ``apply`` and the check run without the caller's ``torch.autocast``.
+``autocast_off``: ``apply`` and the check run without the caller's ``torch.autocast``
+(``ambient_autocast``: with it, for a dynamo graph traced under it).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["autocast_off", "is_higher_order", "run_higher_order"]
+__all__ = ["ambient_autocast", "autocast_off", "is_higher_order", "run_higher_order"]
 
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps")
+
+
+_AMBIENT = contextvars.ContextVar("rewrite_ambient_autocast", default=False)
+
+
+@contextlib.contextmanager
+def ambient_autocast() -> Iterator[None]:
+    """Inside the block ``autocast_off`` leaves the caller's autocast as it is: a
+    dynamo graph runs under the autocast state it was traced in (dynamo guards on
+    it), so ``rewrite.backend`` rewrites and checks it in that state."""
+    token = _AMBIENT.set(True)
+    try:
+        yield
+    finally:
+        _AMBIENT.reset(token)
 
 
 @contextlib.contextmanager
@@ -31,6 +48,9 @@ def autocast_off() -> Iterator[None]:
     them (a ``.to(torch.bfloat16)`` removed as a no-op) changes the model as it runs
     without. The rewrite is of the model itself; the check's own autocast runs (the
     precision noise of a rewrite in half precision) enter it again inside."""
+    if _AMBIENT.get():
+        yield
+        return
     with contextlib.ExitStack() as stack:
         for device in _AUTOCAST_DEVICES:
             try:
