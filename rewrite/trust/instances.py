@@ -1575,13 +1575,14 @@ def generator_for(opdef: Any) -> Callable | None:
 # ================================================================ building instances
 
 
-def _half_conv_over_padding(x: Any, w: Any, values: dict) -> bool:
-    """A float16 conv some dim of which has an output position whose window lies
-    wholly in the padding: torch 2.13's CPU float16 conv can crash the process there
-    (a segfault, not an exception: ``conv2d`` of a (1, 1, 3, 1) input by a 1x1
-    kernel, stride 2, padding 1, dilation 2; a grouped ``conv1d`` of length 1), so
-    no instance calls one."""
-    if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)) or x.dtype != torch.float16 or x.dim() < 3:
+def _conv_over_padding_only(x: Any, w: Any, values: dict) -> bool:
+    """A conv some dim of which has an output position whose window lies wholly in
+    the padding: torch 2.13's CPU float16 conv can crash the process there (a
+    segfault, not an exception: ``conv2d`` of a (1, 1, 3, 1) input by a 1x1 kernel,
+    stride 2, padding 1, dilation 2; a grouped ``conv1d`` of length 1), whether the
+    pattern computes in float16 or a replacement does (``amp_fp16.rw``), so no
+    instance holds one (such windows give the bias alone: nothing a rule reads)."""
+    if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)) or not x.is_floating_point() or x.dim() < 3:
         return False
     rank = x.dim() - 2
 
@@ -1813,9 +1814,9 @@ class _Builder:
                                        for pi, vi in zip(pat.items, v))
             else:
                 values[name] = self._seeded(pat, v)
-        if opdef.name == "conv" and _half_conv_over_padding(self._concrete(values.get("input")),
+        if opdef.name == "conv" and _conv_over_padding_only(self._concrete(values.get("input")),
                                                             self._concrete(values.get("weight")), values):
-            raise _Discard("a float16 conv whose windows read padding only along a dim (torch crashes there)")
+            raise _Discard("a conv with windows that read padding only (torch's float16 conv crashes there)")
         operands = {name: self.bind(pats.get(name), v) for name, v in values.items()}
         try:
             target, cargs, ckwargs = opdef.emit[self.dialect](operands, self.values.get)
