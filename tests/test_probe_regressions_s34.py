@@ -363,3 +363,24 @@ def test_a_family_literal_some_member_takes_loads():
     assert rules.apply(gm, (torch.randn(2, 8),)).counts == {"double": 1}
     with pytest.raises(rewrite.RuleError, match="E206"):  # no member takes it
         rewrite.parse("family g = mm | matmul\nrule r: g(x, 2) => x")
+
+
+def test_amp_bf16_keeps_a_conv3d_over_depth_one_in_float32():
+    """torch 2.13's CPU bfloat16 conv3d over an input of depth 1 with a 3-deep kernel
+    is off by the output's own scale (DemoCNN's conv3d of an unsqueezed map): the
+    rewrite failed the check now and then, with NaN or garbage (test_export_results)."""
+    class Flat3d(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c3 = torch.nn.Conv3d(2, 4, 3, padding=1)
+            self.c2 = torch.nn.Conv2d(2, 4, 3, padding=1)
+
+        def forward(self, x):
+            return self.c3(x.unsqueeze(2)).squeeze(2) + self.c2(x)
+
+    model, x = Flat3d().eval(), torch.randn(2, 2, 8, 8)
+    result = rewrite.load("rules/amp_bf16.rw").apply(fx.symbolic_trace(model), example_inputs=(x,))
+    assert result.counts.get("conv_bf16") == 1  # the 2-d conv only
+    torch.testing.assert_close(result.graph_module(x), model(x), rtol=0.05, atol=0.05)
+    fp16 = rewrite.load("rules/amp_fp16.rw").apply(fx.symbolic_trace(model), example_inputs=(x,))
+    assert fp16.counts.get("conv_fp16") == 2  # float16's conv3d is right there

@@ -125,6 +125,18 @@ def model_contiguous(y: Value) -> bool | None:
     return relaid
 
 
+@register_predicate(local=True)
+def lowp_conv_broken(x: Value, w: Value, dtype: Value) -> bool | None:
+    """A conv torch computes wrongly in ``dtype``: torch 2.13's CPU bfloat16 conv3d
+    over an input of depth 1 with a kernel deeper than 1 returns values off by as
+    much as the output's own scale (float32, float16, conv_transpose and the other
+    dims are right). None when a shape is unknown."""
+    mx, mw = x.meta, w.meta
+    if mx is None or mw is None:
+        return None
+    return dtype.literal == torch.bfloat16 and len(mx.shape) == 5 and mx.shape[2] == 1 and mw.shape[2] > 1
+
+
 @register_predicate()
 def fits(x: Value, dtype: Value) -> bool | None:
     """None, or a number ``dtype`` holds without overflow (within its largest finite
