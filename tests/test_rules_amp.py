@@ -165,8 +165,20 @@ def _root_op(name):
 
 # every op at both capture levels in bf16; the fp16 rules are the same rules with
 # another dtype, so a sample of them
-LOWER_CASES = ([(n, "bf16", "fx") for n in sorted(LOWER)] + [(n, "bf16", "export") for n in sorted(LOWER)]
-               + [(n, "fp16", "fx") for n in ("conv2d", "linear", "matmul", "prelu", "sdpa_float_mask")])
+# (conv3d stays float32 in bf16: torch's CPU bfloat16 conv3d is wrong on small shapes,
+# lowp_conv_broken; it is lowered in fp16)
+LOWER_CASES = ([(n, "bf16", "fx") for n in sorted(LOWER) if n != "conv3d"]
+               + [(n, "bf16", "export") for n in sorted(LOWER) if n != "conv3d"]
+               + [(n, "fp16", "fx") for n in ("conv2d", "conv3d", "linear", "matmul", "prelu", "sdpa_float_mask")])
+
+
+@pytest.mark.parametrize("level", ["fx", "export"])
+def test_a_bf16_conv3d_keeps_float32(level):
+    build, inputs = LOWER["conv3d"]
+    model, inputs = build().eval(), inputs()
+    result = rewrite_amp(model, inputs, "bf16", level)
+    assert not any(k.startswith("conv_bf16") for k in result.counts), result.counts
+    torch.testing.assert_close(result.graph_module(*inputs), model(*inputs))
 
 
 @pytest.mark.parametrize("name,kind,level", LOWER_CASES)
