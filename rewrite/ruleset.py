@@ -32,8 +32,8 @@ from rewrite.engine.compile import compile_rule
 from rewrite.engine.driver import Driver, Schedule
 from rewrite.engine.facts import forget_recorded_facts
 from rewrite.engine.layout import output_values, restore_output_layouts
-from rewrite.engine.workspace import (Journal, check_touched, gc_paused, own_module_path, own_written_state,
-                                       shared_copy)
+from rewrite.engine.workspace import (HOOK_TABLES, Journal, check_touched, gc_paused, own_module_path,
+                                       own_written_state, shared_copy)
 from rewrite.language import Program, ast, load_program, load_program_text
 from rewrite.module_state import AttributeSnapshot
 from rewrite.trust.modes import autocast_off
@@ -594,17 +594,14 @@ def _refuse_uninitialized(model: torch.nn.Module) -> None:
                 "to materialize it, then rewrite it")
 
 
-_ROOT_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
-               "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
-
-
 def _symbolic_trace(model: torch.nn.Module) -> fx.GraphModule:
     """``torch.fx.symbolic_trace(model)``, its failures told in the user's terms. A
     hook registered on the model itself is refused: the traced graph runs without it
     (hooks on submodules stay with them), so the result would compute something else,
     or (a state_dict hook: a checkpoint format's version, renamed keys) save and load
     other checkpoints than the model."""
-    hooks = [kind for kind in _ROOT_HOOKS if getattr(model, kind, None)]
+    # the tables beside a hook table (``_with_kwargs``, ``_always_called``) only mark its entries
+    hooks = [kind for kind in HOOK_TABLES if getattr(model, kind, None) and not kind.endswith(("_kwargs", "_called"))]
     if hooks:
         raise TypeError(
             f"{type(model).__name__} has hooks registered on itself ({', '.join(h.strip('_') for h in hooks)}), "

@@ -173,9 +173,12 @@ LOWER_CASES = ([(n, "bf16", "fx") for n in sorted(LOWER) if n != "conv3d"]
 
 
 @pytest.mark.parametrize("level", ["fx", "export"])
-def test_a_bf16_conv3d_keeps_float32(level):
+@pytest.mark.parametrize("batched", [True, False])
+def test_a_bf16_conv3d_keeps_float32(level, batched):
     build, inputs = LOWER["conv3d"]
     model, inputs = build().eval(), inputs()
+    if not batched:  # a 4-d input: the conv is told by its weight
+        inputs = (inputs[0][0],)
     result = rewrite_amp(model, inputs, "bf16", level)
     assert not any(k.startswith("conv_bf16") for k in result.counts), result.counts
     torch.testing.assert_close(result.graph_module(*inputs), model(*inputs))

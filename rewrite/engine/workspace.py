@@ -37,7 +37,7 @@ from torch.fx.graph import _illegal_names
 
 from rewrite.ops.effects import state_writes
 
-__all__ = ["CODE_ATTRIBUTES", "Journal", "check_touched", "compile_now", "gc_paused", "own_module_path",
+__all__ = ["CODE_ATTRIBUTES", "HOOK_TABLES", "Journal", "check_touched", "compile_now", "gc_paused", "own_module_path",
            "own_written_state", "shared_copy", "working_copy"]
 
 
@@ -106,7 +106,7 @@ class _LazyModule(_LazyGraphModule):
         from rewrite.capture import picklable
 
         plain = picklable(self)
-        for table in _HOOK_TABLES:
+        for table in HOOK_TABLES:
             hooks = getattr(self, table, None)
             if hooks:
                 setattr(plain, table, collections.OrderedDict(hooks))
@@ -114,9 +114,10 @@ class _LazyModule(_LazyGraphModule):
         return plain
 
 
-_HOOK_TABLES = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
-                "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
-                "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+#: every table of hooks torch keeps on a module (forward, backward, state_dict)
+HOOK_TABLES = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+               "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
+               "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
 
 
 def _lazy_type_for(base: type) -> type | None:

@@ -135,7 +135,7 @@ def lowp_conv_broken(x: Value, w: Value, dtype: Value) -> bool | None:
     mx, mw = x.meta, w.meta
     if mx is None or mw is None:
         return None
-    return dtype.literal == torch.bfloat16 and len(mx.shape) == 5
+    return dtype.literal == torch.bfloat16 and len(mw.shape) == 5  # the weight's: an unbatched input is 4-d
 
 
 @register_predicate()
