@@ -582,12 +582,15 @@ _MAX_REJECTIONS = 16
 def _refuse_uninitialized(model: torch.nn.Module) -> None:
     """A lazy module (``LazyLinear``) whose parameters have no shape yet cannot be
     rewritten: no fact about them is known until a forward pass materializes them."""
-    from torch.nn.parameter import is_lazy
+    from torch.nn.parameter import UninitializedTensorMixin
 
-    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-        if is_lazy(t):
-            owner = name.rpartition(".")[0]
-            kind = type(model.get_submodule(owner)).__name__ if owner else type(model).__name__
+    # the modules' own tables, read directly: named_parameters' bookkeeping was ~1 ms
+    # per 5000 tensors, on every apply
+    for owner, module in model.named_modules(remove_duplicate=False):
+        for name, t in [*module._parameters.items(), *module._buffers.items()]:
+            if not isinstance(t, UninitializedTensorMixin):
+                continue
+            kind = type(module).__name__
             raise TypeError(
                 f"{type(model).__name__} holds a lazy module not initialized yet ({kind} "
                 f"{owner or '(the model)'!r}, {name!r} has no shape): run the model once on example inputs "

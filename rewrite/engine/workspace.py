@@ -36,6 +36,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.graph import _illegal_names
 
 from rewrite.ops.effects import state_writes
+from rewrite.ops.reach import storage_key
 
 __all__ = ["CODE_ATTRIBUTES", "HOOK_TABLES", "Journal", "check_touched", "compile_now", "gc_paused", "own_module_path",
            "own_written_state", "shared_copy", "working_copy"]
@@ -232,7 +233,7 @@ def own_written_state(gm: fx.GraphModule) -> int:
     # Tensors sharing memory with a copied one (a second buffer viewing it, fx's
     # ``_tensor_constant`` of ``self.cache.t()``) view the copy's memory as they
     # viewed the original's: the copy's writes must reach its reads.
-    storages = {_storage_key(t) for _, _, t, parameters in places() if chosen(t, parameters)}
+    storages = {storage_key(t) for _, _, t, parameters in places() if chosen(t, parameters)}
     storages.discard(None)
     copies: dict = {}
     fresh_storages: dict = {}
@@ -240,7 +241,7 @@ def own_written_state(gm: fx.GraphModule) -> int:
     def own(t: torch.Tensor) -> torch.Tensor:
         copy_ = copies.get(id(t))
         if copy_ is None:
-            key = _storage_key(t)
+            key = storage_key(t)
             if key is None:
                 clone = t.detach().clone()
             else:
@@ -253,22 +254,9 @@ def own_written_state(gm: fx.GraphModule) -> int:
         return copy_
 
     for table, name, t, parameters in list(places()):
-        if chosen(t, parameters) or _storage_key(t) in storages:
+        if chosen(t, parameters) or storage_key(t) in storages:
             table[name] = own(t)
     return len(copies)
-
-
-def _storage_key(t: torch.Tensor) -> Any:
-    """What identifies ``t``'s memory (tensors with the same key share it), or None
-    when it has none to share (empty, quantized, sparse, a subclass)."""
-    if t.__class__ not in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer) or t.layout != torch.strided \
-            or t.is_quantized:
-        return None
-    try:
-        storage = t.untyped_storage()
-        return (t.device, storage.data_ptr()) if storage.nbytes() else None
-    except (RuntimeError, NotImplementedError, TypeError):
-        return None
 
 
 def _graph_module_copy(gm: fx.GraphModule, memo: dict) -> fx.GraphModule:

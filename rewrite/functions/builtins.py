@@ -474,16 +474,20 @@ def _all_finite(t: torch.Tensor) -> bool:
 
 
 def _memo_last(fn: Any) -> Any:
-    """Remember the last result: a fold computes weight and bias in two calls
-    with the same arguments, and torch's math returns both at once."""
-    last: list = [None, None, None]
+    """Remember the last result: a fold computes weight and bias in two calls with
+    the same arguments, and torch's math returns both at once. Called as
+    ``fn(part, *args)``, it returns ``fn(*args)[part]``, each part of a result once:
+    a second call for the same part computes it anew, so no two constants (of one
+    rewrite or of two) are one tensor (the replacer keeps these without a copy)."""
+    last: list = [None, None, None, set()]
 
-    def wrapper(*args: Any) -> Any:
+    def wrapper(part: int, *args: Any) -> Any:
         key = tuple(id(a) if isinstance(a, torch.Tensor) else a for a in args)
-        if last[0] != key:
+        if last[0] != key or part in last[3]:
             # keep the arguments alive so their ids cannot be reused by other tensors
-            last[0], last[1], last[2] = key, fn(*args), args
-        return last[1]
+            last[0], last[1], last[2], last[3] = key, fn(*args), args, set()
+        last[3].add(part)
+        return last[1][part]
 
     return wrapper
 
@@ -520,37 +524,37 @@ def _linear_bn(w: Any, b: Any, mean: Any, var: Any, gamma: Any, beta: Any, eps: 
 @register_constant()
 def conv_bn_weight(w: Any, b: Any, mean: Any, var: Any, gamma: Any, beta: Any, eps: float) -> Any:
     """Weight of ``conv`` followed by eval-mode ``batch_norm``, folded (torch's math)."""
-    return _conv_bn(w, b, mean, var, gamma, beta, eps, False)[0]
+    return _conv_bn(0, w, b, mean, var, gamma, beta, eps, False)
 
 
 @register_constant()
 def conv_bn_bias(w: Any, b: Any, mean: Any, var: Any, gamma: Any, beta: Any, eps: float) -> Any:
     """Bias of ``conv`` followed by eval-mode ``batch_norm``, folded (torch's math)."""
-    return _conv_bn(w, b, mean, var, gamma, beta, eps, False)[1]
+    return _conv_bn(1, w, b, mean, var, gamma, beta, eps, False)
 
 
 @register_constant()
 def conv_transpose_bn_weight(w: Any, b: Any, mean: Any, var: Any, gamma: Any, beta: Any, eps: float) -> Any:
     """Weight of ``conv_transpose`` (groups=1) followed by ``batch_norm``, folded."""
-    return _conv_bn(w, b, mean, var, gamma, beta, eps, True)[0]
+    return _conv_bn(0, w, b, mean, var, gamma, beta, eps, True)
 
 
 @register_constant()
 def conv_transpose_bn_bias(w: Any, b: Any, mean: Any, var: Any, gamma: Any, beta: Any, eps: float) -> Any:
     """Bias of ``conv_transpose`` (groups=1) followed by ``batch_norm``, folded."""
-    return _conv_bn(w, b, mean, var, gamma, beta, eps, True)[1]
+    return _conv_bn(1, w, b, mean, var, gamma, beta, eps, True)
 
 
 @register_constant()
 def linear_bn_weight(w: Any, b: Any, mean: Any, var: Any, gamma: Any, beta: Any, eps: float) -> Any:
     """Weight of ``linear`` followed by eval-mode ``batch_norm`` (2-d input), folded."""
-    return _linear_bn(w, b, mean, var, gamma, beta, eps)[0]
+    return _linear_bn(0, w, b, mean, var, gamma, beta, eps)
 
 
 @register_constant()
 def linear_bn_bias(w: Any, b: Any, mean: Any, var: Any, gamma: Any, beta: Any, eps: float) -> Any:
     """Bias of ``linear`` followed by eval-mode ``batch_norm`` (2-d input), folded."""
-    return _linear_bn(w, b, mean, var, gamma, beta, eps)[1]
+    return _linear_bn(1, w, b, mean, var, gamma, beta, eps)
 
 
 @register_constant()

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import Any, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -37,6 +37,7 @@ from torch.utils import _pytree as pytree
 
 from rewrite.capture import is_export_guard
 from rewrite.ops.base import attribute, by_identity, nodes_by_target, submodule
+from rewrite.ops.reach import reachable_tensors, storage_key
 
 __all__ = [
     "VIEW_NAMES", "ALIASING_NAMES", "ALIASING_MODULES", "FRESH_COMPOSITES", "FRESH_FUNCTIONS", "FRESH_OPERATORS",
@@ -45,7 +46,7 @@ __all__ = [
     "written_args", "written_nodes", "target_writes", "flagged_writes", "flag_on", "call_writes",
     "opdef_writes", "opdef_may_alias",
     "module_writes_own_state",
-    "state_writes",
+    "state_writes", "hooked_tensors",
 ]
 
 #: Ops whose result is always a view of their first input.
@@ -917,9 +918,7 @@ def state_writes(gm: Any) -> "frozenset[int] | None":
     an argument may write every state tensor that argument aliases; a module that
     writes its own state (``module_writes_own_state``) may write all of it and
     everything its arguments alias. About 4 us per node that reads state."""
-    if not isinstance(gm, fx.GraphModule) or _global_hooks() or any(
-            getattr(hook, "__module__", None) not in _HARMLESS_HOOK_MODULES
-            for hook in [*gm._forward_pre_hooks.values(), *gm._forward_hooks.values()]):
+    if not isinstance(gm, fx.GraphModule) or _global_hooks() or _hooks_of(gm, recurse=False):
         return None  # something besides the graph runs: it may write anything
     if _only_quiet_calls(gm.graph):
         return frozenset()
@@ -962,6 +961,10 @@ def state_writes(gm: Any) -> "frozenset[int] | None":
             module = _module(node, gm)
             if module is None:
                 return None
+            hooked_writes = _hooks_reach(module, gm)
+            if hooked_writes is None:
+                return None  # a hook holds more than can be told: it may write anything
+            written |= hooked_writes
             writes_own_state, writes_arguments, aliasing = module_effects(module)
             if writes_own_state:
                 own = {id(t) for t in [*module.parameters(), *module.buffers()]}
@@ -999,6 +1002,51 @@ def state_writes(gm: Any) -> "frozenset[int] | None":
         if aliasing:
             aliases[node] = args
     return frozenset(written)
+
+
+def _hooks_of(module: Any, recurse: bool = True) -> list:
+    """The caller's hooks calling ``module`` runs (forward, pre-forward and backward,
+    on it or, with ``recurse``, on a module it holds); torch.export's own
+    input-unlifting hook is not one."""
+    return [hook for m in (module.modules() if recurse else (module,))
+            for table in (m._forward_pre_hooks, m._forward_hooks, m._backward_hooks, m._backward_pre_hooks)
+            for hook in table.values() if getattr(hook, "__module__", None) not in _HARMLESS_HOOK_MODULES]
+
+
+def hooked_tensors(module: Any) -> "list | None":
+    """Every tensor the caller's hooks on ``module`` and the modules it holds can
+    reach (``rewrite.ops.reach``: what they close over, the globals they name), which
+    they may write: a counter on the root, another layer's weight, a tensor outside
+    the model. None when that is unbounded."""
+    found: list = []
+    for hook in _hooks_of(module):
+        reached = reachable_tensors(hook)
+        if reached is None:
+            return None
+        found += reached
+    return found
+
+
+def _hooks_reach(module: Any, gm: Any) -> "set | None":
+    """The ids of ``gm``'s state tensors the hooks a call of ``module`` runs may write
+    (``hooked_tensors``), or None when unbounded."""
+    reached = hooked_tensors(module)
+    if not reached:
+        return None if reached is None else set()
+    storages = {storage_key(t) for t in reached} - {None}
+    found = {id(t) for t in reached}
+    for table in _state_tables(gm):
+        for t in table.values():
+            if isinstance(t, torch.Tensor) and storage_key(t) in storages:
+                found.add(id(t))
+    return found
+
+
+def _state_tables(gm: Any) -> Iterator:
+    for m in gm.modules():
+        yield m._parameters
+        yield m._buffers
+        yield {k: v for k, v in vars(m).items() if isinstance(v, torch.Tensor)}
 
 
 def _only_quiet_calls(graph: fx.Graph) -> bool:

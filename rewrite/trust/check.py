@@ -75,7 +75,7 @@ from rewrite.engine.symbolic import size_hint
 from rewrite.engine.workspace import CODE_ATTRIBUTES, gc_paused
 from rewrite.module_state import AttributeSnapshot
 from rewrite.ops.base import ConstRef, attribute, nodes_by_target
-from rewrite.ops.effects import call_writes, state_writes, written_args
+from rewrite.ops.effects import call_writes, hooked_tensors, state_writes, written_args
 from rewrite.ops.vocabulary import CALL_OPS, OPS, bind_node
 from rewrite.trust.gradients import GradientRun, grad_leaves, gradient_run, moved, redrawn
 from rewrite.trust.held import input_leaves, map_held
@@ -1098,9 +1098,10 @@ def _fields_as_dicts(tree: Any) -> Any:
 
 class _SavedState:
     """Parameters and buffers of some modules as they were, their modes and which
-    parameters require grad: ``restore`` puts back what changed (parameters by
-    version counter, buffers also by value:
-    kernels update some without bumping their version), as often as needed.
+    parameters require grad: ``restore`` puts back what changed, told by version
+    counter and by value (kernels update some buffers without bumping their version;
+    a hook's ``w.data.clamp_()`` writes through ``.data``, which has a counter of its
+    own), as often as needed.
     ``runs_only``: the block does nothing but call the modules, so a GraphModule's
     state its graph cannot write is not saved (cloning ResNet-50's 25M parameters
     costs more than the rest of the check's bookkeeping), and what it may write is
@@ -1134,18 +1135,19 @@ class _SavedState:
             params = list(fn.parameters())
             self._params += params
             self._flag_values += list(map(_REQUIRES_GRAD, params))
-            buffers = {id(t) for t in fn.buffers()}
-            for t in (watch.state if watch is not None else _state(fn)).values():
+            # and what the caller's hooks can reach outside the model: a hook on a copy of a
+            # module (the check's reference) still writes the tensor it closes over
+            reached = (hooked_tensors(fn) or []) if writable is None or writable else []
+            for t in [*(watch.state if watch is not None else _state(fn)).values(), *reached]:
                 if id(t) not in seen and (writable is None or id(t) in writable):
                     seen.add(id(t))
-                    self.saved.append([t, t._version, t.detach().clone(), writable is not None or id(t) in buffers,
-                                       t.grad_fn])
+                    self.saved.append([t, t._version, t.detach().clone(), t.grad_fn])
 
     def restore(self) -> None:
         with torch.no_grad():
             for entry in self.saved:
-                t, version, copy, by_value, grad_fn = entry
-                if t._version != version or (by_value and not _same_values(t, copy)):
+                t, version, copy, grad_fn = entry
+                if t._version != version or not _same_values(t, copy):
                     t.copy_(copy)
                     if t.grad_fn is not grad_fn and grad_fn is None and not t._is_view():
                         # a write with gradients enabled (the first trial) left it autograd

@@ -1,0 +1,158 @@
+"""What a hook can reach: the tensors Python code registered on a module may write.
+
+A forward hook is code no schema describes. It is given its module, its inputs and
+(a forward hook) its output, and it may write anything else it holds: a counter on
+the root module it closes over (``gm.seen.add_(1)``), another layer's weight it
+clamps (``model.conv.weight.data.clamp_(...)``). ``state_writes`` must count what a
+hook can reach among the written state, or the check does not put it back after its
+runs and constant folds read a weight the hook rewrites.
+
+``reachable_tensors(fn)`` walks what ``fn`` holds: its closure, defaults, the
+globals its code names, a bound method's object, a ``functools.partial``'s parts,
+and from there containers, objects' attributes and modules' tensors. It answers
+every tensor found, or None when the walk cannot be bounded (too many
+objects, or an object it cannot look into): the caller then treats every state
+tensor as written. A feature hook appending to a list it closes over reaches no
+tensor of the model and costs nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import types
+import weakref
+from typing import Any, Iterator, Optional
+
+import torch
+
+__all__ = ["reachable_tensors", "storage_key"]
+
+#: objects visited before the walk gives up (None: everything may be written)
+_LIMIT = 20000
+
+_ATOMS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.memory_format,
+          torch.layout, type(Ellipsis), range, slice, types.GetSetDescriptorType, types.MemberDescriptorType,
+          types.WrapperDescriptorType, types.MethodDescriptorType, types.ClassMethodDescriptorType,
+          types.MethodWrapperType, types.CodeType)
+
+#: objects whose references the walk cannot follow (a suspended frame's locals)
+_OPAQUE = (types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType, types.FrameType)
+
+#: classes and functions of these packages hold no model (their globals are not walked)
+_LIBRARIES = ("torch", "numpy", "rewrite", "transformers", "functorch", "builtins")
+
+
+def storage_key(t: torch.Tensor) -> Any:
+    """What identifies ``t``'s memory (tensors with the same key share it), or None
+    when it has none to share (empty, quantized, sparse, a subclass)."""
+    if t.__class__ not in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer) or t.layout != torch.strided \
+            or t.is_quantized:
+        return None
+    try:
+        storage = t.untyped_storage()
+        return (t.device, storage.data_ptr()) if storage.nbytes() else None
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+def reachable_tensors(fn: Any) -> Optional[list]:
+    """Every tensor ``fn`` can reach, or None when that is unbounded."""
+    found: list = []
+    seen: set = set()
+    stack = [fn]
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, _ATOMS) or id(obj) in seen or _numpy_value(obj):
+            continue
+        seen.add(id(obj))
+        if len(seen) > _LIMIT:
+            return None
+        if isinstance(obj, torch.Tensor):
+            if storage_key(obj) is None and obj.__class__ not in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer):
+                return None  # a subclass may hold tensors of its own
+            found.append(obj)
+            continue
+        children = _held(obj)
+        if children is None:
+            return None
+        stack.extend(children)
+    return found
+
+
+def _held(obj: Any) -> Optional[list]:
+    """What ``obj`` holds that a call of it, or code given it, can reach; None when
+    that cannot be told."""
+    if isinstance(obj, types.ModuleType):
+        return [] if _library(obj) else list(vars(obj).values())
+    if isinstance(obj, _OPAQUE):
+        return None
+    if isinstance(obj, types.FunctionType):
+        held = [c.cell_contents for c in (obj.__closure__ or ()) if _filled(c)]
+        held += list(obj.__defaults__ or ()) + list((obj.__kwdefaults__ or {}).values())
+        if not _library(sys.modules.get(obj.__module__ or "")):  # a library's globals hold no model
+            held += [obj.__globals__[name] for name in _names(obj.__code__) if name in obj.__globals__]
+        return held + list(vars(obj).values())
+    if isinstance(obj, types.MethodType):
+        return [obj.__func__, obj.__self__]
+    if isinstance(obj, types.BuiltinFunctionType):  # also a C method bound to its object (``t.add_``)
+        return [obj.__self__]
+    if isinstance(obj, weakref.ref):
+        return [obj()]
+    if isinstance(obj, functools.partial):
+        return [obj.func, *obj.args, *obj.keywords.values()]
+    if isinstance(obj, dict):
+        return [*obj.keys(), *obj.values()]
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return list(obj)
+    if isinstance(obj, types.CellType):
+        return [obj.cell_contents] if _filled(obj) else []
+    if isinstance(obj, type):
+        return [] if _library(sys.modules.get(obj.__module__ or "")) else list(vars(obj).values())
+    if isinstance(obj, property):
+        return [obj.fget, obj.fset, obj.fdel]
+    if isinstance(obj, (staticmethod, classmethod)):
+        return [obj.__func__]
+    held = list(vars(obj).values()) if hasattr(obj, "__dict__") else []
+    for cls in type(obj).__mro__:  # __slots__ entries
+        for slot in getattr(cls, "__slots__", ()):
+            if isinstance(slot, str) and hasattr(obj, slot):
+                held.append(getattr(obj, slot))
+    held.append(type(obj))  # its methods, and the globals their code names
+    return held  # an object of C code without either holds nothing Python code reaches
+
+
+def _library(module: Optional[types.ModuleType]) -> bool:
+    """A module of the standard library or an installed package (``site-packages``),
+    whose globals hold no model of the caller's; the caller's own modules (a script
+    holding a model in a global) are walked, and so is an unknown one."""
+    if module is None:
+        return False
+    name = module.__name__.partition(".")[0]
+    if name in sys.stdlib_module_names or name in _LIBRARIES:
+        return True
+    where = getattr(module, "__file__", None) or ""
+    return not where or "-packages" in where
+
+
+def _numpy_value(obj: Any) -> bool:
+    """A numpy array or scalar: data, not references (an array ``torch.from_numpy``
+    shares with a buffer is beyond this walk)."""
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(obj, (numpy.ndarray, numpy.generic))
+
+
+def _filled(cell: types.CellType) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell (a name assigned after the closure was made)
+        return False
+    return True
+
+
+def _names(code: types.CodeType) -> Iterator[str]:
+    """Global names ``code`` and the code nested in it (comprehensions, inner functions) read."""
+    yield from code.co_names
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _names(const)
