@@ -131,3 +131,94 @@ def test_a_feature_hook_leaves_the_folds_to_fire():
     result = rewrite.load(FUSION).apply(gm, example_inputs=(x,))
     assert result.counts == {"conv_bn": 1}
     torch.testing.assert_close(result.graph_module(x), model(x))
+
+
+# ---------------------------------------------------------------- folded constants kept without a copy
+
+
+def _storages(gm):
+    return [t.untyped_storage().data_ptr() for t in [*gm.parameters(), *gm.buffers()] if t.numel()]
+
+
+def test_folded_constants_share_memory_with_nothing():
+    """A fold's result is kept without a copy: no two constants of one result, of two
+    results, or of a result and its input may then be one tensor (a conv + batch norm
+    called twice folds the same weights twice; two applies fold the same model)."""
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(3, 3, 3, padding=1), nn.BatchNorm2d(3)
+
+        def forward(self, x):
+            return self.bn(self.conv(self.bn(self.conv(x))))
+
+    model = Twice().eval()
+    with torch.no_grad():
+        model.bn.running_mean.uniform_(-1, 1)
+    x = torch.randn(2, 3, 6, 6)
+    rules = rewrite.load(FUSION)
+    first, second = (rules.apply(fx.symbolic_trace(model), example_inputs=(x,)) for _ in range(2))
+    assert first.counts == second.counts == {"conv_bn": 2}
+    made = [_storages(r.graph_module) for r in (first, second)]
+    for storages in made:
+        assert len(storages) == len(set(storages)) == 4
+    assert not set(made[0]) & set(made[1])
+    assert not set(made[0]) & set(_storages(model))
+    torch.testing.assert_close(first.graph_module(x), model(x))
+
+
+def test_a_cast_to_the_dtype_a_weight_has_is_still_a_copy():
+    """``cast`` returns its argument when the dtype is right already: the constant is
+    then copied, not the caller's tensor itself."""
+    text = ('rule to_f32: linear(x, w, b) where const(w) => linear(x, cast(w, torch.float32), b)\n'
+            'ruleset main = once(to_f32)\n')
+    model = nn.Sequential(nn.Linear(3, 3)).eval()
+    result = rewrite.parse(text).apply(fx.symbolic_trace(model), example_inputs=(torch.randn(2, 3),))
+    assert result.counts == {"to_f32": 1}
+    new = [t for t in result.graph_module.buffers()] + [p for p in result.graph_module.parameters()
+                                                        if p is not model[0].weight and p is not model[0].bias]
+    assert new and all(t.data_ptr() != model[0].weight.data_ptr() for t in new)
+
+
+# ---------------------------------------------------------------- masks in half precision
+
+
+class _MaskedAttention(nn.Module):
+    """Eager attention with an additive padding mask of ``finfo(dtype).min`` (as
+    transformers builds it) in the model's dtype."""
+
+    def __init__(self, fill=None):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.fill = fill
+
+    def forward(self, x, keep):
+        q, k, v = (t.view(x.shape[0], x.shape[1], 2, 8).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        fill = torch.finfo(x.dtype).min if self.fill is None else self.fill
+        mask = torch.zeros(keep.shape, dtype=x.dtype).masked_fill(keep == 0, fill)[:, None, None, :]
+        scores = torch.matmul(q, k.transpose(-2, -1)) * 0.35 + mask
+        return torch.matmul(torch.softmax(scores, -1), v)
+
+
+@pytest.mark.parametrize("dtype,fill,fires", [
+    (torch.float32, None, True), (torch.bfloat16, None, True), (torch.float16, None, False),
+    (torch.bfloat16, -10000.0, False), (torch.float32, -10000.0, True)])
+def test_a_mask_that_rounds_scores_away_in_half_precision_only_stays_written_out(dtype, fill, fires):
+    """float16's finfo.min (-65504), or a -10000 mask in bfloat16, rounds a fully padded
+    row's scores to one value in the written-out softmax (a uniform average) where
+    scaled_dot_product_attention adds the mask in float32 and keeps them (probe X F1:
+    a float16 T5 encoder off by 1.7 on a padded sequence, which passed the check)."""
+    torch.manual_seed(0)
+    model = _MaskedAttention(fill).eval().to(dtype)
+    x, keep = torch.randn(3, 6, 16, dtype=dtype), torch.ones(3, 6, dtype=torch.long)
+    keep[1, 4:] = 0
+    gm = torch.export.export(model, (x, keep)).module()
+    result = rewrite.load("rules/transformer.rw")["transformer"].apply(gm, example_inputs=(x, keep))
+    assert bool(result.counts.get("attention_scale_mask")) is fires, result.counts
+    padded = keep.clone()
+    padded[2] = 0  # a sequence that is padding throughout
+    with torch.no_grad():
+        want, got = model(x, padded).float(), result.graph_module(x, padded).float()
+    scale = want.abs().max().item()
+    assert (want - got).abs().max().item() <= 0.02 * scale

@@ -10,6 +10,8 @@ say (no shape information), so a rule whose fact is unknown does not fire.
 
 from __future__ import annotations
 
+import math
+
 from typing import Any
 
 import torch
@@ -255,6 +257,14 @@ def _finite_number(v: int | float, dtype: torch.dtype) -> bool:
 def _no_minus_inf(x: Value) -> bool | None:
     """True when no element of ``x`` can be -inf, from how the graph computes it;
     None when that is not known."""
+    return _every_value(x, _finite_number, lambda t: not bool(torch.isneginf(t).any()), integers=True)
+
+
+def _every_value(x: Value, number_ok: Any, tensor_ok: Any, integers: bool) -> bool | None:
+    """True when every value ``x`` can hold passes the checks, from how the graph
+    computes it: ``number_ok(v, dtype)`` for each number a fill or selection puts in
+    it, ``tensor_ok(t)`` for each constant it reads; ``integers``: values converted
+    from an integer tensor (of unknown size) are allowed. None when not known."""
     facts = x.facts
     gm = facts.gm
     # a write in place may put -inf into a value after it is computed: the memory of
@@ -266,7 +276,7 @@ def _no_minus_inf(x: Value) -> bool | None:
         operand = todo.pop()
         if isinstance(operand, ConstRef):  # a module's tensor (symbolic_trace's call_module operands)
             t = facts.constant_of(operand) if facts.is_const(operand) else None
-            if not isinstance(t, torch.Tensor) or bool(torch.isneginf(t).any()):
+            if not isinstance(t, torch.Tensor) or not tensor_ok(t):
                 return None
             continue
         if not isinstance(operand, torch.fx.Node):
@@ -290,7 +300,7 @@ def _no_minus_inf(x: Value) -> bool | None:
             if not facts.is_const(operand):
                 return None  # the graph writes it: its values when it is read are not these
             t = facts.constant_of(operand)
-            if not isinstance(t, torch.Tensor) or bool(torch.isneginf(t).any()):
+            if not isinstance(t, torch.Tensor) or not tensor_ok(t):
                 return None
             continue
         name = _op_name(operand)
@@ -299,20 +309,21 @@ def _no_minus_inf(x: Value) -> bool | None:
         numbers = [v for v in (*operand.args, *operand.kwargs.values())
                    if isinstance(v, (int, float)) and not isinstance(v, bool)]
         if name in _FILLING:
-            if name not in _FILLING_NOTHING and not all(_finite_number(v, dtype) for v in numbers):
+            if name not in _FILLING_NOTHING and not all(number_ok(v, dtype) for v in numbers):
                 return None
             todo.extend(n for n in operand.all_input_nodes if name == "fill")
             continue
         if name in _CASTING:
             source = operand.args[0] if operand.args else None
             sm = facts.meta(source) if isinstance(source, torch.fx.Node) else None
-            if sm is None or not _holds_finitely(dtype, sm.dtype):
+            if sm is None or not _holds_finitely(dtype, sm.dtype) or (
+                    not integers and not sm.dtype.is_floating_point and sm.dtype != torch.bool):
                 return None
             todo.append(source)
             continue
         if name not in _SELECTING:
             return None
-        if name in _FILLING_WITH and not all(_finite_number(v, dtype) for v in numbers):
+        if name in _FILLING_WITH and not all(number_ok(v, dtype) for v in numbers):
             return None
         for arg in operand.all_input_nodes:
             am = facts.meta(arg)
@@ -320,9 +331,58 @@ def _no_minus_inf(x: Value) -> bool | None:
                 return None
             if am.dtype.is_floating_point:
                 todo.append(arg)
-            elif name not in _INDEXING and not _holds_finitely(dtype, am.dtype):
+            elif name not in _INDEXING and (not _holds_finitely(dtype, am.dtype) or (
+                    not integers and am.dtype != torch.bool)):
                 return None  # integer values that a half-precision result may not hold
     return True
+
+
+#: a mask value at least this large rounds every attention score away in float32 too
+_HUGE = 2.0 ** 100
+#: a bias at most this large is of the size of the scores it is added to: it rounds
+#: them as their own precision does (a learned position bias); past it, a value swamps
+#: them (a mask's -10000 or -65504)
+_SCORE_SIZED = 64.0
+
+
+def _rounds_alike(v: float) -> bool:
+    """Adding ``v`` to attention scores in half precision keeps what float32 keeps:
+    a value of the scores' own size, or one so large that float32 rounds them away
+    too (bfloat16's ``finfo.min``)."""
+    return abs(v) <= _SCORE_SIZED or abs(v) >= _HUGE or math.isnan(v)
+
+
+def _number_rounds_alike(v: int | float, dtype: torch.dtype) -> bool:
+    return _rounds_alike(float(torch.tensor(float(v), dtype=torch.float64).to(dtype)))
+
+
+def _tensor_rounds_alike(t: torch.Tensor) -> bool:
+    if not t.is_floating_point():
+        return False
+    a = t.detach().abs()
+    return not bool(((a > _SCORE_SIZED) & (a < _HUGE)).any())
+
+
+@register_predicate()
+def mask_rounds_alike(m: Value, q: Value) -> bool:
+    """Adding the mask ``m`` to the scores of queries ``q`` rounds them in ``q``'s
+    dtype as ``scaled_dot_product_attention`` does: always in float32 and float64; in
+    float16 and bfloat16, where the CPU kernel adds the mask in float32, only when
+    every value ``m`` can hold is of the scores' own size (at most 64) or so large
+    that float32 rounds the scores away too. Else a row masked throughout differs: float16's ``finfo.min``
+    (-65504) rounds a fully padded row's scores to one value in the written-out
+    softmax (a uniform average) while the kernel keeps them (probe X F1: a float16 T5
+    encoder off by 1.7 on a padded sequence). bfloat16's ``finfo.min`` is large
+    enough. Unknown values: the rule does not fire."""
+    meta = q.meta
+    if meta is None or not meta.dtype.is_floating_point:
+        return False
+    if meta.dtype in (torch.float32, torch.float64):
+        return True
+    if m.is_literal:
+        v = m.literal
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and _number_rounds_alike(v, meta.dtype)
+    return bool(_every_value(m, _number_rounds_alike, _tensor_rounds_alike, integers=False))
 
 
 @register_predicate()
