@@ -1008,9 +1008,20 @@ def _hooks_of(module: Any, recurse: bool = True) -> list:
     """The caller's hooks calling ``module`` runs (forward, pre-forward and backward,
     on it or, with ``recurse``, on a module it holds); torch.export's own
     input-unlifting hook is not one."""
-    return [hook for m in (module.modules() if recurse else (module,))
-            for table in (m._forward_pre_hooks, m._forward_hooks, m._backward_hooks, m._backward_pre_hooks)
-            for hook in table.values() if getattr(hook, "__module__", None) not in _HARMLESS_HOOK_MODULES]
+    found: list = []
+    stack, seen = [module], set()
+    while stack:  # (``modules()`` costs a generator per module: state_writes asks every call_module)
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        if m._forward_pre_hooks or m._forward_hooks or m._backward_hooks or m._backward_pre_hooks:
+            found += [hook for table in (m._forward_pre_hooks, m._forward_hooks, m._backward_hooks,
+                                         m._backward_pre_hooks)
+                      for hook in table.values() if getattr(hook, "__module__", None) not in _HARMLESS_HOOK_MODULES]
+        if recurse and m._modules:
+            stack += [child for child in m._modules.values() if child is not None]
+    return found
 
 
 def hooked_tensors(module: Any) -> "list | None":
