@@ -222,3 +222,93 @@ def test_a_mask_that_rounds_scores_away_in_half_precision_only_stays_written_out
         want, got = model(x, padded).float(), result.graph_module(x, padded).float()
     scale = want.abs().max().item()
     assert (want - got).abs().max().item() <= 0.02 * scale
+
+
+# ---------------------------------------------------------------- probe Y: the reach walk itself
+
+
+def _fold_model():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).eval()
+    return model, fx.symbolic_trace(model), torch.randn(2, 3, 8, 8)
+
+
+def test_a_feature_list_of_inference_tensors_does_not_break_apply():
+    """Features captured under ``torch.inference_mode()`` have no version counter:
+    nothing outside inference mode can write them, and the check does not save them."""
+    model, gm, x = _fold_model()
+    feats = []
+    gm.get_submodule("2").register_forward_hook(lambda m, i, o: feats.append(o))
+    with torch.inference_mode():
+        gm(x)
+    assert rewrite.load(FUSION).apply(gm, example_inputs=(x,)).counts == {"conv_bn": 1}
+
+
+def test_what_c_containers_and_notebook_globals_reach():
+    import collections
+    import sys
+    import types
+
+    held = torch.zeros(2)
+    ids = lambda found: None if found is None else {id(t) for t in found}  # noqa: E731
+    assert ids(reachable_tensors(collections.deque([held]))) == {id(held)}
+    assert ids(reachable_tensors(types.MappingProxyType({"t": held}))) == {id(held)}
+    assert ids(reachable_tensors(held.__setitem__)) == {id(held)}
+    assert ids(reachable_tensors(iter([held]))) == {id(held)}
+    # a module without __file__ (a notebook's __main__, ``python -c``) is the caller's own
+    cell = types.ModuleType("probe_y_cell")
+    sys.modules[cell.__name__] = cell
+    try:
+        exec("import torch\nCOUNTER = torch.zeros(())\ndef hook(m, i, o):\n    COUNTER.add_(1)\n", cell.__dict__)
+        assert ids(reachable_tensors(cell.hook)) == {id(cell.COUNTER)}
+    finally:
+        del sys.modules[cell.__name__]
+
+
+class _Odd:
+    """A slotted object that answers every attribute (a config proxy)."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self):
+        object.__setattr__(self, "_data", {})
+
+    def __getattr__(self, name):
+        return self._data[name]
+
+
+def test_an_object_that_fails_when_looked_into_leaves_apply_working():
+    model, gm, x = _fold_model()
+    odd = _Odd()
+
+    def hook(module, inputs, output):
+        getattr(odd, "anything", None) if False else None  # holds odd, returns nothing
+
+    gm.get_submodule("2").register_forward_hook(hook)
+    result = rewrite.load(FUSION).apply(gm, example_inputs=(x,))
+    torch.testing.assert_close(result.graph_module(x), model(x))
+
+
+def test_a_hook_writing_what_its_module_holds_is_put_back():
+    """``module.trackers`` is a plain list, not a buffer: the module the hook is given
+    is walked too."""
+    model, gm, x = _fold_model()
+    stats = torch.zeros(4)
+    relu = gm.get_submodule("2")
+    relu.trackers = [stats]
+
+    def track(module, inputs, output):
+        module.trackers[0].add_(output.mean((0, 2, 3)).detach())
+
+    relu.register_forward_hook(track)
+    rewrite.load(FUSION).apply(gm, example_inputs=(x,))
+    assert torch.equal(stats, torch.zeros(4))
+
+
+def test_a_bfloat16_mask_of_moderate_size_stays_written_out():
+    """bfloat16 rounds -40 to steps of 0.25: a row masked throughout rounds its scores
+    more coarsely written out than in sdpa (the bound is below 4 there)."""
+    model = _MaskedAttention(-40.0).eval().to(torch.bfloat16)
+    x, keep = torch.randn(3, 6, 16, dtype=torch.bfloat16), torch.ones(3, 6, dtype=torch.long)
+    gm = torch.export.export(model, (x, keep)).module()
+    result = rewrite.load("rules/transformer.rw")["transformer"].apply(gm, example_inputs=(x, keep))
+    assert "attention_scale_mask" not in result.counts

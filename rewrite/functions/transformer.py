@@ -339,28 +339,34 @@ def _every_value(x: Value, number_ok: Any, tensor_ok: Any, integers: bool) -> bo
 
 #: a mask value at least this large rounds every attention score away in float32 too
 _HUGE = 2.0 ** 100
-#: a bias at most this large is of the size of the scores it is added to: it rounds
-#: them as their own precision does (a learned position bias); past it, a value swamps
-#: them (a mask's -10000 or -65504)
-_SCORE_SIZED = 64.0
+#: a bias below 2**(mantissa bits - 5) is of the size of the scores it is added to:
+#: the sum's rounding step stays at most 2**-5 (float16: below 32; bfloat16: below 4),
+#: as the scores' own precision; past it, a value swamps them (a mask's -10000 or -65504)
+_SCORE_SIZED = {torch.float16: 2.0 ** (10 - 5), torch.bfloat16: 2.0 ** (7 - 5)}
 
 
-def _rounds_alike(v: float) -> bool:
+def _rounds_alike(v: float, dtype: torch.dtype) -> bool:
     """Adding ``v`` to attention scores in half precision keeps what float32 keeps:
     a value of the scores' own size, or one so large that float32 rounds them away
     too (bfloat16's ``finfo.min``)."""
-    return abs(v) <= _SCORE_SIZED or abs(v) >= _HUGE or math.isnan(v)
+    return abs(v) < _score_sized(dtype) or abs(v) >= _HUGE or math.isnan(v)
+
+
+def _score_sized(dtype: torch.dtype) -> float:
+    """The bound for ``dtype``; for another (a float32 value on its way into a
+    bfloat16 mask) the smaller one."""
+    return _SCORE_SIZED.get(dtype, min(_SCORE_SIZED.values()))
 
 
 def _number_rounds_alike(v: int | float, dtype: torch.dtype) -> bool:
-    return _rounds_alike(float(torch.tensor(float(v), dtype=torch.float64).to(dtype)))
+    return _rounds_alike(float(torch.tensor(float(v), dtype=torch.float64).to(dtype)), dtype)
 
 
 def _tensor_rounds_alike(t: torch.Tensor) -> bool:
     if not t.is_floating_point():
         return False
     a = t.detach().abs()
-    return not bool(((a > _SCORE_SIZED) & (a < _HUGE)).any())
+    return not bool(((a >= _score_sized(t.dtype)) & (a < _HUGE)).any())
 
 
 @register_predicate()
@@ -368,8 +374,8 @@ def mask_rounds_alike(m: Value, q: Value) -> bool:
     """Adding the mask ``m`` to the scores of queries ``q`` rounds them in ``q``'s
     dtype as ``scaled_dot_product_attention`` does: always in float32 and float64; in
     float16 and bfloat16, where the CPU kernel adds the mask in float32, only when
-    every value ``m`` can hold is of the scores' own size (at most 64) or so large
-    that float32 rounds the scores away too. Else a row masked throughout differs: float16's ``finfo.min``
+    every value ``m`` can hold is of the scores' own size (below 32 in float16, 4 in
+    bfloat16) or so large that float32 rounds the scores away too. Else a row masked throughout differs: float16's ``finfo.min``
     (-65504) rounds a fully padded row's scores to one value in the written-out
     softmax (a uniform average) while the kernel keeps them (probe X F1: a float16 T5
     encoder off by 1.7 on a padded sequence). bfloat16's ``finfo.min`` is large

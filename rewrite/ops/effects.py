@@ -922,6 +922,7 @@ def state_writes(gm: Any) -> "frozenset[int] | None":
         return None  # something besides the graph runs: it may write anything
     if _only_quiet_calls(gm.graph):
         return frozenset()
+    hooks = HookReach()
     aliases: dict = {}
     written: set = set()
     modules: set = set()  # get_attr nodes that read a module
@@ -961,7 +962,7 @@ def state_writes(gm: Any) -> "frozenset[int] | None":
             module = _module(node, gm)
             if module is None:
                 return None
-            hooked_writes = _hooks_reach(module, gm)
+            hooked_writes = hooks.state_written(module, gm)
             if hooked_writes is None:
                 return None  # a hook holds more than can be told: it may write anything
             written |= hooked_writes
@@ -1005,9 +1006,9 @@ def state_writes(gm: Any) -> "frozenset[int] | None":
 
 
 def _hooks_of(module: Any, recurse: bool = True) -> list:
-    """The caller's hooks calling ``module`` runs (forward, pre-forward and backward,
-    on it or, with ``recurse``, on a module it holds); torch.export's own
-    input-unlifting hook is not one."""
+    """(module, hook) for the caller's hooks calling ``module`` runs (forward,
+    pre-forward and backward, on it or, with ``recurse``, on a module it holds);
+    torch.export's own input-unlifting hook is not one."""
     found: list = []
     stack, seen = [module], set()
     while stack:  # (``modules()`` costs a generator per module: state_writes asks every call_module)
@@ -1016,41 +1017,63 @@ def _hooks_of(module: Any, recurse: bool = True) -> list:
             continue
         seen.add(id(m))
         if m._forward_pre_hooks or m._forward_hooks or m._backward_hooks or m._backward_pre_hooks:
-            found += [hook for table in (m._forward_pre_hooks, m._forward_hooks, m._backward_hooks,
-                                         m._backward_pre_hooks)
+            found += [(m, hook) for table in (m._forward_pre_hooks, m._forward_hooks, m._backward_hooks,
+                                              m._backward_pre_hooks)
                       for hook in table.values() if getattr(hook, "__module__", None) not in _HARMLESS_HOOK_MODULES]
         if recurse and m._modules:
             stack += [child for child in m._modules.values() if child is not None]
     return found
 
 
+class HookReach:
+    """What the caller's hooks can reach (``rewrite.ops.reach``): what they close
+    over, the globals their code names, and what the module they are given holds (a
+    plain list of trackers, a reference to the parent model). A hook may write any
+    of it: a counter on the root, another layer's weight, a tensor outside the model.
+    One walk over all the hooks asked about: an object is gone through once (one
+    monitor's bound method hooked on every layer reaches the whole model: walked once,
+    not once per layer), and what is answered is the union, which is what the callers
+    want (the state a graph may write, the tensors a check must put back)."""
+
+    def __init__(self) -> None:
+        self._seen: set = set()  # ids of objects walked through (the objects are alive: hooks hold them)
+        self._found: list | None = []
+        self._state_storages: dict | None = None
+
+    def tensors(self, module: Any) -> "list | None":
+        """Every tensor the hooks of ``module`` and the modules it holds, and those
+        asked about before, can reach; None when that is unbounded."""
+        for owner, hook in _hooks_of(module):
+            if self._found is None:
+                break
+            reached = reachable_tensors((hook, owner), self._seen)
+            self._found = None if reached is None else self._found + reached
+        return self._found
+
+    def state_written(self, module: Any, gm: Any) -> "set | None":
+        """The ids of the tensors (``gm``'s state among them, matched by memory) the
+        hooks reach (those of ``module`` and of the modules asked about before), or
+        None when unbounded."""
+        reached = self.tensors(module)
+        if not reached:
+            return None if reached is None else set()
+        if self._state_storages is None:
+            self._state_storages = {}
+            for table in _state_tables(gm):
+                for t in table.values():
+                    if isinstance(t, torch.Tensor):
+                        self._state_storages.setdefault(storage_key(t), []).append(id(t))
+            self._state_storages.pop(None, None)
+        found = {id(t) for t in reached}
+        for t in reached:
+            found.update(self._state_storages.get(storage_key(t), ()))
+        return found
+
+
 def hooked_tensors(module: Any) -> "list | None":
     """Every tensor the caller's hooks on ``module`` and the modules it holds can
-    reach (``rewrite.ops.reach``: what they close over, the globals they name), which
-    they may write: a counter on the root, another layer's weight, a tensor outside
-    the model. None when that is unbounded."""
-    found: list = []
-    for hook in _hooks_of(module):
-        reached = reachable_tensors(hook)
-        if reached is None:
-            return None
-        found += reached
-    return found
-
-
-def _hooks_reach(module: Any, gm: Any) -> "set | None":
-    """The ids of ``gm``'s state tensors the hooks a call of ``module`` runs may write
-    (``hooked_tensors``), or None when unbounded."""
-    reached = hooked_tensors(module)
-    if not reached:
-        return None if reached is None else set()
-    storages = {storage_key(t) for t in reached} - {None}
-    found = {id(t) for t in reached}
-    for table in _state_tables(gm):
-        for t in table.values():
-            if isinstance(t, torch.Tensor) and storage_key(t) in storages:
-                found.add(id(t))
-    return found
+    reach (``HookReach``); None when that is unbounded."""
+    return HookReach().tensors(module)
 
 
 def _state_tables(gm: Any) -> Iterator:

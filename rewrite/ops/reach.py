@@ -9,16 +9,18 @@ runs and constant folds read a weight the hook rewrites.
 
 ``reachable_tensors(fn)`` walks what ``fn`` holds: its closure, defaults, the
 globals its code names, a bound method's object, a ``functools.partial``'s parts,
-and from there containers, objects' attributes and modules' tensors. It answers
-every tensor found, or None when the walk cannot be bounded (too many
-objects, or an object it cannot look into): the caller then treats every state
-tensor as written. A feature hook appending to a list it closes over reaches no
+and from there what every object refers to (``gc.get_referents``: containers,
+attributes, C objects such as a ``deque`` or a bound ``t.__setitem__``). It answers
+every tensor found, or None when the walk cannot be bounded (too many objects, an
+object that fails when looked into, a suspended frame): the caller then treats
+every state tensor as written. A feature hook appending to a list it closes over reaches no
 tensor of the model and costs nothing.
 """
 
 from __future__ import annotations
 
 import functools
+import gc
 import sys
 import types
 import weakref
@@ -34,7 +36,7 @@ _LIMIT = 20000
 _ATOMS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.memory_format,
           torch.layout, type(Ellipsis), range, slice, types.GetSetDescriptorType, types.MemberDescriptorType,
           types.WrapperDescriptorType, types.MethodDescriptorType, types.ClassMethodDescriptorType,
-          types.MethodWrapperType, types.CodeType)
+          types.CodeType)
 
 #: objects whose references the walk cannot follow (a suspended frame's locals)
 _OPAQUE = (types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType, types.FrameType)
@@ -56,24 +58,34 @@ def storage_key(t: torch.Tensor) -> Any:
         return None
 
 
-def reachable_tensors(fn: Any) -> Optional[list]:
-    """Every tensor ``fn`` can reach, or None when that is unbounded."""
+def reachable_tensors(fn: Any, seen: Optional[set] = None) -> Optional[list]:
+    """Every tensor ``fn`` can reach, or None when that is unbounded. ``seen``: the
+    ids of objects an earlier walk went through (shared, it grows): they and what
+    they reach are not walked again, so only tensors new to it are answered."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
     found: list = []
-    seen: set = set()
+    seen = set() if seen is None else seen
+    start = len(seen)
     stack = [fn]
     while stack:
         obj = stack.pop()
         if isinstance(obj, _ATOMS) or id(obj) in seen or _numpy_value(obj):
             continue
         seen.add(id(obj))
-        if len(seen) > _LIMIT:
+        if len(seen) - start > _LIMIT:
             return None
         if isinstance(obj, torch.Tensor):
-            if storage_key(obj) is None and obj.__class__ not in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer):
+            if isinstance(obj, FakeTensor):
+                continue  # a graph's metadata: no memory of the caller's
+            if obj.__class__ not in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer):
                 return None  # a subclass may hold tensors of its own
             found.append(obj)
             continue
-        children = _held(obj)
+        try:
+            children = _held(obj)
+        except Exception:  # noqa: BLE001 - an object that fails when looked into: unbounded
+            return None
         if children is None:
             return None
         stack.extend(children)
@@ -87,52 +99,34 @@ def _held(obj: Any) -> Optional[list]:
         return [] if _library(obj) else list(vars(obj).values())
     if isinstance(obj, _OPAQUE):
         return None
-    if isinstance(obj, types.FunctionType):
+    if isinstance(obj, types.FunctionType):  # not its whole module: the globals its code names
         held = [c.cell_contents for c in (obj.__closure__ or ()) if _filled(c)]
         held += list(obj.__defaults__ or ()) + list((obj.__kwdefaults__ or {}).values())
         if not _library(sys.modules.get(obj.__module__ or "")):  # a library's globals hold no model
             held += [obj.__globals__[name] for name in _names(obj.__code__) if name in obj.__globals__]
-        return held + list(vars(obj).values())
-    if isinstance(obj, types.MethodType):
-        return [obj.__func__, obj.__self__]
+        return held + list(obj.__dict__.values())
+    if isinstance(obj, type):  # a user's class: its methods and class attributes
+        return [] if _library(sys.modules.get(obj.__module__ or "")) else list(obj.__dict__.values())
     if isinstance(obj, types.BuiltinFunctionType):  # also a C method bound to its object (``t.add_``)
         return [obj.__self__]
     if isinstance(obj, weakref.ref):
         return [obj()]
-    if isinstance(obj, functools.partial):
-        return [obj.func, *obj.args, *obj.keywords.values()]
-    if isinstance(obj, dict):
-        return [*obj.keys(), *obj.values()]
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        return list(obj)
-    if isinstance(obj, types.CellType):
-        return [obj.cell_contents] if _filled(obj) else []
-    if isinstance(obj, type):
-        return [] if _library(sys.modules.get(obj.__module__ or "")) else list(vars(obj).values())
-    if isinstance(obj, property):
-        return [obj.fget, obj.fset, obj.fdel]
-    if isinstance(obj, (staticmethod, classmethod)):
-        return [obj.__func__]
-    held = list(vars(obj).values()) if hasattr(obj, "__dict__") else []
-    for cls in type(obj).__mro__:  # __slots__ entries
-        for slot in getattr(cls, "__slots__", ()):
-            if isinstance(slot, str) and hasattr(obj, slot):
-                held.append(getattr(obj, slot))
-    held.append(type(obj))  # its methods, and the globals their code names
-    return held  # an object of C code without either holds nothing Python code reaches
+    # anything else: what it refers to (a dict's keys and values, an instance's __dict__
+    # or slots and its class, a partial's function and arguments, a deque's items)
+    return list(gc.get_referents(obj)) + [type(obj)]
 
 
 def _library(module: Optional[types.ModuleType]) -> bool:
     """A module of the standard library or an installed package (``site-packages``),
     whose globals hold no model of the caller's; the caller's own modules (a script
-    holding a model in a global) are walked, and so is an unknown one."""
+    holding a model in a global, ``__main__`` of a notebook or ``python -c``) are
+    walked, and so is an unknown one."""
     if module is None:
         return False
     name = module.__name__.partition(".")[0]
-    if name in sys.stdlib_module_names or name in _LIBRARIES:
+    if name in sys.stdlib_module_names or name in _LIBRARIES or name in sys.builtin_module_names:
         return True
-    where = getattr(module, "__file__", None) or ""
-    return not where or "-packages" in where
+    return "-packages" in (getattr(module, "__file__", None) or "")
 
 
 def _numpy_value(obj: Any) -> bool:

@@ -76,6 +76,7 @@ from rewrite.engine.workspace import CODE_ATTRIBUTES, gc_paused
 from rewrite.module_state import AttributeSnapshot
 from rewrite.ops.base import ConstRef, attribute, nodes_by_target
 from rewrite.ops.effects import call_writes, hooked_tensors, state_writes, written_args
+from rewrite.ops.reach import storage_key
 from rewrite.ops.vocabulary import CALL_OPS, OPS, bind_node
 from rewrite.trust.gradients import GradientRun, grad_leaves, gradient_run, moved, redrawn
 from rewrite.trust.held import input_leaves, map_held
@@ -1137,7 +1138,7 @@ class _SavedState:
             self._flag_values += list(map(_REQUIRES_GRAD, params))
             # and what the caller's hooks can reach outside the model: a hook on a copy of a
             # module (the check's reference) still writes the tensor it closes over
-            reached = (hooked_tensors(fn) or []) if writable is None or writable else []
+            reached = [t for t in (hooked_tensors(fn) or []) if _saveable(t)] if writable is None or writable else []
             for t in [*(watch.state if watch is not None else _state(fn)).values(), *reached]:
                 if id(t) not in seen and (writable is None or id(t) in writable):
                     seen.add(id(t))
@@ -1207,6 +1208,13 @@ _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 #: train-mode model would otherwise each snapshot the other's half-done update and
 #: restore it last (the caller's BatchNorm statistics left changed).
 _STATE_LOCK = threading.RLock()
+
+
+def _saveable(t: torch.Tensor) -> bool:
+    """A tensor outside the model a hook can reach that a run may write and restore
+    can put back: not an inference tensor (nothing outside inference mode writes
+    one, and it has no version counter), not empty, sparse or a subclass."""
+    return not t.is_inference() and storage_key(t) is not None
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
