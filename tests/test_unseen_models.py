@@ -120,10 +120,14 @@ def _transformer_rewrite(build, dtype):
 @pytest.mark.parametrize("kind", ["Llama"])
 def test_half_precision_llama_attention_and_rms_norm_become_one_op(kind, dtype):
     # HF computes the softmax and the RMSNorm of a half-precision model in float32 and casts
-    # back; torch's softmax and rms_norm of a half-precision tensor do the same inside
+    # back; torch's softmax and rms_norm of a half-precision tensor do the same inside.
+    # A float16 causal mask holds finfo(float16).min, which rounds a fully masked row's
+    # scores away written out and not in sdpa (mask_rounds_alike): that attention stays
+    # written out, its softmax one op
     before, after, counts = _transformer_rewrite(functools.partial(_llama, kind), dtype)
-    assert before["softmax"] == 2 and after["softmax"] == 0, counts
-    assert after["scaled_dot_product_attention"] == 2
+    lowered = dtype == torch.bfloat16
+    assert before["softmax"] == 2 and after["softmax"] == (0 if lowered else 2), counts
+    assert after["scaled_dot_product_attention"] == (2 if lowered else 0)
     assert after["rms_norm"] == 5 and after["rsqrt"] == 0, counts  # 2 per layer + the final one
 
 
@@ -135,10 +139,12 @@ def test_t5_attention_with_a_position_bias_and_a_mask_becomes_sdpa(dtype):
     assert after["rms_norm"] == 5 and after["rsqrt"] == 0, counts
 
 
-def test_float16_vit_attention_becomes_sdpa():
+def test_float16_vit_softmax_becomes_one_op_and_its_masked_attention_stays():
+    # ViT's mask is where(arange >= 0, 0, finfo(float16).min): the predicate does not
+    # prove the condition always true, and -65504 swamps float16 scores (mask_rounds_alike)
     before, after, counts = _transformer_rewrite(_vit, torch.float16)
     assert counts.get("softmax_upcast_fp16") == 2, counts
-    assert after["softmax"] == 0 and after["scaled_dot_product_attention"] == 2
+    assert after["softmax"] == 2 and after["scaled_dot_product_attention"] == 0
 
 
 class _UpcastSoftmax(nn.Module):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import types
 from typing import Any, Iterator, NamedTuple
 
 import torch
@@ -1046,6 +1047,8 @@ class HookReach:
         for owner, hook in _hooks_of(module):
             if self._found is None:
                 break
+            if _from_torch_itself(hook):
+                continue  # torch's weight and spectral norms: what they write, module_written_state tells
             reached = reachable_tensors((hook, owner), self._seen)
             self._found = None if reached is None else self._found + reached
         return self._found
@@ -1068,6 +1071,14 @@ class HookReach:
         for t in reached:
             found.update(self._state_storages.get(storage_key(t), ()))
         return found
+
+
+def _from_torch_itself(hook: Any) -> bool:
+    """A hook torch defines (a function, a bound method or a callable object of
+    torch's: ``WeightNorm``, a quantization observer's hook)."""
+    fn = getattr(hook, "__func__", hook)
+    where = getattr(fn, "__module__", None) if isinstance(fn, types.FunctionType) else type(fn).__module__
+    return (where or "").startswith("torch.")
 
 
 def hooked_tensors(module: Any) -> "list | None":
