@@ -312,3 +312,43 @@ def test_a_bfloat16_mask_of_moderate_size_stays_written_out():
     gm = torch.export.export(model, (x, keep)).module()
     result = rewrite.load("rules/transformer.rw")["transformer"].apply(gm, example_inputs=(x, keep))
     assert "attention_scale_mask" not in result.counts
+
+
+# ---------------------------------------------------------------- the histogram observer's search
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None)
+@given(kind=st.sampled_from(["normal", "skewed", "outliers", "few", "constant", "bimodal", "relu"]),
+       seed=st.integers(0, 2 ** 16), n=st.sampled_from([1, 7, 100, 5000]), batches=st.integers(1, 3))
+def test_the_histogram_search_picks_torchs_bins(kind, seed, n, batches):
+    """FiniteHistogramObserver's search reads the cumulative histogram as numbers
+    (torch indexes a tensor at each of up to 100000 steps): the range it picks is
+    torch's own, bit for bit."""
+    from torch.ao.quantization.observer import HistogramObserver
+
+    from rewrite.functions.quant import FiniteHistogramObserver
+
+    g = torch.Generator().manual_seed(seed)
+    obs = FiniteHistogramObserver()
+    for _ in range(batches):
+        x = torch.randn(n, generator=g)
+        if kind == "skewed":
+            x = x.exp()
+        elif kind == "outliers":
+            x[: max(1, n // 100)] *= 1000
+        elif kind == "few":
+            x = x.round()
+        elif kind == "constant":
+            x = torch.full((n,), 0.5)
+        elif kind == "bimodal":
+            x = torch.where(torch.rand(n, generator=g) < 0.3, x - 20, x + 5)
+        elif kind == "relu":
+            x = x.relu() * 3
+        obs(x)
+    ours = obs._non_linear_param_search()
+    theirs = HistogramObserver._non_linear_param_search(obs)
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])

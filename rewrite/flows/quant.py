@@ -309,7 +309,7 @@ def _describe(node: Any, gm: fx.GraphModule) -> tuple:
 
 def _qparams(mod: Any, name: str) -> tuple:
     """(scale, zero_point) an observer computes; remembered on the observer until it
-    sees more data (HistogramObserver's search costs ~20 ms per observer)."""
+    sees more data (HistogramObserver's range search is convert's slowest step)."""
     if not torch.isfinite(getattr(mod, "min_val", torch.tensor(0.0))).all():
         raise QuantizationError(
             f"observer {name!r} saw no data: run calibration batches through the prepared "

@@ -31,6 +31,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import math
+import struct
 import warnings
 import weakref
 from typing import Any, Iterable
@@ -652,6 +653,56 @@ class _FiniteOnly:
 
 class FiniteHistogramObserver(_FiniteOnly, _observer.HistogramObserver):
     """torch's ``HistogramObserver``, recording finite values only."""
+
+    def _non_linear_param_search(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """torch's search (``HistogramObserver._non_linear_param_search``), step for
+        step, with the cumulative histogram read once into numbers: torch indexes it
+        as a tensor at each of up to 100000 steps (0.6 s per observer on a MobileViT's
+        activations, 195 observers). Each comparison is made as torch makes it, in the
+        histogram's dtype (the bound rounded to it); the quantization error is torch's
+        own (``_compute_quantization_error``). The same bins as torch:
+        ``tests/test_quant.py``."""
+        if self.histogram.size()[0] != self.bins:
+            raise AssertionError("bins mismatch")
+        bin_width = (self.max_val - self.min_val) / self.bins
+        total = torch.sum(self.histogram).item()
+        cumulative = torch.cumsum(self.histogram, dim=0)
+        c_sum = cumulative.tolist()
+        rounded = _rounder(cumulative.dtype)
+        stepsize, alpha, beta = 1e-5, 0.0, 1.0
+        start_bin, end_bin = 0, self.bins - 1
+        norm_min = float("inf")
+        while alpha < beta:
+            next_alpha, next_beta = alpha + stepsize, beta - stepsize
+            low, high = rounded(next_alpha * total), rounded(next_beta * total)
+            left, right = start_bin, end_bin
+            while left < end_bin and c_sum[left] < low:
+                left += 1
+            while right > start_bin and c_sum[right] > high:
+                right -= 1
+            next_start_bin, next_end_bin = start_bin, end_bin
+            if (left - start_bin) > (end_bin - right):
+                next_start_bin, alpha = left, next_alpha
+            else:
+                next_end_bin, beta = right, next_beta
+            if next_start_bin == start_bin and next_end_bin == end_bin:
+                continue
+            norm = self._compute_quantization_error(next_start_bin, next_end_bin)
+            if norm > norm_min:
+                break
+            norm_min, start_bin, end_bin = norm, next_start_bin, next_end_bin
+        return self.min_val + bin_width * start_bin, self.min_val + bin_width * (end_bin + 1)
+
+
+def _rounder(dtype: torch.dtype) -> Any:
+    """A Python float rounded to ``dtype`` as torch rounds a number it compares with a
+    tensor of that dtype (float32: to the nearest float32)."""
+    if dtype == torch.float64:
+        return float
+    if dtype == torch.float32:
+        return lambda v: struct.unpack("f", struct.pack("f", v))[0] if abs(v) < 3.4e38 else float(
+            torch.tensor(v, dtype=torch.float64).to(dtype))
+    return lambda v: float(torch.tensor(v, dtype=torch.float64).to(dtype))
 
 
 class FiniteMinMaxObserver(_FiniteOnly, _observer.MinMaxObserver):
