@@ -352,3 +352,33 @@ def test_the_histogram_search_picks_torchs_bins(kind, seed, n, batches):
     ours = obs._non_linear_param_search()
     theirs = HistogramObserver._non_linear_param_search(obs)
     assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+
+
+class _RangeMasked(nn.Module):
+    """A float16 attention whose mask is ``where(arange(n) + shift >= bound, 0, min)``."""
+
+    def __init__(self, shift, bound):
+        super().__init__()
+        self.qkv, self.shift, self.bound = nn.Linear(16, 48), shift, bound
+
+    def forward(self, x):
+        q, k, v = (t.view(x.shape[0], x.shape[1], 2, 8).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        keep = (torch.arange(x.shape[1]) + self.shift >= self.bound)[None, None, None, :].expand(
+            x.shape[0], 1, x.shape[1], x.shape[1])
+        mask = torch.where(keep, torch.zeros((), dtype=x.dtype), torch.finfo(x.dtype).min)
+        return torch.matmul(torch.softmax(torch.matmul(q, k.transpose(-2, -1)) * 0.35 + mask, -1), v)
+
+
+@pytest.mark.parametrize("shift,bound,fires", [(0, 0, True), (1, 1, True), (0, 1, False), (2, 3, False)])
+def test_a_float16_mask_whose_condition_always_holds_is_zero(shift, bound, fires):
+    """``where(arange(n) + shift >= bound, 0, finfo.min)`` is 0 everywhere when shift >=
+    bound (ViT builds one): the attention is rewritten; when the first key is masked
+    (shift < bound), -65504 swamps float16 scores and it stays written out."""
+    torch.manual_seed(0)
+    model = _RangeMasked(shift, bound).eval().half()
+    x = torch.randn(2, 5, 16, dtype=torch.float16)
+    gm = torch.export.export(model, (x,)).module()
+    result = rewrite.load("rules/transformer.rw")["transformer"].apply(gm, example_inputs=(x,))
+    assert bool(result.counts.get("attention_scale_mask")) is fires, result.counts
+    with torch.no_grad():
+        torch.testing.assert_close(result.graph_module(x).float(), model(x).float(), rtol=2e-2, atol=2e-2)

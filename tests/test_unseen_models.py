@@ -139,12 +139,12 @@ def test_t5_attention_with_a_position_bias_and_a_mask_becomes_sdpa(dtype):
     assert after["rms_norm"] == 5 and after["rsqrt"] == 0, counts
 
 
-def test_float16_vit_softmax_becomes_one_op_and_its_masked_attention_stays():
-    # ViT's mask is where(arange >= 0, 0, finfo(float16).min): the predicate does not
-    # prove the condition always true, and -65504 swamps float16 scores (mask_rounds_alike)
+def test_float16_vit_attention_becomes_sdpa():
+    # ViT's mask is where(arange >= 0, 0, finfo(float16).min): the condition holds
+    # everywhere, so the mask is 0 and rounds the scores as sdpa does (mask_rounds_alike)
     before, after, counts = _transformer_rewrite(_vit, torch.float16)
     assert counts.get("softmax_upcast_fp16") == 2, counts
-    assert after["softmax"] == 2 and after["scaled_dot_product_attention"] == 0
+    assert after["softmax"] == 0 and after["scaled_dot_product_attention"] == 2
 
 
 class _UpcastSoftmax(nn.Module):

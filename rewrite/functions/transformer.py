@@ -323,6 +323,16 @@ def _every_value(x: Value, number_ok: Any, tensor_ok: Any, integers: bool) -> bo
             continue
         if name not in _SELECTING:
             return None
+        if name == "where" and not operand.kwargs and len(operand.args) == 3 and _always_true(operand.args[0]):
+            # a condition true everywhere (ViT's ``where(arange(n) >= 0, 0, finfo.min)``):
+            # only the first choice becomes values
+            chosen = operand.args[1]
+            if isinstance(chosen, torch.fx.Node):
+                todo.append(chosen)
+            elif not (isinstance(chosen, (int, float)) and not isinstance(chosen, bool)
+                      and number_ok(chosen, dtype)):
+                return None
+            continue
         if name in _FILLING_WITH and not all(number_ok(v, dtype) for v in numbers):
             return None
         for arg in operand.all_input_nodes:
@@ -389,6 +399,58 @@ def mask_rounds_alike(m: Value, q: Value) -> bool:
         v = m.literal
         return isinstance(v, (int, float)) and not isinstance(v, bool) and _number_rounds_alike(v, meta.dtype)
     return bool(_every_value(m, _number_rounds_alike, _tensor_rounds_alike, integers=False))
+
+
+#: comparisons a condition may be made of, and when each holds for every value in [low, high]
+_HOLDS_FOR_RANGE = {"ge": lambda low, high, k: low >= k, "gt": lambda low, high, k: low > k,
+                    "le": lambda low, high, k: high <= k, "lt": lambda low, high, k: high < k}
+#: ops whose values are some of their first argument's (views, selections)
+_SAME_VALUES = frozenset({"unsqueeze", "expand", "view", "reshape", "_unsafe_view", "slice", "select", "squeeze",
+                          "permute", "transpose", "contiguous", "clone", "alias"})
+
+
+def _always_true(cond: Any, depth: int = 0) -> bool:
+    """``cond`` is a comparison that holds for every element, from the range of the
+    values it compares (an ``arange``, shifted by a number, through views): False
+    when not proven."""
+    if not isinstance(cond, torch.fx.Node) or cond.op != "call_function" or depth > 16:
+        return False
+    if _op_name(cond) in _SAME_VALUES and cond.args:  # a view of the comparison (its expand)
+        return _always_true(cond.args[0], depth + 1)
+    if cond.kwargs or len(cond.args) != 2:
+        return False
+    name, (x, k) = _op_name(cond), cond.args
+    if name not in _HOLDS_FOR_RANGE or isinstance(k, bool) or not isinstance(k, (int, float)):
+        return False
+    span = _value_range(x, depth)
+    return span is not None and _HOLDS_FOR_RANGE[name](span[0], span[1], k)
+
+
+def _value_range(x: Any, depth: int = 0) -> tuple | None:
+    """(low, high) bounding every value of ``x``, for an integer ``arange`` of literal
+    bounds shifted by numbers and seen through views; None when not known."""
+    if not isinstance(x, torch.fx.Node) or depth > 16 or x.op != "call_function":
+        return None
+    name = _op_name(x)
+    if name == "arange":
+        bounds = x.args
+        step = x.kwargs.get("step", bounds[2] if len(bounds) > 2 else 1)
+        if step != 1 or not bounds or not all(type(b) is int for b in bounds[:2]):
+            return None
+        start, end = (0, bounds[0]) if len(bounds) == 1 else (bounds[0], bounds[1])
+        return (start, end - 1) if end > start else None
+    if name in ("add", "sub") and len(x.args) == 2 and not x.kwargs:
+        c = x.args[1]
+        if isinstance(c, bool) or not isinstance(c, (int, float)):
+            return None
+        span = _value_range(x.args[0], depth + 1)
+        if span is None:
+            return None
+        shift = c if name == "add" else -c
+        return (span[0] + shift, span[1] + shift)
+    if name in _SAME_VALUES and x.args:
+        return _value_range(x.args[0], depth + 1)
+    return None
 
 
 @register_predicate()
