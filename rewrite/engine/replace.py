@@ -35,6 +35,7 @@ from rewrite.engine.layout import StrideReaders, layout_change_seen
 from rewrite.engine.rewire import Rewirer
 from rewrite.engine.shapes import addressing
 from rewrite.ops.effects import note_built_module, written_args
+from rewrite.ops.reach import storage_key
 
 __all__ = ["Replacer", "ReplacementError", "RULE_KEY", "SOURCES_KEY", "uses_root"]
 
@@ -320,15 +321,11 @@ class Replacer:
         when the dtype is already right, ``mat_weight`` a view) nor with a constant
         this rewrite made (each folded tensor is handed out once:
         ``rewrite.functions.builtins._memo_last``)."""
-        if not _library_function(r.spec.fn) or value.is_quantized:
+        mine = storage_key(value)  # None: no memory to share (empty, quantized, a subclass): copied
+        if not _library_function(r.spec.fn) or mine is None or mine in self._made_storages:
             return False
-        try:
-            mine = value.untyped_storage().data_ptr()
-            given = {t.untyped_storage().data_ptr()
-                     for t in torch.utils._pytree.tree_leaves(arguments) if isinstance(t, torch.Tensor)}
-        except (RuntimeError, NotImplementedError):  # a tensor without storage (a subclass): copy
-            return False
-        if mine == 0 or mine in given or mine in self._made_storages:
+        if any(storage_key(t) == mine for t in torch.utils._pytree.tree_leaves(arguments)
+               if isinstance(t, torch.Tensor)):
             return False
         self._made_storages.add(mine)
         return True
