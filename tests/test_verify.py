@@ -351,6 +351,26 @@ def test_approximate_rules_meet_large_magnitudes():
                    "ln16", n=20).status == "ok"
 
 
+@pytest.mark.parametrize("name, text, status", [
+    # a variance as E[x^2] - E[x]^2 cancels on values about 1000 (a sensor's readings):
+    # within tolerance about zero, in float64, and at large magnitudes, wrong there
+    ("var_naive", "torch.var(x, False) where dtype(x) == torch.float32 "
+                  "=> sub(mean(mul(x, x)), mul(mean(x), mean(x)))", "counterexample"),
+    ("std_naive", "torch.std(x, False) where dtype(x) == torch.float32 "
+                  "=> sqrt(sub(mean(mul(x, x)), mul(mean(x), mean(x))))", "counterexample"),
+    # the two-pass formula is as accurate as the kernel: verified
+    ("var_two_pass", "torch.var(x, False) => mean(mul(sub(x, mean(x)), sub(x, mean(x))))", "ok"),
+    # a written-out variance made the kernel: more accurate than the original, verified
+    ("var_kernel", "sub(mean(mul(x, x)), mul(mean(x), mean(x))) where dtype(x) == torch.float32 "
+                   "=> torch.var(x, False)", "ok"),
+])
+def test_approximate_rules_meet_values_about_a_large_offset(name, text, status):
+    v = _verify(f'rule {name}(tolerance="approx"): {text}', name, n=10)
+    assert v.status == status, v
+    if status == "counterexample":
+        assert "inputs drawn about a large value" in v.counterexample.message, v
+
+
 def test_lowering_precision_is_judged_on_rounded_inputs():
     # a matmul run in float16 loses what float16 cannot hold of its operands: approx
     # (within autocast's contract, that its operands and result fit float16)

@@ -34,8 +34,8 @@ from rewrite.ops.effects import (always_aliases, call_writes, flag_on, flagged_w
                                  may_alias_any_argument, written_args, written_nodes)
 from rewrite.ops.vocabulary import nodes_by_target
 
-__all__ = ["storage_base", "alias_class", "new_aliasing", "caller_owned", "graph_writes", "written_between",
-           "memory_observed"]
+__all__ = ["storage_base", "alias_class", "new_aliasing", "lost_aliasing", "caller_owned", "graph_writes",
+           "input_written", "written_between", "memory_observed"]
 
 
 def storage_base(node: Any, gm: Any, through: Any = may_alias) -> Any:
@@ -206,6 +206,40 @@ def new_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any, writes: 
     return None
 
 
+def lost_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any, writes: bool = True) -> str | None:
+    """Why replacing ``root``, a view of other memory (``always_aliases``: ``h.view(-1)``,
+    ``x.t()``), by ``result``, memory of its own (a copy: ``reshape(clone(x), s)``),
+    would let the caller observe the sharing lost, or None when it would not. The
+    mirror image of ``new_aliasing``: a write through the view no longer reaches
+    the memory it viewed (``h.view(-1).add_(1); return h``), a write into that
+    memory no longer reaches the view's readers, a view of a graph input or module
+    tensor written in place no longer writes the caller's tensor, and a view
+    returned with the memory it viewed (or of a graph input) is no longer one."""
+    before = storage_base(root, gm, always_aliases)
+    if before is root or not isinstance(before, fx.Node):
+        return None  # root's value was memory of its own
+    base = storage_base(result, gm)
+    if base is before or (base is not None and base not in frozenset(created)
+                          and storage_base(base, gm, always_aliases) is before):
+        return None  # the replacement still views that memory
+    mine = alias_class(root, gm)
+    group = alias_class(before, gm)
+    others = group - mine
+    what = {"placeholder": "the graph input", "get_attr": "the module constant"}.get(before.op, "the value")
+    what = f"{what} {before.target if before.op == 'get_attr' else before.name!r}"
+    observed = caller_owned(before) or _escapes(others) or _read_outside(others, group)
+    if writes and _written(mine, gm) and observed:
+        return (f"its value is a view of {what}, written in place through it: the replacement's own memory "
+                f"would not pass the write on")
+    if writes and _written(others, gm):
+        return (f"its value is a view of {what}, which is written in place: the replacement's own memory "
+                f"would not see the write")
+    if _escapes(mine) and (caller_owned(before) or _escapes(others)):
+        return (f"its value is a view of {what}, and both are the caller's (returned or given): the "
+                f"replacement's own memory would no longer share theirs")
+    return None
+
+
 def _bytes(n: int | None) -> str:
     return "an unknown size" if n is None else f"{n} bytes"
 
@@ -255,6 +289,19 @@ def _other_owned_written(base: fx.Node, gm: Any) -> bool:
     graph = base.graph
     return any(node is not base and _written(alias_class(node, gm), gm)
                for node in (*graph.find_nodes(op="placeholder"), *graph.find_nodes(op="get_attr")))
+
+
+def input_written(gm: Any) -> bool:
+    """Whether ``gm``'s graph writes (memory that may be) one of its inputs in place."""
+    if not graph_writes(gm):
+        return False
+    for node in gm.graph.nodes:
+        if node.op.startswith("call_"):
+            for written in written_nodes(node, gm):
+                base = storage_base(written, gm)
+                if isinstance(base, fx.Node) and base.op == "placeholder":
+                    return True
+    return False
 
 
 def graph_writes(gm: Any) -> bool:

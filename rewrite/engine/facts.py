@@ -19,10 +19,12 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 
+from rewrite.engine.aliasing import input_written
 from rewrite.engine.symbolic import as_traced, symbolic_env
 from rewrite.engine.shapes import cast_of, fresh_cast, fresh_constant, fresh_like, fresh_view, like_input, view_of
 from rewrite.ops.base import ConstRef, attribute, by_identity
 from rewrite.ops.effects import graph_trains, op_name, state_writes, written_args
+from rewrite.ops.reach import storage_key
 from rewrite.ops.vocabulary import detect_dialect
 
 class _QuietWhileInferring(logging.Filter):
@@ -195,7 +197,7 @@ class GraphFacts:
         if value.requires_grad and (self._trains or self._owner_trains(qualname)):
             return False  # folded into a new tensor, it would no longer get the caller's gradients
         written = self._written_state
-        return written is not None and id(value) not in written
+        return written is not None and id(value) not in written[0] and storage_key(value) not in written[1]
 
     @functools.cached_property
     def _trains(self) -> bool:
@@ -240,10 +242,28 @@ class GraphFacts:
             and self.dialect == "torch"
 
     @functools.cached_property
-    def _written_state(self) -> frozenset | None:
-        """Ids of the state tensors the graph may write (None: unknown), worked out
-        once: rewrites add no writes to existing state (E105)."""
-        return state_writes(self.gm)
+    def _written_state(self) -> tuple | None:
+        """(ids, memory) of the state tensors the graph may write (None: unknown),
+        worked out once: rewrites add no writes to existing state (E105). Memory
+        (``storage_key``), as another tensor may view a written one (a buffer
+        registered as ``bn.running_mean[:2]``). A graph that writes one of its
+        inputs in place may write any state tensor: the caller may pass one as that
+        input (``m(x, m.bn.running_mean)``), and a fold reads it once, at rewrite
+        time."""
+        written = state_writes(self.gm)
+        if written is None or input_written(self.gm):
+            return None
+        if not written:
+            return written, frozenset()
+        state = [*self.gm.parameters(), *self.gm.buffers()]
+        for node in self.gm.graph.find_nodes(op="get_attr"):  # plain tensor attributes too
+            try:
+                state.append(fetch_attr(self.gm, node.target))
+            except AttributeError:
+                continue
+        storages = {storage_key(t) for t in state if isinstance(t, torch.Tensor) and id(t) in written}
+        storages.discard(None)
+        return written, frozenset(storages)
 
     def meta(self, operand: Any, record: bool = True) -> Any:
         """A tensor-like with .shape/.dtype/.device for the operand, or None.

@@ -29,12 +29,12 @@ from rewrite.engine.match import Match
 from rewrite.engine.outputs import getitem_users, result_count
 from rewrite.ops import bind_node
 from rewrite.ops.base import ConstRef, by_identity
-from rewrite.engine.aliasing import graph_writes, new_aliasing, written_between
+from rewrite.engine.aliasing import graph_writes, lost_aliasing, new_aliasing, written_between
 from rewrite.engine.regions import Regions
 from rewrite.engine.layout import StrideReaders, layout_change_seen
 from rewrite.engine.rewire import Rewirer
 from rewrite.engine.shapes import addressing
-from rewrite.ops.effects import note_built_module, written_args
+from rewrite.ops.effects import always_aliases, note_built_module, written_args
 from rewrite.ops.reach import storage_key
 
 __all__ = ["Replacer", "ReplacementError", "RULE_KEY", "SOURCES_KEY", "uses_root"]
@@ -176,7 +176,7 @@ class Replacer:
         relaid: dict = {}  # facts of the nodes whose layout the replacement changes
         if result is not root:
             problem = new_aliasing(root, result, self._created, self.gm, self._graph_writes(), self._classes,
-                                   self._nbytes)
+                                   self._nbytes) or self._lost_aliasing(root, result)
             if problem is None and result not in self._created:  # a value forwarded as it is
                 problem = layout_change_seen(root, result, self.facts, self._readers, relaid=relaid) \
                     or self._regions.spanned((), root, result)
@@ -223,6 +223,8 @@ class Replacer:
             for getitem in read[i]:
                 problem = problem or new_aliasing(getitem, value, self._created, self.gm, self._graph_writes(),
                                                   self._classes, self._nbytes)
+                if problem is None and always_aliases(root, self.gm):  # the pieces of a split: views
+                    problem = lost_aliasing(getitem, value, self._created, self.gm, self._graph_writes())
                 if problem is None and value not in self._created:  # a value forwarded as it is
                     problem = layout_change_seen(getitem, value, self.facts, self._readers, relaid=relaid)
             if problem is not None:
@@ -239,6 +241,15 @@ class Replacer:
             self._readers.replaced(value, self._created)
         touched = self._retire(match)
         return tuple(self._created), touched
+
+    def _lost_aliasing(self, root: fx.Node, result: fx.Node) -> str | None:
+        """``lost_aliasing`` of a root that views other memory; one result of an op
+        with several (``getitem(max(x, d), 0)``) is memory of its own unless the op
+        is a view (``split``)."""
+        if root.op == "call_function" and root.target is operator.getitem and isinstance(root.args[0], fx.Node) \
+                and not always_aliases(root.args[0], self.gm) and result_count(root.args[0], self.facts):
+            return None
+        return lost_aliasing(root, result, self._created, self.gm, self._graph_writes())
 
     # -- building
 

@@ -166,6 +166,10 @@ class Instance:
             no inf or NaN the original does not, not the tolerance, which large
             values amplify legitimately (a bfloat16 layer norm's rounding times a
             weight of 3e4).
+        offset: its float tensors were drawn about a large value, not about zero
+            (``draw_instance(offset=...)``): a rewrite must be about as accurate as
+            the original there, where a formula that cancels (``E[x^2] - E[x]^2``
+            for a variance) loses every digit.
     """
 
     rule: str
@@ -176,6 +180,7 @@ class Instance:
     dialect: str
     engine: str | None = None  # torch.backends.quantized.engine, for quantized patterns
     wide: bool = False  # floats drawn up to large magnitudes (``_Ctx``): only a new inf or NaN fails
+    offset: bool = False  # floats drawn about a large value (``_Ctx``): judged against float64
 
 
 # ================================================================ rule analysis
@@ -400,7 +405,7 @@ class _Ctx:
     """Hypothesis draws with names that read like the shapes they make."""
 
     def __init__(self, draw: Callable, dtype: torch.dtype, specials: bool, int_specials: bool | None = None,
-                 shapes: str | None = None, wide: float = 0.0) -> None:
+                 shapes: str | None = None, wide: float = 0.0, offset: float = 0.0) -> None:
         """``specials``: floats meet NaN, infinities, -0.0 and their largest finite
         values (exact rules); ``int_specials`` (default: ``specials``): integers meet
         their dtype's extremes and values whose arithmetic wraps (every rule: integer
@@ -411,8 +416,10 @@ class _Ctx:
         out in reverse dim order); ``wide`` (a magnitude, ``rewrite.trust.verify.WIDE_DRAWS``): each
         float tensor over an unbounded domain is drawn over its range times it (at
         most a quarter of its dtype's largest value), where a narrower float or an
-        exponential overflows."""
-        self.draw, self.dtype, self.specials, self.wide = draw, dtype, specials, wide
+        exponential overflows; ``offset`` (``rewrite.trust.verify.OFFSET_DRAWS``): each
+        such tensor is drawn about this value instead of about zero (its spread
+        unchanged), where a formula that subtracts large values cancels."""
+        self.draw, self.dtype, self.specials, self.wide, self.offset = draw, dtype, specials, wide, offset
         self.int_specials = specials if int_specials is None else int_specials
         self.mode, self.forced = shapes, False
         self.shapes: list = []  # shapes drawn so far: operands drawn apart may share one
@@ -536,8 +543,9 @@ class _Ctx:
                 # and an odd multiple of the smallest subnormal (halving it rounds)
                 element = element | st.sampled_from(_SPECIALS + (info.max, -info.max, info.tiny,
                                                                  3 * info.tiny * info.eps))
-            head = torch.tensor(self.draw(st.lists(element, min_size=k, max_size=k)), dtype=torch.float64)
-            tail = (lambda g, m: torch.rand(m, generator=g, dtype=torch.float64) * (hi - lo) + lo)
+            shift = self.offset if hi >= 4.0 else 0.0
+            head = torch.tensor(self.draw(st.lists(element, min_size=k, max_size=k)), dtype=torch.float64) + shift
+            tail = (lambda g, m: torch.rand(m, generator=g, dtype=torch.float64) * (hi - lo) + lo + shift)
         if n > k:
             g = torch.Generator().manual_seed(self.int(0, 2**31 - 1))
             head = torch.cat([head, tail(g, n - k).to(head.dtype)])
@@ -1981,7 +1989,7 @@ def _quantize_weight(t: torch.Tensor) -> torch.Tensor:
 
 
 def draw_instance(draw: Callable, plan: Plan, attempts: int = 3, shapes: str | None = None,
-                  wide: float = 0.0) -> Instance | str:
+                  wide: float = 0.0, offset: float = 0.0) -> Instance | str:
     """An instance, or the reason the drawn one is not a valid program.
 
     A drawn instance that is not a program (an op rejects the dtype drawn, shapes
@@ -1991,7 +1999,8 @@ def draw_instance(draw: Callable, plan: Plan, attempts: int = 3, shapes: str | N
     tensors and dims of size 0 where the ops take them; ``"scalar"``, ``"empty"``:
     mostly those; ``"strided"``: tensors of rank 2 and more, none contiguous (dims
     laid out in reverse order). ``wide``: float tensors' ranges scaled by this
-    magnitude (``Instance.wide``)."""
+    magnitude (``Instance.wide``); ``offset``: float tensors drawn about this value
+    (``Instance.offset``)."""
     st = strategies()
     dtypes = st.sampled_from(plan.dtypes)
     if plan.favoured:  # what the where clause asks for, at least half the time
@@ -2002,7 +2011,7 @@ def draw_instance(draw: Callable, plan: Plan, attempts: int = 3, shapes: str | N
         dialect = draw(st.sampled_from(("torch", "aten")))
         # quantizing NaN or an infinity is not defined: quantized patterns meet finite values
         ctx = _Ctx(draw, dtype, specials=plan.tolerance == "exact" and not plan.quantized,
-                   int_specials=not plan.quantized, shapes=shapes, wide=wide)
+                   int_specials=not plan.quantized, shapes=shapes, wide=wide, offset=offset)
         builder = _Builder(ctx, plan, dialect)
         try:
             inst = builder.finish(builder.call(plan.rule.pattern), plan.rule.pattern.name)
@@ -2011,7 +2020,7 @@ def draw_instance(draw: Callable, plan: Plan, attempts: int = 3, shapes: str | N
             continue
         if plan.quantized:
             inst = attrs.evolve(inst, engine=draw(st.sampled_from(quantized_engines())))
-        return attrs.evolve(inst, wide=True) if wide else inst
+        return attrs.evolve(inst, wide=bool(wide), offset=bool(offset)) if wide or offset else inst
     return why
 
 

@@ -438,6 +438,10 @@ class _Checker:
             if self._no_new_nonfinite(inst, result.graph_module):
                 self.counts["checked"] += 1
             return
+        if inst.offset:
+            if self._compare_offset(inst, result.graph_module):
+                self.counts["checked"] += 1
+            return
         if not self._compare(inst, result.graph_module, inst.example_inputs, self.plan.tolerance):
             return
         if touches_gradients(self.rule):
@@ -644,19 +648,76 @@ class _Checker:
             return False
         (ref, ref_seen, ref_births), (got, got_seen, got_births) = runs
         problem = _overflow(ref, got)
+        seen = [*ref_seen.values(), *got_seen.values()]
         if problem is None and got_births > ref_births:
             # an inf the rewrite made inside (x * x in float16) and absorbed after
             # (rsqrt(inf) = 0) shows as a wrong value: judged by the tolerance then
             # (where nothing overflowed, large operands only amplify rounding)
-            seen = [*ref_seen.values(), *got_seen.values()]
             problem = _differ(ref, got, "approx", _lowest_precision(seen), _quantum(seen))
             if problem is not None:
                 problem += "; an intermediate value overflowed"
+        elif problem is None and _lowest_precision(seen) in _WIDE_COMPARED and _all_finite(ref):
+            # in single and double precision, values too: a rule wrong past 4 only
+            # (``relu(x) => hardtanh(x, 0, 6)``) is wrong at 32; large operands may
+            # amplify rounding, so the rewrite is held to the exact answer as well
+            problem = self._less_accurate(inst, ref, got, seen)
+            if problem is not None:
+                cex = self._cex(inst, "mismatch", problem + " (operands of large magnitude, where the rewrite "
+                                "computes another value)", rewritten, ref_seen, got_seen)
+                raise _Failure(attrs.evolve(cex, expected=_show(ref, full=True), got=_show(got, full=True)))
         if problem is not None:
             cex = self._cex(inst, "mismatch", problem + " (operands of large magnitude: the rewrite overflows "
                             "where the original does not)", rewritten, ref_seen, got_seen)
             raise _Failure(attrs.evolve(cex, expected=_show(ref, full=True), got=_show(got, full=True)))
         return True
+
+    def _compare_offset(self, inst: Instance, rewritten: fx.GraphModule) -> bool:
+        """An offset instance (floats drawn about a large value): the rewrite must
+        agree with the original within the tolerance, or be at most twice as far
+        from the exact answer (the original run in float64) as the original is. A
+        formula that cancels there (a variance as ``E[x^2] - E[x]^2``) fails, one
+        more accurate than the original (a written-out variance made a kernel)
+        passes. False (not an instance) where the original's own output is not
+        finite: the values left its domain."""
+        runs = self._both_runs(inst, rewritten, inst.example_inputs, _run)
+        if runs is None:
+            return False
+        (ref, ref_seen), (got, got_seen) = runs
+        problem = _overflow(ref, got)
+        if problem is not None and self.plan.rule.rule.option("assumes_range", False):
+            # the values a rule declared ``assumes_range=True`` casts must fit (autocast's
+            # contract): an offset past its narrow float is not an instance of it
+            self.counts["invalid"] += 1
+            self.last_discard = "the values drawn about a large offset do not fit the range the rule assumes"
+            return False
+        if problem is None and not _all_finite(ref):
+            self.counts["invalid"] += 1
+            self.last_discard = "the original's output is not finite on values drawn about a large offset"
+            return False
+        seen = [*ref_seen.values(), *got_seen.values()]
+        if problem is None:
+            problem = self._less_accurate(inst, ref, got, seen)
+        if problem is not None:
+            problem += " (inputs drawn about a large value, not about zero: the rewrite loses accuracy there)"
+            cex = self._cex(inst, "mismatch", problem, rewritten, ref_seen, got_seen)
+            raise _Failure(attrs.evolve(cex, expected=_show(ref, full=True), got=_show(got, full=True)))
+        return True
+
+    def _less_accurate(self, inst: Instance, ref: Any, got: Any, seen: list) -> str | None:
+        """Why ``got`` (the rewrite's outputs) is wrong where ``ref`` (the original's)
+        is not within tolerance of it, or None: it is within tolerance of the exact
+        answer (the original run in float64), or at most twice as far from it as the
+        original is (``_no_less_accurate``). For values drawn far from zero, where
+        either may lose digits the other keeps."""
+        low = _lowest_precision(seen)
+        problem = _differ(ref, got, "approx", low, _quantum(seen))
+        if problem is None or problem.startswith("output structure"):
+            return problem
+        try:
+            exact = _run(inst.graph_module, inst.example_inputs, widen=True)[0]
+        except Exception:  # noqa: BLE001 - no float64 reference: the comparison stands
+            return problem
+        return None if _no_less_accurate(ref, got, exact, low) else problem
 
     def _compare(self, inst: Instance, rewritten: fx.GraphModule, inputs: tuple, tolerance: str) -> bool:
         """Raise ``_Failure`` when the outputs differ; False when the original itself
@@ -763,6 +824,29 @@ def _overflow(ref: Any, got: Any) -> str | None:
             if problem is not None:
                 return f"output {i}: {problem.message}"
     return None
+
+
+def _all_finite(out: Any) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in pytree.tree_leaves(out)
+               if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and not t.is_quantized)
+
+
+def _no_less_accurate(ref: Any, got: Any, exact: Any, low: torch.dtype) -> bool:
+    """Whether ``got`` is, output by output, within tolerance of ``exact`` (the
+    original run in float64) or at most twice as far from it as ``ref`` (the
+    original in its own precision) is: a rewrite may be as inexact as the original,
+    not more."""
+    for r, g, e in zip(pytree.tree_leaves(ref), pytree.tree_leaves(got), pytree.tree_leaves(exact)):
+        if not isinstance(g, torch.Tensor) or not g.is_floating_point() or g.is_quantized:
+            continue
+        if not isinstance(e, torch.Tensor) or e.shape != g.shape:
+            return False
+        if _differ(e.to(g.dtype), g, "approx", low) is None:
+            continue
+        exact64 = e.to(torch.float64)
+        if float((g.to(torch.float64) - exact64).abs().max()) > 2 * float((r.to(torch.float64) - exact64).abs().max()):
+            return False
+    return True
 
 
 def _quantum(values: list) -> float:
@@ -955,12 +1039,13 @@ def _verify_rule(ruleset: Any, rule: CompiledRule | str, max_examples: int, seed
     failures: list = []
 
     def search(p: Plan, n: int, shapes: str | None = None, leading: bool = False, salt: Any = None,
-               wide: float = 0.0) -> None:
+               wide: float = 0.0, offset: float = 0.0) -> None:
         """Check ``n`` instances of plan ``p`` (hypothesis draws and shrinks them).
         A leading search wants one random instance (not hypothesis' all-simplest
         first one) and gives up after a few discarded draws; ``salt`` varies its
         seed (each dtype gets other shapes and values); ``wide``: instances of
-        that magnitude (``Instance.wide``)."""
+        that magnitude (``Instance.wide``); ``offset``: instances drawn about that
+        value (``Instance.offset``)."""
         tries = [0]
 
         @_settings(n)
@@ -969,9 +1054,10 @@ def _verify_rule(ruleset: Any, rule: CompiledRule | str, max_examples: int, seed
         def run(data: Any) -> None:
             if leading:
                 hyp.assume(data.draw(st.booleans()))  # False: the all-simplest draw
-            inst = data.draw(st.composite(lambda draw: draw_instance(draw, p, shapes=shapes, wide=wide))())
+            inst = data.draw(st.composite(lambda draw: draw_instance(draw, p, shapes=shapes, wide=wide,
+                                                                            offset=offset))())
             if leading:  # (after drawing as every call does: hypothesis checks that)
-                if tries[0] >= (_WIDE_TRIES if wide else _LEADING_TRIES) and not failures:
+                if tries[0] >= (_WIDE_TRIES if wide or offset else _LEADING_TRIES) and not failures:
                     raise _GiveUp()
                 tries[0] += 1
             checked = checker.counts["checked"]
@@ -1014,6 +1100,10 @@ def _verify_rule(ruleset: Any, rule: CompiledRule | str, max_examples: int, seed
         for scale, dtype in _wide_draws(plan):
             search(attrs.evolve(plan, dtypes=(dtype,), favoured=()), 1, leading=True,
                    salt=f"wide {scale:g} {dtype}", wide=scale)
+        # and values about a large offset, where a formula that cancels loses its digits
+        for offset, dtype in _offset_draws(plan):
+            search(attrs.evolve(plan, dtypes=(dtype,), favoured=()), 1, leading=True,
+                   salt=f"offset {offset:g} {dtype}", offset=offset)
     except _Failure as f:
         return _failed(verdict, checker, f.counterexample)
     except Exception as err:  # noqa: BLE001 - flaky replays and the like: report the last failure
@@ -1054,6 +1144,20 @@ def _wide_draws(plan: Plan) -> tuple:
     return tuple(dict.fromkeys(draws))
 
 
+def _offset_draws(plan: Plan) -> tuple:
+    """(offset, dtype) of an approximate rule's offset instances (``OFFSET_DRAWS``),
+    in the float dtypes a where clause pins, else in float32. None for an exact
+    rule (bit for bit wherever it is drawn) or a quantized one (its kernels clamp
+    to their grid). A rule declared ``assumes_range=True`` is drawn too: only
+    instances whose values fit its narrow float count."""
+    if plan.tolerance != "approx" or plan.quantized:
+        return ()
+    pinned = [d for d in plan.favoured if d.is_floating_point]
+    if plan.favoured and not pinned:
+        return ()
+    return tuple((OFFSET_DRAWS[d], d) for d in dict.fromkeys(pinned or [torch.float32]) if d in OFFSET_DRAWS)
+
+
 class _GiveUp(BaseException):
     """A leading search found no instance in its few tries (the dtype does not fit
     the ops, or the where clause). A BaseException: hypothesis lets it through."""
@@ -1065,6 +1169,16 @@ class _GiveUp(BaseException):
 #: float16 round trip past 65504 (1e5), float16's exp past 11 (4), its x * x past 256
 WIDE_DRAWS = ((32.0, torch.float32), (1e3, torch.float32), (1e5, torch.float32), (4.0, torch.float16),
                (1e3, torch.float16), (3e4, torch.bfloat16))
+
+#: dtype -> the value an approximate rule's offset instance draws its floats about:
+#: their spread ([-4, 4]) is then a few ten-thousandths of their magnitude in float32
+#: (a few ten-millionths in float64), where ``E[x^2] - E[x]^2`` keeps no correct digit
+OFFSET_DRAWS = {torch.float32: 1e4, torch.float64: 1e8, torch.float16: 1e2, torch.bfloat16: 1e2}
+
+#: the precisions whose wide instances have their values compared too (not only
+#: new inf and NaN): in half precision, rounding at large magnitudes is the
+#: tolerance's size
+_WIDE_COMPARED = (torch.float32, torch.float64)
 
 #: draws a leading search (one per dtype, then the shaped ones) makes before it gives up
 _LEADING_TRIES = 3
