@@ -351,6 +351,17 @@ def test_approximate_rules_meet_large_magnitudes():
                    "ln16", n=20).status == "ok"
 
 
+@pytest.mark.parametrize("name, text", [
+    # wrong only past 4, where ordinary instances never reach (probe Z1 F1)
+    ("relu_as_relu6", "relu(x) where is_float(x) => hardtanh(x, 0.0, 6.0)"),
+    ("softplus_capped", "F.softplus(x) => log(add(exp(clamp(x, None, 4.0)), 1))"),
+])
+def test_approximate_rules_are_compared_at_large_magnitudes(name, text):
+    v = _verify(f'rule {name}(tolerance="approx"): {text}', name, n=10)
+    assert v.status == "counterexample", v
+    assert "operands of large magnitude, where the rewrite computes another value" in v.counterexample.message, v
+
+
 @pytest.mark.parametrize("name, text, status", [
     # a variance as E[x^2] - E[x]^2 cancels on values about 1000 (a sensor's readings):
     # within tolerance about zero, in float64, and at large magnitudes, wrong there

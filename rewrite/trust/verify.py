@@ -42,7 +42,10 @@ Verdicts, per rule:
   ``rewrite.trust.check.TOLERANCES`` at the lowest precision either graph computes in; a
   rewrite computing in a narrower float than its inputs (a cast to float16) is also
   compared with the original run on inputs and constants rounded to that float, so it
-  may lose what that float cannot hold, never overflow; a graph that rounds through
+  may lose what that float cannot hold, never overflow; on instances of large
+  magnitude (float32/64) and about a large offset (``OFFSET_DRAWS``), within that
+  tolerance of the original or of the exact answer (the original in float64), or at
+  most twice as far from it as the original is; a graph that rounds through
   int8 values is held to one quantization step (quantized outputs at most one step
   apart, float outputs within one scale);
 * ``did not fire``: the rule did not fire on an instance even with its where
