@@ -146,6 +146,27 @@ def mha_fastpath_off() -> Iterator[None]:
         mha.set_fastpath_enabled(was)
 
 
+#: every table of hooks torch keeps on a module (forward, backward, state_dict)
+HOOK_TABLES = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+               "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
+               "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+
+
+def hooked(module: nn.Module) -> bool:
+    """Whether the caller registered a hook on ``module`` itself (the tables beside
+    a hook table, ``_with_kwargs`` and ``_always_called``, only mark its entries)."""
+    return any(getattr(module, kind, None) for kind in HOOK_TABLES if not kind.endswith(("_kwargs", "_called")))
+
+
+class _HookKeepingTracer(fx.Tracer):
+    """fx's tracer, keeping every hooked submodule a call of its own: inlined, its
+    hooks would run once, at trace time, on Proxies (a feature hook on
+    ``model.layer1`` appending a Proxy to the caller's list), and never again."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return hooked(m) or super().is_leaf_module(m, module_qualified_name)
+
+
 def symbolic_trace(model: nn.Module) -> fx.GraphModule:
     """``torch.fx.symbolic_trace(model)`` that leaves ``model`` as it was.
 
@@ -165,13 +186,18 @@ def symbolic_trace(model: nn.Module) -> fx.GraphModule:
       model does. Writes into tensors the forward creates itself are run as usual;
     - a parameter or buffer the forward replaces (``self.n = self.n + 1``) likewise:
       the tracer would compute the new value once and freeze it into the graph.
+
+    A submodule with hooks of the caller's stays one call (``_HookKeepingTracer``),
+    which runs them each time; rules see it as a module call, not inside it.
     """
     snapshot = AttributeSnapshot(model.modules())
     tables = [(prefix, m, dict(m._buffers), dict(m._parameters)) for prefix, m in model.named_modules()]
     guard = _NoWritesToExisting()
     try:
         with guard:
-            gm = fx.symbolic_trace(model)
+            tracer = _HookKeepingTracer()
+            graph = tracer.trace(model)
+            gm = fx.GraphModule(tracer.root, graph, model.__class__.__name__)
         replaced = next((f"{prefix}.{name}" if prefix else name for prefix, m, buffers, params in tables
                          for name, t in [*buffers.items(), *params.items()]
                          if m._buffers.get(name, m._parameters.get(name)) is not t), None)

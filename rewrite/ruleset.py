@@ -600,10 +600,10 @@ def _refuse_uninitialized(model: torch.nn.Module) -> None:
 def _symbolic_trace(model: torch.nn.Module) -> fx.GraphModule:
     """``torch.fx.symbolic_trace(model)``, its failures told in the user's terms. A
     hook registered on the model itself is refused: the traced graph runs without it
-    (hooks on submodules stay with them), so the result would compute something else,
+    (a hooked submodule stays one call, which runs its hooks:
+    ``rewrite.capture.symbolic_trace``), so the result would compute something else,
     or (a state_dict hook: a checkpoint format's version, renamed keys) save and load
     other checkpoints than the model."""
-    # the tables beside a hook table (``_with_kwargs``, ``_always_called``) only mark its entries
     hooks = [kind for kind in HOOK_TABLES if getattr(model, kind, None) and not kind.endswith(("_kwargs", "_called"))]
     if hooks:
         raise TypeError(

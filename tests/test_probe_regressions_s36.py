@@ -7,6 +7,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 import rewrite
+from rewrite.engine.leaves import LeafModuleWarning
 
 # rules whose replacement is memory of its own where the matched value was a view
 COPYING = """
@@ -190,3 +191,31 @@ def test_folds_still_fire_where_nothing_shares_written_memory():
     gm = fx.symbolic_trace(Counted().eval())
     result = rewrite.load("rules/fusion.rw").apply(gm, example_inputs=(x,))
     assert sum(result.counts.values()) == 1, result.counts
+
+
+class _Blocked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+        self.head = nn.Conv2d(4, 2, 1)
+        self.bn = nn.BatchNorm2d(2)
+
+    def forward(self, x):
+        return self.bn(self.head(self.block(x)))
+
+
+def test_a_hook_on_a_submodule_the_trace_would_inline_keeps_running():
+    """Probe Z1 F3: ``apply(model)`` traced a hooked ``nn.Sequential`` inline: its
+    feature hook ran once at trace time, on a Proxy left in the caller's list, and
+    never in the result. The hooked block now stays one call; the rest is rewritten."""
+    model = _Blocked().eval()
+    feats = []
+    model.block.register_forward_hook(lambda module, inputs, output: feats.append(output))
+    x = torch.randn(1, 3, 8, 8)
+    with pytest.warns(LeafModuleWarning):
+        result = rewrite.load("rules/fusion.rw").apply(model, example_inputs=(x,))
+    assert all(isinstance(f, torch.Tensor) and not isinstance(f, fx.Proxy) for f in feats)
+    assert result.counts == {"conv_bn": 1}  # head + bn, outside the hooked block
+    feats.clear()
+    out = result.graph_module(x)
+    assert len(feats) == 1 and torch.allclose(out, model(x), atol=1e-5)

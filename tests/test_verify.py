@@ -351,6 +351,25 @@ def test_approximate_rules_meet_large_magnitudes():
                    "ln16", n=20).status == "ok"
 
 
+def test_integer_operands_meet_float_numbers():
+    # floor(idx * c) is idx * c for an integer c, not for idx * 0.5 (probe Z1 F4)
+    v = _verify("rule floor_int_mul: torch.floor(mul(x, c)) where not is_float(x) and is_number(c) => mul(x, c)",
+                "floor_int_mul", n=30)
+    assert v.status == "counterexample", v
+
+
+@pytest.mark.parametrize("name, text", [
+    # wrong where an operand broadcasts through size-1 dims (probe Z1 F2): a keepdim
+    # reduction's (x + x.mean(-1, keepdim=True)), an outer product's ((1, 4) * (4, 1))
+    ("sum_add", "sum(add(x, y), -1) where is_float(x) and rank(x) == rank(y) => add(sum(x, -1), sum(y, -1))"),
+    ("mul_reshape", "mul(x, y) where is_float(x) and numel(x) == numel(y) and numel(x) > 0 "
+                    "and not same_shape(x, y) => mul(x, reshape_as(y, x))"),
+])
+def test_operands_broadcast_through_size_one_dims(name, text):
+    v = _verify(f'rule {name}(tolerance="approx"): {text}', name, n=30)
+    assert v.status == "counterexample", v
+
+
 @pytest.mark.parametrize("name, text", [
     # wrong only past 4, where ordinary instances never reach (probe Z1 F1)
     ("relu_as_relu6", "relu(x) where is_float(x) => hardtanh(x, 0.0, 6.0)"),

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from rewrite.ops.effects import (always_aliases, call_writes, flag_on, flagged_writes, may_alias,
+from rewrite.ops.effects import (always_aliases, call_writes, described_writes, flag_on, flagged_writes, may_alias,
                                  may_alias_any_argument, written_args, written_nodes)
 from rewrite.ops.vocabulary import nodes_by_target
 
@@ -292,16 +292,26 @@ def _other_owned_written(base: fx.Node, gm: Any) -> bool:
 
 
 def input_written(gm: Any) -> bool:
-    """Whether ``gm``'s graph writes (memory that may be) one of its inputs in place."""
+    """Whether an op of ``gm``'s graph writes (memory that may be) one of its inputs
+    in place (``described_writes``: ``s.add_(1)``; not a call whose code nothing
+    describes, which may write anything it is given)."""
     if not graph_writes(gm):
         return False
     for node in gm.graph.nodes:
         if node.op.startswith("call_"):
-            for written in written_nodes(node, gm):
-                base = storage_base(written, gm)
-                if isinstance(base, fx.Node) and base.op == "placeholder":
-                    return True
+            for key in described_writes(node, gm):
+                arg = node.args[key] if isinstance(key, int) else node.kwargs[key]
+                for written in _nodes_in(arg):
+                    base = storage_base(written, gm)
+                    if isinstance(base, fx.Node) and base.op == "placeholder":
+                        return True
     return False
+
+
+def _nodes_in(value: Any) -> list:
+    found: list = []
+    fx.node.map_arg(value, found.append)
+    return found
 
 
 def graph_writes(gm: Any) -> bool:

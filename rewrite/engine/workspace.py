@@ -35,6 +35,7 @@ from torch import fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.graph import _illegal_names
 
+from rewrite.capture import HOOK_TABLES
 from rewrite.ops.effects import state_writes
 from rewrite.ops.reach import storage_key
 
@@ -114,11 +115,6 @@ class _LazyModule(_LazyGraphModule):
         plain._is_full_backward_hook = self._is_full_backward_hook
         return plain
 
-
-#: every table of hooks torch keeps on a module (forward, backward, state_dict)
-HOOK_TABLES = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
-               "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
-               "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
 
 
 def _lazy_type_for(base: type) -> type | None:

@@ -44,7 +44,7 @@ __all__ = [
     "VIEW_NAMES", "ALIASING_NAMES", "ALIASING_MODULES", "FRESH_COMPOSITES", "FRESH_FUNCTIONS", "FRESH_OPERATORS",
     "ANY_INPUT_ALIASING_NAMES", "op_name", "may_alias",
     "may_alias_any_argument", "note_built_module", "always_aliases",
-    "written_args", "written_nodes", "target_writes", "flagged_writes", "flag_on", "call_writes",
+    "written_args", "written_nodes", "described_writes", "target_writes", "flagged_writes", "flag_on", "call_writes",
     "opdef_writes", "opdef_may_alias",
     "module_writes_own_state",
     "state_writes", "hooked_tensors",
@@ -462,6 +462,21 @@ def written_args(node: fx.Node, gm: Any) -> tuple:
     if kwargs and kwargs.get("out") is not None and "out" not in out:  # torch.add(x, y, out=z) writes z
         out.append("out")
     return tuple(out)
+
+
+def described_writes(node: fx.Node, gm: Any) -> tuple:
+    """``written_args`` where something describes the call (a schema, an in-place
+    name, flag or ``inplace`` setting: ``s.add_(1)``); () for a call whose code
+    nothing describes (a user's module, a hooked one, a container, a Python function
+    from outside torch, a higher-order op), which ``written_args`` takes to write
+    every argument."""
+    if node.op == "call_module":
+        module = _module(node, gm)
+        if module is None or _module_writes_arguments(module):
+            return ()
+    elif node.op == "call_function" and _opaque_call(node.target):
+        return ()
+    return written_args(node, gm)
 
 
 def call_writes(target: Any) -> str:

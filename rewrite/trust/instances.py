@@ -701,16 +701,19 @@ def _unary(ctx: _Ctx, a: _Args) -> dict:
 
 
 def _numbers(dtype: torch.dtype, positive: bool = False) -> list:
-    """The Python numbers a binary operand is drawn from (``positive_number``: > 0)."""
+    """The Python numbers a binary operand is drawn from (``positive_number``: > 0):
+    of the other kind too (an int for a float tensor, a float for an integer one,
+    ``idx * 0.5``: type promotion makes the result float)."""
     if dtype.is_floating_point:
         return [2.0, 0.5, 0.125, 3] if positive else [2.0, 0.5, -1.0, 3]
-    return [2, 3] if positive else [2, -1, 3]
+    return [2, 3, 0.5] if positive else [2, -1, 3, 0.5]
 
 
 def _operand_like(ctx: _Ctx, a: _Args, shape: tuple, name: str) -> Any:
     """A tensor of the same shape, of a broadcasting suffix of it, 0-dim, one the first
-    operand broadcasts to (a leading dim more: the result is larger than it), or a
-    Python number. What the where clause asks of the variable ``name`` binds comes
+    operand broadcasts to (a leading dim more: the result is larger than it), one of
+    the same rank with size-1 dims (a keepdim reduction's), one each broadcasts to the
+    other along (an outer product's), or a Python number. What the where clause asks of the variable ``name`` binds comes
     first: a number (``positive_number(s)``: a positive one) or a tensor that fits
     the other operand (``additive_mask(m, scores)``: the same shape or a suffix)."""
     plan = a.plan
@@ -719,11 +722,18 @@ def _operand_like(ctx: _Ctx, a: _Args, shape: tuple, name: str) -> Any:
     if plan is not None and a.hinted(name, plan.features) and shape:
         return a.fresh(shape[-1:])  # norm_weight(w, x): a per-feature weight
     fitting = plan is not None and a.hinted(name, plan.fitting)
-    kind = ctx.pick(["same", "suffix"] if fitting else ["same", "suffix", "0-dim", "number", "wider"])
+    kinds = ["same", "suffix"] if fitting else ["same", "suffix", "0-dim", "number", "wider"]
+    if shape and not fitting:
+        kinds += ["keepdim", "outer"]
+    kind = ctx.pick(kinds)
     if kind == "number":
         return ctx.pick(_numbers(a.dtype))
     if kind == "wider":
         return a.fresh((ctx.int(2, 3), *shape))
+    if kind == "keepdim":  # x - x.mean(-1, keepdim=True): size-1 dims broadcast, the last one at least
+        return a.fresh((*(1 if ctx.coin() else d for d in shape[:-1]), 1))
+    if kind == "outer":  # x[:, None] * y[None, :]: each operand broadcasts along the other's size-1 dims
+        return a.fresh(tuple(ctx.int(2, 3) if d == 1 else (1 if ctx.coin() else d) for d in shape))
     return a.fresh({"same": shape, "suffix": shape[1:], "0-dim": ()}[kind])
 
 
