@@ -219,3 +219,28 @@ def test_a_hook_on_a_submodule_the_trace_would_inline_keeps_running():
     feats.clear()
     out = result.graph_module(x)
     assert len(feats) == 1 and torch.allclose(out, model(x), atol=1e-5)
+
+
+def test_a_batch_norm_without_running_statistics_being_trained_keeps_weights_trainable():
+    """Probe Z2 F1: exported in training mode, a model whose batch norm keeps no
+    running statistics looked like inference: the AMP sets folded the conv and
+    linear weights into casts, and the caller's parameters got no gradient."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c = nn.Conv2d(3, 8, 3)
+            self.bn = nn.BatchNorm2d(8, track_running_stats=False)
+            self.l = nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.l(torch.relu(self.bn(self.c(x))).mean((2, 3)))
+
+    torch.manual_seed(0)
+    model = M().train()
+    x = torch.randn(4, 3, 8, 8)
+    gm = torch.export.export(model, (x,), strict=False).module()
+    result = rewrite.load("rules/amp_bf16.rw").apply(gm, example_inputs=(x,))
+    assert result.counts, result.counts  # still lowered, the weights cast at run time
+    result.graph_module(x).sum().backward()
+    assert all(p.grad is not None for p in gm.parameters())
+    assert {name for name, _ in result.graph_module.named_parameters()} <= {name for name, _ in gm.named_parameters()}

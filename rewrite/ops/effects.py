@@ -787,15 +787,27 @@ def graph_trains(gm: Any) -> bool:
             if flagged is None:
                 continue
             position, keyword = flagged[0][0]  # the running mean
-            # batch statistics with running ones to update (without them, as for
-            # track_running_stats=False, a batch norm uses batch statistics in eval too)
-            if any(flag_on(n, flagged) and _argument(n, position, keyword, None) is not None for n in nodes):
+            # batch statistics with running ones to update; without them (as for
+            # track_running_stats=False, which uses batch statistics in eval too),
+            # a weight or bias that requires grad: it is being trained, or may be
+            if any(flag_on(n, flagged) and (_argument(n, position, keyword, None) is not None
+                                            or _reads_trainable_state(n, gm)) for n in nodes):
                 return True
         elif name in _DROPOUTS:
             position, keyword, default = _DROPOUTS[name]
             if name == "dropout" and not isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
                 position, keyword, default = 2, "training", True  # F.dropout
             if any(_argument(n, position, keyword, default) not in (False, None) for n in nodes):
+                return True
+    return False
+
+
+def _reads_trainable_state(node: fx.Node, gm: Any) -> bool:
+    """``node`` reads a module tensor that requires grad (a batch norm's weight)."""
+    for arg in node.all_input_nodes:
+        if arg.op == "get_attr":
+            value = _attr(gm, arg.target)
+            if isinstance(value, torch.Tensor) and value.requires_grad:
                 return True
     return False
 
