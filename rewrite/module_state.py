@@ -20,10 +20,12 @@ from typing import Any
 import torch
 from torch import fx
 
-__all__ = ["AttributeSnapshot", "same_entries"]
+__all__ = ["AttributeSnapshot", "CONTAINERS", "same_entries"]
 
 _ABSENT = object()  # an attribute a module did not have
-_CONTAINERS = (dict, collections.OrderedDict, list, set)
+#: the containers whose contents a snapshot keeps (a copy of each: ``copy()``)
+CONTAINERS = (dict, collections.OrderedDict, list, set)
+_CONTAINERS = CONTAINERS
 
 
 def same_entries(now: dict, saved: dict) -> bool:
@@ -57,9 +59,14 @@ class AttributeSnapshot:
     """Every given module's attributes and the contents of the containers they hold,
     as they are now."""
 
-    def __init__(self, modules: Iterable[Any]) -> None:
+    def __init__(self, modules: Iterable[Any], containers: Iterable[Any] = ()) -> None:
+        """``containers``: lists, dicts and sets held elsewhere whose contents are put
+        back too (a feature list a caller's hook closes over and appends to)."""
         self._entries = []
         self._generators = []  # a module's own torch.Generator: its state, put back too
+        held = tuple((c, c.copy()) for c in containers if type(c) in _CONTAINERS)
+        if held:
+            self._entries.append((None, None, held))
         for m in modules:
             attributes = m.__dict__.copy()
             held = tuple((v, v.copy()) for v in attributes.values() if type(v) in _CONTAINERS)
@@ -74,6 +81,12 @@ class AttributeSnapshot:
         had changed."""
         changed = False
         for m, attributes, held in self._entries:
+            if m is None:  # containers only
+                for container, contents in held:
+                    if not _same_contents(container, contents):
+                        _put_back(container, contents)
+                        changed = True
+                continue
             now = m.__dict__
             keep = code if isinstance(m, fx.GraphModule) else ()
             if not same_entries(now, attributes):

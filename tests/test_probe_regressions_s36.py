@@ -244,3 +244,22 @@ def test_a_batch_norm_without_running_statistics_being_trained_keeps_weights_tra
     result.graph_module(x).sum().backward()
     assert all(p.grad is not None for p in gm.parameters())
     assert {name for name, _ in result.graph_module.named_parameters()} <= {name for name, _ in gm.named_parameters()}
+
+
+def test_the_check_leaves_a_hooks_feature_list_as_it_was():
+    """The check runs the caller's hooked block: what its hook appends to a list (or
+    a dict) it closes over is put back after apply, as the caller's tensors are."""
+    model = _Blocked().eval()
+    feats, by_name = [], {}
+
+    def hook(module, inputs, output):
+        feats.append(output)
+        by_name[len(by_name)] = output
+
+    model.block.register_forward_hook(hook)
+    x = torch.randn(1, 3, 8, 8)
+    with pytest.warns(LeafModuleWarning):
+        result = rewrite.load("rules/fusion.rw").apply(model, example_inputs=(x,))
+    assert feats == [] and by_name == {}
+    result.graph_module(x)
+    assert len(feats) == 1 and len(by_name) == 1  # the hook still runs

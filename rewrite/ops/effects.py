@@ -47,7 +47,7 @@ __all__ = [
     "written_args", "written_nodes", "described_writes", "target_writes", "flagged_writes", "flag_on", "call_writes",
     "opdef_writes", "opdef_may_alias",
     "module_writes_own_state",
-    "state_writes", "hooked_tensors",
+    "state_writes", "hooked_tensors", "hooked_containers",
 ]
 
 #: Ops whose result is always a view of their first input.
@@ -1106,6 +1106,17 @@ def _from_torch_itself(hook: Any) -> bool:
     fn = getattr(hook, "__func__", hook)
     where = getattr(fn, "__module__", None) if isinstance(fn, types.FunctionType) else type(fn).__module__
     return (where or "").startswith("torch.")
+
+
+def hooked_containers(module: Any) -> "list | None":
+    """The lists, dicts and sets the caller's hooks on ``module`` and the modules it
+    holds can reach (a feature list a hook appends to); None when that is unbounded."""
+    found: list = []
+    seen: set = set()
+    for owner, hook in _hooks_of(module):
+        if not _from_torch_itself(hook) and reachable_tensors((hook, owner), seen, found) is None:
+            return None
+    return found
 
 
 def hooked_tensors(module: Any) -> "list | None":

@@ -28,6 +28,8 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from rewrite.module_state import CONTAINERS
+
 __all__ = ["reachable_tensors", "storage_key"]
 
 #: objects visited before the walk gives up (None: everything may be written)
@@ -58,16 +60,19 @@ def storage_key(t: torch.Tensor) -> Any:
         return None
 
 
-def reachable_tensors(fn: Any, seen: Optional[set] = None) -> Optional[list]:
+def reachable_tensors(fn: Any, seen: Optional[set] = None, containers: Optional[list] = None) -> Optional[list]:
     """Every tensor ``fn`` can reach, or None when that is unbounded. ``seen``: the
     ids of objects an earlier walk went through (shared, it grows): they and what
-    they reach are not walked again, so only tensors new to it are answered."""
+    they reach are not walked again, so only tensors new to it are answered.
+    ``containers``: a list the lists, dicts and sets reached are added to (not an
+    object's own ``__dict__``: its attributes are not a container of the caller's)."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     found: list = []
     seen = set() if seen is None else seen
     start = len(seen)
     stack = [fn]
+    own_dicts: set = set()  # ids of objects' __dict__s met
     while stack:
         obj = stack.pop()
         if isinstance(obj, _ATOMS) or id(obj) in seen or _numpy_value(obj):
@@ -75,6 +80,16 @@ def reachable_tensors(fn: Any, seen: Optional[set] = None) -> Optional[list]:
         seen.add(id(obj))
         if len(seen) - start > _LIMIT:
             return None
+        if containers is not None:
+            if type(obj) in CONTAINERS and id(obj) not in own_dicts:
+                containers.append(obj)
+            elif not isinstance(obj, (type, types.ModuleType, types.FunctionType)):
+                try:  # (not ``getattr``: a class's own __getattr__ may raise anything)
+                    attributes = object.__getattribute__(obj, "__dict__")
+                except Exception:  # noqa: BLE001 - no __dict__ (slots), or one that cannot be read
+                    attributes = None
+                if type(attributes) is dict:
+                    own_dicts.add(id(attributes))
         if isinstance(obj, torch.Tensor):
             if isinstance(obj, FakeTensor):
                 continue  # a graph's metadata: no memory of the caller's

@@ -75,7 +75,7 @@ from rewrite.engine.symbolic import size_hint
 from rewrite.engine.workspace import CODE_ATTRIBUTES, gc_paused
 from rewrite.module_state import AttributeSnapshot
 from rewrite.ops.base import ConstRef, attribute, nodes_by_target
-from rewrite.ops.effects import call_writes, hooked_tensors, state_writes, written_args
+from rewrite.ops.effects import call_writes, hooked_containers, hooked_tensors, state_writes, written_args
 from rewrite.ops.reach import storage_key
 from rewrite.ops.vocabulary import CALL_OPS, OPS, bind_node
 from rewrite.trust.gradients import GradientRun, grad_leaves, gradient_run, moved, redrawn
@@ -1125,7 +1125,7 @@ class _SavedState:
             # leaf module counting its calls with ``self.step = self.step + 1``, which
             # replaces the entry of its ``_buffers`` table, a list it appends to); a
             # GraphModule's code is its graph's, not state
-            self.attributes.append(AttributeSnapshot(modules))
+            self.attributes.append(AttributeSnapshot(modules, hooked_containers(fn) or ()))
             # A block that only runs graphs can write only what their nodes may
             # write (rewrite.ops.effects.state_writes): ResNet-50 in eval mode, nothing,
             # not even a parameter's requires_grad (``w.requires_grad_(False)`` writes w).
