@@ -351,6 +351,18 @@ def test_approximate_rules_meet_large_magnitudes():
                    "ln16", n=20).status == "ok"
 
 
+@pytest.mark.parametrize("name, text", [
+    # right for every dim up to 8, which is all ordinary instances draw (T05): a
+    # leading instance has every dim just past a power of two
+    ("prefix16", "slice(x, 1, 0, 16) => x"),
+    ("prefix32", "slice(x, 0, 0, 32) => x"),
+    ("prefix64", "slice(x, -1, 0, 64) => x"),
+])
+def test_a_literal_size_meets_larger_dims(name, text):
+    v = _verify(f"rule {name}: {text}", name, n=10)
+    assert v.status == "counterexample", v
+
+
 def test_integer_operands_meet_float_numbers():
     # floor(idx * c) is idx * c for an integer c, not for idx * 0.5 (probe Z1 F4)
     v = _verify("rule floor_int_mul: torch.floor(mul(x, c)) where not is_float(x) and is_number(c) => mul(x, c)",

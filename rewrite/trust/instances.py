@@ -449,13 +449,22 @@ class _Ctx:
         scalar = scalar or lo == 0
         if self.mode == "strided" and hi >= 2:
             lo, scalar = max(lo, 2), False
+        long = self.mode == "long" and (hi, dim_hi) == (4, 4)
         if (hi, dim_hi) == (4, 4) and self._large():
             hi, dim_hi = 5, 8
+        elif long:
+            hi, dim_hi = 3, max(_PAST_POWERS)
         fits = [s for s in dict.fromkeys(self.shapes)
                 if (lo <= len(s) or (scalar and not s)) and len(s) <= hi and all(d <= dim_hi for d in s)
                 and (empty or 0 not in s)]
         if fits and self.coin():
             return self.pick(fits)
+        if long and lo <= 3:  # every dim just past a power of two (rank up to 3, at most _LONG_ELEMENTS)
+            dims = [self.pick(_PAST_POWERS[1:3]) for _ in range(self.int(max(lo, 1), 3))]
+            while math.prod(dims) > _LONG_ELEMENTS:
+                dims[dims.index(max(dims))] = _PAST_POWERS[1]
+            self.shapes.append(tuple(dims))
+            return tuple(dims)
         kind = self.degenerate(scalar=scalar, empty=empty)
         if kind == "scalar":
             shape: tuple = ()
@@ -465,7 +474,10 @@ class _Ctx:
                                                                                               else lo, hi)))
             if dim_hi > 4 and shape:  # a large shape: one dim past 4 (the rest small, to stay cheap)
                 i = self.int(0, len(shape) - 1)
-                shape = shape[:i] + (self.int(5, dim_hi),) + shape[i + 1:]
+                # past 8 half the time: just past a power of two (a slice's literal end, a
+                # block size), where a rule right for the dims it usually meets is not
+                size = self.int(5, dim_hi) if self.coin() else self.pick(_PAST_POWERS)
+                shape = shape[:i] + (size,) + shape[i + 1:]
             if kind == "empty":
                 i = self.int(0, len(shape) - 1)
                 shape = shape[:i] + (0,) + shape[i + 1:]
@@ -473,7 +485,8 @@ class _Ctx:
         return shape
 
     def _large(self) -> bool:
-        """Draw a large shape (rank up to 5, one dim from 5 to 8) for an op that takes
+        """Draw a large shape (rank up to 5, one dim from 5 to 8 or just past a power of
+        two up to 129: ``_PAST_POWERS``) for an op that takes
         any: always in mode ``"large"`` (a verification's leading instance), a tenth
         of the time in ``"mixed"``. A rule right only up to rank 4 or a dim of 4
         (``flatten(x, 1, 3) => flatten(x, 1)``, ``mean(x, -1) where shape(x)[-1] >= 4
@@ -698,6 +711,13 @@ def _unary(ctx: _Ctx, a: _Args) -> dict:
     meet the negative ``x`` it turns from NaN into a number."""
     lo, hi = a.input_range if not ctx.coin() else (-4.0, 4.0)
     return {"input": a.tensor("input", lambda: ctx.shape(scalar=True, empty=True), lo=lo, hi=hi)}
+
+
+#: a large shape's large dim, half the time: just past a power of two, where a rule
+#: with a literal size (``slice(x, 1, 0, 16) => x``) meets a dim it is wrong on
+_PAST_POWERS = (17, 33, 65, 129)
+#: the most elements a ``"long"`` shape (every dim just past a power of two) holds
+_LONG_ELEMENTS = 40_000
 
 
 def _numbers(dtype: torch.dtype, positive: bool = False) -> list:
@@ -2008,7 +2028,9 @@ def draw_instance(draw: Callable, plan: Plan, attempts: int = 3, shapes: str | N
     None, ordinary shapes only; ``"mixed"``, also (a tenth of the time each) 0-d
     tensors and dims of size 0 where the ops take them; ``"scalar"``, ``"empty"``:
     mostly those; ``"strided"``: tensors of rank 2 and more, none contiguous (dims
-    laid out in reverse order). ``wide``: float tensors' ranges scaled by this
+    laid out in reverse order); ``"long"``: every dim of a shape just past a power of two
+    (33 or 65; rank up to 3), where a literal size (``slice(x, 1, 0, 16) => x``) is
+    wrong, on any dim. ``wide``: float tensors' ranges scaled by this
     magnitude (``Instance.wide``); ``offset``: float tensors drawn about this value
     (``Instance.offset``)."""
     st = strategies()

@@ -1082,7 +1082,7 @@ def _verify_rule(ruleset: Any, rule: CompiledRule | str, max_examples: int, seed
 
     try:
         # Leading instances, one per dtype the rule admits, then one with an empty
-        # dim, a 0-d one, a non-contiguous one and a large one, in the dtypes that made an
+        # dim, a 0-d one, a non-contiguous one, a large one and a long one, in the dtypes that made an
         # instance: whatever hypothesis' adaptive state (which depends on what ran
         # before in the process), every dtype and these shapes are met.
         valid = []
@@ -1092,7 +1092,7 @@ def _verify_rule(ruleset: Any, rule: CompiledRule | str, max_examples: int, seed
                    salt=str(dtype))
             if checker.counts["checked"] > before:
                 valid.append(dtype)
-        shaped = ([(m, valid[i % len(valid)]) for i, m in enumerate(("empty", "scalar", "strided", "large"))]
+        shaped = ([(m, valid[i % len(valid)]) for i, m in enumerate(("empty", "scalar", "strided", "large", "long"))]
                   if valid else [])
         for shapes, dtype in shaped:
             search(attrs.evolve(plan, dtypes=(dtype,), favoured=()), 1, shapes=shapes, leading=True, salt=shapes)
