@@ -206,7 +206,7 @@ def new_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any, writes: 
     return None
 
 
-def lost_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any, writes: bool = True) -> str | None:
+def lost_aliasing(root: fx.Node, result: fx.Node, gm: Any, writes: bool = True) -> str | None:
     """Why replacing ``root``, a view of other memory (``always_aliases``: ``h.view(-1)``,
     ``x.t()``), by ``result``, memory of its own (a copy: ``reshape(clone(x), s)``),
     would let the caller observe the sharing lost, or None when it would not. The
@@ -218,9 +218,7 @@ def lost_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any, writes:
     before = storage_base(root, gm, always_aliases)
     if before is root or not isinstance(before, fx.Node):
         return None  # root's value was memory of its own
-    base = storage_base(result, gm)
-    if base is before or (base is not None and base not in frozenset(created)
-                          and storage_base(base, gm, always_aliases) is before):
+    if storage_base(result, gm) is before:
         return None  # the replacement still views that memory
     mine = alias_class(root, gm)
     group = alias_class(before, gm)
