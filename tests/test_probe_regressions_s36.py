@@ -263,3 +263,20 @@ def test_the_check_leaves_a_hooks_feature_list_as_it_was():
     assert feats == [] and by_name == {}
     result.graph_module(x)
     assert len(feats) == 1 and len(by_name) == 1  # the hook still runs
+
+
+@pytest.mark.parametrize("offset, folds", [(0.0, True), (1e4, False)])
+def test_a_batch_norm_of_raw_features_is_not_folded_into_the_linear_after_it(offset, folds):
+    """Folded into the linear after it, a batch norm of features about 1e4 with a
+    spread of 1 (raw readings: why a model normalizes its input) computes
+    ``w * s @ x - w * s @ mean`` in one float32 accumulation, which cancels; the
+    batch norm subtracts the mean exactly first (verify's offset draws found it)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.BatchNorm1d(16), nn.Linear(16, 4)).eval()
+    with torch.no_grad():
+        model[0].running_mean.copy_(offset + torch.randn(16))
+        model[0].running_var.copy_(torch.rand(16) + 0.5)
+    x = offset + torch.randn(8, 16)
+    result = rewrite.load("rules/fusion.rw").apply(fx.symbolic_trace(model), example_inputs=(x,))
+    assert ("bn_linear" in result.counts) == folds, result.counts
+    torch.testing.assert_close(result.graph_module(x), model(x), rtol=1e-4, atol=1e-4)

@@ -725,6 +725,31 @@ def _tensor_shape(v: Value) -> tuple | None:
     return None if m is None else tuple(m.shape)
 
 
+#: how far from its running mean, in running standard deviations, a batch norm's
+#: input may sit for the batch norm to be folded into the op after it, times the
+#: input dtype's epsilon (float32: 8; half precision: a mean of about 0)
+BN_OFFSET_BOUND = 2.0 ** -20
+
+
+@register_predicate(local=True)
+def bn_input_centred(x: Value, mean: Value, var: Value, eps: Value) -> bool | None:
+    """A batch norm of ``x`` folded into the linear or conv that reads it computes
+    ``w * s @ x - w * s @ mean`` in one accumulation: where ``|mean|`` is many running
+    standard deviations (a raw feature about 1e4, spread 1), the two cancel and the
+    rounding of each, ``eps * |mean| / std`` of the result, is left; the batch norm
+    subtracts ``mean`` from ``x`` exactly first. True when every channel's
+    ``|mean| / sqrt(var + eps)`` is within ``BN_OFFSET_BOUND / finfo(dtype).eps``."""
+    m = x.meta
+    mean_t = mean.facts.constant_of(mean.operand) if mean.is_const else None
+    var_t = var.facts.constant_of(var.operand) if var.is_const else None
+    e = eps.literal if eps.is_literal else None
+    if m is None or not isinstance(mean_t, torch.Tensor) or not isinstance(var_t, torch.Tensor) \
+            or not isinstance(e, (int, float)) or not m.dtype.is_floating_point:
+        return None
+    ratio = (mean_t.double().abs() * torch.rsqrt(var_t.double() + e)).max() if mean_t.numel() else 0.0
+    return bool(ratio <= BN_OFFSET_BOUND / torch.finfo(m.dtype).eps)
+
+
 @register_predicate(local=True)
 def no_padding(padding: Value) -> bool:
     """A conv ``padding`` of zeros (``0``, ``[0, 0]``, ``"valid"``): every tap reads

@@ -557,8 +557,10 @@ class _Ctx:
                 element = element | st.sampled_from(_SPECIALS + (info.max, -info.max, info.tiny,
                                                                  3 * info.tiny * info.eps))
             shift = self.offset if hi >= 4.0 else 0.0
-            head = torch.tensor(self.draw(st.lists(element, min_size=k, max_size=k)), dtype=torch.float64) + shift
-            tail = (lambda g, m: torch.rand(m, generator=g, dtype=torch.float64) * (hi - lo) + lo + shift)
+            head = torch.tensor(self.draw(st.lists(element, min_size=k, max_size=k)), dtype=torch.float64)
+            tail = (lambda g, m: torch.rand(m, generator=g, dtype=torch.float64) * (hi - lo) + lo)
+            if shift:  # (only then: -0.0 + 0.0 is 0.0, and -0.0 is a special drawn on purpose)
+                head, tail = head + shift, (lambda g, m, plain=tail: plain(g, m) + shift)
         if n > k:
             g = torch.Generator().manual_seed(self.int(0, 2**31 - 1))
             head = torch.cat([head, tail(g, n - k).to(head.dtype)])
