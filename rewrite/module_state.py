@@ -23,9 +23,11 @@ from torch import fx
 __all__ = ["AttributeSnapshot", "CONTAINERS", "same_entries"]
 
 _ABSENT = object()  # an attribute a module did not have
-#: the containers whose contents a snapshot keeps (a copy of each: ``copy()``)
-CONTAINERS = (dict, collections.OrderedDict, list, set)
-_CONTAINERS = CONTAINERS
+#: the containers whose contents a snapshot keeps (a copy of each: ``copy()``), by
+#: exact type in a module's attributes; a hook's (``reachable_containers``) by kind:
+#: a ``defaultdict``, a ``Counter``
+_CONTAINERS = (dict, collections.OrderedDict, list, set)
+CONTAINERS = (dict, list, set, collections.deque)
 
 
 def same_entries(now: dict, saved: dict) -> bool:
@@ -42,7 +44,7 @@ def same_entries(now: dict, saved: dict) -> bool:
 def _same_contents(container: Any, saved: Any) -> bool:
     if isinstance(container, dict):
         return same_entries(container, saved)
-    if isinstance(container, list):
+    if isinstance(container, (list, collections.deque)):
         return len(container) == len(saved) and all(map(operator.is_, container, saved))
     return container == saved  # a set: its members by identity first
 
@@ -50,6 +52,9 @@ def _same_contents(container: Any, saved: Any) -> bool:
 def _put_back(container: Any, saved: Any) -> None:
     if isinstance(container, list):
         container[:] = saved
+    elif isinstance(container, collections.deque):
+        container.clear()
+        container.extend(saved)
     else:
         container.clear()
         container.update(saved)
@@ -64,7 +69,7 @@ class AttributeSnapshot:
         back too (a feature list a caller's hook closes over and appends to)."""
         self._entries = []
         self._generators = []  # a module's own torch.Generator: its state, put back too
-        held = tuple((c, c.copy()) for c in containers if type(c) in _CONTAINERS)
+        held = tuple((c, c.copy()) for c in containers if isinstance(c, CONTAINERS))
         if held:
             self._entries.append((None, None, held))
         for m in modules:

@@ -143,36 +143,17 @@ class _ShiftedMean(nn.Module):
         return self.bn(self.conv(x))
 
 
-class _WritesAnInput(nn.Module):
-    """Writes an input in place: the caller may pass the module's own buffer (``m(x, m.bn.running_mean)``)."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 3, 1)
-        self.bn = nn.BatchNorm2d(3)
-
-    def forward(self, x, s):
-        s.add_(1.0)
-        return self.bn(self.conv(x))
-
-
-@pytest.mark.parametrize("capture", ["fx", "export"])
-def test_a_constant_written_through_other_memory_is_not_folded(capture):
+def test_a_constant_written_through_other_memory_is_not_folded():
     """Probe Z3 F2: ``const()`` told written state by tensor object, so a buffer
     viewing the running mean, written in place, let conv_bn fold a mean that changes
-    every call; an input written in place (which may be a module tensor) likewise."""
+    every call."""
     fusion = rewrite.load("rules/fusion.rw")
     torch.manual_seed(0)
     x = torch.randn(2, 3, 4, 4)
-    if capture == "export":  # (symbolic_trace runs a buffer's add_ once, while tracing: no node)
-        gm = torch.export.export(_ShiftedMean().eval(), (x,)).module()
-        assert gm.shift.untyped_storage().data_ptr() == gm.bn.running_mean.untyped_storage().data_ptr()
-        assert fusion.apply(gm, example_inputs=(x,), check=False).counts == {}
-
-    m = _WritesAnInput().eval()
-    args = (x, torch.zeros(3))
-    gm = fx.symbolic_trace(m) if capture == "fx" else torch.export.export(m, args).module()
-    assert fusion.apply(gm, example_inputs=args, check=False).counts == {}
+    # (export: symbolic_trace runs a buffer's add_ once, while tracing, and records no node)
+    gm = torch.export.export(_ShiftedMean().eval(), (x,)).module()
+    assert gm.shift.untyped_storage().data_ptr() == gm.bn.running_mean.untyped_storage().data_ptr()
+    assert fusion.apply(gm, example_inputs=(x,), check=False).counts == {}
 
 
 def test_folds_still_fire_where_nothing_shares_written_memory():
@@ -280,3 +261,47 @@ def test_a_batch_norm_of_raw_features_is_not_folded_into_the_linear_after_it(off
     result = rewrite.load("rules/fusion.rw").apply(fx.symbolic_trace(model), example_inputs=(x,))
     assert ("bn_linear" in result.counts) == folds, result.counts
     torch.testing.assert_close(result.graph_module(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+def test_the_check_leaves_a_recorder_hooks_own_attributes_as_they_were():
+    """Probe Z4 F5: a callable recorder object counting calls in its own attributes,
+    a ``defaultdict`` and a ``deque`` it fills: apply's check runs leave none of it."""
+    import collections
+
+    class Recorder:
+        def __init__(self):
+            self.calls, self.features = 0, []
+            self.by_module, self.recent = collections.defaultdict(list), collections.deque(maxlen=4)
+
+        def __call__(self, module, inputs, output):
+            self.calls += 1
+            self.features.append(output)
+            self.by_module[module].append(output)
+            self.recent.append(output)
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).eval()
+    recorder = Recorder()
+    model[2].register_forward_hook(recorder)
+    result = rewrite.load("rules/fusion.rw").apply(model, example_inputs=(torch.randn(1, 3, 8, 8),))
+    assert result.counts == {"conv_bn": 1}
+    assert (recorder.calls, recorder.features, dict(recorder.by_module), len(recorder.recent)) == (0, [], {}, 0)
+
+
+class _Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc2(self.fc(x) * 1.0 + 0.0)
+
+
+def test_a_hook_reaching_the_graph_module_leaves_its_rewrite_alone():
+    """Probe Z4 F7: in place, a hook reaching the GraphModule had the check put back
+    its nodes' metadata (the facts the rewrite records): nothing was rewritten."""
+    gm = fx.symbolic_trace(_Scaled())
+    registry = {"model": gm}
+    gm.fc.register_forward_hook(lambda module, inputs, output, reg=registry: None)
+    result = rewrite.load("rules/cleanup.rw").apply(gm, example_inputs=(torch.randn(3, 4),), inplace=True)
+    assert sum(result.counts.values()) == 2, result.counts
+    assert "mul" not in gm.code

@@ -30,12 +30,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from rewrite.ops.effects import (always_aliases, call_writes, described_writes, flag_on, flagged_writes, may_alias,
+from rewrite.ops.effects import (always_aliases, call_writes, flag_on, flagged_writes, may_alias,
                                  may_alias_any_argument, written_args, written_nodes)
 from rewrite.ops.vocabulary import nodes_by_target
 
 __all__ = ["storage_base", "alias_class", "new_aliasing", "lost_aliasing", "caller_owned", "graph_writes",
-           "input_written", "written_between", "memory_observed"]
+           "written_between", "memory_observed"]
 
 
 def storage_base(node: Any, gm: Any, through: Any = may_alias) -> Any:
@@ -226,10 +226,13 @@ def lost_aliasing(root: fx.Node, result: fx.Node, gm: Any, writes: bool = True) 
     what = {"placeholder": "the graph input", "get_attr": "the module constant"}.get(before.op, "the value")
     what = f"{what} {before.target if before.op == 'get_attr' else before.name!r}"
     observed = caller_owned(before) or _escapes(others) or _read_outside(others, group)
-    if writes and _written(mine, gm) and observed:
+    # an in-place root (``relu_(h)``, ``out += identity``) writes that memory itself:
+    # dropped, the write matters only where the memory is read besides
+    own_write = writes and bool(written_nodes(root, gm))
+    if writes and (own_write or _written(mine, gm)) and observed:
         return (f"its value is a view of {what}, written in place through it: the replacement's own memory "
                 f"would not pass the write on")
-    if writes and _written(others, gm):
+    if writes and any(user is not root and _writes_into(user, n, gm) for n in others for user in n.users):
         return (f"its value is a view of {what}, which is written in place: the replacement's own memory "
                 f"would not see the write")
     if _escapes(mine) and (caller_owned(before) or _escapes(others)):
@@ -287,29 +290,6 @@ def _other_owned_written(base: fx.Node, gm: Any) -> bool:
     graph = base.graph
     return any(node is not base and _written(alias_class(node, gm), gm)
                for node in (*graph.find_nodes(op="placeholder"), *graph.find_nodes(op="get_attr")))
-
-
-def input_written(gm: Any) -> bool:
-    """Whether an op of ``gm``'s graph writes (memory that may be) one of its inputs
-    in place (``described_writes``: ``s.add_(1)``; not a call whose code nothing
-    describes, which may write anything it is given)."""
-    if not graph_writes(gm):
-        return False
-    for node in gm.graph.nodes:
-        if node.op.startswith("call_"):
-            for key in described_writes(node, gm):
-                arg = node.args[key] if isinstance(key, int) else node.kwargs[key]
-                for written in _nodes_in(arg):
-                    base = storage_base(written, gm)
-                    if isinstance(base, fx.Node) and base.op == "placeholder":
-                        return True
-    return False
-
-
-def _nodes_in(value: Any) -> list:
-    found: list = []
-    fx.node.map_arg(value, found.append)
-    return found
 
 
 def graph_writes(gm: Any) -> bool:

@@ -19,7 +19,6 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 
-from rewrite.engine.aliasing import input_written
 from rewrite.engine.symbolic import as_traced, symbolic_env
 from rewrite.engine.shapes import cast_of, fresh_cast, fresh_constant, fresh_like, fresh_view, like_input, view_of
 from rewrite.ops.base import ConstRef, attribute, by_identity
@@ -246,12 +245,11 @@ class GraphFacts:
         """(ids, memory) of the state tensors the graph may write (None: unknown),
         worked out once: rewrites add no writes to existing state (E105). Memory
         (``storage_key``), as another tensor may view a written one (a buffer
-        registered as ``bn.running_mean[:2]``). A graph that writes one of its
-        inputs in place may write any state tensor: the caller may pass one as that
-        input (``m(x, m.bn.running_mean)``), and a fold reads it once, at rewrite
-        time."""
+        registered as ``bn.running_mean[:2]``). Not an input the graph writes in
+        place, although the caller may pass a module tensor as it (``m(x,
+        m.bn.running_mean)``): a KV cache written in place would stop every fold."""
         written = state_writes(self.gm)
-        if written is None or input_written(self.gm):
+        if written is None:
             return None
         if not written:
             return written, frozenset()

@@ -38,13 +38,13 @@ from torch.utils import _pytree as pytree
 
 from rewrite.capture import is_export_guard
 from rewrite.ops.base import attribute, by_identity, nodes_by_target, submodule
-from rewrite.ops.reach import reachable_tensors, storage_key
+from rewrite.ops.reach import reachable_containers, reachable_tensors, storage_key
 
 __all__ = [
     "VIEW_NAMES", "ALIASING_NAMES", "ALIASING_MODULES", "FRESH_COMPOSITES", "FRESH_FUNCTIONS", "FRESH_OPERATORS",
     "ANY_INPUT_ALIASING_NAMES", "op_name", "may_alias",
     "may_alias_any_argument", "note_built_module", "always_aliases",
-    "written_args", "written_nodes", "described_writes", "target_writes", "flagged_writes", "flag_on", "call_writes",
+    "written_args", "written_nodes", "target_writes", "flagged_writes", "flag_on", "call_writes",
     "opdef_writes", "opdef_may_alias",
     "module_writes_own_state",
     "state_writes", "hooked_tensors", "hooked_containers",
@@ -462,21 +462,6 @@ def written_args(node: fx.Node, gm: Any) -> tuple:
     if kwargs and kwargs.get("out") is not None and "out" not in out:  # torch.add(x, y, out=z) writes z
         out.append("out")
     return tuple(out)
-
-
-def described_writes(node: fx.Node, gm: Any) -> tuple:
-    """``written_args`` where something describes the call (a schema, an in-place
-    name, flag or ``inplace`` setting: ``s.add_(1)``); () for a call whose code
-    nothing describes (a user's module, a hooked one, a container, a Python function
-    from outside torch, a higher-order op), which ``written_args`` takes to write
-    every argument."""
-    if node.op == "call_module":
-        module = _module(node, gm)
-        if module is None or _module_writes_arguments(module):
-            return ()
-    elif node.op == "call_function" and _opaque_call(node.target):
-        return ()
-    return written_args(node, gm)
 
 
 def call_writes(target: Any) -> str:
@@ -1109,13 +1094,18 @@ def _from_torch_itself(hook: Any) -> bool:
 
 
 def hooked_containers(module: Any) -> "list | None":
-    """The lists, dicts and sets the caller's hooks on ``module`` and the modules it
-    holds can reach (a feature list a hook appends to); None when that is unbounded."""
+    """The lists, dicts, sets and deques the caller's hooks on ``module`` and the
+    modules it holds can reach (``reachable_containers``: a feature list a hook
+    appends to); None when that is unbounded."""
     found: list = []
     seen: set = set()
-    for owner, hook in _hooks_of(module):
-        if not _from_torch_itself(hook) and reachable_tensors((hook, owner), seen, found) is None:
+    for _, hook in _hooks_of(module):
+        if _from_torch_itself(hook):
+            continue
+        reached = reachable_containers(hook, seen)
+        if reached is None:
             return None
+        found += reached
     return found
 
 

@@ -30,7 +30,7 @@ import torch
 
 from rewrite.module_state import CONTAINERS
 
-__all__ = ["reachable_tensors", "storage_key"]
+__all__ = ["reachable_containers", "reachable_tensors", "storage_key"]
 
 #: objects visited before the walk gives up (None: everything may be written)
 _LIMIT = 20000
@@ -60,19 +60,16 @@ def storage_key(t: torch.Tensor) -> Any:
         return None
 
 
-def reachable_tensors(fn: Any, seen: Optional[set] = None, containers: Optional[list] = None) -> Optional[list]:
+def reachable_tensors(fn: Any, seen: Optional[set] = None) -> Optional[list]:
     """Every tensor ``fn`` can reach, or None when that is unbounded. ``seen``: the
     ids of objects an earlier walk went through (shared, it grows): they and what
-    they reach are not walked again, so only tensors new to it are answered.
-    ``containers``: a list the lists, dicts and sets reached are added to (not an
-    object's own ``__dict__``: its attributes are not a container of the caller's)."""
+    they reach are not walked again, so only tensors new to it are answered."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     found: list = []
     seen = set() if seen is None else seen
     start = len(seen)
     stack = [fn]
-    own_dicts: set = set()  # ids of objects' __dict__s met
     while stack:
         obj = stack.pop()
         if isinstance(obj, _ATOMS) or id(obj) in seen or _numpy_value(obj):
@@ -80,16 +77,6 @@ def reachable_tensors(fn: Any, seen: Optional[set] = None, containers: Optional[
         seen.add(id(obj))
         if len(seen) - start > _LIMIT:
             return None
-        if containers is not None:
-            if type(obj) in CONTAINERS and id(obj) not in own_dicts:
-                containers.append(obj)
-            elif not isinstance(obj, (type, types.ModuleType, types.FunctionType)):
-                try:  # (not ``getattr``: a class's own __getattr__ may raise anything)
-                    attributes = object.__getattribute__(obj, "__dict__")
-                except Exception:  # noqa: BLE001 - no __dict__ (slots), or one that cannot be read
-                    attributes = None
-                if type(attributes) is dict:
-                    own_dicts.add(id(attributes))
         if isinstance(obj, torch.Tensor):
             if isinstance(obj, FakeTensor):
                 continue  # a graph's metadata: no memory of the caller's
@@ -97,6 +84,49 @@ def reachable_tensors(fn: Any, seen: Optional[set] = None, containers: Optional[
                 return None  # a subclass may hold tensors of its own
             found.append(obj)
             continue
+        try:
+            children = _held(obj)
+        except Exception:  # noqa: BLE001 - an object that fails when looked into: unbounded
+            return None
+        if children is None:
+            return None
+        stack.extend(children)
+    return found
+
+
+def reachable_containers(fn: Any, seen: Optional[set] = None) -> Optional[list]:
+    """The lists, dicts, sets and deques ``fn`` can reach outside modules, graphs and
+    tensors (a feature list a hook closes over, a recorder object's own attributes),
+    or None when that is unbounded. A module's attributes, its graph and its nodes'
+    metadata are what a module snapshot and the rewrite keep: not walked."""
+    found: list = []
+    taken: set = set()  # ids of the containers found
+    seen = set() if seen is None else seen
+    start = len(seen)
+    stack = [fn]
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, _ATOMS) or id(obj) in seen or _numpy_value(obj) \
+                or isinstance(obj, (torch.Tensor, torch.nn.Module, torch.fx.Graph, torch.fx.Node)):
+            continue
+        seen.add(id(obj))
+        if len(seen) - start > _LIMIT:
+            return None
+        if isinstance(obj, CONTAINERS):
+            if id(obj) not in taken:
+                taken.add(id(obj))
+                found.append(obj)
+        elif not isinstance(obj, (type, types.ModuleType, types.FunctionType, types.MethodType)):
+            # an object's own attributes (a recorder's ``self.calls += 1``): its __dict__,
+            # which Python 3.11 keeps inline, unseen by gc, until it is asked for
+            try:
+                attributes = object.__getattribute__(obj, "__dict__")
+            except Exception:  # noqa: BLE001 - slots only, or a __dict__ that cannot be read
+                attributes = None
+            if type(attributes) is dict and id(attributes) not in taken:
+                taken.add(id(attributes))
+                found.append(attributes)
+                stack.append(attributes)  # and what it holds (a feature list in an attribute)
         try:
             children = _held(obj)
         except Exception:  # noqa: BLE001 - an object that fails when looked into: unbounded
