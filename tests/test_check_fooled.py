@@ -197,8 +197,11 @@ class ViewsConstant(nn.Module):
 def test_an_output_no_longer_a_view_of_a_plain_tensor_attribute_is_caught():
     x = torch.randn(4)
     gm = _export(ViewsConstant(), x)
-    with pytest.raises(EquivalenceError):
-        rewrite.parse("rule w: t(x) => permute(clone(x), [1, 0])").apply(gm, example_inputs=(x,))
+    try:  # refused where it would fire (``lost_aliasing``), or caught by the check
+        result = rewrite.parse("rule w: t(x) => permute(clone(x), [1, 0])").apply(gm, example_inputs=(x,))
+    except EquivalenceError:
+        return
+    assert "w" not in result.counts, result.counts
 
 
 def test_an_output_still_a_view_of_a_plain_tensor_attribute_passes():

@@ -206,7 +206,7 @@ def new_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any, writes: 
     return None
 
 
-def lost_aliasing(root: fx.Node, result: fx.Node, gm: Any, writes: bool = True) -> str | None:
+def lost_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any, writes: bool = True) -> str | None:
     """Why replacing ``root``, a view of other memory (``always_aliases``: ``h.view(-1)``,
     ``x.t()``), by ``result``, memory of its own (a copy: ``reshape(clone(x), s)``),
     would let the caller observe the sharing lost, or None when it would not. The
@@ -214,7 +214,9 @@ def lost_aliasing(root: fx.Node, result: fx.Node, gm: Any, writes: bool = True) 
     the memory it viewed (``h.view(-1).add_(1); return h``), a write into that
     memory no longer reaches the view's readers, a view of a graph input or module
     tensor written in place no longer writes the caller's tensor, and a view
-    returned with the memory it viewed (or of a graph input) is no longer one."""
+    returned with the memory it viewed (or of a graph input) is no longer one.
+    ``created``: the nodes the replacement built (they read that memory in root's
+    place: not readers besides)."""
     before = storage_base(root, gm, always_aliases)
     if before is root or not isinstance(before, fx.Node):
         return None  # root's value was memory of its own
@@ -225,14 +227,18 @@ def lost_aliasing(root: fx.Node, result: fx.Node, gm: Any, writes: bool = True) 
     others = group - mine
     what = {"placeholder": "the graph input", "get_attr": "the module constant"}.get(before.op, "the value")
     what = f"{what} {before.target if before.op == 'get_attr' else before.name!r}"
-    observed = caller_owned(before) or _escapes(others) or _read_outside(others, group)
+    # what happens before root, root and the replacement alike see: only reads and
+    # writes of that memory after root tell the sharing
+    inside = group | frozenset(created)
+    observed = caller_owned(before) or _escapes(others) or any(
+        user not in inside and root < user for n in others for user in n.users)
     # an in-place root (``relu_(h)``, ``out += identity``) writes that memory itself:
     # dropped, the write matters only where the memory is read besides
     own_write = writes and bool(written_nodes(root, gm))
     if writes and (own_write or _written(mine, gm)) and observed:
         return (f"its value is a view of {what}, written in place through it: the replacement's own memory "
                 f"would not pass the write on")
-    if writes and any(user is not root and _writes_into(user, n, gm) for n in others for user in n.users):
+    if writes and any(root < user and _writes_into(user, n, gm) for n in others for user in n.users):
         return (f"its value is a view of {what}, which is written in place: the replacement's own memory "
                 f"would not see the write")
     if _escapes(mine) and (caller_owned(before) or _escapes(others)):

@@ -755,7 +755,10 @@ def graph_trains(gm: Any) -> bool:
     """Whether ``gm``'s graph runs in training mode: a batch norm updating running
     statistics, a dropout that drops (``F.dropout``'s ``training`` defaults to True,
     aten's ``train`` is given), or a torch BatchNorm or Dropout module in training
-    mode."""
+    mode. A batch norm without running statistics (``track_running_stats=False``)
+    uses batch statistics in eval mode too: it counts when its weight or bias
+    requires grad and no batch norm with running statistics says eval mode."""
+    statless_trained = eval_seen = False
     for op, target, nodes in nodes_by_target(gm.graph):
         if op == "call_module":
             for node in nodes:
@@ -767,24 +770,28 @@ def graph_trains(gm: Any) -> bool:
             continue
         name = op_name(target) if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) \
             else getattr(target, "__name__", "")
-        if "batch_norm" in name and "no_training" not in name:
+        if "batch_norm" in name and "no_training" in name:
+            eval_seen = True
+        elif "batch_norm" in name:
             flagged = flagged_writes(target)
             if flagged is None:
                 continue
             position, keyword = flagged[0][0]  # the running mean
-            # batch statistics with running ones to update; without them (as for
-            # track_running_stats=False, which uses batch statistics in eval too),
-            # a weight or bias that requires grad: it is being trained, or may be
-            if any(flag_on(n, flagged) and (_argument(n, position, keyword, None) is not None
-                                            or _reads_trainable_state(n, gm)) for n in nodes):
-                return True
+            for n in nodes:
+                stats = _argument(n, position, keyword, None) is not None
+                if flag_on(n, flagged):
+                    if stats:  # batch statistics with running ones to update
+                        return True
+                    statless_trained = statless_trained or _reads_trainable_state(n, gm)
+                elif stats:
+                    eval_seen = True
         elif name in _DROPOUTS:
             position, keyword, default = _DROPOUTS[name]
             if name == "dropout" and not isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
                 position, keyword, default = 2, "training", True  # F.dropout
             if any(_argument(n, position, keyword, default) not in (False, None) for n in nodes):
                 return True
-    return False
+    return statless_trained and not eval_seen
 
 
 def _reads_trainable_state(node: fx.Node, gm: Any) -> bool:
