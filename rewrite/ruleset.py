@@ -27,7 +27,7 @@ import attrs
 import torch
 import torch.fx as fx
 
-from rewrite.capture import as_input_tuple, symbolic_trace
+from rewrite.capture import as_input_tuple, hooked, symbolic_trace
 from rewrite.engine.compile import compile_rule
 from rewrite.engine.driver import Driver, Schedule
 from rewrite.engine.facts import forget_recorded_facts
@@ -614,10 +614,14 @@ def _symbolic_trace(model: torch.nn.Module) -> fx.GraphModule:
     try:
         return symbolic_trace(model)
     except Exception as err:  # noqa: BLE001 - any tracing failure: say what to do instead
+        hooked_modules = [name for name, m in model.named_modules() if name and hooked(m)]
+        why = (f"; the submodules with hooks ({', '.join(hooked_modules[:3])}) stay calls, so that their "
+               "hooks keep running, and their outputs are then opaque to the trace: remove the hooks "
+               "while rewriting") if hooked_modules else ""
         raise TypeError(
             f"could not capture {type(model).__name__} with torch.fx.symbolic_trace "
-            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); capture it yourself, "
-            "e.g. torch.export.export(model, example_inputs, strict=False).module(), and pass that"
+            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}){why}; capture it "
+            "yourself, e.g. torch.export.export(model, example_inputs, strict=False).module(), and pass that"
         ) from err
 
 

@@ -305,3 +305,29 @@ def test_a_hook_reaching_the_graph_module_leaves_its_rewrite_alone():
     result = rewrite.load("rules/cleanup.rw").apply(gm, example_inputs=(torch.randn(3, 4),), inplace=True)
     assert sum(result.counts.values()) == 2, result.counts
     assert "mul" not in gm.code
+
+
+def test_a_trace_failing_on_a_hooked_submodule_says_why():
+    """Probe Z4 F6: a hooked backbone stays a call, and a parent iterating its output
+    cannot be traced: the error names the hooked submodule and what to do."""
+    class Backbone(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Conv2d(3, 4, 1), nn.Conv2d(3, 4, 1)
+
+        def forward(self, x):
+            return [self.a(x), self.b(x)]
+
+    class Det(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.backbone = Backbone()
+            self.heads = nn.ModuleList([nn.Conv2d(4, 2, 1), nn.Conv2d(4, 2, 1)])
+
+        def forward(self, x):
+            return [h(f) for h, f in zip(self.heads, self.backbone(x))]
+
+    model = Det().eval()
+    model.backbone.register_forward_hook(lambda module, inputs, output: None)
+    with pytest.raises(TypeError, match=r"submodules with hooks \(backbone\) stay calls"):
+        rewrite.load("rules/fusion.rw").apply(model, example_inputs=(torch.randn(1, 3, 4, 4),))
