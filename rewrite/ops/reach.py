@@ -67,31 +67,18 @@ def reachable_tensors(fn: Any, seen: Optional[set] = None) -> Optional[list]:
     from torch._subclasses.fake_tensor import FakeTensor
 
     found: list = []
-    seen = set() if seen is None else seen
-    start = len(seen)
-    stack = [fn]
-    while stack:
-        obj = stack.pop()
-        if isinstance(obj, _ATOMS) or id(obj) in seen or _numpy_value(obj):
-            continue
-        seen.add(id(obj))
-        if len(seen) - start > _LIMIT:
-            return None
-        if isinstance(obj, torch.Tensor):
-            if isinstance(obj, FakeTensor):
-                continue  # a graph's metadata: no memory of the caller's
-            if obj.__class__ not in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer):
-                return None  # a subclass may hold tensors of its own
-            found.append(obj)
-            continue
-        try:
-            children = _held(obj)
-        except Exception:  # noqa: BLE001 - an object that fails when looked into: unbounded
-            return None
-        if children is None:
-            return None
-        stack.extend(children)
-    return found
+
+    def visit(obj: Any) -> Optional[bool]:
+        if not isinstance(obj, torch.Tensor):
+            return True
+        if isinstance(obj, FakeTensor):
+            return False  # a graph's metadata: no memory of the caller's
+        if obj.__class__ not in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer):
+            return None  # a subclass may hold tensors of its own
+        found.append(obj)
+        return False
+
+    return found if _walk(fn, set() if seen is None else seen, visit) else None
 
 
 def reachable_containers(fn: Any, seen: Optional[set] = None) -> Optional[list]:
@@ -101,21 +88,17 @@ def reachable_containers(fn: Any, seen: Optional[set] = None) -> Optional[list]:
     metadata are what a module snapshot and the rewrite keep: not walked."""
     found: list = []
     taken: set = set()  # ids of the containers found
-    seen = set() if seen is None else seen
-    start = len(seen)
-    stack = [fn]
-    while stack:
-        obj = stack.pop()
-        if isinstance(obj, _ATOMS) or id(obj) in seen or _numpy_value(obj) \
-                or isinstance(obj, (torch.Tensor, torch.nn.Module, torch.fx.Graph, torch.fx.Node)):
-            continue
-        seen.add(id(obj))
-        if len(seen) - start > _LIMIT:
-            return None
+
+    def take(container: Any) -> None:
+        if id(container) not in taken:
+            taken.add(id(container))
+            found.append(container)
+
+    def visit(obj: Any) -> bool:
+        if isinstance(obj, (torch.Tensor, torch.nn.Module, torch.fx.Graph, torch.fx.Node)):
+            return False
         if isinstance(obj, CONTAINERS):
-            if id(obj) not in taken:
-                taken.add(id(obj))
-                found.append(obj)
+            take(obj)
         elif not isinstance(obj, (type, types.ModuleType, types.FunctionType, types.MethodType)):
             # an object's own attributes (a recorder's ``self.calls += 1``): its __dict__,
             # which Python 3.11 keeps inline, unseen by gc, until it is asked for
@@ -123,18 +106,40 @@ def reachable_containers(fn: Any, seen: Optional[set] = None) -> Optional[list]:
                 attributes = object.__getattribute__(obj, "__dict__")
             except Exception:  # noqa: BLE001 - slots only, or a __dict__ that cannot be read
                 attributes = None
-            if type(attributes) is dict and id(attributes) not in taken:
-                taken.add(id(attributes))
-                found.append(attributes)
-                stack.append(attributes)  # and what it holds (a feature list in an attribute)
+            if type(attributes) is dict:
+                take(attributes)
+        return True
+
+    return found if _walk(fn, set() if seen is None else seen, visit) else None
+
+
+def _walk(fn: Any, seen: set, visit: Any) -> bool:
+    """Go through what ``fn`` holds (``_held``), each object once (``seen``: ids,
+    shared between walks), asking ``visit(obj)`` whether to go into it (True), not
+    (False), or to stop: the walk is unbounded (None). False when unbounded: past
+    ``_LIMIT`` objects, or an object that cannot be looked into."""
+    start = len(seen)
+    stack = [fn]
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, _ATOMS) or id(obj) in seen or _numpy_value(obj):
+            continue
+        seen.add(id(obj))
+        if len(seen) - start > _LIMIT:
+            return False
+        into = visit(obj)
+        if into is None:
+            return False
+        if not into:
+            continue
         try:
             children = _held(obj)
         except Exception:  # noqa: BLE001 - an object that fails when looked into: unbounded
-            return None
+            return False
         if children is None:
-            return None
+            return False
         stack.extend(children)
-    return found
+    return True
 
 
 def _held(obj: Any) -> Optional[list]:
