@@ -1488,6 +1488,12 @@ def _requires_grad_change(trial: int, ref: _Run, cand: _Run, candidate: Any = No
     new_constants = {id(t) for name, t in cand.state.items() if name not in ref.state}
     folded = bool(new_constants)
     positions = None  # _input_positions, when first needed
+    walked: Dict[int, list] = {}  # each root's walk, once (both directions walk both runs' roots)
+
+    def leaves(root: Any) -> list:
+        if id(root) not in walked:
+            walked[id(root)] = grad_leaves(root)
+        return walked[id(root)]
     for i, (path, mine, theirs) in enumerate(zip(paths, ref.requires_grad, cand.requires_grad)):
         if not mine and theirs:
             return Mismatch("output" + path, trial, None, None, math.inf, math.inf,
@@ -1503,13 +1509,13 @@ def _requires_grad_change(trial: int, ref: _Run, cand: _Run, candidate: Any = No
             if positions is None:  # once per call, only when some output requires grad in both
                 positions = _input_positions(ref, cand)
             fresh = folded if reads is None else any(r in new_constants for r in reads)
-            lost = _lost_gradient(ref, cand, i, positions, names, trained, reads, fresh, reaches_input)
+            lost = _lost_gradient(ref, cand, i, positions, names, trained, reads, fresh, reaches_input, leaves)
             if lost is not None:
                 return Mismatch("output" + path, trial, None, None, math.inf, math.inf,
                                 f"gradients reach {lost} through this output in the original, not in the rewrite "
                                 "(it still requires grad, through other tensors); both called with gradients "
                                 "enabled, floating inputs requiring grad as a trained model's activations do")
-            gained = _gained_gradient(ref, cand, i, positions, names)
+            gained = _gained_gradient(ref, cand, i, positions, names, leaves)
             if gained is not None:
                 return Mismatch("output" + path, trial, None, None, math.inf, math.inf,
                                 f"gradients reach {gained} through this output in the rewrite, not in the original "
@@ -1520,10 +1526,10 @@ def _requires_grad_change(trial: int, ref: _Run, cand: _Run, candidate: Any = No
         root = ref.grad_roots[i] if ref.grad_roots is not None else None
         reads = _output_reads(candidate, i, len(paths)) if folded else None
         if reads is None:  # what the rewrite still holds stands for what it reads
-            kept = [t for t in grad_leaves(root) if id(t) not in names or id(t) in trained]
+            kept = [t for t in leaves(root) if id(t) not in names or id(t) in trained]
             fresh = folded
         else:  # what this output is computed from, in the rewrite's graph
-            kept = [t for t in grad_leaves(root) if id(t) not in names or id(t) in reads]
+            kept = [t for t in leaves(root) if id(t) not in names or id(t) in reads]
             fresh = any(r in new_constants for r in reads)
         if root is not None and not kept and fresh:
             continue  # only through parameters the rewrite folded away, into constants it reads
@@ -1557,7 +1563,8 @@ def _input_positions(ref: _Run, cand: _Run) -> dict:
 
 def _lost_gradient(ref: _Run, cand: _Run, index: int, positions: dict, names: dict, trained: set,
                    reads: Optional[set] = None, fresh: bool = False,
-                   reaches_input: Optional[Callable[[int, int], bool]] = None) -> Optional[str]:
+                   reaches_input: Optional[Callable[[int, int], bool]] = None,
+                   leaves: Callable[[Any], list] = grad_leaves) -> Optional[str]:
     """What a gradient from output ``index`` reaches in the original and not in the
     rewrite: an input (by position: each run has its own copies), a tensor outside
     the module (``x.view(torch.int32).view(torch.float32)`` keeps every value and cuts
@@ -1568,14 +1575,14 @@ def _lost_gradient(ref: _Run, cand: _Run, index: int, positions: dict, names: di
     the output's value moves with it (``reaches_input(input, output)``: dropping the
     unused half of ``select(stack([a, b]), 0)`` loses a path that carried zeros; a cut
     through ``view(torch.int32)`` keeps the value's dependence and loses its gradient).
-    None when nothing is."""
+    None when nothing is. ``leaves``: ``grad_leaves``, or a memo of it."""
     if ref.grad_roots is None or cand.grad_roots is None or len(cand.grad_roots) <= index:
         return None
     reached = {("input", positions[id(t)]) if id(t) in positions else id(t)
-               for t in grad_leaves(cand.grad_roots[index])}
+               for t in leaves(cand.grad_roots[index])}
     # the rewrite's own copy of a module (one with hooks) holds its parameters under their names
     reached_names = {name for name, t in cand.state.items() if id(t) in reached}
-    for t in grad_leaves(ref.grad_roots[index]):
+    for t in leaves(ref.grad_roots[index]):
         if id(t) in positions:
             k = positions[id(t)]
             if ("input", k) not in reached and (reaches_input is None or reaches_input(k, index)):
@@ -1616,7 +1623,8 @@ def _output_moves(fn: Callable, inputs: Any, rng_seed: int, watch: _Watch, state
     return index >= len(after) or index >= len(before) or moved(before[index], after[index])
 
 
-def _gained_gradient(ref: _Run, cand: _Run, index: int, positions: dict, names: dict) -> Optional[str]:
+def _gained_gradient(ref: _Run, cand: _Run, index: int, positions: dict, names: dict,
+                     leaves: Callable[[Any], list] = grad_leaves) -> Optional[str]:
     """What a gradient from output ``index`` reaches in the rewrite and not in the
     original, of what both have: an input (by position), a parameter of the original
     (``zeros_like(w) => mul(w, 0.0)``), a tensor outside the module. A constant the
@@ -1625,10 +1633,10 @@ def _gained_gradient(ref: _Run, cand: _Run, index: int, positions: dict, names: 
     if ref.grad_roots is None or cand.grad_roots is None or len(cand.grad_roots) <= index:
         return None
     reached = {("input", positions[id(t)]) if id(t) in positions else id(t)
-               for t in grad_leaves(ref.grad_roots[index])}
+               for t in leaves(ref.grad_roots[index])}
     own = {id(t): name for name, t in cand.state.items()}
     reached_names = {name for name, t in ref.state.items() if id(t) in reached}
-    for t in grad_leaves(cand.grad_roots[index]):
+    for t in leaves(cand.grad_roots[index]):
         name = names.get(id(t), own.get(id(t)))
         if id(t) in positions:
             if ("input", positions[id(t)]) not in reached:

@@ -138,20 +138,29 @@ def gradient_run(fn: Any, inputs: Any, seed: int) -> Optional[GradientRun]:
 def grad_leaves(root: Any) -> list:
     """The tensors a gradient from ``root`` (a ``grad_fn`` or a leaf tensor) would
     accumulate into: the parameters and inputs an output requires grad through
-    (read from the autograd graph; no backward runs)."""
+    (read from the autograd graph; no backward runs). Each node is pushed once and
+    only ``AccumulateGrad`` nodes are asked for their ``variable`` (asking every node
+    raises and catches an AttributeError per node: three times the walk)."""
     if isinstance(root, torch.Tensor):
         return [root]
-    out, stack, seen = [], [root], set()
+    if root is None:
+        return []
+    out, stack, seen = [], [root], {id(root)}
     while stack:
         node = stack.pop()
-        if node is None or id(node) in seen:
+        if type(node) is _ACCUMULATE_GRAD:
+            variable = node.variable
+            if isinstance(variable, torch.Tensor):
+                out.append(variable)
             continue
-        seen.add(id(node))
-        variable = getattr(node, "variable", None)  # AccumulateGrad
-        if isinstance(variable, torch.Tensor):
-            out.append(variable)
-        stack.extend(n for n, _ in getattr(node, "next_functions", ()))
+        for n, _ in getattr(node, "next_functions", ()):
+            if n is not None and id(n) not in seen:
+                seen.add(id(n))
+                stack.append(n)
     return out
+
+
+_ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
 
 
 def gradient_reach(fn: Any, inputs: Tuple[Any, ...]) -> Optional[Tuple[Tuple[str, bool, frozenset], ...]]:
