@@ -34,8 +34,8 @@ from rewrite.ops.effects import (always_aliases, call_writes, flag_on, flagged_w
                                  may_alias_any_argument, written_args, written_nodes)
 from rewrite.ops.vocabulary import nodes_by_target
 
-__all__ = ["storage_base", "alias_class", "new_aliasing", "lost_aliasing", "caller_owned", "graph_writes",
-           "written_between", "memory_observed"]
+__all__ = ["storage_base", "alias_class", "new_aliasing", "lost_aliasing", "may_view", "caller_owned",
+           "graph_writes", "written_between", "memory_observed"]
 
 
 def storage_base(node: Any, gm: Any, through: Any = may_alias) -> Any:
@@ -207,8 +207,8 @@ def new_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any, writes: 
 
 
 def lost_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any, writes: bool = True) -> str | None:
-    """Why replacing ``root``, a view of other memory (``always_aliases``: ``h.view(-1)``,
-    ``x.t()``), by ``result``, memory of its own (a copy: ``reshape(clone(x), s)``),
+    """Why replacing ``root``, a view of other memory (``may_view``: ``h.view(-1)``,
+    ``x.t()``, ``h.reshape(-1)``), by ``result``, memory of its own (a copy: ``reshape(clone(x), s)``),
     would let the caller observe the sharing lost, or None when it would not. The
     mirror image of ``new_aliasing``: a write through the view no longer reaches
     the memory it viewed (``h.view(-1).add_(1); return h``), a write into that
@@ -217,7 +217,7 @@ def lost_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any, writes:
     returned with the memory it viewed (or of a graph input) is no longer one.
     ``created``: the nodes the replacement built (they read that memory in root's
     place: not readers besides)."""
-    before = storage_base(root, gm, always_aliases)
+    before = storage_base(root, gm, may_view)
     if before is root or not isinstance(before, fx.Node):
         return None  # root's value was memory of its own
     if storage_base(result, gm) is before:
@@ -225,8 +225,6 @@ def lost_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any, writes:
     mine = alias_class(root, gm)
     group = alias_class(before, gm)
     others = group - mine
-    what = {"placeholder": "the graph input", "get_attr": "the module constant"}.get(before.op, "the value")
-    what = f"{what} {before.target if before.op == 'get_attr' else before.name!r}"
     # what happens before root, root and the replacement alike see: only reads and
     # writes of that memory after root tell the sharing
     inside = group | frozenset(created)
@@ -236,15 +234,40 @@ def lost_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any, writes:
     # dropped, the write matters only where the memory is read besides
     own_write = writes and bool(written_nodes(root, gm))
     if writes and (own_write or _written(mine, gm)) and observed:
-        return (f"its value is a view of {what}, written in place through it: the replacement's own memory "
+        return (f"its value is a view of {_named(before)}, written in place through it: the replacement's own memory "
                 f"would not pass the write on")
     if writes and any(root < user and _writes_into(user, n, gm) for n in others for user in n.users):
-        return (f"its value is a view of {what}, which is written in place: the replacement's own memory "
+        return (f"its value is a view of {_named(before)}, which is written in place: the replacement's own memory "
                 f"would not see the write")
     if _escapes(mine) and (caller_owned(before) or _escapes(others)):
-        return (f"its value is a view of {what}, and both are the caller's (returned or given): the "
+        return (f"its value is a view of {_named(before)}, and both are the caller's (returned or given): the "
                 f"replacement's own memory would no longer share theirs")
     return None
+
+
+def _named(base: fx.Node) -> str:
+    """How a refusal names the memory a view shares (built only when one is made)."""
+    kind = {"placeholder": "the graph input", "get_attr": "the module constant"}.get(base.op, "the value")
+    return f"{kind} {base.target if base.op == 'get_attr' else base.name!r}"
+
+
+def may_view(node: fx.Node, gm: Any) -> bool:
+    """Whether ``node``'s result may be a view of its first input, for what a rewrite
+    would lose by replacing it: views and in-place ops (``always_aliases``), and the
+    ops that view only at run time (``reshape``, ``flatten``, ``reshape_as``,
+    ``contiguous``, a cast to the same dtype: ``may_alias``) unless the node's
+    metadata shows a copy (a cast to another dtype or device). When it cannot
+    tell, a view: a rule then does not fire where the sharing is observed."""
+    if always_aliases(node, gm):
+        return True
+    if not may_alias(node, gm):
+        return False
+    first = node.args[0] if node.args else None
+    mine = node.meta.get("val")
+    theirs = first.meta.get("val") if isinstance(first, fx.Node) else None
+    if isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor):
+        return mine.dtype == theirs.dtype and mine.device == theirs.device
+    return True
 
 
 def _bytes(n: int | None) -> str:
