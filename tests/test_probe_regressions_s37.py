@@ -129,3 +129,80 @@ def test_a_cast_to_another_dtype_is_a_copy_not_a_view():
     assert result.counts == {"to_copy": 1}
     for a, b in zip(M()(x.clone()), result.graph_module(x.clone())):
         assert torch.equal(a, b)
+
+
+class _PermutedReshape(nn.Module):
+    """``reshape`` of a permuted value copies for a batch of 2 or more and views
+    (strided) for a batch of 1; ``cat([r])`` lays ``r`` out contiguously."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        r = self.lin(x).permute(0, 2, 1).reshape(-1, 3)
+        return torch.cat([r]).view(-1), torch.cat([r])
+
+
+def test_a_layout_the_example_size_chose_is_not_a_fact_for_every_size():
+    """Probe AA F1: exported with a dynamic batch (``Dim(min=1)``) from a batch of 2,
+    cleanup's ``cat_single`` trusted the reshape's contiguous copy; at batch 1 the
+    rewritten model raised on its ``view(-1)`` and returned strided outputs."""
+    torch.manual_seed(0)
+    model = _PermutedReshape().eval()
+    x = torch.randn(2, 3, 4)
+    batch = torch.export.Dim("B", min=1, max=64)
+    gm = torch.export.export(model, (x,), dynamic_shapes=({0: batch},)).module()
+    result = rewrite.load("rules/cleanup.rw").apply(gm, example_inputs=(x,))
+    assert "cat_single" not in result.counts
+    for size in (1, 2, 5):
+        xb = torch.randn(size, 3, 4)
+        want, got = gm(xb), result.graph_module(xb)
+        for a, b in zip(want, got):
+            assert torch.equal(a, b) and a.stride() == b.stride()
+
+
+def test_a_static_reshape_still_lets_cat_single_fire():
+    torch.manual_seed(0)
+    model = _PermutedReshape().eval()
+    x = torch.randn(2, 3, 4)
+    result = rewrite.load("rules/cleanup.rw").apply(torch.export.export(model, (x,)).module(), example_inputs=(x,))
+    assert result.counts.get("cat_single", 0) >= 1, result.counts
+    for a, b in zip(model(x), result.graph_module(x)):
+        assert torch.equal(a, b) and a.stride() == b.stride()
+
+
+class _Masked(nn.Module):
+    def forward(self, x):
+        return -(-(x[x > 0] * 2))
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_a_size_known_only_from_data_does_not_crash_apply(check):
+    """Probe AA F2: restoring an output's layout compared an unbacked size with 2
+    outside any guard: ``GuardOnDataDependentSymNode`` out of ``apply``."""
+    x = torch.randn(3, 4)
+    gm = torch.export.export(_Masked(), (x,)).module()
+    result = rewrite.load("rules/cleanup.rw").apply(gm, example_inputs=(x,), check=check)
+    assert result.counts == {"neg_neg": 1}
+    assert torch.equal(result.graph_module(x), _Masked()(x))
+
+
+def test_the_backend_on_an_unbacked_batch():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x).t() * 1.0
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = M().eval()
+    x = torch.randn(3, 4)
+    torch._dynamo.decorators.mark_unbacked(x, 0)
+    with torch.no_grad():
+        got = torch.compile(m, backend=rewrite.backend(rewrite.load("rules/cleanup.rw")))(x)
+        assert torch.equal(got, m(x))
+    torch._dynamo.reset()

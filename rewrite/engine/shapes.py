@@ -296,16 +296,18 @@ def layout_of(meta: Any) -> str | None:
     recorded = getattr(meta, "contiguous", None)
     if isinstance(recorded, bool):  # TensorFacts: contiguity only
         return "contiguous" if recorded else "strided"
-    if not isinstance(meta, torch.Tensor) or meta.layout != torch.strided or meta.numel() < 2:
+    if not isinstance(meta, torch.Tensor) or meta.layout != torch.strided:
         return None
-    try:
+    try:  # sizes known only from data (unbacked) answer no question: a RuntimeError
+        if meta.numel() < 2:
+            return None
         if meta.is_contiguous():
             return "contiguous"
         if meta.dim() == 4 and meta.is_contiguous(memory_format=torch.channels_last):
             return "channels_last"
         if meta.dim() == 5 and meta.is_contiguous(memory_format=torch.channels_last_3d):
             return "channels_last_3d"
-    except (RuntimeError, NotImplementedError):  # symbolic strides
+    except (RuntimeError, NotImplementedError):  # symbolic strides, unbacked sizes
         return None
     return "strided"
 

@@ -110,7 +110,7 @@ def is_contiguous(x: Value) -> bool:
     if isinstance(recorded, bool):
         return recorded
     if x.node is not None and _layout_from_inputs(x.node, x.facts.gm):
-        return None  # torch.export accepts inputs of any strides: the example's say nothing
+        return None  # torch.export accepts inputs of any strides, or sizes that lay it out otherwise
     try:
         return bool(m.is_contiguous())
     except (AttributeError, TypeError, RuntimeError, NotImplementedError):  # metadata without strides
@@ -129,20 +129,48 @@ _LAYOUT_WALK = 256  # nodes looked at before the answer is "may follow": unknown
 
 
 def _layout_from_inputs(node: Any, gm: Any) -> bool:
-    """Whether ``node``'s strides may follow those of a graph input: a metadata
-    graph (export) records the example's strides, and the program accepts others
-    (``x.t()`` for ``x``), which elementwise ops, views, clones and casts carry on.
-    Walks back until an op that lays its result out afresh (``_FRESH_LAYOUT``), a
-    constant, or too far (then it may)."""
+    """Whether ``node``'s strides may follow those of a graph input, or the sizes the
+    program is called with: a metadata graph (export) records the example's strides,
+    and the program accepts others (``x.t()`` for ``x``), which elementwise ops,
+    views, clones and casts carry on; and a ``reshape`` of a value not laid out
+    contiguously copies or views by its sizes (a symbolic batch of 1 makes it a
+    strided view where the example's 2 made a contiguous copy). Walks back until an
+    op that lays its result out afresh (``_FRESH_LAYOUT``), a constant, or too far
+    (then it may)."""
     def step(n: Any) -> Any:
         if n.op == "placeholder":
             return True
-        return _STOP if n.op == "get_attr" or any(b.op in _FRESH_LAYOUT for b in bind_node(n, gm)) else _GO_ON
+        if n.op == "get_attr":
+            return _STOP
+        ops = bind_node(n, gm)
+        if any(b.op in _RESHAPING for b in ops) and _copy_by_size(n):
+            return True
+        return _STOP if any(b.op in _FRESH_LAYOUT for b in ops) else _GO_ON
 
     return _walk_back(node, step, _LAYOUT_WALK, too_far=True, done=False)
 
 
 _STOP, _GO_ON = object(), object()
+#: ops that view their input where its strides allow, and copy it otherwise
+_RESHAPING = frozenset({"reshape", "flatten", "reshape_as", "unflatten"})
+
+
+def _copy_by_size(node: Any) -> bool:
+    """Whether a reshaping ``node`` may copy at some sizes and view at others: its
+    input is not known to be contiguous (a contiguous one is always viewed) and a
+    size is symbolic (the example's sizes chose for every size)."""
+    source = node.args[0] if node.args else None
+    meta = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+    if not isinstance(meta, torch.Tensor):
+        return True
+    result = node.meta.get("val")
+    shapes = (*meta.shape, *(result.shape if isinstance(result, torch.Tensor) else ()))
+    if not any(isinstance(d, torch.SymInt) for d in shapes):
+        return False
+    try:
+        return not (meta.is_contiguous() is True)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return True
 
 
 def _walk_back(node: Any, step: Callable, limit: int, too_far: Any, done: Any) -> Any:
