@@ -206,3 +206,34 @@ def test_the_backend_on_an_unbacked_batch():
         got = torch.compile(m, backend=rewrite.backend(rewrite.load("rules/cleanup.rw")))(x)
         assert torch.equal(got, m(x))
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("clause, hint", [
+    ('produced_by(x, "cnov")', "did you mean 'conv'?"),
+    ('not feeds(x, "rleu", "hardtanh")', "did you mean 'relu'?"),
+    ('produced_by(x, "aten.conv2d")', "the op is called 'conv' here"),
+    ('produced_by(x, 3)', "write the op's name in quotes"),
+])
+def test_an_op_name_no_op_has_is_refused_at_load(clause, hint):
+    """Probe AB F1: a misspelt op name given to feeds/produced_by loaded cleanly and
+    the rule never fired (under ``not``, its guard always held)."""
+    with pytest.raises(rewrite.RuleError) as err:
+        rewrite.parse(f"rule r: neg(x) where {clause} => x")
+    text = str(err.value)
+    assert "[E208]" in text and hint in text and "<string>:1:" in text
+
+
+def test_op_names_the_engine_gives_load_and_match():
+    rules = rewrite.parse('rule r: neg(neg(x)) where produced_by(x, "conv", "linear") => x')
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(2, 2, 1)
+
+        def forward(self, x):
+            return -(-self.conv(x))
+
+    x = torch.randn(1, 2, 3, 3)
+    result = rules.apply(fx.symbolic_trace(M()), example_inputs=(x,))
+    assert result.counts == {"r": 1}

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from rewrite.ops.effects import (always_aliases, call_writes, flag_on, flagged_writes, may_alias,
-                                 may_alias_any_argument, written_args, written_nodes)
+from rewrite.ops.effects import (ALIASING_NAMES, always_aliases, call_writes, flag_on, flagged_writes, may_alias,
+                                 may_alias_any_argument, op_name, written_args, written_nodes)
 from rewrite.ops.vocabulary import nodes_by_target
 
 __all__ = ["storage_base", "alias_class", "new_aliasing", "lost_aliasing", "may_view", "caller_owned",
@@ -255,12 +255,14 @@ def may_view(node: fx.Node, gm: Any) -> bool:
     """Whether ``node``'s result may be a view of its first input, for what a rewrite
     would lose by replacing it: views and in-place ops (``always_aliases``), and the
     ops that view only at run time (``reshape``, ``flatten``, ``reshape_as``,
-    ``contiguous``, a cast to the same dtype: ``may_alias``) unless the node's
+    ``contiguous``, a cast to the same dtype: ``ALIASING_NAMES``) unless the node's
     metadata shows a copy (a cast to another dtype or device). When it cannot
     tell, a view: a rule then does not fire where the sharing is observed."""
     if always_aliases(node, gm):
         return True
-    if not may_alias(node, gm):
+    # the ops known to return their input at run time: a composite op without an
+    # alias annotation (``fake_quantize_per_tensor_affine``) only may (may_alias)
+    if node.op not in ("call_function", "call_method") or op_name(node.target) not in ALIASING_NAMES:
         return False
     first = node.args[0] if node.args else None
     mine = node.meta.get("val")

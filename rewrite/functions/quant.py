@@ -318,7 +318,7 @@ def output_observed(x: Value) -> bool:
     return node is not None and bool(node.users) and all(is_observer_node(u, _gm(x)) for u in node.users)
 
 
-@register_predicate()
+@register_predicate(op_names_from=1)
 def feeds(x: Value, *ops: Value) -> bool:
     """``x`` has exactly one user and it is one of the named ops: ``feeds(c, "relu")``."""
     node = x.node
@@ -326,7 +326,7 @@ def feeds(x: Value, *ops: Value) -> bool:
     return user is not None and bool(set(ops_of(user, _gm(x))) & {o.literal for o in ops})
 
 
-@register_predicate()
+@register_predicate(op_names_from=1)
 def produced_by(x: Value, *ops: Value) -> bool:
     """``x`` is the output of one of the named ops: ``produced_by(y, "conv", "linear")``."""
     return bool(set(ops_of(x.node, _gm(x))) & {o.literal for o in ops})

@@ -47,6 +47,9 @@ class FunctionSpec:
     inputs: tuple = ()
     doc: str = ""
     local: bool = False  # reads only its arguments' own facts, never how many nodes read them
+    #: the arguments from this position on name ops (``feeds(x, "relu")``): the rule
+    #: file is checked for names no op has, which would never match (None: none do)
+    op_names_from: int | None = None
 
     def accepts(self, n_positional: int, keywords: tuple) -> str | None:
         """None if a call with this many positional args and these keywords fits,
@@ -66,7 +69,8 @@ class FunctionSpec:
 _REGISTRY: dict[str, FunctionSpec] = {}
 
 
-def _register(kind: str, name: str | None, inputs: tuple = (), local: bool = False) -> Callable:
+def _register(kind: str, name: str | None, inputs: tuple = (), local: bool = False,
+              op_names_from: int | None = None) -> Callable:
     def deco(fn: Callable) -> Callable:
         sig = inspect.signature(fn)
         params, required, variadic = [], 0, False
@@ -81,19 +85,22 @@ def _register(kind: str, name: str | None, inputs: tuple = (), local: bool = Fal
                 required = len(params)
         key = name or fn.__name__
         doc = (inspect.getdoc(fn) or "").split("\n")[0]
-        _REGISTRY[key] = FunctionSpec(key, fn, kind, tuple(params), required, variadic, tuple(inputs), doc, local)
+        _REGISTRY[key] = FunctionSpec(key, fn, kind, tuple(params), required, variadic, tuple(inputs), doc, local,
+                                      op_names_from)
         return fn
 
     return deco
 
 
-def register_predicate(name: str | None = None, *, local: bool = False) -> Callable:
+def register_predicate(name: str | None = None, *, local: bool = False, op_names_from: int | None = None) -> Callable:
     """Decorator: a ``where`` predicate taking ``Value`` arguments, returning bool.
 
     ``local=True`` declares that it reads only its arguments' own facts (kind,
     shape, dtype, value), never how many nodes read them (``users``): the fixpoint
     then need not revisit a widely read value's readers each time it loses one. The
-    default assumes it may.
+    default assumes it may. ``op_names_from=k``: the arguments from position ``k``
+    on are op names (string literals, checked against the op vocabulary when the
+    rule file is loaded: a misspelt one would never match).
 
     Example::
 
@@ -101,7 +108,7 @@ def register_predicate(name: str | None = None, *, local: bool = False) -> Calla
         def is_depthwise(groups, weight):
             return groups.literal == weight.shape[0]
     """
-    return _register("predicate", name, local=local)
+    return _register("predicate", name, local=local, op_names_from=op_names_from)
 
 
 def register_query(name: str | None = None, *, local: bool = False) -> Callable:

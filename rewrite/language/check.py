@@ -896,6 +896,25 @@ class _Checker:
         if problem:
             params = ", ".join(spec.params) + (", ..." if spec.variadic else "")
             self.error(span, problem, "E205", help=f"signature: {spec.name}({params})")
+        if spec.op_names_from is not None:
+            for arg in c.args[spec.op_names_from:]:
+                self._op_name_arg(arg, spec, span)
+
+    def _op_name_arg(self, arg: Any, spec: Any, span: Any) -> None:
+        """E208: an argument of ``feeds``/``produced_by`` that names no op by the
+        name the engine gives it (``"relu"``, ``"conv"``): it would never match, and
+        under ``not`` the clause would always hold."""
+        at = getattr(arg, "span", None) or span
+        if not (isinstance(arg, ast.Literal) and isinstance(arg.value, str)):
+            self.error(at, f"{spec.name}() takes op names as string literals (\"relu\", \"conv\") after its first "
+                           "argument", "E208", help="write the op's name in quotes")
+            return
+        found = _vocabulary().lookup_op(arg.value)
+        if found is not None and found.name == arg.value:
+            return
+        hint = f"the op is called {found.name!r} here" if found is not None else \
+            self._suggest(arg.value, list(_vocabulary().op_names()), _vocabulary().lookup_op)
+        self.error(at, f"{spec.name}() names no op {arg.value!r}: it would never match", "E208", help=hint)
 
 
 def _takes(opdef: Any, where: int | str, value: Any) -> bool:
