@@ -237,3 +237,37 @@ def test_op_names_the_engine_gives_load_and_match():
     x = torch.randn(1, 2, 3, 3)
     result = rules.apply(fx.symbolic_trace(M()), example_inputs=(x,))
     assert result.counts == {"r": 1}
+
+
+class _FeatureAndTokens(nn.Module):  # a feature map and its pixels as rows
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x):
+        f = self.conv(x)
+        return f, f.permute(0, 2, 3, 1).reshape(-1, 8)
+
+
+@pytest.mark.parametrize("dims", [(0,), (2, 3), (0, 2, 3)])
+def test_a_layout_over_three_symbolic_sizes_is_known(dims):
+    """Probe AA F3: with batch, height and width symbolic, the input's layout was
+    undecidable (``numel() < 2``, ``is_contiguous`` ask whether sizes are 1), so
+    amp_bf16's exit rule did not give the conv's output its contiguous layout back:
+    its own check failed, and unchecked the two outputs shared memory."""
+    torch.manual_seed(0)
+    model = _FeatureAndTokens().eval()
+    x = torch.randn(2, 3, 8, 8)
+    dynamic = {d: torch.export.Dim(f"d{d}", min=1, max=64) for d in dims}
+    gm = torch.export.export(model, (x,), dynamic_shapes=(dynamic,)).module()
+    rules = rewrite.load("rules/amp_bf16.rw")
+    assert rules.apply(gm, example_inputs=(x,)).counts.get("exit_contiguous_bf16") == 1
+    unchecked = rules.apply(gm, example_inputs=(x,), check=False).graph_module
+    other = tuple(n if d in dims else x.shape[d] for d, n in enumerate((1, 3, 5, 7)))
+    for xb in (x, torch.randn(other)):
+        want, got = gm(xb), unchecked(xb)
+        assert got[0].stride() == want[0].stride()
+        shares = [o[0].untyped_storage().data_ptr() == o[1].untyped_storage().data_ptr() for o in (want, got)]
+        assert shares[0] == shares[1]
+        for a, b in zip(want, got):
+            assert torch.allclose(a, b, atol=0.1, rtol=0.05)

@@ -298,7 +298,12 @@ def layout_of(meta: Any) -> str | None:
         return "contiguous" if recorded else "strided"
     if not isinstance(meta, torch.Tensor) or meta.layout != torch.strided:
         return None
-    try:  # sizes known only from data (unbacked) answer no question: a RuntimeError
+    shape, stride = tuple(meta.shape), tuple(meta.stride())
+    if any(isinstance(v, torch.SymInt) for v in (*shape, *stride)):
+        known = _symbolic_layout(shape, stride)
+        if known is not None:
+            return known
+    try:  # sizes known only from data (unbacked) answer no question here: a RuntimeError
         if meta.numel() < 2:
             return None
         if meta.is_contiguous():
@@ -310,6 +315,51 @@ def layout_of(meta: Any) -> str | None:
     except (RuntimeError, NotImplementedError):  # symbolic strides, unbacked sizes
         return None
     return "strided"
+
+
+def _symbolic_layout(shape: tuple, stride: tuple) -> str | None:
+    """``layout_of`` a tensor with symbolic sizes or strides: a layout whose strides
+    are, expression for expression, the canonical ones of its shape (what a kernel
+    that lays its result out afresh records: ``(3*s0*s1, s0*s1, s0, 1)``) is that
+    layout at every size (``is_contiguous`` would ask whether sizes are 1, which
+    holds for some sizes and not others: undecidable while a where clause asks);
+    None for anything else, which ``layout_of`` then asks torch."""
+    candidates = [("contiguous", _symbolic_canonical(shape, False))]
+    if len(shape) == 4:
+        candidates.append(("channels_last", _symbolic_canonical(shape, True)))
+    if len(shape) == 5:
+        n, c, d, h, w = shape
+        candidates.append(("channels_last_3d", (d * h * w * c, 1, h * w * c, w * c, c)))
+    for name, want in candidates:
+        if all(_same_size(a, b) for a, b in zip(stride, want)):
+            return name
+    return None
+
+
+def _symbolic_canonical(shape: tuple, channels_last: bool) -> tuple:
+    """``_canonical_strides`` for sizes that may be symbolic (a symbol counts as its
+    product: a ShapeEnv assumes a size is at least 2, as the recorded strides do)."""
+    if channels_last:
+        n, c, h, w = shape
+        return (h * w * c, 1, w * c, c)
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step = step * (size if isinstance(size, torch.SymInt) else max(size, 1))
+    return tuple(reversed(strides))
+
+
+def _same_size(a: Any, b: Any) -> bool:
+    """Whether two sizes are the same number for every value of their symbols
+    (asked of the expressions: no guard is added)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    try:
+        return bool(statically_known_true(a == b))
+    except Exception:  # noqa: BLE001 - an expression the ShapeEnv cannot compare: not the same
+        return False
 
 
 def addressing(meta: Any) -> tuple | None:
