@@ -271,3 +271,35 @@ def test_a_layout_over_three_symbolic_sizes_is_known(dims):
         assert shares[0] == shares[1]
         for a, b in zip(want, got):
             assert torch.allclose(a, b, atol=0.1, rtol=0.05)
+
+
+class _FusedFakeQuant(nn.Module):
+    """torch.ao's default QAT fake quantizer, which traces to a call of
+    ``torch.fused_moving_avg_obs_fake_quant`` that updates its observer state."""
+
+    def __init__(self):
+        super().__init__()
+        from torch.ao.quantization import FusedMovingAvgObsFakeQuantize
+
+        self.fc = nn.Linear(8, 8)
+        self.fq = FusedMovingAvgObsFakeQuantize()
+
+    def forward(self, x):
+        return torch.relu(torch.relu(self.fq(self.fc(x))))
+
+
+def test_a_torch_function_whose_schema_writes_is_known_to_write():
+    """Probe AB F2/F3: a torch function spelt without a trailing underscore was taken
+    to write nothing, whatever its aten schema says: cleanup failed its own check on
+    a QAT model (the observer state was not put back between runs), and E105 let a
+    replacement call it on pattern variables."""
+    torch.manual_seed(0)
+    model = _FusedFakeQuant().train()
+    gm = fx.symbolic_trace(model)
+    result = rewrite.load("rules/cleanup.rw").apply(gm, example_inputs=(torch.randn(4, 8),))
+    assert result.counts == {"relu_relu": 1}
+    fq = next(n for n in gm.graph.nodes if n.target is torch.fused_moving_avg_obs_fake_quant)
+    from rewrite.ops.effects import written_args
+    assert tuple(written_args(fq, gm)) == (3, 4, 5, 6)
+    with pytest.raises(rewrite.RuleError, match="E105"):
+        rewrite.parse("rule r: add(x, y) => torch.fused_moving_avg_obs_fake_quant(x, y, y, y, y, y, y, 0.5, 0, 255, -1)")

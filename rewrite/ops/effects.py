@@ -369,17 +369,21 @@ def _schema_written(overload: Any) -> tuple:
 @functools.lru_cache(maxsize=None)
 def _named_written(name: str) -> tuple:
     """Written arguments of a torch function or ``Tensor`` method called ``name``:
-    those of the aten op of the same name; a trailing underscore (torch's naming
-    for in-place ops) without a schema writes its first argument."""
+    those of the aten op of the same name, whatever the name
+    (``torch.fused_moving_avg_obs_fake_quant`` writes its observer's state); a
+    trailing underscore (torch's naming for in-place ops) without a schema writes
+    its first argument."""
     from rewrite.ops.resolve import aten_overload
 
     if name in ("__setitem__", "__delitem__") or (name.startswith("__i") and name.endswith("__")
                                                  and getattr(operator, name, None) is not None):
         return ((0, "input"),)  # x[i] = v; x.__iadd__(y)
-    if not name.endswith("_") or name.endswith("__"):  # _foreach_add_ writes; __call__ is no op
+    if not name or name.endswith("__"):  # __call__ is no op
         return ()
     overload = aten_overload(name)
     written = _schema_written(overload) if overload is not None else ()
+    if not name.endswith("_"):  # _foreach_add_ writes
+        return written
     return written or ((0, "input"),)
 
 
