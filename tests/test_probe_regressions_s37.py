@@ -303,3 +303,66 @@ def test_a_torch_function_whose_schema_writes_is_known_to_write():
     assert tuple(written_args(fq, gm)) == (3, 4, 5, 6)
     with pytest.raises(rewrite.RuleError, match="E105"):
         rewrite.parse("rule r: add(x, y) => torch.fused_moving_avg_obs_fake_quant(x, y, y, y, y, y, y, 0.5, 0, 255, -1)")
+
+
+class _PatchTokens(nn.Module):  # ViT's patch embedding: a dense permuted output
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 4, stride=4)
+
+    def forward(self, x):
+        return self.conv(x).flatten(2).transpose(1, 2)
+
+
+@pytest.mark.parametrize("rules", ["amp_bf16", "amp_fp16"])
+def test_a_permuted_output_keeps_its_strides_under_a_symbolic_batch(rules):
+    """Probe AA F4: with a dynamic batch the output's strides are symbolic, and the
+    layout restore only knew concrete ones: unchecked, the output changed strides."""
+    torch.manual_seed(0)
+    model = _PatchTokens().eval()
+    x = torch.randn(2, 3, 16, 16)
+    gm = torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim("B", min=1, max=16)},)).module()
+    result = rewrite.load(f"rules/{rules}.rw").apply(gm, example_inputs=(x,), check=False)
+    assert any(name.startswith("conv_") for name in result.counts)
+    for size in (1, 2, 3):
+        xb = torch.randn(size, 3, 16, 16)
+        want, got = gm(xb), result.graph_module(xb)
+        assert got.stride() == want.stride() and torch.allclose(got, want, atol=0.1, rtol=0.05)
+
+
+class _AttentionTransposed(nn.Module):  # returns a transposed view of the attention
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 4, 4).permute(2, 0, 3, 1, 4)
+        out = torch.softmax(q @ k.transpose(-2, -1) * 0.5, dim=-1) @ v
+        return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_a_view_of_sdpa_keeps_the_layout_the_written_out_attention_gave(capture):
+    """Probe AA F5: sdpa lays its output out as its query on CPU, its meta and fake
+    kernels contiguously; a kept transpose of it was taken to keep its strides, so
+    unchecked the output's strides changed (symbolic_trace, dynamo)."""
+    torch.manual_seed(0)
+    model = _AttentionTransposed().eval()
+    x = torch.randn(2, 5, 16)
+    gm = _capture(model, capture, x)
+    result = rewrite.load("rules/transformer.rw").apply(gm, example_inputs=(x,), check=False)
+    assert result.counts.get("attention_scale") == 1
+    want, got = model(x), result.graph_module(x)
+    assert got.stride() == want.stride() and torch.allclose(got, want, atol=1e-5)
+
+
+def test_the_backend_keeps_the_attention_views_layout():
+    torch.manual_seed(0)
+    model = _AttentionTransposed().eval()
+    x = torch.randn(2, 5, 16)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(model, backend=rewrite.backend(rewrite.load("rules/transformer.rw"), check=False))(x)
+        assert got.stride() == model(x).stride() and torch.allclose(got, model(x), atol=1e-5)
+    torch._dynamo.reset()

@@ -30,7 +30,7 @@ from torch.utils import _pytree as pytree
 
 from rewrite.engine.aliasing import caller_owned, memory_observed, storage_base
 from rewrite.engine.facts import GraphFacts, fetch_attr, tensor_meta_of
-from rewrite.engine.shapes import addressing, layout_of
+from rewrite.engine.shapes import addressing, layout_of, symbolic_dense_order
 from rewrite.ops.effects import op_name, written_nodes
 from rewrite.ops.vocabulary import bind_node
 
@@ -137,7 +137,8 @@ def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, 
     strided_constants = _has_strided_constants(gm, created_nodes)
     from_new_module = _new_module_reach(created_nodes, gm)
     picker = _layout_picker_reach(created_nodes)
-    kept = _KeptValues(gm, _relaid_sources(replaced, facts, created_nodes, strided_constants, from_new_module))
+    kept = _KeptValues(gm, _relaid_sources(replaced, facts, created_nodes, strided_constants, from_new_module,
+                                           picker))
     for old, new in zip(before, after):
         if new in fixed:
             continue
@@ -160,7 +161,7 @@ def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, 
         # swapped): what either recorded was true before that replacement
         relaid = kept.relaid(new)
         if relaid:
-            known = not strided_constants and not any(from_new_module(n)
+            known = not strided_constants and not any(from_new_module(n) or picker(n)
                                                       for n in kept.read(relaid)) \
                 and not any(_layout_not_inferable(n, gm) for n in relaid)
             if new in created_nodes:
@@ -244,17 +245,18 @@ def _laid_out_as(meta: Any, old_meta: Any, want: str, order: tuple | None, gaps:
 
 
 def _relaid_sources(replaced: Any, facts: GraphFacts, created: set, strided_constants: bool,
-                    from_new_module: Any) -> set:
+                    from_new_module: Any, picker: Any) -> set:
     """The values readers read instead of a replaced value laid out otherwise (or not
-    known to be laid out alike: a new value computed from a strided constant or an
-    inserted module, whose layout the CPU kernel picks): what may change the layout
-    of kept values."""
+    known to be laid out alike: a new value computed from a strided constant, an
+    inserted module or an op whose CPU kernel picks its layout (``picker``: sdpa lays
+    its output out as its query, its fake and meta kernels contiguously): what may
+    change the layout of kept values."""
     sources: set = set()
     for root, result in replaced:
         if result._erased or result in sources:
             continue
         if result in created:
-            if strided_constants or from_new_module(result):
+            if strided_constants or from_new_module(result) or picker(result):
                 sources.add(result)
                 continue
         before, after = tensor_meta_of(root), facts.meta(result, record=False)
@@ -348,10 +350,13 @@ def _dense_order(meta: Any) -> tuple | None:
     """For a value laid out densely in some order of its dimensions (a transposed or
     permuted view of a contiguous tensor: ``x.flatten(2).transpose(1, 2)``), that
     order, outermost first; None for other layouts (slices, broadcasts) or unknown
-    (symbolic) strides."""
+    strides (symbolic ones only where they are that order's at every size:
+    ``symbolic_dense_order``)."""
     strides = addressing(meta)
     if strides is None:
-        return None
+        symbolic = isinstance(meta, torch.Tensor) and meta.layout == torch.strided and any(
+            isinstance(v, torch.SymInt) for v in (*meta.shape, *meta.stride()))
+        return symbolic_dense_order(meta) if symbolic else None
     shape = [int(n) for n in meta.shape]
     order = sorted(range(len(shape)), key=lambda d: (-(strides[d] or 0), d))
     expected = 1

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
 __all__ = ["cast_of", "fresh_cast", "like_input", "fresh_like", "view_of", "fresh_view", "fresh_constant",
-           "layout_of", "addressing"]
+           "layout_of", "addressing", "symbolic_dense_order"]
 
 aten = torch.ops.aten
 
@@ -334,6 +334,29 @@ def _symbolic_layout(shape: tuple, stride: tuple) -> str | None:
         if all(_same_size(a, b) for a, b in zip(stride, want)):
             return name
     return None
+
+
+def symbolic_dense_order(meta: Any) -> tuple | None:
+    """For a tensor with symbolic sizes or strides laid out densely in some order of
+    its dimensions (``x.flatten(2).transpose(1, 2)`` of a dynamic batch: strides
+    ``(8*s0, 1, 8)``), that order, outermost first: read from the example's sizes
+    (the hints; no guard is added) and kept only when every stride is, expression for
+    expression, the product of the sizes inside it in that order, so that it holds
+    at every size. None otherwise."""
+    from rewrite.engine.symbolic import size_hint
+
+    shape, stride = tuple(meta.shape), tuple(meta.stride())
+    hints = [size_hint(st) for st in stride]
+    order = sorted(range(len(shape)), key=lambda d: (-hints[d], d))
+    expected: Any = 1
+    for dim in reversed(order):
+        size = shape[dim]
+        if isinstance(size, int) and size <= 1:
+            continue  # one element along it: its stride addresses nothing
+        if not _same_size(stride[dim], expected):
+            return None
+        expected = expected * size
+    return tuple(order)
 
 
 def _symbolic_canonical(shape: tuple, channels_last: bool) -> tuple:
