@@ -230,7 +230,14 @@ class RuleSet:
         rule that matches its own replacement; verified so). ``rule``: a name of this
         set, or a ``CompiledRule`` (a variant of one, e.g. without its where clause,
         which replaces the rule of that name)."""
-        name = rule if isinstance(rule, str) else rule.name
+        if isinstance(rule, str):
+            if rule not in self.rules:
+                raise KeyError(f"no rule named {rule!r}; have {sorted(self.rules)}")
+            name = rule
+        elif isinstance(getattr(rule, "name", None), str) and hasattr(rule, "rule"):
+            name = rule.name
+        else:
+            raise TypeError(f"only takes a rule's name or a compiled rule, not {type(rule).__name__}")
         kind = "once" if self._runs_once(self.schedule, name) else "fixpoint"
         rules = self.rules if isinstance(rule, str) else {**self.rules, name: rule}
         return RuleSet(rules, self.sets, Schedule(kind, (name,)), name)
@@ -256,6 +263,8 @@ class RuleSet:
 
     def __add__(self, other: "RuleSet") -> "RuleSet":
         """Run ``self`` then ``other``."""
+        if not isinstance(other, RuleSet):
+            return NotImplemented
         rules = dict(self.rules)
         for name, rule in other.rules.items():
             if name in rules and rules[name].rule != rule.rule:
@@ -338,6 +347,9 @@ class RuleSet:
         """
         if on_mismatch not in ("raise", "skip-rule"):
             raise ValueError(f"on_mismatch must be 'raise' or 'skip-rule', not {on_mismatch!r}")
+        for flag, given in (("check", check), ("inplace", inplace)):
+            if not isinstance(given, bool):  # inplace="no" is truthy: the caller's model would be rewritten
+                raise TypeError(f"{flag} must be True or False, not {given!r}")
         if max_rewrites is not None and (not isinstance(max_rewrites, int) or isinstance(max_rewrites, bool)
                                          or max_rewrites < 1):
             raise ValueError(f"max_rewrites must be a positive int (or None: 20 per node, plus 1000), "
@@ -572,6 +584,10 @@ class RuleSet:
         """
         from rewrite.trust.explain import explain
 
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"explain needs a torch.fx.GraphModule or an nn.Module, not {type(model).__name__}")
+        if rule is not None and rule not in self.rules:
+            raise KeyError(f"no rule named {rule!r}; have {sorted(self.rules)}")
         gm = model if isinstance(model, fx.GraphModule) else _symbolic_trace(model)
         return explain(self, gm, rule, node, example_inputs, limit)
 

@@ -366,3 +366,59 @@ def test_the_backend_keeps_the_attention_views_layout():
         got = torch.compile(model, backend=rewrite.backend(rewrite.load("rules/transformer.rw"), check=False))(x)
         assert got.stride() == model(x).stride() and torch.allclose(got, model(x), atol=1e-5)
     torch._dynamo.reset()
+
+
+def test_an_import_path_cannot_write_terminal_escapes_or_lines(tmp_path):
+    """Probe AB F4: an import path (string escapes are legal) reached the diagnostics
+    as it was: raw escape sequences and a forged ``evil.rw: ok`` line."""
+    evil = tmp_path / "evil.rw"
+    evil.write_text('import "\\x1b[2J\\x07x\\nevil.rw: ok (0 rules)\\n.rw"\n')
+    with pytest.raises(rewrite.RuleError) as err:
+        rewrite.load(str(evil))
+    text = str(err.value)
+    assert "E402" in text and "\x1b" not in text and "\x07" not in text
+    assert not any(line.startswith("evil.rw: ok") for line in text.splitlines())
+
+
+def test_a_registered_name_no_rule_file_could_use_is_refused():
+    """Probe AB F5: ``register_constant(name="relu")`` took the op's place in every
+    replacement; names such as ``where`` or ``a.b`` were accepted and never callable."""
+    for name in ("relu", "where", "a.b", "", "1x", "class"):
+        with pytest.raises(ValueError, match="cannot register"):
+            rewrite.register_constant(name=name)(lambda x: x)
+    rules = rewrite.parse("rule r: relu(neg(neg(x))) => relu(x)")
+
+    class M(nn.Module):
+        def forward(self, x):
+            return torch.relu(-(-x))
+
+    assert rules.apply(fx.symbolic_trace(M()), example_inputs=(torch.randn(3),)).counts == {"r": 1}
+
+
+def test_replacing_a_registered_function_warns():
+    from rewrite.functions import registry
+
+    before = registry.lookup_function("single_use")
+    try:
+        with pytest.warns(UserWarning, match="replaces the predicate"):
+            rewrite.register_predicate(name="single_use")(lambda x: True)
+    finally:
+        registry._REGISTRY["single_use"] = before
+
+
+def test_python_api_mistakes_get_clear_errors():
+    """Probe AB F6: ``apply(inplace="no")`` rewrote the caller's module (any truthy
+    value meant in place); ``only("typo")`` failed later with a bare KeyError."""
+    rules = rewrite.load("rules/cleanup.rw")
+    gm = fx.symbolic_trace(_ReshapeReadOnly())
+    for flag in ("inplace", "check"):
+        with pytest.raises(TypeError, match=f"{flag} must be True or False"):
+            rules.apply(gm, example_inputs=(torch.randn(3, 4),), **{flag: "no"})
+    with pytest.raises(KeyError, match="no rule named 'relu_rleu'"):
+        rules.only("relu_rleu")
+    with pytest.raises(TypeError):
+        rules.only(3)
+    with pytest.raises(TypeError):
+        rules + 3
+    with pytest.raises(TypeError, match="explain needs"):
+        rules.explain(42)

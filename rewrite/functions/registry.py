@@ -20,7 +20,9 @@ its graph facts); constants and module factories receive concrete Python values
 from __future__ import annotations
 
 import inspect
-from typing import Callable
+import keyword
+import warnings
+from typing import Any, Callable
 
 import attrs
 
@@ -67,6 +69,30 @@ class FunctionSpec:
 
 
 _REGISTRY: dict[str, FunctionSpec] = {}
+#: words of the rule language a rule file cannot call
+_RESERVED = frozenset({"where", "and", "or", "not", "in", "as", "rule", "family", "ruleset", "import", "True",
+                       "False", "None"})
+
+
+def _refuse_name(key: Any, kind: str, fn: Callable) -> None:
+    """A registered name a rule file could not call (not an identifier, a word of the
+    language) or that would take an op's place in every rule file (``relu``): a
+    ``ValueError`` now rather than a rule that silently never works. Registering a
+    name again replaces the function, with a warning when it is another one."""
+    if not isinstance(key, str) or not key.isidentifier() or keyword.iskeyword(key) or key in _RESERVED:
+        raise ValueError(f"cannot register {kind} {key!r}: a rule file calls functions by a plain name "
+                         "(an identifier that is not a keyword)")
+    from rewrite.ops.vocabulary import lookup_op  # imported late: the vocabulary registers functions too
+
+    _ensure_builtins()  # a user's registration replaces a built-in, never the other way round
+    if lookup_op(key) is not None:
+        raise ValueError(f"cannot register {kind} {key!r}: an op has that name, and a rule file would call the "
+                         f"{kind} in its place; choose another name")
+    old = _REGISTRY.get(key)
+    if old is not None and old.fn is not fn and getattr(old.fn, "__qualname__", None) != getattr(
+            fn, "__qualname__", None):
+        warnings.warn(f"rewrite: {kind} {key!r} replaces the {old.kind} registered under that name",
+                      stacklevel=4)
 
 
 def _register(kind: str, name: str | None, inputs: tuple = (), local: bool = False,
@@ -84,6 +110,7 @@ def _register(kind: str, name: str | None, inputs: tuple = (), local: bool = Fal
             if p.default is p.empty:
                 required = len(params)
         key = name or fn.__name__
+        _refuse_name(key, kind, fn)
         doc = (inspect.getdoc(fn) or "").split("\n")[0]
         _REGISTRY[key] = FunctionSpec(key, fn, kind, tuple(params), required, variadic, tuple(inputs), doc, local,
                                       op_names_from)
@@ -156,6 +183,10 @@ def _ensure_builtins() -> None:
         return
     import importlib
 
-    for name in BUILTIN_MODULES:
-        importlib.import_module(name)
-    _builtins_loaded = True
+    _builtins_loaded = True  # set first: the modules' own registrations come back here
+    try:
+        for name in BUILTIN_MODULES:
+            importlib.import_module(name)
+    except BaseException:
+        _builtins_loaded = False
+        raise

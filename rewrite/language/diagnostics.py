@@ -24,7 +24,7 @@ import attrs
 
 from rewrite.language.ast import Span
 
-__all__ = ["Diagnostic", "RuleError", "format_diagnostic", "did_you_mean", "sort_diagnostics"]
+__all__ = ["Diagnostic", "RuleError", "format_diagnostic", "did_you_mean", "printable", "sort_diagnostics"]
 
 
 @attrs.frozen
@@ -49,9 +49,19 @@ class Diagnostic:
     related: tuple = ()
 
     def __str__(self) -> str:
-        """The one-line form: ``path:line:col: error: message [code]``."""
+        """The one-line form: ``path:line:col: error: message [code]``, with any
+        character a terminal would act on escaped (a path or a name from a rule file
+        may hold newlines and escape sequences: a forged line, a cleared screen)."""
         where = f"{self.span}: " if self.span is not None else ""
-        return f"{where}{self.severity}: {self.message} [{self.code}]"
+        return printable(f"{where}{self.severity}: {self.message} [{self.code}]")
+
+
+def printable(text: str) -> str:
+    """``text`` with every character that is not printable (control characters,
+    newlines, escapes) written as its Python escape."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def format_diagnostic(d: Diagnostic, source: str | None = None) -> str:
@@ -62,9 +72,9 @@ def format_diagnostic(d: Diagnostic, source: str | None = None) -> str:
     if d.span is not None and source is not None:
         lines.extend(_excerpt(d.span, source))
     if d.help:
-        lines.append(f"  help: {d.help}")
+        lines.append(printable(f"  help: {d.help}"))
     for span, note in d.related:
-        lines.append(f"  note: {span}: {note}")
+        lines.append(printable(f"  note: {span}: {note}"))
     return "\n".join(lines)
 
 
