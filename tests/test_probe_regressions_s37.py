@@ -122,7 +122,8 @@ def test_a_cast_to_another_dtype_is_a_copy_not_a_view():
             h.add_(1.0)
             return d * 3, h
 
-    rules = rewrite.parse("rule to_copy: to(x, t) where dtype(x) != t => clone(to(x, t))")
+    rules = rewrite.parse("rule to_copy: to(x, t) where dtype(x) != t => clone(to(x, t))\n"
+                          "ruleset once_only = once(to_copy)")["once_only"]
     x = torch.randn(3, 4)
     gm = torch.export.export(M(), (x.clone(),)).module()
     result = rules.apply(gm, example_inputs=(x.clone(),))
@@ -422,3 +423,30 @@ def test_python_api_mistakes_get_clear_errors():
         rules + 3
     with pytest.raises(TypeError, match="explain needs"):
         rules.explain(42)
+
+
+def test_the_check_tries_the_smallest_sizes_a_dynamic_export_accepts(monkeypatch):
+    """Probe AA: every trial took the example's sizes, so a rewrite right only there
+    passed the check (cat_single on a reshape that copies at batch 2 and views at
+    batch 1). With the is_contiguous guard taken away, the check alone catches it."""
+    import rewrite.functions.builtins as builtins
+
+    monkeypatch.setattr(builtins, "_copy_by_size", lambda node: False)
+    torch.manual_seed(0)
+    model = _PermutedReshape().eval()
+    x = torch.randn(2, 3, 4)
+    gm = torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim("B", min=1, max=64)},)).module()
+    with pytest.raises(rewrite.EquivalenceError, match="cat_single"):
+        rewrite.load("rules/cleanup.rw").apply(gm, example_inputs=(x,))
+
+
+def test_sizes_the_program_refuses_are_a_skipped_trial():
+    class M(nn.Module):  # row 1 exists only from a batch of 2
+        def forward(self, x):
+            return -(-x) * x[1]
+
+    x = torch.randn(4, 3)
+    gm = torch.export.export(M(), (x,), dynamic_shapes=({0: torch.export.Dim("B", min=2, max=64)},)).module()
+    result = rewrite.load("rules/cleanup.rw").apply(gm, example_inputs=(x,))
+    assert result.counts == {"neg_neg": 1}
+    assert result.equivalence.ok and result.equivalence.skipped == 1

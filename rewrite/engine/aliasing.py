@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
 
 from rewrite.ops.effects import (ALIASING_NAMES, always_aliases, call_writes, flag_on, flagged_writes, may_alias,
                                  may_alias_any_argument, op_name, written_args, written_nodes)
@@ -206,7 +207,8 @@ def new_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any, writes: 
     return None
 
 
-def lost_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any, writes: bool = True) -> str | None:
+def lost_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any, writes: bool = True,
+                  meta: Any = None) -> str | None:
     """Why replacing ``root``, a view of other memory (``may_view``: ``h.view(-1)``,
     ``x.t()``, ``h.reshape(-1)``), by ``result``, memory of its own (a copy: ``reshape(clone(x), s)``),
     would let the caller observe the sharing lost, or None when it would not. The
@@ -216,8 +218,10 @@ def lost_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any, writes:
     tensor written in place no longer writes the caller's tensor, and a view
     returned with the memory it viewed (or of a graph input) is no longer one.
     ``created``: the nodes the replacement built (they read that memory in root's
-    place: not readers besides)."""
-    before = storage_base(root, gm, may_view)
+    place: not readers besides). ``meta``: a node's facts (``GraphFacts.meta``, which
+    records them from example inputs when the graph carries none; default: its
+    recorded ``val``)."""
+    before = storage_base(root, gm, lambda node, module: may_view(node, module, meta))
     if before is root or not isinstance(before, fx.Node):
         return None  # root's value was memory of its own
     if storage_base(result, gm) is before:
@@ -251,7 +255,7 @@ def _named(base: fx.Node) -> str:
     return f"{kind} {base.target if base.op == 'get_attr' else base.name!r}"
 
 
-def may_view(node: fx.Node, gm: Any) -> bool:
+def may_view(node: fx.Node, gm: Any, meta: Any = None) -> bool:
     """Whether ``node``'s result may be a view of its first input, for what a rewrite
     would lose by replacing it: views and in-place ops (``always_aliases``), and the
     ops that view only at run time (``reshape``, ``flatten``, ``reshape_as``,
@@ -265,11 +269,38 @@ def may_view(node: fx.Node, gm: Any) -> bool:
     if node.op not in ("call_function", "call_method") or op_name(node.target) not in ALIASING_NAMES:
         return False
     first = node.args[0] if node.args else None
-    mine = node.meta.get("val")
-    theirs = first.meta.get("val") if isinstance(first, fx.Node) else None
+    meta = meta or _recorded_val
+    mine = meta(node)
+    theirs = meta(first) if isinstance(first, fx.Node) else None
+    if getattr(mine, "dtype", None) is not None and getattr(theirs, "dtype", None) is not None \
+            and mine.dtype != theirs.dtype:
+        return False  # a cast to another dtype: new memory
     if isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor):
-        return mine.dtype == theirs.dtype and mine.device == theirs.device
+        if mine.device != theirs.device:
+            return False
+        if _static(mine) and _static(theirs):  # fixed sizes: the example's choice is every call's
+            if op_name(node.target) == "contiguous" and not theirs.is_contiguous():
+                return False
+            if isinstance(mine, FakeTensor) and isinstance(theirs, FakeTensor):
+                return _storage(mine) is None or _storage(mine) == _storage(theirs)
+    elif op_name(node.target) == "contiguous" and getattr(theirs, "contiguous", None) is False:
+        return False  # recorded facts (symbolic_trace): a strided input is copied
     return True
+
+
+def _recorded_val(node: fx.Node) -> Any:
+    return node.meta.get("val")
+
+
+def _static(t: torch.Tensor) -> bool:
+    return not any(isinstance(v, torch.SymInt) for v in (*t.shape, *t.stride()))
+
+
+def _storage(t: torch.Tensor) -> Any:
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+        return None
 
 
 def _bytes(n: int | None) -> str:

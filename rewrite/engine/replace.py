@@ -224,7 +224,8 @@ class Replacer:
                 problem = problem or new_aliasing(getitem, value, self._created, self.gm, self._graph_writes(),
                                                   self._classes, self._nbytes)
                 if problem is None and always_aliases(root, self.gm):  # the pieces of a split: views
-                    problem = lost_aliasing(getitem, value, self._created, self.gm, self._graph_writes())
+                    problem = lost_aliasing(getitem, value, self._created, self.gm, self._graph_writes(),
+                                            self.facts.meta)
                 if problem is None and value not in self._created:  # a value forwarded as it is
                     problem = layout_change_seen(getitem, value, self.facts, self._readers, relaid=relaid)
             if problem is not None:
@@ -249,7 +250,7 @@ class Replacer:
         if root.op == "call_function" and root.target is operator.getitem and isinstance(root.args[0], fx.Node) \
                 and not always_aliases(root.args[0], self.gm) and result_count(root.args[0], self.facts):
             return None
-        return lost_aliasing(root, result, self._created, self.gm, self._graph_writes())
+        return lost_aliasing(root, result, self._created, self.gm, self._graph_writes(), self.facts.meta)
 
     # -- building
 

@@ -84,7 +84,8 @@ def _refuse_name(key: Any, kind: str, fn: Callable) -> None:
                          "(an identifier that is not a keyword)")
     from rewrite.ops.vocabulary import lookup_op  # imported late: the vocabulary registers functions too
 
-    _ensure_builtins()  # a user's registration replaces a built-in, never the other way round
+    if getattr(fn, "__module__", None) not in BUILTIN_MODULES:
+        _ensure_builtins()  # a user's registration replaces a built-in, never the other way round
     if lookup_op(key) is not None:
         raise ValueError(f"cannot register {kind} {key!r}: an op has that name, and a rule file would call the "
                          f"{kind} in its place; choose another name")

@@ -79,6 +79,7 @@ from rewrite.ops.effects import call_writes, hooked_containers, hooked_tensors, 
 from rewrite.ops.reach import storage_key
 from rewrite.ops.vocabulary import CALL_OPS, OPS, bind_node
 from rewrite.trust.gradients import GradientRun, grad_leaves, gradient_run, moved, redrawn
+from rewrite.trust.sizes import smallest_sizes
 from rewrite.trust.held import input_leaves, map_held
 from rewrite.trust.modes import autocast_off, is_higher_order, run_higher_order
 from rewrite.trust.nonfinite import non_finite_births
@@ -1849,6 +1850,27 @@ class Reference:
         self._plan: Optional[dict] = None  # rewrite.trust.reuse.record_plan of the graph the runs record
         self._runner: Optional[GraphRunner] = None
         self._recording = True
+        self._small: Optional[int] = None  # the trial at the smallest sizes (trial_indices), or -1: none
+        self._refused: set = set()  # trials whose inputs the original refuses (the smallest sizes)
+
+    def trial_indices(self, trials: int) -> list:
+        """The trials the check runs: ``range(trials)``, and one more (numbered
+        ``trials``) at the smallest sizes when the graph's inputs have symbolic ones
+        (``rewrite.trust.sizes``): the example's sizes decide layouts and
+        copy-or-view choices that others do not."""
+        if self._small is None:
+            self._small = -1
+            if self.example_inputs is not None:
+                small = smallest_sizes(self.graph, self.inputs(1 if trials > 1 else 0))
+                if small is not None:
+                    self._inputs[trials] = small
+                    self._small = trials
+        return [*range(trials), *([self._small] if self._small == trials else [])]
+
+    def is_small(self, trial: int) -> bool:
+        """Whether ``trial`` is the one at the smallest sizes (``trial_indices``):
+        the program may refuse them, and the trial is then skipped."""
+        return trial == self._small and trial >= 0
 
     def inputs(self, trial: int) -> Any:
         if trial not in self._inputs:
@@ -1892,9 +1914,14 @@ class Reference:
         state covering the reference). ``dtypes``: record the floating dtypes its
         ops compute in (approximate checks need them). A random trial the original
         fails on is drawn again once with all-zero integer inputs kept zero."""
+        if trial in self._refused:
+            raise RuntimeError(f"the original refuses trial {trial}'s inputs")
         try:
             return self._run_once(trial, dtypes, state)
         except RuntimeError:
+            if self.is_small(trial):
+                self._refused.add(trial)  # asked again after an in-place rewrite, the module is the candidate
+                raise
             if not self._narrow(trial):
                 raise
         return self._run_once(trial, dtypes, state)
@@ -2086,9 +2113,15 @@ class Reference:
         with gc_paused(), torch.inference_mode(False), autocast_off(), \
                 preserved_state(self.fn, runs_only=True, watches=(self.watch(),)) as state, \
                 running_as_graph(self.fn, force=self._records(), runner=self._recorder()):
-            for t in range(trials):
+            for t in self.trial_indices(trials):
                 if not self.repeats(t):
-                    run = self.run(t, dtypes=tolerance == "approx", state=state)
+                    try:
+                        run = self.run(t, dtypes=tolerance == "approx", state=state)
+                    except RuntimeError:
+                        if not self.is_small(t):
+                            raise
+                        continue  # sizes the program does not take: _check skips the trial
+
                     self.noise(t, state)
                     if _below_unit(run.outputs):  # _confirm_below_unit may ask
                         self.precise(t, state)
@@ -2184,11 +2217,17 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
         runner = active_runner(run_candidate) if records and not watch.dispatches(dtypes) else None
         plan = ReusePlan(run_candidate, runner.steps, reference._plan) if runner is not None else None
         compare = _Comparison(reference, run_candidate, state, tolerance, rtol, atol, int_agreement, quantum)
-        for t in range(trials):
+        for t in reference.trial_indices(trials):
             if reference.repeats(t):
                 skipped += 1
                 continue
-            ref = reference.run(t, dtypes, state)
+            try:
+                ref = reference.run(t, dtypes, state)
+            except RuntimeError:
+                if not reference.is_small(t):
+                    raise
+                skipped += 1  # the smallest sizes: the program refuses them (its input guards)
+                continue
             inputs = reference.inputs(t)
             if plan is not None and ref.recorded is not None:
                 runner.reuse = (plan, ref.recorded)
