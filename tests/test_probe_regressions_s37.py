@@ -450,3 +450,20 @@ def test_sizes_the_program_refuses_are_a_skipped_trial():
     result = rewrite.load("rules/cleanup.rw").apply(gm, example_inputs=(x,))
     assert result.counts == {"neg_neg": 1}
     assert result.equivalence.ok and result.equivalence.skipped == 1
+
+
+@pytest.mark.parametrize("replacement, param", [
+    ("add(x, mul(operator.getitem(torch.linspace(0, 1, 1500000000), 0), 0.0))", "steps"),
+    ("add(x, Tensor.new_zeros(x, [4611686018427387904]))", "size"),
+    ("Tensor.repeat(x, [1000000, 1000000])", "repeats"),
+])
+def test_a_literal_size_without_bound_is_refused_at_load(replacement, param):
+    """Probe AB F7: sizes written as literals were unbounded: a one-line rule made the
+    check and verify allocate gigabytes (OOM at 23 GB)."""
+    with pytest.raises(rewrite.RuleError) as err:
+        rewrite.parse(f"rule r: neg(neg(x)) => {replacement}")
+    assert "[E207]" in str(err.value) and f"argument '{param}'" in str(err.value)
+
+
+def test_small_literal_sizes_load():
+    rewrite.parse("rule r: neg(neg(x)) => Tensor.repeat(x, [2, 3])\nrule s: neg(neg(x)) => reshape(x, [-1])")

@@ -20,7 +20,7 @@ Each rule is checked in three places with different rules of use:
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import attrs
 
@@ -708,6 +708,7 @@ class _Checker:
             self._writes(c, found, name, span)
             self._unsafe_emission(name, span)
             self._unbounded_arithmetic(c, name, span)
+            self._literal_sizes(c, found, name, span)
         elif kind == "function" and found.kind in ("constant", "module"):
             self._function_args(c, found, span)
         elif kind == "function":
@@ -791,6 +792,23 @@ class _Checker:
                 self.error(span, f"'{name}' repeats a literal sequence a number of times that may have no bound: "
                                  f"the count must be an int literal of at most {_MAX_REPEAT}", "E207",
                            help="write the sequence out")
+
+    def _literal_sizes(self, c: ast.Call, opdef: Any, name: str, span: Any) -> None:
+        """E207: a size, count or number of steps written as a literal that large
+        (``torch.linspace(0, 1, 10 ** 18)``, ``new_zeros(x, [2 ** 62])``,
+        ``repeat(x, [10 ** 6, 10 ** 6])``): inferring the replacement's facts costs
+        nothing, but the check, verification and every call of the rewritten model
+        would allocate it."""
+        for param, arg in self._arguments(c, opdef).items():
+            if param not in _SIZE_PARAMS:
+                continue
+            count = _literal_count(arg)
+            if count is not None and count > _MAX_LITERAL_ELEMENTS:
+                self.error(_span_of(arg) or span,
+                           f"argument '{param}' of '{name}' asks for {count} elements: a size written as a literal "
+                           f"is at most {_MAX_LITERAL_ELEMENTS}", "E207",
+                           help="take the size from a matched value (shape(x)), or compute the constant in a "
+                                "registered constant function")
 
     @staticmethod
     def _arguments(c: ast.Call, opdef: Any) -> dict:
@@ -931,6 +949,27 @@ def _default_of(opdef: Any, param: str) -> Any:
     if p is None or p.default is _vocabulary().REQUIRED:
         return None
     return ast.Literal(p.default)
+
+
+#: parameters that give how many elements an op makes (E207 bounds literal ones)
+_SIZE_PARAMS = frozenset({"size", "sizes", "shape", "steps", "repeats", "n", "m", "end", "output_size", "length"})
+_MAX_LITERAL_ELEMENTS = 1 << 26
+
+
+def _literal_count(arg: Any) -> Optional[int]:
+    """The elements a literal size asks for: an int, or the product of a list or
+    tuple of ints (``-1`` as one); None when it is not a literal."""
+    if isinstance(arg, ast.Literal) and isinstance(arg.value, int) and not isinstance(arg.value, bool):
+        return abs(arg.value)
+    if isinstance(arg, (ast.ListLit, ast.TupleLit)):
+        count = 1
+        for item in arg.items:
+            n = _literal_count(item)
+            if n is None:
+                return None
+            count *= max(n, 1)
+        return count
+    return None
 
 
 _GROWING = frozenset({"operator.pow", "operator.ipow", "operator.lshift", "operator.ilshift"})
