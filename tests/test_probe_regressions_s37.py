@@ -467,3 +467,35 @@ def test_a_literal_size_without_bound_is_refused_at_load(replacement, param):
 
 def test_small_literal_sizes_load():
     rewrite.parse("rule r: neg(neg(x)) => Tensor.repeat(x, [2, 3])\nrule s: neg(neg(x)) => reshape(x, [-1])")
+
+
+class _UpdatesStats(nn.Module):  # an unannotated write: the schema says nothing
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("rm", torch.zeros(3))
+        self.register_buffer("rv", torch.ones(3))
+
+    def forward(self, x):
+        mean, var = torch.batch_norm_update_stats(x, self.rm, self.rv, 0.1)
+        return torch.neg(torch.neg(x - mean))
+
+
+@pytest.mark.parametrize("model_type", [_FusedFakeQuant, _UpdatesStats])
+@pytest.mark.parametrize("traced", [True, False])
+@pytest.mark.parametrize("check", [True, False])
+def test_apply_leaves_state_the_graph_writes_as_it_was(model_type, traced, check):
+    """Probe AB F12: the graph's writes of a QAT fake quantizer's observer state
+    (``torch.fused_moving_avg_obs_fake_quant``) and of ``batch_norm_update_stats``'s
+    running statistics were unknown, so apply's own runs wrote the caller's model."""
+    torch.manual_seed(0)
+    model = model_type().train()
+    x = torch.randn(4, 8) if model_type is _FusedFakeQuant else torch.randn(4, 3)
+    given = fx.symbolic_trace(model) if traced else model
+    before = {k: v.clone() for k, v in given.state_dict().items()}
+    rules = rewrite.parse("rule r: neg(neg(x)) => x\nrule rr: relu(relu(x)) => relu(x)")
+    try:
+        rules.apply(given, example_inputs=(x,), check=check)
+    except rewrite.CaptureError:
+        pass  # nothing to rewrite in the traced module: what matters is what apply left behind
+    after = given.state_dict()
+    assert [k for k in before if not torch.equal(before[k], after[k])] == []

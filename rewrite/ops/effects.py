@@ -392,15 +392,36 @@ def target_writes(target: Any) -> tuple:
     is an aten overload, a torch function, an ``operator`` function, a method
     descriptor (``torch.Tensor.add_``) or a method name (``"add_"``)."""
     if isinstance(target, str):
-        return _named_written(target)
+        return _named_written(target) + tuple(w for w in _always_written(target) if w not in _named_written(target))
     entry = _WRITES.get(id(target))
     if entry is not None and entry[0] is target:
         return entry[1]
     if len(_WRITES) > _CACHE_LIMIT:
         _WRITES.clear()
     written = _target_writes(target)
+    written += tuple(w for w in _always_written(target) if w not in written)
     _WRITES[id(target)] = (target, written)
     return written
+
+
+def _always_written(target: Any) -> tuple:
+    """(position, name) of the arguments a target always writes though its schema
+    does not say so (``_ALWAYS_WRITES``: ``batch_norm_update_stats`` updates its
+    running statistics)."""
+    name = target if isinstance(target, str) else op_name(target) if isinstance(
+        target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) else getattr(target, "__name__", "")
+    if name not in _ALWAYS_WRITES:
+        return ()
+    written = _FLAGGED_WRITES[name][0]
+    if isinstance(target, str):
+        from rewrite.ops.resolve import aten_overload
+
+        target = aten_overload(target)
+    params = _parameters(target) if target is not None else None
+    if params is None:
+        return ()
+    names = list(params)
+    return tuple((names.index(p), "input" if p == "self" else p) for p in written if p in params)
 
 
 def _target_writes(target: Any) -> tuple:
@@ -601,7 +622,10 @@ _FLAGGED_WRITES = {
     "embedding": (("weight",), "max_norm"),  # renormalizes the rows it reads
     "embedding_bag": (("weight",), "max_norm"),
     "backward": (("self", "tensors", "input"), None),  # accumulates into the leaves' .grad
+    "batch_norm_update_stats": (("running_mean", "running_var"), None),
 }
+#: of those, the ones a graph's call of writes whatever its arguments
+_ALWAYS_WRITES = frozenset({"batch_norm_update_stats"})
 
 
 def flagged_writes(target: Any) -> "tuple | None":
