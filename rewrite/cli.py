@@ -24,6 +24,7 @@ import sys
 from typing import Any, Sequence
 
 from rewrite.arguments import non_negative_int, positive_int
+from rewrite.language.diagnostics import printable
 
 __all__ = ["main"]
 
@@ -46,11 +47,11 @@ def _cmd_check(args: argparse.Namespace) -> int:
             failed += 1
             continue
         except FileNotFoundError as err:
-            print(f"{path}: error: {err}", file=sys.stderr)
+            print(printable(f"{path}: error: {err}"), file=sys.stderr)
             failed += 1
             continue
         if not args.quiet:
-            print(f"{path}: ok ({len(rules)} rules)")
+            print(printable(f"{path}: ok ({len(rules)} rules)"))
         loaded.append(rules)
     if args.verify and loaded:
         try:
@@ -227,13 +228,13 @@ def _cmd_fmt(args: argparse.Namespace) -> int:
             continue
         if args.check:
             if formatted != text:
-                print(f"{path}: not formatted (run 'rewrite fmt --write {path}')", file=sys.stderr)
+                print(printable(f"{path}: not formatted (run 'rewrite fmt --write {path}')"), file=sys.stderr)
                 status = 1
         elif args.write:
             if formatted != text:
                 with open(path, "w", encoding="utf-8") as fh:
                     fh.write(formatted)
-                print(f"{path}: formatted")
+                print(printable(f"{path}: formatted"))
         else:
             _write_text(formatted)
     return status

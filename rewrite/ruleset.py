@@ -247,12 +247,14 @@ class RuleSet:
         sits directly in a ``once(...)`` with no ``fixpoint(...)`` around it (a bare
         rule in ``seq(...)`` runs to a fixpoint). False when the schedule never runs it."""
         found: list = []
+        walked: set = set()  # (set name, container, repeated): each context walked once
 
         def walk(node: Any, container: str, repeated: bool, seen: frozenset) -> None:
             if isinstance(node, str):
                 if node == name:
                     found.append(container == "once" and not repeated)
-                elif node in self.sets and node not in seen:
+                elif node in self.sets and node not in seen and (node, container, repeated) not in walked:
+                    walked.add((node, container, repeated))
                     walk(self.sets[node], container, repeated, seen | {node})
                 return
             for child in node.items:
@@ -489,12 +491,14 @@ class RuleSet:
     def scheduled_rules(self) -> tuple:
         """The names of the rules this set's schedule runs, in first-seen order."""
         names: dict = {}
+        walked: set = set()  # named sets walked once (s1 = fixpoint(s0, s0), s2 = ...: 2^n paths)
 
         def walk(item: Any) -> None:
             if isinstance(item, str):
                 if item in self.rules:
                     names[item] = None
-                elif item in self.sets:
+                elif item in self.sets and item not in walked:
+                    walked.add(item)
                     walk(self.sets[item])
             else:
                 for child in item.items:

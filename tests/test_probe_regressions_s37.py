@@ -499,3 +499,81 @@ def test_apply_leaves_state_the_graph_writes_as_it_was(model_type, traced, check
         pass  # nothing to rewrite in the traced module: what matters is what apply left behind
     after = given.state_dict()
     assert [k for k in before if not torch.equal(before[k], after[k])] == []
+
+
+def test_families_nested_by_doubling_load():
+    """Probe AB F8: each family was expanded once per way down to it (2^n for
+    ``family f{i} = f{i-1} | f{i-1}``): a 500-byte file took seconds, a longer one
+    never loaded. Expanded once each, 40 levels load at once (no timing asserted:
+    without the fix this would not finish)."""
+    lines = ["family f0 = relu | gelu"] + [f"family f{i} = f{i - 1} | f{i - 1}" for i in range(1, 40)]
+    rules = rewrite.parse("\n".join(lines) + "\nrule r: neg(neg(f39(_) as y)) => y")
+    assert "r" in rules.rules
+
+
+def test_rule_sets_nested_by_doubling_run_as_one_fixpoint():
+    """Probe AB F9: ``ruleset s{i} = fixpoint(s{i-1}, s{i-1})`` is ``fixpoint(r)``, but
+    every walk of the schedule (scheduled_rules, only, apply, verify) took 2^n steps."""
+    text = ("rule r: neg(neg(x)) => x\nruleset s0 = fixpoint(r)\n"
+            + "".join(f"ruleset s{i} = fixpoint(s{i - 1}, s{i - 1})\n" for i in range(1, 40))
+            + "ruleset main = fixpoint(s39)\n")
+    rules = rewrite.parse(text)["main"]
+    assert rules.scheduled_rules() == ("r",)
+    assert rules.only("r").scheduled_rules() == ("r",)
+
+    class M(nn.Module):
+        def forward(self, x):
+            return -(-x) * 2
+
+    assert rules.apply(fx.symbolic_trace(M()), example_inputs=(torch.randn(3),)).counts == {"r": 1}
+
+
+@pytest.mark.parametrize("module", ["rewrite.quant", "rewrite.qat", "rewrite.functions.quant",
+                                    "rewrite.functions.builtins", "rewrite.flows.quant", "rewrite.cli"])
+def test_each_entry_point_imports_first_in_a_fresh_process(module):
+    """Probe AC F2: a registration asking for the built-ins while they loaded made
+    ``import rewrite.quant`` a circular ImportError in a fresh process."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("module, rule", [
+    ("nn.Flatten(0, 1)", "flatten"), ("nn.Identity()", "identity"), ("nn.Dropout(0.5)", "dropout")])
+def test_a_module_that_returns_a_view_is_a_view(module, rule):
+    """Probe AC F1: under symbolic_trace, ``nn.Flatten``, ``nn.Identity`` and an
+    eval-mode ``nn.Dropout`` return (a view of) their input; a rule copying them
+    where a write goes through dropped the write, unchecked."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = eval(module)
+
+        def forward(self, x):
+            h = x * 2.0
+            self.m(h).add_(1.0)
+            return h
+
+    rules = rewrite.parse(f"rule r: {rule}(x) => clone(x)\nruleset once_only = once(r)")["once_only"]
+    model = M().eval()
+    x = torch.randn(3, 4)
+    result = rules.apply(fx.symbolic_trace(model), example_inputs=(x,), check=False)
+    assert torch.equal(result.graph_module(x.clone()), model(x.clone()))
+
+
+def test_feeds_with_no_op_name_is_refused():
+    with pytest.raises(rewrite.RuleError, match="E208"):
+        rewrite.parse("rule r: relu(y) where produced_by(y) => clamp(y, min=0.0)")
+
+
+def test_the_cli_escapes_a_file_name(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "ok\x1b[2Jname\nforged.rw: ok.rw"
+    path.write_text("rule r: neg(neg(x)) => x\n")
+    done = subprocess.run([sys.executable, "-m", "rewrite", "check", str(path)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and "\x1b" not in done.stdout and len(done.stdout.splitlines()) == 1

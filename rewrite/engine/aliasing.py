@@ -264,6 +264,8 @@ def may_view(node: fx.Node, gm: Any, meta: Any = None) -> bool:
     tell, a view: a rule then does not fire where the sharing is observed."""
     if always_aliases(node, gm):
         return True
+    if node.op == "call_module":  # nn.Flatten, nn.Identity, an eval-mode nn.Dropout: by the module's kind
+        return may_alias(node, gm)
     # the ops known to return their input at run time: a composite op without an
     # alias annotation (``fake_quantize_per_tensor_affine``) only may (may_alias)
     if node.op not in ("call_function", "call_method") or op_name(node.target) not in ALIASING_NAMES:

@@ -460,18 +460,25 @@ class Driver:
         return target
 
     @classmethod
-    def _split(cls, items: tuple, resolve: Any, join: bool = False) -> tuple:
+    def _split(cls, items: tuple, resolve: Any, join: bool = False, joined: set | None = None) -> tuple:
         """``(rules, nested schedules)`` of ``items``. With ``join`` (a fixpoint), a
         nested fixpoint's items join this one: ``fixpoint(a, s)`` with ``s =
         fixpoint(b, c)`` is one fixpoint over a, b and c, so a rule set can be built
-        from shared parts (amp_bf16.rw's policy) and still run as one."""
+        from shared parts (amp_bf16.rw's policy) and still run as one. A named
+        fixpoint joins once (``s1 = fixpoint(s0, s0)``, ``s2 = fixpoint(s1, s1)``...
+        would otherwise be split 2^n times)."""
         rules, nested = [], []
+        joined = set() if joined is None else joined
         for item in items:
             target = resolve(item) if isinstance(item, str) else item
             if isinstance(target, CompiledRule):
                 rules.append(target)
             elif join and target.kind == "fixpoint":
-                inner_rules, inner_nested = cls._split(target.items, resolve, join=True)
+                if isinstance(item, str):
+                    if item in joined:
+                        continue  # joined already: the same rules and nested schedules
+                    joined.add(item)
+                inner_rules, inner_nested = cls._split(target.items, resolve, join=True, joined=joined)
                 rules += [r for r in inner_rules if r not in rules]
                 nested += inner_nested
             else:

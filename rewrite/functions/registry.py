@@ -90,8 +90,10 @@ def _refuse_name(key: Any, kind: str, fn: Callable) -> None:
         raise ValueError(f"cannot register {kind} {key!r}: an op has that name, and a rule file would call the "
                          f"{kind} in its place; choose another name")
     old = _REGISTRY.get(key)
-    if old is not None and old.fn is not fn and getattr(old.fn, "__qualname__", None) != getattr(
-            fn, "__qualname__", None):
+    same_definition = (getattr(old.fn, "__module__", None), getattr(old.fn, "__qualname__", None)) == (
+        getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)) if old is not None else True
+    if old is not None and old.fn is not fn and (not same_definition or "<lambda>" in getattr(
+            fn, "__qualname__", "<lambda>")):  # a module imported again registers its own functions again
         warnings.warn(f"rewrite: {kind} {key!r} replaces the {old.kind} registered under that name",
                       stacklevel=4)
 

@@ -186,7 +186,14 @@ def expand_families(families: dict) -> dict:
     """name -> the op names of a family, nested families flattened, first-seen order
     (``family a = relu | b`` with ``family b = gelu`` -> ``a: (relu, gelu)``)."""
 
-    def expand(name: str, seen: tuple) -> list:
+    # each family expanded once (``f1 = f0 | f0``, ``f2 = f1 | f1``... would otherwise
+    # take a path per way down: 2^n); a family met again on its own path is a cycle,
+    # reported as E404, and skipped here
+    done: dict = {}
+
+    def expand(name: str, seen: tuple) -> tuple:
+        if name in done:
+            return done[name]
         out: list = []
         for member in families[name].ops:
             if member in families:
@@ -194,9 +201,10 @@ def expand_families(families: dict) -> dict:
                     out += expand(member, seen + (member,))
             else:
                 out.append(member)
-        return out
+        done[name] = tuple(dict.fromkeys(out))
+        return done[name]
 
-    return {n: tuple(dict.fromkeys(expand(n, (n,)))) for n in families}
+    return {n: expand(n, (n,)) for n in families}
 
 
 # ---------------------------------------------------------------- per rule
@@ -915,6 +923,9 @@ class _Checker:
             params = ", ".join(spec.params) + (", ..." if spec.variadic else "")
             self.error(span, problem, "E205", help=f"signature: {spec.name}({params})")
         if spec.op_names_from is not None:
+            if not problem and len(c.args) <= spec.op_names_from:
+                self.error(span, f"{spec.name}() names no op: it would never match", "E208",
+                           help=f"name the ops after its first argument: {spec.name}(x, \"relu\")")
             for arg in c.args[spec.op_names_from:]:
                 self._op_name_arg(arg, spec, span)
 
