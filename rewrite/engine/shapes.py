@@ -72,13 +72,15 @@ _HARMLESS_KWARGS = frozenset({"alpha", "approximate", "negative_slope", "min_val
 
 
 def _canonical_strides(shape: tuple, channels_last: bool) -> tuple:
+    """Contiguous (or channels_last) strides of ``shape``; a symbolic size counts as
+    its product (a ShapeEnv assumes a size is at least 2, as recorded strides do)."""
     if channels_last:
         n, c, h, w = shape
         return (h * w * c, 1, w * c, c)
     strides, step = [], 1
     for size in reversed(shape):
         strides.append(step)
-        step *= max(size, 1)
+        step = step * (size if isinstance(size, torch.SymInt) else max(size, 1))
     return tuple(reversed(strides))
 
 
@@ -324,9 +326,9 @@ def _symbolic_layout(shape: tuple, stride: tuple) -> str | None:
     layout at every size (``is_contiguous`` would ask whether sizes are 1, which
     holds for some sizes and not others: undecidable while a where clause asks);
     None for anything else, which ``layout_of`` then asks torch."""
-    candidates = [("contiguous", _symbolic_canonical(shape, False))]
+    candidates = [("contiguous", _canonical_strides(shape, False))]
     if len(shape) == 4:
-        candidates.append(("channels_last", _symbolic_canonical(shape, True)))
+        candidates.append(("channels_last", _canonical_strides(shape, True)))
     if len(shape) == 5:
         n, c, d, h, w = shape
         candidates.append(("channels_last_3d", (d * h * w * c, 1, h * w * c, w * c, c)))
@@ -357,19 +359,6 @@ def symbolic_dense_order(meta: Any) -> tuple | None:
             return None
         expected = expected * size
     return tuple(order)
-
-
-def _symbolic_canonical(shape: tuple, channels_last: bool) -> tuple:
-    """``_canonical_strides`` for sizes that may be symbolic (a symbol counts as its
-    product: a ShapeEnv assumes a size is at least 2, as the recorded strides do)."""
-    if channels_last:
-        n, c, h, w = shape
-        return (h * w * c, 1, w * c, c)
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step = step * (size if isinstance(size, torch.SymInt) else max(size, 1))
-    return tuple(reversed(strides))
 
 
 def _same_size(a: Any, b: Any) -> bool:
