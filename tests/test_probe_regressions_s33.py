@@ -347,9 +347,13 @@ def test_a_chain_of_families_too_deep_to_check_is_a_positioned_E001():
     """probe O F09: no file:line:col, and a message about expressions."""
     import rewrite
 
-    text = "family f0 = relu\n" + "".join(f"family f{i} = f{i - 1} | relu\n" for i in range(1, 1000))
+    # declared from the top down, each family's expansion goes through all the others
+    text = "".join(f"family f{i} = f{i - 1} | relu\n" for i in range(999, 0, -1)) + "family f0 = relu\n"
     with pytest.raises(rewrite.RuleError, match=r"chain\.rw:1:1: error: declarations nested too deeply .*\[E001\]"):
         rewrite.parse(text + "rule r: f999(x) => x\n", "chain.rw")
+    # declared from the bottom up, each expands once from the one before (session 37)
+    text = "family f0 = relu\n" + "".join(f"family f{i} = f{i - 1} | relu\n" for i in range(1, 1000))
+    assert "r" in rewrite.parse(text + "rule r: f999(x) => x\n", "chain.rw").rules
 
 
 def test_imports_nested_too_deep_are_an_E402_at_the_import(tmp_path):
