@@ -577,3 +577,15 @@ def test_the_cli_escapes_a_file_name(tmp_path):
     done = subprocess.run([sys.executable, "-m", "rewrite", "check", str(path)], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0 and "\x1b" not in done.stdout and len(done.stdout.splitlines()) == 1
+
+
+@pytest.mark.parametrize("rule", ["split(x, 2, 0) => x", "chunk(x, 2, 0) => x", "split(x, 2, 0) => neg(x)",
+                                  "topk(x, 2) => x"])
+def test_a_multi_output_root_replaced_by_one_tensor_is_E305(rule):
+    """Probe AB F11: the readers' getitem(split, i) became x[i], unchecked."""
+    with pytest.raises(rewrite.RuleError, match=r"returns several values.*\[E305\]"):
+        rewrite.parse(f"rule r: {rule}")
+
+
+def test_a_multi_output_root_replaced_by_a_multi_output_op_loads():
+    rewrite.parse("rule r: split(x, 2, 0) => chunk(x, 2, 0)")

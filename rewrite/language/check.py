@@ -464,8 +464,12 @@ class _Checker:
         """A pattern root ``op(...) as (a, b)`` is replaced result by result: the
         replacement is a tuple of as many values (``_`` for one it does not
         provide) or one call of a multi-output op; it cannot read the results it
-        replaces (``a``, ``b``: they go away)."""
+        replaces (``a``, ``b``: they go away). A root that returns several values
+        without ``as (...)`` (``split(x, 2, 0)``) is replaced by one call of an op
+        that returns several too, never by one tensor (its readers' ``getitem``
+        would index that tensor)."""
         if not isinstance(r.pattern, ast.AsTuple):
+            self._several_replaced_by_one(r)
             return
         names, rep = r.pattern.names, r.replacement
         if isinstance(rep, ast.TupleLit):
@@ -504,6 +508,29 @@ class _Checker:
                                    "replaces", "E305",
                            help="build the values from the op's inputs; its results can be tested in "
                                 "the where clause")
+
+    def _several_replaced_by_one(self, r: ast.Rule) -> None:
+        from rewrite.engine.outputs import LIST, ONE, output_kind
+
+        pattern, rep = r.pattern, r.replacement
+        if not isinstance(pattern, ast.Call) or len(pattern.op.names) != 1:
+            return
+        kind, found = self.resolve(pattern.op.names[0])
+        several = output_kind(found) if kind == "op" else None
+        if several != LIST and not (isinstance(several, int) and several > 1):
+            return
+        if isinstance(rep, ast.Call) and len(rep.op.names) == 1:
+            rep_kind, rep_found = self.resolve(rep.op.names[0])
+            if rep_kind != "op" or output_kind(rep_found) != ONE:
+                return  # several (or unknown): the count is compared at run time
+        elif not isinstance(rep, ast.Var):
+            return
+        what = f"'{rep.op.names[0]}', which returns one" if isinstance(rep, ast.Call) else _describe(rep)
+        self.error(_span_of(rep) or rep.span, f"'{pattern.op.names[0]}' returns several values; a replacement "
+                                              f"for it is one call of an op that returns as many, not {what}",
+                   "E305",
+                   help=f"bind its results in the pattern ({pattern.op.names[0]}(...) as (a, b)) and "
+                        "replace them by a tuple of values")
 
     def _tuple_binding(self, e: ast.AsTuple) -> None:
         """``op(...) as (a, b)``: the op returns several values, as many as named
