@@ -33,6 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from rewrite.ops.effects import (ALIASING_NAMES, always_aliases, call_writes, flag_on, flagged_writes, may_alias,
                                  may_alias_any_argument, op_name, written_args, written_nodes)
+from rewrite.engine.shapes import symbolic_strides
 from rewrite.ops.vocabulary import nodes_by_target
 
 __all__ = ["storage_base", "alias_class", "new_aliasing", "lost_aliasing", "may_view", "caller_owned",
@@ -280,7 +281,7 @@ def may_view(node: fx.Node, gm: Any, meta: Any = None) -> bool:
     if isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor):
         if mine.device != theirs.device:
             return False
-        if _static(mine) and _static(theirs):  # fixed sizes: the example's choice is every call's
+        if not symbolic_strides(mine) and not symbolic_strides(theirs):  # fixed sizes: every call
             if op_name(node.target) == "contiguous" and not theirs.is_contiguous():
                 return False
             if isinstance(mine, FakeTensor) and isinstance(theirs, FakeTensor):
@@ -292,10 +293,6 @@ def may_view(node: fx.Node, gm: Any, meta: Any = None) -> bool:
 
 def _recorded_val(node: fx.Node) -> Any:
     return node.meta.get("val")
-
-
-def _static(t: torch.Tensor) -> bool:
-    return not any(isinstance(v, torch.SymInt) for v in (*t.shape, *t.stride()))
 
 
 def _storage(t: torch.Tensor) -> Any:

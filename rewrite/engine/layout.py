@@ -30,7 +30,7 @@ from torch.utils import _pytree as pytree
 
 from rewrite.engine.aliasing import caller_owned, memory_observed, storage_base
 from rewrite.engine.facts import GraphFacts, fetch_attr, tensor_meta_of
-from rewrite.engine.shapes import addressing, layout_of, symbolic_dense_order
+from rewrite.engine.shapes import addressing, layout_of, symbolic_dense_order, symbolic_strides
 from rewrite.ops.effects import op_name, written_nodes
 from rewrite.ops.vocabulary import bind_node
 
@@ -354,8 +354,7 @@ def _dense_order(meta: Any) -> tuple | None:
     ``symbolic_dense_order``)."""
     strides = addressing(meta)
     if strides is None:
-        symbolic = isinstance(meta, torch.Tensor) and meta.layout == torch.strided and any(
-            isinstance(v, torch.SymInt) for v in (*meta.shape, *meta.stride()))
+        symbolic = isinstance(meta, torch.Tensor) and meta.layout == torch.strided and symbolic_strides(meta)
         return symbolic_dense_order(meta) if symbolic else None
     shape = [int(n) for n in meta.shape]
     order = sorted(range(len(shape)), key=lambda d: (-(strides[d] or 0), d))

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
 __all__ = ["cast_of", "fresh_cast", "like_input", "fresh_like", "view_of", "fresh_view", "fresh_constant",
-           "layout_of", "addressing", "symbolic_dense_order"]
+           "layout_of", "addressing", "symbolic_dense_order", "symbolic_strides"]
 
 aten = torch.ops.aten
 
@@ -301,7 +301,7 @@ def layout_of(meta: Any) -> str | None:
     if not isinstance(meta, torch.Tensor) or meta.layout != torch.strided:
         return None
     shape, stride = tuple(meta.shape), tuple(meta.stride())
-    if any(isinstance(v, torch.SymInt) for v in (*shape, *stride)):
+    if symbolic_strides(meta):
         known = _symbolic_layout(shape, stride)
         if known is not None:
             return known
@@ -317,6 +317,11 @@ def layout_of(meta: Any) -> str | None:
     except (RuntimeError, NotImplementedError):  # symbolic strides, unbacked sizes
         return None
     return "strided"
+
+
+def symbolic_strides(t: torch.Tensor) -> bool:
+    """Whether a strided tensor's sizes or strides hold symbols (a dynamic capture's)."""
+    return any(isinstance(v, torch.SymInt) for v in (*t.shape, *t.stride()))
 
 
 def _symbolic_layout(shape: tuple, stride: tuple) -> str | None:
