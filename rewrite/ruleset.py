@@ -38,6 +38,7 @@ from rewrite.language import Program, ast, load_program, load_program_text
 from rewrite.module_state import AttributeSnapshot
 from rewrite.trust.modes import autocast_off
 from rewrite.trust.rng import host_generators_kept
+from rewrite.trust.sizes import DECLARED_RANGES
 from rewrite.ops import detect_dialect
 
 __all__ = ["RuleSet", "RewriteResult", "Rejection", "EquivalenceError", "CaptureError", "load", "parse", "rules_dir"]
@@ -375,7 +376,9 @@ class RuleSet:
         if isinstance(model, torch.export.ExportedProgram):
             if inplace:
                 raise ValueError("inplace=True needs a GraphModule, not an ExportedProgram: pass ep.module()")
+            declared = dict(model.range_constraints)
             model = model.module()  # the module it runs as; the result is a GraphModule too
+            model.meta[DECLARED_RANGES] = declared  # the smallest sizes the check tries (trust/sizes.py)
         if inplace and not isinstance(model, fx.GraphModule):
             raise ValueError(f"inplace=True needs a torch.fx.GraphModule, not {type(model).__name__}")
         if check and isinstance(example_inputs, dict):
