@@ -51,3 +51,56 @@ def test_apply_given_the_exported_program_tries_its_declared_minimum():
     assert from_program.equivalence.trials == from_module.equivalence.trials
     out = from_program.graph_module(x)
     torch.testing.assert_close(out, M()(x))
+
+
+class _AttentionAndViews(nn.Module):
+    """A written-out attention returned together with views of it."""
+
+    def __init__(self, views):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.views = views
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 4, 4).permute(2, 0, 3, 1, 4)
+        out = torch.softmax(q @ k.transpose(-2, -1) * 0.5, dim=-1) @ v
+        if self.views == "transpose":
+            return out, out.transpose(1, 2)
+        if self.views == "flat":  # view reads strides: the rule does not fire
+            return out.view(b, -1), out[0]
+        if self.views == "select":
+            return out[:, 1], out.unsqueeze(0), out
+        return out.transpose(1, 2).reshape(b, n, 16), out
+
+
+def _shares(a, b):
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("views", ["transpose", "flat", "reshape", "select"])
+@pytest.mark.parametrize("capture", ["fx", "export"])
+@pytest.mark.parametrize("check", [False, True])
+def test_outputs_sharing_an_sdpa_result_keep_their_layouts(views, capture, check):
+    """Probe AC F3 (session 37): ``return out, out.transpose(1, 2)`` after
+    transformer.rw made the attention sdpa (its CPU kernel lays the result out as
+    the permuted query): both outputs' strides changed with check=False (the check
+    refused the rewrite), since a copy of either output would end their sharing.
+    The sdpa result is now copied back into the matmul's layout before they view it."""
+    torch.manual_seed(0)
+    model = _AttentionAndViews(views).eval()
+    x = torch.randn(2, 5, 16)
+    gm = torch.fx.symbolic_trace(model) if capture == "fx" else torch.export.export(model, (x,)).module()
+    result = rewrite.load("rules/transformer.rw").apply(gm, example_inputs=(x,), check=check)
+    fired = result.counts.get("attention_scale") == 1
+    assert fired or views == "flat" or (views == "reshape" and capture == "export")
+    targets = [str(n.target) for n in result.graph_module.graph.nodes]
+    assert fired == any("scaled_dot_product_attention" in t for t in targets)
+    x2 = torch.randn(2, 5, 16)
+    want, got = model(x2), result.graph_module(x2)
+    for a, b in zip(want, got):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+        assert b.stride() == a.stride() and b.storage_offset() == a.storage_offset()
+    for i in range(len(want)):
+        for j in range(i):
+            assert _shares(got[i], got[j]) == _shares(want[i], want[j])

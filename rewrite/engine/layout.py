@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 from rewrite.engine.aliasing import caller_owned, memory_observed, storage_base
 from rewrite.engine.facts import GraphFacts, fetch_attr, tensor_meta_of
 from rewrite.engine.shapes import addressing, layout_of, symbolic_dense_order, symbolic_strides
-from rewrite.ops.effects import op_name, written_nodes
+from rewrite.ops.effects import may_alias, op_name, written_nodes
 from rewrite.ops.vocabulary import bind_node
 
 __all__ = ["StrideReaders", "layout_change_seen", "output_values", "restore_output_layouts"]
@@ -133,7 +133,7 @@ def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, 
     out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     created_nodes = set(created)
     copies, fixed = [], {}
-    bases = None
+    bases, shared = None, set()
     strided_constants = _has_strided_constants(gm, created_nodes)
     from_new_module = _new_module_reach(created_nodes, gm)
     picker = _layout_picker_reach(created_nodes)
@@ -190,8 +190,11 @@ def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, 
         if bases is None:
             bases = Counter(storage_base(v, gm) for v in set(after))
         base = storage_base(new, gm)
-        if bases[base] > 1 or caller_owned(base):
-            continue  # a copy would end the memory it shares with another output or an input
+        if caller_owned(base):
+            continue  # a copy would end the memory it shares with an input
+        if bases[base] > 1:  # a copy would end the memory it shares with another output
+            shared.add(base)
+            continue
         with gm.graph.inserting_before(out_node):
             made = _relaid(gm.graph, new, want, order, dialect)
         for node in made:
@@ -203,9 +206,65 @@ def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, 
         copies.extend(made)
     for new, copy in fixed.items():
         out_node.replace_input_with(new, copy)  # through the replace hooks: an undo journal sees it
+    for base in shared:
+        copies.extend(_relaid_at_source(gm, facts, base, after, replaced, kept.sources, created_nodes, dialect))
     if forced:
         copies.extend(_forced_layouts(gm, facts, forced, dialect))
     return copies
+
+
+def _relaid_at_source(gm: fx.GraphModule, facts: GraphFacts, base: fx.Node, outputs: list, replaced: Any,
+                      sources: set, created: set, dialect: str) -> list:
+    """Outputs that share memory (``return out, out.transpose(1, 2)``) and whose
+    layout a replacement changed cannot be copied one by one, which would end their
+    sharing: the replacement's result they all view is copied instead, into the
+    layout of the original value it replaced (``out``'s matmul, once sdpa, which lays
+    its result out as its query, computes it), and each output, a view of it through
+    the original graph's own views, is laid out as it was. Nothing when the outputs
+    do not all view one such result so, or the original layout is not one a copy
+    makes. Returns the nodes created."""
+    origin = {result: root for root, result in replaced}
+    sharing = [v for v in set(outputs) if storage_base(v, gm) is base]
+    for result in sources:
+        if result._erased or storage_base(result, gm) is not base \
+                or not all(_viewed_through_kept(v, result, created, gm) for v in sharing):
+            continue
+        root = origin.get(result)
+        while root in created and root in origin:  # a result a later rule replaced again
+            root = origin[root]
+        if root is None or root in created:
+            return []
+        old_meta = tensor_meta_of(root)
+        want = layout_of(old_meta)
+        order = _dense_order(old_meta) if want == "strided" else None
+        if want not in _FORMATS and order is None:
+            return []
+        with gm.graph.inserting_after(result):
+            made = _relaid(gm.graph, result, want, order, dialect)
+        for node in made:
+            for key in ("stack_trace", "nn_module_stack"):
+                if key in result.meta:
+                    node.meta[key] = result.meta[key]
+            facts.new_node(node)
+        keep = set(made)
+        result.replace_all_uses_with(made[-1], delete_user_cb=lambda user: user not in keep)
+        return made
+    return []
+
+
+def _viewed_through_kept(value: fx.Node, result: fx.Node, created: set, gm: fx.GraphModule) -> bool:
+    """``value`` is ``result`` or a view of it through the original graph's own ops
+    (none the rewrite created), each a view of its first argument: laid out as the
+    original's when ``result`` is."""
+    seen = 0
+    while value is not result:
+        seen += 1
+        first = value.args[0] if value.args else None
+        if value in created or seen > _KEPT_WALK or not isinstance(first, fx.Node) \
+                or not value.op.startswith("call_") or not may_alias(value, gm):
+            return False
+        value = first
+    return True
 
 
 def _forced_layouts(gm: fx.GraphModule, facts: GraphFacts, forced: dict, dialect: str) -> list:
