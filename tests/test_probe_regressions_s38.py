@@ -104,3 +104,44 @@ def test_outputs_sharing_an_sdpa_result_keep_their_layouts(views, capture, check
     for i in range(len(want)):
         for j in range(i):
             assert _shares(got[i], got[j]) == _shares(want[i], want[j])
+
+
+class _NegNeg(nn.Module):
+    def forward(self, x):
+        return -(-x) + 1
+
+
+@pytest.mark.parametrize("replacement, why", [
+    ("Tensor.new_ones(x, [4])", "shape [4] is not the root"),
+    ("matmul(x, x)", "shape [] is not the root"),
+    ("Tensor.to(x, torch.float64)", "dtype torch.float64 is not the root's torch.float32"),
+    ("add(x, Tensor.new_zeros(x, [-5]))", "cannot be computed on the root's inputs: RuntimeError"),
+    ("add(x, Tensor.new_ones(x, [4]))", "cannot be computed on the root's inputs: RuntimeError"),
+])
+@pytest.mark.parametrize("capture", ["export", "dynamo"])
+def test_a_replacement_known_unlike_its_root_does_not_fire(replacement, why, capture):
+    """A rule whose replacement has another shape or dtype than the value it
+    replaces, or cannot run at all, rewrote export graphs with check=False into
+    models that return other shapes or raise: the root's facts were known, the
+    replacement's inferred only after the rewrite."""
+    x = torch.randn(3)
+    if capture == "export":
+        gm = torch.export.export(_NegNeg(), (x,)).module()
+    else:
+        gm = torch._dynamo.export(_NegNeg())(x).graph_module
+    rules = rewrite.parse(f"rule r: neg(neg(x)) => {replacement}")
+    result = rules.apply(gm, (x,), check=False)
+    assert result.counts == {}
+    assert why in result.stats["r"].first_error
+    torch.testing.assert_close(result.graph_module(x), _NegNeg()(x))
+
+
+def test_a_replacement_like_its_root_still_fires_with_symbolic_sizes():
+    x = torch.randn(4, 3)
+    gm = torch.export.export(_NegNeg(), (x,), dynamic_shapes=({0: Dim("B")},)).module()
+    rules = rewrite.parse("rule r: neg(neg(x)) => mul(x, Tensor.new_ones(x, [3]))\n"
+                          "rule s: add(x, 1) => sub(x, -1)")
+    result = rules.apply(gm, (x,), check=False)
+    assert result.counts == {"r": 1, "s": 1}
+    y = torch.randn(7, 3)
+    torch.testing.assert_close(result.graph_module(y), _NegNeg()(y))

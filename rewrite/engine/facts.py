@@ -132,6 +132,7 @@ class GraphFacts:
         #: node -> its facts inferred again after a rewrite changed the layout of
         #: what it reads (``relay``): read before what the node recorded
         self._relaid: dict = {}
+        self._inference_errors: dict = {}  # new node -> why its op rejects its inputs' facts
 
     def _fake_of(self, mode: Any, v: Any) -> Any:
         """``_fake``, converting each real constant (a weight new nodes read) once
@@ -288,6 +289,20 @@ class GraphFacts:
         return None
 
 
+    def inference_error(self, node: fx.Node) -> str | None:
+        """Why ``node`` (a new node) has no facts when its op refused its inputs'
+        (``new_zeros(x, [-5])``, a matmul of mismatched shapes), or of an input of it
+        the rewrite created; None when its facts are merely unknown (an input without
+        facts, an op without a fake or meta kernel)."""
+        seen, stack = set(), [node]
+        while stack:
+            n = stack.pop()
+            if n in self._inference_errors:
+                return self._inference_errors[n]
+            seen.add(n)
+            stack.extend(i for i in n.all_input_nodes if i not in seen and tensor_meta_of(i) is None)
+        return None
+
     def relay(self, fresh: dict) -> None:
         """Nodes of the graph whose layout a rewrite changed, with their facts
         inferred again (``rewrite.engine.layout``): later questions about them (a
@@ -417,6 +432,7 @@ class GraphFacts:
         if any(v is None for v in values):
             return
         mode = self.fake_mode if self.fake_mode is not None else _symbolic_mode(values)
+        rejected = None  # the op's own refusal of these inputs (a negative size), if it made one
         if mode is not None:
             try:
                 env = {n: _each(self._fake_of, mode, v) for n, v in zip(inputs, values)}
@@ -441,13 +457,16 @@ class GraphFacts:
                 finally:
                     _QUIET.depth -= 1
                 return
-            except Exception:  # noqa: BLE001 - e.g. inputs from another fake mode: use meta tensors
-                pass
+            except Exception as err:  # noqa: BLE001 - e.g. inputs from another fake mode: use meta tensors
+                rejected = _rejection(err)
         try:
             out = self._run_off_device(node, inputs, values)
-        except Exception:  # noqa: BLE001 - facts are best-effort
+        except Exception as err:  # noqa: BLE001 - facts are best-effort
             out = _run_on_zeros(node, inputs, values, self.gm)
             if out is None:
+                rejected = rejected or _rejection(err)
+                if rejected is not None:
+                    self._inference_errors[node] = rejected
                 return
         metas = [m for m in metas if m is not None and not isinstance(m, (list, tuple))]
         device = next((m.device for m in metas if getattr(m, "device", None) is not None), torch.device("cpu"))
@@ -525,6 +544,23 @@ def _call(node: fx.Node, target: Any, args: tuple, kwargs: dict) -> Any:
     if node.op == "call_method":
         return getattr(args[0], target)(*args[1:], **kwargs)
     return target(*args, **kwargs)
+
+
+def _rejection(err: Exception) -> str | None:
+    """``err``, raised by an op run on its inputs' facts, as the op's refusal of
+    those inputs (a negative size, shapes that do not broadcast), or None when it
+    says only that the facts cannot be had (no fake or meta kernel, a size that
+    depends on data, another fake mode)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, \
+        UnsupportedOperatorException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    unknowable = (NotImplementedError, UnsupportedOperatorException, DynamicOutputShapeException,
+                  DataDependentOutputException, GuardOnDataDependentSymNode)
+    if not isinstance(err, (RuntimeError, ValueError, IndexError)) or isinstance(err, unknowable):
+        return None
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0][:200] if text else ''}"
 
 
 def _run_on_zeros(node: fx.Node, inputs: list, values: list, gm: Any) -> Any:

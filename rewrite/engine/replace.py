@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from rewrite.engine.compile import RConst, RLit, RModule, ROp, RResults, RSeq, RVar
-from rewrite.engine.facts import FACTS_KEY, GraphFacts, is_metadata_check, keeps_shape
+from rewrite.engine.facts import FACTS_KEY, GraphFacts, is_metadata_check, keeps_shape, tensor_meta_of
 from rewrite.engine.match import Match
 from rewrite.engine.outputs import getitem_users, result_count
 from rewrite.ops import bind_node
@@ -33,7 +33,7 @@ from rewrite.engine.aliasing import graph_writes, lost_aliasing, new_aliasing, w
 from rewrite.engine.regions import Regions
 from rewrite.engine.layout import StrideReaders, layout_change_seen
 from rewrite.engine.rewire import Rewirer
-from rewrite.engine.shapes import addressing
+from rewrite.engine.shapes import addressing, sizes_differ
 from rewrite.ops.effects import always_aliases, note_built_module, written_args
 from rewrite.ops.reach import storage_key
 
@@ -172,6 +172,10 @@ class Replacer:
             raise ReplacementError(f"rule {match.rule.name!r} at {root.name}: the replacement's number of "
                                    f"results is not known to be {len(results)}")
         if result is not root and result in self._created:
+            problem = self._unlike_root(root, result)
+            if problem is not None:
+                self._undo()
+                raise ReplacementError(f"rule {match.rule.name!r} at {root.name}: {problem}")
             self._first_operand_laid_out_as(root, result)
         relaid: dict = {}  # facts of the nodes whose layout the replacement changes
         if result is not root:
@@ -412,6 +416,31 @@ class Replacer:
             if any(b.op == op for b in self._bindings(node)):
                 return node
         return root
+
+    def _unlike_root(self, root: fx.Node, result: fx.Node) -> str | None:
+        """Why a new ``result`` cannot stand for ``root``: its shape, dtype or device
+        is known to differ from the root's (a rule whose replacement makes another
+        shape, ``new_ones(x, [4])`` for ``neg(neg(x))``, or cannot run at all,
+        ``new_zeros(x, [-5])``), which with ``check=False`` nothing else would catch.
+        Asked only where the root's facts are already known (export and dynamo graphs,
+        a graph whose facts were recorded): its result's are then inferred now rather
+        than at the end of the rewrite. None when nothing is known to differ."""
+        want = tensor_meta_of(root)
+        if not isinstance(getattr(want, "dtype", None), torch.dtype) or getattr(want, "shape", None) is None:
+            return None
+        got = self.facts.meta(result, record=False)
+        if got is None:
+            failed = self.facts.inference_error(result)
+            return None if failed is None else f"the replacement cannot be computed on the root's inputs: {failed}"
+        if got.dtype != want.dtype:
+            return f"the replacement's dtype {got.dtype} is not the root's {want.dtype}"
+        if getattr(got, "device", None) is not None and getattr(want, "device", None) is not None \
+                and got.device != want.device:
+            return f"the replacement's device {got.device} is not the root's {want.device}"
+        if len(got.shape) != len(want.shape) or any(
+                sizes_differ(a, b) for a, b in zip(got.shape, want.shape)):
+            return f"the replacement's shape {list(got.shape)} is not the root's {list(want.shape)}"
+        return None
 
     def _first_operand_laid_out_as(self, root: fx.Node, result: fx.Node) -> None:
         """A new ``a + b`` or ``a * b`` of operands laid out differently is laid out as

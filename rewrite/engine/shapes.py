@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
 __all__ = ["cast_of", "fresh_cast", "like_input", "fresh_like", "view_of", "fresh_view", "fresh_constant",
-           "layout_of", "addressing", "symbolic_dense_order", "symbolic_strides"]
+           "layout_of", "addressing", "symbolic_dense_order", "symbolic_strides", "sizes_differ"]
 
 aten = torch.ops.aten
 
@@ -377,6 +377,15 @@ def _same_size(a: Any, b: Any) -> bool:
         return bool(statically_known_true(a == b))
     except Exception:  # noqa: BLE001 - an expression the ShapeEnv cannot compare: not the same
         return False
+
+
+def sizes_differ(a: Any, b: Any) -> bool:
+    """Two sizes, either symbolic, not known to be equal at every size the program
+    takes (asked without adding a guard): a literal 4 against ``s0`` differs, since
+    it is right only when ``s0`` is 4."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a != b
+    return not _same_size(a, b)
 
 
 def addressing(meta: Any) -> tuple | None:
