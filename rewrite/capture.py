@@ -30,6 +30,7 @@ import copy
 import importlib
 import inspect
 import os
+import re
 import sys
 import tempfile
 import warnings
@@ -40,13 +41,14 @@ import torch
 from torch import fx, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rewrite.module_state import AttributeSnapshot
+from rewrite.module_state import AttributeSnapshot, TensorValues
 
 __all__ = ["LEVELS", "DYNAMO_SOURCE", "ExportError", "ModelSpecError", "SaveError", "higher_order_ops",
            "as_input_tuple",
            "capture", "capture_with_inputs", "symbolic_trace", "capture_dynamo", "GraphBreakError", "mha_fastpath_off",
            "dynamic_shapes_of",
-           "export_keeping_sizes", "export_program", "is_export_guard", "is_tensor_method", "lifted_state_positions",
+           "export_keeping_sizes", "export_program", "is_export_guard", "is_module_state_source", "is_tensor_method",
+           "lifted_state_positions",
            "load_model", "save", "save_format", "save_path_problem", "missing_folder"]
 
 LEVELS: Tuple[str, ...] = ("fx", "export", "export_core", "dynamo")
@@ -101,16 +103,13 @@ def capture_dynamo(model: nn.Module, example_inputs: Sequence[Any]) -> Tuple[fx.
     # the recording run is the caller's model's own: what it writes (a train-mode batch
     # norm's statistics, attributes) is put back, and its random draws come from a fork
     attributes = AttributeSnapshot(list(model.modules()))
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    values = TensorValues(model.modules())  # parameters, buffers and tensor attributes
     try:
         with torch.no_grad(), mha_fastpath_off(), torch.random.fork_rng(devices=[]):
             compiled(*as_input_tuple(example_inputs))
     finally:
         torch._dynamo.reset()
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                if not torch.equal(buffer, saved):
-                    buffer.copy_(saved)
+        values.restore()
         attributes.restore()
     if not recorded:
         raise RuntimeError("torch.compile produced no graph for this model")
@@ -286,9 +285,11 @@ def capture_with_inputs(model: nn.Module, example_inputs: Any, level: str) -> Tu
         # non-strict export runs the caller's forward: a list or dict attribute it
         # appends to is swapped for a new one and the old one keeps the trace's entry
         attributes = AttributeSnapshot(list(model.modules()))
+        values = TensorValues(model.modules())  # what the forward writes in place, for real
         try:
             ep = torch.export.export(model, args, strict=False)
         finally:
+            values.restore()
             attributes.restore()
         if level == "export_core":
             ep = ep.run_decompositions()
@@ -308,6 +309,20 @@ def capture(model: nn.Module, example_inputs: Any, level: str) -> fx.GraphModule
     return capture_with_inputs(model, example_inputs, level)[0]
 
 
+#: a dynamo source (its text) that is a module's parameter or buffer: a
+#: ``ParamBufferSource`` or an attribute read of a module's ``_parameters`` or
+#: ``_buffers`` table, not a user input whose name or dict key merely says so
+#: (``LocalSource(local_name='model_parameters')``)
+_MODULE_STATE_SOURCE = re.compile(r"\bParamBufferSource\(|\bUnspecializedParamBufferSource\(|"
+                                  r"member='_(?:parameters|buffers)'")
+
+
+def is_module_state_source(source: Any) -> bool:
+    """Whether a dynamo placeholder's source (or its text, ``DYNAMO_SOURCE``) is a
+    module's parameter or buffer rather than something the caller passed."""
+    return source is not None and bool(_MODULE_STATE_SOURCE.search(str(source)))
+
+
 def lifted_state_positions(gm: fx.GraphModule) -> Tuple[int, ...]:
     """Positions of the placeholders of a ``capture_dynamo`` graph that are module
     parameters or buffers (not user inputs), from ``meta["dynamo_source"]``.
@@ -317,7 +332,7 @@ def lifted_state_positions(gm: fx.GraphModule) -> Tuple[int, ...]:
     """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     return tuple(i for i, n in enumerate(placeholders)
-                 if any(k in n.meta.get(DYNAMO_SOURCE, "") for k in ("_parameters", "_buffers")))
+                 if is_module_state_source(n.meta.get(DYNAMO_SOURCE)))
 
 
 class ModelSpecError(ValueError):

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import fx
 
-__all__ = ["AttributeSnapshot", "CONTAINERS", "same_entries"]
+__all__ = ["AttributeSnapshot", "CONTAINERS", "TensorValues", "same_entries"]
 
 _ABSENT = object()  # an attribute a module did not have
 #: the containers whose contents a snapshot keeps (a copy of each: ``copy()``), by
@@ -110,4 +110,35 @@ class AttributeSnapshot:
             if not torch.equal(generator.get_state(), state):
                 generator.set_state(state)
                 changed = True
+        return changed
+
+
+class TensorValues:
+    """The values of every tensor some modules hold (parameters, buffers and plain
+    tensor attributes, ``self.offset``), copied now; ``restore`` writes back those a
+    run changed in place. A capture that runs the caller's forward for real (a
+    non-strict export, dynamo's recording run) leaves ``self.offset.add_(1)`` or a
+    ``weight.mul_(0.5)`` under no_grad done otherwise: ``AttributeSnapshot`` puts back
+    which object an attribute holds, not what the object holds."""
+
+    def __init__(self, modules: Iterable[Any]) -> None:
+        self._saved: list = []
+        seen: set = set()
+        for m in modules:
+            tensors = [*m._parameters.values(), *m._buffers.values(),
+                       *(v for v in vars(m).values() if isinstance(v, torch.Tensor))]
+            for t in tensors:
+                if isinstance(t, torch.Tensor) and id(t) not in seen and t.layout == torch.strided \
+                        and t.device.type != "meta":
+                    seen.add(id(t))
+                    self._saved.append((t, t._version, t.detach().clone()))
+
+    def restore(self) -> bool:
+        """Put back the values a run changed; returns whether any had changed."""
+        changed = False
+        with torch.no_grad():
+            for t, version, copy in self._saved:
+                if t._version != version or not torch.equal(t.detach(), copy):
+                    t.detach().copy_(copy)
+                    changed = True
         return changed

@@ -145,3 +145,84 @@ def test_a_replacement_like_its_root_still_fires_with_symbolic_sizes():
     assert result.counts == {"r": 1, "s": 1}
     y = torch.randn(7, 3)
     torch.testing.assert_close(result.graph_module(y), _NegNeg()(y))
+
+
+def test_a_forwarded_value_of_another_dtype_does_not_fire():
+    class Scaled(nn.Module):
+        def forward(self, h):
+            return h * 1.0  # int64 in, float32 out
+
+    h = torch.arange(6)
+    gm = torch.export.export(Scaled(), (h,)).module()
+    rules = rewrite.parse("rule r: mul(x, 1) where dtype(x) == torch.int64 => x")
+    result = rules.apply(gm, (h,), check=False)
+    assert result.counts == {}
+    assert "dtype torch.int64 is not the root's torch.float32" in result.stats["r"].first_error
+    assert result.graph_module(h).dtype == torch.float32
+
+
+class _WritesAnAttribute(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.offset = torch.zeros(4)  # a plain tensor attribute, no buffer
+
+    def forward(self, x):
+        self.offset.add_(1)
+        with torch.no_grad():
+            self.lin.weight.mul_(0.5)
+        return self.lin(x) + self.offset
+
+
+@pytest.mark.parametrize("level", ["export", "dynamo"])
+def test_capturing_leaves_the_callers_tensors_as_they_were(level):
+    """Probe AD F3: a non-strict export and dynamo's recording run execute the
+    forward for real; its in-place writes into a plain tensor attribute (both) and
+    into a parameter (dynamo) stayed in the caller's model."""
+    from rewrite.capture import capture_with_inputs
+
+    torch.manual_seed(0)
+    model = _WritesAnAttribute().eval()
+    before = model.lin.weight.detach().clone()
+    gm, _ = capture_with_inputs(model, (torch.randn(3, 4),), level)
+    assert any(n.op == "call_function" for n in gm.graph.nodes)
+    assert torch.equal(model.offset, torch.zeros(4))
+    assert torch.equal(model.lin.weight, before)
+
+
+def test_a_user_input_named_like_module_state_is_not_frozen():
+    """Probe AD F10: the backend froze an argument whose name held ``_parameters``
+    (a functional-style step's weights) into constants: after the caller updated
+    them in place, the compiled function returned the old weights' results."""
+    from torch.func import functional_call
+
+    from rewrite.capture import capture_with_inputs, lifted_state_positions
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).eval()
+
+    def step(x, model_parameters):
+        return functional_call(net, model_parameters, (x,))
+
+    weights = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    compiled = torch.compile(step, backend=rewrite.backend(rewrite.load("rules/fusion.rw")))
+    x = torch.randn(1, 3, 6, 6)
+    with torch.no_grad():
+        compiled(x, weights)
+        for v in weights.values():
+            if v.is_floating_point():
+                v.mul_(1.5)
+        torch.testing.assert_close(compiled(x, weights), step(x, weights))
+    torch._dynamo.reset()
+
+    class Adds(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, extra_buffers):
+            return self.lin(x) + extra_buffers
+
+    gm, _ = capture_with_inputs(Adds(), (torch.randn(2, 4), torch.randn(2, 4)), "dynamo")
+    assert lifted_state_positions(gm) == (0, 1)  # the Linear's weight and bias, not extra_buffers

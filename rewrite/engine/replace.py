@@ -37,9 +37,13 @@ from rewrite.engine.shapes import addressing, sizes_differ
 from rewrite.ops.effects import always_aliases, note_built_module, written_args
 from rewrite.ops.reach import storage_key
 
-__all__ = ["Replacer", "ReplacementError", "RULE_KEY", "SOURCES_KEY", "uses_root"]
+__all__ = ["Replacer", "ReplacementError", "RULE_KEY", "SOURCES_KEY", "UNLIKE_ROOT", "uses_root"]
 
 _CARRIED_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "from_node")
+
+#: how a refusal of a replacement unlike its root begins (``Replacer._unlike_root``):
+#: verification reads it as a counterexample, not as a rule that did not fire
+UNLIKE_ROOT = "the replacement is not the root's value: "
 
 #: node meta key: ``(rule name, rule file position)`` of the rule that created the node.
 RULE_KEY = "rewrite_rule"
@@ -171,11 +175,12 @@ class Replacer:
             self._undo()  # one call standing for all the results must have as many
             raise ReplacementError(f"rule {match.rule.name!r} at {root.name}: the replacement's number of "
                                    f"results is not known to be {len(results)}")
-        if result is not root and result in self._created:
+        if result is not root:
             problem = self._unlike_root(root, result)
             if problem is not None:
                 self._undo()
                 raise ReplacementError(f"rule {match.rule.name!r} at {root.name}: {problem}")
+        if result is not root and result in self._created:
             self._first_operand_laid_out_as(root, result)
         relaid: dict = {}  # facts of the nodes whose layout the replacement changes
         if result is not root:
@@ -225,6 +230,7 @@ class Replacer:
             if problem is None and value not in self._created:
                 problem = self._regions.spanned((), root, value)
             for getitem in read[i]:
+                problem = problem or self._unlike_root(getitem, value)
                 problem = problem or new_aliasing(getitem, value, self._created, self.gm, self._graph_writes(),
                                                   self._classes, self._nbytes)
                 if problem is None and always_aliases(root, self.gm):  # the pieces of a split: views
@@ -418,10 +424,11 @@ class Replacer:
         return root
 
     def _unlike_root(self, root: fx.Node, result: fx.Node) -> str | None:
-        """Why a new ``result`` cannot stand for ``root``: its shape, dtype or device
-        is known to differ from the root's (a rule whose replacement makes another
-        shape, ``new_ones(x, [4])`` for ``neg(neg(x))``, or cannot run at all,
-        ``new_zeros(x, [-5])``), which with ``check=False`` nothing else would catch.
+        """Why ``result`` (new, or a value of the graph forwarded) cannot stand for
+        ``root``: its shape, dtype or device is not known to be the root's (a rule whose
+        replacement makes another shape, ``new_ones(x, [4])`` for ``neg(neg(x))``, or
+        forwards an int64 ``h`` for ``h * 1.0``), or it cannot run at all
+        (``new_zeros(x, [-5])``), which with ``check=False`` nothing else would catch.
         Asked only where the root's facts are already known (export and dynamo graphs,
         a graph whose facts were recorded): its result's are then inferred now rather
         than at the end of the rewrite. None when nothing is known to differ."""
@@ -431,15 +438,15 @@ class Replacer:
         got = self.facts.meta(result, record=False)
         if got is None:
             failed = self.facts.inference_error(result)
-            return None if failed is None else f"the replacement cannot be computed on the root's inputs: {failed}"
+            return None if failed is None else f"{UNLIKE_ROOT}it cannot be computed on the root's inputs: {failed}"
         if got.dtype != want.dtype:
-            return f"the replacement's dtype {got.dtype} is not the root's {want.dtype}"
+            return f"{UNLIKE_ROOT}its dtype {got.dtype} is not the root's {want.dtype}"
         if getattr(got, "device", None) is not None and getattr(want, "device", None) is not None \
                 and got.device != want.device:
-            return f"the replacement's device {got.device} is not the root's {want.device}"
+            return f"{UNLIKE_ROOT}its device {got.device} is not the root's {want.device}"
         if len(got.shape) != len(want.shape) or any(
                 sizes_differ(a, b) for a, b in zip(got.shape, want.shape)):
-            return f"the replacement's shape {list(got.shape)} is not the root's {list(want.shape)}"
+            return f"{UNLIKE_ROOT}its shape {list(got.shape)} is not the root's {list(want.shape)}"
         return None
 
     def _first_operand_laid_out_as(self, root: fx.Node, result: fx.Node) -> None:

@@ -42,6 +42,7 @@ import torch
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
+from rewrite.capture import is_module_state_source
 from rewrite.language.printer import format_rule
 from rewrite.trust.check import keys_within
 from rewrite.trust.modes import ambient_autocast
@@ -60,8 +61,7 @@ def _is_module_state(node: fx.Node, example: Any) -> bool:
     if source is None:
         source = getattr(node, "_dynamo_source", None) or node.meta.get("dynamo_source")
     if source is not None:
-        text = str(source)
-        return "_parameters" in text or "_buffers" in text or "ParamBufferSource" in text
+        return is_module_state_source(source)
     return isinstance(example, torch.nn.Parameter)
 
 

@@ -86,6 +86,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from rewrite.engine.compile import CompiledRule
+from rewrite.engine.replace import UNLIKE_ROOT
 from rewrite.trust.instances import (Instance, Plan, draw_instance, hypothesis_api, instances,
                                      plan_for, quantized_engines, rule_tolerance, strategies, trapping_division)
 from rewrite.trust.check import check_equivalence
@@ -429,6 +430,9 @@ class _Checker:
                 return
             if stats is not None and stats.failed and self._other_engine(inst):
                 return
+            if stats is not None and stats.failed and UNLIKE_ROOT in stats.first_error:
+                raise _Failure(self._cex(inst, "mismatch", stats.first_error.split(UNLIKE_ROOT, 1)[1].join(
+                    ("its replacement is not the matched value: ", ""))))
             if stats is not None and stats.failed:
                 raise _Failure(self._cex(inst, "did not fire", f"its replacement failed to build "
                                                               f"({stats.failed}x) where the rule matched"))
