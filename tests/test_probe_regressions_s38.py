@@ -226,3 +226,24 @@ def test_a_user_input_named_like_module_state_is_not_frozen():
 
     gm, _ = capture_with_inputs(Adds(), (torch.randn(2, 4), torch.randn(2, 4)), "dynamo")
     assert lifted_state_positions(gm) == (0, 1)  # the Linear's weight and bias, not extra_buffers
+
+
+def test_an_inductor_pass_calling_a_users_function_is_never_cached():
+    """Probe AD F6: ``uuid()`` hashed the rule texts and the package's sources, not
+    the registered functions a rule calls: after the user's predicate changed,
+    Inductor's on-disk graph cache served the graph the old predicate rewrote."""
+    from rewrite.functions import registry
+
+    @rewrite.register_predicate(name="s38_gate")
+    def s38_gate(x):
+        return True
+
+    try:
+        gated = rewrite.parse("rule r: relu(x) where s38_gate(x) => sigmoid(x)")
+        plain = rewrite.parse("rule r: relu(x) => sigmoid(x)")
+        assert rewrite.inductor_pass(gated).uuid() is None
+        assert isinstance(rewrite.inductor_pass(plain).uuid(), str)
+        builtin = rewrite.parse("rule r: relu(x) where single_use(x) => sigmoid(x)")
+        assert isinstance(rewrite.inductor_pass(builtin).uuid(), str)  # the package's own: hashed
+    finally:
+        registry._REGISTRY.pop("s38_gate", None)

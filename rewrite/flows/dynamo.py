@@ -293,10 +293,13 @@ def _rules_pass_class() -> type:
                 _decompose_for_inductor(gm)
 
         def uuid(self) -> Any:
+            texts = [format_rule(self.rules.rules[name].rule) for name in sorted(self.rules.rules)]
+            if _calls_user_functions(texts):
+                return None  # what a user's function decides is not in any text: no cache
             digest = hashlib.sha256(_sources_hash().encode())
             digest.update(repr(self.rules.schedule).encode())
-            for name in sorted(self.rules.rules):
-                digest.update(format_rule(self.rules.rules[name].rule).encode())
+            for text in texts:
+                digest.update(text.encode())
             digest.update(repr((self.check, sorted(self.apply_options.items()))).encode())
             return digest.hexdigest()
 
@@ -423,6 +426,19 @@ def _has_attr(gm: fx.GraphModule, qualname: str) -> bool:
 
 def _fetch(gm: fx.GraphModule, qualname: str) -> Any:
     return operator.attrgetter(qualname)(gm)
+
+
+def _calls_user_functions(texts: list) -> bool:
+    """Whether rule texts name a function registered from outside the package
+    (``register_predicate``, ``register_constant``, ...): its code, and whatever it
+    reads, decide what the pass does, and may change between compilations, so
+    Inductor must not serve a graph cached under the rules' texts alone. Every name
+    in the texts is looked up (a variable of the same name counts: no cache)."""
+    from rewrite.functions.registry import BUILTIN_MODULES, function_names, lookup_function
+
+    names = set(function_names())
+    return any(getattr(lookup_function(word).fn, "__module__", None) not in BUILTIN_MODULES
+               for text in texts for word in set(re.findall(r"[A-Za-z_]\w*", text)) if word in names)
 
 
 @functools.lru_cache(maxsize=1)
