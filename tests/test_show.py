@@ -6,6 +6,7 @@ import json
 import re
 
 import pytest
+import torch
 import torch.fx as fx
 
 import rewrite
@@ -116,3 +117,53 @@ def test_cli_show_bad_usage(tmp_path, capsys):
     assert "*.svg or *.html" in capsys.readouterr().err
     assert main(["show", "--model", "nowhere:f", "-o", str(tmp_path / "g.svg")]) == 2
     assert main(["show", "--model", _MODEL, "--rules", "no_such.rw", "-o", str(tmp_path / "g.svg")]) != 0
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x))
+
+
+class _NamedBlocks(torch.nn.Module):
+    """Blocks named by a (downloaded) config: any name without a dot is legal."""
+
+    def __init__(self, names):
+        super().__init__()
+        self.names = names
+        for name in names:
+            self.add_module(name, _Block())
+
+    def forward(self, x):
+        for name in self.names:
+            x = getattr(self, name)(x)
+        return x
+
+
+_HOSTILE = ["<<TABLE HREF='javascript:alert(1)'><TR><TD>b</TD></TR></TABLE>>", "blk\x1b[2J\x1b]0;t\x07",
+            "<!--<script>"]
+
+
+def test_model_names_are_text_in_every_output(tmp_path):
+    """Probe AD F1, F4, F7: a module name reached Graphviz as an HTML-like label (a
+    clickable javascript: link in the SVG and the page), its control characters the
+    terminal and the SVG (no longer XML), and ``<!--<script>`` in the page's data
+    block made the viewer script part of it."""
+    import xml.dom.minidom
+
+    gm = fx.symbolic_trace(_NamedBlocks(_HOSTILE).eval())
+    x = torch.randn(2, 4)
+    svg = show.render(gm, tmp_path / "g.svg", (x,)).read_text()
+    page = show.render(gm, tmp_path / "g.html", (x,)).read_text()
+    for text in (svg, page):
+        assert not re.search(r'xlink:href="javascript:', text) and "\x1b" not in text and "\x07" not in text
+    xml.dom.minidom.parseString(svg.encode())  # well-formed
+    data = re.search(r'<script id="data" type="application/json">(.*?)</script>', page, re.S).group(1)
+    assert "<" not in data
+    names = {n.get("module") for n in json.loads(data)["nodes"]}
+    assert any(m and m.startswith("<!--<script>") for m in names)
+    table = analyze(gm, (x,)).table(by="module")
+    assert "\x1b" not in table and "\\x1b" in table

@@ -59,6 +59,7 @@ from rewrite.analysis.progress import progress
 from rewrite.capture import as_input_tuple, is_export_guard, lifted_state_positions, mha_fastpath_off
 from rewrite.engine.replace import RULE_KEY
 from rewrite.engine.symbolic import size_hint
+from rewrite.language.diagnostics import printable
 from rewrite.ops import bind_node
 
 __all__ = ["NodeStats", "Totals", "GroupStats", "GraphAnalysis", "analyze", "RULE_KEY", "module_path",
@@ -269,7 +270,7 @@ def _group(nodes: Iterable[NodeStats], key: Any) -> tuple:
 def _row(cells: tuple, text_columns: int) -> str:
     """The first column 40 wide, the next text columns 20 wide, numbers right-aligned."""
     out = []
-    for i, cell in enumerate(str(c) for c in cells):
+    for i, cell in enumerate(printable(str(c)) for c in cells):  # a module name may hold escapes
         if i == 0:
             out.append(f"{cell[:40]:<40}")
         elif i < text_columns:

@@ -35,6 +35,7 @@ import torch.fx as fx
 
 from rewrite.analysis.measure import GraphAnalysis, NodeStats, analyze
 from rewrite.capture import missing_folder
+from rewrite.language.diagnostics import printable
 
 __all__ = ["render", "to_dot", "to_svg", "to_html", "layout_program", "output_problem", "ShowError"]
 
@@ -85,6 +86,16 @@ def _shape(stats: NodeStats) -> str:
     return "x".join(map(str, s)) if s else ""
 
 
+def _text(value: str) -> Any:
+    """A name of the model's (a module, a rule, a file) as Graphviz text: control
+    characters escaped (no XML allows them: the SVG would not parse) and never read
+    as an HTML-like label (``<TABLE HREF='javascript:...'>``, which Graphviz lays
+    out as markup and links)."""
+    import graphviz
+
+    return graphviz.nohtml("\n".join(printable(line) for line in str(value).split("\n")))
+
+
 def _tooltip(stats: NodeStats) -> str:
     lines = [f"{stats.name}: {stats.op} ({stats.kind})"]
     if stats.shape:
@@ -96,7 +107,7 @@ def _tooltip(stats: NodeStats) -> str:
         lines.append(f"read {stats.bytes_read:,} B  written {stats.bytes_written:,} B  params {stats.param_bytes:,} B")
     if stats.rule:
         lines.append(f"created by rule {stats.rule} ({stats.rule_at})")
-    return "\n".join(lines)
+    return _text("\n".join(lines))
 
 
 def _node_items(gm: fx.GraphModule, analysis: GraphAnalysis, prefix: str, removed: set) -> list:
@@ -145,9 +156,9 @@ def _add_items(g: Any, items: list, side: str) -> None:
         by_module.setdefault(_module_of(item[1]), []).append(item)
     for module, members in by_module.items():
         if module:
-            with g.subgraph(name=f"cluster_{side}/{module}",
-                            graph_attr={"label": module, "style": "rounded", "color": "#aaaaaa",
-                                        "fontcolor": "#555555", "id": f"module:{side}/{module}"}) as sub:
+            with g.subgraph(name=_text(f"cluster_{side}/{module}"),
+                            graph_attr={"label": _text(module), "style": "rounded", "color": "#aaaaaa",
+                                        "fontcolor": "#555555", "id": _text(f"module:{side}/{module}")}) as sub:
                 for item in members:
                     _add_node(sub, item)
         else:
@@ -172,7 +183,7 @@ def _add_node(g: Any, item: tuple) -> None:
         attrs.update(fillcolor=_NEW, color="#2e7d32", penwidth="2")
     elif status == "removed":
         attrs.update(fillcolor=_REMOVED, color="#c62828", penwidth="2")
-    g.node(node_id, label=label, **attrs)
+    g.node(node_id, label=_text(label), **attrs)
 
 
 def _layout(dot: Any) -> str:
@@ -213,7 +224,9 @@ def to_html(gm: fx.GraphModule, analysis: GraphAnalysis, *, before: tuple | None
     else:
         data = _node_data(gm, analysis, "", set())
     page = (Path(__file__).with_name("viewer.html")).read_text(encoding="utf-8")
-    payload = json.dumps({"nodes": data, "totals": analysis.totals.to_dict()}).replace("</", "<\\/")
+    # no "<" at all inside the script element: "</script>" would end it, "<!--<script>" make
+    # the tokenizer run past its end (JSON reads \u003c as "<")
+    payload = json.dumps({"nodes": data, "totals": analysis.totals.to_dict()}).replace("<", "\\u003c")
     # one pass over the template: a name or title holding a placeholder is never expanded
     fills = {"__TITLE__": html.escape(title or "rewrite show"), "__DATA__": payload, "__SVG__": svg}
     return _PLACEHOLDER.sub(lambda m: fills[m.group(0)], page)
