@@ -31,6 +31,7 @@ import importlib
 import inspect
 import os
 import re
+import stat
 import sys
 import tempfile
 import warnings
@@ -649,13 +650,18 @@ def write_atomically(path: Any, write: Any) -> Path:
     """``write(name)`` into a file next to ``path``, renamed onto it only once complete:
     a failure leaves no partial file and an existing file untouched. The file gets
     the permissions any new file gets (``mkstemp`` makes it private, 0600: a serving
-    process could not read it)."""
+    process could not read it), or those of the file it replaces (a private 0600 one
+    stays private, as ``torch.save`` onto it keeps it)."""
     path = Path(path)
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:  # no such file (yet)
+        mode = 0o666 & ~_umask()
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".partial{path.suffix}", dir=path.parent or ".")
     os.close(fd)
     try:
         write(tmp)
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -247,3 +247,49 @@ def test_an_inductor_pass_calling_a_users_function_is_never_cached():
         assert isinstance(rewrite.inductor_pass(builtin).uuid(), str)  # the package's own: hashed
     finally:
         registry._REGISTRY.pop("s38_gate", None)
+
+
+def test_a_dynamic_dynamo_graph_is_measured_at_the_sizes_its_symints_stand_for():
+    """Probe AD F2: ``result.report()`` (``analyze``) on a graph dynamo recompiled for
+    a second batch size ran it with the SymInt itself: a traceback from inside torch."""
+    from rewrite.analysis import analyze
+
+    flops = []
+
+    def backend(gm, example_inputs):
+        flops.append(analyze(gm, tuple(example_inputs)).totals.flops)
+        return gm.forward
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 6)
+
+        def forward(self, x):
+            return torch.relu(self.lin(x)).reshape(x.shape[0], -1) * 1.0
+
+    torch._dynamo.reset()
+    compiled = torch.compile(M().eval(), backend=backend)
+    with torch.no_grad():
+        compiled(torch.randn(2, 3, 4))
+        compiled(torch.randn(5, 3, 4))  # a SymInt among the inputs
+    torch._dynamo.reset()
+    assert flops == [2 * 2 * 3 * 4 * 6, 2 * 5 * 3 * 4 * 6]
+
+
+def test_saving_over_a_file_keeps_its_permissions(tmp_path):
+    """Probe AD F9: a private (0600) file saved over became world-readable (0644)."""
+    import os
+    import stat
+
+    from rewrite.capture import save
+
+    x = torch.randn(3)
+    for name, level in (("m.pt", "fx"), ("m.pt2", "export")):
+        path = tmp_path / name
+        path.write_bytes(b"")
+        os.chmod(path, 0o600)
+        save(torch.fx.symbolic_trace(_NegNeg()), path, example_inputs=(x,), level=level)
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    fresh = save(torch.fx.symbolic_trace(_NegNeg()), tmp_path / "new.pt", example_inputs=(x,), level="fx")
+    assert stat.S_IMODE(os.stat(fresh).st_mode) != 0o600  # a new file: the umask's, not mkstemp's

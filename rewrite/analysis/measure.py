@@ -555,6 +555,9 @@ def analyze(gm: Any, example_inputs: Sequence[Any] | None = None, *, show_progre
     from rewrite.trust.rng import seeded
 
     inputs = as_input_tuple(example_inputs) if example_inputs is not None else _inputs_from_meta(gm)
+    # a dynamic dynamo graph's example inputs hold its sizes as SymInts: measured at
+    # the sizes they stand for, as the check runs them
+    inputs = torch.utils._pytree.tree_map_only(torch.SymInt, size_hint, inputs)
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     if type(gm.graph._codegen) is fx.graph.CodeGen and len(inputs) > len(placeholders):
         # (an export graph takes its inputs as the model's pytree; the interpreter
