@@ -413,11 +413,30 @@ def export_program(gm: fx.GraphModule, example_inputs: Any) -> "torch.export.Exp
         node = _failing_node(gm, args)
         reason = f"{type(err).__name__}: {_first_line(err)}"
         if node is None:
+            node = _script_object_holder(gm)
+            if node is not None:  # export fails lifting constants, before any node runs
+                reason = (f"module {node.target!r} holds a TorchScript object (an int8 kernel's packed "
+                          f"weights), which torch.export cannot lift; for an int8 result, "
+                          f"rewrite.quant.convert(..., form='qdq') gives the exportable QDQ form ({reason})")
+        if node is None:
             raise ExportError(f"torch.export cannot capture this graph: {reason}") from err
         target = getattr(node.target, "__name__", None) or str(node.target)
         where = _source_line(node)
         raise ExportError(f"torch.export cannot capture node {node.name!r} ({node.op} {target}"
                           f"{', from ' + where if where else ''}): {reason}", node) from err
+
+
+def _script_object_holder(gm: fx.GraphModule) -> fx.Node | None:
+    """The first module call whose module holds a TorchScript object as an attribute
+    (``torch.ops.quantized``'s packed weights), or None."""
+    for node in gm.graph.find_nodes(op="call_module"):
+        try:
+            module = gm.get_submodule(node.target)
+        except AttributeError:
+            continue
+        if any(isinstance(v, torch.ScriptObject) for m in module.modules() for v in vars(m).values()):
+            return node
+    return None
 
 
 def export_keeping_sizes(gm: fx.GraphModule, args: tuple) -> "torch.export.ExportedProgram":

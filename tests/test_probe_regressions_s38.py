@@ -293,3 +293,28 @@ def test_saving_over_a_file_keeps_its_permissions(tmp_path):
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     fresh = save(torch.fx.symbolic_trace(_NegNeg()), tmp_path / "new.pt", example_inputs=(x,), level="fx")
     assert stat.S_IMODE(os.stat(fresh).st_mode) != 0o600  # a new file: the umask's, not mkstemp's
+
+
+def test_saving_an_int8_result_as_pt2_names_the_kernel_and_the_way_out(tmp_path):
+    """Probe AD F5: ``save(int8, "m.pt2", level="export")`` failed with torch's
+    message about a TorchScript class, no node and no hint (``rq.export`` gave both)."""
+    import rewrite.quant as rq
+    from rewrite.capture import ExportError, save
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+
+        def forward(self, x):
+            return torch.relu(self.c1(x)).mean((2, 3))
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, 8)
+    observed = rq.prepare(Net().eval(), (x,))
+    rq.calibrate(observed, [(torch.randn(2, 3, 8, 8),)])
+    int8 = rq.convert(observed)
+    with pytest.raises(ExportError, match="form='qdq'") as err:
+        save(int8, tmp_path / "int8.pt2", level="export", example_inputs=(x,))
+    assert err.value.node is not None and err.value.node.op == "call_module"
+    assert not (tmp_path / "int8.pt2").exists()
