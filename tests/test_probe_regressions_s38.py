@@ -318,3 +318,28 @@ def test_saving_an_int8_result_as_pt2_names_the_kernel_and_the_way_out(tmp_path)
         save(int8, tmp_path / "int8.pt2", level="export", example_inputs=(x,))
     assert err.value.node is not None and err.value.node.op == "call_module"
     assert not (tmp_path / "int8.pt2").exists()
+
+
+def test_onnx_runs_on_the_inputs_it_was_exported_with(tmp_path):
+    """Probe AD F8: a model taking an int (``forward(x, n=3)``) exported to ONNX,
+    whose program bakes ``n`` in; ``run_onnx`` fed the int too and failed, and so did
+    ``rewrite quantize --onnx``'s own comparison (exit 1)."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    import rewrite.quant as rq
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, n: int = 3):
+            return self.lin(x) * n
+
+    torch.manual_seed(0)
+    model, inputs = Scaled().eval(), (torch.randn(2, 4), 3)
+    qdq = rq.quantize(model, [inputs], form="qdq")
+    path = tmp_path / "m.onnx"
+    rq.export_onnx(qdq, inputs, path)
+    (out,) = rq.run_onnx(path, inputs)
+    assert rq.sqnr(model(*inputs), out) > 20

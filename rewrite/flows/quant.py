@@ -1304,7 +1304,13 @@ _ONNX_TYPES = {torch.float32: "tensor(float)", torch.float64: "tensor(double)", 
 
 def _onnx_feed(expected: Sequence[Any], given: tuple) -> dict:
     """The session's inputs, by name, from ``given`` in order; a ``QuantizationError``
-    that compares the two (count, dtype, fixed sizes) instead of onnxruntime's own."""
+    that compares the two (count, dtype, fixed sizes) instead of onnxruntime's own.
+    Inputs that are not tensors (``forward(x, n=3)``'s int) are left out when the
+    tensors alone are as many as the model's inputs: torch.export made them constants
+    of the program, which takes no input for them."""
+    tensors = tuple(t for t in given if isinstance(t, torch.Tensor))
+    if len(given) != len(expected) and len(tensors) == len(expected):
+        given = tensors
     if len(given) != len(expected):
         names = ", ".join(i.name for i in expected)
         raise QuantizationError(f"the ONNX model takes {len(expected)} input(s) ({names}); {len(given)} were given")
