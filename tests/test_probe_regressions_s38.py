@@ -343,3 +343,39 @@ def test_onnx_runs_on_the_inputs_it_was_exported_with(tmp_path):
     rq.export_onnx(qdq, inputs, path)
     (out,) = rq.run_onnx(path, inputs)
     assert rq.sqnr(model(*inputs), out) > 20
+
+
+def test_the_narrowing_estimate_narrows_core_aten_convolutions():
+    """Probe AE F3: the check's allowance for new bfloat16 comes from running the
+    reference under ``torch.autocast``, which narrows ``conv2d`` but not the core
+    ``aten.convolution`` an ``export_core`` graph holds: no allowance there, and the
+    AMP files failed their own check on a BiT that passes at ``export``."""
+    from rewrite.trust.precision import narrowed_run
+
+    conv = nn.Conv2d(3, 8, 3).eval()
+    x = torch.randn(1, 3, 16, 16)
+    core = torch.export.export(conv, (x,)).run_decompositions().module()
+    assert any(n.target is torch.ops.aten.convolution.default for n in core.graph.nodes)
+    with torch.no_grad():
+        exact = conv(x)
+        eager = narrowed_run(conv, (x,), 0, torch.bfloat16)
+        narrowed = narrowed_run(core, (x.clone(),), 0, torch.bfloat16)
+    assert eager.dtype == narrowed.dtype == torch.bfloat16
+    assert not torch.equal(narrowed.float(), exact)
+    torch.testing.assert_close(narrowed, eager)
+
+
+def test_amp_passes_its_own_check_on_a_core_aten_bit():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.BitConfig(embedding_size=16, hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1],
+                                 num_groups=8)
+    model = transformers.BitModel(cfg).eval()
+    x = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    core = torch.export.export(model, (x,), strict=False).run_decompositions().module()
+    result = rewrite.load("rules/amp_bf16.rw").apply(core, example_inputs=(x,))
+    assert result.counts.get("conv_bf16_nobias", 0) > 0 and result.equivalence.ok
+    with torch.no_grad():
+        want = model(x).last_hidden_state
+        got = result.graph_module(x).last_hidden_state
+    assert got.dtype == want.dtype and ((got - want).abs().max() / want.abs().max()) < 0.1

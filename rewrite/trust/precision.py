@@ -129,16 +129,32 @@ _METADATA_CHECKS = frozenset({torch.ops.aten._assert_tensor_metadata.default})
 
 
 class _UncheckedMetadata(TorchDispatchMode):
-    """Export's dtype checks pass: autocast computes in another dtype on purpose."""
+    """Export's dtype checks pass: autocast computes in another dtype on purpose.
+    And the core ATen ops CPU autocast has no rule for, though it narrows their
+    non-core spellings (``aten.convolution``, every conv of an ``export_core`` graph,
+    where autocast narrows ``conv2d``), compute in ``dtype`` as those would: without
+    it the estimate of a narrowing's noise on a core ATen graph was none at all."""
 
     supports_higher_order_operators = True  # rewrite.trust.modes
+
+    def __init__(self, dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        self.dtype = dtype
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if is_higher_order(func):
             return run_higher_order(self, func, args, kwargs)
         if func in _METADATA_CHECKS:
             return None
+        if self.dtype is not None and func in _AUTOCAST_MISSED:
+            args, kwargs = pytree.tree_map_only(
+                torch.Tensor, lambda t: t.to(self.dtype) if t.dtype == torch.float32 else t, (args, kwargs or {}))
         return func(*args, **(kwargs or {}))
+
+
+#: core ATen ops autocast lets through at float32 while it narrows what they come
+#: from (``conv1d``/``conv2d``/``conv_transpose2d``/... all decompose to this one)
+_AUTOCAST_MISSED = frozenset({torch.ops.aten.convolution.default})
 
 
 class _WidenedOps(TorchDispatchMode):
@@ -198,7 +214,7 @@ def narrowed_run(fn: Any, args: Any, rng_seed: int, dtype: torch.dtype) -> Any:
         stack.enter_context(seeded(rng_seed))
         try:
             stack.enter_context(torch.autocast("cpu", dtype=dtype))
-            stack.enter_context(_UncheckedMetadata())
+            stack.enter_context(_UncheckedMetadata(dtype))
             return call_with(fn, args)
         except Exception:  # noqa: BLE001 - an op autocast cannot run: no estimate
             return None
