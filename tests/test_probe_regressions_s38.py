@@ -1,5 +1,7 @@
 """Regressions from session 38's adversarial probes and open items. Each test
 failed before its fix."""
+import operator
+
 import pytest
 import torch
 import torch.nn as nn
@@ -379,3 +381,52 @@ def test_amp_passes_its_own_check_on_a_core_aten_bit():
         want = model(x).last_hidden_state
         got = result.graph_module(x).last_hidden_state
     assert got.dtype == want.dtype and ((got - want).abs().max() / want.abs().max()) < 0.1
+
+
+def test_static_dtypes_of_a_dynamo_graph_that_sets_items():
+    """Probe AE F2: dynamo records no value for ``t[i] = v`` (nor for torch's usage
+    logging): the graph's dtypes were unknown, so the backend's in-place check
+    prepared no allowance for the bfloat16 AMP brings, and failed a tiny Mixtral."""
+    from rewrite.trust.check import static_float_dtypes
+
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append((static_float_dtypes(gm), any(n.target is operator.setitem for n in gm.graph.nodes)))
+        return gm.forward
+
+    class SetsItems(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, index):
+            out = torch.zeros_like(x)
+            out[index] = self.lin(x[index])
+            return out
+
+    torch._dynamo.reset()
+    torch.compile(SetsItems().eval(), backend=backend)(torch.randn(5, 4), torch.tensor([0, 2]))
+    torch._dynamo.reset()
+    assert seen == [(frozenset({torch.float32}), True)]
+
+
+def test_amp_passes_its_own_check_on_a_mixtral_under_torch_compile():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=64, num_key_value_heads=1,
+                                     use_cache=False, num_local_experts=4, num_experts_per_tok=2)
+    cfg._attn_implementation = "eager"
+    model = transformers.MixtralModel(cfg).eval()
+    ids = torch.randint(0, 100, (1, 16), generator=torch.Generator().manual_seed(1))
+    counts = []
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=rewrite.backend("rules/amp_bf16.rw",
+                                                            on_result=lambda r: counts.append(r.counts)))
+    with torch.no_grad():
+        got = compiled(ids).last_hidden_state
+        want = model(ids).last_hidden_state
+    torch._dynamo.reset()
+    assert any(c.get("linear_bf16", 0) > 0 for c in counts)
+    assert ((got - want).abs().max() / want.abs().max()) < 0.1

@@ -794,6 +794,11 @@ def static_float_dtypes(fn: Any) -> Optional[frozenset]:
         val = meta.get("val")
         if val is None:
             val = next((meta[k] for k in _META_KEYS if meta.get(k) is not None), None)
+            if val is None and node.target is operator.setitem:
+                # dynamo records no value for ``t[i] = v``: it computes in t's and v's dtypes
+                val = [_meta_val(a) for a in node.args if isinstance(a, fx.Node)]
+                if any(v is None for v in val):
+                    return None
             if val is None:
                 return None
         if isinstance(val, torch.Tensor):  # most nodes: one tensor
@@ -811,7 +816,14 @@ def _computes_nothing(node: fx.Node, gm: fx.GraphModule) -> bool:
     recorded value is None), ``torch.export``'s input guard."""
     if "val" in node.meta and node.meta["val"] is None and not node.users:
         return True
+    if node.op == "call_function" and not node.users and node.target in _LOGGING_CALLS:
+        return True  # dynamo records torch's usage logging with no value at all
     return node.op == "call_module" and not node.users and is_export_guard(gm, node.target)
+
+
+#: calls that only log (dynamo keeps ``torch._C._log_api_usage_once("python.nn_module")``
+#: from a module built inside the traced code, with no recorded value)
+_LOGGING_CALLS = frozenset({torch._C._log_api_usage_once})
 
 
 def _meta_val(node: fx.Node) -> Any:
