@@ -296,6 +296,7 @@ class RuleSet:
         inplace: bool = False,
         input_ranges: dict | None = None,
         fixed_inputs: tuple = (),
+        training: bool | None = None,
     ) -> RewriteResult:
         """Apply the rule set to a copy of ``model`` (or to ``model`` itself).
 
@@ -335,6 +336,14 @@ class RuleSet:
             fixed_inputs: inputs (by flat index or pytree path) every trial passes as
                 the example gives them (a symmetric positive definite matrix, sorted
                 lengths): the trials vary the others.
+            training: whether the graph is trained (its parameters get gradients an
+                optimizer reads). None (default) reads it from the graph: a
+                ``symbolic_trace`` graph from its modules' mode, any graph from a
+                train-mode batch norm or dropout in it; a ``torch.export`` graph
+                without either looks like inference, its module being always in
+                training mode. True: no rule folds a parameter that requires grad
+                into a constant (AMP then casts the weights at run time, so
+                gradients reach them); False: an inference graph, folds everywhere.
 
         Returns:
             RewriteResult with ``graph_module`` and ``counts``.
@@ -350,8 +359,9 @@ class RuleSet:
         """
         if on_mismatch not in ("raise", "skip-rule"):
             raise ValueError(f"on_mismatch must be 'raise' or 'skip-rule', not {on_mismatch!r}")
-        for flag, given in (("check", check), ("inplace", inplace)):
-            if not isinstance(given, bool):  # inplace="no" is truthy: the caller's model would be rewritten
+        for flag, given in (("check", check), ("inplace", inplace), ("training", training)):
+            if not isinstance(given, bool) and not (flag == "training" and given is None):
+                # inplace="no" is truthy: the caller's model would be rewritten
                 raise TypeError(f"{flag} must be True or False, not {given!r}")
         if max_rewrites is not None and (not isinstance(max_rewrites, int) or isinstance(max_rewrites, bool)
                                          or max_rewrites < 1):
@@ -405,7 +415,8 @@ class RuleSet:
         # inputs: what a hook of theirs writes into them (a feature list) is put back
         caller = AttributeSnapshot(list(model.modules())) if model is not original else None
         with gc_paused(), torch.inference_mode(False), autocast_off(), host_generators_kept():
-            txn = _Transaction(self, original, example_inputs, max_rewrites, shuffle_seed, inplace, checked=check)
+            txn = _Transaction(self, original, example_inputs, max_rewrites, shuffle_seed, inplace, checked=check,
+                               training=training)
             try:
                 return self._apply(txn, model, original, example_inputs, check, trials, rtol, atol, on_mismatch,
                                    {"input_ranges": input_ranges, "fixed_inputs": tuple(fixed_inputs)})
@@ -676,8 +687,9 @@ class _Transaction:
 
     def __init__(self, ruleset: "RuleSet", original: fx.GraphModule, example_inputs: Any,
                  max_rewrites: int | None, shuffle_seed: int | None, inplace: bool = False,
-                 checked: bool = True) -> None:
+                 checked: bool = True, training: bool | None = None) -> None:
         self.ruleset = ruleset
+        self.training = training
         self.original = original
         self.example_inputs = example_inputs
         self.max_rewrites = max_rewrites
@@ -721,7 +733,8 @@ class _Transaction:
             try:
                 driver = Driver(gm, detect_dialect(gm), self.max_rewrites, self.example_inputs, limit=limit,
                                 skip=self.skip, on_meta=journal.note_meta if journal is not None else None,
-                                shuffle=random.Random(self.shuffle_seed) if self.shuffle_seed is not None else None)
+                                shuffle=random.Random(self.shuffle_seed) if self.shuffle_seed is not None else None,
+                                training=self.training)
                 outputs = output_values(gm)
                 with torch.no_grad():
                     driver.run(self.ruleset.schedule, self.ruleset._resolve)

@@ -430,3 +430,22 @@ def test_amp_passes_its_own_check_on_a_mixtral_under_torch_compile():
     torch._dynamo.reset()
     assert any(c.get("linear_bf16", 0) > 0 for c in counts)
     assert ((got - want).abs().max() / want.abs().max()) < 0.1
+
+
+@pytest.mark.parametrize("training, kept", [(None, 0), (True, 4), (False, 0)])
+def test_apply_can_be_told_an_export_graph_is_trained(training, kept):
+    """Probe AE F1: a train-mode model without dropout or batch norm exports to a
+    graph that looks like inference (the exported module is always in training
+    mode), and AMP folded its weights into bfloat16 constants: no gradient reached
+    them. ``apply(training=True)`` says so; the weights are then cast at run time."""
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).train()
+    x = torch.randn(2, 8)
+    gm = torch.export.export(mlp, (x,)).module()
+    result = rewrite.load("rules/amp_bf16.rw").apply(gm, example_inputs=(x,), training=training)
+    assert result.counts
+    params = list(gm.parameters())
+    grads = torch.autograd.grad(result.graph_module(x).float().pow(2).mean(), params, allow_unused=True)
+    assert sum(g is not None for g in grads) == kept
+    with pytest.raises(TypeError, match="training must be True or False"):
+        rewrite.load("rules/amp_bf16.rw").apply(gm, example_inputs=(x,), training="yes")

@@ -225,6 +225,7 @@ class Driver:
         skip: Iterable = (),
         shuffle: random.Random | None = None,
         on_meta: Any = None,
+        training: bool | None = None,
     ) -> None:
         """Args:
             gm: the module to rewrite, in place.
@@ -236,9 +237,10 @@ class Driver:
             shuffle: visit the worklist in this random order (confluence tests).
             on_meta: called as ``on_meta(node, key)`` before facts are recorded on
                 a node of the input graph (``rewrite.engine.workspace.Journal``).
+            training: whether the graph is trained (``GraphFacts.training``).
         """
         self.gm = gm
-        self.facts = GraphFacts(gm, example_inputs, on_meta=on_meta)
+        self.facts = GraphFacts(gm, example_inputs, on_meta=on_meta, training=training)
         self.matcher = Matcher(gm, self.facts)
         self.replacer = Replacer(gm, self.facts, dialect, self.matcher.bindings)
         self.facts.before_run = self.replacer.flush  # recording facts runs the graph

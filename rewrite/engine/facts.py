@@ -108,8 +108,12 @@ def tensor_meta_of(node: fx.Node) -> Any:
 class GraphFacts:
     """Facts about one GraphModule under rewrite, cached where they are costly."""
 
-    def __init__(self, gm: fx.GraphModule, example_inputs: tuple | None = None, on_meta: Any = None) -> None:
+    def __init__(self, gm: fx.GraphModule, example_inputs: tuple | None = None, on_meta: Any = None,
+                 training: bool | None = None) -> None:
         self.gm = gm
+        #: the caller's word on whether the graph is trained (``apply(training=...)``):
+        #: None leaves it to the graph (``_trains``, ``_owner_trains``)
+        self.training = training
         self._on_meta = on_meta  # told before facts are recorded on the input's nodes
         self.before_run: Any = None  # called before the graph runs (pending rewiring is written back)
         # Graphs from export and dynamo carry facts; symbolic_trace graphs get them
@@ -194,7 +198,8 @@ class GraphFacts:
             return False
         if not isinstance(value, torch.Tensor):
             return True
-        if value.requires_grad and (self._trains or self._owner_trains(qualname)):
+        trained = self.training if self.training is not None else self._trains or self._owner_trains(qualname)
+        if value.requires_grad and trained:
             return False  # folded into a new tensor, it would no longer get the caller's gradients
         written = self._written_state
         return written is not None and id(value) not in written[0] and storage_key(value) not in written[1]
