@@ -197,11 +197,7 @@ def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, 
             continue
         with gm.graph.inserting_before(out_node):
             made = _relaid(gm.graph, new, want, order, dialect)
-        for node in made:
-            for key in ("stack_trace", "nn_module_stack"):
-                if key in new.meta:
-                    node.meta[key] = new.meta[key]
-            facts.new_node(node)  # its val comes with the other new nodes' (GraphFacts.settle)
+        _note_copies(made, new, facts)
         fixed[new] = made[-1]
         copies.extend(made)
     for new, copy in fixed.items():
@@ -241,15 +237,21 @@ def _relaid_at_source(gm: fx.GraphModule, facts: GraphFacts, base: fx.Node, outp
             return []
         with gm.graph.inserting_after(result):
             made = _relaid(gm.graph, result, want, order, dialect)
-        for node in made:
-            for key in ("stack_trace", "nn_module_stack"):
-                if key in result.meta:
-                    node.meta[key] = result.meta[key]
-            facts.new_node(node)
+        _note_copies(made, result, facts)
         keep = set(made)
         result.replace_all_uses_with(made[-1], delete_user_cb=lambda user: user not in keep)
         return made
     return []
+
+
+def _note_copies(made: list, value: fx.Node, facts: GraphFacts) -> None:
+    """New nodes copying ``value``: its source position, and facts to infer (their
+    val comes with the other new nodes', ``GraphFacts.settle``)."""
+    for node in made:
+        for key in ("stack_trace", "nn_module_stack"):
+            if key in value.meta:
+                node.meta[key] = value.meta[key]
+        facts.new_node(node)
 
 
 def _viewed_through_kept(value: fx.Node, result: fx.Node, created: set, gm: fx.GraphModule) -> bool:
