@@ -449,3 +449,23 @@ def test_apply_can_be_told_an_export_graph_is_trained(training, kept):
     assert sum(g is not None for g in grads) == kept
     with pytest.raises(TypeError, match="training must be True or False"):
         rewrite.load("rules/amp_bf16.rw").apply(gm, example_inputs=(x,), training="yes")
+
+
+@pytest.mark.parametrize("replacement, param, size", [
+    ("add(x, Tensor.new_zeros(x, [-5]))", "size", -5),
+    ("add(x, Tensor.new_ones(x, [3, -2]))", "size", -2),
+    ("Tensor.repeat(x, [-1])", "repeats", -1),
+    ("Tensor.view(x, [-2])", "shape", -2),
+])
+def test_a_negative_literal_size_is_refused_at_load(replacement, param, size):
+    """Session 37's open item: ``new_zeros(x, [-5])`` loaded, and on a graph without
+    facts (symbolic_trace) fired into a model that raises on every call."""
+    with pytest.raises(rewrite.RuleError) as err:
+        rewrite.parse(f"rule r: neg(neg(x)) => {replacement}")
+    assert "[E207]" in str(err.value) and f"argument '{param}'" in str(err.value) and f"size {size}" in str(err.value)
+
+
+def test_the_inferred_size_and_negative_ends_still_load():
+    rewrite.parse("rule a: neg(neg(x)) => reshape(x, [-1])\n"
+                  "rule b: neg(neg(x)) => Tensor.expand(x, [-1])\n"
+                  "rule c: neg(neg(x)) => Tensor.view(x, [2, -1])")

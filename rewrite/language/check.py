@@ -837,6 +837,14 @@ class _Checker:
         for param, arg in self._arguments(c, opdef).items():
             if param not in _SIZE_PARAMS:
                 continue
+            lowest = _lowest_literal(arg)
+            if lowest is not None and param != "end" and lowest < (-1 if param in _MAY_INFER else 0):
+                self.error(_span_of(arg) or span,
+                           f"argument '{param}' of '{name}' is given the size {lowest}: no size is negative"
+                           + (" (-1 asks for the one inferred from the others)" if param in _MAY_INFER else ""),
+                           "E207", help="take the size from a matched value (shape(x)), or write it as a "
+                                        "non-negative literal")
+                continue
             count = _literal_count(arg)
             if count is not None and count > _MAX_LITERAL_ELEMENTS:
                 self.error(_span_of(arg) or span,
@@ -992,6 +1000,21 @@ def _default_of(opdef: Any, param: str) -> Any:
 #: parameters that give how many elements an op makes (E207 bounds literal ones)
 _SIZE_PARAMS = frozenset({"size", "sizes", "shape", "steps", "repeats", "n", "m", "end", "output_size", "length"})
 _MAX_LITERAL_ELEMENTS = 1 << 26
+
+
+#: size parameters where -1 stands for a size inferred from the others (view, reshape, expand)
+_MAY_INFER = frozenset({"size", "sizes", "shape"})
+
+
+def _lowest_literal(arg: Any) -> Optional[int]:
+    """The smallest int literal a literal size (an int, or a list or tuple of them)
+    holds, or None when it holds none."""
+    if isinstance(arg, ast.Literal) and isinstance(arg.value, int) and not isinstance(arg.value, bool):
+        return arg.value
+    if isinstance(arg, (ast.ListLit, ast.TupleLit)):
+        found = [v for v in map(_lowest_literal, arg.items) if v is not None]
+        return min(found) if found else None
+    return None
 
 
 def _literal_count(arg: Any) -> Optional[int]:
