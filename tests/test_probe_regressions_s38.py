@@ -469,3 +469,27 @@ def test_the_inferred_size_and_negative_ends_still_load():
     rewrite.parse("rule a: neg(neg(x)) => reshape(x, [-1])\n"
                   "rule b: neg(neg(x)) => Tensor.expand(x, [-1])\n"
                   "rule c: neg(neg(x)) => Tensor.view(x, [2, -1])")
+
+
+def test_a_function_redefined_under_its_name_warns_and_the_same_source_again_does_not():
+    """Probe AC F4 (session 37): a function defined again in the same module, under
+    the same name but with another body, replaced the registered one silently (as a
+    module imported again must: same source)."""
+    import warnings
+
+    from rewrite.functions import registry
+
+    source = "def s38_twice(x):\n    return {body}\n"
+    namespace = {"__name__": "s38_user_module"}
+    try:
+        exec(source.format(body="True"), namespace)
+        rewrite.register_predicate()(namespace["s38_twice"])
+        exec(source.format(body="True"), namespace)  # the module imported again
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            rewrite.register_predicate()(namespace["s38_twice"])
+        exec(source.format(body="False"), namespace)  # redefined
+        with pytest.warns(UserWarning, match="'s38_twice' replaces"):
+            rewrite.register_predicate()(namespace["s38_twice"])
+    finally:
+        registry._REGISTRY.pop("s38_twice", None)

@@ -91,11 +91,22 @@ def _refuse_name(key: Any, kind: str, fn: Callable) -> None:
                          f"{kind} in its place; choose another name")
     old = _REGISTRY.get(key)
     same_definition = (getattr(old.fn, "__module__", None), getattr(old.fn, "__qualname__", None)) == (
-        getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)) if old is not None else True
+        getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)) and _same_code(old.fn, fn) \
+        if old is not None else True
     if old is not None and old.fn is not fn and (not same_definition or "<lambda>" in getattr(
             fn, "__qualname__", "<lambda>")):  # a module imported again registers its own functions again
         warnings.warn(f"rewrite: {kind} {key!r} replaces the {old.kind} registered under that name",
                       stacklevel=4)
+
+
+def _same_code(a: Callable, b: Callable) -> bool:
+    """Whether two functions run the same code (a module imported again defines its
+    functions anew, from the same source); not when a definition changed (a
+    notebook cell run again with another body, the same name redefined in a module)."""
+    code_a, code_b = getattr(a, "__code__", None), getattr(b, "__code__", None)
+    if code_a is None or code_b is None:
+        return code_a is code_b
+    return (code_a.co_code, code_a.co_consts, code_a.co_names) == (code_b.co_code, code_b.co_consts, code_b.co_names)
 
 
 def _register(kind: str, name: str | None, inputs: tuple = (), local: bool = False,
