@@ -493,3 +493,29 @@ def test_a_function_redefined_under_its_name_warns_and_the_same_source_again_doe
             rewrite.register_predicate()(namespace["s38_twice"])
     finally:
         registry._REGISTRY.pop("s38_twice", None)
+
+
+def test_a_dynamo_graph_taking_its_sizes_as_inputs_gets_the_smallest_sizes_trial():
+    """Session 37's open item: a dynamo graph recompiled with symbolic sizes takes
+    them as SymInt inputs; the smallest-sizes trial left such graphs out, since the
+    size inputs would have to shrink with the tensors. Now they do."""
+    from rewrite.engine.symbolic import size_hint
+
+    trials = []
+
+    class M(nn.Module):
+        def forward(self, x):
+            return (x * 2).reshape(x.shape[0], -1)
+
+    def backend(gm, example_inputs):
+        inputs = tuple(size_hint(i) if isinstance(i, torch.SymInt) else i for i in example_inputs)
+        small = smallest_sizes(gm, inputs)
+        trials.append(None if small is None else [i if isinstance(i, int) else tuple(i.shape) for i in small])
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(M(), backend=backend)
+    compiled(torch.randn(2, 3, 4))
+    compiled(torch.randn(5, 3, 4))
+    torch._dynamo.reset()
+    assert trials == [None, [1, (1, 3, 4)]]

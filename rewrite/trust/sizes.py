@@ -40,7 +40,8 @@ def smallest_sizes(graph: Any, inputs: Any) -> Optional[Any]:
     every dim the graph's placeholders record as symbolic narrowed to its size when
     each symbol is 1; None when there is no such dim, when the inputs do not line up
     with the placeholders one tensor per placeholder, or when a size does not come
-    out smaller than the input's (nothing new to try)."""
+    out smaller than the input's (nothing new to try). A size a dynamo graph takes as
+    an input (a ``SymInt`` placeholder) is given its own smallest value."""
     if not isinstance(graph, fx.GraphModule):
         return None
     placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
@@ -50,9 +51,14 @@ def smallest_sizes(graph: Any, inputs: Any) -> Optional[Any]:
     declared = graph.meta.get(DECLARED_RANGES) or {}
     narrowed, changed = [], False
     for leaf, node in zip(leaves, placeholders):
-        val = node.meta.get("val")
-        if isinstance(val, torch.SymInt):
-            return None  # a size passed as an input (dynamo): it would have to shrink with the tensors
+        val = node.meta.get("val", node.meta.get("example_value"))
+        if isinstance(val, torch.SymInt):  # a size passed as an input (dynamo): it shrinks with the tensors
+            small = _at_small(val, declared)
+            if small is None or not isinstance(leaf, int) or isinstance(leaf, bool) or small > leaf:
+                return None
+            narrowed.append(small)
+            changed |= small < leaf
+            continue
         if not isinstance(val, torch.Tensor) or not any(isinstance(d, torch.SymInt) for d in val.shape):
             narrowed.append(leaf)
             continue
