@@ -19,7 +19,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 
-from rewrite.engine.symbolic import as_traced, symbolic_env
+from rewrite.engine.symbolic import as_traced, size_hint, symbolic_env
 from rewrite.engine.shapes import cast_of, fresh_cast, fresh_constant, fresh_like, fresh_view, like_input, view_of
 from rewrite.ops.base import ConstRef, attribute, by_identity
 from rewrite.ops.effects import graph_trains, op_name, state_writes, written_args
@@ -308,6 +308,20 @@ class GraphFacts:
             stack.extend(i for i in n.all_input_nodes if i not in seen and tensor_meta_of(i) is None)
         return None
 
+    def _rejected_at_hints(self, node: fx.Node, inputs: list, values: list) -> str | None:
+        """Why ``node``'s op refuses its inputs at the example's sizes (their symbols'
+        hints), or None: under symbolic sizes a fake kernel may refuse what the op
+        takes (``baddbmm`` of a bias of concrete sizes among symbolic ones), so a
+        refusal counts only when the op refuses the concrete sizes too."""
+        try:
+            env = {n: _each(lambda _, t: _at_hint(t), None, v) for n, v in zip(inputs, values)}
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+            args, kwargs = torch.utils._pytree.tree_map_only(torch.SymInt, size_hint, (args, kwargs))
+            _call(node, self._callable(node, fake=False), args, kwargs)
+        except Exception as err:  # noqa: BLE001 - the op's own refusal, or no meta kernel
+            return _rejection(err)
+        return None
+
     def relay(self, fresh: dict) -> None:
         """Nodes of the graph whose layout a rewrite changed, with their facts
         inferred again (``rewrite.engine.layout``): later questions about them (a
@@ -470,6 +484,8 @@ class GraphFacts:
             out = _run_on_zeros(node, inputs, values, self.gm)
             if out is None:
                 rejected = rejected or _rejection(err)
+                if rejected is not None and _symbolic(values):
+                    rejected = self._rejected_at_hints(node, inputs, values)
                 if rejected is not None:
                     self._inference_errors[node] = rejected
                 return
@@ -549,6 +565,22 @@ def _call(node: fx.Node, target: Any, args: tuple, kwargs: dict) -> Any:
     if node.op == "call_method":
         return getattr(args[0], target)(*args[1:], **kwargs)
     return target(*args, **kwargs)
+
+
+def _symbolic(values: list) -> bool:
+    """Whether some value is a symbolic size or has one."""
+    leaves = torch.utils._pytree.tree_leaves(values)
+    return any(isinstance(v, torch.SymInt) or any(isinstance(d, torch.SymInt) for d in (getattr(v, "shape", None)
+                                                                                    or ())) for v in leaves)
+
+
+def _at_hint(v: Any) -> Any:
+    """``v`` at the sizes its symbols stand for in the example: a meta tensor, an int."""
+    if isinstance(v, torch.SymInt):
+        return size_hint(v)
+    if hasattr(v, "shape") and hasattr(v, "dtype"):
+        return torch.empty([size_hint(d) for d in v.shape], dtype=v.dtype, device="meta")
+    return v
 
 
 def _rejection(err: Exception) -> str | None:
