@@ -104,7 +104,7 @@ def capture_dynamo(model: nn.Module, example_inputs: Sequence[Any]) -> Tuple[fx.
     # the recording run is the caller's model's own: what it writes (a train-mode batch
     # norm's statistics, attributes) is put back, and its random draws come from a fork
     attributes = AttributeSnapshot(list(model.modules()))
-    values = TensorValues(model.modules())  # parameters, buffers and tensor attributes
+    values = TensorValues(model.modules(), parameters=True)  # its graph runs on the real weights
     try:
         with torch.no_grad(), mha_fastpath_off(), torch.random.fork_rng(devices=[]):
             compiled(*as_input_tuple(example_inputs))

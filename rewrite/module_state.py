@@ -114,31 +114,67 @@ class AttributeSnapshot:
 
 
 class TensorValues:
-    """The values of every tensor some modules hold (parameters, buffers and plain
-    tensor attributes, ``self.offset``), copied now; ``restore`` writes back those a
-    run changed in place. A capture that runs the caller's forward for real (a
-    non-strict export, dynamo's recording run) leaves ``self.offset.add_(1)`` or a
-    ``weight.mul_(0.5)`` under no_grad done otherwise: ``AttributeSnapshot`` puts back
-    which object an attribute holds, not what the object holds."""
+    """The values of the tensors some modules hold (buffers, plain tensor attributes
+    such as ``self.offset``, tensors in the lists, dicts and tuples they hold, such
+    as a static KV cache ``self.cache[0]``, and, when ``parameters``, parameters),
+    copied now; ``restore`` writes back those a run changed in place. A capture that
+    runs the caller's forward for real (a non-strict export, dynamo's recording run)
+    leaves ``self.offset.add_(1)`` done otherwise: ``AttributeSnapshot`` puts back
+    which object an attribute holds, not what the object holds. Parameters cost a
+    copy of the weights: only dynamo's run writes them (non-strict export traces
+    them as fakes)."""
 
-    def __init__(self, modules: Iterable[Any]) -> None:
+    def __init__(self, modules: Iterable[Any], parameters: bool = False) -> None:
+        from rewrite.trust.held import held_tensors
+
         self._saved: list = []
         seen: set = set()
         for m in modules:
-            tensors = [*m._parameters.values(), *m._buffers.values(),
-                       *(v for v in vars(m).values() if isinstance(v, torch.Tensor))]
+            tensors = [*m._buffers.values(), *(m._parameters.values() if parameters else ())]
+            for v in vars(m).values():
+                if isinstance(v, torch.Tensor):
+                    tensors.append(v)
+                elif isinstance(v, (list, tuple, dict)) and v and not isinstance(v, torch.nn.Module):
+                    try:
+                        tensors.extend(held_tensors(v))
+                    except TypeError:  # too many objects to walk: left as they are
+                        pass
             for t in tensors:
-                if isinstance(t, torch.Tensor) and id(t) not in seen and t.layout == torch.strided \
-                        and t.device.type != "meta":
-                    seen.add(id(t))
-                    self._saved.append((t, t._version, t.detach().clone()))
+                if not isinstance(t, torch.Tensor) or id(t) in seen or t.layout != torch.strided \
+                        or t.device.type == "meta":
+                    continue
+                seen.add(id(t))
+                self._saved.append((t, _version_of(t), t.detach().clone()))
 
     def restore(self) -> bool:
-        """Put back the values a run changed; returns whether any had changed."""
+        """Put back the values a run changed; returns whether any had changed. A
+        tensor whose version and bits are unchanged is not written (NaN included)."""
         changed = False
         with torch.no_grad():
             for t, version, copy in self._saved:
-                if t._version != version or not torch.equal(t.detach(), copy):
+                if _version_of(t) == version and _same_bits(t, copy):
+                    continue
+                try:
                     t.detach().copy_(copy)
-                    changed = True
+                except RuntimeError:  # a tensor whose elements share memory (an expand): its values as they are
+                    continue
+                changed = True
         return changed
+
+
+def _version_of(t: torch.Tensor) -> int | None:
+    """``t``'s version counter; None for an inference tensor, which has none."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN where NaN (an untouched NaN is no write)."""
+    a = a.detach()
+    if torch.equal(a, b):
+        return True
+    if a.is_floating_point() or a.is_complex():
+        return bool(((a == b) | (a.isnan() & b.isnan())).all())
+    return False

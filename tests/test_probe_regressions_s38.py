@@ -518,3 +518,107 @@ def test_a_dynamo_graph_taking_its_sizes_as_inputs_gets_the_smallest_sizes_trial
     compiled(torch.randn(5, 3, 4))
     torch._dynamo.reset()
     assert trials == [None, [1, (1, 3, 4)]]
+
+
+class _HoldsState(nn.Module):
+    """A served model's state: an inference-mode table, an expanded NaN fill, a
+    static cache in a list, counters in a dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        with torch.inference_mode():
+            self.table = torch.ones(4)
+        self.register_buffer("fill", torch.tensor(float("nan")).expand(4), persistent=False)
+        self.cache = [torch.zeros(4)]
+        self.stats = {"calls": torch.zeros(1)}
+
+    def forward(self, x):
+        self.cache[0].add_(1)
+        self.stats["calls"].add_(1)
+        return self.lin(x) + self.table + torch.nan_to_num(self.fill) + self.cache[0]
+
+
+@pytest.mark.parametrize("level", ["export", "dynamo"])
+def test_captures_put_back_tensors_in_containers_and_leave_the_rest_alone(level):
+    """Probe AF F3, F4, F8: the first TensorValues read every tensor's version (an
+    inference tensor has none: every capture failed), wrote back a NaN it compared
+    unequal to itself (into an expanded buffer: every capture failed), and left
+    tensors held in lists and dicts written."""
+    from rewrite.capture import capture_with_inputs
+
+    torch.manual_seed(0)
+    model = _HoldsState().eval()
+    fill_version = model.fill._version
+    capture_with_inputs(model, (torch.randn(2, 4),), level)
+    assert torch.equal(model.cache[0], torch.zeros(4)) and torch.equal(model.stats["calls"], torch.zeros(1))
+    assert model.fill._version == fill_version
+
+
+def test_a_recomputed_data_dependent_size_is_no_difference():
+    """Probe AF F7: a replacement that recomputes a value of data-dependent size got
+    a fresh unbacked size, never statically equal to the root's, and was refused."""
+    class Select(nn.Module):
+        def forward(self, x, m):
+            return torch.masked_select(x, m) * 2
+
+    x, m = torch.randn(4, 5), torch.rand(4, 5) > 0.5
+    gm = torch.export.export(Select(), (x, m)).module()
+    result = rewrite.parse("rule r: aten.masked_select(x, m) => aten.index.Tensor(x, [m])").apply(gm, (x, m))
+    assert result.counts == {"r": 1}
+    torch.testing.assert_close(result.graph_module(x, m), Select()(x, m))
+
+
+def test_folds_fire_on_a_dynamo_graph_traced_under_autocast():
+    """Probe AF F9: under an ambient ``torch.autocast`` dynamo records the narrowed
+    dtypes; a new conv's facts, inferred outside autocast, said float32, and the
+    backend's conv_bn and linear_bn no longer fired."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(64, 8),
+                          nn.BatchNorm1d(8)).eval()
+    counts = []
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=rewrite.backend(rewrite.load("rules/fusion.rw"),
+                                                            on_result=lambda r: counts.append(r.counts)))
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        compiled(torch.randn(2, 3, 6, 6))
+    torch._dynamo.reset()
+    assert counts and counts[0].get("conv_bn") == 1 and counts[0].get("linear_bn") == 1
+
+
+def test_one_multi_output_call_unlike_the_root_does_not_fire():
+    """Probe AF F1: a multi-output root replaced by one multi-output call of other
+    shapes fired with check=False (a tuple of values was refused)."""
+    class Max(nn.Module):
+        def forward(self, x):
+            return torch.max(x, 1, keepdim=True)
+
+    x = torch.randn(3, 5)
+    gm = torch.export.export(Max(), (x,)).module()
+    rules = rewrite.parse("rule r: aten.max.dim(x, 1, k) as (_, _) => aten.max.dim(x, 0, k)")
+    result = rules.apply(gm, (x,), check=False)
+    assert result.counts == {}
+    assert [tuple(t.shape) for t in result.graph_module(x)] == [(3, 1), (3, 1)]
+
+
+def test_onnx_refuses_another_value_of_an_input_export_baked_in(tmp_path):
+    """Probe AF F6: after the fix for AD F8, ``run_onnx(path, (x, 5))`` of a model
+    exported with ``n=3`` returned the n=3 result silently."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    import rewrite.quant as rq
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, n: int = 3):
+            return self.lin(x) * n
+
+    torch.manual_seed(0)
+    model, inputs = Scaled().eval(), (torch.randn(2, 4), 3)
+    path = rq.export_onnx(rq.quantize(model, [inputs], form="qdq"), inputs, tmp_path / "m.onnx")
+    rq.run_onnx(path, inputs)
+    with pytest.raises(rq.QuantizationError, match="fixed in the ONNX model"):
+        rq.run_onnx(path, (inputs[0], 5))

@@ -433,21 +433,23 @@ class Replacer:
         a graph whose facts were recorded): its result's are then inferred now rather
         than at the end of the rewrite. None when nothing is known to differ."""
         want = tensor_meta_of(root)
+        if isinstance(want, (list, tuple)):  # a multi-output root replaced by one multi-output call
+            got = self.facts.meta(result, record=False) or tensor_meta_of(result)
+            if not isinstance(got, (list, tuple)):
+                return self._refused_inference(result)
+            if len(got) != len(want):
+                return f"{UNLIKE_ROOT}it has {len(got)} results, the root {len(want)}"
+            return next((p for w, g in zip(want, got) if (p := _unlike(w, g)) is not None), None)
         if not isinstance(getattr(want, "dtype", None), torch.dtype) or getattr(want, "shape", None) is None:
             return None
         got = self.facts.meta(result, record=False)
         if got is None:
-            failed = self.facts.inference_error(result)
-            return None if failed is None else f"{UNLIKE_ROOT}it cannot be computed on the root's inputs: {failed}"
-        if got.dtype != want.dtype:
-            return f"{UNLIKE_ROOT}its dtype {got.dtype} is not the root's {want.dtype}"
-        if getattr(got, "device", None) is not None and getattr(want, "device", None) is not None \
-                and got.device != want.device:
-            return f"{UNLIKE_ROOT}its device {got.device} is not the root's {want.device}"
-        if len(got.shape) != len(want.shape) or any(
-                sizes_differ(a, b) for a, b in zip(got.shape, want.shape)):
-            return f"{UNLIKE_ROOT}its shape {list(got.shape)} is not the root's {list(want.shape)}"
-        return None
+            return self._refused_inference(result)
+        return _unlike(want, got)
+
+    def _refused_inference(self, result: fx.Node) -> str | None:
+        failed = self.facts.inference_error(result)
+        return None if failed is None else f"{UNLIKE_ROOT}it cannot be computed on the root's inputs: {failed}"
 
     def _first_operand_laid_out_as(self, root: fx.Node, result: fx.Node) -> None:
         """A new ``a + b`` or ``a * b`` of operands laid out differently is laid out as
@@ -539,3 +541,25 @@ class Replacer:
         for name in self._new_attrs:
             delattr(self.gm, name)
         self._created, self._new_attrs = [], []
+
+
+def _unlike(want: Any, got: Any) -> str | None:
+    """How a value's facts ``got`` are known to differ from ``want``'s, or None. A
+    float32 against a half precision is no difference: a dynamo graph traced under
+    ``torch.autocast`` records its ops' narrowed dtypes, which a new op's facts,
+    inferred outside it, do not show (the check compares what they compute)."""
+    if not all(isinstance(getattr(v, "dtype", None), torch.dtype) and getattr(v, "shape", None) is not None
+               for v in (want, got)):
+        return None
+    if got.dtype != want.dtype and not {got.dtype, want.dtype} <= _AUTOCAST_PAIRS:
+        return f"{UNLIKE_ROOT}its dtype {got.dtype} is not the root's {want.dtype}"
+    if getattr(got, "device", None) is not None and getattr(want, "device", None) is not None \
+            and got.device != want.device:
+        return f"{UNLIKE_ROOT}its device {got.device} is not the root's {want.device}"
+    if len(got.shape) != len(want.shape) or any(sizes_differ(a, b) for a, b in zip(got.shape, want.shape)):
+        return f"{UNLIKE_ROOT}its shape {list(got.shape)} is not the root's {list(want.shape)}"
+    return None
+
+
+#: dtypes autocast turns into each other (``_unlike``)
+_AUTOCAST_PAIRS = frozenset({torch.float32, torch.bfloat16, torch.float16})

@@ -382,9 +382,18 @@ def _same_size(a: Any, b: Any) -> bool:
 def sizes_differ(a: Any, b: Any) -> bool:
     """Two sizes, either symbolic, not known to be equal at every size the program
     takes (asked without adding a guard): a literal 4 against ``s0`` differs, since
-    it is right only when ``s0`` is 4."""
+    it is right only when ``s0`` is 4. A size that depends on data (an unbacked
+    ``u0``: ``nonzero``, ``masked_select``) is known to nobody: two such differ only
+    when known to (a recomputed ``masked_select`` gets a fresh ``u1``)."""
     if isinstance(a, int) and isinstance(b, int):
         return a != b
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statically_known_true
+
+    try:
+        if free_unbacked_symbols(a) or free_unbacked_symbols(b):
+            return bool(statically_known_true(a != b))
+    except Exception:  # noqa: BLE001 - sizes from two ShapeEnvs: not known
+        return False
     return not _same_size(a, b)
 
 

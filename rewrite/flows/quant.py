@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import json
 import math
 import os
 import sys
@@ -1276,9 +1277,17 @@ def export_onnx(gm: fx.GraphModule, example_inputs: Any = None, path: Any = "mod
         warnings.simplefilter("ignore")
         onnx_program = torch.onnx.export(program, dynamo=True, verbose=False,
                                          **({"opset_version": opset} if opset else {}))
+    # the inputs export made constants (an int, a flag): run_onnx refuses other values
+    baked = [[k, repr(v)] for k, v in enumerate(_as_args(example_inputs)) if not isinstance(v, torch.Tensor)]
+    if baked:
+        onnx_program.model.metadata_props[_BAKED_KEY] = json.dumps(baked)
     # written in place: a large model's weights go to a file named after it (external data)
     onnx_program.save(str(path))
     return Path(path)
+
+
+#: ONNX metadata key: the non-tensor inputs the exported program holds as constants
+_BAKED_KEY = "rewrite.baked_inputs"
 
 
 def run_onnx(path: Any, inputs: Any, *, threads: int | None = None) -> list:
@@ -1292,7 +1301,8 @@ def run_onnx(path: Any, inputs: Any, *, threads: int | None = None) -> list:
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
     sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-    feed = _onnx_feed(sess.get_inputs(), _as_args(inputs))
+    baked = sess.get_modelmeta().custom_metadata_map.get(_BAKED_KEY)
+    feed = _onnx_feed(sess.get_inputs(), _as_args(inputs), dict(json.loads(baked)) if baked else None)
     return [torch.from_numpy(o) for o in sess.run(None, feed)]
 
 
@@ -1302,14 +1312,19 @@ _ONNX_TYPES = {torch.float32: "tensor(float)", torch.float64: "tensor(double)", 
                torch.int8: "tensor(int8)", torch.uint8: "tensor(uint8)", torch.bool: "tensor(bool)"}
 
 
-def _onnx_feed(expected: Sequence[Any], given: tuple) -> dict:
+def _onnx_feed(expected: Sequence[Any], given: tuple, baked: dict | None = None) -> dict:
     """The session's inputs, by name, from ``given`` in order; a ``QuantizationError``
     that compares the two (count, dtype, fixed sizes) instead of onnxruntime's own.
     Inputs that are not tensors (``forward(x, n=3)``'s int) are left out when the
     tensors alone are as many as the model's inputs: torch.export made them constants
-    of the program, which takes no input for them."""
+    of the program, which takes no input for them. ``baked``: position -> repr of
+    the value each had at export (``export_onnx``): another value is refused."""
     tensors = tuple(t for t in given if isinstance(t, torch.Tensor))
     if len(given) != len(expected) and len(tensors) == len(expected):
+        for k, v in enumerate(given):
+            if not isinstance(v, torch.Tensor) and baked is not None and baked.get(k, repr(v)) != repr(v):
+                raise QuantizationError(f"input {k} is fixed in the ONNX model at the value it was exported with "
+                                        f"({baked[k]}), not {v!r}: export again with this value")
         given = tensors
     if len(given) != len(expected):
         names = ", ".join(i.name for i in expected)
