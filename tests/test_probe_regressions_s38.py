@@ -622,3 +622,38 @@ def test_onnx_refuses_another_value_of_an_input_export_baked_in(tmp_path):
     rq.run_onnx(path, inputs)
     with pytest.raises(rq.QuantizationError, match="fixed in the ONNX model"):
         rq.run_onnx(path, (inputs[0], 5))
+
+
+class _AttentionViewedTwice(nn.Module):
+    def __init__(self, views):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.views = views
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 4, 4).permute(2, 0, 3, 1, 4)
+        out = torch.softmax(q @ k.transpose(-2, -1) * 0.5, dim=-1) @ v
+        if self.views == "two_transposes":
+            return out.transpose(1, 2), out.transpose(2, 3)
+        return out[:, :, 1:], out.transpose(2, 3)
+
+
+@pytest.mark.parametrize("views", ["two_transposes", "slice_and_transpose"])
+@pytest.mark.parametrize("check", [False, True])
+def test_outputs_sharing_an_sdpa_result_through_rebuilt_views_keep_their_layouts(views, check):
+    """Probe AF F2: transformer.rw rebuilds ``out.transpose(2, 3)`` as a new
+    ``transpose(-2, -1)``; outputs viewing the sdpa result through it were not copied
+    back (only the original graph's own views were trusted): strides changed with
+    check=False, and the default check refused the shipped rule set."""
+    torch.manual_seed(0)
+    model = _AttentionViewedTwice(views).eval()
+    x = torch.randn(2, 5, 16)
+    gm = torch.export.export(model, (x,)).module()
+    result = rewrite.load("rules/transformer.rw").apply(gm, example_inputs=(x,), check=check)
+    assert result.counts.get("attention_scale") == 1
+    want, got = model(x), result.graph_module(x)
+    for a, b in zip(want, got):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+        assert b.stride() == a.stride() and b.storage_offset() == a.storage_offset()
+    assert _shares(got[0], got[1]) == _shares(want[0], want[1])

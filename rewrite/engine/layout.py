@@ -203,27 +203,31 @@ def restore_output_layouts(gm: fx.GraphModule, facts: GraphFacts, before: list, 
     for new, copy in fixed.items():
         out_node.replace_input_with(new, copy)  # through the replace hooks: an undo journal sees it
     for base in shared:
-        copies.extend(_relaid_at_source(gm, facts, base, after, replaced, kept.sources, created_nodes, dialect))
+        copies.extend(_relaid_at_source(gm, facts, base, dict(zip(after, before)), replaced, kept.sources,
+                                        created_nodes, dialect))
     if forced:
         copies.extend(_forced_layouts(gm, facts, forced, dialect))
     return copies
 
 
-def _relaid_at_source(gm: fx.GraphModule, facts: GraphFacts, base: fx.Node, outputs: list, replaced: Any,
+def _relaid_at_source(gm: fx.GraphModule, facts: GraphFacts, base: fx.Node, was: dict, replaced: Any,
                       sources: set, created: set, dialect: str) -> list:
     """Outputs that share memory (``return out, out.transpose(1, 2)``) and whose
     layout a replacement changed cannot be copied one by one, which would end their
     sharing: the replacement's result they all view is copied instead, into the
     layout of the original value it replaced (``out``'s matmul, once sdpa, which lays
-    its result out as its query, computes it), and each output, a view of it through
-    the original graph's own views, is laid out as it was. Nothing when the outputs
-    do not all view one such result so, or the original layout is not one a copy
-    makes. Returns the nodes created."""
+    its result out as its query, computes it), and each output, a view of it, is
+    laid out as it was: through the original graph's own views, or, where a rule
+    rebuilt a view (transformer.rw's ``transpose(2, 3)`` as ``transpose(-2, -1)``), as
+    its facts, inferred again from the copy's, show (else the copy is taken back).
+    Nothing when the outputs do not all view one such result, or the original layout
+    is not one a copy makes. ``was``: each output -> the original's. Returns the
+    nodes created."""
     origin = {result: root for root, result in replaced}
-    sharing = [v for v in set(outputs) if storage_base(v, gm) is base]
+    sharing = [v for v in was if storage_base(v, gm) is base]
     for result in sources:
-        if result._erased or storage_base(result, gm) is not base \
-                or not all(_viewed_through_kept(v, result, created, gm) for v in sharing):
+        paths = {v: _view_path(v, result, gm) for v in sharing} if not result._erased else {}
+        if not paths or storage_base(result, gm) is not base or any(p is None for p in paths.values()):
             continue
         root = origin.get(result)
         while root in created and root in origin:  # a result a later rule replaced again
@@ -240,8 +244,41 @@ def _relaid_at_source(gm: fx.GraphModule, facts: GraphFacts, base: fx.Node, outp
         _note_copies(made, result, facts)
         keep = set(made)
         result.replace_all_uses_with(made[-1], delete_user_cb=lambda user: user not in keep)
-        return made
+        if all(_laid_out_as_was(facts, made[-1], old_meta, path, was[v]) for v, path in paths.items()
+               if any(n in created for n in path)):
+            return made
+        made[-1].replace_all_uses_with(result)  # a rebuilt view lays it out otherwise, or nobody can tell
+        for node in reversed(made):
+            gm.graph.erase_node(node)
+        return []
     return []
+
+
+def _view_path(value: fx.Node, result: fx.Node, gm: fx.GraphModule) -> list | None:
+    """The nodes from ``result`` (excluded) to ``value``, inputs first, when
+    ``value`` is ``result`` or a view of it, each node a view of its first argument;
+    else None."""
+    path: list = []
+    while value is not result:
+        first = value.args[0] if value.args else None
+        if len(path) > _KEPT_WALK or not isinstance(first, fx.Node) or not value.op.startswith("call_") \
+                or not may_alias(value, gm):
+            return None
+        path.append(value)
+        value = first
+    return path[::-1]
+
+
+def _laid_out_as_was(facts: GraphFacts, copy: fx.Node, copy_meta: Any, path: list, old: fx.Node) -> bool:
+    """Whether the last node of ``path`` (views of ``copy``, laid out as
+    ``copy_meta``) is, inferred again, laid out as the original's output ``old``."""
+    if not path:
+        return True
+    fresh = facts.rerun(path, given={copy: copy_meta}).get(path[-1])
+    old_meta = tensor_meta_of(old)
+    want = layout_of(old_meta)
+    return fresh is not None and want is not None and _laid_out_as(fresh, old_meta, want, None) \
+        and addressing(fresh) == addressing(old_meta)
 
 
 def _note_copies(made: list, value: fx.Node, facts: GraphFacts) -> None:
@@ -252,21 +289,6 @@ def _note_copies(made: list, value: fx.Node, facts: GraphFacts) -> None:
             if key in value.meta:
                 node.meta[key] = value.meta[key]
         facts.new_node(node)
-
-
-def _viewed_through_kept(value: fx.Node, result: fx.Node, created: set, gm: fx.GraphModule) -> bool:
-    """``value`` is ``result`` or a view of it through the original graph's own ops
-    (none the rewrite created), each a view of its first argument: laid out as the
-    original's when ``result`` is."""
-    seen = 0
-    while value is not result:
-        seen += 1
-        first = value.args[0] if value.args else None
-        if value in created or seen > _KEPT_WALK or not isinstance(first, fx.Node) \
-                or not value.op.startswith("call_") or not may_alias(value, gm):
-            return False
-        value = first
-    return True
 
 
 def _forced_layouts(gm: fx.GraphModule, facts: GraphFacts, forced: dict, dialect: str) -> list:
