@@ -321,6 +321,17 @@ def test_saving_an_int8_result_as_pt2_names_the_kernel_and_the_way_out(tmp_path)
     assert not (tmp_path / "int8.pt2").exists()
 
 
+class _Scaled(nn.Module):
+    """Takes an int, which torch.export makes a constant of the program."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, n: int = 3):
+        return self.lin(x) * n
+
+
 def test_onnx_runs_on_the_inputs_it_was_exported_with(tmp_path):
     """Probe AD F8: a model taking an int (``forward(x, n=3)``) exported to ONNX,
     whose program bakes ``n`` in; ``run_onnx`` fed the int too and failed, and so did
@@ -329,16 +340,8 @@ def test_onnx_runs_on_the_inputs_it_was_exported_with(tmp_path):
     pytest.importorskip("onnxscript")
     import rewrite.quant as rq
 
-    class Scaled(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
-
-        def forward(self, x, n: int = 3):
-            return self.lin(x) * n
-
     torch.manual_seed(0)
-    model, inputs = Scaled().eval(), (torch.randn(2, 4), 3)
+    model, inputs = _Scaled().eval(), (torch.randn(2, 4), 3)
     qdq = rq.quantize(model, [inputs], form="qdq")
     path = tmp_path / "m.onnx"
     rq.export_onnx(qdq, inputs, path)
@@ -608,16 +611,8 @@ def test_onnx_refuses_another_value_of_an_input_export_baked_in(tmp_path):
     pytest.importorskip("onnxscript")
     import rewrite.quant as rq
 
-    class Scaled(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
-
-        def forward(self, x, n: int = 3):
-            return self.lin(x) * n
-
     torch.manual_seed(0)
-    model, inputs = Scaled().eval(), (torch.randn(2, 4), 3)
+    model, inputs = _Scaled().eval(), (torch.randn(2, 4), 3)
     path = rq.export_onnx(rq.quantize(model, [inputs], form="qdq"), inputs, tmp_path / "m.onnx")
     rq.run_onnx(path, inputs)
     with pytest.raises(rq.QuantizationError, match="fixed in the ONNX model"):
