@@ -105,9 +105,12 @@ def capture_dynamo(model: nn.Module, example_inputs: Sequence[Any]) -> Tuple[fx.
     # norm's statistics, attributes) is put back, and its random draws come from a fork
     attributes = AttributeSnapshot(list(model.modules()))
     values = TensorValues(model.modules(), parameters=True)  # its graph runs on the real weights
+    # and it runs on copies of the caller's inputs, which a forward may write (mask.fill_(1))
+    inputs = torch.utils._pytree.tree_map_only(
+        torch.Tensor, lambda t: t.detach().clone().requires_grad_(t.requires_grad), as_input_tuple(example_inputs))
     try:
         with torch.no_grad(), mha_fastpath_off(), torch.random.fork_rng(devices=[]):
-            compiled(*as_input_tuple(example_inputs))
+            compiled(*inputs)
     finally:
         torch._dynamo.reset()
         values.restore()

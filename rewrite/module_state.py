@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.nn.parameter import UninitializedTensorMixin
 
 __all__ = ["AttributeSnapshot", "CONTAINERS", "TensorValues", "same_entries"]
 
@@ -141,8 +142,8 @@ class TensorValues:
                         pass
             for t in tensors:
                 if not isinstance(t, torch.Tensor) or id(t) in seen or t.layout != torch.strided \
-                        or t.device.type == "meta":
-                    continue
+                        or isinstance(t, UninitializedTensorMixin) or t.device.type == "meta":
+                    continue  # (a lazy module's parameter has no values yet: its run makes them)
                 seen.add(id(t))
                 self._saved.append((t, _version_of(t), t.detach().clone()))
 

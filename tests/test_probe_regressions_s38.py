@@ -641,3 +641,22 @@ def test_outputs_sharing_an_sdpa_result_through_rebuilt_views_keep_their_layouts
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
         assert b.stride() == a.stride() and b.storage_offset() == a.storage_offset()
     assert _shares(got[0], got[1]) == _shares(want[0], want[1])
+
+
+def test_a_dynamo_capture_leaves_the_callers_inputs_and_lazy_modules_work():
+    """Probe AF F10 and F3's lazy module: dynamo's recording run wrote the caller's
+    input (``mask.fill_(1)``); a lazy module's uninitialized parameter made
+    ``TensorValues`` raise."""
+    from rewrite.capture import capture_with_inputs
+
+    class FillsItsInput(nn.Module):
+        def forward(self, x, mask):
+            mask.fill_(1.0)
+            return x * mask
+
+    x, mask = torch.randn(2, 4), torch.zeros(2, 4)
+    gm, inputs = capture_with_inputs(FillsItsInput(), (x, mask), "dynamo")
+    assert torch.equal(mask, torch.zeros(2, 4))
+    assert torch.equal(gm(*inputs)[0] if isinstance(gm(*inputs), (tuple, list)) else gm(*inputs), x)
+    lazy = nn.Sequential(nn.LazyLinear(4))
+    capture_with_inputs(lazy, (torch.randn(2, 4),), "dynamo")
