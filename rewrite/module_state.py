@@ -132,16 +132,19 @@ class TensorValues:
         seen: set = set()
         for m in modules:
             tensors = [*m._buffers.values(), *(m._parameters.values() if parameters else ())]
-            for v in vars(m).values():
+            for key, v in vars(m).items():
+                if key in _MODULE_TABLES or isinstance(v, (torch.nn.Module, type)) or callable(v):
+                    continue  # its parameter, buffer and submodule tables, hooks: not state a forward writes
                 if isinstance(v, torch.Tensor):
                     tensors.append(v)
-                elif isinstance(v, (list, tuple, dict)) and v and not isinstance(v, torch.nn.Module):
-                    try:
+                elif v is not None and not isinstance(v, (str, int, float, bool)):
+                    try:  # a list, dict, dataclass or cache object holding tensors (a static KV cache)
                         tensors.extend(held_tensors(v))
-                    except TypeError:  # too many objects to walk: left as they are
+                    except (TypeError, RecursionError):  # too many objects to walk: left as they are
                         pass
             for t in tensors:
                 if not isinstance(t, torch.Tensor) or id(t) in seen or t.layout != torch.strided \
+                        or getattr(t, "is_nested", False) or t.is_quantized or t.is_sparse \
                         or isinstance(t, UninitializedTensorMixin) or t.device.type == "meta":
                     continue  # (a lazy module's parameter has no values yet: its run makes them)
                 seen.add(id(t))
@@ -163,6 +166,11 @@ class TensorValues:
         return changed
 
 
+#: an ``nn.Module``'s own tables and hook dicts (``vars(nn.Module())``): walked for
+#: tensors they are the parameters (copied only when asked) and functions
+_MODULE_TABLES = frozenset(vars(torch.nn.Module()))
+
+
 def _version_of(t: torch.Tensor) -> int | None:
     """``t``'s version counter; None for an inference tensor, which has none."""
     try:
@@ -174,7 +182,10 @@ def _version_of(t: torch.Tensor) -> int | None:
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal values, NaN where NaN (an untouched NaN is no write)."""
     a = a.detach()
-    if torch.equal(a, b):
+    try:
+        if torch.equal(a, b):
+            return True
+    except (RuntimeError, NotImplementedError):  # a kind torch cannot compare: taken as unchanged
         return True
     if a.is_floating_point() or a.is_complex():
         return bool(((a == b) | (a.isnan() & b.isnan())).all())

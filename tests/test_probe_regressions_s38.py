@@ -660,3 +660,110 @@ def test_a_dynamo_capture_leaves_the_callers_inputs_and_lazy_modules_work():
     assert torch.equal(gm(*inputs)[0] if isinstance(gm(*inputs), (tuple, list)) else gm(*inputs), x)
     lazy = nn.Sequential(nn.LazyLinear(4))
     capture_with_inputs(lazy, (torch.randn(2, 4),), "dynamo")
+
+
+def test_onnx_baked_inputs_compare_by_value_and_defaults_are_not_inputs(tmp_path):
+    """Probe AG F5: an input left at its default at export was not recorded, so
+    another value passed silently; 3.0 for a baked 3 was refused."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    import rewrite.quant as rq
+
+    torch.manual_seed(0)
+    model, x = _Scaled().eval(), torch.randn(2, 4)
+    qdq = rq.quantize(model, [(x, 3)], form="qdq")
+    baked = rq.export_onnx(qdq, (x, 3), tmp_path / "baked.onnx")
+    rq.run_onnx(baked, (x, 3.0))
+    default = rq.export_onnx(qdq, (x,), tmp_path / "default.onnx")
+    with pytest.raises(rq.QuantizationError):
+        rq.run_onnx(default, (x, 5))
+
+
+def test_captures_walk_objects_the_model_holds_but_not_its_parameters():
+    """Probe AG F1, F2, F8: ``vars(m)['_parameters']`` was walked as a plain dict,
+    so export captures still copied every weight; a nested tensor made the
+    comparison raise; a tensor in a dataclass attribute kept the capture's write."""
+    import dataclasses
+
+    from rewrite.capture import capture_with_inputs
+    from rewrite.module_state import TensorValues
+
+    @dataclasses.dataclass
+    class Cache:
+        keys: torch.Tensor
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.cache = Cache(torch.zeros(4))
+            self.ragged = [torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])]
+
+        def forward(self, x):
+            self.cache.keys.add_(1)
+            return self.lin(x) + self.cache.keys
+
+    model = M().eval()
+    saved = TensorValues(model.modules())
+    assert not any(t is model.lin.weight for t, *_ in saved._saved)
+    for level in ("export", "dynamo"):
+        capture_with_inputs(model, (torch.randn(2, 4),), level)
+        assert torch.equal(model.cache.keys, torch.zeros(4))
+
+
+def test_a_dropped_cast_does_not_fire_outside_autocast():
+    """Probe AG F4: float32 against bfloat16 was no difference on any graph, so a
+    rule dropping a cast fired with check=False (the check then failed the apply)."""
+    class Casts(nn.Module):
+        def forward(self, x):
+            return x.to(torch.bfloat16) * 2
+
+    x = torch.randn(4)
+    gm = torch.export.export(Casts(), (x,)).module()
+    result = rewrite.parse("rule r: aten.to.dtype(x, _) => x").apply(gm, (x,), check=False)
+    assert result.counts == {} and result.graph_module(x).dtype == torch.bfloat16
+
+
+def test_a_data_dependent_size_for_a_known_one_does_not_fire():
+    """Probe AG F6, F7: ``abs(x) => sqrt(v * v)`` of ``v = x[x != 0]`` fired (and
+    fooled the check: random inputs hold no zero) or crashed apply."""
+    class Abs(nn.Module):
+        def forward(self, x):
+            return torch.abs(x) + 1
+
+    x = torch.randn(6)
+    gm = torch.export.export(Abs(), (x,)).module()
+    rules = rewrite.parse("rule r: aten.abs(x) => aten.sqrt(aten.mul(aten.index.Tensor(x, [aten.ne(x, 0)]), "
+                          "aten.index.Tensor(x, [aten.ne(x, 0)])))")
+    for check in (False, True):
+        result = rules.apply(gm, (x,), check=check)
+        assert result.counts == {}
+
+
+def test_a_dynamo_capture_copies_inputs_held_in_objects_with_their_strides():
+    """Probe AG F3, F9: inputs in a dataclass were written by dynamo's recording
+    run; copies made contiguous changed the branch a forward takes on
+    ``is_contiguous()``."""
+    import dataclasses
+
+    from rewrite.capture import capture_with_inputs
+
+    @dataclasses.dataclass
+    class Batch:
+        x: torch.Tensor
+        mask: torch.Tensor
+
+    class M(nn.Module):
+        def forward(self, batch):
+            batch.mask.fill_(1.0)
+            return batch.x * 2 if batch.x.is_contiguous() else batch.x * 3
+
+    x = torch.randn(4, 8)[:, ::2]
+    batch = Batch(x, torch.zeros(4, 4))
+    gm, inputs = capture_with_inputs(M(), (batch,), "dynamo")
+    assert torch.equal(batch.mask, torch.zeros(4, 4))
+    copies = [t for t in inputs if isinstance(t, torch.Tensor) and t.shape == x.shape and torch.equal(t, x)]
+    assert copies and all(t.stride() == x.stride() for t in copies)
+    out = gm(*inputs)
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    torch.testing.assert_close(out, x * 3)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from rewrite.engine.compile import RConst, RLit, RModule, ROp, RResults, RSeq, RVar
 from rewrite.engine.facts import FACTS_KEY, GraphFacts, is_metadata_check, keeps_shape, tensor_meta_of
@@ -181,7 +182,10 @@ class Replacer:
                 self._undo()
                 raise ReplacementError(f"rule {match.rule.name!r} at {root.name}: {problem}")
         if result is not root and result in self._created:
-            self._first_operand_laid_out_as(root, result)
+            try:
+                self._first_operand_laid_out_as(root, result)
+            except GuardOnDataDependentSymNode:  # sizes that depend on data: the operands stay as built
+                pass
         relaid: dict = {}  # facts of the nodes whose layout the replacement changes
         if result is not root:
             problem = new_aliasing(root, result, self._created, self.gm, self._graph_writes(), self._classes,
@@ -544,14 +548,15 @@ class Replacer:
 
 
 def _unlike(want: Any, got: Any) -> str | None:
-    """How a value's facts ``got`` are known to differ from ``want``'s, or None. A
-    float32 against a half precision is no difference: a dynamo graph traced under
-    ``torch.autocast`` records its ops' narrowed dtypes, which a new op's facts,
-    inferred outside it, do not show (the check compares what they compute)."""
+    """How a value's facts ``got`` are known to differ from ``want``'s, or None. While
+    a dynamo graph traced under ``torch.autocast`` is rewritten (``rewrite.backend``
+    keeps the caller's autocast on), a float32 against a half precision is no
+    difference: the graph records its ops' narrowed dtypes, which a new op's facts,
+    inferred outside autocast, do not show (the check compares what they compute)."""
     if not all(isinstance(getattr(v, "dtype", None), torch.dtype) and getattr(v, "shape", None) is not None
                for v in (want, got)):
         return None
-    if got.dtype != want.dtype and not {got.dtype, want.dtype} <= _AUTOCAST_PAIRS:
+    if got.dtype != want.dtype and not ({got.dtype, want.dtype} <= _AUTOCAST_PAIRS and _autocast_on()):
         return f"{UNLIKE_ROOT}its dtype {got.dtype} is not the root's {want.dtype}"
     if getattr(got, "device", None) is not None and getattr(want, "device", None) is not None \
             and got.device != want.device:
@@ -559,6 +564,10 @@ def _unlike(want: Any, got: Any) -> str | None:
     if len(got.shape) != len(want.shape) or any(sizes_differ(a, b) for a, b in zip(got.shape, want.shape)):
         return f"{UNLIKE_ROOT}its shape {list(got.shape)} is not the root's {list(want.shape)}"
     return None
+
+
+def _autocast_on() -> bool:
+    return any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))
 
 
 #: dtypes autocast turns into each other (``_unlike``)

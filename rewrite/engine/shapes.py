@@ -384,17 +384,19 @@ def sizes_differ(a: Any, b: Any) -> bool:
     takes (asked without adding a guard): a literal 4 against ``s0`` differs, since
     it is right only when ``s0`` is 4. A size that depends on data (an unbacked
     ``u0``: ``nonzero``, ``masked_select``) is known to nobody: two such differ only
-    when known to (a recomputed ``masked_select`` gets a fresh ``u1``)."""
+    when known to (a recomputed ``masked_select`` gets a fresh ``u1``), and one such
+    against a size the program knows differs unless known equal."""
     if isinstance(a, int) and isinstance(b, int):
         return a != b
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statically_known_true
 
     try:
-        if free_unbacked_symbols(a) or free_unbacked_symbols(b):
+        unbacked = bool(free_unbacked_symbols(a)), bool(free_unbacked_symbols(b))
+        if all(unbacked):
             return bool(statically_known_true(a != b))
     except Exception:  # noqa: BLE001 - sizes from two ShapeEnvs: not known
         return False
-    return not _same_size(a, b)
+    return not _same_size(a, b)  # one known size against one data decides (x[x != 0] for x): unknown
 
 
 def addressing(meta: Any) -> tuple | None:

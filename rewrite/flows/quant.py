@@ -1278,7 +1278,9 @@ def export_onnx(gm: fx.GraphModule, example_inputs: Any = None, path: Any = "mod
         onnx_program = torch.onnx.export(program, dynamo=True, verbose=False,
                                          **({"opset_version": opset} if opset else {}))
     # the inputs export made constants (an int, a flag): run_onnx refuses other values
-    baked = [[k, repr(v)] for k, v in enumerate(_as_args(example_inputs)) if not isinstance(v, torch.Tensor)]
+    baked = [[k, v if isinstance(v, (bool, int, float, str, type(None))) else repr(v)]
+             for k, v in enumerate(_as_args(example_inputs) if example_inputs is not None else ())
+             if not isinstance(v, torch.Tensor)]
     if baked:
         onnx_program.model.metadata_props[_BAKED_KEY] = json.dumps(baked)
     # written in place: a large model's weights go to a file named after it (external data)
@@ -1306,6 +1308,16 @@ def run_onnx(path: Any, inputs: Any, *, threads: int | None = None) -> list:
     return [torch.from_numpy(o) for o in sess.run(None, feed)]
 
 
+def _same_baked(baked: Any, given: Any) -> bool:
+    """A value given for an input the export baked in, as it was (3 and 3.0 alike)."""
+    if isinstance(baked, (bool, int, float, str, type(None))):
+        try:
+            return bool(baked == given) and (type(baked) is bool) == isinstance(given, bool)
+        except Exception:  # noqa: BLE001 - a value that does not compare: not the same
+            return False
+    return baked == repr(given)
+
+
 #: onnxruntime's tensor type names for the torch dtypes a feed may hold
 _ONNX_TYPES = {torch.float32: "tensor(float)", torch.float64: "tensor(double)", torch.float16: "tensor(float16)",
                torch.bfloat16: "tensor(bfloat16)", torch.int64: "tensor(int64)", torch.int32: "tensor(int32)",
@@ -1320,11 +1332,16 @@ def _onnx_feed(expected: Sequence[Any], given: tuple, baked: dict | None = None)
     of the program, which takes no input for them. ``baked``: position -> repr of
     the value each had at export (``export_onnx``): another value is refused."""
     tensors = tuple(t for t in given if isinstance(t, torch.Tensor))
-    if len(given) != len(expected) and len(tensors) == len(expected):
+    if len(given) != len(expected) and len(tensors) == len(expected) and baked is not None:
         for k, v in enumerate(given):
-            if not isinstance(v, torch.Tensor) and baked is not None and baked.get(k, repr(v)) != repr(v):
+            if isinstance(v, torch.Tensor):
+                continue
+            if k not in baked:
+                raise QuantizationError(f"input {k} ({v!r}) is not an input of the ONNX model: it was exported "
+                                        "without it (its default is fixed in the program)")
+            if not _same_baked(baked[k], v):
                 raise QuantizationError(f"input {k} is fixed in the ONNX model at the value it was exported with "
-                                        f"({baked[k]}), not {v!r}: export again with this value")
+                                        f"({baked[k]!r}), not {v!r}: export again with this value")
         given = tensors
     if len(given) != len(expected):
         names = ", ".join(i.name for i in expected)
