@@ -116,7 +116,7 @@ class AttributeSnapshot:
 
 class TensorValues:
     """The values of the tensors some modules hold (buffers, plain tensor attributes
-    such as ``self.offset``, tensors in the lists, dicts and tuples they hold, such
+    such as ``self.offset``, tensors in the lists, dicts and objects they hold, such
     as a static KV cache ``self.cache[0]``, and, when ``parameters``, parameters),
     copied now; ``restore`` writes back those a run changed in place. A capture that
     runs the caller's forward for real (a non-strict export, dynamo's recording run)
@@ -166,8 +166,8 @@ class TensorValues:
         return changed
 
 
-#: an ``nn.Module``'s own tables and hook dicts (``vars(nn.Module())``): walked for
-#: tensors they are the parameters (copied only when asked) and functions
+#: an ``nn.Module``'s own tables and hook dicts (``vars(nn.Module())``), never walked:
+#: what they hold are its parameters (copied only when asked), submodules and hooks
 _MODULE_TABLES = frozenset(vars(torch.nn.Module()))
 
 
