@@ -431,14 +431,15 @@ class Replacer:
         """Why ``result`` (new, or a value of the graph forwarded) cannot stand for
         ``root``: its shape, dtype or device is not known to be the root's (a rule whose
         replacement makes another shape, ``new_ones(x, [4])`` for ``neg(neg(x))``, or
-        forwards an int64 ``h`` for ``h * 1.0``), or it cannot run at all
-        (``new_zeros(x, [-5])``), which with ``check=False`` nothing else would catch.
+        forwards an int64 ``h`` for ``h * 1.0``), or it cannot run at all (shapes
+        that do not broadcast), which with ``check=False`` nothing else would catch.
         Asked only where the root's facts are already known (export and dynamo graphs,
         a graph whose facts were recorded): its result's are then inferred now rather
         than at the end of the rewrite. None when nothing is known to differ."""
         want = tensor_meta_of(root)
         if isinstance(want, (list, tuple)):  # a multi-output root replaced by one multi-output call
-            got = self.facts.meta(result, record=False) or tensor_meta_of(result)
+            got = self.facts.meta(result, record=False)
+            got = tensor_meta_of(result) if got is None else got
             if not isinstance(got, (list, tuple)):
                 return self._refused_inference(result)
             if len(got) != len(want):
