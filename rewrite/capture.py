@@ -43,7 +43,7 @@ from torch import fx, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rewrite.module_state import AttributeSnapshot, TensorValues
-from rewrite.trust.held import map_held
+from rewrite.trust.held import laid_out_copy
 
 __all__ = ["LEVELS", "DYNAMO_SOURCE", "ExportError", "ModelSpecError", "SaveError", "higher_order_ops",
            "as_input_tuple",
@@ -109,7 +109,7 @@ def capture_dynamo(model: nn.Module, example_inputs: Sequence[Any]) -> Tuple[fx.
     # and it runs on copies of the caller's inputs (a forward may write one: mask.fill_(1)),
     # laid out as they are (a forward may branch on is_contiguous()), also those held in
     # objects pytree does not open (a dataclass, transformers' BatchEncoding)
-    inputs = map_held(as_input_tuple(example_inputs), _laid_out_like)
+    inputs = laid_out_copy(as_input_tuple(example_inputs))
     try:
         with torch.no_grad(), mha_fastpath_off(), torch.random.fork_rng(devices=[]):
             compiled(*inputs)
@@ -126,16 +126,6 @@ def capture_dynamo(model: nn.Module, example_inputs: Sequence[Any]) -> Tuple[fx.
             "'fx', or rewrite every graph with rewrite.backend(rules) under torch.compile")
     gm, inputs = recorded[0]
     return gm, inputs
-
-
-def _laid_out_like(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` with its strides (``clone`` makes a strided tensor contiguous)."""
-    try:
-        out = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
-        out.copy_(t.detach())
-    except RuntimeError:  # elements sharing memory (an expand): a dense copy
-        out = t.detach().clone()
-    return out.requires_grad_(t.requires_grad) if out.is_floating_point() or out.is_complex() else out
 
 
 class GraphBreakError(ValueError):

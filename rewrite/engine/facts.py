@@ -293,10 +293,9 @@ class GraphFacts:
             return operand
         return None
 
-
     def inference_error(self, node: fx.Node) -> str | None:
         """Why ``node`` (a new node) has no facts when its op refused its inputs'
-        (``new_zeros(x, [-5])``, a matmul of mismatched shapes), or of an input of it
+        (shapes that do not broadcast, a matmul of mismatched shapes), or of an input of it
         the rewrite created; None when its facts are merely unknown (an input without
         facts, an op without a fake or meta kernel)."""
         seen, stack = set(), [node]

@@ -80,7 +80,7 @@ from rewrite.ops.reach import storage_key
 from rewrite.ops.vocabulary import CALL_OPS, OPS, bind_node
 from rewrite.trust.gradients import GradientRun, grad_leaves, gradient_run, moved, redrawn
 from rewrite.trust.sizes import smallest_sizes
-from rewrite.trust.held import input_leaves, map_held
+from rewrite.trust.held import input_leaves, laid_out_copy, map_held
 from rewrite.trust.modes import autocast_off, is_higher_order, run_higher_order
 from rewrite.trust.nonfinite import non_finite_births
 from rewrite.trust.precision import HALF, NOISE_MULTIPLIER, computes_in_half, narrowed_run, rounding_noise, widened_run
@@ -514,27 +514,6 @@ def inputs_copy(tree: Any) -> Any:
 
     return pytree.tree_map(one, tree)
 
-
-
-def laid_out_copy(tree: Any) -> Any:
-    """Copies of the tensors in ``tree`` with their own strides (a sliced or
-    channels_last input stays one; ``is_contiguous`` is a fact about it), each in
-    memory spanning only what it addresses: a 40-byte view of a 200 MB tensor is not
-    the 200 MB ``inputs_copy`` copies to keep its storage offset and what it shares.
-    For what only reads layouts (recording facts, ``analyze``)."""
-    def one(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor):
-            return map_held(t, one)
-        if t.requires_grad or type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided \
-                or t.is_quantized or t.is_conj() or t.is_neg():
-            return t.clone()
-        try:
-            with torch.no_grad():
-                return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device).copy_(t)
-        except RuntimeError:  # strides that overlap (an expand): a dense copy
-            return t.clone()
-
-    return pytree.tree_map(one, tree)
 
 
 def _state(fn: Any) -> Dict[str, torch.Tensor]:

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["held_tensors", "input_leaves", "map_held"]
+__all__ = ["held_tensors", "input_leaves", "laid_out_copy", "map_held"]
 
 _ATOMS = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device, torch.layout,
           torch.memory_format, type, types.FunctionType, types.BuiltinFunctionType, types.ModuleType)
@@ -110,3 +110,24 @@ def input_leaves(tree: Any) -> list:
         else:
             out.append(leaf)
     return out
+
+
+def laid_out_copy(tree: Any) -> Any:
+    """Copies of the tensors in ``tree`` with their own strides (a sliced or
+    channels_last input stays one; ``is_contiguous`` is a fact about it), each in
+    memory spanning only what it addresses: a 40-byte view of a 200 MB tensor is not
+    the 200 MB ``inputs_copy`` copies to keep its storage offset and what it shares.
+    For what only reads layouts (recording facts, ``analyze``)."""
+    def one(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return map_held(t, one)
+        if t.requires_grad or type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided \
+                or t.is_quantized or t.is_conj() or t.is_neg():
+            return t.clone()
+        try:
+            with torch.no_grad():
+                return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+        except RuntimeError:  # strides that overlap (an expand): a dense copy
+            return t.clone()
+
+    return pytree.tree_map(one, tree)
