@@ -554,16 +554,26 @@ def _unlike(want: Any, got: Any) -> str | None:
     keeps the caller's autocast on), a float32 against a half precision is no
     difference: the graph records its ops' narrowed dtypes, which a new op's facts,
     inferred outside autocast, do not show (the check compares what they compute)."""
-    if not all(isinstance(getattr(v, "dtype", None), torch.dtype) and getattr(v, "shape", None) is not None
-               for v in (want, got)):
+    if got is want:  # a value of the graph forwarded for itself (the common case: asked per replacement)
         return None
-    if got.dtype != want.dtype and not ({got.dtype, want.dtype} <= _AUTOCAST_PAIRS and _autocast_on()):
-        return f"{UNLIKE_ROOT}its dtype {got.dtype} is not the root's {want.dtype}"
-    if getattr(got, "device", None) is not None and getattr(want, "device", None) is not None \
-            and got.device != want.device:
-        return f"{UNLIKE_ROOT}its device {got.device} is not the root's {want.device}"
-    if len(got.shape) != len(want.shape) or any(sizes_differ(a, b) for a, b in zip(got.shape, want.shape)):
-        return f"{UNLIKE_ROOT}its shape {list(got.shape)} is not the root's {list(want.shape)}"
+    want_dtype, got_dtype = getattr(want, "dtype", None), getattr(got, "dtype", None)
+    want_shape, got_shape = getattr(want, "shape", None), getattr(got, "shape", None)
+    if not (isinstance(want_dtype, torch.dtype) and isinstance(got_dtype, torch.dtype)) \
+            or want_shape is None or got_shape is None:
+        return None
+    if got_dtype != want_dtype and not ({got_dtype, want_dtype} <= _AUTOCAST_PAIRS and _autocast_on()):
+        return f"{UNLIKE_ROOT}its dtype {got_dtype} is not the root's {want_dtype}"
+    want_device, got_device = getattr(want, "device", None), getattr(got, "device", None)
+    if got_device is not None and want_device is not None and got_device != want_device:
+        return f"{UNLIKE_ROOT}its device {got_device} is not the root's {want_device}"
+    if not (getattr(want, "_has_symbolic_sizes_strides", True) or getattr(got, "_has_symbolic_sizes_strides", True)):
+        differ = got_shape != want_shape  # plain sizes (the common case): compared at once
+    else:
+        differ = len(got_shape) != len(want_shape) or any(
+            (a != b) if (a.__class__ is int and b.__class__ is int) else sizes_differ(a, b)
+            for a, b in zip(got_shape, want_shape))
+    if differ:
+        return f"{UNLIKE_ROOT}its shape {list(got_shape)} is not the root's {list(want_shape)}"
     return None
 
 
