@@ -78,7 +78,7 @@ def variants(name: str, model: nn.Module, args: tuple, rules: Any, fusion: Any) 
     """{variant: callable}, the rewritten graph's cast count and rewrite seconds."""
     gm = torch.export.export(model, args, strict=False).module()
     start = time.perf_counter()
-    amp = rules.apply(gm, args, check=False).graph_module
+    amp = rules.apply(gm, args, check=False, training=False).graph_module  # inference: weights cast once
     seconds = time.perf_counter() - start
     bf16_model = copy.deepcopy(model).to(torch.bfloat16)
     bf16_args = _to_bf16(args)
@@ -95,8 +95,8 @@ def variants(name: str, model: nn.Module, args: tuple, rules: Any, fusion: Any) 
         "amp rules": lambda: amp(*args),
     }
     if name == "ResNet-50":
-        folded = fusion.apply(gm, args, check=False).graph_module
-        fused_amp = rules.apply(folded, args, check=False).graph_module
+        folded = fusion.apply(gm, args, check=False, training=False).graph_module
+        fused_amp = rules.apply(folded, args, check=False, training=False).graph_module
         out["fusion+amp"] = lambda: fused_amp(*args)
     return out, _casts(amp), seconds
 

@@ -27,6 +27,7 @@ _EXPORTS = {
     "rules_dir": "rewrite.ruleset",
     "RuleError": "rewrite.language",
     "NonTerminationError": "rewrite.engine.driver",
+    "TrainingModeWarning": "rewrite.engine.facts",
     "backend": "rewrite.flows.dynamo",
     "freeze_parameters": "rewrite.flows.dynamo",
     "inductor_pass": "rewrite.flows.dynamo",

@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from rewrite.module_state import AttributeSnapshot, TensorValues
 from rewrite.trust.held import laid_out_copy
 
-__all__ = ["LEVELS", "DYNAMO_SOURCE", "ExportError", "ModelSpecError", "SaveError", "higher_order_ops",
+__all__ = ["LEVELS", "INFERENCE_KEY", "DYNAMO_SOURCE", "ExportError", "ModelSpecError", "SaveError", "higher_order_ops",
            "as_input_tuple",
            "capture", "capture_with_inputs", "symbolic_trace", "capture_dynamo", "GraphBreakError", "mha_fastpath_off",
            "dynamic_shapes_of",
@@ -299,11 +299,27 @@ def capture_with_inputs(model: nn.Module, example_inputs: Any, level: str) -> Tu
             attributes.restore()
         if level == "export_core":
             ep = ep.run_decompositions()
-        return ep.module(), args
+        return _noted_mode(ep.module(), model), args
     if level == "dynamo":
         gm, inputs = capture_dynamo(model, args)
-        return gm, tuple(inputs)
+        return _noted_mode(gm, model), tuple(inputs)
     raise ValueError(f"unknown capture level {level!r}; expected one of {LEVELS}")
+
+
+#: ``GraphModule.meta`` key saying the graph does not train: left by a capture of a
+#: model with every module in eval mode (``rewrite.capture``), and by an apply that knew
+#: (a later apply knows it too: a fold may have removed the eval-mode batch norm that told)
+INFERENCE_KEY = "rewrite_inference"
+
+
+def _noted_mode(gm: fx.GraphModule, model: nn.Module) -> fx.GraphModule:
+    """``gm`` marked as an inference graph (``INFERENCE_KEY``) when every module of
+    ``model`` is in eval mode: an ATen graph keeps no trace of ``model.eval()`` (its
+    module is always in training mode), and without it apply cannot tell whether a
+    parameter may be folded into a constant (AMP's weights cast once)."""
+    if not any(m.training for m in model.modules()):
+        gm.meta[INFERENCE_KEY] = True
+    return gm
 
 
 def capture(model: nn.Module, example_inputs: Any, level: str) -> fx.GraphModule:

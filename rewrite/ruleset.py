@@ -30,7 +30,7 @@ import torch.fx as fx
 from rewrite.capture import as_input_tuple, hooked, symbolic_trace
 from rewrite.engine.compile import compile_rule
 from rewrite.engine.driver import Driver, Schedule
-from rewrite.engine.facts import forget_recorded_facts
+from rewrite.engine.facts import INFERENCE_KEY, TrainingModeWarning, forget_recorded_facts
 from rewrite.engine.layout import output_values, restore_output_layouts
 from rewrite.engine.workspace import (HOOK_TABLES, Journal, check_touched, gc_paused, own_module_path,
                                        own_written_state, shared_copy)
@@ -337,13 +337,15 @@ class RuleSet:
                 the example gives them (a symmetric positive definite matrix, sorted
                 lengths): the trials vary the others.
             training: whether the graph is trained (its parameters get gradients an
-                optimizer reads). None (default) reads it from the graph: a
-                ``symbolic_trace`` graph from its modules' mode, any graph from a
-                train-mode batch norm or dropout in it; a ``torch.export`` graph
-                without either looks like inference, its module being always in
-                training mode. True: no rule folds a parameter that requires grad
-                into a constant (AMP then casts the weights at run time, so
-                gradients reach them); False: an inference graph, folds everywhere.
+                optimizer reads). None (default) reads it from the graph: its batch
+                norms and dropouts, a ``symbolic_trace`` graph's modules' flags, or a
+                mark a capture of an eval-mode model (``rewrite.capture``) or an
+                earlier apply left (``INFERENCE_KEY``). A graph none of them tells of
+                (a ``torch.export`` of an MLP: its module is always in training mode)
+                may train: its parameters that require grad are not folded, and apply
+                warns (``TrainingModeWarning``). True: no rule folds a parameter that
+                requires grad into a constant (AMP then casts the weights at run time,
+                so gradients reach them); False: an inference graph, folds everywhere.
 
         Returns:
             RewriteResult with ``graph_module`` and ``counts``.
@@ -400,6 +402,8 @@ class RuleSet:
                 f"takes {', '.join(map(repr, keywords))} by keyword only: pass check=False (and compare the "
                 "result yourself), or wrap the model in a module whose forward takes them positionally")
         _refuse_uninitialized(model)
+        if check:
+            _refuse_meta(model, example_inputs)
         original = model if isinstance(model, fx.GraphModule) else _symbolic_trace(model)
         self._warn_hidden(original)
         example_inputs = as_input_tuple(example_inputs) if example_inputs is not None else None
@@ -498,6 +502,9 @@ class RuleSet:
                 if report is None:
                     break
         txn.commit()
+        if driver.facts.inference:  # a later apply knows it too (a fold may remove what told)
+            gm.meta[INFERENCE_KEY] = True
+        _warn_unknown_training(driver.facts.unknown_training)
         changes = tuple(sorted(set(driver.counts) & self._changes()))
         return RewriteResult(gm, dict(driver.counts), dict(driver.stats), report, seconds, tuple(rejected),
                              copy_seconds, changes, original=original, example_inputs=example_inputs)
@@ -602,8 +609,17 @@ class RuleSet:
         """
         from rewrite.trust.explain import explain
 
+        if isinstance(model, torch.export.ExportedProgram):
+            model = model.module()  # as apply takes it
         if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"explain needs a torch.fx.GraphModule or an nn.Module, not {type(model).__name__}")
+            raise TypeError(f"explain needs a torch.fx.GraphModule, a torch.export.ExportedProgram or an "
+                            f"nn.Module, not {type(model).__name__}")
+        for name, given in (("rule", rule), ("node", node)):
+            if given is not None and not isinstance(given, str):
+                hint = " (example inputs go by keyword: explain(model, example_inputs=(x,)))" \
+                    if isinstance(given, (tuple, list, torch.Tensor)) and any(
+                        isinstance(v, torch.Tensor) for v in torch.utils._pytree.tree_leaves(given)) else ""
+                raise TypeError(f"explain: {name} is one {name}'s name, a str, not {type(given).__name__}{hint}")
         if rule is not None and rule not in self.rules:
             raise KeyError(f"no rule named {rule!r}; have {sorted(self.rules)}")
         gm = model if isinstance(model, fx.GraphModule) else _symbolic_trace(model)
@@ -629,6 +645,31 @@ def _refuse_uninitialized(model: torch.nn.Module) -> None:
                 f"{type(model).__name__} holds a lazy module not initialized yet ({kind} "
                 f"{owner or '(the model)'!r}, {name!r} has no shape): run the model once on example inputs "
                 "to materialize it, then rewrite it")
+
+
+def _refuse_meta(model: torch.nn.Module, example_inputs: Any) -> None:
+    """The check runs the model and compares values: a model or inputs on the meta
+    device (``device="meta"``, an empty-weights loader) have none. Said before any
+    work, not as torch's error from deep inside the comparison."""
+    inputs = torch.utils._pytree.tree_leaves(example_inputs) if example_inputs is not None else []
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    for module in model.modules():
+        tensors.extend(t for t in [*module._parameters.values(), *module._buffers.values()] if t is not None)
+    if any(t.is_meta for t in tensors):
+        raise ValueError("the equivalence check runs the model on real values, and this model or its example "
+                         "inputs are on the meta device: load the weights first (to_empty() and a state dict), "
+                         "or pass check=False")
+
+
+def _warn_unknown_training(names: set) -> None:
+    """Say that parameters were kept out of folds only for want of ``training=``."""
+    if names:
+        shown = ", ".join(sorted(names)[:3]) + (", ..." if len(names) > 3 else "")
+        warnings.warn(f"rewrite: {len(names)} parameter(s) that require grad ({shown}) were not folded into "
+                      "constants: nothing in this graph tells whether it trains (a torch.export graph keeps no "
+                      "trace of model.eval() without a batch norm or dropout in it). Pass apply(..., "
+                      "training=False) for an inference graph (weights folded, e.g. cast once by AMP), or "
+                      "training=True to keep them trainable and silence this", TrainingModeWarning, stacklevel=4)
 
 
 def _symbolic_trace(model: torch.nn.Module) -> fx.GraphModule:

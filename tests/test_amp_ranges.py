@@ -87,7 +87,7 @@ def test_a_constant_bias_beyond_float16_keeps_the_linear_in_float32(level):
     model = ComputedWeightLinear(-1e5).eval()
     x = torch.randn(3, 8)
     gm = fx.symbolic_trace(model) if level == "fx" else torch.export.export(model, (x,)).module()
-    result = amp("fp16").apply(gm, (x,), check=False)  # the check caught it; the rule must not fire
+    result = amp("fp16").apply(gm, (x,), check=False, training=False)  # the check caught it; the rule must not fire
     assert ran_in(result.graph_module, (x,), "linear") == [torch.float32]
     torch.testing.assert_close(result.graph_module(x), model(x))
 

@@ -9,6 +9,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 import rewrite
+from rewrite.capture import INFERENCE_KEY
 from rewrite.trust.check import check_equivalence
 from rewrite.verify import verify_rule
 
@@ -16,7 +17,10 @@ from rewrite.verify import verify_rule
 def _capture(model, inputs, level):
     if level == "fx":
         return fx.symbolic_trace(model)
-    return torch.export.export(model, tuple(t.clone() for t in inputs)).module()
+    gm = torch.export.export(model, tuple(t.clone() for t in inputs)).module()
+    if not model.training:  # as rewrite.capture marks an eval-mode model's (an export keeps no trace of it)
+        gm.meta[INFERENCE_KEY] = True
+    return gm
 
 
 class ZerosOfAWeight(nn.Module):

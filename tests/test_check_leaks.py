@@ -13,6 +13,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 import rewrite
+from rewrite.capture import capture
 from rewrite.trust.check import INT_AGREEMENT, check_equivalence
 
 
@@ -23,7 +24,8 @@ def _amp():
 
 def _capture(model, inputs, level):
     model = model.eval()
-    return fx.symbolic_trace(model) if level == "fx" else torch.export.export(model, inputs, strict=False).module()
+    # rewrite.capture marks the eval-mode capture as inference (an export keeps no trace of .eval())
+    return fx.symbolic_trace(model) if level == "fx" else capture(model, inputs, "export")
 
 
 class _LinearAndSigmoid(nn.Module):

@@ -68,12 +68,18 @@ def test_an_eval_mode_models_functional_weights_are_folded():
 @pytest.mark.parametrize("train", [True, False])
 def test_an_export_graph_folds_as_its_batch_norms_say(train):
     """torch.export's module is in training mode whatever the model's: its flag
-    does not stop a fold (the graph's own ops tell training)."""
+    says nothing. Since session 39 a graph whose ops do not tell either may train: no
+    fold unless the caller says inference, or ``rewrite.capture`` captured an
+    eval-mode model (tests/test_training_mode.py)."""
+    from rewrite.capture import capture
+
     model = _FunctionalWeights().train(train)
     x = torch.randn(4, 8)
     gm = torch.export.export(model, (x,)).module()
-    result = AMP_BF16.apply(gm, example_inputs=(x,))
-    assert _new_tensors(result, gm)
+    assert not _new_tensors(AMP_BF16.apply(gm, example_inputs=(x,)), gm)
+    assert _new_tensors(AMP_BF16.apply(gm, example_inputs=(x,), training=False), gm)
+    captured = capture(model, (x,), "export")
+    assert bool(_new_tensors(AMP_BF16.apply(captured, example_inputs=(x,)), captured)) is not train
 
 
 class _ItemOutput(nn.Module):

@@ -262,8 +262,8 @@ def test_a_layout_over_three_symbolic_sizes_is_known(dims):
     dynamic = {d: torch.export.Dim(f"d{d}", min=1, max=64) for d in dims}
     gm = torch.export.export(model, (x,), dynamic_shapes=(dynamic,)).module()
     rules = rewrite.load("rules/amp_bf16.rw")
-    assert rules.apply(gm, example_inputs=(x,)).counts.get("exit_contiguous_bf16") == 1
-    unchecked = rules.apply(gm, example_inputs=(x,), check=False).graph_module
+    assert rules.apply(gm, example_inputs=(x,), training=False).counts.get("exit_contiguous_bf16") == 1
+    unchecked = rules.apply(gm, example_inputs=(x,), check=False, training=False).graph_module
     other = tuple(n if d in dims else x.shape[d] for d, n in enumerate((1, 3, 5, 7)))
     for xb in (x, torch.randn(other)):
         want, got = gm(xb), unchecked(xb)

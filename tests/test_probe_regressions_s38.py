@@ -438,12 +438,13 @@ def test_amp_passes_its_own_check_on_a_mixtral_under_torch_compile():
     assert ((got - want).abs().max() / want.abs().max()) < 0.1
 
 
-@pytest.mark.parametrize("training, kept", [(None, 0), (True, 4), (False, 0)])
+@pytest.mark.parametrize("training, kept", [(None, 4), (True, 4), (False, 0)])
 def test_apply_can_be_told_an_export_graph_is_trained(training, kept):
     """Probe AE F1: a train-mode model without dropout or batch norm exports to a
     graph that looks like inference (the exported module is always in training
     mode), and AMP folded its weights into bfloat16 constants: no gradient reached
-    them. ``apply(training=True)`` says so; the weights are then cast at run time."""
+    them. Since session 39 such a graph may train unless told (``training=False``):
+    the weights are cast at run time (tests/test_training_mode.py)."""
     torch.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).train()
     x = torch.randn(2, 8)

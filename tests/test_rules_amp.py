@@ -72,7 +72,8 @@ def _capture(model, inputs, level):
 def rewrite_amp(model, inputs, kind="bf16", level="fx"):
     """Capture, apply the rule set (checked against the fp32 graph), return the result."""
     gm = _capture(model.eval(), inputs, level)
-    return amp(kind).apply(gm, example_inputs=inputs, **TOL)
+    # an inference graph: an exported one keeps no trace of model.eval() (TrainingModeWarning)
+    return amp(kind).apply(gm, example_inputs=inputs, training=False, **TOL)
 
 
 def dtypes(gm, inputs):

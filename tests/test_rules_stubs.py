@@ -52,7 +52,7 @@ def test_amp_casts_run_linear_and_conv_in_bf16_with_weights_cast_once():
     model = Net().eval()
     for gm in (fx.symbolic_trace(model), torch.export.export(model, (X,)).module()):
         result = (rewrite.load("rules/amp_casts.rw") + rewrite.load("rules/cleanup.rw")).apply(
-            gm, example_inputs=(X,), rtol=5e-2, atol=5e-2
+            gm, example_inputs=(X,), rtol=5e-2, atol=5e-2, training=False  # inference (an export keeps no .eval())
         )
         assert result.counts["linear_bf16"] == 1 and result.counts["conv_bf16"] == 1
         consts = dict(result.graph_module.named_parameters()) | dict(result.graph_module.named_buffers())

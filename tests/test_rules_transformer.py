@@ -48,8 +48,9 @@ def export(model, args):
 
 def rewritten(model, args, level="export"):
     # an inference model (const(w) is false for the trained weights of a train-mode trace)
-    gm = export(model, args) if level == "export" else fx.symbolic_trace(model.eval())
-    result = rules().apply(gm, example_inputs=args)  # checked: raises if outputs differ
+    gm = export(model.eval(), args) if level == "export" else fx.symbolic_trace(model.eval())
+    # an exported graph keeps no trace of .eval(): said to be inference
+    result = rules().apply(gm, example_inputs=args, training=False)  # checked: raises if outputs differ
     with torch.no_grad():
         torch.testing.assert_close(result.graph_module(*args), gm(*args), rtol=1e-4, atol=1e-5)
     return result, ops(gm), ops(result.graph_module)

@@ -19,10 +19,11 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 
+from rewrite.capture import INFERENCE_KEY
 from rewrite.engine.symbolic import as_traced, size_hint, symbolic_env
 from rewrite.engine.shapes import cast_of, fresh_cast, fresh_constant, fresh_like, fresh_view, like_input, view_of
 from rewrite.ops.base import ConstRef, attribute, by_identity
-from rewrite.ops.effects import graph_trains, op_name, state_writes, written_args
+from rewrite.ops.effects import graph_mode, op_name, state_writes, written_args
 from rewrite.ops.reach import storage_key
 from rewrite.ops.vocabulary import detect_dialect
 
@@ -43,7 +44,8 @@ class _QuietWhileInferring(logging.Filter):
 _QUIET = _QuietWhileInferring()
 logging.getLogger("torch._subclasses.fake_tensor").addFilter(_QUIET)
 
-__all__ = ["GraphFacts", "Value", "TensorFacts", "FACTS_KEY", "NEW_NODE_KEY", "keeps_shape", "fetch_attr",
+__all__ = ["GraphFacts", "Value", "TensorFacts", "FACTS_KEY", "INFERENCE_KEY", "NEW_NODE_KEY", "TrainingModeWarning",
+           "keeps_shape", "fetch_attr",
            "forget_recorded_facts",
            "tensor_meta_of"]
 
@@ -105,6 +107,11 @@ def tensor_meta_of(node: fx.Node) -> Any:
     return None
 
 
+class TrainingModeWarning(UserWarning):
+    """Parameters that require grad were not folded into constants because nothing
+    tells whether the graph trains (``apply(training=...)`` says)."""
+
+
 class GraphFacts:
     """Facts about one GraphModule under rewrite, cached where they are costly."""
 
@@ -137,6 +144,8 @@ class GraphFacts:
         #: what it reads (``relay``): read before what the node recorded
         self._relaid: dict = {}
         self._inference_errors: dict = {}  # new node -> why its op rejects its inputs' facts
+        #: parameters not taken as constants only because nothing tells whether the graph trains
+        self.unknown_training: set = set()
 
     def _fake_of(self, mode: Any, v: Any) -> Any:
         """``_fake``, converting each real constant (a weight new nodes read) once
@@ -198,19 +207,43 @@ class GraphFacts:
             return False
         if not isinstance(value, torch.Tensor):
             return True
-        trained = self.training if self.training is not None else self._trains or self._owner_trains(qualname)
-        if value.requires_grad and trained:
+        if value.requires_grad and self._may_train(qualname):
             return False  # folded into a new tensor, it would no longer get the caller's gradients
         written = self._written_state
         return written is not None and id(value) not in written[0] and storage_key(value) not in written[1]
 
+    def _may_train(self, qualname: str) -> bool:
+        """Whether the parameter ``qualname`` may be trained: a rule that folds it
+        (AMP's weights cast once) would leave the caller's optimizer with nothing to
+        update. The caller's word first (``apply(training=...)``), then the graph's
+        ops (``graph_mode``: a batch norm updating running statistics, a dropout that
+        drops), then the modules' flags where they are the caller's (a
+        ``symbolic_trace`` graph), then an eval-mode batch norm or dropout, then what
+        an earlier apply knew (``INFERENCE_KEY``). A graph none of them tells of (an
+        MLP ``torch.export`` captured, its module always in training mode) may train:
+        its parameters are not folded."""
+        if self.training is not None:
+            return self.training
+        mode = self._graph_mode
+        if mode is True:
+            return True
+        if self._flags_are_callers:
+            return self._owner_trains(qualname)
+        if mode is None and self.gm.meta.get(INFERENCE_KEY) is not True:
+            self.unknown_training.add(qualname)  # apply warns (``TrainingModeWarning``)
+            return True
+        return False
+
     @functools.cached_property
-    def _trains(self) -> bool:
-        """The graph runs in training mode (``graph_trains``: a batch norm updating
-        running statistics, a dropout that drops): a parameter that requires grad is then being trained,
-        and a rule that folds it (AMP's weights cast once) would leave the caller's
-        optimizer with nothing to update. Inference graphs fold freely."""
-        return graph_trains(self.gm)
+    def _graph_mode(self) -> bool | None:
+        return graph_mode(self.gm)
+
+    @property
+    def inference(self) -> bool:
+        """The graph is known not to train (``INFERENCE_KEY``, kept on the result)."""
+        if self.training is not None:
+            return not self.training
+        return self._graph_mode is False or self.gm.meta.get(INFERENCE_KEY) is True
 
     def _owner_trains(self, qualname: str) -> bool:
         """The module holding ``qualname`` is in training mode, where that flag is the
@@ -237,14 +270,18 @@ class GraphFacts:
         return detect_dialect(self.gm)
 
     @functools.cached_property
-    def _traced_in_training(self) -> bool:
-        """The root is in training mode and its flag is the caller's: a ``symbolic_trace``
+    def _flags_are_callers(self) -> bool:
+        """The modules' training flags are the caller's: a ``symbolic_trace``
         GraphModule copies the traced model's. ATen graphs (``torch.export``, whose
         module is always in training mode, and what flows make of it, values carried
         or not) and dynamo's (which carry ``example_value``s) do not tell it that way:
-        their batch norms and dropouts do (``graph_trains``)."""
-        return self.gm.training and not _first_vals(self.gm, 1) and not _carries(self.gm, "example_value") \
-            and self.dialect == "torch"
+        their batch norms and dropouts do (``graph_mode``)."""
+        return not _first_vals(self.gm, 1) and not _carries(self.gm, "example_value") and self.dialect == "torch"
+
+    @property
+    def _traced_in_training(self) -> bool:
+        """The root is in training mode and its flag is the caller's."""
+        return self.gm.training and self._flags_are_callers
 
     @functools.cached_property
     def _written_state(self) -> tuple | None:

@@ -13,6 +13,7 @@ dually. A rule fires only on True.
 
 from __future__ import annotations
 
+import numbers
 import operator
 from typing import Any, Callable
 
@@ -44,6 +45,31 @@ def _reporting(fn: Callable, name: str) -> Callable:
         except Exception as err:  # noqa: BLE001 - reported, then the clause does not hold
             raise PredicateError(f"{name}() raised {type(err).__name__}: {err}") from err
     return call
+
+
+def _answering(fn: Callable, name: str) -> Callable:
+    """A user's predicate whose answer is a truth value: True, False or None
+    (unknown), and the unambiguous spellings of one (``numpy.bool_``, an integer, a
+    one-element tensor of real values: ``(w.abs() < 1e3).all()``). Anything else (a
+    tensor of several values, a FakeTensor, a string) is a ``PredicateError`` the
+    rule's stats show, not a clause that silently never holds."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        result = fn(*args, **kwargs)
+        if result is None or result is True or result is False:
+            return result
+        if isinstance(result, torch.Tensor) and result.numel() == 1 and not _is_fake(result) \
+                and not result.is_complex():
+            return bool(result.item())
+        if isinstance(result, numbers.Integral) or (type(result).__module__ == "numpy"
+                                                    and type(result).__name__ in ("bool", "bool_")):
+            return bool(result)
+        raise PredicateError(f"{name}() returned {type(result).__name__}, not True, False or None")
+    return call
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    """A tensor without values (a FakeTensor or a meta tensor): its truth is not known."""
+    return t.is_meta or type(t).__name__ == "FakeTensor"
 
 
 class _Unknown:
@@ -252,6 +278,8 @@ def _eval(e: Any) -> Compiled:
         fn = spec.fn
         if getattr(fn, "__module__", None) not in BUILTIN_MODULES:
             fn = _reporting(fn, spec.name)  # a user's bug is shown, not taken for "unknown"
+            if spec.kind == "predicate":
+                fn = _answering(fn, spec.name)
         args = [_value(a) for a in e.args]
         kwargs = [(kw.name, _value(kw.value)) for kw in e.kwargs]
 

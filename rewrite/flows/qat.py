@@ -47,6 +47,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 from torch.ao.quantization.observer import ObserverBase
 
+from rewrite.capture import INFERENCE_KEY
 from rewrite.engine.replace import SOURCES_KEY
 from rewrite.flows import quant as ptq
 from rewrite.functions.qat import QATLayer, is_fake_quant_node, is_qat_layer_node
@@ -218,12 +219,15 @@ def prepare_qat(
     ptq.record_shapes(gm, args)
     # linear layers written as addmm (transformers' Conv1D) become linear first, as
     # rewrite.quant.prepare does (observe.rw's ruleset layers: exact)
-    layers = ptq.quant_rules("observe", "layers").apply(gm, args, check=check, trials=1)
+    # the captured graph is read in eval mode: its weights are the constants the QAT
+    # layers copy into new trainable parameters (an exported one reports training mode)
+    layers = ptq.quant_rules("observe", "layers").apply(gm, args, check=check, trials=1, training=False)
     if layers.counts:
         gm = layers.graph_module
         ptq.record_shapes(gm, args)
-    result = loaded[ruleset].apply(gm, args, check=check, trials=1)
+    result = loaded[ruleset].apply(gm, args, check=check, trials=1, training=False)
     qat = result.graph_module
+    qat.meta.pop(INFERENCE_KEY, None)  # read as inference, made to be trained
     _name_layers(gm, qat)
     _tie_to_sources(gm, qat)
     _allow_train_eval(qat)
@@ -315,6 +319,10 @@ def _freeze_layer(gm: fx.GraphModule, node: fx.Node, aten: bool, qdq: bool = Fal
     int8 tensor read through ``quantized_decomposed.dequantize_per_channel`` /
     ``_per_tensor`` with its scales, as ``convert.rw``'s ``conv_weight_pt2e`` writes it."""
     mod: QATLayer = gm.get_submodule(node.target)
+    weight, bias = mod.folded()
+    if not torch.isfinite(weight).all() or (bias is not None and not torch.isfinite(bias).all()):
+        raise QATError(f"{node.target}: its folded weight or bias is not finite (a batch norm's running "
+                       "statistics or a parameter became inf or NaN in training): no int8 model is made of it")
     q, bias = mod.frozen()
     base = str(node.target).replace(".", "_")
     wname, bname = f"{base}_weight_int8", f"{base}_bias"

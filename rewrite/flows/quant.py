@@ -166,8 +166,13 @@ def _as_args(batch: Any) -> tuple:
 def _capture(model: Any, example_inputs: tuple, capture: str) -> fx.GraphModule:
     from rewrite.capture import capture as capture_at
 
+    if isinstance(model, torch.export.ExportedProgram):
+        model = model.module()  # the module it runs as, as RuleSet.apply takes it
     if isinstance(model, fx.GraphModule):
         return model
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"quantization takes an nn.Module, a GraphModule or an ExportedProgram, not "
+                        f"{type(model).__name__}")
     if capture not in ("fx", "export"):
         raise ValueError(f"capture must be 'fx' or 'export', got {capture!r}")
     if any(m.training for m in model.modules()):
@@ -433,14 +438,17 @@ def prepare(
         ruleset = "onednn" if backend == "onednn" else "main"
     args = _as_args(example_inputs)
     gm = _capture(model, args, capture)
+    # quantization makes an inference model: the weights are read as constants (folded,
+    # observed, then rounded), whatever mode an exported graph's module reports
     if fuse:
-        gm = rewrite.load(rewrite.rules_dir() / "fusion.rw").apply(gm, args, check=check).graph_module
+        gm = rewrite.load(rewrite.rules_dir() / "fusion.rw").apply(gm, args, check=check,
+                                                                    training=False).graph_module
     elif gm is model:  # the shape facts go on a copy: the caller's graph is left as it was
         from rewrite.engine.workspace import shared_copy
 
         gm = shared_copy(gm)
     record_shapes(gm, args)
-    result = _as_rules(observe, "observe", ruleset).apply(gm, args, check=check, trials=1)
+    result = _as_rules(observe, "observe", ruleset).apply(gm, args, check=check, trials=1, training=False)
     observed = result.graph_module
     merged = _merge_observers(observed)
     for node in _observers(observed):
@@ -665,6 +673,7 @@ def quantize(
     ``lower_rules``, ``min_qdq_sqnr``, ``reference``): ``form="qdq"`` returns the
     PT2E QDQ form, which ``export`` and ``export_onnx`` take.
     """
+    _require_batches(calibration_batches, "quantize")
     batches = list(calibration_batches)
     if not batches:
         raise QuantizationError("quantize needs at least one calibration batch")

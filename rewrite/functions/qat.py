@@ -212,13 +212,22 @@ class QATConvBn(QATConv):
     def _scale(self) -> torch.Tensor:
         return self.bn.weight / torch.sqrt(self.bn.running_var + self.bn.eps)
 
+    def _divisible_scale(self) -> torch.Tensor:
+        """``_scale`` with 1 for a channel whose gamma is 0 (a residual branch's last
+        batch norm, zero-initialised): the conv output is divided by it, and 0/0 would
+        make that channel NaN (and the running statistics with it). The batch norm's
+        gamma of 0 makes the channel its beta either way; its statistics and its gamma's
+        gradient come from the conv with the plain weight."""
+        scale = self._scale()
+        return torch.where(scale == 0, torch.ones_like(scale), scale)
+
     def _shape(self, t: torch.Tensor, axis: int) -> torch.Tensor:
         shape = [1] * (self.rank + 2)
         shape[axis] = -1
         return t.reshape(shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = self._scale()
+        scale = self._divisible_scale()
         w = self.weight_fake_quant(self.weight * self._shape(scale, 0))
         y = self.conv(x, w, None) / self._shape(scale, 1)
         if self.bias is not None:

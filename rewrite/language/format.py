@@ -22,6 +22,7 @@ from rewrite.language import ast
 from rewrite.language.diagnostics import source_lines
 from rewrite.language.parser import parse_text
 from rewrite.language.printer import format_expr, format_item, format_rule, format_schedule
+from rewrite.language.program import one_line_end
 
 __all__ = ["format_source", "WIDTH"]
 
@@ -51,6 +52,7 @@ def format_source(text: str, path: str = "<string>") -> str:
         RuleError: when the parser rejects the text (the same positioned
             diagnostics ``rewrite check`` prints).
     """
+    text = one_line_end(text)  # line breaks as a load reads them (U+2028 ends a line there too)
     module = parse_text(text, path)
     # lines as the grammar counts them (``\n`` only): ``str.splitlines`` also splits at
     # form feeds, ``\x1c``, U+2028..., which would end a comment early and make what

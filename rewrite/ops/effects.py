@@ -47,7 +47,7 @@ __all__ = [
     "written_args", "written_nodes", "target_writes", "flagged_writes", "flag_on", "call_writes",
     "opdef_writes", "opdef_may_alias",
     "module_writes_own_state",
-    "state_writes", "hooked_tensors", "hooked_containers",
+    "state_writes", "hooked_tensors", "hooked_containers", "graph_mode",
 ]
 
 #: Ops whose result is always a view of their first input.
@@ -780,12 +780,20 @@ _DROPOUTS = {"dropout": (2, "train", None), "native_dropout": (2, "train", None)
 
 
 def graph_trains(gm: Any) -> bool:
-    """Whether ``gm``'s graph runs in training mode: a batch norm updating running
+    """Whether ``gm``'s graph is known to run in training mode (``graph_mode``)."""
+    return graph_mode(gm) is True
+
+
+def graph_mode(gm: Any) -> bool | None:
+    """True when ``gm``'s graph runs in training mode: a batch norm updating running
     statistics, a dropout that drops (``F.dropout``'s ``training`` defaults to True,
     aten's ``train`` is given), or a torch BatchNorm or Dropout module in training
     mode. A batch norm without running statistics (``track_running_stats=False``)
     uses batch statistics in eval mode too: it counts when its weight or bias
-    requires grad and no batch norm with running statistics says eval mode."""
+    requires grad and no batch norm with running statistics says eval mode.
+    False when one says eval mode (a batch norm using its running statistics, a
+    dropout whose flag is literally False); None when nothing tells (an MLP
+    ``torch.export`` captured, whose module is always in training mode)."""
     statless_trained = eval_seen = False
     for op, target, nodes in nodes_by_target(gm.graph):
         if op == "call_module":
@@ -793,6 +801,7 @@ def graph_trains(gm: Any) -> bool:
                 module = _module(node, gm)
                 if module is not None and any(_trains(m) for m in module.modules()):
                     return True
+                eval_seen = eval_seen or (module is not None and any(_evaluates(m) for m in module.modules()))
             continue
         if op != "call_function":
             continue
@@ -817,9 +826,13 @@ def graph_trains(gm: Any) -> bool:
             position, keyword, default = _DROPOUTS[name]
             if name == "dropout" and not isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
                 position, keyword, default = 2, "training", True  # F.dropout
-            if any(_argument(n, position, keyword, default) not in (False, None) for n in nodes):
+            flags = [_argument(n, position, keyword, default) for n in nodes]
+            if any(flag not in (False, None) for flag in flags):
                 return True
-    return statless_trained and not eval_seen
+            eval_seen = eval_seen or any(flag is False for flag in flags)
+    if statless_trained and not eval_seen:
+        return True
+    return False if eval_seen else None
 
 
 def _reads_trainable_state(node: fx.Node, gm: Any) -> bool:
@@ -830,6 +843,15 @@ def _reads_trainable_state(node: fx.Node, gm: Any) -> bool:
             if isinstance(value, torch.Tensor) and value.requires_grad:
                 return True
     return False
+
+
+def _evaluates(module: Any) -> bool:
+    """A torch dropout or batch norm (with running statistics) in eval mode."""
+    if module.training:
+        return False
+    if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+        return True
+    return isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.track_running_stats
 
 
 def _trains(module: Any) -> bool:

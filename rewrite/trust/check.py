@@ -318,11 +318,30 @@ def validate_input_keys(example_inputs: Any, input_ranges: Optional[Mapping[Inpu
             raise ValueError(
                 f"{option}: {', '.join(map(repr, bad))} addresses no input: the example inputs have "
                 f"{len(leaves)} leaves, by flat index 0..{len(leaves) - 1} or by path ({shown})")
+    by_key = {**{i: leaf for i, (_, leaf) in enumerate(leaves)}, **{pytree.keystr(kp): leaf for kp, leaf in leaves}}
     for key, value in (input_ranges or {}).items():
         numbers_ = isinstance(value, (tuple, list)) and len(value) == 2 and all(
             isinstance(v, numbers.Real) and not isinstance(v, bool) for v in value)
         if not numbers_ or not value[0] <= value[1]:
             raise ValueError(f"input_ranges[{key!r}] = {value!r}: a range is two numbers (low, high), low <= high")
+        problem = _range_problem(value, by_key.get(key))
+        if problem:
+            raise ValueError(f"input_ranges[{key!r}] = {value!r}: {problem}")
+
+
+def _range_problem(value: Any, leaf: Any) -> Optional[str]:
+    """Why values drawn from ``value`` cannot be the input ``leaf`` holds: not finite
+    (every trial would be NaN, and any rule pass), or beyond its dtype (an int8 input
+    drawn up to 1000 wraps, a float16 one up to 1e6 overflows to inf)."""
+    low, high = (float(v) for v in value)
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return "a range is finite (draws from an infinite one are NaN, on which any rewrite passes)"
+    if not isinstance(leaf, torch.Tensor) or leaf.dtype == torch.bool or leaf.is_complex():
+        return None
+    info = torch.finfo(leaf.dtype) if leaf.is_floating_point() else torch.iinfo(leaf.dtype)
+    if low < info.min or high > info.max:
+        return f"the input is {leaf.dtype}, whose values lie within [{info.min:g}, {info.max:g}]"
+    return None
 
 
 def generate_inputs(example_inputs: Any, seed: int = 0, *,
@@ -2308,8 +2327,11 @@ class _Comparison:
         share = _int_agreement(ref.outputs, cand.outputs, lows) if bound is not None else None
         if share is not None and share < 1.0 and mm is None:
             mm = _flips_from_non_finite(t, reference, self.candidate, state)
-        if mm is None and rtol is None and atol is None and low is None and not _any_step(quantum):
-            mm = _confirm_below_unit(t, reference, ref, cand, tolerance, state)
+        if mm is None and rtol is None and atol is None and not _any_step(quantum):
+            if low is None:
+                mm = _confirm_below_unit(t, reference, ref, cand, tolerance, state)
+            else:
+                mm = _confirm_narrowed_below_unit(t, reference, ref, cand, tolerance, state, low, lows, bound)
         if mm is None:
             mm = _side_effects(t, ref, cand, tolerance, rtol, atol, low)
         return a, r, share, mm, low
@@ -2366,6 +2388,29 @@ def _confirm_below_unit(t: int, reference: "Reference", ref: _Run, cand: _Run, k
     if precise is None:
         return None
     _, _, mm = _compare(t, ref.outputs, cand.outputs, kind, None, None, noises=precise, unit=0.0)
+    return mm
+
+
+def _confirm_narrowed_below_unit(t: int, reference: "Reference", ref: _Run, cand: _Run, kind: str, state: Any,
+                                 low: torch.dtype, lows: Any, bound: Optional[float]) -> Optional[Mismatch]:
+    """``_confirm_below_unit`` for outputs a lower precision newly reaches: the
+    precision's ``atol`` is absolute below 1 too, so a wrong rule that also casts to
+    bfloat16 would pass on outputs of 1e-4. Held to their own scale, they pass when
+    within the tolerance of the original, ``NOISE_MULTIPLIER`` times the original's own
+    distance from its run under ``torch.autocast`` to that precision allowed on top
+    (what computing it so costs: an underflow autocast shares passes); when no such
+    run can be made, the unit stands."""
+    if not _below_unit(ref.outputs):
+        return None
+    _, _, strict = _compare(t, ref.outputs, cand.outputs, kind, None, None, agreement=bound, compute_dtypes=lows,
+                            unit=0.0)
+    if strict is None:
+        return None
+    noises = reference.narrowing_noise(t, low, state)
+    if noises is None:
+        return None
+    _, _, mm = _compare(t, ref.outputs, cand.outputs, kind, None, None, agreement=bound, compute_dtypes=lows,
+                        noises=noises, unit=0.0)
     return mm
 
 

@@ -24,6 +24,11 @@ def load_runnable_model(spec: str) -> Tuple[nn.Module, tuple]:
     """``load_model(spec)``, raising ``ModelSpecError`` when the model cannot run on
     its example inputs (run once, on copies, its state put back)."""
     model, inputs = load_model(spec)
+    tensors = [*model.parameters(), *model.buffers(),
+               *(t for t in torch.utils._pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor))]
+    if any(t.is_meta for t in tensors):
+        raise ModelSpecError(f"{spec}: the model or its example inputs are on the meta device, and the command "
+                             "runs the model: load its weights first (to_empty() and a state dict)")
     try:
         with torch.no_grad(), preserved_state(model):
             model(*inputs_copy(inputs))

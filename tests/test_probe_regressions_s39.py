@@ -1,0 +1,276 @@
+"""Session 39's probes (AH: soundness and defaults variants; AI: quantization and AMP
+variants): each test is the behaviour a probe's repro showed failing."""
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from torch import fx
+
+import rewrite
+
+
+def _small_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8, bias=False), nn.ReLU(), nn.Linear(8, 4, bias=False)).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(1e-2)
+    return m
+
+
+# AI F4: the check held outputs below 1 to an absolute tolerance once a lower
+# precision was involved: a wrong rule that also casts to bfloat16 passed there.
+@pytest.mark.parametrize("scale", [1e-2, 1e-4])
+def test_a_wrong_rule_casting_to_bfloat16_fails_on_small_outputs(scale):
+    wrong = rewrite.parse('rule bad(tolerance="approx"):\n'
+                          '    relu(x) where dtype(x) == torch.float32 => '
+                          'to(abs(to(x, torch.bfloat16)), torch.float32)\n')
+    x = torch.randn(4, 8) * scale
+    with pytest.raises(rewrite.EquivalenceError):
+        wrong.apply(fx.symbolic_trace(_small_mlp()), (x,))
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp16"])
+@pytest.mark.parametrize("scale", [1e-2, 1e-6])
+def test_amp_still_passes_on_small_outputs(kind, scale):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4)).eval()
+    with torch.no_grad():
+        m[3].weight.mul_(scale)
+        m[3].bias.mul_(scale)
+    x = torch.randn(8, 16)
+    amp = rewrite.load(rewrite.rules_dir() / f"amp_{kind}.rw")
+    result = amp.apply(torch.export.export(m, (x,)).module(), (x,), training=False)
+    assert result.counts[f"linear_{kind}"] == 2
+    low = torch.bfloat16 if kind == "bf16" else torch.float16
+    with torch.no_grad():
+        ref, got = m(x), result.graph_module(x)
+        with torch.autocast("cpu", low):
+            autocast = m(x).float()
+    # as close as autocast (float16 is subnormal below 6e-5: both lose digits there)
+    assert (got - ref).abs().max() <= 2 * (autocast - ref).abs().max() + 0.02 * ref.abs().max()
+
+
+class _ZeroGammaBlock(nn.Module):
+    """A ResNet basic block whose last batch norm starts at gamma 0 (torchvision's
+    ``zero_init_residual``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.c1, self.b1 = nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+        self.c2, self.b2 = nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 4)
+        nn.init.zeros_(self.b2.weight)
+
+    def forward(self, x):
+        y = torch.relu(self.b1(self.c1(x)))
+        y = torch.relu(self.b2(self.c2(y)) + y)
+        return self.fc(y.mean((2, 3)))
+
+
+# AI F1: a QAT conv + batch norm with gamma 0 divided 0 by 0: NaN inside the layer
+# (hidden by the fake quantizer after it), NaN running statistics, no gradient for
+# beta, and an int8 model far from the QAT model, made without a word.
+def test_qat_conv_bn_with_zero_gamma_stays_finite_and_trains():
+    import rewrite.qat as rqat
+    import rewrite.quant as rq
+
+    model = _ZeroGammaBlock()
+    x = torch.randn(4, 3, 8, 8)
+    qat = rqat.prepare_qat(model, (x,), capture="fx")
+    layers = [qat.get_submodule(n.target) for n in rqat.qat_layers(qat)]
+    zero = next(m for m in layers if hasattr(m, "bn") and (m.bn.weight == 0).all())
+    with torch.no_grad():
+        assert torch.isfinite(zero.eval()(torch.rand(4, 8, 8, 8))).all()
+    zero.train()
+    opt = torch.optim.SGD(qat.parameters(), lr=0.01)
+    torch.manual_seed(1)
+    beta = gamma = 0.0
+    for _ in range(3):
+        loss = torch.nn.functional.cross_entropy(qat(torch.randn(4, 3, 8, 8)), torch.randint(0, 4, (4,)))
+        opt.zero_grad()
+        loss.backward()
+        beta, gamma = beta + float(zero.bn.bias.grad.abs().sum()), gamma + float(zero.bn.weight.grad.abs().sum())
+        opt.step()
+    assert beta > 0 and gamma > 0  # both train (a NaN channel gave beta none)
+    assert torch.isfinite(zero.bn.running_mean).all() and torch.isfinite(zero.bn.running_var).all()
+    qat.eval()
+    int8 = rqat.convert(qat)
+    xs = torch.randn(8, 3, 8, 8)
+    with torch.no_grad():
+        assert rq.sqnr(qat(xs), int8(xs)) > 25
+
+
+def test_qat_convert_refuses_non_finite_folds():
+    import rewrite.qat as rqat
+
+    model = _ZeroGammaBlock()
+    x = torch.randn(4, 3, 8, 8)
+    qat = rqat.prepare_qat(model, (x,), capture="fx")
+    layer = next(qat.get_submodule(n.target) for n in rqat.qat_layers(qat) if hasattr(qat.get_submodule(n.target),
+                                                                                      "bn"))
+    with torch.no_grad():
+        layer.bn.running_var[0] = float("nan")
+    with pytest.raises(rqat.QATError, match="not finite"):
+        rqat.convert(qat.eval())
+
+
+# AH F2: fmt parsed the raw text, load the text with every line break as "\n": a file
+# check accepted could not be formatted, and fmt turned a rejected one into a rule.
+@pytest.mark.parametrize("text, accepted", [
+    ("rule a: relu(relu(_) as r)\x85=> r\n", True),
+    ("\u2028rule a: relu(relu(_) as r) => r\n", True),
+    ("rule a: relu(relu(x)) => relu(x)\u2029", True),
+    ('rule a: gelu(x, approximate="tanh\u2028") => x\n', False),
+])
+def test_fmt_and_load_agree_on_line_breaks(text, accepted):
+    from rewrite.language.format import format_source
+
+    if accepted:
+        program = rewrite.parse(text)
+        formatted = format_source(text)
+        assert "\u2028" not in formatted and "\x85" not in formatted
+        assert [r.name for r in rewrite.parse(formatted)] == [r.name for r in program]
+        assert format_source(formatted) == formatted
+    else:
+        with pytest.raises(rewrite.RuleError):
+            rewrite.parse(text)
+        with pytest.raises(rewrite.RuleError):
+            format_source(text)
+
+
+# AH F6: a user's predicate answering with a tensor, a numpy bool or an integer never
+# fired and nothing said why; one answering with something else is now reported.
+def _registered(name, answer):
+    def predicate(x):
+        return answer
+    predicate.__name__ = name
+    return rewrite.register_predicate(name)(predicate)
+
+
+class _TwoRelus(nn.Module):
+    def forward(self, x):
+        return torch.relu(torch.relu(x))
+
+
+@pytest.mark.parametrize("answer, fires", [
+    (True, True), (torch.tensor(True), True), (1, True), (0, False), (torch.tensor([5.0]), True),
+    (torch.tensor(False), False),
+])
+@pytest.mark.parametrize("clause", ["{p}(r)", "{p}(r) and rank(r) == 2", "not not {p}(r)"])
+def test_a_predicates_truth_value_decides(answer, fires, clause):
+    _registered("s39_answer", answer)
+    rules = rewrite.parse(f"rule rr: relu(relu(_) as r) where {clause.format(p='s39_answer')} => r\n")
+    result = rules.apply(_TwoRelus(), (torch.randn(2, 4),))
+    assert result.counts.get("rr", 0) == (1 if fires else 0)
+    assert not result.stats["rr"].first_error
+
+
+def test_a_numpy_bool_is_a_truth_value():
+    np = pytest.importorskip("numpy")
+    _registered("s39_numpy", np.bool_(True))
+    result = rewrite.parse("rule rr: relu(relu(_) as r) where s39_numpy(r) => r\n").apply(
+        _TwoRelus(), (torch.randn(2, 4),))
+    assert result.counts == {"rr": 1}
+
+
+@pytest.mark.parametrize("answer", ["yes", torch.tensor([True, False]), [True]])
+def test_a_predicate_answering_something_else_is_reported(answer):
+    _registered("s39_other", answer)
+    result = rewrite.parse("rule rr: relu(relu(_) as r) where s39_other(r) => r\n").apply(
+        _TwoRelus(), (torch.randn(2, 4),))
+    assert not result.counts
+    assert "s39_other() returned" in result.stats["rr"].first_error
+    assert "s39_other() returned" in result.summary()
+
+
+class _ConvBN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.c(x)))
+
+
+# AH F1: a model on the meta device failed deep in the check with torch's error.
+@pytest.mark.parametrize("where", ["model", "inputs", "both"])
+def test_the_check_refuses_meta_tensors_before_any_work(where):
+    model = _ConvBN().eval()
+    x = torch.randn(2, 3, 8, 8)
+    if where in ("model", "both"):
+        model = model.to("meta")
+    if where in ("inputs", "both"):
+        x = x.to("meta")
+    fusion = rewrite.load(rewrite.rules_dir() / "fusion.rw")
+    with pytest.raises(ValueError, match="meta device"):
+        fusion.apply(model, (x,))
+    if where == "both":  # unchecked, it runs (a meta tensor's values are unknown: no fold)
+        fusion.apply(fx.symbolic_trace(model), (x,), check=False)
+
+
+def test_the_cli_says_a_meta_model_is_on_the_meta_device(tmp_path, monkeypatch, capsys):
+    from rewrite.cli import main
+
+    (tmp_path / "s39_meta_models.py").write_text(
+        "import torch, torch.nn as nn\n"
+        "def meta():\n"
+        "    m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).eval().to('meta')\n"
+        "    return m, (torch.randn(2, 3, 8, 8, device='meta'),)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code = main(["apply", str(rewrite.rules_dir() / "fusion.rw"), "--model", "s39_meta_models:meta"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "meta device" in err and "Traceback" not in err
+
+
+# AH F4: explain took an input tuple for a rule's name and refused what apply takes.
+def test_explain_takes_what_apply_takes_and_says_what_is_wrong():
+    model, x = _ConvBN().eval(), torch.randn(2, 3, 8, 8)
+    fusion = rewrite.load(rewrite.rules_dir() / "fusion.rw")
+    assert fusion.explain(torch.export.export(model, (x,)), rule="conv_bn") is not None
+    with pytest.raises(TypeError, match="example_inputs=") as err:
+        fusion.explain(model, (x,))
+    assert "tensor(" not in str(err.value)
+    with pytest.raises(TypeError, match="a str, not list"):
+        fusion.explain(model, rule=["conv_bn"])
+
+
+# AH F8: quantize iterated a bare tensor's rows, and crashed on an ExportedProgram.
+def test_quantize_refuses_a_bare_tensor_and_takes_an_exported_program():
+    import rewrite.quant as rq
+
+    model, x = _ConvBN().eval(), torch.randn(2, 3, 8, 8)
+    with pytest.raises(TypeError, match=r"pass \[x\]"):
+        rq.quantize(model, x)
+    int8 = rq.quantize(torch.export.export(model, (x,)), [x])
+    with torch.no_grad():
+        assert rq.sqnr(model(x), int8(x)) > 20
+
+
+class _ReluTwice(nn.Module):
+    def forward(self, x):
+        return torch.relu(x) * 2
+
+
+# AH F9: an infinite input range drew NaN trials, on which a wrong rule passed; a range
+# beyond the input's dtype wrapped or overflowed.
+@pytest.mark.parametrize("dtype, bounds", [
+    (torch.float32, (-math.inf, math.inf)), (torch.float32, (0.0, math.inf)), (torch.float32, (-1e300, 1e300)),
+    (torch.float16, (-1e6, 1e6)), (torch.int8, (0, 1000)), (torch.uint8, (-5, 5)),
+])
+def test_input_ranges_must_fit_the_input(dtype, bounds):
+    x = torch.rand(4, 8).to(dtype) if dtype.is_floating_point else torch.randint(0, 5, (4, 8), dtype=dtype)
+    wrong = rewrite.parse("rule wrong: relu(x) => x\n")
+    with pytest.raises(ValueError, match=r"input_ranges\[0\]"):
+        wrong.apply(_ReluTwice(), (x,), input_ranges={0: bounds})
+
+
+def test_a_wide_finite_range_still_catches_a_wrong_rule():
+    wrong = rewrite.parse("rule wrong: relu(x) => x\n")
+    with pytest.raises(rewrite.EquivalenceError):
+        wrong.apply(_ReluTwice(), (torch.rand(4, 8),), input_ranges={0: (-3e38, 3e38)})
