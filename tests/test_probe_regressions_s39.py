@@ -274,3 +274,42 @@ def test_a_wide_finite_range_still_catches_a_wrong_rule():
     wrong = rewrite.parse("rule wrong: relu(x) => x\n")
     with pytest.raises(rewrite.EquivalenceError):
         wrong.apply(_ReluTwice(), (torch.rand(4, 8),), input_ranges={0: (-3e38, 3e38)})
+
+
+# AI F8: a -inf in an output (masked logits) made the SQNR NaN, and NaN < floor is False:
+# convert accepted at any floor.
+def test_sqnr_compares_finite_elements_and_non_finite_ones_exactly():
+    import rewrite.quant as rq
+
+    ref = torch.tensor([1.0, 2.0, -math.inf, 4.0])
+    assert rq.sqnr(ref, ref.clone()) == math.inf
+    assert 20 < rq.sqnr(ref, ref + torch.tensor([0.01, 0.0, 0.0, 0.0])) < math.inf
+    assert rq.sqnr(ref, torch.tensor([1.0, 2.0, math.inf, 4.0])) == -math.inf
+    assert rq.sqnr(ref, torch.tensor([1.0, 2.0, 3.0, 4.0])) == -math.inf
+    assert rq.sqnr(torch.tensor([1.0, 2.0]), torch.tensor([1.0, math.nan])) == -math.inf
+
+
+class _MaskedLogits(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.c, self.bn, self.c2 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Conv2d(8, 8, 3, padding=1)
+        self.fc = nn.Linear(8, 4)
+        self.register_buffer("invalid", torch.tensor([False, False, False, True]))
+
+    def forward(self, x):
+        y = torch.relu(self.bn(self.c(x)))
+        y = torch.relu(self.c2(y) + y)
+        logits = self.fc(y.mean((2, 3)))
+        return logits.masked_fill(self.invalid, -math.inf)
+
+
+def test_convert_enforces_its_floor_on_outputs_with_minus_inf():
+    import rewrite.quant as rq
+
+    model, x = _MaskedLogits().eval(), torch.randn(2, 3, 8, 8)
+    observed = rq.prepare(model, (x,))
+    rq.calibrate(observed, [(torch.randn(2, 3, 8, 8),) for _ in range(4)])
+    int8 = rq.convert(observed)
+    assert not math.isnan(int8.meta["rewrite.quant"]["qdq_sqnr"])  # NaN passed every floor
+    assert not math.isnan(rq.accuracy_report(observed, int8, [(x,)]).output_sqnr)

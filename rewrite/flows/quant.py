@@ -635,7 +635,7 @@ def _runs_alike(reference: Any, model: Any, args: tuple) -> tuple:
 def _require_sqnr(pairs: Any, floor: float, what: str, rules: str) -> float:
     """The lowest SQNR of (reference, output) pairs; below ``floor`` it is an error."""
     db = min((sqnr(r, o) for r, o in pairs), default=math.inf)
-    if db < floor:
+    if not db >= floor:  # NaN too
         raise QuantizationError(f"{what} disagrees with its reference QDQ model: SQNR {db:.1f} dB "
                                 f"< {floor} dB ({rules})")
     return db
@@ -988,9 +988,19 @@ def coverage(int8: fx.GraphModule) -> Coverage:
 
 def sqnr(reference: torch.Tensor, test: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio in dB: ``20 log10(|ref| / |ref - test|)``
-    (inf when equal)."""
+    (inf when equal) over the reference's finite elements; its infinities and NaNs (a
+    ``masked_fill(-inf)`` of logits) must be the test's too, else -inf, as for a test
+    that is not finite where the reference is."""
     ref = reference.detach().double()
     test = test.detach().dequantize().double() if test.is_quantized else test.detach().double()
+    finite = torch.isfinite(ref)
+    if not torch.equal(finite, torch.isfinite(test)):
+        return -math.inf
+    if not finite.all():
+        off_ref, off_test = ref[~finite], test[~finite]
+        if not ((off_ref == off_test) | (off_ref.isnan() & off_test.isnan())).all():
+            return -math.inf
+        ref, test = ref[finite], test[finite]
     noise = (ref - test).norm()
     if noise == 0:
         return math.inf
@@ -1126,6 +1136,13 @@ def accuracy_report(
 
     def add(key: Any, ref: torch.Tensor, test: torch.Tensor) -> None:
         r, t = ref.detach().double(), test.detach().double()
+        finite = torch.isfinite(r)
+        if not finite.all():  # as sqnr: -inf logits must be the test's too, the rest compared
+            off_r, off_t = r[~finite], t[~finite]
+            same = bool(((off_r == off_t) | (off_r.isnan() & off_t.isnan())).all())
+            r, t = r[finite], t[finite]
+            if not same:
+                noise[key] = math.inf
         sig[key] = sig.get(key, 0.0) + float((r * r).sum())
         noise[key] = noise.get(key, 0.0) + float(((r - t) ** 2).sum())
 
