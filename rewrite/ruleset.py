@@ -15,6 +15,7 @@ runs one after the other; ``rules["fusion"]`` selects a ``ruleset`` declared in 
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import os
 import random
@@ -359,26 +360,9 @@ class RuleSet:
             result = rewrite.load("rules/fusion.rw").apply(gm, example_inputs=(x,))
             result.counts          # {'conv_bn': 53}
         """
-        if on_mismatch not in ("raise", "skip-rule"):
-            raise ValueError(f"on_mismatch must be 'raise' or 'skip-rule', not {on_mismatch!r}")
-        for flag, given in (("check", check), ("inplace", inplace), ("training", training)):
-            if not isinstance(given, bool) and not (flag == "training" and given is None):
-                # inplace="no" is truthy: the caller's model would be rewritten
-                raise TypeError(f"{flag} must be True or False, not {given!r}")
-        if max_rewrites is not None and (not isinstance(max_rewrites, int) or isinstance(max_rewrites, bool)
-                                         or max_rewrites < 1):
-            raise ValueError(f"max_rewrites must be a positive int (or None: 20 per node, plus 1000), "
-                             f"not {max_rewrites!r}")
-        if check and (not isinstance(trials, int) or trials < 1):
-            raise ValueError(f"trials must be a positive int when check=True, not {trials!r}")
-        for name, tol in (("rtol", rtol), ("atol", atol)):
-            if tol is not None and not (isinstance(tol, (int, float)) and tol >= 0):
-                raise ValueError(f"{name} must be a non-negative number, not {tol!r}")
-        if input_ranges is not None and not (isinstance(input_ranges, dict) and all(
-                isinstance(v, (tuple, list)) and len(v) == 2 for v in input_ranges.values())):
-            raise ValueError(f"input_ranges maps an input (index or pytree path) to (low, high), not {input_ranges!r}")
-        if isinstance(fixed_inputs, (str, int)) or not all(isinstance(k, (str, int)) for k in fixed_inputs):
-            raise ValueError(f"fixed_inputs is a list of input indices or pytree paths, not {fixed_inputs!r}")
+        validate_apply_options(check=check, trials=trials, rtol=rtol, atol=atol, max_rewrites=max_rewrites,
+                               on_mismatch=on_mismatch, inplace=inplace, input_ranges=input_ranges,
+                               fixed_inputs=fixed_inputs, training=training)
         if not isinstance(model, (torch.nn.Module, torch.export.ExportedProgram)):
             raise TypeError(f"apply needs a torch.fx.GraphModule, a torch.export.ExportedProgram or an "
                             f"nn.Module, not {type(model).__name__}")
@@ -645,6 +629,43 @@ def _refuse_uninitialized(model: torch.nn.Module) -> None:
                 f"{type(model).__name__} holds a lazy module not initialized yet ({kind} "
                 f"{owner or '(the model)'!r}, {name!r} has no shape): run the model once on example inputs "
                 "to materialize it, then rewrite it")
+
+
+def validate_apply_options(**options: Any) -> None:
+    """``TypeError``/``ValueError`` for an option ``RuleSet.apply`` does not take (a
+    misspelt name, with the closest one) or a value it refuses; what is left out takes
+    its default. ``rewrite.backend`` asks when it is made, not at the first compile."""
+    known = {name: p.default for name, p in inspect.signature(RuleSet.apply).parameters.items()
+             if p.kind is p.KEYWORD_ONLY}
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], list(known), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise TypeError(f"unknown apply option {unknown[0]!r}{hint}; apply takes {', '.join(sorted(known))}")
+    given = {**known, **options}
+    check, trials, rtol, atol = given["check"], given["trials"], given["rtol"], given["atol"]
+    max_rewrites, on_mismatch, inplace = given["max_rewrites"], given["on_mismatch"], given["inplace"]
+    input_ranges, fixed_inputs, training = given["input_ranges"], given["fixed_inputs"], given["training"]
+    if on_mismatch not in ("raise", "skip-rule"):
+        raise ValueError(f"on_mismatch must be 'raise' or 'skip-rule', not {on_mismatch!r}")
+    for flag, given in (("check", check), ("inplace", inplace), ("training", training)):
+        if not isinstance(given, bool) and not (flag == "training" and given is None):
+            # inplace="no" is truthy: the caller's model would be rewritten
+            raise TypeError(f"{flag} must be True or False, not {given!r}")
+    if max_rewrites is not None and (not isinstance(max_rewrites, int) or isinstance(max_rewrites, bool)
+                                     or max_rewrites < 1):
+        raise ValueError(f"max_rewrites must be a positive int (or None: 20 per node, plus 1000), "
+                         f"not {max_rewrites!r}")
+    if check and (not isinstance(trials, int) or trials < 1):
+        raise ValueError(f"trials must be a positive int when check=True, not {trials!r}")
+    for name, tol in (("rtol", rtol), ("atol", atol)):
+        if tol is not None and not (isinstance(tol, (int, float)) and tol >= 0):
+            raise ValueError(f"{name} must be a non-negative number, not {tol!r}")
+    if input_ranges is not None and not (isinstance(input_ranges, dict) and all(
+            isinstance(v, (tuple, list)) and len(v) == 2 for v in input_ranges.values())):
+        raise ValueError(f"input_ranges maps an input (index or pytree path) to (low, high), not {input_ranges!r}")
+    if isinstance(fixed_inputs, (str, int)) or not all(isinstance(k, (str, int)) for k in fixed_inputs):
+        raise ValueError(f"fixed_inputs is a list of input indices or pytree paths, not {fixed_inputs!r}")
 
 
 def _refuse_meta(model: torch.nn.Module, example_inputs: Any) -> None:

@@ -313,3 +313,29 @@ def test_convert_enforces_its_floor_on_outputs_with_minus_inf():
     int8 = rq.convert(observed)
     assert not math.isnan(int8.meta["rewrite.quant"]["qdq_sqnr"])  # NaN passed every floor
     assert not math.isnan(rq.accuracy_report(observed, int8, [(x,)]).output_sqnr)
+
+
+# AH F11: @register_predicate without () registered nothing and replaced the function.
+def test_register_decorators_work_without_parentheses():
+    @rewrite.register_predicate
+    def s39_bare(x):
+        return True
+
+    assert s39_bare(3) is True
+    result = rewrite.parse("rule rr: relu(relu(_) as r) where s39_bare(r) => r\n").apply(
+        _TwoRelus(), (torch.randn(2, 4),))
+    assert result.counts == {"rr": 1}
+    with pytest.raises(TypeError, match="the name is a str"):
+        rewrite.register_query(3)
+
+
+# AH F12: the backend took misspelt or wrong options, failing at the first compile only.
+@pytest.mark.parametrize("options, error", [
+    ({"trails": 3}, "did you mean 'trials'"), ({"check": "yes"}, "check must be True or False"),
+    ({"on_result": 3}, "on_result is called"), ({"trials": 0}, "trials must be a positive int"),
+])
+def test_the_backend_checks_its_options_when_made(options, error):
+    with pytest.raises((TypeError, ValueError), match=error):
+        rewrite.backend(rewrite.rules_dir() / "fusion.rw", **options)
+    with pytest.raises((TypeError, ValueError), match=error):  # unchecked by default: trials matter when checked
+        rewrite.inductor_pass(rewrite.load(rewrite.rules_dir() / "fusion.rw"), **{"check": True, **options})

@@ -174,6 +174,7 @@ def backend(rules: Any, *, compiler: Any = "python", check: bool = True, on_resu
     """
     rules = _as_ruleset(rules, "backend")
     compile_graph = _compiler(compiler)
+    _validate_options("backend", check, on_result, apply_options)
 
     def compile_fn(gm: fx.GraphModule, example_inputs: list) -> Callable:
         # Dynamo reads the graph it handed us after we return: work on a copy (of
@@ -211,6 +212,20 @@ def backend(rules: Any, *, compiler: Any = "python", check: bool = True, on_resu
         return run
 
     return compile_fn
+
+
+def _validate_options(where: str, check: Any, on_result: Any, apply_options: dict) -> None:
+    """The options checked when the backend (or pass) is made: a misspelt one
+    (``trails=3``) or a wrong value would fail only at the first compile, wrapped in
+    dynamo's error, or never with ``suppress_errors`` on (the rules silently not run)."""
+    from rewrite.ruleset import validate_apply_options
+
+    if on_result is not None and not callable(on_result):
+        raise TypeError(f"{where}: on_result is called with each RewriteResult, not {type(on_result).__name__}")
+    try:
+        validate_apply_options(check=check, **apply_options)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"{where}: {err}") from None
 
 
 @functools.lru_cache(maxsize=1)
@@ -266,6 +281,7 @@ def _rules_pass_class() -> type:
 
         def __init__(self, rules: Any, *, check: bool = False, on_result: Callable | None = None,
                      **apply_options: Any) -> None:
+            _validate_options("inductor_pass", check, on_result, apply_options)
             self.rules = rules
             self.check = check
             self.on_result = on_result

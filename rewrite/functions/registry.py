@@ -109,8 +109,13 @@ def _same_code(a: Callable, b: Callable) -> bool:
     return (code_a.co_code, code_a.co_consts, code_a.co_names) == (code_b.co_code, code_b.co_consts, code_b.co_names)
 
 
-def _register(kind: str, name: str | None, inputs: tuple = (), local: bool = False,
+def _register(kind: str, name: Any, inputs: tuple = (), local: bool = False,
               op_names_from: int | None = None) -> Callable:
+    if callable(name) and not isinstance(name, str):  # written without its (): @register_predicate
+        return _register(kind, None, inputs, local, op_names_from)(name)
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"register_{kind}: the name is a str (or left out), not {type(name).__name__}")
+
     def deco(fn: Callable) -> Callable:
         sig = inspect.signature(fn)
         params, required, variadic = [], 0, False
