@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from rewrite.module_state import AttributeSnapshot, TensorValues
 from rewrite.trust.held import laid_out_copy
 
-__all__ = ["LEVELS", "INFERENCE_KEY", "DYNAMO_SOURCE", "ExportError", "ModelSpecError", "SaveError", "higher_order_ops",
+__all__ = ["LEVELS", "INFERENCE_KEY", "AUTOCAST_OFF_LOST", "DYNAMO_SOURCE", "ExportError", "ModelSpecError", "SaveError", "higher_order_ops",
            "as_input_tuple",
            "capture", "capture_with_inputs", "symbolic_trace", "capture_dynamo", "GraphBreakError", "mha_fastpath_off",
            "dynamic_shapes_of",
@@ -199,10 +199,16 @@ def symbolic_trace(model: nn.Module) -> fx.GraphModule:
     tables = [(prefix, m, dict(m._buffers), dict(m._parameters)) for prefix, m in model.named_modules()]
     guard = _NoWritesToExisting()
     try:
-        with guard:
+        with guard, _autocast_entries() as entered:
             tracer = _HookKeepingTracer()
             graph = tracer.trace(model)
             gm = fx.GraphModule(tracer.root, graph, model.__class__.__name__)
+        if False in entered:
+            gm.meta[AUTOCAST_OFF_LOST] = True
+            warnings.warn(f"{type(model).__name__}'s forward runs a block with torch.autocast(..., enabled=False): "
+                          "torch.fx.symbolic_trace keeps no trace of it, so no rule may compute in a half precision "
+                          "anywhere in this graph (the AMP rule sets do nothing); capture with torch.export or "
+                          "torch.compile (rewrite.backend), which keep the block", stacklevel=3)
         replaced = next((f"{prefix}.{name}" if prefix else name for prefix, m, buffers, params in tables
                          for name, t in [*buffers.items(), *params.items()]
                          if m._buffers.get(name, m._parameters.get(name)) is not t), None)
@@ -224,6 +230,25 @@ def symbolic_trace(model: nn.Module) -> fx.GraphModule:
     finally:
         snapshot.restore()
     return gm
+
+
+@contextlib.contextmanager
+def _autocast_entries() -> Iterator[list]:
+    """The ``enabled`` flag of each ``torch.autocast`` block entered meanwhile (the
+    tracer runs the forward's ``with`` statements and records nothing of them)."""
+    entered: list = []
+    cls = torch.amp.autocast_mode.autocast
+    original = cls.__enter__
+
+    def enter(self: Any) -> Any:
+        entered.append(bool(getattr(self, "_enabled", True)))
+        return original(self)
+
+    cls.__enter__ = enter
+    try:
+        yield entered
+    finally:
+        cls.__enter__ = original
 
 
 class _ExistingWrite(Exception):
@@ -310,6 +335,11 @@ def capture_with_inputs(model: nn.Module, example_inputs: Any, level: str) -> Tu
 #: model with every module in eval mode (``rewrite.capture``), and by an apply that knew
 #: (a later apply knows it too: a fold may have removed the eval-mode batch norm that told)
 INFERENCE_KEY = "rewrite_inference"
+
+
+#: ``GraphModule.meta`` key: the traced forward ran a block with autocast disabled, which
+#: ``symbolic_trace`` keeps no trace of (no rewrite newly computes in a half precision)
+AUTOCAST_OFF_LOST = "rewrite_autocast_off_lost"
 
 
 def _noted_mode(gm: fx.GraphModule, model: nn.Module) -> fx.GraphModule:

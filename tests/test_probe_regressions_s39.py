@@ -339,3 +339,40 @@ def test_the_backend_checks_its_options_when_made(options, error):
         rewrite.backend(rewrite.rules_dir() / "fusion.rw", **options)
     with pytest.raises((TypeError, ValueError), match=error):  # unchecked by default: trials matter when checked
         rewrite.inductor_pass(rewrite.load(rewrite.rules_dir() / "fusion.rw"), **{"check": True, **options})
+
+
+class _Float32Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        with torch.autocast("cpu", enabled=False):  # kept in float32 on purpose
+            return self.b(h.float())
+
+
+# AH F13: the AMP rules lowered ops inside the model's torch.autocast(enabled=False) block
+# under the backend (dynamo) and on symbolic_trace graphs; torch.autocast keeps it float32.
+def test_amp_leaves_a_block_with_autocast_disabled_in_float32_under_the_backend():
+    model, x = _Float32Block().eval(), torch.randn(8, 16)
+    amp = rewrite.load(rewrite.rules_dir() / "amp_bf16.rw")
+    results = []
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(model, backend=rewrite.backend(amp, on_result=results.append))(x)
+        with torch.autocast("cpu", torch.bfloat16):
+            expected = model(x)
+    assert results and sum(r.counts.get("linear_bf16", 0) for r in results) == 1  # a only
+    torch.testing.assert_close(out, expected.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_a_symbolic_trace_that_lost_an_autocast_block_computes_nothing_in_half():
+    model, x = _Float32Block().eval(), torch.randn(8, 16)
+    amp = rewrite.load(rewrite.rules_dir() / "amp_bf16.rw")
+    with pytest.warns(UserWarning, match="enabled=False"):
+        result = amp.apply(model, (x,))
+    assert not any(k.startswith("linear_bf16") for k in result.counts)
+    fusion = rewrite.load(rewrite.rules_dir() / "cleanup.rw")  # rules that keep the precision still run
+    fusion.apply(model, (x,))

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from rewrite.capture import AUTOCAST_OFF_LOST
+
 __all__ = ["MODE_SWITCHES", "Regions"]
 
 #: calls that switch grad mode or autocast for the nodes after them
@@ -38,6 +40,7 @@ class Regions:
         self.graph = graph
         self._switches: bool | None = None
         self._region: dict = {}
+        self._autocast_off: set = set()  # regions inside a block the model runs with autocast disabled
 
     def any(self) -> bool:
         """Whether the graph switches modes at all (asked once)."""
@@ -48,9 +51,16 @@ class Regions:
     def of(self, node: fx.Node) -> int:
         if not self._region:
             region = 0
+            autocast: list = []  # enabled flags of the autocast blocks entered, innermost last
             for n in self.graph.nodes:
                 if n.op == "call_function" and n.target in MODE_SWITCHES:
                     region += 1
+                    if n.target is torch.amp.autocast_mode._enter_autocast:
+                        autocast.append(n.args[2] if len(n.args) > 2 else n.kwargs.get("enabled", True))
+                    elif n.target is torch.amp.autocast_mode._exit_autocast and autocast:
+                        autocast.pop()
+                    if autocast and autocast[-1] is False:
+                        self._autocast_off.add(region)
                 self._region[n] = region
         found = self._region.get(node)
         if found is None:
@@ -60,6 +70,14 @@ class Regions:
             found = self._region.get(before, 0)
             self._region[node] = found
         return found
+
+    def autocast_disabled(self, node: fx.Node) -> bool:
+        """Whether ``node`` lies in a block the model runs with ``torch.autocast(...,
+        enabled=False)`` (a part kept in float32 on purpose): no rewrite may newly
+        compute a value there in a half precision (``Replacer``)."""
+        if self.graph.owning_module is not None and self.graph.owning_module.meta.get(AUTOCAST_OFF_LOST):
+            return True  # a symbolic_trace of a forward with such a block: where it was is not known
+        return self.any() and self.of(node) in self._autocast_off
 
     def spanned(self, nodes: tuple, root: fx.Node, forwarded: fx.Node | None) -> str | None:
         """Why a match of ``nodes`` at ``root`` (replaced by the existing value

@@ -177,7 +177,7 @@ class Replacer:
             raise ReplacementError(f"rule {match.rule.name!r} at {root.name}: the replacement's number of "
                                    f"results is not known to be {len(results)}")
         if result is not root:
-            problem = self._unlike_root(root, result)
+            problem = self._unlike_root(root, result) or self._narrowed_where_autocast_is_off(root)
             if problem is not None:
                 self._undo()
                 raise ReplacementError(f"rule {match.rule.name!r} at {root.name}: {problem}")
@@ -452,6 +452,23 @@ class Replacer:
             return self._refused_inference(result)
         return _unlike(want, got)
 
+    def _narrowed_where_autocast_is_off(self, root: fx.Node) -> str | None:
+        """Why a replacement may not stand: it newly computes in a half precision inside
+        a block the model runs with ``torch.autocast(..., enabled=False)``, which keeps
+        that part in float32 on purpose (an AMP rule set would lower it, where
+        ``torch.autocast`` does not). None elsewhere, and where the root itself is half."""
+        if not self._regions.autocast_disabled(root):
+            return None
+        want = tensor_meta_of(root)
+        if getattr(want, "dtype", None) in _HALF:
+            return None
+        for node in self._created:
+            got = self.facts.meta(node, record=False) if not node._erased else None
+            if getattr(got, "dtype", None) in _HALF:
+                return (f"it computes in {got.dtype} inside a block the model runs with autocast disabled "
+                        "(torch.autocast(..., enabled=False) keeps it in float32)")
+        return None
+
     def _refused_inference(self, result: fx.Node) -> str | None:
         failed = self.facts.inference_error(result)
         return None if failed is None else f"{UNLIKE_ROOT}it cannot be computed on the root's inputs: {failed}"
@@ -580,6 +597,9 @@ def _unlike(want: Any, got: Any) -> str | None:
 def _autocast_on() -> bool:
     return any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))
 
+
+#: the half precisions a block with autocast disabled is kept out of
+_HALF = frozenset({torch.bfloat16, torch.float16})
 
 #: dtypes autocast turns into each other (``_unlike``)
 _AUTOCAST_PAIRS = frozenset({torch.float32, torch.bfloat16, torch.float16})
