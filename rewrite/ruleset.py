@@ -631,12 +631,16 @@ def _refuse_uninitialized(model: torch.nn.Module) -> None:
                 "to materialize it, then rewrite it")
 
 
+#: ``RuleSet.apply``'s keyword options and their defaults, read once (a caller may wrap apply)
+_APPLY_OPTIONS = {name: p.default for name, p in inspect.signature(RuleSet.apply).parameters.items()
+                  if p.kind is p.KEYWORD_ONLY}
+
+
 def validate_apply_options(**options: Any) -> None:
     """``TypeError``/``ValueError`` for an option ``RuleSet.apply`` does not take (a
     misspelt name, with the closest one) or a value it refuses; what is left out takes
     its default. ``rewrite.backend`` asks when it is made, not at the first compile."""
-    known = {name: p.default for name, p in inspect.signature(RuleSet.apply).parameters.items()
-             if p.kind is p.KEYWORD_ONLY}
+    known = _APPLY_OPTIONS
     unknown = sorted(set(options) - set(known))
     if unknown:
         close = difflib.get_close_matches(unknown[0], list(known), n=1)

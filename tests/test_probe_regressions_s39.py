@@ -376,3 +376,29 @@ def test_a_symbolic_trace_that_lost_an_autocast_block_computes_nothing_in_half()
     assert not any(k.startswith("linear_bf16") for k in result.counts)
     fusion = rewrite.load(rewrite.rules_dir() / "cleanup.rw")  # rules that keep the precision still run
     fusion.apply(model, (x,))
+
+
+# AI F9: a typo in a policy file's literal (an observer kind, a weight scheme, QAT bits)
+# loaded, and the rule silently never fired: the layer stayed in float.
+@pytest.mark.parametrize("call, message", [
+    ('activation_observer(relu(x), "minmx")', "did you mean 'minmax'"),
+    ('activation_fake_quant(relu(x), kind="moving_avg")', "did you mean 'moving_average'"),
+    ('qat_linear(x, w, b, 9, "per_channel_symmetric")', "bits = one of 2, 3, 4, 5, 6, 7, 8"),
+    ('qat_linear(x, w, b, 8, "per_chanel_symmetric")', "did you mean 'per_channel_symmetric'"),
+    ('linear(x, dequantize(quantize_weight(w, "per_tensr_symmetric")), b)', "did you mean 'per_tensor_symmetric'"),
+])
+def test_a_literal_a_policy_function_does_not_take_is_refused_at_load(call, message):
+    root = "relu(x)" if call.startswith("activation") else "linear(x, w, b)"
+    with pytest.raises(rewrite.RuleError) as err:
+        rewrite.parse(f"rule r: {root} => {call}\n")
+    assert "[E209]" in str(err.value) and message in str(err.value)
+
+
+def test_the_shipped_policy_literals_load():
+    for name in ("observe", "convert", "lower", "qat"):
+        rewrite.load(rewrite.rules_dir() / "quant" / f"{name}.rw")
+
+
+def test_choices_name_parameters_the_function_takes():
+    with pytest.raises(ValueError, match="does not take"):
+        rewrite.register_module("s39_choices", choices={"nope": (1,)})(lambda x=None, kind="a": nn.Identity())

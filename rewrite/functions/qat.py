@@ -83,6 +83,10 @@ class QATFakeQuantize(FakeQuantize):
         return torch.fake_quantize_per_tensor_affine(x, self.scale, self.zero_point, self.quant_min, self.quant_max)
 
 
+#: the literals a QAT layer's ``bits`` and ``scheme`` take (E209 when a rule file loads)
+_LAYER_CHOICES = {"bits": tuple(range(2, 9)), "scheme": tuple(WEIGHT_SCHEMES)}
+
+
 def weight_fake_quant(bits: int = 8, scheme: str = "per_channel_symmetric") -> QATFakeQuantize:
     """A weight fake quantizer: signed ``bits``-bit integers in
     ``[-2**(bits-1), 2**(bits-1) - 1]``, symmetric, per output channel (axis 0) or per
@@ -266,7 +270,7 @@ class QATLinear(QATLayer):
 # ---------------------------------------------------------------- modules the rules insert
 
 
-@register_module(inputs=("x",))
+@register_module(inputs=("x",), choices={"kind": tuple(_ACT_OBSERVERS)})
 def activation_fake_quant(x: Any = None, kind: str = "moving_average") -> nn.Module:
     """An activation fake quantizer: torch's ``FakeQuantize``, per-tensor affine
     ``quint8`` (the scale computed for 7 bits on CPUs without VNNI, as PTQ's
@@ -287,14 +291,14 @@ def activation_fake_quant(x: Any = None, kind: str = "moving_average") -> nn.Mod
     return fq
 
 
-@register_module(inputs=("x",))
+@register_module(inputs=("x",), choices=_LAYER_CHOICES)
 def qat_conv(x: Any = None, weight: Any = None, bias: Any = None, stride: Any = 1, padding: Any = 0,
              dilation: Any = 1, groups: int = 1, bits: int = 8, scheme: str = "per_channel_symmetric") -> nn.Module:
     """A conv whose weight is fake-quantized to ``bits`` (``scheme``) as it trains."""
     return QATConv(weight, bias, stride, padding, dilation, groups, bits, scheme)
 
 
-@register_module(inputs=("x",))
+@register_module(inputs=("x",), choices=_LAYER_CHOICES)
 def qat_conv_bn(x: Any = None, weight: Any = None, bias: Any = None, mean: Any = None, var: Any = None,
                 gamma: Any = None, beta: Any = None, stride: Any = 1, padding: Any = 0, dilation: Any = 1,
                 groups: int = 1, eps: float = 1e-5, momentum: float = 0.1, bits: int = 8,
@@ -309,7 +313,7 @@ def qat_conv_bn(x: Any = None, weight: Any = None, bias: Any = None, mean: Any =
                      bits, scheme).eval()
 
 
-@register_module(inputs=("x",))
+@register_module(inputs=("x",), choices=_LAYER_CHOICES)
 def qat_linear(x: Any = None, weight: Any = None, bias: Any = None, bits: int = 8,
                scheme: str = "per_channel_symmetric") -> nn.Module:
     """A linear whose weight is fake-quantized to ``bits`` (``scheme``) as it trains."""

@@ -542,7 +542,8 @@ def mat_weight(w: Any) -> Any:
     return w.detach().t().contiguous()
 
 
-@register_constant()
+@register_constant(choices={"scheme": ("per_channel_symmetric", "per_channel_affine", "per_tensor_symmetric",
+                                        "per_tensor_affine")})
 def quantize_weight(w: Any, scheme: str = "per_channel_symmetric") -> Any:
     """A float weight quantized to int8 once, at rewrite time, with the parameters
     torch's weight observer computes: ``"per_channel_symmetric"`` (torch's
@@ -717,7 +718,7 @@ _OBSERVERS = {"histogram": FiniteHistogramObserver, "minmax": FiniteMinMaxObserv
               "moving_average": FiniteMovingAverageMinMaxObserver}
 
 
-@register_module(inputs=("x",))
+@register_module(inputs=("x",), choices={"kind": ("histogram", "minmax", "moving_average")})
 def activation_observer(x: Any = None, kind: str = "histogram") -> nn.Module:
     """The default activation observer: torch's per-tensor affine ``quint8``
     ``HistogramObserver`` (``kind="histogram"``), ``MinMaxObserver`` (``"minmax"``)

@@ -52,6 +52,10 @@ class FunctionSpec:
     #: the arguments from this position on name ops (``feeds(x, "relu")``): the rule
     #: file is checked for names no op has, which would never match (None: none do)
     op_names_from: int | None = None
+    #: parameter -> the literal values it takes (``kind``: "histogram", "minmax", ...): a
+    #: rule file passing another literal is refused when it loads (E209), where the
+    #: function would otherwise raise at rewrite time and the rule silently not fire
+    choices: dict = attrs.field(factory=dict)
 
     def accepts(self, n_positional: int, keywords: tuple) -> str | None:
         """None if a call with this many positional args and these keywords fits,
@@ -110,9 +114,9 @@ def _same_code(a: Callable, b: Callable) -> bool:
 
 
 def _register(kind: str, name: Any, inputs: tuple = (), local: bool = False,
-              op_names_from: int | None = None) -> Callable:
+              op_names_from: int | None = None, choices: dict | None = None) -> Callable:
     if callable(name) and not isinstance(name, str):  # written without its (): @register_predicate
-        return _register(kind, None, inputs, local, op_names_from)(name)
+        return _register(kind, None, inputs, local, op_names_from, choices)(name)
     if name is not None and not isinstance(name, str):
         raise TypeError(f"register_{kind}: the name is a str (or left out), not {type(name).__name__}")
 
@@ -131,8 +135,11 @@ def _register(kind: str, name: Any, inputs: tuple = (), local: bool = False,
         key = name or fn.__name__
         _refuse_name(key, kind, fn)
         doc = (inspect.getdoc(fn) or "").split("\n")[0]
+        unknown = set(choices or {}) - set(params)
+        if unknown:
+            raise ValueError(f"register_{kind}({key!r}): choices for {sorted(unknown)}, which it does not take")
         _REGISTRY[key] = FunctionSpec(key, fn, kind, tuple(params), required, variadic, tuple(inputs), doc, local,
-                                      op_names_from)
+                                      op_names_from, {k: tuple(v) for k, v in (choices or {}).items()})
         return fn
 
     return deco
@@ -163,15 +170,18 @@ def register_query(name: str | None = None, *, local: bool = False) -> Callable:
     return _register("query", name, local=local)
 
 
-def register_constant(name: str | None = None) -> Callable:
-    """Decorator: a rewrite-time function computing a new constant from concrete values."""
-    return _register("constant", name)
+def register_constant(name: str | None = None, *, choices: dict | None = None) -> Callable:
+    """Decorator: a rewrite-time function computing a new constant from concrete values.
+    ``choices``: parameter -> the literal values it takes, checked when a rule file
+    loads (E209)."""
+    return _register("constant", name, choices=choices)
 
 
-def register_module(name: str | None = None, inputs: tuple = ("x",)) -> Callable:
+def register_module(name: str | None = None, inputs: tuple = ("x",), *, choices: dict | None = None) -> Callable:
     """Decorator: a factory of an ``nn.Module`` inserted by a replacement and called
-    on the arguments named in ``inputs``; the other arguments configure the factory."""
-    return _register("module", name, inputs)
+    on the arguments named in ``inputs``; the other arguments configure the factory.
+    ``choices``: as for ``register_constant``."""
+    return _register("module", name, inputs, choices=choices)
 
 
 def lookup_function(name: str) -> FunctionSpec | None:

@@ -957,12 +957,29 @@ class _Checker:
         if problem:
             params = ", ".join(spec.params) + (", ..." if spec.variadic else "")
             self.error(span, problem, "E205", help=f"signature: {spec.name}({params})")
+        if spec.choices and not problem:
+            self._chosen_args(c, spec)
         if spec.op_names_from is not None:
             if not problem and len(c.args) <= spec.op_names_from:
                 self.error(span, f"{spec.name}() names no op: it would never match", "E208",
                            help=f"name the ops after its first argument: {spec.name}(x, \"relu\")")
             for arg in c.args[spec.op_names_from:]:
                 self._op_name_arg(arg, spec, span)
+
+    def _chosen_args(self, c: ast.Call, spec: Any) -> None:
+        """E209: a literal argument a registered function does not take (``kind="minmx"``
+        for an observer): it would raise at rewrite time, and the rule not fire."""
+        given = [*zip(spec.params, c.args), *((k.name, k.value) for k in c.kwargs)]
+        for name, arg in given:
+            allowed = spec.choices.get(name)
+            if allowed is None or not isinstance(arg, ast.Literal) or arg.value in allowed \
+                    and type(arg.value) is type(allowed[list(allowed).index(arg.value)]):
+                continue
+            shown = ", ".join(map(repr, allowed))
+            close = did_you_mean(str(arg.value), [str(a) for a in allowed]) if isinstance(arg.value, str) else None
+            self.error(getattr(arg, "span", None) or c.span,
+                       f"argument '{name}' of {spec.name}() is {arg.value!r}, not one of {shown}", "E209",
+                       help=close or f"{spec.name}() takes {name} = one of {shown}")
 
     def _op_name_arg(self, arg: Any, spec: Any, span: Any) -> None:
         """E208: an argument of ``feeds``/``produced_by`` that names no op by the
