@@ -448,13 +448,15 @@ class RuleSet:
                 # (deterministic) rewrite again
                 rewritten_dtypes = static_float_dtypes(gm)
                 txn.restore()
-                base = original if not changes else self._changed(original, changes)
+                base = original if not changes else self._changed(original, changes, driver.counts, example_inputs,
+                                                                  (trials, rtol, atol, drawn))
                 lower = new_half_precisions(static_float_dtypes(original), rewritten_dtypes)
                 reference = Reference(base, example_inputs, graph=original, **drawn)
                 reference.prepare(trials, kind, gradients, lower)
                 gm, driver = txn.run()
             else:
-                base = model if not changes else self._changed(original, changes)
+                base = model if not changes else self._changed(original, changes, driver.counts, example_inputs,
+                                                               (trials, rtol, atol, drawn))
                 reference = Reference(base, example_inputs, graph=original, **drawn)
 
             def verdict(candidate: fx.GraphModule) -> Any:
@@ -525,15 +527,30 @@ class RuleSet:
         """Names of the rules declared as intentional changes (``change=True``)."""
         return {name for name, rule in self.rules.items() if rule.rule.option("change", False)}
 
-    def _changed(self, original: fx.GraphModule, fired: set) -> fx.GraphModule:
+    def _changed(self, original: fx.GraphModule, fired: set, counts: Any = None, example_inputs: Any = None,
+                 checking: tuple = (3, None, None, {})) -> fx.GraphModule:
         """The model with only the intentional changes this run made (``fired``: not
         every ``change`` rule of the file, which this rule set may not schedule)
-        applied: what the whole rewrite must stay equivalent to."""
+        applied: what the whole rewrite must stay equivalent to. When the changes
+        alone do not fire as often as in the run (``counts``: a change rule matches
+        what another rule made, or another rule took a site first), they are applied
+        after the other rules, which are checked on their own first (``checking``:
+        trials, rtol, atol and the drawn inputs' options of the run)."""
         # under the rule set's own schedule (a change rule that matches its own
         # replacement runs in once(...)): its other rules left out
         schedule = self._only(self.schedule, fired) or Schedule("fixpoint", tuple(sorted(fired)))
         only = RuleSet(self.rules, {}, schedule, f"{self.name}:changes")
-        return only.apply(original, check=False).graph_module
+        alone = only.apply(original, example_inputs, check=False)
+        if counts is None or all(alone.counts.get(name, 0) == counts.get(name, 0) for name in fired):
+            return alone.graph_module
+        others = self._only(self.schedule, set(self.scheduled_rules()) - self._changes())
+        if others is None:
+            return alone.graph_module
+        trials, rtol, atol, drawn = checking
+        exact = RuleSet(self.rules, {}, others, f"{self.name}:without changes").apply(
+            original, example_inputs, check=example_inputs is not None, trials=trials, rtol=rtol, atol=atol,
+            **drawn)
+        return only.apply(exact.graph_module, example_inputs, check=False).graph_module
 
     def _only(self, item: Any, rules: set) -> Any:
         """``item`` of a schedule with every rule not in ``rules`` left out (rule-set

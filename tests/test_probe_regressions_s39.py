@@ -402,3 +402,51 @@ def test_the_shipped_policy_literals_load():
 def test_choices_name_parameters_the_function_takes():
     with pytest.raises(ValueError, match="does not take"):
         rewrite.register_module("s39_choices", choices={"nope": (1,)})(lambda x=None, kind="a": nn.Identity())
+
+
+class _ClampTimesThree(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.nn.functional.hardtanh(self.lin(x), 0.0, 1.0) * 3.0
+
+
+_CHANGE = "rule clamp_to_sigmoid(change=True): clamp(x, 0.0, 1.0) => sigmoid(x)\n"
+
+
+# AH F3: the reference of a run with an intentional change ran the change rules alone on
+# the original: a change matching what an exact rule made (or a where clause needing
+# facts on a symbolic_trace graph) did not fire there, and the change was blamed.
+@pytest.mark.parametrize("level", ["fx", "export"])
+@pytest.mark.parametrize("where", ["", " where is_float(x)"])
+def test_a_change_on_what_an_exact_rule_made_is_checked_against_both(level, where):
+    model, x = _ClampTimesThree().eval(), torch.randn(4, 8)
+    gm = fx.symbolic_trace(model) if level == "fx" else torch.export.export(model, (x,)).module()
+    rules = rewrite.parse("rule c: hardtanh(x, 0.0, 1.0) => clamp(x, 0.0, 1.0)\n"
+                          + _CHANGE.replace(" =>", f"{where} =>"))
+    result = rules.apply(gm, (x,))
+    assert result.counts == {"c": 1, "clamp_to_sigmoid": 1} and result.changes == ("clamp_to_sigmoid",)
+    torch.testing.assert_close(result.graph_module(x), torch.sigmoid(model.lin(x)) * 3.0)
+
+
+def test_a_wrong_exact_rule_next_to_such_a_change_is_still_caught():
+    model, x = _ClampTimesThree().eval(), torch.randn(4, 8)
+    rules = rewrite.parse("rule c: hardtanh(x, 0.0, 1.0) => clamp(x, 0.0, 2.0)\n"
+                          "rule clamp_to_sigmoid(change=True): clamp(x, 0.0, 2.0) => sigmoid(x)\n")
+    with pytest.raises(rewrite.EquivalenceError):
+        rules.apply(fx.symbolic_trace(model), (x,))
+
+
+def test_a_change_whose_site_an_exact_rule_took_first_is_counted_as_in_the_run():
+    class TwoClamps(nn.Module):
+        def forward(self, x, y):
+            return torch.nn.functional.hardtanh(x, 0.0, 1.0) + torch.nn.functional.hardtanh(y, 0.0, 1.0).sum()
+
+    x, y = torch.randn(4, 8), torch.randn(3)
+    rules = rewrite.parse("rule c(priority=10): hardtanh(x, 0.0, 1.0) where rank(x) == 2 => clamp(x, 0.0, 1.0)\n"
+                          "rule a(change=True): hardtanh(x, 0.0, 1.0) => sigmoid(x)\n")
+    result = rules.apply(fx.symbolic_trace(TwoClamps()), (x, y))
+    assert result.counts == {"c": 1, "a": 1} and result.changes == ("a",)
