@@ -313,6 +313,7 @@ def capture_with_inputs(model: nn.Module, example_inputs: Any, level: str) -> Tu
     if level == "fx":
         return symbolic_trace(model), args
     if level in ("export", "export_core"):
+        _warn_hooks_lost(model, level)
         # non-strict export runs the caller's forward: a list or dict attribute it
         # appends to is swapped for a new one and the old one keeps the trace's entry
         attributes = AttributeSnapshot(list(model.modules()))
@@ -350,6 +351,18 @@ def _noted_mode(gm: fx.GraphModule, model: nn.Module) -> fx.GraphModule:
     if not any(m.training for m in model.modules()):
         gm.meta[INFERENCE_KEY] = True
     return gm
+
+
+def _warn_hooks_lost(model: nn.Module, level: str) -> None:
+    """torch.export runs the forward hooks of the caller's modules once, at capture
+    time, and the graph never runs them again (a feature-extraction hook would see
+    one call): say so, naming the modules."""
+    names = [name or "(the model)" for name, m in model.named_modules() if hooked(m)]
+    if names:
+        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        warnings.warn(f"capture {level!r}: {len(names)} module(s) of {type(model).__name__} have hooks ({shown}): "
+                      "torch.export ran them once, while capturing, and the graph never runs them (capture 'fx' "
+                      "keeps a hooked module as one call that runs them)", stacklevel=3)
 
 
 def capture(model: nn.Module, example_inputs: Any, level: str) -> fx.GraphModule:

@@ -450,3 +450,31 @@ def test_a_change_whose_site_an_exact_rule_took_first_is_counted_as_in_the_run()
                           "rule a(change=True): hardtanh(x, 0.0, 1.0) => sigmoid(x)\n")
     result = rules.apply(fx.symbolic_trace(TwoClamps()), (x, y))
     assert result.counts == {"c": 1, "a": 1} and result.changes == ("a",)
+
+
+class _HookedBlockModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.b = _ConvBN()
+
+    def forward(self, x):
+        return self.b(x) * 2
+
+
+# AH F7: a block kept whole for its hook was blamed on symbolic_trace, with advice (export)
+# that silently drops the hook.
+def test_the_leaf_warning_names_hooks_and_the_export_capture_warns_of_them():
+    from rewrite.capture import capture
+    from rewrite.engine.leaves import LeafModuleWarning
+
+    model, x, feats = _HookedBlockModel().eval(), torch.randn(2, 3, 8, 8), []
+    model.b.register_forward_hook(lambda mod, i, o: feats.append(o.detach()))
+    fusion = rewrite.load(rewrite.rules_dir() / "fusion.rw")
+    with pytest.warns(LeafModuleWarning, match="registered hooks on them") as caught:
+        result = fusion.apply(model, (x,))
+    assert not any("Capture with torch.export" in str(w.message) for w in caught)
+    before = len(feats)
+    result.graph_module(x)
+    assert len(feats) == before + 1  # the hook still runs
+    with pytest.warns(UserWarning, match=r"have hooks \(b\)"):
+        capture(model, (x,), "export")

@@ -15,6 +15,8 @@ from typing import Any, Iterable
 
 import torch.fx as fx
 
+from rewrite.capture import hooked
+
 __all__ = ["LeafModuleWarning", "hidden_ops", "leaf_warning"]
 
 
@@ -72,11 +74,21 @@ def leaf_warning(gm: fx.GraphModule, root_ops: Iterable[str]) -> str | None:
     hidden = hidden_ops(gm, root_ops)
     if not hidden:
         return None
-    types = collections.Counter(type(gm.get_submodule(q)).__name__ for q in hidden)
-    ops = sum(hidden.values(), collections.Counter())
-    shown = ", ".join(f"{t} x{n}" for t, n in sorted(types.items()))
-    hid = ", ".join(f"{op} x{n}" for op, n in sorted(ops.items()))
-    return (f"rewrite: {len(hidden)} leaf module(s) of the captured graph ({shown}) hide at least {sum(ops.values())} "
-            f"op(s) this rule set rewrites ({hid}): torch.fx.symbolic_trace keeps torch.nn modules as "
-            f"single calls. Capture with torch.export (torch.export.export(model, inputs).module(), "
-            f"capture='export', --capture export) to rewrite inside them.")
+    hooks = {q for q in hidden if hooked(gm.get_submodule(q))}
+    texts = []
+    for group, why, advice in (
+            ([q for q in hidden if q not in hooks], "torch.fx.symbolic_trace keeps torch.nn modules as single calls",
+             "Capture with torch.export (torch.export.export(model, inputs).module(), capture='export', "
+             "--capture export) to rewrite inside them."),
+            ([q for q in hidden if q in hooks], "they are kept as single calls because the caller registered hooks "
+             "on them, which run on every call only so", "Remove the hooks while rewriting to rewrite inside them "
+             "(a torch.export capture would run them once, at capture time, and never again).")):
+        if not group:
+            continue
+        types = collections.Counter(type(gm.get_submodule(q)).__name__ for q in group)
+        ops = sum((hidden[q] for q in group), collections.Counter())
+        shown = ", ".join(f"{t} x{n}" for t, n in sorted(types.items()))
+        hid = ", ".join(f"{op} x{n}" for op, n in sorted(ops.items()))
+        texts.append(f"{len(group)} leaf module(s) of the captured graph ({shown}) hide at least "
+                     f"{sum(ops.values())} op(s) this rule set rewrites ({hid}): {why}. {advice}")
+    return "rewrite: " + " And ".join(texts)
