@@ -478,3 +478,20 @@ def test_the_leaf_warning_names_hooks_and_the_export_capture_warns_of_them():
     assert len(feats) == before + 1  # the hook still runs
     with pytest.warns(UserWarning, match=r"have hooks \(b\)"):
         capture(model, (x,), "export")
+
+
+# AI F2: an int8 model's state dict is empty, and loading one into it reported success.
+def test_loading_a_state_dict_into_an_int8_model_is_refused():
+    import io
+
+    import rewrite.quant as rq
+
+    model, x = _ConvBN().eval(), torch.randn(2, 3, 8, 8)
+    int8 = rq.quantize(model, [x])
+    with pytest.raises(RuntimeError, match="save and load the whole model"):
+        int8.load_state_dict(int8.state_dict())
+    buffer = io.BytesIO()
+    torch.save(int8, buffer)  # the whole model round-trips
+    buffer.seek(0)
+    again = torch.load(buffer, weights_only=False)
+    assert torch.equal(again(x).dequantize() if again(x).is_quantized else again(x), int8(x))
