@@ -495,3 +495,22 @@ def test_loading_a_state_dict_into_an_int8_model_is_refused():
     buffer.seek(0)
     again = torch.load(buffer, weights_only=False)
     assert torch.equal(again(x).dequantize() if again(x).is_quantized else again(x), int8(x))
+
+
+# AI F3: a prepared model's flow state is in its meta, which pickling drops; its
+# state dict, loaded into a fresh prepare of the same model, carries what convert needs.
+def test_a_prepared_models_state_dict_restores_it_for_convert():
+    import rewrite.qat as rqat
+    import rewrite.quant as rq
+
+    model, x = _ConvBN().eval(), torch.randn(2, 3, 8, 8)
+    observed = rq.prepare(model, (x,))
+    rq.calibrate(observed, [torch.randn(2, 3, 8, 8) for _ in range(3)])
+    fresh = rq.prepare(model, (x,))
+    fresh.load_state_dict(observed.state_dict())
+    assert torch.equal(rq.convert(fresh)(x).dequantize(), rq.convert(observed)(x).dequantize())
+    qat = rqat.prepare_qat(model, (x,))
+    qat(torch.randn(2, 3, 8, 8))
+    again = rqat.prepare_qat(model, (x,))
+    again.load_state_dict(qat.state_dict())
+    assert torch.equal(rqat.convert(again.eval())(x).dequantize(), rqat.convert(qat.eval())(x).dequantize())
