@@ -436,6 +436,11 @@ def load_model(spec: str) -> Tuple[nn.Module, tuple]:
     if not (isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module)):
         raise ModelSpecError(f"{spec} must return (model, example_inputs), got {type(built).__name__}")
     model, inputs = built
+    training = [name or "(the model)" for name, m in model.named_modules() if getattr(m, "training", False)] \
+        if isinstance(model, nn.Module) else []
+    if training:  # said, not done silently: a train-mode batch norm would compute otherwise
+        warnings.warn(f"{spec} returned a model in training mode ({training[0]}): it is put in eval mode "
+                      "(model.eval()) and rewritten for inference", stacklevel=2)
     try:
         model = model.eval()
     except (Exception, SystemExit) as err:  # noqa: BLE001 - the user's eval() failed

@@ -514,3 +514,22 @@ def test_a_prepared_models_state_dict_restores_it_for_convert():
     again = rqat.prepare_qat(model, (x,))
     again.load_state_dict(qat.state_dict())
     assert torch.equal(rqat.convert(again.eval())(x).dequantize(), rqat.convert(qat.eval())(x).dequantize())
+
+
+# AH F5: the command line put a train-mode model in eval mode without a word.
+def test_loading_a_train_mode_model_says_it_is_put_in_eval_mode(tmp_path, monkeypatch):
+    from rewrite.capture import load_model
+
+    (tmp_path / "s39_train_models.py").write_text(
+        "import torch, torch.nn as nn\n"
+        "def train():\n"
+        "    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).train(), (torch.randn(2, 3, 8, 8),)\n"
+        "def evaluated():\n"
+        "    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).eval(), (torch.randn(2, 3, 8, 8),)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.warns(UserWarning, match="training mode"):
+        model, _ = load_model("s39_train_models:train")
+    assert not model.training
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_model("s39_train_models:evaluated")
