@@ -533,3 +533,28 @@ def test_loading_a_train_mode_model_says_it_is_put_in_eval_mode(tmp_path, monkey
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_model("s39_train_models:evaluated")
+
+
+# AI F6: a frozen batch norm's gamma and beta became trainable in the QAT model.
+def test_qat_keeps_a_frozen_batch_norm_frozen():
+    import rewrite.qat as rqat
+
+    model, x = _ConvBN().eval(), torch.randn(2, 3, 8, 8)
+    for p in [*model.c.parameters(), *model.bn.parameters()]:
+        p.requires_grad_(False)
+    qat = rqat.prepare_qat(model, (x,))
+    layer = next(qat.get_submodule(n.target) for n in rqat.qat_layers(qat))
+    assert not any(p.requires_grad for p in layer.parameters())
+
+
+# AI F7: QAT's calibrate iterated one tensor along its first dim, and a batch an export
+# capture did not allow raised torch's guard AssertionError.
+def test_qat_calibrate_checks_its_batches_as_ptq_does():
+    import rewrite.qat as rqat
+
+    model, x = _ConvBN().eval(), torch.randn(4, 3, 8, 8)
+    qat = rqat.prepare_qat(model, (x,), capture="export")
+    with pytest.raises(TypeError, match=r"pass \[x\]"):
+        rqat.calibrate(qat, x)
+    with pytest.raises(rqat.QATError, match="capture='fx'"):
+        rqat.calibrate(qat, [torch.randn(3, 3, 8, 8)])

@@ -267,6 +267,7 @@ def calibrate(qat: fx.GraphModule, batches: Iterable) -> int:
     of inputs) as PTQ calibrates: batch norms in eval mode (their statistics
     unchanged), fake quantizers observing, no gradients. The model's mode is
     restored. Returns the number of batches."""
+    ptq.require_batches(batches, "calibrate")
     modes = {m: m.training for m in qat.modules()}
     qat.eval()
     for node in fake_quant_nodes(qat):
@@ -277,7 +278,8 @@ def calibrate(qat: fx.GraphModule, batches: Iterable) -> int:
     try:
         with torch.no_grad():
             for batch in batches:
-                qat(*_copies(tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)))
+                ptq.run_calibration_batch(qat, _copies(tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)),
+                                          n, QATError)
                 n += 1
     finally:
         for m, mode in modes.items():

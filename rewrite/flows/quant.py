@@ -78,7 +78,8 @@ __all__ = [
     "prepare", "calibrate", "convert", "quantize", "accuracy_report", "sqnr", "QuantizationError",
     "QuantPoint", "LayerSQNR", "AccuracyReport", "quant_rules", "quantize_command",
     "add_quantize_arguments", "save", "BACKENDS", "coverage", "Coverage", "FloatLayer", "FORMS",
-    "export", "export_onnx", "run_onnx", "merge_duplicate_points", "record_shapes",
+    "export", "export_onnx", "run_onnx", "merge_duplicate_points", "record_shapes", "require_batches",
+    "run_calibration_batch",
 ]
 
 BACKENDS = ("x86", "onednn", "fbgemm")
@@ -471,7 +472,7 @@ def _require_prepared(observed: Any, step: str) -> None:
                         f"not {type(observed).__name__}: observed = rewrite.quant.prepare(model, example_inputs)")
 
 
-def _require_batches(batches: Any, step: str) -> None:
+def require_batches(batches: Any, step: str) -> None:
     """Batches are an iterable of batches; one tensor would be iterated along its first dim."""
     if isinstance(batches, torch.Tensor):
         raise TypeError(f"{step} takes an iterable of batches (each a tensor or a tuple of inputs), not one "
@@ -485,21 +486,28 @@ def calibrate(observed: fx.GraphModule, batches: Iterable) -> int:
     draws from a fork of the caller's random stream, left as it was). Returns the
     number of batches."""
     _require_prepared(observed, "calibrate")
-    _require_batches(batches, "calibrate")
+    require_batches(batches, "calibrate")
     n = 0
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         for batch in batches:
-            try:
-                observed(*_clones(_as_args(batch)))
-            except AssertionError as err:
-                if "Guard failed" not in str(err):
-                    raise
-                raise QuantizationError(
-                    f"calibration batch {n} does not fit the shapes torch.export captured the model with "
-                    f"({_first_line(err)}): calibrate with batches shaped like the example inputs, or prepare "
-                    "with capture='fx'") from err
+            run_calibration_batch(observed, _clones(_as_args(batch)), n)
             n += 1
     return n
+
+
+def run_calibration_batch(model: Any, args: tuple, n: int, error: type = None) -> Any:
+    """``model(*args)`` for calibration batch ``n``; a batch whose shapes an export
+    capture did not allow is an ``error`` (``QuantizationError``) naming torch's
+    guard, not its ``AssertionError``."""
+    try:
+        return model(*args)
+    except AssertionError as err:
+        if "Guard failed" not in str(err):
+            raise
+        raise (error or QuantizationError)(
+            f"calibration batch {n} does not fit the shapes torch.export captured the model with "
+            f"({_first_line(err)}): calibrate with batches shaped like the example inputs, or prepare "
+            "with capture='fx'") from err
 
 
 def convert(
@@ -673,7 +681,7 @@ def quantize(
     ``lower_rules``, ``min_qdq_sqnr``, ``reference``): ``form="qdq"`` returns the
     PT2E QDQ form, which ``export`` and ``export_onnx`` take.
     """
-    _require_batches(calibration_batches, "quantize")
+    require_batches(calibration_batches, "quantize")
     batches = list(calibration_batches)
     if not batches:
         raise QuantizationError("quantize needs at least one calibration batch")
@@ -1129,7 +1137,7 @@ def accuracy_report(
     tensor they compute (``convert`` marks them).
     """
     _require_prepared(observed, "accuracy_report")
-    _require_batches(batches, "accuracy_report")
+    require_batches(batches, "accuracy_report")
     points = int8.meta.get(_META, {}).get("points", [])
     sig: dict = {}
     noise: dict = {}
