@@ -558,3 +558,16 @@ def test_qat_calibrate_checks_its_batches_as_ptq_does():
         rqat.calibrate(qat, x)
     with pytest.raises(rqat.QATError, match="capture='fx'"):
         rqat.calibrate(qat, [torch.randn(3, 3, 8, 8)])
+
+
+# AH F10: verify reported a where clause whose predicate raised as one that held on none.
+def test_verify_names_the_error_a_where_clause_raised():
+    from rewrite.trust.verify import verify_rule
+
+    @rewrite.register_predicate("s39_boom")
+    def s39_boom(x):
+        raise RuntimeError("my bug")
+
+    rules = rewrite.parse("rule r: relu(relu(x) as a) where s39_boom(x) => a\n")
+    verdict = verify_rule(rules, "r", max_examples=5, seed=0)
+    assert verdict.status == "skipped" and "s39_boom() raised RuntimeError: my bug" in verdict.reason

@@ -408,6 +408,7 @@ class _Checker:
         self.probe = _one_rule(ruleset, plan.rule, without_where=True)
         self.counts: collections.Counter = collections.Counter()
         self.last_discard = ""
+        self.where_error = ""  # the first error a where clause's function raised (a user's predicate)
 
     def check(self, inst: Instance | str) -> None:
         self.counts["generated"] += 1
@@ -436,6 +437,8 @@ class _Checker:
             if stats is not None and stats.failed:
                 raise _Failure(self._cex(inst, "did not fire", f"its replacement failed to build "
                                                               f"({stats.failed}x) where the rule matched"))
+            if stats is not None and stats.first_error.startswith("where clause: ") and not self.where_error:
+                self.where_error = stats.first_error
             if self._matches(self.probe, inst):
                 self.counts["filtered"] += 1  # the where clause does not hold here
                 return
@@ -1123,7 +1126,8 @@ def _verify_rule(ruleset: Any, rule: CompiledRule | str, max_examples: int, seed
         why = (f"no valid instance in {counts['generated']}: {checker.last_discard}" if not counts["filtered"]
                else f"the where clause held on none of {counts['filtered']} instances"
                + (f" ({counts['invalid']} more were no valid instance: {checker.last_discard})"
-                  if counts["invalid"] else ""))
+                  if counts["invalid"] else "")
+               + (f"; its {checker.where_error}" if checker.where_error else ""))
         return RuleVerdict(status="skipped", reason=why, generated=counts["generated"], **verdict)
     # an approximate rule whose float64 recheck could not run (quantized kernels take no
     # float64) was checked at its own precision only: the verdict says so
