@@ -344,12 +344,12 @@ AUTOCAST_OFF_LOST = "rewrite_autocast_off_lost"
 
 
 def _noted_mode(gm: fx.GraphModule, model: nn.Module) -> fx.GraphModule:
-    """``gm`` marked as an inference graph (``INFERENCE_KEY``) when every module of
-    ``model`` is in eval mode: an ATen graph keeps no trace of ``model.eval()`` (its
+    """``gm`` marked as an inference graph (``INFERENCE_KEY`` True) when every module of
+    ``model`` is in eval mode, else as one that may train (False: a model fine-tuned with
+    ``model.train(); model.bn.eval()`` exports an eval-mode batch norm all the same): an ATen graph keeps no trace of ``model.eval()`` (its
     module is always in training mode), and without it apply cannot tell whether a
     parameter may be folded into a constant (AMP's weights cast once)."""
-    if not any(m.training for m in model.modules()):
-        gm.meta[INFERENCE_KEY] = True
+    gm.meta[INFERENCE_KEY] = not any(m.training for m in model.modules())  # False: some module may train
     return gm
 
 

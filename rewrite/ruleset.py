@@ -449,14 +449,14 @@ class RuleSet:
                 rewritten_dtypes = static_float_dtypes(gm)
                 txn.restore()
                 base = original if not changes else self._changed(original, changes, driver.counts, example_inputs,
-                                                                  (trials, rtol, atol, drawn))
+                                                                  (trials, rtol, atol, drawn, on_mismatch))
                 lower = new_half_precisions(static_float_dtypes(original), rewritten_dtypes)
                 reference = Reference(base, example_inputs, graph=original, **drawn)
                 reference.prepare(trials, kind, gradients, lower)
                 gm, driver = txn.run()
             else:
                 base = model if not changes else self._changed(original, changes, driver.counts, example_inputs,
-                                                               (trials, rtol, atol, drawn))
+                                                               (trials, rtol, atol, drawn, on_mismatch))
                 reference = Reference(base, example_inputs, graph=original, **drawn)
 
             def verdict(candidate: fx.GraphModule) -> Any:
@@ -488,7 +488,9 @@ class RuleSet:
                 if report is None:
                     break
         txn.commit()
-        if driver.facts.inference:  # a later apply knows it too (a fold may remove what told)
+        if driver.facts.training is not None:  # the caller's word, kept for a later apply
+            gm.meta[INFERENCE_KEY] = not driver.facts.training
+        elif driver.facts.inference:  # a later apply knows it too (a fold may remove what told)
             gm.meta[INFERENCE_KEY] = True
         _warn_unknown_training(driver.facts.unknown_training)
         changes = tuple(sorted(set(driver.counts) & self._changes()))
@@ -528,14 +530,14 @@ class RuleSet:
         return {name for name, rule in self.rules.items() if rule.rule.option("change", False)}
 
     def _changed(self, original: fx.GraphModule, fired: set, counts: Any = None, example_inputs: Any = None,
-                 checking: tuple = (3, None, None, {})) -> fx.GraphModule:
+                 checking: tuple = (3, None, None, {}, "raise")) -> fx.GraphModule:
         """The model with only the intentional changes this run made (``fired``: not
         every ``change`` rule of the file, which this rule set may not schedule)
         applied: what the whole rewrite must stay equivalent to. When the changes
         alone do not fire as often as in the run (``counts``: a change rule matches
         what another rule made, or another rule took a site first), they are applied
         after the other rules, which are checked on their own first (``checking``:
-        trials, rtol, atol and the drawn inputs' options of the run)."""
+        trials, rtol, atol, the drawn inputs' options and ``on_mismatch`` of the run)."""
         # under the rule set's own schedule (a change rule that matches its own
         # replacement runs in once(...)): its other rules left out
         schedule = self._only(self.schedule, fired) or Schedule("fixpoint", tuple(sorted(fired)))
@@ -546,9 +548,9 @@ class RuleSet:
         others = self._only(self.schedule, set(self.scheduled_rules()) - self._changes())
         if others is None:
             return alone.graph_module
-        trials, rtol, atol, drawn = checking
+        trials, rtol, atol, drawn, on_mismatch = checking
         exact = RuleSet(self.rules, {}, others, f"{self.name}:without changes").apply(
-            original, example_inputs, check=example_inputs is not None, trials=trials, rtol=rtol, atol=atol,
+            original, example_inputs, check=True, trials=trials, rtol=rtol, atol=atol, on_mismatch=on_mismatch,
             **drawn)
         return only.apply(exact.graph_module, example_inputs, check=False).graph_module
 

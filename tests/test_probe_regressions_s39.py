@@ -488,7 +488,7 @@ def test_loading_a_state_dict_into_an_int8_model_is_refused():
 
     model, x = _ConvBN().eval(), torch.randn(2, 3, 8, 8)
     int8 = rq.quantize(model, [x])
-    with pytest.raises(RuntimeError, match="save and load the whole model"):
+    with pytest.raises(RuntimeError, match="save and load the whole model"):  # strict, the default
         int8.load_state_dict(int8.state_dict())
     buffer = io.BytesIO()
     torch.save(int8, buffer)  # the whole model round-trips
@@ -571,3 +571,49 @@ def test_verify_names_the_error_a_where_clause_raised():
     rules = rewrite.parse("rule r: relu(relu(x) as a) where s39_boom(x) => a\n")
     verdict = verify_rule(rules, "r", max_examples=5, seed=0)
     assert verdict.status == "skipped" and "s39_boom() raised RuntimeError: my bug" in verdict.reason
+
+
+# Probe AJ (regressions of this session's fixes)
+def test_a_change_on_what_a_wrong_exact_rule_made_is_caught_without_example_inputs():
+    model, x = _ClampTimesThree().eval(), torch.randn(4, 8)
+    rules = rewrite.parse("rule c: hardtanh(x, 0.0, 1.0) => clamp(x, 0.0, 2.0)\n"
+                          "rule clamp_to_sigmoid(change=True): clamp(x, 0.0, 2.0) => sigmoid(x)\n")
+    with pytest.raises(rewrite.EquivalenceError):
+        rules.apply(torch.export.export(model, (x,)))
+
+
+class _IndexAdd(nn.Module):
+    """Messages aggregated with index_add_ into a float32 buffer, then scaled: torch.autocast
+    cannot run it (bfloat16 into float32), so no autocast noise can be measured."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.zeros(3, 8).index_add_(0, torch.tensor([0, 1, 2, 0]), self.lin(x)) * 0.001
+
+
+def test_a_wrong_low_precision_rule_fails_where_autocast_cannot_run():
+    wrong = rewrite.parse('rule wrong_lowp(tolerance="approx"): '
+                          'mul(x, 0.001) => to(mul(to(x, torch.bfloat16), 0.002), torch.float32)\n')
+    with pytest.raises(rewrite.EquivalenceError):
+        wrong.apply(fx.symbolic_trace(_IndexAdd()), (torch.randn(4, 8),))
+
+
+def test_a_batch_norm_without_affine_gets_no_trainable_gamma_in_qat():
+    import rewrite.qat as rqat
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, affine=False), nn.ReLU()).eval()
+    qat = rqat.prepare_qat(model, (torch.randn(2, 3, 8, 8),))
+    layer = next(qat.get_submodule(n.target) for n in rqat.qat_layers(qat))
+    assert not layer.bn.weight.requires_grad and not layer.bn.bias.requires_grad
+
+
+def test_a_partial_load_into_an_int8_model_is_allowed():
+    import rewrite.quant as rq
+
+    int8 = rq.quantize(_ConvBN().eval(), [torch.randn(2, 3, 8, 8)])
+    result = int8.load_state_dict({}, strict=False)
+    assert any("int8_weights" in k for k in result.missing_keys)

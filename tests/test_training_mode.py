@@ -96,16 +96,36 @@ def test_a_capture_of_an_eval_model_says_it_is_inference(level):
     x = torch.randn(3, 8)
     gm = capture(mlp().eval(), (x,), level)
     assert gm.meta.get(INFERENCE_KEY) is True
-    assert capture(mlp().train(), (x,), level).meta.get(INFERENCE_KEY) is None
+    assert capture(mlp().train(), (x,), level).meta.get(INFERENCE_KEY) is False
     if level == "export":
         result, told = apply_recording(AMP, gm, x)
         assert half_constants(result.graph_module) == 4 and not told
 
 
-def test_one_module_in_training_mode_makes_the_capture_say_nothing():
+def test_one_module_in_training_mode_makes_the_capture_say_it_may_train():
     model = mlp().eval()
     model[2].train()
-    assert capture(model, (torch.randn(3, 8),), "export").meta.get(INFERENCE_KEY) is None
+    assert capture(model, (torch.randn(3, 8),), "export").meta.get(INFERENCE_KEY) is False
+
+
+def test_a_fine_tuned_model_with_frozen_batch_norms_keeps_its_weights_trainable():
+    # model.train(); model.bn.eval(): the export holds an eval-mode batch norm, which alone
+    # would read as inference; the capture knows the model trains (probe AJ F5)
+    model = ConvBN().train()
+    model.bn.eval()
+    x = torch.randn(2, 3, 8, 8)
+    result, told = apply_recording(AMP, capture(model, (x,), "export"), x)
+    assert half_constants(result.graph_module) == 0 and not told
+    result.graph_module(x).sum().backward()
+    assert all(p.grad is not None for p in result.graph_module.parameters() if p.requires_grad)
+
+
+def test_the_callers_word_is_kept_on_the_result():
+    x = torch.randn(3, 8)
+    gm = capture(mlp().eval(), (x,), "export")
+    trained = AMP.apply(gm, (x,), training=True, **TOL).graph_module
+    assert trained.meta[INFERENCE_KEY] is False
+    assert half_constants(AMP.apply(trained, (x,), **TOL).graph_module) == 0
 
 
 def test_an_apply_that_knew_tells_the_next_one():

@@ -218,8 +218,8 @@ class GraphFacts:
         update. The caller's word first (``apply(training=...)``), then the graph's
         ops (``graph_mode``: a batch norm updating running statistics, a dropout that
         drops), then the modules' flags where they are the caller's (a
-        ``symbolic_trace`` graph), then an eval-mode batch norm or dropout, then what
-        an earlier apply knew (``INFERENCE_KEY``). A graph none of them tells of (an
+        ``symbolic_trace`` graph), then what a capture of the model or an earlier apply
+        knew (``INFERENCE_KEY``), then an eval-mode batch norm or dropout. A graph none of them tells of (an
         MLP ``torch.export`` captured, its module always in training mode) may train:
         its parameters are not folded."""
         if self.training is not None:
@@ -229,7 +229,10 @@ class GraphFacts:
             return True
         if self._flags_are_callers:
             return self._owner_trains(qualname)
-        if mode is None and self.gm.meta.get(INFERENCE_KEY) is not True:
+        marked = self.gm.meta.get(INFERENCE_KEY)
+        if marked is not None:  # a capture of the model, or an apply, knew
+            return not marked
+        if mode is None:
             self.unknown_training.add(qualname)  # apply warns (``TrainingModeWarning``)
             return True
         return False
@@ -243,7 +246,8 @@ class GraphFacts:
         """The graph is known not to train (``INFERENCE_KEY``, kept on the result)."""
         if self.training is not None:
             return not self.training
-        return self._graph_mode is False or self.gm.meta.get(INFERENCE_KEY) is True
+        marked = self.gm.meta.get(INFERENCE_KEY)
+        return marked if marked is not None else self._graph_mode is False
 
     def _owner_trains(self, qualname: str) -> bool:
         """The module holding ``qualname`` is in training mode, where that flag is the

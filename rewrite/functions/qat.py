@@ -212,8 +212,9 @@ class QATConvBn(QATConv):
             self.bn.running_var.copy_(torch.as_tensor(var).float())
             self.bn.weight.copy_(torch.ones(n) if gamma is None else torch.as_tensor(gamma).float())
             self.bn.bias.copy_(torch.zeros(n) if beta is None else torch.as_tensor(beta).float())
-        for mine, given in ((self.bn.weight, gamma), (self.bn.bias, beta)):  # one the model froze stays frozen
-            if isinstance(given, nn.Parameter) and not given.requires_grad:
+        for mine, given in ((self.bn.weight, gamma), (self.bn.bias, beta)):
+            # one the model froze stays frozen; a batch norm without one (affine=False) gets none to train
+            if given is None or (isinstance(given, nn.Parameter) and not given.requires_grad):
                 mine.requires_grad_(False)
 
     def _scale(self) -> torch.Tensor:

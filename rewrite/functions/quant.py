@@ -749,13 +749,15 @@ class QuantizedModule(nn.Module):
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
                               missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
-        """Refused, loudly: the int8 weights are prepacked and the activations' scales
-        are literals of the graph's code, none of them in a state dict (``state_dict()``
-        has nothing of them), so a load would change nothing and report success. Save
-        and load the whole model (``torch.save(model)``, a ``.pt2`` or ONNX export)."""
-        error_msgs.append(f"{prefix.rstrip('.') or type(self).__name__}: an int8 module made by rewrite.quant takes "
-                          "nothing from a state dict (its weights are prepacked, its scales are in the graph's code): "
-                          "save and load the whole model (torch.save(model), rewrite.quant.export, export_onnx)")
+        """A strict load (the default) is refused, loudly: the int8 weights are prepacked
+        and the activations' scales are literals of the graph's code, none of them in a
+        state dict (``state_dict()`` has nothing of them), so it would change nothing and
+        report success. Reported as a missing key that says so (torch hands every module
+        ``strict=True``: a ``strict=False`` load, a head-only checkpoint, gets it back in
+        its result instead). Save and load the whole model (``torch.save(model)``, a
+        ``.pt2`` or ONNX export)."""
+        missing_keys.append(f"{prefix}int8_weights (an int8 module made by rewrite.quant takes nothing from a state "
+                            "dict: save and load the whole model, torch.save(model))")
 
     # torch.ops callables do not pickle: save the name, look the op up again on load
     def __getstate__(self) -> dict:

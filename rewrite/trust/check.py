@@ -2399,7 +2399,7 @@ def _confirm_narrowed_below_unit(t: int, reference: "Reference", ref: _Run, cand
     within the tolerance of the original, ``NOISE_MULTIPLIER`` times the original's own
     distance from its run under ``torch.autocast`` to that precision allowed on top
     (what computing it so costs: an underflow autocast shares passes); when no such
-    run can be made, the unit stands."""
+    run can be made (an op autocast refuses), nothing is allowed on top."""
     if not _below_unit(ref.outputs):
         return None
     _, _, strict = _compare(t, ref.outputs, cand.outputs, kind, None, None, agreement=bound, compute_dtypes=lows,
@@ -2407,8 +2407,8 @@ def _confirm_narrowed_below_unit(t: int, reference: "Reference", ref: _Run, cand
     if strict is None:
         return None
     noises = reference.narrowing_noise(t, low, state)
-    if noises is None:
-        return None
+    if noises is None:  # autocast cannot run the original: held to its own scale, nothing on top
+        return strict
     _, _, mm = _compare(t, ref.outputs, cand.outputs, kind, None, None, agreement=bound, compute_dtypes=lows,
                         noises=noises, unit=0.0)
     return mm
