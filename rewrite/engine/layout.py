@@ -239,7 +239,10 @@ def _relaid_at_source(gm: fx.GraphModule, facts: GraphFacts, base: fx.Node, was:
         order = _dense_order(old_meta) if want == "strided" else None
         if want not in _FORMATS and order is None:
             return []
-        with gm.graph.inserting_after(result):
+        # before the node after it: inserting_after(result) would put each new node
+        # right after result, so a copy of several nodes (permute, contiguous, permute)
+        # would read nodes defined after it
+        with gm.graph.inserting_before(result.next):
             made = _relaid(gm.graph, result, want, order, dialect)
         _note_copies(made, result, facts)
         keep = set(made)
