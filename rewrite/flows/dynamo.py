@@ -228,8 +228,7 @@ def _validate_options(where: str, check: Any, on_result: Any, apply_options: dic
         raise type(err)(f"{where}: {err}") from None
 
 
-@functools.lru_cache(maxsize=1)
-def _warn_no_gradients() -> None:
+def _warn_no_gradients() -> None:  # once per place under the default filter (not per process: a test sees it)
     warnings.warn("rewrite.backend freezes the model's parameters into the compiled graph: with gradients "
                   "enabled, they get none through it (the backend is for inference: compile model.eval() and "
                   "call it under torch.no_grad(); to train a rewritten model, use rewrite.qat)", stacklevel=3)
