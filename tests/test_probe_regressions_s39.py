@@ -617,3 +617,29 @@ def test_a_partial_load_into_an_int8_model_is_allowed():
     int8 = rq.quantize(_ConvBN().eval(), [torch.randn(2, 3, 8, 8)])
     result = int8.load_state_dict({}, strict=False)
     assert any("int8_weights" in k for k in result.missing_keys)
+
+
+# AJ F9: applying a rule set to a QAT model copied its QAT layers' weights (their
+# calls were taken to write all their tensors): an optimizer on the input's
+# parameters trained nothing of the result.
+def test_a_rewrite_of_a_qat_model_shares_its_trainable_parameters():
+    import rewrite.qat as rqat
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.c, self.bn, self.fc = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Linear(4 * 6 * 6, 5)
+
+        def forward(self, x):
+            return self.fc(torch.relu(self.bn(self.c(x))).flatten(1))
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 8, 8)
+    qat = rqat.prepare_qat(Net().train(), (x,), capture="fx")
+    qat.train()
+    result = rewrite.load(rewrite.rules_dir() / "cleanup.rw").apply(qat, (x,)).graph_module
+    mine = {id(p) for p in qat.parameters()}
+    assert all(id(p) in mine for p in result.parameters())
+    before = {id(b): b.clone() for b in qat.buffers()}
+    result(x)  # running the result in training mode writes its own statistics, not the input's
+    assert all(torch.equal(b, before[id(b)]) for b in qat.buffers())

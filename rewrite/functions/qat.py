@@ -60,6 +60,10 @@ class QATFakeQuantize(FakeQuantize):
     ranges in training mode (or always, ``observe_in_eval=True``, for weights) and
     the fake quantization runs in both modes with the last computed parameters."""
 
+    #: a call writes its observer's range, its scale and zero point (buffers), never its
+    #: input (``rewrite.ops.effects.state_writes``)
+    WRITES_BUFFERS_ONLY = True
+
     def __init__(self, *args: Any, observe_in_eval: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.observe_in_eval = observe_in_eval
@@ -134,6 +138,10 @@ def _conv_fn(rank: int) -> Any:
 class QATLayer(nn.Module):
     """Base of the QAT conv and linear modules: ``frozen()`` gives what convert
     builds the int8 layer from."""
+
+    #: a call writes buffers only (batch statistics, the fake quantizer's range), never
+    #: the weights: a rewrite's result shares those with the model it was made from
+    WRITES_BUFFERS_ONLY = True
 
     kind = ""
 

@@ -871,13 +871,25 @@ def module_written_state(module: Any) -> list:
     """The tensors of a module that writes its own state (``module_writes_own_state``)
     it may write: a hook-free torch BatchNorm or InstanceNorm its buffers (running
     statistics, the batch counter), not its weight and bias, which stay the caller's
-    (gradients of the result reach them); every other module all of them."""
+    (gradients of the result reach them); so for the library's own modules that say
+    so (``WRITES_BUFFERS_ONLY``: the QAT layers and fake quantizers); every other
+    module all of them."""
     if isinstance(module, torch.nn.modules.batchnorm._NormBase) and type(module).__module__.startswith(
             _TORCH_MODULES) and not (module._forward_hooks or module._forward_pre_hooks or _global_hooks()):
         return list(module.buffers())
     if _reparametrized_by_torch(module):
         return list(module.buffers())
+    if _writes_buffers_only(module):
+        return list(module.buffers())  # the library's own (a QAT layer): statistics and ranges, not its weights
     return [*module.parameters(), *module.buffers()]
+
+
+def _writes_buffers_only(module: Any) -> bool:
+    """A module of the library's own that declares its calls write its buffers only
+    (``WRITES_BUFFERS_ONLY``: the QAT layers and fake quantizers), without hooks."""
+    return bool(getattr(type(module), "WRITES_BUFFERS_ONLY", False)) \
+        and type(module).__module__.startswith("rewrite.") \
+        and not (module._forward_hooks or module._forward_pre_hooks or _global_hooks())
 
 
 #: torch's weight reparametrizations, by hook (the deprecated ``nn.utils.weight_norm``
@@ -1037,6 +1049,12 @@ def state_writes(gm: Any) -> "frozenset[int] | None":
                 return None  # a hook holds more than can be told: it may write anything
             written |= hooked_writes
             writes_own_state, writes_arguments, aliasing = module_effects(module)
+            if writes_own_state and _writes_buffers_only(module):
+                # the library's own (a QAT layer, a fake quantizer): its buffers, never its
+                # arguments or weights; it may return its input, never its weights
+                written |= {id(t) for t in module_written_state(module)}
+                aliases[node] = args
+                continue
             if writes_own_state:
                 own = {id(t) for t in [*module.parameters(), *module.buffers()]}
                 written |= {id(t) for t in module_written_state(module)} | args
