@@ -45,7 +45,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from rewrite.module_state import AttributeSnapshot, TensorValues
 from rewrite.trust.held import laid_out_copy
 
-__all__ = ["LEVELS", "INFERENCE_KEY", "AUTOCAST_OFF_LOST", "DYNAMO_SOURCE", "ExportError", "ModelSpecError", "SaveError", "higher_order_ops",
+__all__ = ["LEVELS", "INFERENCE_KEY", "AUTOCAST_OFF_LOST", "DYNAMO_SOURCE", "ExportError", "ModelSpecError",
+           "SaveError", "higher_order_ops",
            "as_input_tuple",
            "capture", "capture_with_inputs", "symbolic_trace", "capture_dynamo", "GraphBreakError", "mha_fastpath_off",
            "dynamic_shapes_of",
@@ -346,10 +347,11 @@ AUTOCAST_OFF_LOST = "rewrite_autocast_off_lost"
 def _noted_mode(gm: fx.GraphModule, model: nn.Module) -> fx.GraphModule:
     """``gm`` marked as an inference graph (``INFERENCE_KEY`` True) when every module of
     ``model`` is in eval mode, else as one that may train (False: a model fine-tuned with
-    ``model.train(); model.bn.eval()`` exports an eval-mode batch norm all the same): an ATen graph keeps no trace of ``model.eval()`` (its
-    module is always in training mode), and without it apply cannot tell whether a
-    parameter may be folded into a constant (AMP's weights cast once)."""
-    gm.meta[INFERENCE_KEY] = not any(m.training for m in model.modules())  # False: some module may train
+    ``model.train(); model.bn.eval()`` exports an eval-mode batch norm all the same). An
+    ATen graph keeps no trace of ``model.eval()`` (its module is always in training
+    mode), and without it apply cannot tell whether a parameter may be folded into a
+    constant (AMP's weights cast once)."""
+    gm.meta[INFERENCE_KEY] = not any(m.training for m in model.modules())
     return gm
 
 
@@ -436,10 +438,9 @@ def load_model(spec: str) -> Tuple[nn.Module, tuple]:
     if not (isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module)):
         raise ModelSpecError(f"{spec} must return (model, example_inputs), got {type(built).__name__}")
     model, inputs = built
-    training = [name or "(the model)" for name, m in model.named_modules() if getattr(m, "training", False)] \
-        if isinstance(model, nn.Module) else []
-    if training:  # said, not done silently: a train-mode batch norm would compute otherwise
-        warnings.warn(f"{spec} returned a model in training mode ({training[0]}): it is put in eval mode "
+    training = next((name or "(the model)" for name, m in model.named_modules() if m.training), None)
+    if training is not None:  # said, not done silently: a train-mode batch norm would compute otherwise
+        warnings.warn(f"{spec} returned a model in training mode ({training}): it is put in eval mode "
                       "(model.eval()) and rewritten for inference", stacklevel=2)
     try:
         model = model.eval()

@@ -218,10 +218,10 @@ class GraphFacts:
         update. The caller's word first (``apply(training=...)``), then the graph's
         ops (``graph_mode``: a batch norm updating running statistics, a dropout that
         drops), then the modules' flags where they are the caller's (a
-        ``symbolic_trace`` graph), then what a capture of the model or an earlier apply
-        knew (``INFERENCE_KEY``), then an eval-mode batch norm or dropout. A graph none of them tells of (an
-        MLP ``torch.export`` captured, its module always in training mode) may train:
-        its parameters are not folded."""
+        ``symbolic_trace`` graph), then what a capture of the model or an earlier
+        apply knew (``INFERENCE_KEY``), then an eval-mode batch norm or dropout. A
+        graph none of them tells of (an MLP ``torch.export`` captured, its module
+        always in training mode) may train: its parameters are not folded."""
         if self.training is not None:
             return self.training
         mode = self._graph_mode

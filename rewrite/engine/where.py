@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
 
 from rewrite.engine.symbolic import decide
 from rewrite.engine.dtypes import DTYPES
@@ -69,7 +70,7 @@ def _answering(fn: Callable, name: str) -> Callable:
 
 def _is_fake(t: torch.Tensor) -> bool:
     """A tensor without values (a FakeTensor or a meta tensor): its truth is not known."""
-    return t.is_meta or type(t).__name__ == "FakeTensor"
+    return t.is_meta or isinstance(t, FakeTensor)
 
 
 class _Unknown:

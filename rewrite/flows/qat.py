@@ -321,11 +321,10 @@ def _freeze_layer(gm: fx.GraphModule, node: fx.Node, aten: bool, qdq: bool = Fal
     int8 tensor read through ``quantized_decomposed.dequantize_per_channel`` /
     ``_per_tensor`` with its scales, as ``convert.rw``'s ``conv_weight_pt2e`` writes it."""
     mod: QATLayer = gm.get_submodule(node.target)
-    weight, bias = mod.folded()
-    if not torch.isfinite(weight).all() or (bias is not None and not torch.isfinite(bias).all()):
-        raise QATError(f"{node.target}: its folded weight or bias is not finite (a batch norm's running "
-                       "statistics or a parameter became inf or NaN in training): no int8 model is made of it")
-    q, bias = mod.frozen()
+    try:
+        q, bias = mod.frozen()
+    except ValueError as err:
+        raise QATError(f"{node.target}: {err}") from None
     base = str(node.target).replace(".", "_")
     wname, bname = f"{base}_weight_int8", f"{base}_bias"
     gm.register_buffer(wname, q.int_repr() if qdq else q)

@@ -148,8 +148,13 @@ class QATLayer(nn.Module):
     def frozen(self) -> tuple:
         """``(float weight, bias or None)`` the eval-mode layer computes with (batch
         norm folded), and the weight rounded as the fake quantizer rounds it, as a
-        ``qint8`` tensor (values within the quantizer's range)."""
+        ``qint8`` tensor (values within the quantizer's range). ``ValueError`` for a
+        fold that is not finite (running statistics or a parameter became inf or NaN
+        in training): no int8 weight is made of it."""
         w, b = self.folded()
+        if not torch.isfinite(w).all() or (b is not None and not torch.isfinite(b).all()):
+            raise ValueError("its folded weight or bias is not finite (a batch norm's running statistics or a "
+                             "parameter became inf or NaN in training): no int8 model is made of it")
         fq = self.weight_fake_quant
         with torch.no_grad():
             fq.activation_post_process(w.detach())
