@@ -29,11 +29,13 @@ import contextlib
 import copy
 import importlib
 import inspect
+import itertools
 import os
 import re
 import stat
 import sys
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 from typing import Any, Iterator, List, Sequence, Tuple
@@ -200,7 +202,7 @@ def symbolic_trace(model: nn.Module) -> fx.GraphModule:
     tables = [(prefix, m, dict(m._buffers), dict(m._parameters)) for prefix, m in model.named_modules()]
     guard = _NoWritesToExisting()
     try:
-        with guard, _autocast_entries() as entered:
+        with guard, _autocast_entries(model) as entered:
             tracer = _HookKeepingTracer()
             graph = tracer.trace(model)
             gm = fx.GraphModule(tracer.root, graph, model.__class__.__name__)
@@ -234,15 +236,20 @@ def symbolic_trace(model: nn.Module) -> fx.GraphModule:
 
 
 @contextlib.contextmanager
-def _autocast_entries() -> Iterator[list]:
-    """The ``enabled`` flag of each ``torch.autocast`` block entered meanwhile (the
-    tracer runs the forward's ``with`` statements and records nothing of them)."""
+def _autocast_entries(model: nn.Module) -> Iterator[list]:
+    """The ``enabled`` flag of each ``torch.autocast`` block the tracing thread enters
+    meanwhile for a device the model's tensors are on (the tracer runs the forward's
+    ``with`` statements and records nothing of them); another thread's blocks, and a
+    block for another device (which leaves these ops alone), are not the graph's."""
     entered: list = []
+    devices = {t.device.type for t in itertools.chain(model.parameters(), model.buffers())} or {"cpu"}
+    tracing = threading.get_ident()
     cls = torch.amp.autocast_mode.autocast
     original = cls.__enter__
 
     def enter(self: Any) -> Any:
-        entered.append(bool(getattr(self, "_enabled", True)))
+        if threading.get_ident() == tracing and getattr(self, "device", "cpu") in devices:
+            entered.append(bool(getattr(self, "_enabled", True)))
         return original(self)
 
     cls.__enter__ = enter

@@ -14,6 +14,8 @@ region and costs nothing here.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.fx as fx
 
@@ -51,15 +53,17 @@ class Regions:
     def of(self, node: fx.Node) -> int:
         if not self._region:
             region = 0
-            autocast: list = []  # enabled flags of the autocast blocks entered, innermost last
+            devices = _device_types(self.graph)
+            autocast: list = []  # (enter node, enabled) of the blocks entered for these devices, innermost last
             for n in self.graph.nodes:
                 if n.op == "call_function" and n.target in MODE_SWITCHES:
                     region += 1
-                    if n.target is torch.amp.autocast_mode._enter_autocast:
-                        autocast.append(n.args[2] if len(n.args) > 2 else n.kwargs.get("enabled", True))
-                    elif n.target is torch.amp.autocast_mode._exit_autocast and autocast:
-                        autocast.pop()
-                    if autocast and autocast[-1] is False:
+                    if n.target is torch.amp.autocast_mode._enter_autocast and _argument(n, 0, "device_type",
+                                                                                         "cuda") in devices:
+                        autocast.append((n, _argument(n, 2, "enabled", True)))
+                    elif n.target is torch.amp.autocast_mode._exit_autocast:
+                        autocast = [entry for entry in autocast if entry[0] is not _argument(n, 0, "mode", None)]
+                    if autocast and autocast[-1][1] is False:
                         self._autocast_off.add(region)
                 self._region[n] = region
         found = self._region.get(node)
@@ -91,3 +95,20 @@ class Regions:
             return ("the value forwarded comes from another grad-mode or autocast region than the one it "
                     "would be read in")
         return None
+
+
+def _argument(node: fx.Node, index: int, name: str, default: Any) -> Any:
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+
+
+def _device_types(graph: fx.Graph) -> Any:
+    """The device types of the graph's inputs: an autocast block for another device
+    leaves these ops alone. Unknown (no input facts): every block counts."""
+    known = {val.device.type for n in graph.find_nodes(op="placeholder")
+             for val in (n.meta.get("val", n.meta.get("example_value")),) if isinstance(val, torch.Tensor)}
+    return known or _EveryDevice()
+
+
+class _EveryDevice:
+    def __contains__(self, device: object) -> bool:
+        return True
