@@ -34,7 +34,7 @@ from rewrite.engine.driver import Driver, Schedule
 from rewrite.engine.facts import INFERENCE_KEY, TrainingModeWarning, forget_recorded_facts
 from rewrite.engine.layout import output_values, restore_output_layouts
 from rewrite.engine.workspace import (HOOK_TABLES, Journal, check_touched, gc_paused, own_module_path,
-                                       own_written_state, shared_copy)
+                                       own_state_training_writes, own_written_state, shared_copy)
 from rewrite.language import Program, ast, load_program, load_program_text
 from rewrite.module_state import AttributeSnapshot
 from rewrite.trust.modes import autocast_off
@@ -876,6 +876,8 @@ class _Transaction:
     def commit(self) -> None:
         if self._recorded:
             forget_recorded_facts(self.gm)
+        if not self.inplace:  # nor after the caller puts the result in training mode
+            own_state_training_writes(self.gm)
         self.sync()
         self._done = True
 

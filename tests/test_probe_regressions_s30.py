@@ -281,6 +281,7 @@ class _Baddbmm(torch.nn.Module):
 def test_a_fact_torch_cannot_infer_logs_no_error(caplog):
     from torch.export import Dim
 
+    torch.manual_seed(0)  # the outputs compared below: the same every run, whatever ran before
     args = (torch.randn(4, 1, 8), torch.randn(4, 8, 16), torch.randn(4, 16, 8))
     b, s = Dim("B", min=1, max=64), Dim("S", min=2, max=64)
     gm = torch.export.export(_Baddbmm(), args, dynamic_shapes=({0: b, 2: s}, {0: b, 1: s}, {0: b, 2: s}),
@@ -289,4 +290,5 @@ def test_a_fact_torch_cannot_infer_logs_no_error(caplog):
         result = rewrite.load("rules/amp_bf16.rw").apply(gm, example_inputs=args)
     assert result.counts == {"baddbmm_bf16": 1}
     assert not [r for r in caplog.records if r.name.startswith("torch._subclasses.fake_tensor")]
-    torch.testing.assert_close(result.graph_module(*args), _Baddbmm()(*args), rtol=2e-2, atol=2e-2)
+    # sums of 16 bfloat16 products of unit normals: each rounded at about 1e-2 of its magnitude
+    torch.testing.assert_close(result.graph_module(*args), _Baddbmm()(*args), rtol=2e-2, atol=5e-2)

@@ -5,6 +5,7 @@ import threading
 import time
 import warnings
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -78,3 +79,38 @@ def test_another_threads_autocast_block_is_not_the_traced_models():
         stop.set()
         thread.join()
     assert result.counts.get("linear_bf16") == 2 and not result.graph_module.meta.get(AUTOCAST_OFF_LOST)
+
+
+class _Norms(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.inorm = nn.InstanceNorm1d(4, track_running_stats=True)
+
+    def forward(self, x):
+        h = self.bn(self.lin(x) * 1.0)
+        return self.inorm(h.unsqueeze(-1).repeat(1, 1, 3)) + 0.0
+
+
+# AL F1: an eval model's result shared its batch and instance norms' running statistics
+# with the caller; after result.train(), running the result wrote the caller's buffers.
+@pytest.mark.parametrize("traced", [True, False])
+def test_running_a_result_put_in_training_mode_leaves_the_callers_statistics(traced):
+    model, x = _Norms().eval(), torch.randn(8, 4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    given = torch.fx.symbolic_trace(model) if traced else model
+    result = rewrite.load(rewrite.rules_dir() / "cleanup.rw").apply(given, (x,))
+    assert result.counts == {"mul_one": 1, "add_zero": 1}
+    result.graph_module.train()
+    result.graph_module(x)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not torch.equal(result.graph_module.bn.running_mean, before["bn.running_mean"])  # it trains its own
+    assert result.graph_module.lin.weight is model.lin.weight  # the weights stay shared
+
+
+def test_a_folded_batch_norms_statistics_are_not_copied():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).eval()
+    result = rewrite.load(rewrite.rules_dir() / "fusion.rw").apply(model, (torch.randn(1, 3, 8, 8),))
+    assert not [m for m in result.graph_module.modules() if isinstance(m, nn.BatchNorm2d)]

@@ -36,11 +36,11 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.graph import _illegal_names
 
 from rewrite.capture import HOOK_TABLES
-from rewrite.ops.effects import state_writes
+from rewrite.ops.effects import state_writes, writes_state_when_training
 from rewrite.ops.reach import storage_key
 
 __all__ = ["CODE_ATTRIBUTES", "HOOK_TABLES", "Journal", "check_touched", "compile_now", "gc_paused", "own_module_path",
-           "own_written_state", "shared_copy", "working_copy"]
+           "own_state_training_writes", "own_written_state", "shared_copy", "working_copy"]
 
 
 def working_copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -209,7 +209,25 @@ def own_written_state(gm: fx.GraphModule) -> int:
     no schema describes), every buffer and plain tensor attribute is copied
     (parameters stay shared: a forward that writes its weights is beyond what
     anything here can tell). Returns how many tensors were copied."""
-    written = state_writes(gm)
+    return _own_tensors(gm, state_writes(gm))
+
+
+def own_state_training_writes(gm: fx.GraphModule) -> int:
+    """Give a result its own running statistics where a module it calls writes them
+    only in training mode (a torch batch norm or instance norm in eval mode now):
+    ``result.train()`` flips the result's own module, and its runs must not write
+    the caller's buffers then either. Done on the final result, so the statistics of
+    a batch norm a rule folded away are never copied. Returns how many tensors were
+    copied."""
+    written = {id(t) for node in gm.graph.find_nodes(op="call_module")
+               for module in (gm.get_submodule(node.target),) if writes_state_when_training(module)
+               for t in module.buffers()}
+    return _own_tensors(gm, frozenset(written)) if written else 0
+
+
+def _own_tensors(gm: fx.GraphModule, written: "frozenset[int] | None") -> int:
+    """``own_written_state`` for the tensors whose ids are ``written`` (None: every
+    buffer and plain tensor attribute)."""
     if written is not None and not written:
         return 0
 

@@ -46,7 +46,7 @@ __all__ = [
     "may_alias_any_argument", "note_built_module", "always_aliases",
     "written_args", "written_nodes", "target_writes", "flagged_writes", "flag_on", "call_writes",
     "opdef_writes", "opdef_may_alias",
-    "module_writes_own_state",
+    "module_writes_own_state", "writes_state_when_training",
     "state_writes", "hooked_tensors", "hooked_containers", "graph_mode",
 ]
 
@@ -865,6 +865,13 @@ def _trains(module: Any) -> bool:
     if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
         return module.track_running_stats
     return isinstance(module, torch.nn.MultiheadAttention) and module.dropout > 0
+
+
+def writes_state_when_training(module: Any) -> bool:
+    """Whether a call of ``module`` writes its buffers in training mode only: a torch
+    batch norm or instance norm that tracks running statistics. Its ``training``
+    flag is the module's own, which a caller may flip after any analysis."""
+    return isinstance(module, torch.nn.modules.batchnorm._NormBase) and bool(module.track_running_stats)
 
 
 def module_written_state(module: Any) -> list:
