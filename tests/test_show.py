@@ -167,3 +167,25 @@ def test_model_names_are_text_in_every_output(tmp_path):
     assert any(m and m.startswith("<!--<script>") for m in names)
     table = analyze(gm, (x,)).table(by="module")
     assert "\x1b" not in table and "\\x1b" in table
+
+
+# probe AL F2: drawn against a graph an earlier apply made, nodes of that apply were
+# "new" on both sides, and one this rewrite removed was green instead of red.
+def test_a_second_rewrite_marks_only_its_own_nodes(tmp_path):
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return (x.sin() * 2.0).cos() + x.exp() / 2.0
+
+    x = torch.randn(4, 4)
+    first = rewrite.parse("rule m2: mul(x, 2.0) => add(x, x)\nrule d2: div(x, 2.0) => mul(x, 0.5)\n")
+    g1 = first.apply(fx.symbolic_trace(M()), (x,)).graph_module
+    made_by_m2 = next(n.name for n in g1.graph.nodes if n.meta.get("rewrite_rule", ("",))[0] == "m2")
+    made_by_d2 = next(n.name for n in g1.graph.nodes if n.meta.get("rewrite_rule", ("",))[0] == "d2")
+    g2 = rewrite.parse("rule a2: add(x, x) => mul(x, 2.0)\n").apply(g1, (x,)).graph_module
+    page = show.render(g2, tmp_path / "d.html", (x,), before=g1).read_text()
+    data = json.loads(re.search(r'<script id="data" type="application/json">(.*?)</script>', page, re.S)
+                      .group(1).replace("<\\/", "</"))
+    status = {(d["side"], d["name"]): (d["status"], d["rule"]) for d in data["nodes"]}
+    assert status[("before", made_by_m2)][0] == "removed"
+    assert status[("before", made_by_d2)][0] == status[("after", made_by_d2)][0] == ""
+    assert [rule for (side, _), (s, rule) in status.items() if s == "new"] == ["a2"]

@@ -110,15 +110,35 @@ def _tooltip(stats: NodeStats) -> str:
     return _text("\n".join(lines))
 
 
-def _node_items(gm: fx.GraphModule, analysis: GraphAnalysis, prefix: str, removed: set) -> list:
-    """(id, stats, status, input ids) per node; status: "new", "removed" or ""."""
+def _node_items(gm: fx.GraphModule, analysis: GraphAnalysis, prefix: str, removed: set,
+                before: set | None = None) -> list:
+    """(id, stats, status, input ids) per node; status: "new", "removed" or "".
+    ``before``: the names of the graph this one is drawn against (a node an earlier
+    apply made, in both, is not this rewrite's: not new); on the before side, a
+    node is only removed or kept."""
     by_name = {s.name: s for s in analysis.nodes}
     items = []
     for node in gm.graph.nodes:
         stats = by_name[node.name]
-        status = "new" if stats.rule else ("removed" if node.name in removed else "")
+        if node.name in removed:
+            status = "removed"
+        elif stats.rule and prefix != "before/" and (before is None or node.name not in before):
+            status = "new"
+        else:
+            status = ""
         items.append((f"{prefix}{node.name}", stats, status, [f"{prefix}{a.name}" for a in node.all_input_nodes]))
     return items
+
+
+def _sides(gm: fx.GraphModule, analysis: GraphAnalysis, before: tuple | None) -> list:
+    """(title, ``_node_items``) per graph drawn: the one given, or before and after."""
+    if before is None:
+        return [("", _node_items(gm, analysis, "", set()))]
+    bgm, banalysis = before
+    after_names = {n.name for n in gm.graph.nodes}
+    before_names = {n.name for n in bgm.graph.nodes}
+    return [("before", _node_items(bgm, banalysis, "before/", before_names - after_names)),
+            ("after", _node_items(gm, analysis, "after/", set(), before_names))]
 
 
 def to_dot(gm: fx.GraphModule, analysis: GraphAnalysis, *, before: tuple | None = None) -> Any:
@@ -130,16 +150,7 @@ def to_dot(gm: fx.GraphModule, analysis: GraphAnalysis, *, before: tuple | None 
                            node_attr={"shape": "box", "style": "rounded,filled", "fillcolor": "white",
                                       "fontname": "Helvetica", "fontsize": "9", "height": "0.3", "margin": "0.05,0.02"},
                            edge_attr={"arrowsize": "0.5", "color": "#666666"})
-    groups = []
-    if before is not None:
-        bgm, banalysis = before
-        after_names = {n.name for n in gm.graph.nodes}
-        removed = {n.name for n in bgm.graph.nodes if n.name not in after_names}
-        groups.append(("before", _node_items(bgm, banalysis, "before/", removed)))
-        groups.append(("after", _node_items(gm, analysis, "after/", set())))
-    else:
-        groups.append(("", _node_items(gm, analysis, "", set())))
-    for title, items in groups:
+    for title, items in _sides(gm, analysis, before):
         target = dot
         if title:
             with dot.subgraph(name=f"cluster_{title}", graph_attr={"label": title, "fontsize": "14",
@@ -205,24 +216,18 @@ def to_svg(gm: fx.GraphModule, analysis: GraphAnalysis, *, before: tuple | None 
     return _layout(to_dot(gm, analysis, before=before))
 
 
-def _node_data(gm: fx.GraphModule, analysis: GraphAnalysis, prefix: str, removed: set) -> list:
+def _node_data(title: str, items: list) -> list:
     return [{"id": node_id, "name": s.name, "op": s.op, "module": _module_of(s), "path": s.module,
              "shape": _shape(s), "dtype": s.dtype, "flops": s.flops, "rule": s.rule, "rule_at": s.rule_at,
-             "status": status, "side": prefix.rstrip("/")}
-            for node_id, s, status, _ in _node_items(gm, analysis, prefix, removed)]
+             "status": status, "side": title}
+            for node_id, s, status, _ in items]
 
 
 def to_html(gm: fx.GraphModule, analysis: GraphAnalysis, *, before: tuple | None = None, title: str = "") -> str:
     """A self-contained HTML page: the SVG, the node data, and the viewer script."""
     svg = to_svg(gm, analysis, before=before)
     svg = svg[svg.index("<svg"):]  # drop the XML prologue and doctype
-    if before is not None:
-        bgm, banalysis = before
-        after_names = {n.name for n in gm.graph.nodes}
-        removed = {n.name for n in bgm.graph.nodes if n.name not in after_names}
-        data = _node_data(bgm, banalysis, "before/", removed) + _node_data(gm, analysis, "after/", set())
-    else:
-        data = _node_data(gm, analysis, "", set())
+    data = [row for title, items in _sides(gm, analysis, before) for row in _node_data(title, items)]
     page = (Path(__file__).with_name("viewer.html")).read_text(encoding="utf-8")
     # no "<" at all inside the script element: "</script>" would end it, "<!--<script>" make
     # the tokenizer run past its end (JSON reads \u003c as "<")
