@@ -415,3 +415,27 @@ def test_int8_matmul_keeps_the_float_flops():
     matmuls = [n for n in analyze(int8, (x,)).nodes if n.op == "QuantizedBinary"]
     assert len(matmuls) == 1 and matmuls[0].flops == 2 * 2 * 8 * 8 * 16
     assert analyze(int8, (x,)).totals.flops == analyze(observed, (x,)).totals.flops
+
+
+@torch.library.custom_op("rwanalysis::opaque_mm", mutates_args=())
+def _opaque_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a @ b
+
+
+@_opaque_mm.register_fake
+def _(a, b):
+    return a.new_empty(a.shape[0], b.shape[1])
+
+
+# probe AL F4: a custom op's kernel (a matmul here) was counted as 0 FLOPs without a word
+@pytest.mark.parametrize("level", ["fx", "export"])
+def test_a_custom_op_without_a_flop_formula_is_said_to_be_uncounted(level):
+    class M(nn.Module):
+        def forward(self, a, b):
+            return torch.ops.rwanalysis.opaque_mm(a, b) + a @ b
+
+    inputs = (torch.randn(8, 16), torch.randn(16, 4))
+    gm, args = capture_with_inputs(M(), inputs, level)
+    with pytest.warns(UserWarning, match="rwanalysis::opaque_mm has no FLOP formula"):
+        analysis = analyze(gm, args)
+    assert analysis.totals.flops == 2 * 8 * 16 * 4  # the visible matmul only

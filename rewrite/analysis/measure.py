@@ -335,6 +335,17 @@ def _normalize_path(path: str) -> str:
 # ---------------------------------------------------------------- the run
 
 
+#: namespaces whose ops without a FLOP formula compute elementwise (adds, casts, the
+#: quantize and dequantize of the QDQ form); another library's op (a custom op) may
+#: hide a matmul: ``analyze`` says its FLOPs are not counted
+_ELEMENTWISE_NAMESPACES = frozenset({"aten", "prims", "prim", "quantized_decomposed"})
+
+
+def _warn_uncounted(name: str) -> None:
+    warnings.warn(f"analyze: {name} has no FLOP formula, so its FLOPs are not counted (its output elements count "
+                  "as elementwise ops); torch.utils.flop_counter.register_flop_formula gives it one", stacklevel=2)
+
+
 _SKIPPED = {
     torch.ops.aten.sym_is_contiguous.default, torch.ops.aten.is_contiguous.default,
     torch.ops.aten.is_contiguous.memory_format, torch.ops.aten.is_strides_like_format.default,
@@ -379,6 +390,8 @@ class _Counter(TorchDispatchMode):
             self.flops += int(formula(*args, **kwargs, out_val=out))
         elif func.namespace == "quantized":
             self._int8_kernel(func, args, out)
+        elif func.namespace not in _ELEMENTWISE_NAMESPACES:
+            _warn_uncounted(func._overloadpacket._qualified_op_name)
         return out
 
     def _higher_order(self, func, args, kwargs) -> Any:
