@@ -114,3 +114,28 @@ def test_a_folded_batch_norms_statistics_are_not_copied():
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).eval()
     result = rewrite.load(rewrite.rules_dir() / "fusion.rw").apply(model, (torch.randn(1, 3, 8, 8),))
     assert not [m for m in result.graph_module.modules() if isinstance(m, nn.BatchNorm2d)]
+
+
+_VIEWS = torch.library.Library("rws40", "DEF")
+_VIEWS.define("myview(Tensor(a) x) -> Tensor(a)")
+_VIEWS.impl("myview", lambda x: x.view(-1), "CompositeExplicitAutograd")
+_VIEWS.impl("myview", lambda x: x.view(-1), "Meta")
+
+
+class _WritesThroughCustomView(nn.Module):
+    def forward(self, x):
+        h = x + 1
+        v = torch.ops.rws40.myview(h)
+        v.add_(1)  # writes h through the view
+        return h
+
+
+# AK F3: a custom op whose schema says it returns a view (Tensor(a) -> Tensor(a)) was
+# taken for fresh memory: replacing it by a copy lost the write through it (check=False).
+@pytest.mark.parametrize("level", ["fx", "export"])
+def test_a_custom_ops_declared_view_is_not_replaced_by_a_copy(level):
+    model, x = _WritesThroughCustomView(), torch.randn(2, 3)
+    gm = torch.fx.symbolic_trace(model) if level == "fx" else torch.export.export(model, (x,)).module()
+    result = rewrite.parse("rule r: rws40.myview(x) => flatten(clone(x))\n").apply(gm, (x,), check=False)
+    assert result.counts == {}
+    torch.testing.assert_close(result.graph_module(x), model(x))

@@ -32,7 +32,8 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
 from rewrite.ops.effects import (ALIASING_NAMES, always_aliases, call_writes, flag_on, flagged_writes, may_alias,
-                                 may_alias_any_argument, op_name, written_args, written_nodes)
+                                 may_alias_any_argument, op_name, schema_returns_alias, written_args,
+                                 written_nodes)
 from rewrite.engine.shapes import symbolic_strides
 from rewrite.ops.vocabulary import nodes_by_target
 
@@ -267,10 +268,14 @@ def may_view(node: fx.Node, gm: Any, meta: Any = None) -> bool:
         return True
     if node.op == "call_module":  # nn.Flatten, nn.Identity, an eval-mode nn.Dropout: by the module's kind
         return may_alias(node, gm)
+    if node.op not in ("call_function", "call_method"):
+        return False
     # the ops known to return their input at run time: a composite op without an
     # alias annotation (``fake_quantize_per_tensor_affine``) only may (may_alias)
-    if node.op not in ("call_function", "call_method") or op_name(node.target) not in ALIASING_NAMES:
-        return False
+    if op_name(node.target) not in ALIASING_NAMES:
+        # an op whose schema says its result may be its argument (``Tensor(a) -> Tensor(a)``:
+        # a custom op's view, whatever its name)
+        return node.op == "call_function" and schema_returns_alias(node.target)
     first = node.args[0] if node.args else None
     meta = meta or _recorded_val
     mine = meta(node)

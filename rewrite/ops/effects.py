@@ -42,7 +42,7 @@ from rewrite.ops.reach import reachable_containers, reachable_tensors, storage_k
 
 __all__ = [
     "VIEW_NAMES", "ALIASING_NAMES", "ALIASING_MODULES", "FRESH_COMPOSITES", "FRESH_FUNCTIONS", "FRESH_OPERATORS",
-    "ANY_INPUT_ALIASING_NAMES", "op_name", "may_alias",
+    "ANY_INPUT_ALIASING_NAMES", "op_name", "may_alias", "schema_returns_alias",
     "may_alias_any_argument", "note_built_module", "always_aliases",
     "written_args", "written_nodes", "target_writes", "flagged_writes", "flag_on", "call_writes",
     "opdef_writes", "opdef_may_alias",
@@ -348,6 +348,25 @@ def _returns_input(overload: Any) -> bool:
     returns = overload._schema.returns
     info = returns[0].alias_info if returns else None
     return info is not None and (info.is_write or op_name(overload) in VIEW_NAMES)
+
+
+def schema_returns_alias(target: Any) -> bool:
+    """Whether an op's schema says its first result may share memory with an argument
+    (``Tensor(a) -> Tensor(a)``), for an overload or, at the fx level, any overload
+    of a packet: what a custom op declares, whatever its name."""
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return any(schema_returns_alias(getattr(target, name)) for name in target.overloads())
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    return by_identity(_RETURNS_ALIAS, target, _first_return_aliases)
+
+
+_RETURNS_ALIAS: dict = {}  # id(overload) -> (overload, _first_return_aliases(overload))
+
+
+def _first_return_aliases(overload: Any) -> bool:
+    returns = overload._schema.returns
+    return bool(returns) and returns[0].alias_info is not None
 
 
 _INPLACE_OPERATORS = frozenset(
