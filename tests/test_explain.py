@@ -1,6 +1,7 @@
 """explain: the deepest partial match, the failing element's rule-file position,
 expected vs actual, bindings; near misses across a graph."""
 
+import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -18,8 +19,11 @@ def _explain(text, fn, **kw):
 
 
 def test_matching_rule_says_so():
-    [e] = _explain("rule nn: neg(neg(x)) => x", lambda x: -(-x), node="neg_1")
+    [e] = _explain("rule nn: neg(neg(x)) => x", lambda x: -(-x) + 1, node="neg_1")
     assert e.matched and "matches" in str(e)
+    # returned as it is, the input would be aliased by the output: apply refuses, and says so
+    [e] = _explain("rule nn: neg(neg(x)) => x", lambda x: -(-x), node="neg_1")
+    assert not e.matched and "alias" in e.actual
 
 
 def test_wrong_op_names_expected_and_actual_with_position():
@@ -123,3 +127,85 @@ def test_explain_agrees_with_apply_on_interior_nodes_the_replacement_keeps():
         assert bool(applied) is fires and explanation.matched is fires
         if not fires:
             assert "interior-use check" in str(explanation) and "is also used by" in str(explanation)
+
+
+class _ReturnsScaledInput(torch.nn.Module):
+    def forward(self, x):
+        return x * 1.0
+
+
+class _WritesBetween(torch.nn.Module):
+    def forward(self, x):
+        h = x + 1
+        y = h * 1.0
+        h.add_(1)
+        return y, h
+
+
+# probe AK F1: explain said "matches" where apply's replacement-time guards refuse
+@pytest.mark.parametrize("level", ["fx", "export"])
+@pytest.mark.parametrize("model, reason", [(_ReturnsScaledInput(), "alias"), (_WritesBetween(), "written in place")])
+def test_explain_says_why_apply_refuses_a_match(model, reason, level):
+    rules = rewrite.parse("rule m1: mul(x, 1) where is_float(x) => x\n")
+    x = torch.randn(2, 4)
+    gm = torch.fx.symbolic_trace(model) if level == "fx" else torch.export.export(model, (x,)).module()
+    assert rules.apply(gm, example_inputs=(x,)).counts == {}
+    (e,) = rules.explain(gm, rule="m1", node="mul", example_inputs=(x,))
+    assert not e.matched and e.element == "replacement" and reason in e.actual
+
+
+def test_explain_still_says_matches_where_apply_fires():
+    rules = rewrite.parse("rule m1: mul(x, 1) where is_float(x) => x\n")
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return (x + 1) * 1.0
+
+    x = torch.randn(2, 4)
+    gm = torch.fx.symbolic_trace(M())
+    assert rules.apply(gm, example_inputs=(x,)).counts == {"m1": 1}
+    (e,) = rules.explain(gm, rule="m1", node="mul", example_inputs=(x,))
+    assert e.matched
+
+
+def test_explain_names_a_left_out_result_that_is_read():
+    rules = rewrite.parse("rule mo: aten.max.dim(x, d, k) as (_, _) where is_float(x)"
+                          " => (aten.amax(x, [d], k), _)\n")
+
+    class ReadsIndices(torch.nn.Module):
+        def forward(self, x):
+            r = torch.max(x, 1)
+            return r[0] + 1, r[1]
+
+    x = torch.randn(2, 4)
+    gm = torch.export.export(ReadsIndices(), (x,)).module()
+    assert rules.apply(gm, example_inputs=(x,)).counts == {}
+    node = next(n.name for n in gm.graph.nodes if "max" in n.name)
+    (e,) = rules.explain(gm, rule="mo", node=node, example_inputs=(x,))
+    assert not e.matched and "result 1" in e.actual and "does not provide it" in e.actual
+
+
+# probe AK F5: an unknown where clause (no facts) was reported as false
+def test_explain_says_a_where_clause_is_unknown_not_false():
+    rules = rewrite.parse("rule m1: mul(x, 1) where is_float(x) => x\n")
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return (x + 1) * 1.0 + 2
+
+    (e,) = rules.explain(torch.fx.symbolic_trace(M()), rule="m1", node="mul")
+    assert e.actual.startswith("unknown") and "example_inputs" in e.actual
+
+
+# probe AK F2: a qualified op in an argument, spelled otherwise in the graph, was
+# blamed on the root ("expected: cat / actual: cat")
+def test_explain_points_at_a_qualified_argument_spelled_otherwise():
+    rules = rewrite.parse("rule cs: cat(aten.split.Tensor(x, _, d) as (_, _), d) => x\n")
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            a, b = torch.split(x, 2, 1)
+            return torch.cat([a, b], 1)
+
+    (e,) = rules.explain(torch.fx.symbolic_trace(M()), rule="cs", node="cat", example_inputs=(torch.randn(2, 4),))
+    assert not e.matched and "aten.split.Tensor exactly" in e.expected

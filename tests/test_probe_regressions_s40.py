@@ -139,3 +139,45 @@ def test_a_custom_ops_declared_view_is_not_replaced_by_a_copy(level):
     result = rewrite.parse("rule r: rws40.myview(x) => flatten(clone(x))\n").apply(gm, (x,), check=False)
     assert result.counts == {}
     torch.testing.assert_close(result.graph_module(x), model(x))
+
+
+@torch.library.custom_op("rws40::rsum", mutates_args=())
+def _rsum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    return x.sum(dim)
+
+
+@_rsum.register_fake
+def _(x, dim=-1):
+    return x.sum(dim)
+
+
+@torch.library.custom_op("rws40::scl", mutates_args=())
+def _scl(x: torch.Tensor, s: float = 1.0) -> torch.Tensor:
+    return x * s
+
+
+@_scl.register_fake
+def _(x, s=1.0):
+    return torch.empty_like(x)
+
+
+# AK F4: verify drew a custom op's (or an out-of-vocabulary aten op's) defaulted
+# attribute at its default only: rules right for the default alone verified "ok".
+@pytest.mark.parametrize("text", [
+    "rule r: rws40.rsum(x, d) where is_number(d) => sum(x, -1)",
+    "rule r: rws40.scl(x, s) where is_number(s) => mul(x, 1.0)",
+    "rule r: aten.celu.default(x, a) where is_number(a) => aten.elu.default(x)",
+])
+def test_verify_draws_the_attributes_a_pattern_binds(text):
+    report = rewrite.parse(text + "\n").verify(max_examples=100, seed=0)
+    assert not report.ok and "counterexample" in report.table()
+
+
+@pytest.mark.parametrize("text", [
+    "rule r: rws40.rsum(x, d) where is_number(d) => sum(x, d)",
+    "rule r: rws40.scl(x, s) where is_number(s) => mul(x, s)",
+    "rule r: aten.hardtanh.default(x, lo, hi) where is_float(x) and is_number(lo) and is_number(hi)"
+    " => clamp(x, lo, hi)",
+])
+def test_rules_right_for_every_attribute_value_still_verify(text):
+    assert rewrite.parse(text + "\n").verify(max_examples=100, seed=0).ok

@@ -292,32 +292,50 @@ class Matcher:
         replacement does not provide is unused, and the value is read whole only
         when the replacement is one multi-output call (then its count must be
         known). The names bind the getitem nodes."""
+        return self._bound_results(rule, node, env)[0]
+
+    def root_results_problem(self, rule: CompiledRule, node: fx.Node) -> str | None:
+        """Why the results of a multi-output root that matched its structure cannot
+        be taken as the rule names them (``rewrite.trust.explain``), or None."""
+        if rule.pattern.results is None:
+            return None
+        problem = None
+        for env in self._match(rule.pattern, node, {_NODES: ()}):
+            env, problem = self._bound_results(rule, node, env)
+            if env is not None:
+                return None
+        return problem
+
+    def _bound_results(self, rule: CompiledRule, node: fx.Node, env: dict) -> tuple:
+        """(``_root_results``'s env or None, why not)."""
         names = rule.pattern.results
         n = len(names)
         count = result_count(node, self.facts)
         if count is not None and count != n:
-            return None
+            return None, f"{node.name} has {count} results, the pattern names {n}"
         users = getitem_users(node)
         if users is None:  # returned or passed on whole
             if isinstance(rule.replacement, RResults) or count != n:
-                return None
+                return None, f"{node.name}'s results are read whole (returned or passed on), not one by one"
             users = {}
             for user in node.users:
                 if user.target is operator.getitem and len(user.args) == 2 and isinstance(user.args[1], int):
                     users.setdefault(user.args[1], []).append(user)
-        if any(i >= n for i in users):
-            return None
+        beyond = next((i for i in users if i >= n), None)
+        if beyond is not None:
+            return None, f"result {beyond} of {node.name} is read, beyond the {n} the pattern names"
         if isinstance(rule.replacement, RResults):
             for i, getitems in users.items():
                 if rule.replacement.items[i] is None and any(g.users for g in getitems):
-                    return None  # a result the replacement does not provide is read
+                    return None, (f"result {i} of {node.name} is read ({getitems[0].name}), and the replacement "
+                                  "does not provide it (_)")
         env = dict(env)
         for i, name in enumerate(names):
             if name != "_" and i in users:
                 if name in env and env[name] is not users[i][0]:
-                    return None
+                    return None, f"{name} is bound to another value than result {i} of {node.name}"
                 env[name] = users[i][0]
-        return env
+        return env, None
 
     def _match_reporting(self, p: Any, operand: Any, env: dict) -> Iterator[dict]:
         produced = False
@@ -411,7 +429,7 @@ class Matcher:
                     return
             else:
                 env[name] = item
-        yield from self._match_call(p.call, producer, env)
+        yield from self._match(p.call, producer, env)  # explain hears of a call that does not match
 
     def _match_straight(self, alt: Any, args: dict, env: dict) -> Iterator[dict]:
         """The compiled path: literal checks and variable bindings in a plain loop,
@@ -490,6 +508,21 @@ class Matcher:
         """The where clause (or a part of it) holds: True, not False and not unknown.
         ``expr`` runs as the closure it compiles to (``rewrite.engine.where``)."""
         return self._holds(where_function(expr), env)
+
+    def where_value(self, expr: Any, env: dict) -> Any:
+        """What a where clause (or a part of it) answers: True, False, or None when
+        it is unknown (a fact the graph does not record, a size that decides it
+        for some sizes only); a failing user function raises ``PredicateError``."""
+        shape_env = self.facts.shape_env
+        try:
+            if shape_env is None:
+                value = where_function(expr)(env, self.facts)
+            else:
+                with deciding(shape_env):
+                    value = where_function(expr)(env, self.facts)
+        except SymbolicUnknown:
+            return None
+        return None if value is UNKNOWN or value is None else value
 
     def _holds(self, where_fn: Any, env: dict) -> bool:
         shape_env = self.facts.shape_env

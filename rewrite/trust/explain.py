@@ -20,6 +20,7 @@ import copy
 from typing import Any
 
 import attrs
+import torch
 import torch.fx as fx
 
 from rewrite.engine.compile import CompiledRule, PCall, PDefault, PLit, PSeq, PVar
@@ -27,6 +28,8 @@ from rewrite.engine.facts import GraphFacts
 from rewrite.language import ast
 from rewrite.language.printer import format_expr
 from rewrite.engine.match import Matcher, match_bindings, match_nodes
+from rewrite.engine.replace import Replacer, ReplacementError
+from rewrite.ops import detect_dialect
 from rewrite.ops import ConstRef
 
 __all__ = ["Explanation", "Explanations", "explain"]
@@ -125,6 +128,10 @@ class _Explainer:
                            "an input, a constant or a view", env)
             else:
                 ops = sorted({b.op for b in self.matcher.bindings(operand)}) or ["(not in the op vocabulary)"]
+                spelled = [form.qualname for a in p.alts if a.opdef.qualified for form in a.opdef.forms
+                           if getattr(form, "qualname", None)]
+                if spelled and set(ops) <= {a.opdef.name for a in p.alts}:  # the op, in another spelling
+                    wanted = f"{' | '.join(spelled)} exactly (a qualified name matches that target only)"
                 self._note(depth, p.span, text, wanted, f"{' | '.join(ops)}: {_describe(operand, self.gm)}", env)
         elif isinstance(p, PVar):
             self._note(depth, p.span, text, f"the value bound to {p.name}: {_describe(env.get(p.name), self.gm)}",
@@ -148,6 +155,9 @@ class _Explainer:
                 # a registered function that raised: its error, not "false"
                 error, self.matcher.where_error = self.matcher.where_error, None
                 verdict = f"an error ({error})" if error else "false"
+                if not error and self._unknown(failed, env):
+                    verdict = ("unknown (the graph records no such fact: pass example_inputs, or capture with "
+                               "torch.export)")
                 self._note(depth, failed.span, "where clause", f"{format_expr(failed)} to hold",
                            f"{verdict}, with " + self._facts_text(failed, env), env)
             else:
@@ -156,10 +166,20 @@ class _Explainer:
                            "interior nodes used only inside the match",
                            f"{interior.name} is also used by {user.name}", env)
         if self.best is None:
+            problem = self.matcher.root_results_problem(rule, node)
+            if problem is not None:
+                return Explanation(rule.name, node.name, False, 1000, rule.location, "results",
+                                   f"the results as ({', '.join(rule.pattern.results)}) name them", problem)
             return Explanation(rule.name, node.name, False, 0, rule.location, "pattern", "a match", "none")
         depth, location, element, expected, actual, env = self.best
         return Explanation(rule.name, node.name, False, depth, location, element, expected, actual,
                            self._bindings_text(env))
+
+    def _unknown(self, expr: Any, env: dict) -> bool:
+        try:
+            return self.matcher.where_value(expr, env) is None
+        except Exception:  # noqa: BLE001 - a failing function is reported as such
+            return False
 
     def _facts_text(self, expr: Any, env: dict) -> str:
         """The variables of a failed condition, with what the graph says about them."""
@@ -223,5 +243,29 @@ def explain(ruleset: Any, model: fx.GraphModule, rule: str | None = None, node: 
             found = [e for e in found if e.matched or e.depth > 1]
             found.sort(key=lambda e: (not e.matched, -e.depth))
             found = found[:limit]
-        out.extend(found)
+        out.extend(_refused_replacement(model, r, e, example_inputs) if e.matched else e for e in found)
     return Explanations(out)
+
+
+def _refused_replacement(model: fx.GraphModule, rule: CompiledRule, matched: Explanation,
+                         example_inputs: tuple | None) -> Explanation:
+    """A match ``apply`` may still not rewrite: its replacement is tried on a copy of
+    the model, through the guards ``apply`` runs then (a write between the match's
+    nodes, sharing the caller would gain or lose, a result unlike the root's shape,
+    dtype or device, a grad-mode or autocast switch). The match as it was, or why
+    the replacement is refused."""
+    gm = copy.deepcopy(model)
+    facts = GraphFacts(gm, example_inputs)
+    matcher = Matcher(gm, facts)
+    root = next(n for n in gm.graph.nodes if n.name == matched.node)
+    match = matcher.match(rule, root)
+    if match is None:
+        return matched
+    try:
+        with torch.no_grad():
+            Replacer(gm, facts, detect_dialect(gm), matcher.bindings).apply(match)
+    except ReplacementError as err:
+        reason = str(err).split(": ", 1)[-1]
+        return Explanation(rule.name, matched.node, False, matched.depth + 1, rule.location, "replacement",
+                           "a replacement apply may make", reason, matched.bindings)
+    return matched

@@ -1591,9 +1591,28 @@ def _generic(opdef: Any) -> Callable | None:
     def gen(ctx: _Ctx, a: _Args) -> dict:
         known = next((a.get(p.name) for p in opdef.params if _shape(a.get(p.name)) is not None), None)
         shape = _shape(known) if known is not None else ctx.shape(scalar=True, empty=True)
-        return {p.name: a.tensor(p.name, shape) for p in opdef.params if p.tensor and p.default is REQUIRED}
+        drawn = {p.name: a.tensor(p.name, shape) for p in opdef.params if p.tensor and p.default is REQUIRED}
+        for p in opdef.params:  # a defaulted attribute the pattern binds to a variable: any value it may take
+            if not p.tensor and p.default is not REQUIRED and a.free(p.name) and a.variables.get(p.name):
+                others = _other_values(p.default)
+                if others:
+                    drawn[p.name] = ctx.pick((p.default, *others))
+        return drawn
 
     return gen
+
+
+def _other_values(default: Any) -> tuple:
+    """Values of a defaulted attribute's type besides its default, for an op nothing
+    else is known of (a dim, a scale, a flag); () for other types (a list, a
+    string, None), which keep the default."""
+    if isinstance(default, bool):
+        return (not default,)
+    if isinstance(default, int):
+        return tuple(v for v in (0, 1, -1, 2) if v != default)
+    if isinstance(default, float):
+        return tuple(v for v in (0.5, 2.0, -1.5, 0.0) if v != default)
+    return ()
 
 
 def generator_for(opdef: Any) -> Callable | None:
