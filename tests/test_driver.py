@@ -357,3 +357,11 @@ def test_a_raising_predicate_does_not_fire_and_is_reported():
     assert not result.counts
     assert "test_predicate_with_a_bug() raised AttributeError" in result.stats["r"].first_error
     assert "error in r:" in result.summary()
+
+
+def test_a_rule_that_undoes_itself_is_named_alone():
+    # commuted operands: the rule swaps them back and forth (a where clause hides it from the checker)
+    rules = rewrite.parse("rule swap: add(x, y) where is_tensor(y) => add(y, x)\n")
+    with pytest.raises(rewrite.NonTerminationError) as info:
+        rules.apply(fx.symbolic_trace(Fn(lambda x: x + torch.relu(x))), (X,), check=False)
+    assert info.value.rules == ("swap",) and "rule 'swap'" in str(info.value)

@@ -398,8 +398,10 @@ class Driver:
             sig = _signature(node)
             if seen >= 2:
                 rules = tuple(sorted({name for name, _ in self.history[since:]}))
+                who = f"rule {rules[0]!r} undoes itself" if len(rules) == 1 else \
+                    f"rules {', '.join(repr(r) for r in rules)} undo each other"
                 raise NonTerminationError(
-                    f"rules {', '.join(repr(r) for r in rules)} undo each other: near node {where!r} "
+                    f"{who}: near node {where!r} "
                     f"they keep recreating {sig[1]}({', '.join(map(str, sig[2]))}) after replacing it",
                     rules,
                     where,
