@@ -29,7 +29,6 @@ import contextlib
 import copy
 import importlib
 import inspect
-import itertools
 import os
 import re
 import stat
@@ -202,7 +201,7 @@ def symbolic_trace(model: nn.Module) -> fx.GraphModule:
     tables = [(prefix, m, dict(m._buffers), dict(m._parameters)) for prefix, m in model.named_modules()]
     guard = _NoWritesToExisting()
     try:
-        with guard, _autocast_entries(model) as entered:
+        with guard, _autocast_entries() as entered:
             tracer = _HookKeepingTracer()
             graph = tracer.trace(model)
             gm = fx.GraphModule(tracer.root, graph, model.__class__.__name__)
@@ -236,27 +235,34 @@ def symbolic_trace(model: nn.Module) -> fx.GraphModule:
 
 
 @contextlib.contextmanager
-def _autocast_entries(model: nn.Module) -> Iterator[list]:
-    """The ``enabled`` flag of each ``torch.autocast`` block the tracing thread enters
-    meanwhile for a device the model's tensors are on (the tracer runs the forward's
-    ``with`` statements and records nothing of them); another thread's blocks, and a
-    block for another device (which leaves these ops alone), are not the graph's."""
+def _autocast_entries() -> Iterator[list]:
+    """The ``enabled`` flag, as the forward writes it, of each ``torch.autocast``
+    block the tracing thread enters meanwhile (the tracer runs the forward's
+    ``with`` statements and records nothing of them). Blocks of every device count:
+    a symbolic_trace graph runs wherever its caller moves it (a model built on the
+    meta device, a CPU trace of a model meant for CUDA). Another thread's blocks are
+    not the graph's."""
     entered: list = []
-    devices = {t.device.type for t in itertools.chain(model.parameters(), model.buffers())} or {"cpu"}
     tracing = threading.get_ident()
     cls = torch.amp.autocast_mode.autocast
-    original = cls.__enter__
+    original_init, original_enter = cls.__init__, cls.__enter__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        # torch switches off a block for a device it lacks: the forward still asked for it
+        written = kwargs.get("enabled", args[2] if len(args) > 2 else True)
+        self.__dict__["_rewrite_written_enabled"] = bool(written)
 
     def enter(self: Any) -> Any:
-        if threading.get_ident() == tracing and getattr(self, "device", "cpu") in devices:
-            entered.append(bool(getattr(self, "_enabled", True)))
-        return original(self)
+        if threading.get_ident() == tracing:
+            entered.append(self.__dict__.get("_rewrite_written_enabled", getattr(self, "_enabled", True)))
+        return original_enter(self)
 
-    cls.__enter__ = enter
+    cls.__init__, cls.__enter__ = init, enter
     try:
         yield entered
     finally:
-        cls.__enter__ = original
+        cls.__init__, cls.__enter__ = original_init, original_enter
 
 
 class _ExistingWrite(Exception):

@@ -14,17 +14,17 @@ from rewrite.capture import AUTOCAST_OFF_LOST
 
 
 class _OtherDeviceBlock(nn.Module):
-    """Written for a GPU: its autocast block (disabled, or disabled by torch for
-    lack of CUDA) says nothing of how the CPU computes."""
+    """Written for a GPU: its autocast block says nothing of how the CPU computes."""
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.enabled = enabled
 
     def forward(self, x):
         h = self.a(x)
-        with torch.autocast("cuda", enabled=False):
+        with torch.autocast("cuda", dtype=torch.float16, enabled=self.enabled):
             return self.b(h)
 
 
@@ -32,20 +32,50 @@ def _amp() -> rewrite.RuleSet:
     return rewrite.load(rewrite.rules_dir() / "amp_bf16.rw")
 
 
-# AJ F2: an autocast block for another device switched the CPU AMP rules off inside it
-# (symbolic_trace) or everywhere (the backend), though torch.autocast("cpu") lowers it.
-def test_an_autocast_block_for_another_device_leaves_the_cpu_rules_on():
-    model, x = _OtherDeviceBlock().eval(), torch.randn(4, 16)
+# AJ F2: an autocast block torch switched off for lack of CUDA counted as one the model
+# disables (symbolic_trace), and any other device's block as one of the graph's (dynamo).
+def test_a_block_torch_switches_off_for_a_missing_device_is_not_one_the_model_disables():
+    model, x = _OtherDeviceBlock(enabled=True).eval(), torch.randn(4, 16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch: CUDA is not available, autocast disabled
         result = _amp().apply(model, (x,))
-        assert result.counts.get("linear_bf16") == 2
-        assert not result.graph_module.meta.get(AUTOCAST_OFF_LOST)
-        results = []
-        torch._dynamo.reset()
-        with torch.no_grad():
-            torch.compile(model, backend=rewrite.backend(_amp(), on_result=results.append))(x)
+    assert result.counts.get("linear_bf16") == 2
+    assert not result.graph_module.meta.get(AUTOCAST_OFF_LOST)
+
+
+def test_under_dynamo_another_devices_disabled_block_leaves_the_cpu_rules_on():
+    model, x = _OtherDeviceBlock(enabled=False).eval(), torch.randn(4, 16)
+    results = []
+    torch._dynamo.reset()
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.compile(model, backend=rewrite.backend(_amp(), on_result=results.append))(x)
     assert sum(r.counts.get("linear_bf16", 0) for r in results) == 2
+
+
+# AM F1: symbolic_trace graphs run wherever the caller moves them (a model built on the
+# meta device, a CPU trace of a CUDA model): a disabled block of any device counts there.
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_symbolic_trace_counts_a_disabled_block_of_any_device(device):
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def forward(self, x):
+            h = self.a(x)
+            with torch.autocast(device, enabled=False):
+                return self.b(h.float())
+
+    with torch.device("meta"):
+        model = M()
+    model = model.to_empty(device="cpu").eval()
+    torch.manual_seed(0)
+    for p in model.parameters():
+        nn.init.normal_(p)
+    with pytest.warns(UserWarning, match="enabled=False"):
+        result = _amp().apply(model, (torch.randn(4, 16),))
+    assert "linear_bf16" not in result.counts
 
 
 class _Slow(nn.Module):
@@ -181,3 +211,55 @@ def test_verify_draws_the_attributes_a_pattern_binds(text):
 ])
 def test_rules_right_for_every_attribute_value_still_verify(text):
     assert rewrite.parse(text + "\n").verify(max_examples=100, seed=0).ok
+
+
+@torch.library.custom_op("rws40::red", mutates_args=())
+def _red(x: torch.Tensor, mode: str = "sum") -> torch.Tensor:
+    return x.sum(0) if mode == "sum" else x.mean(0)
+
+
+@_red.register_fake
+def _(x, mode="sum"):
+    return x.sum(0)
+
+
+_VIEWS.define("lsum(Tensor x, int[] dims=[0]) -> Tensor")
+_VIEWS.impl("lsum", lambda x, dims=(0,): x.sum(list(dims)), "CompositeExplicitAutograd")
+_VIEWS.impl("lsum", lambda x, dims=(0,): x.sum(list(dims)), "Meta")
+
+
+# AM F3: a string or None attribute the generic generator cannot vary verified "ok"
+# at its default; a list of dims was never varied either.
+def test_an_attribute_verify_cannot_vary_leaves_the_rule_unverified():
+    report = rewrite.parse("rule r: rws40.red(x, _) => sum(x, 0)\n").verify(max_examples=50, seed=0)
+    assert [v.status for v in report.verdicts] == ["skipped"] and "'mode'" in report.verdicts[0].reason
+
+
+def test_a_list_of_dims_a_pattern_binds_is_drawn():
+    wrong = rewrite.parse("rule r: rws40.lsum(x, _) => sum(x, 0)\n").verify(max_examples=100, seed=0)
+    assert [v.status for v in wrong.verdicts] == ["counterexample"]
+    assert rewrite.parse("rule r: rws40.lsum(x, d) => sum(x, d)\n").verify(max_examples=100, seed=0).ok
+
+
+_VIEWS.define("halves(Tensor(a) x) -> (Tensor(a), Tensor(a))")
+_VIEWS.impl("halves", lambda x: (x.view(-1), x.view(-1)), "CompositeExplicitAutograd")
+_VIEWS.impl("halves", lambda x: (x.view(-1), x.view(-1)), "Meta")
+
+
+class _WritesThroughCustomViews(nn.Module):
+    def forward(self, x):
+        h = x + 1
+        a, b = torch.ops.rws40.halves(h)
+        b.add_(1)  # writes h through the second view
+        return h, a
+
+
+# AM F2: the multi-output form of AK F3: an op returning several views was fresh memory
+@pytest.mark.parametrize("level", ["fx", "export"])
+def test_a_custom_ops_declared_views_are_not_replaced_by_copies(level):
+    model, x = _WritesThroughCustomViews(), torch.randn(2, 3)
+    gm = torch.fx.symbolic_trace(model) if level == "fx" else torch.export.export(model, (x,)).module()
+    rules = rewrite.parse("rule r: rws40.halves(x) as (_, _) => (flatten(clone(x)), flatten(clone(x)))\n")
+    result = rules.apply(gm, (x,), check=False)
+    assert result.counts == {}
+    torch.testing.assert_close(result.graph_module(x), model(x))

@@ -35,7 +35,7 @@ from rewrite.engine.regions import Regions
 from rewrite.engine.layout import StrideReaders, layout_change_seen
 from rewrite.engine.rewire import Rewirer
 from rewrite.engine.shapes import addressing, sizes_differ
-from rewrite.ops.effects import always_aliases, note_built_module, written_args
+from rewrite.ops.effects import always_aliases, note_built_module, schema_returns_alias, written_args
 from rewrite.ops.reach import storage_key
 
 __all__ = ["Replacer", "ReplacementError", "RULE_KEY", "SOURCES_KEY", "UNLIKE_ROOT", "uses_root"]
@@ -237,7 +237,8 @@ class Replacer:
                 problem = problem or self._unlike_root(getitem, value)
                 problem = problem or new_aliasing(getitem, value, self._created, self.gm, self._graph_writes(),
                                                   self._classes, self._nbytes)
-                if problem is None and always_aliases(root, self.gm):  # the pieces of a split: views
+                if problem is None and (always_aliases(root, self.gm) or schema_returns_alias(root.target)):
+                    # the pieces of a split, or of an op whose schema says they may be views: views
                     problem = lost_aliasing(getitem, value, self._created, self.gm, self._graph_writes(),
                                             self.facts.meta)
                 if problem is None and value not in self._created:  # a value forwarded as it is

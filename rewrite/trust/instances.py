@@ -354,6 +354,10 @@ def plan_for(rule: CompiledRule) -> Plan:
     ops = _pattern_ops(rule.pattern)
     missing = sorted({name for name, gen in ops if gen is None})
     unsupported = f"no instance generator for op {', '.join(repr(m) for m in missing)}" if missing else None
+    pinned = _pinned_attributes(rule.pattern)
+    if unsupported is None and pinned:
+        unsupported = (f"attribute {pinned[1]!r} of op {pinned[0]!r} would only be drawn at its default "
+                       f"({pinned[2]!r}): the rule claims every value; write the value it holds for")
     quantized = any(name in _QUANT_OPS for name, _ in ops) or any(
         o in ("dequantize", "quantize_per_tensor") for v in producers.values() for o in v)
     if quantized and not favoured:
@@ -388,7 +392,34 @@ def _pattern_ops(p: Any) -> list:
             todo += reversed([sub for alt in p.alts for _, sub in alt.args])
         elif isinstance(p, PSeq):
             todo += reversed(p.items)
+        elif isinstance(p, PResults):
+            todo.append(p.call)
     return out
+
+
+def _pinned_attributes(p: Any) -> tuple | None:
+    """(op, attribute, default) of the first attribute a pattern leaves free (a
+    variable, ``_``) on an op only the generic generator draws, of a type it cannot
+    vary (a string, a None default): every instance would hold the default, and a
+    rule right for it alone would verify."""
+    todo = [p]
+    while todo:
+        p = todo.pop()
+        if isinstance(p, PCall):
+            for alt in p.alts:
+                if getattr(generator_for(alt.opdef), "generic", False):
+                    params = {q.name: q for q in alt.opdef.params}
+                    for name, sub in alt.args:
+                        q = params.get(name)
+                        if q is not None and isinstance(sub, (PVar, PWild)) and not q.tensor \
+                                and q.default is not REQUIRED and not _other_values(q.default):
+                            return alt.opdef.name, name, q.default
+                todo += [sub for _, sub in alt.args]
+        elif isinstance(p, PSeq):
+            todo += p.items
+        elif isinstance(p, PResults):
+            todo.append(p.call)
+    return None
 
 
 # ================================================================ generators
@@ -1592,13 +1623,14 @@ def _generic(opdef: Any) -> Callable | None:
         known = next((a.get(p.name) for p in opdef.params if _shape(a.get(p.name)) is not None), None)
         shape = _shape(known) if known is not None else ctx.shape(scalar=True, empty=True)
         drawn = {p.name: a.tensor(p.name, shape) for p in opdef.params if p.tensor and p.default is REQUIRED}
-        for p in opdef.params:  # a defaulted attribute the pattern binds to a variable: any value it may take
-            if not p.tensor and p.default is not REQUIRED and a.free(p.name) and a.variables.get(p.name):
+        for p in opdef.params:  # a defaulted attribute the pattern leaves free: any value it may take
+            if not p.tensor and p.default is not REQUIRED and a.free(p.name):
                 others = _other_values(p.default)
                 if others:
                     drawn[p.name] = ctx.pick((p.default, *others))
         return drawn
 
+    gen.generic = True  # type: ignore[attr-defined]  # _pinned_attributes: what it cannot vary
     return gen
 
 
@@ -1612,6 +1644,8 @@ def _other_values(default: Any) -> tuple:
         return tuple(v for v in (0, 1, -1, 2) if v != default)
     if isinstance(default, float):
         return tuple(v for v in (0.5, 2.0, -1.5, 0.0) if v != default)
+    if isinstance(default, (list, tuple)) and all(type(v) is int for v in default):  # dims, sizes
+        return tuple(type(default)(v) for v in ([0], [1], [-1], [0, 1]) if list(v) != list(default))
     return ()
 
 
