@@ -209,3 +209,39 @@ def test_explain_points_at_a_qualified_argument_spelled_otherwise():
 
     (e,) = rules.explain(torch.fx.symbolic_trace(M()), rule="cs", node="cat", example_inputs=(torch.randn(2, 4),))
     assert not e.matched and "aten.split.Tensor exactly" in e.expected
+
+
+# probe AM F6: an unknown conjunct was blamed (advising example inputs) where another was false
+def test_explain_blames_a_false_conjunct_before_an_unknown_one():
+    rules = rewrite.parse("rule m1: mul(x, 1) where is_float(x) and rank(x) == 7 => x\n")
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return (x + 1) * 1.0 + 2
+
+    gm = torch.fx.symbolic_trace(M())
+    (e,) = rules.explain(gm, rule="m1", node="mul")
+    assert e.actual.startswith("unknown")  # rank is unknown too: both unknown, the first is named
+    rules = rewrite.parse("rule m1: mul(x, 1) where is_float(x) and is_number(x) => x\n")
+    (e,) = rules.explain(gm, rule="m1", node="mul")
+    assert e.expected == "is_number(x) to hold" and e.actual.startswith("false")
+
+
+# probe AM F5: explain deep-copied the model, which a weight-normed conv cannot be
+def test_explain_works_where_apply_does_on_a_weight_normed_model():
+    with pytest.warns(FutureWarning):
+        conv = nn.utils.weight_norm(nn.Conv1d(2, 2, 1))
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = conv
+
+        def forward(self, x):
+            return self.conv(x) * 1.0
+
+    rules = rewrite.parse("rule mul_one: mul(x, 1) where is_float(x) => x\n")
+    x = torch.randn(1, 2, 4)
+    assert rules.apply(M(), (x,)).counts == {"mul_one": 1}
+    (e,) = rules.explain(M(), rule="mul_one", node="mul", example_inputs=(x,))
+    assert e.matched

@@ -263,3 +263,34 @@ def test_a_custom_ops_declared_views_are_not_replaced_by_copies(level):
     result = rules.apply(gm, (x,), check=False)
     assert result.counts == {}
     torch.testing.assert_close(result.graph_module(x), model(x))
+
+
+@rewrite.register_module("s40_drawing_adapter", inputs=("x",))
+def _drawing_adapter(x=None, w=None):
+    import random
+
+    random.random()
+    return nn.Linear(w.shape[1], w.shape[0])  # kaiming init draws from torch's generator
+
+
+# AM F7: a module factory that draws moved the caller's torch generator in apply, and
+# torch's and Python's in explain
+def test_a_drawing_factory_leaves_every_generator_as_it_was():
+    import random
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x) * 1.0
+
+    rules = rewrite.parse("rule r: mul(linear(x, w, _), 1.0) where const(w) => s40_drawing_adapter(x, w)\n")
+    model, x = M().eval(), torch.randn(2, 4)
+    torch_state, python_state = torch.get_rng_state(), random.getstate()
+    result = rules.apply(model, (x,), check=False)
+    assert result.counts == {"r": 1}
+    explained = rules.explain(model, rule="r", example_inputs=(x,))
+    assert explained and explained[0].matched
+    assert torch.equal(torch.get_rng_state(), torch_state) and random.getstate() == python_state

@@ -16,7 +16,6 @@ Example::
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import attrs
@@ -29,8 +28,10 @@ from rewrite.language import ast
 from rewrite.language.printer import format_expr
 from rewrite.engine.match import Matcher, match_bindings, match_nodes
 from rewrite.engine.replace import Replacer, ReplacementError
+from rewrite.engine.workspace import Journal, own_written_state, shared_copy
 from rewrite.ops import detect_dialect
 from rewrite.ops import ConstRef
+from rewrite.trust.rng import generators_kept
 
 __all__ = ["Explanation", "Explanations", "explain"]
 
@@ -156,8 +157,13 @@ class _Explainer:
                 error, self.matcher.where_error = self.matcher.where_error, None
                 verdict = f"an error ({error})" if error else "false"
                 if not error and self._unknown(failed, env):
-                    verdict = ("unknown (the graph records no such fact: pass example_inputs, or capture with "
-                               "torch.export)")
+                    # unknown and false is false: a false conjunct is what example inputs cannot cure
+                    false = self._false_conjunct(rule.where, env)
+                    if false is not None:
+                        failed = false
+                    else:
+                        verdict = ("unknown (the graph records no such fact: pass example_inputs, or capture "
+                                   "with torch.export)")
                 self._note(depth, failed.span, "where clause", f"{format_expr(failed)} to hold",
                            f"{verdict}, with " + self._facts_text(failed, env), env)
             else:
@@ -174,6 +180,16 @@ class _Explainer:
         depth, location, element, expected, actual, env = self.best
         return Explanation(rule.name, node.name, False, depth, location, element, expected, actual,
                            self._bindings_text(env))
+
+    def _false_conjunct(self, where: Any, env: dict) -> Any:
+        items = where.items if isinstance(where, ast.BoolOp) and where.op == "and" else (where,)
+        for item in items:
+            try:
+                if self.matcher.where_value(item, env) is False:
+                    return item
+            except Exception:  # noqa: BLE001 - a failing function is reported as such
+                continue
+        return None
 
     def _unknown(self, expr: Any, env: dict) -> bool:
         try:
@@ -221,51 +237,65 @@ class Explanations(list):
 
 def explain(ruleset: Any, model: fx.GraphModule, rule: str | None = None, node: str | None = None,
             example_inputs: tuple | None = None, limit: int = 10) -> list:
-    """Explain rules at nodes (see ``RuleSet.explain``); works on a copy of ``model``.
+    """Explain rules at nodes (see ``RuleSet.explain``); works on a copy of ``model``
+    that shares its tensors, as ``apply``'s does (running it writes none of the
+    caller's), and leaves every random generator as it was.
     Returns ``Explanations``: a list that prints as text."""
-    gm = copy.deepcopy(model)
-    facts = GraphFacts(gm, example_inputs)
     if rule is not None and rule not in ruleset.rules:
         raise KeyError(f"no rule named {rule!r}; have {sorted(ruleset.rules)}")
-    rules = [ruleset.rules[rule]] if rule is not None else list(ruleset.rules.values())
-    if node is not None:
-        nodes = [n for n in gm.graph.nodes if n.name == node]
-        if not nodes:
-            raise KeyError(f"no node named {node!r} in the graph")
-    else:
-        nodes = [n for n in gm.graph.nodes if n.op.startswith("call_")]
-    out = []
-    for r in rules:
-        found = []
-        for n in nodes:
-            found.append(_Explainer(gm, facts, r).explain_at(n))
-        if node is None:  # near misses: the root op matched, the rest did not
-            found = [e for e in found if e.matched or e.depth > 1]
-            found.sort(key=lambda e: (not e.matched, -e.depth))
-            found = found[:limit]
-        out.extend(_refused_replacement(model, r, e, example_inputs) if e.matched else e for e in found)
+    with generators_kept():
+        trials = _Trials(model, example_inputs)
+        gm = trials.gm
+        rules = [ruleset.rules[rule]] if rule is not None else list(ruleset.rules.values())
+        if node is not None:
+            nodes = [n for n in gm.graph.nodes if n.name == node]
+            if not nodes:
+                raise KeyError(f"no node named {node!r} in the graph")
+        else:
+            nodes = [n for n in gm.graph.nodes if n.op.startswith("call_")]
+        out = []
+        for r in rules:
+            found = []
+            for n in nodes:
+                found.append(_Explainer(gm, trials.facts, r).explain_at(n))
+            if node is None:  # near misses: the root op matched, the rest did not
+                found = [e for e in found if e.matched or e.depth > 1]
+                found.sort(key=lambda e: (not e.matched, -e.depth))
+                found = found[:limit]
+            out.extend(trials.refused(r, e) if e.matched else e for e in found)
     return Explanations(out)
 
 
-def _refused_replacement(model: fx.GraphModule, rule: CompiledRule, matched: Explanation,
-                         example_inputs: tuple | None) -> Explanation:
-    """A match ``apply`` may still not rewrite: its replacement is tried on a copy of
-    the model, through the guards ``apply`` runs then (a write between the match's
-    nodes, sharing the caller would gain or lose, a result unlike the root's shape,
-    dtype or device, a grad-mode or autocast switch). The match as it was, or why
-    the replacement is refused."""
-    gm = copy.deepcopy(model)
-    facts = GraphFacts(gm, example_inputs)
-    matcher = Matcher(gm, facts)
-    root = next(n for n in gm.graph.nodes if n.name == matched.node)
-    match = matcher.match(rule, root)
-    if match is None:
+class _Trials:
+    """The working copy explain reads, and the replacements of its matches tried on
+    it through the guards ``apply`` runs then (a write between the match's nodes,
+    sharing the caller would gain or lose, a result unlike the root's shape, dtype
+    or device, a grad-mode or autocast switch). A replacement made is undone by the
+    copy's journal, as ``apply`` undoes an in-place rewrite."""
+
+    def __init__(self, model: fx.GraphModule, example_inputs: tuple | None) -> None:
+        self.gm = shared_copy(model)
+        own_written_state(self.gm)  # recording facts runs the copy
+        self.example_inputs = example_inputs
+        self.journal = Journal(self.gm).open()
+        self.facts = GraphFacts(self.gm, example_inputs, on_meta=self.journal.note_meta)
+
+    def refused(self, rule: CompiledRule, matched: Explanation) -> Explanation:
+        """The match as it was, or why its replacement is refused."""
+        matcher = Matcher(self.gm, self.facts)
+        root = next(n for n in self.gm.graph.nodes if n.name == matched.node)
+        match = matcher.match(rule, root)
+        if match is None:
+            return matched
+        try:
+            with torch.no_grad():
+                Replacer(self.gm, self.facts, detect_dialect(self.gm), matcher.bindings).apply(match)
+        except ReplacementError as err:
+            reason = str(err).split(": ", 1)[-1]
+            return Explanation(rule.name, matched.node, False, matched.depth + 1, rule.location, "replacement",
+                               "a replacement apply may make", reason, matched.bindings)
+        # made: back to the graph as it was (facts recorded on it kept), with facts
+        # that know nothing of the replacement
+        self.journal.undo(keep_meta=True)
+        self.facts = GraphFacts(self.gm, self.example_inputs, on_meta=self.journal.note_meta)
         return matched
-    try:
-        with torch.no_grad():
-            Replacer(gm, facts, detect_dialect(gm), matcher.bindings).apply(match)
-    except ReplacementError as err:
-        reason = str(err).split(": ", 1)[-1]
-        return Explanation(rule.name, matched.node, False, matched.depth + 1, rule.location, "replacement",
-                           "a replacement apply may make", reason, matched.bindings)
-    return matched

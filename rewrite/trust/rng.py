@@ -20,7 +20,7 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["host_generators_kept", "seeded"]
+__all__ = ["generators_kept", "host_generators_kept", "seeded"]
 
 
 @contextlib.contextmanager
@@ -38,13 +38,28 @@ def host_generators_kept() -> Iterator[None]:
             numpy.random.set_state(numpy_state)
 
 
+def _cuda_devices() -> list:
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    return list(range(torch.cuda.device_count())) if cuda else []
+
+
+@contextlib.contextmanager
+def generators_kept() -> Iterator[None]:
+    """torch's CPU generator (and every CUDA device's, once CUDA is initialized),
+    Python's and numpy's are after the block as they were before it: a user's
+    function a rule runs (a module factory initializing its weights) moves none of
+    the caller's."""
+    with torch.random.fork_rng(devices=_cuda_devices()), host_generators_kept():
+        yield
+
+
 @contextlib.contextmanager
 def seeded(seed: int) -> Iterator[None]:
     """Within the block the CPU generator (and every CUDA device's, once CUDA is
     initialized), Python's and numpy's start from ``seed``; after it, they are as
     they were."""
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    devices = list(range(torch.cuda.device_count())) if cuda else []
+    devices = _cuda_devices()
+    cuda = bool(devices)
     with torch.random.fork_rng(devices=devices), host_generators_kept():
         torch.default_generator.manual_seed(seed)
         if cuda:
