@@ -424,13 +424,14 @@ class RuleSet:
         traced = model is not original and example_inputs is not None  # apply captured the module itself
         if check and traced and not set(driver.counts) - self._changes():
             confirm_capture(model, original, example_inputs)  # nothing else checks the capture
-        if check and driver.counts and not _can_check(original, example_inputs):
-            warnings.warn(
-                "rewrite: the equivalence check was skipped: pass example_inputs "
-                "(the graph records no input shapes)",
-                stacklevel=3,
-            )
-        elif check and set(driver.counts) - self._changes():
+        if check and set(driver.counts) - self._changes() and not _can_check(original, example_inputs):
+            # checked by default: a rewrite the check cannot run on is not returned
+            raise ValueError(
+                f"apply: the equivalence check needs inputs, and the graph records no input shapes (a "
+                f"symbolic_trace graph); the rules fired {dict(driver.counts)}, nothing was returned. Pass "
+                "example_inputs=(...) (the model's example inputs: the check draws random ones like them), or "
+                "check=False to take the rewrite unchecked")
+        if check and set(driver.counts) - self._changes():
             from rewrite.trust.check import Reference, check_equivalence, new_half_precisions, static_float_dtypes
 
             kind = self._tolerance_of(driver.counts)
