@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import math
 import os
 import random
 import time
@@ -683,8 +684,10 @@ def validate_apply_options(**options: Any) -> None:
     if check and (not isinstance(trials, int) or trials < 1):
         raise ValueError(f"trials must be a positive int when check=True, not {trials!r}")
     for name, tol in (("rtol", rtol), ("atol", atol)):
-        if tol is not None and not (isinstance(tol, (int, float)) and tol >= 0):
-            raise ValueError(f"{name} must be a non-negative number, not {tol!r}")
+        if tol is not None and not (isinstance(tol, (int, float)) and not isinstance(tol, bool)
+                                    and 0 <= tol < math.inf):
+            raise ValueError(f"{name} must be a finite non-negative number, not {tol!r} (an infinite "
+                             "tolerance passes any rewrite that keeps shapes and dtypes: check=False says so)")
     if input_ranges is not None and not (isinstance(input_ranges, dict) and all(
             isinstance(v, (tuple, list)) and len(v) == 2 for v in input_ranges.values())):
         raise ValueError(f"input_ranges maps an input (index or pytree path) to (low, high), not {input_ranges!r}")

@@ -294,3 +294,35 @@ def test_a_drawing_factory_leaves_every_generator_as_it_was():
     explained = rules.explain(model, rule="r", example_inputs=(x,))
     assert explained and explained[0].matched
     assert torch.equal(torch.get_rng_state(), torch_state) and random.getstate() == python_state
+
+
+# AN F4: a replacement could build aten.resize (uninitialized memory when it grows)
+# and aten.to_mkldnn (a layout nothing downstream takes)
+@pytest.mark.parametrize("replacement", ["aten.resize(x, [8])", "aten.to_mkldnn(x)"])
+def test_a_replacement_may_not_build_unchecked_memory_or_layouts(replacement):
+    with pytest.raises(rewrite.RuleError, match="E106"):
+        rewrite.parse(f"rule r: mul(x, 1.0) => {replacement}\n")
+
+
+# AN F3: an infinite tolerance made the check pass any rewrite keeping shapes and dtypes
+@pytest.mark.parametrize("option", [{"atol": float("inf")}, {"rtol": float("nan")}, {"atol": True}])
+def test_apply_refuses_a_tolerance_that_passes_everything(option):
+    with pytest.raises(ValueError, match="finite non-negative"):
+        rewrite.load(rewrite.rules_dir() / "cleanup.rw").apply(_Norms().eval(), (torch.randn(8, 4),), **option)
+
+
+# AN F2: with the check on (the default) and no inputs to run it on, apply warned and
+# returned the rewrite unchecked
+def test_apply_refuses_to_return_a_rewrite_its_check_cannot_run():
+    wrong = rewrite.parse("rule broken: mul(sigmoid(x), 2) => add(x, x)\n")
+
+    class M(nn.Module):
+        def forward(self, x):
+            return torch.sigmoid(x) * 2
+
+    gm = torch.fx.symbolic_trace(M())
+    with pytest.raises(ValueError, match="example_inputs"):
+        wrong.apply(gm)
+    assert wrong.apply(gm, check=False).counts == {"broken": 1}  # asked for unchecked
+    with pytest.raises(rewrite.EquivalenceError):
+        wrong.apply(gm, (torch.randn(4),))

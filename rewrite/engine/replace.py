@@ -584,6 +584,9 @@ def _unlike(want: Any, got: Any) -> str | None:
     want_device, got_device = getattr(want, "device", None), getattr(got, "device", None)
     if got_device is not None and want_device is not None and got_device != want_device:
         return f"{UNLIKE_ROOT}its device {got_device} is not the root's {want_device}"
+    want_layout, got_layout = getattr(want, "layout", None), getattr(got, "layout", None)
+    if got_layout is not None and want_layout is not None and got_layout != want_layout:
+        return f"{UNLIKE_ROOT}its layout {got_layout} is not the root's {want_layout}"
     if not (getattr(want, "_has_symbolic_sizes_strides", True) or getattr(got, "_has_symbolic_sizes_strides", True)):
         differ = got_shape != want_shape  # plain sizes (the common case): compared at once
     else:
