@@ -686,8 +686,9 @@ def validate_apply_options(**options: Any) -> None:
     for name, tol in (("rtol", rtol), ("atol", atol)):
         if tol is not None and not (isinstance(tol, (int, float)) and not isinstance(tol, bool)
                                     and 0 <= tol < math.inf):
-            raise ValueError(f"{name} must be a finite non-negative number, not {tol!r} (an infinite "
-                             "tolerance passes any rewrite that keeps shapes and dtypes: check=False says so)")
+            why = " (an infinite tolerance passes any rewrite that keeps shapes and dtypes: check=False says " \
+                "so)" if tol == math.inf else ""
+            raise ValueError(f"{name} must be a finite non-negative number, not {tol!r}{why}")
     if input_ranges is not None and not (isinstance(input_ranges, dict) and all(
             isinstance(v, (tuple, list)) and len(v) == 2 for v in input_ranges.values())):
         raise ValueError(f"input_ranges maps an input (index or pytree path) to (low, high), not {input_ranges!r}")

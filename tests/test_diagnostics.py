@@ -321,8 +321,8 @@ def test_apply_refuses_what_it_cannot_rewrite_with_a_clear_error():
 
 @pytest.mark.parametrize("options, message", [
     ({"trials": 0}, "trials must be a positive int"),
-    ({"rtol": -1.0}, "rtol must be a non-negative number"),
-    ({"atol": float("nan")}, "atol must be a non-negative number"),
+    ({"rtol": -1.0}, "rtol must be a finite non-negative number"),
+    ({"atol": float("nan")}, "atol must be a finite non-negative number"),
 ])
 def test_apply_refuses_bad_check_options(options, message):
     model, x = _tiny()
