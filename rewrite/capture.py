@@ -236,12 +236,14 @@ def symbolic_trace(model: nn.Module) -> fx.GraphModule:
 
 @contextlib.contextmanager
 def _autocast_entries() -> Iterator[list]:
-    """The ``enabled`` flag, as the forward writes it, of each ``torch.autocast``
-    block the tracing thread enters meanwhile (the tracer runs the forward's
-    ``with`` statements and records nothing of them). Blocks of every device count:
-    a symbolic_trace graph runs wherever its caller moves it (a model built on the
-    meta device, a CPU trace of a model meant for CUDA). Another thread's blocks are
-    not the graph's."""
+    """Whether each ``torch.autocast`` block the tracing thread enters meanwhile is
+    enabled (the tracer runs the forward's ``with`` statements and records nothing
+    of them). Blocks of every device count: a symbolic_trace graph runs wherever its
+    caller moves it (a model built on the meta device, a CPU trace of a model meant
+    for CUDA). A block counts as torch runs it (a dtype its device does not take
+    switches it off), except one torch switches off for want of CUDA: there the
+    flag the forward wrote tells (enabled, for a block built before the trace).
+    Another thread's blocks are not the graph's."""
     entered: list = []
     tracing = threading.get_ident()
     cls = torch.amp.autocast_mode.autocast
@@ -249,13 +251,14 @@ def _autocast_entries() -> Iterator[list]:
 
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
         original_init(self, *args, **kwargs)
-        # torch switches off a block for a device it lacks: the forward still asked for it
-        written = kwargs.get("enabled", args[2] if len(args) > 2 else True)
-        self.__dict__["_rewrite_written_enabled"] = bool(written)
+        self.__dict__["_rewrite_written_enabled"] = bool(kwargs.get("enabled", args[2] if len(args) > 2 else True))
 
     def enter(self: Any) -> Any:
         if threading.get_ident() == tracing:
-            entered.append(self.__dict__.get("_rewrite_written_enabled", getattr(self, "_enabled", True)))
+            if getattr(self, "device", None) == "cuda" and torch.cuda.amp.common.amp_definitely_not_available():
+                entered.append(self.__dict__.get("_rewrite_written_enabled", True))
+            else:
+                entered.append(bool(getattr(self, "_enabled", True)))
         return original_enter(self)
 
     cls.__init__, cls.__enter__ = init, enter

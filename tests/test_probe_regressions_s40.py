@@ -326,3 +326,87 @@ def test_apply_refuses_to_return_a_rewrite_its_check_cannot_run():
     assert wrong.apply(gm, check=False).counts == {"broken": 1}  # asked for unchecked
     with pytest.raises(rewrite.EquivalenceError):
         wrong.apply(gm, (torch.randn(4),))
+
+
+class _Float32Pinned(nn.Module):
+    """torch.autocast("cpu", dtype=torch.float32): the usual way to keep a region in
+    float32 (torch switches such a block off; dynamo records it as written, enabled)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        y = self.a(x)
+        with torch.autocast("cpu", dtype=torch.float32):
+            return self.b(y.float())
+
+
+# AO F3: a block torch switches off for its dtype was no longer counted (symbolic_trace),
+# and dynamo's record of it (enabled as written) never was
+def test_a_block_autocast_runs_off_for_its_dtype_stays_float32():
+    model, x = _Float32Pinned().eval(), torch.randn(4, 16)
+    with pytest.warns(UserWarning, match="enabled=False"):
+        assert "linear_bf16" not in _amp().apply(model, (x,)).counts
+    results = []
+    torch._dynamo.reset()
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.compile(model, backend=rewrite.backend(_amp(), on_result=results.append))(x)
+    assert sum(r.counts.get("linear_bf16", 0) for r in results) == 1  # a only
+
+
+class _DecoratedForCuda(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    @torch.autocast("cuda")  # built before any trace; torch switches it off here for want of CUDA
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+# AO F1: a decorator's (pre-built) CUDA block read as one the model disables
+def test_a_prebuilt_cuda_block_torch_switches_off_is_not_read_as_disabled():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = _amp().apply(_DecoratedForCuda().eval(), (torch.randn(4, 16),))
+    assert result.counts.get("linear_bf16") == 2 and not result.graph_module.meta.get(AUTOCAST_OFF_LOST)
+
+
+# AO F2: attributes left to a trailing ... escaped the unverifiable-attribute guard
+def test_an_attribute_left_to_a_trailing_ellipsis_is_not_pinned_silently():
+    report = rewrite.parse("rule r: rws40.red(x, ...) => sum(x, 0)\n").verify(max_examples=50, seed=0)
+    assert [v.status for v in report.verdicts] == ["skipped"] and "'mode'" in report.verdicts[0].reason
+
+
+# AO F4: E106's words refused a dense op that merely has mkldnn in its name
+def test_mkldnn_convolution_may_be_built():
+    rewrite.parse("rule r: conv(x, w, b, [1, 1], [0, 0], [1, 1], 1) => "
+                  "aten.mkldnn_convolution(x, w, b, [0, 0], [1, 1], [1, 1], 1)\n")
+
+
+_VIEWS.define("pair(Tensor(a) x) -> (Tensor, Tensor(a))")
+_VIEWS.impl("pair", lambda x: (x + 1, x.view(-1)), "CompositeExplicitAutograd")
+_VIEWS.impl("pair", lambda x: (x + 1, x.view(-1)), "Meta")
+
+
+class _WritesThroughSecondView(nn.Module):
+    def forward(self, x):
+        h = x + 1
+        a, b = torch.ops.rws40.pair(h)
+        b.add_(1)
+        return h, a
+
+
+# AO F5: only the first result's alias annotation was read
+@pytest.mark.parametrize("level", ["fx", "export"])
+def test_a_custom_ops_second_result_view_is_kept(level):
+    model, x = _WritesThroughSecondView(), torch.randn(2, 3)
+    gm = torch.fx.symbolic_trace(model) if level == "fx" else torch.export.export(model, (x,)).module()
+    rules = rewrite.parse("rule r: rws40.pair(x) as (_, _) => (add(x, 1), flatten(clone(x)))\n")
+    result = rules.apply(gm, (x,), check=False)
+    assert result.counts == {}
+    torch.testing.assert_close(result.graph_module(x), model(x))

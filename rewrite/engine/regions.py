@@ -14,6 +14,8 @@ region and costs nothing here.
 
 from __future__ import annotations
 
+import functools
+import warnings
 from typing import Any
 
 import torch
@@ -60,7 +62,9 @@ class Regions:
                     region += 1
                     if n.target is torch.amp.autocast_mode._enter_autocast and _argument(n, 0, "device_type",
                                                                                          "cuda") in devices:
-                        autocast.append((n, _argument(n, 2, "enabled", True)))
+                        autocast.append((n, _runs_enabled(_argument(n, 0, "device_type", "cuda"),
+                                                          _argument(n, 1, "dtype", None),
+                                                          _argument(n, 2, "enabled", True))))
                     elif n.target is torch.amp.autocast_mode._exit_autocast:
                         autocast = [entry for entry in autocast if entry[0] is not _argument(n, 0, "mode", None)]
                     if autocast and autocast[-1][1] is False:
@@ -112,3 +116,19 @@ def _device_types(graph: fx.Graph) -> Any:
 class _EveryDevice:
     def __contains__(self, device: object) -> bool:
         return True
+
+
+@functools.lru_cache(maxsize=None)
+def _runs_enabled(device: str, dtype: Any, enabled: Any) -> bool:
+    """Whether torch runs an autocast block so written enabled: it switches one off
+    whose dtype its device does not take (``torch.autocast("cpu", dtype=torch.float32)``,
+    the usual way to keep a region in float32), which dynamo records as written.
+    Unknown (torch refuses the arguments): off, the safe reading."""
+    if enabled is not True:  # written off, or a flag computed at run time: off, the safe reading
+        return False
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return bool(torch.amp.autocast_mode.autocast(device, dtype=dtype, enabled=True)._enabled)
+    except Exception:  # noqa: BLE001 - a device or dtype torch does not know
+        return False

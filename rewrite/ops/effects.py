@@ -351,22 +351,22 @@ def _returns_input(overload: Any) -> bool:
 
 
 def schema_returns_alias(target: Any) -> bool:
-    """Whether an op's schema says its first result may share memory with an argument
-    (``Tensor(a) -> Tensor(a)``), for an overload or, at the fx level, any overload
-    of a packet: what a custom op declares, whatever its name."""
+    """Whether an op's schema says a result may share memory with an argument
+    (``Tensor(a) -> Tensor(a)``, ``-> (Tensor, Tensor(a))``), for an overload or, at
+    the fx level, any overload of a packet: what a custom op declares, whatever its
+    name."""
     if isinstance(target, torch._ops.OpOverloadPacket):
         return any(schema_returns_alias(getattr(target, name)) for name in target.overloads())
     if not isinstance(target, torch._ops.OpOverload):
         return False
-    return by_identity(_RETURNS_ALIAS, target, _first_return_aliases)
+    return by_identity(_RETURNS_ALIAS, target, _some_return_aliases)
 
 
-_RETURNS_ALIAS: dict = {}  # id(overload) -> (overload, _first_return_aliases(overload))
+_RETURNS_ALIAS: dict = {}  # id(overload) -> (overload, _some_return_aliases(overload))
 
 
-def _first_return_aliases(overload: Any) -> bool:
-    returns = overload._schema.returns
-    return bool(returns) and returns[0].alias_info is not None
+def _some_return_aliases(overload: Any) -> bool:
+    return any(r.alias_info is not None for r in overload._schema.returns)
 
 
 _INPLACE_OPERATORS = frozenset(

@@ -134,7 +134,7 @@ def _decomposed(name: str) -> OpDef | None:
 #: (``empty_like``, ``new_empty``), tensors whose invariants are not checked
 #: (``_sparse_coo_tensor_unsafe``: its ``to_dense`` writes out of bounds), nested
 #: and sparse constructors
-_UNSAFE_WORDS = ("empty", "unsafe", "sparse", "nested", "resize", "mkldnn")
+_UNSAFE_WORDS = ("empty", "unsafe", "sparse", "nested", "resize", "to_mkldnn", "mkldnn_reorder")
 #: autograd effects no schema annotates: they reach the caller's leaves
 _AUTOGRAD = frozenset({"backward", "retain_grad", "requires_grad_", "register_hook"})
 

@@ -408,12 +408,12 @@ def _pinned_attributes(p: Any) -> tuple | None:
         if isinstance(p, PCall):
             for alt in p.alts:
                 if getattr(generator_for(alt.opdef), "generic", False):
-                    params = {q.name: q for q in alt.opdef.params}
-                    for name, sub in alt.args:
-                        q = params.get(name)
-                        if q is not None and isinstance(sub, (PVar, PWild)) and not q.tensor \
+                    written = dict(alt.args)
+                    for q in alt.opdef.params:  # free: a variable, ``_``, or left to a trailing ``...``
+                        sub = written.get(q.name)
+                        if (sub is None or isinstance(sub, (PVar, PWild))) and not q.tensor \
                                 and q.default is not REQUIRED and not _other_values(q.default):
-                            return alt.opdef.name, name, q.default
+                            return alt.opdef.name, q.name, q.default
                 todo += [sub for _, sub in alt.args]
         elif isinstance(p, PSeq):
             todo += p.items
