@@ -410,3 +410,22 @@ def test_a_custom_ops_second_result_view_is_kept(level):
     result = rules.apply(gm, (x,), check=False)
     assert result.counts == {}
     torch.testing.assert_close(result.graph_module(x), model(x))
+
+
+# AO F7: torch.hsplit's pieces were fresh memory at the fx level (torch.split's were views)
+@pytest.mark.parametrize("split, pattern", [(lambda h: torch.hsplit(h, 2), "torch.hsplit(x, _)"),
+                                            (lambda h: h.hsplit(2), "Tensor.hsplit(x, _)")])
+def test_the_pieces_of_hsplit_are_views(split, pattern):
+    class M(nn.Module):
+        def forward(self, x):
+            h = x + 1
+            a, b = split(h)
+            b.add_(1)  # writes h through the second piece
+            return h, a
+
+    x = torch.randn(2, 4)
+    rules = rewrite.parse(f"rule r: {pattern} as (_, _) => "
+                          "(clone(aten.narrow(x, 1, 0, 2)), clone(aten.narrow(x, 1, 2, 2)))\n")
+    result = rules.apply(torch.fx.symbolic_trace(M()), (x,), check=False)
+    assert result.counts == {}
+    torch.testing.assert_close(result.graph_module(x), M()(x))

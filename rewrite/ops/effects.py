@@ -56,7 +56,8 @@ VIEW_NAMES = frozenset({
     "unsqueeze", "select", "narrow", "diagonal", "as_strided", "movedim", "moveaxis", "swapaxes",
     "swapdims", "unfold", "detach", "alias", "getitem", "__getitem__", "slice", "unflatten",
     "_reshape_alias", "split", "split_with_sizes", "tensor_split", "chunk", "unbind", "real", "imag",
-    "view_as_real", "view_as_complex",
+    "view_as_real", "view_as_complex", "hsplit", "vsplit", "dsplit", "unsafe_split", "unsafe_split_with_sizes",
+    "unsafe_chunk", "adjoint", "mH",
 })
 #: Ops whose result may share memory with their first input: views, and ops that
 #: return it unchanged when there is nothing to do (no-op casts, reshapes of

@@ -356,8 +356,9 @@ def plan_for(rule: CompiledRule) -> Plan:
     unsupported = f"no instance generator for op {', '.join(repr(m) for m in missing)}" if missing else None
     pinned = _pinned_attributes(rule.pattern)
     if unsupported is None and pinned:
-        unsupported = (f"attribute {pinned[1]!r} of op {pinned[0]!r} would only be drawn at its default "
-                       f"({pinned[2]!r}): the rule claims every value; write the value it holds for")
+        unsupported = (f"verify cannot draw other values of attribute {pinned[1]!r} of op {pinned[0]!r} than its "
+                       f"default ({pinned[2]!r}), and the rule claims them all: unverified (a value written as a "
+                       "literal in the pattern is verified)")
     quantized = any(name in _QUANT_OPS for name, _ in ops) or any(
         o in ("dequantize", "quantize_per_tensor") for v in producers.values() for o in v)
     if quantized and not favoured:
