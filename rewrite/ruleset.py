@@ -312,7 +312,9 @@ class RuleSet:
                 graph has no ``meta['val']``) and for the equivalence check.
             check: compare original and rewritten outputs on random inputs shaped
                 like ``example_inputs`` (trial 0 uses them as given). The original
-                runs once per trial; bisection and re-runs reuse its outputs.
+                runs once per trial; bisection and re-runs reuse its outputs. With
+                nothing to run it on (no ``example_inputs``, no input shapes recorded
+                in the graph) a rewrite raises ``ValueError``: never returned unchecked.
             trials, rtol, atol: passed to the check (tolerances default by dtype).
             max_rewrites: bound on rewrites before ``NonTerminationError``.
             on_mismatch: when the check fails, the first rewrite that broke it is
