@@ -402,7 +402,8 @@ class Driver:
                     f"rules {', '.join(repr(r) for r in rules)} undo each other"
                 raise NonTerminationError(
                     f"{who}: near node {where!r} "
-                    f"{'it keeps' if len(rules) == 1 else 'they keep'} recreating {sig[1]}({', '.join(map(str, sig[2]))}) after replacing it",
+                    f"{'it keeps' if len(rules) == 1 else 'they keep'} recreating "
+                    f"{sig[1]}({', '.join(map(str, sig[2]))}) after replacing it",
                     rules,
                     where,
                 )
