@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 
 from rewrite.capture import AUTOCAST_OFF_LOST
+from rewrite.ops.effects import call_argument
 
 __all__ = ["MODE_SWITCHES", "Regions"]
 
@@ -60,13 +61,13 @@ class Regions:
             for n in self.graph.nodes:
                 if n.op == "call_function" and n.target in MODE_SWITCHES:
                     region += 1
-                    if n.target is torch.amp.autocast_mode._enter_autocast and _argument(n, 0, "device_type",
-                                                                                         "cuda") in devices:
-                        autocast.append((n, _runs_enabled(_argument(n, 0, "device_type", "cuda"),
-                                                          _argument(n, 1, "dtype", None),
-                                                          _argument(n, 2, "enabled", True))))
+                    if n.target is torch.amp.autocast_mode._enter_autocast:
+                        device = call_argument(n, 0, "device_type", "cuda")
+                        if device in devices:
+                            autocast.append((n, _runs_enabled(device, call_argument(n, 1, "dtype", None),
+                                                              call_argument(n, 2, "enabled", True))))
                     elif n.target is torch.amp.autocast_mode._exit_autocast:
-                        autocast = [entry for entry in autocast if entry[0] is not _argument(n, 0, "mode", None)]
+                        autocast = [entry for entry in autocast if entry[0] is not call_argument(n, 0, "mode", None)]
                     if autocast and autocast[-1][1] is False:
                         self._autocast_off.add(region)
                 self._region[n] = region
@@ -99,10 +100,6 @@ class Regions:
             return ("the value forwarded comes from another grad-mode or autocast region than the one it "
                     "would be read in")
         return None
-
-
-def _argument(node: fx.Node, index: int, name: str, default: Any) -> Any:
-    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
 
 
 def _device_types(graph: fx.Graph) -> Any:

@@ -46,7 +46,7 @@ __all__ = [
     "may_alias_any_argument", "note_built_module", "always_aliases",
     "written_args", "written_nodes", "target_writes", "flagged_writes", "flag_on", "call_writes",
     "opdef_writes", "opdef_may_alias",
-    "module_writes_own_state", "writes_state_when_training",
+    "module_writes_own_state", "writes_state_when_training", "call_argument",
     "state_writes", "hooked_tensors", "hooked_containers", "graph_mode",
 ]
 
@@ -492,7 +492,7 @@ def written_args(node: fx.Node, gm: Any) -> tuple:
     out = []
     if flagged is not None and flag_on(node, flagged):  # batch_norm(training=True): running statistics
         for position, name in flagged[0]:
-            value = _argument(node, position, name, None)
+            value = call_argument(node, position, name, None)
             key = position if position < len(node.args) else name
             if value is not None and key not in out:
                 out.append(key)
@@ -977,17 +977,18 @@ def _call_writes_all(node: fx.Node) -> bool:
         if not _from_torch(target):
             return True
         if "embedding" in name:
-            return _argument(node, 3, "max_norm", None) is not None
+            return call_argument(node, 3, "max_norm", None) is not None
     if "no_training" in name:
         return False
     if "batch_norm" in name:
-        return _argument(node, 5, "training", False) is not False
+        return call_argument(node, 5, "training", False) is not False
     if "instance_norm" in name:
-        return _argument(node, 5, "use_input_stats", True) is not False
+        return call_argument(node, 5, "use_input_stats", True) is not False
     return False
 
 
-def _argument(node: fx.Node, position: int, keyword: str, default: Any) -> Any:
+def call_argument(node: fx.Node, position: int, keyword: str, default: Any) -> Any:
+    """A call node's argument, given by position or keyword, or its default."""
     if position < len(node.args):
         return node.args[position]
     return node.kwargs.get(keyword, default)

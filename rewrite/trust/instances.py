@@ -71,7 +71,7 @@ from __future__ import annotations
 import keyword
 import math
 import operator
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import attrs
 import torch
@@ -378,48 +378,45 @@ def plan_for(rule: CompiledRule) -> Plan:
                 {v: frozenset(o) for v, o in partners.items()}, frozenset(last_dims))
 
 
-def _pattern_ops(p: Any) -> list:
-    """(op name, generator or None) of every call in the pattern; a call is covered
-    when at least one of its alternatives has a generator."""
-    out, todo = [], [p]
+def _pattern_calls(p: Any) -> Iterator[PCall]:
+    """Every call of a pattern, arguments included (``as (a, b)`` ones too)."""
+    todo = [p]
     while todo:
         p = todo.pop()
         if isinstance(p, PCall):
-            gens = [(alt.opdef.name, generator_for(alt.opdef)) for alt in p.alts]
-            if not any(g for _, g in gens):
-                out += gens
-            else:
-                out += [(n, g) for n, g in gens if g is not None]
+            yield p
             todo += reversed([sub for alt in p.alts for _, sub in alt.args])
         elif isinstance(p, PSeq):
             todo += reversed(p.items)
         elif isinstance(p, PResults):
             todo.append(p.call)
+
+
+def _pattern_ops(p: Any) -> list:
+    """(op name, generator or None) of every call in the pattern; a call is covered
+    when at least one of its alternatives has a generator."""
+    out = []
+    for call in _pattern_calls(p):
+        gens = [(alt.opdef.name, generator_for(alt.opdef)) for alt in call.alts]
+        out += gens if not any(g for _, g in gens) else [(n, g) for n, g in gens if g is not None]
     return out
 
 
 def _pinned_attributes(p: Any) -> tuple | None:
     """(op, attribute, default) of the first attribute a pattern leaves free (a
-    variable, ``_``) on an op only the generic generator draws, of a type it cannot
-    vary (a string, a None default): every instance would hold the default, and a
-    rule right for it alone would verify."""
-    todo = [p]
-    while todo:
-        p = todo.pop()
-        if isinstance(p, PCall):
-            for alt in p.alts:
-                if getattr(generator_for(alt.opdef), "generic", False):
-                    written = dict(alt.args)
-                    for q in alt.opdef.params:  # free: a variable, ``_``, or left to a trailing ``...``
-                        sub = written.get(q.name)
-                        if (sub is None or isinstance(sub, (PVar, PWild))) and not q.tensor \
-                                and q.default is not REQUIRED and not _other_values(q.default):
-                            return alt.opdef.name, q.name, q.default
-                todo += [sub for _, sub in alt.args]
-        elif isinstance(p, PSeq):
-            todo += p.items
-        elif isinstance(p, PResults):
-            todo.append(p.call)
+    variable, ``_``, or a trailing ``...``) on an op only the generic generator
+    draws, of a type it cannot vary (a string, a None default): every instance
+    would hold the default, and a rule right for it alone would verify."""
+    for call in _pattern_calls(p):
+        for alt in call.alts:
+            if not getattr(generator_for(alt.opdef), "generic", False):
+                continue
+            written = dict(alt.args)
+            for q in alt.opdef.params:
+                sub = written.get(q.name)
+                if (sub is None or isinstance(sub, (PVar, PWild))) and not q.tensor \
+                        and q.default is not REQUIRED and not _other_values(q.default):
+                    return alt.opdef.name, q.name, q.default
     return None
 
 
