@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import attrs
 
-from rewrite.ops.base import REQUIRED, Emitter, ModuleForm, OpDef, Param
+from rewrite.ops.base import REQUIRED, Emitter, Instances, ModuleForm, OpDef, Param
 from rewrite.ops.forms import EmitError, Fn, Item, Method, call_for
 from rewrite.ops.resolve import Sig, parse_sig, resolve, signature_of
 

@@ -835,7 +835,7 @@ def graph_mode(gm: Any) -> bool | None:
                 continue
             position, keyword = flagged[0][0]  # the running mean
             for n in nodes:
-                stats = _argument(n, position, keyword, None) is not None
+                stats = call_argument(n, position, keyword, None) is not None
                 if flag_on(n, flagged):
                     if stats:  # batch statistics with running ones to update
                         return True
@@ -846,7 +846,7 @@ def graph_mode(gm: Any) -> bool | None:
             position, keyword, default = _DROPOUTS[name]
             if name == "dropout" and not isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
                 position, keyword, default = 2, "training", True  # F.dropout
-            flags = [_argument(n, position, keyword, default) for n in nodes]
+            flags = [call_argument(n, position, keyword, default) for n in nodes]
             if any(flag not in (False, None) for flag in flags):
                 return True
             eval_seen = eval_seen or any(flag is False for flag in flags)

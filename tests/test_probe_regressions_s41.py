@@ -1,0 +1,31 @@
+"""Session 41: paths a rename missed (CI caught them in verification, not the suite's
+quick subset). Each test runs one line that raised NameError."""
+
+import torch
+import torch.nn.functional as F
+
+from rewrite.ops.base import Instances
+from rewrite.ops.builders import op
+from rewrite.ops.effects import graph_mode
+
+
+def _traced(fn):
+    return torch.fx.symbolic_trace(fn)
+
+
+def test_graph_mode_reads_a_functional_batch_norm_flag():
+    mean, var = torch.zeros(3), torch.ones(3)
+    training = _traced(lambda x: F.batch_norm(x, mean, var, training=True))
+    evaluating = _traced(lambda x: F.batch_norm(x, mean, var, training=False))
+    assert graph_mode(training) is True
+    assert graph_mode(evaluating) is False
+
+
+def test_graph_mode_reads_a_functional_dropout_flag():
+    assert graph_mode(_traced(lambda x: F.dropout(x, 0.5))) is True  # training defaults to True
+    assert graph_mode(_traced(lambda x: F.dropout(x, 0.5, training=False))) is False
+
+
+def test_an_op_may_name_its_instance_family():
+    opdef = op("s41_neg", "input: T", torch=None, aten=None, instances="unary")
+    assert opdef.instances == Instances("unary")
