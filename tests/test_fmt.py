@@ -18,6 +18,7 @@ from rewrite.language.parser import DTYPES
 from rewrite.language.program import one_line_end
 
 RULES = sorted(str(p) for p in (Path(__file__).resolve().parents[1] / "rules").rglob("*.rw"))
+BENCH_RULES = sorted(str(p) for p in (Path(__file__).resolve().parents[1] / "benchmarks").rglob("*.rw"))
 KEYWORDS = {"rule", "family", "ruleset", "import", "where", "and", "or", "not", "in", "as",
             "true", "false", "none", "null", "True", "False", "None"}
 
@@ -45,6 +46,23 @@ def test_fmt_keeps_meaning_and_comments_and_is_idempotent(path):
     assert _comments(formatted) == _comments(text)
     assert format_source(formatted, path) == formatted
     assert all(len(line) <= 100 for line in formatted.splitlines()), path
+
+
+@pytest.mark.parametrize("path", RULES + BENCH_RULES, ids=lambda p: Path(p).name)
+def test_shipped_rule_files_are_as_fmt_writes_them(path, capsys):
+    """`rewrite fmt --check` is what a user runs in their CI: the files we ship pass it."""
+    assert main(["fmt", "--check", path]) == 0, capsys.readouterr()
+
+
+def test_fmt_hangs_a_call_whose_first_argument_does_not_fit_after_its_bracket():
+    text = ("rule r: (reshape_as | reshape | view)(batch_norm((flatten | reshape | view)(linear(x, w, b) "
+            "as l, ...) as f, mean, var, gamma, beta, training=False, eps=eps, ...), _) as r => x\n")
+    lines = format_source(text).splitlines()
+    assert lines[1] == "    (reshape_as | reshape | view)("
+    assert lines[2].startswith("        batch_norm((flatten | reshape | view)(linear(")
+    short_head = "rule r: to(conv(to(x, lowp), cast(w, lowp), cast(b, lowp), stride, padding, dilation, " \
+                 "groups, x, y, z), torch.float32) => x\n"
+    assert format_source(short_head).splitlines()[1].startswith("    to(conv(")  # hanging would gain 2
 
 
 def test_fmt_layout_of_a_long_rule():

@@ -237,13 +237,17 @@ def _layout(e: Any, col: int, prefix: str, suffix: str = "") -> list:
 
 
 _MIN_ROOM = 40  # columns after a call's ( below which its arguments hang
+_MIN_GAIN = 8  # columns hanging must gain for a first argument that does not fit after the (
 
 
 def _layout_call(e: Any, col: int, prefix: str, suffix: str) -> list:
     """Arguments packed greedily, continuation lines aligned after the ``(``; when
     the ``(`` leaves less than ``_MIN_ROOM`` columns (a long qualified callee, deep
     nesting), the arguments hang on the next lines, indented four from the call's
-    column. One layout per call, chosen before laying out the arguments: trying both
+    column; they hang too when the first argument does not fit after the ``(``
+    and hanging moves it left by more than ``_MIN_GAIN`` (a call nested in a call would
+    start far right). One layout per call, chosen
+    before laying out the arguments: trying both
     would double the work at every level of nesting."""
     callee = e.op.names[0] if len(e.op.names) == 1 else "(" + " | ".join(e.op.names) + ")"
     head = " " * col + prefix + callee + "("
@@ -253,7 +257,10 @@ def _layout_call(e: Any, col: int, prefix: str, suffix: str) -> list:
     if not args:
         return [head + ")" + suffix]
     hang = col + 4
-    if WIDTH - len(head) < _MIN_ROOM and len(head) > hang:  # one layout, decided up front
+    kw, first = args[0]
+    first_fits = len(head) + len(kw) + len("..." if first is None else format_expr(first)) + 1 <= WIDTH
+    if (WIDTH - len(head) < _MIN_ROOM or not first_fits and len(head) > hang + _MIN_GAIN) \
+            and len(head) > hang:  # decided up front
         return [head] + _pack_args(args, " " * hang, hang, suffix, fresh=True)
     return _pack_args(args, head, len(head), suffix, fresh=True)
 
