@@ -630,13 +630,21 @@ def save_path_problem(path: Any, level: str) -> str | None:
 
 
 def missing_folder(path: Any) -> str | None:
-    """Why nothing can be written at ``path`` (its folder does not exist), or None:
-    asked before any work by every command that saves."""
+    """Why nothing can be written at ``path`` (its folder does not exist, is not
+    writable, or a folder stands in its place), or None: asked before any work by
+    every command that saves. Writability is tried, not guessed from permission bits
+    (root passes every ``os.access`` test, yet cannot create a file in ``/proc``)."""
     folder = Path(path).parent
     if not folder.is_dir():
         return f"the folder {str(folder)!r} does not exist"
     if Path(path).is_dir():
         return f"{str(path)!r} is a folder: name a file to write"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{Path(path).name}.", suffix=".probe", dir=folder)
+    except OSError as err:
+        return f"cannot create a file in the folder {str(folder)!r}: {err.strerror or err}"
+    os.close(fd)
+    os.unlink(probe)
     return None
 
 
@@ -756,13 +764,17 @@ def write_atomically(path: Any, write: Any) -> Path:
     a failure leaves no partial file and an existing file untouched. The file gets
     the permissions any new file gets (``mkstemp`` makes it private, 0600: a serving
     process could not read it), or those of the file it replaces (a private 0600 one
-    stays private, as ``torch.save`` onto it keeps it)."""
+    stays private, as ``torch.save`` onto it keeps it). ``SaveError`` when no file
+    can be created next to ``path``."""
     path = Path(path)
     try:
         mode = stat.S_IMODE(os.stat(path).st_mode)
     except OSError:  # no such file (yet)
         mode = 0o666 & ~_umask()
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".partial{path.suffix}", dir=path.parent or ".")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".partial{path.suffix}", dir=path.parent or ".")
+    except OSError as err:  # the folder went away or became read-only since it was asked
+        raise SaveError(f"cannot write {str(path)!r}: {err.strerror or err}") from err
     os.close(fd)
     try:
         write(tmp)
