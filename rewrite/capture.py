@@ -42,6 +42,7 @@ from typing import Any, Iterator, List, Sequence, Tuple
 import torch
 from torch import fx, nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from rewrite.module_state import AttributeSnapshot, TensorValues
 from rewrite.trust.held import laid_out_copy
@@ -528,15 +529,84 @@ def _script_object_holder(gm: fx.GraphModule) -> fx.Node | None:
 def export_keeping_sizes(gm: fx.GraphModule, args: tuple) -> "torch.export.ExportedProgram":
     """``torch.export.export(gm, args, strict=False)``, with the symbolic sizes ``gm``
     was captured with (``dynamic_shapes_of``); with the example's sizes, and a
-    warning, when the rewritten graph no longer exports with them."""
+    warning, when the rewritten graph no longer exports with them.
+
+    torch specializes a dimension whose example size is 0 or 1 (a batch-1 example
+    would give a program that takes batch 1 only), so such a dimension is exported
+    from the example widened to 2 along it (``_widened``), and the program is asked
+    afterwards whether every dimension is still symbolic. A lazily compiled result
+    gets its code first: until then its ``forward`` takes ``(*args, **kwargs)``, which
+    export would trace as the program's signature (any number of inputs, named
+    ``args_0``...)."""
+    if isinstance(gm, _LazyGraphModule):
+        gm.real_recompile()
     dynamic = dynamic_shapes_of(gm, args)
     if dynamic is not None:
+        example = _widened(gm, args)
         try:
-            return torch.export.export(gm, args, dynamic_shapes=dynamic, strict=False)
+            program = torch.export.export(gm, example, dynamic_shapes=dynamic, strict=False)
         except Exception:  # noqa: BLE001 - a rewrite fixed a size: the example's sizes, said so
-            warnings.warn("the rewritten graph no longer exports with the symbolic sizes it was captured "
-                          "with; exported with the example inputs' sizes", stacklevel=3)
+            program = None
+        if program is not None and _keeps_symbolic_sizes(gm, program):
+            return program
+        warnings.warn("the rewritten graph no longer exports with the symbolic sizes it was captured "
+                      "with; exported with the example inputs' sizes", stacklevel=3)
     return torch.export.export(gm, args, strict=False)
+
+
+def _symbolic_dims(gm: fx.GraphModule) -> list:
+    """Per placeholder, ``{dim: sympy expression}`` of its recorded symbolic sizes."""
+    out = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        val = node.meta.get("val")
+        shape = val.shape if isinstance(val, torch.Tensor) else ()
+        out.append({i: d.node.expr for i, d in enumerate(shape) if isinstance(d, torch.SymInt)})
+    return out
+
+
+def _widened(gm: fx.GraphModule, args: tuple) -> tuple:
+    """``args`` with every input dimension of size 1 that the capture held as a plain
+    symbol made 2 (its one slice repeated), in every input that shares the symbol: an
+    example torch will not specialize. Unchanged when there is none, or when a
+    dimension of size 0, or a size-1 one of a compound symbolic size, would need it."""
+    leaves, spec = torch.utils._pytree.tree_flatten(args)
+    dims = _symbolic_dims(gm)
+    if len(dims) != len(leaves):
+        return args
+    small = {expr for leaf, found in zip(leaves, dims) if isinstance(leaf, torch.Tensor)
+             for i, expr in found.items() if i < leaf.dim() and leaf.shape[i] < 2}
+    if not small:
+        return args
+    if any(not getattr(expr, "is_Symbol", False) for expr in small):
+        return args
+    out = []
+    for leaf, found in zip(leaves, dims):
+        if isinstance(leaf, torch.Tensor):
+            for i, expr in found.items():
+                if expr in small:
+                    if i >= leaf.dim() or leaf.shape[i] != 1:
+                        return args  # a size 0, or the symbol sized otherwise here: as given
+                    leaf = leaf.index_select(i, torch.zeros(2, dtype=torch.long, device=leaf.device))
+        out.append(leaf)
+    return torch.utils._pytree.tree_unflatten(out, spec)
+
+
+def _keeps_symbolic_sizes(gm: fx.GraphModule, program: "torch.export.ExportedProgram") -> bool:
+    """Whether every input dimension ``gm`` holds as a symbol is one in ``program``'s
+    inputs too (torch may specialize one without an error)."""
+    user = set(program.graph_signature.user_inputs)
+    inputs = [n for n in program.graph.nodes if n.op == "placeholder" and n.name in user]
+    wanted = _symbolic_dims(gm)
+    if len(inputs) != len(wanted):
+        return False
+    for node, dims in zip(inputs, wanted):
+        val = node.meta.get("val")
+        if dims and not (isinstance(val, torch.Tensor)
+                         and all(i < val.dim() and isinstance(val.shape[i], torch.SymInt) for i in dims)):
+            return False
+    return True
 
 
 def dynamic_shapes_of(gm: fx.GraphModule, args: tuple) -> Any:

@@ -46,3 +46,79 @@ def test_write_atomically_names_the_path_when_no_file_can_be_created():
 
     with pytest.raises(SaveError, match="cannot write '/proc/out.pt'"):
         write_atomically("/proc/out.pt", lambda f: None)
+
+
+# ---------------------------------------------------------------- probe AP (results leaving the library)
+
+
+def test_inductor_cache_key_tells_families_apart():
+    """AP F1: two files that differ only in what a family holds compiled to one cache
+    key, so Inductor served the graph the first one rewrote to the second."""
+    import rewrite
+
+    relu = rewrite.parse("family f = relu\nrule swap(change=True): f(x) => sigmoid(x)\n")
+    tanh = rewrite.parse("family f = tanh\nrule swap(change=True): f(x) => sigmoid(x)\n")
+    wider = rewrite.parse("family f = relu | tanh\nrule swap(change=True): f(x) => sigmoid(x)\n")
+    keys = {rewrite.inductor_pass(r).uuid() for r in (relu, tanh, wider)}
+    assert len(keys) == 3 and None not in keys
+    again = rewrite.parse("family f = relu\nrule swap(change=True): f(x) => sigmoid(x)\n")
+    assert rewrite.inductor_pass(again).uuid() == rewrite.inductor_pass(relu).uuid()
+
+
+class _ConvBn(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.conv(x)))
+
+
+def _fused_dynamic_batch():
+    import rewrite
+
+    torch.manual_seed(0)
+    model = _ConvBn().eval()
+    x2 = torch.randn(2, 3, 8, 8)
+    batch = torch.export.Dim("batch", min=1, max=64)
+    gm = torch.export.export(model, (x2,), dynamic_shapes=({0: batch},), strict=False).module()
+    result = rewrite.load("rules/fusion.rw").apply(gm, example_inputs=(x2,))
+    assert result.counts.get("conv_bn") == 1
+    return model, result.graph_module
+
+
+def test_a_pt2_saved_from_a_batch_1_example_keeps_its_dynamic_batch(tmp_path):
+    """AP F2: torch specializes a size-1 example dim; the .pt2 took batch 1 only."""
+    import warnings
+
+    from rewrite.capture import save
+
+    model, gm = _fused_dynamic_batch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no "exported with the example's sizes"
+        path = save(gm, tmp_path / "m.pt2", "export", (torch.randn(1, 3, 8, 8),))
+    loaded = torch.export.load(path).module()
+    for batch in (1, 4):
+        x = torch.randn(batch, 3, 8, 8)
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_saving_a_result_not_yet_called_takes_its_own_signature(tmp_path):
+    """AP F3: until its code is generated, a result's forward is (*args, **kwargs):
+    export traced that, took any number of inputs, and named them args_0..."""
+    import pytest
+
+    import rewrite
+    from rewrite.capture import ExportError, export_program
+
+    model = _ConvBn().eval()
+    x = torch.randn(2, 3, 8, 8)
+    gm = rewrite.capture.symbolic_trace(model)
+    fresh = rewrite.load("rules/fusion.rw").apply(gm, example_inputs=(x,)).graph_module
+    with pytest.raises(ExportError):
+        export_program(fresh, (x, torch.randn(3)))
+    program = export_program(fresh, (x,))
+    assert list(program.graph_signature.user_inputs) == ["x"]
+    with torch.no_grad():
+        torch.testing.assert_close(program.module()(x), model(x), rtol=1e-4, atol=1e-5)

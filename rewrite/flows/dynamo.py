@@ -38,12 +38,14 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
+import attrs
 import torch
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from rewrite.capture import is_module_state_source
 from rewrite.language.printer import format_rule
+from rewrite.ops.base import OpDef
 from rewrite.trust.check import keys_within
 from rewrite.trust.modes import ambient_autocast
 
@@ -308,9 +310,12 @@ def _rules_pass_class() -> type:
                 _decompose_for_inductor(gm)
 
         def uuid(self) -> Any:
-            texts = [format_rule(self.rules.rules[name].rule) for name in sorted(self.rules.rules)]
+            compiled = [self.rules.rules[name] for name in sorted(self.rules.rules)]
+            texts = [format_rule(rule.rule) for rule in compiled]
             if _calls_user_functions(texts):
                 return None  # what a user's function decides is not in any text: no cache
+            # a family's name is in the text, its members only in the compiled rule
+            texts += [" ".join(_resolved_ops((rule.pattern, rule.replacement))) for rule in compiled]
             digest = hashlib.sha256(_sources_hash().encode())
             digest.update(repr(self.rules.schedule).encode())
             for text in texts:
@@ -441,6 +446,24 @@ def _has_attr(gm: fx.GraphModule, qualname: str) -> bool:
 
 def _fetch(gm: fx.GraphModule, qualname: str) -> Any:
     return operator.attrgetter(qualname)(gm)
+
+
+def _resolved_ops(tree: Any) -> list:
+    """The ops a compiled pattern or replacement calls, in tree order: what a rule
+    text leaves to its file's families (``family f = relu`` makes ``f(x)`` a relu)."""
+    out, todo, seen = [], [tree], set()
+    while todo:
+        value = todo.pop()
+        if isinstance(value, OpDef):
+            out.append(f"{value.name}{'!' if value.qualified else ''}")
+        elif attrs.has(type(value)) and id(value) not in seen:
+            seen.add(id(value))
+            todo += reversed([getattr(value, f.name) for f in attrs.fields(type(value))])
+        elif isinstance(value, (tuple, list)):
+            todo += reversed(value)
+        elif isinstance(value, dict):
+            todo += reversed(list(value.values()))
+    return out
 
 
 def _calls_user_functions(texts: list) -> bool:
