@@ -122,3 +122,58 @@ def test_saving_a_result_not_yet_called_takes_its_own_signature(tmp_path):
     assert list(program.graph_signature.user_inputs) == ["x"]
     with torch.no_grad():
         torch.testing.assert_close(program.module()(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------- probe AQ (shipped rule sets)
+
+
+class _Bf16RmsNorm(torch.nn.Module):
+    """A bfloat16 model whose norm upcasts to float32 on purpose (Llama's RMSNorm)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16).to(torch.bfloat16)
+        self.weight = torch.nn.Parameter(torch.ones(16, dtype=torch.bfloat16))
+
+    def forward(self, x):
+        h = self.proj(x).float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * h.to(torch.bfloat16)
+
+
+def _float32_ops(gm):
+    return sorted({n.target.__name__ for n in gm.graph.nodes if n.op == "call_function"
+                   and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dtype == torch.float32})
+
+
+def test_amp_keeps_a_models_own_float32_upcast():
+    """AQ F1: the approximate fallthrough rules moved a bfloat16 model's own .float()
+    below pow, mean, add and rsqrt, which then ran in bfloat16 (autocast keeps them in
+    float32): only a cast a rule inserted moves now."""
+    import rewrite
+
+    torch.manual_seed(0)
+    model = _Bf16RmsNorm().eval()
+    x = torch.randn(2, 5, 16, dtype=torch.bfloat16)
+    gm = torch.export.export(model, (x,), strict=False).module()
+    before = _float32_ops(gm)
+    result = rewrite.load("rules/amp_bf16.rw").apply(gm, example_inputs=(x,), training=False)
+    assert not {"pow_bf16", "mean_bf16", "rsqrt_bf16", "add_scalar_bf16"} & set(result.counts)
+    assert {"pow.Tensor_Scalar", "mean.dim", "rsqrt.default"} <= set(_float32_ops(result.graph_module)) <= set(before)
+    x2 = torch.randn(2, 5, 16, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(result.graph_module(x2), model(x2))
+
+
+def test_amp_still_moves_the_casts_it_inserted():
+    """The other side of AQ F1: on a float32 model the casts AMP inserts still sink
+    past an approximate fallthrough op (gelu runs in bfloat16, as under autocast)."""
+    import rewrite
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 16)).eval()
+    x = torch.randn(4, 16)
+    gm = torch.export.export(model, (x,), strict=False).module()
+    result = rewrite.load("rules/amp_bf16.rw").apply(gm, example_inputs=(x,), training=False)
+    assert result.counts.get("gelu_bf16", 0) == 1, result.counts
+    gelu = [n for n in result.graph_module.graph.nodes if n.op == "call_function" and "gelu" in str(n.target)]
+    assert gelu and all(n.meta["val"].dtype == torch.bfloat16 for n in gelu)

@@ -79,6 +79,7 @@ import torch.fx as fx
 
 from rewrite.engine.compile import (DTYPES, CompiledRule, PCall, PDefault, PLit, PResults, PSeq, PVar, PWild, RConst,
                                     RModule, ROp, RResults, RSeq)
+from rewrite.engine.replace import RULE_KEY
 from rewrite.language import ast
 from rewrite.ops.base import REQUIRED
 
@@ -270,6 +271,9 @@ class Plan:
     #: dim variables the where clause wants to be the last dim (``last_dim(x, d)``):
     #: drawn as one of its spellings, not one dim in the rank's
     last_dims: frozenset = frozenset()
+    #: variables the where clause asks to be rule-made (``rule_made(u)``): what made a
+    #: node never changes its value, so each instance's node is marked as a rule's
+    rule_made: frozenset = frozenset()
 
 
 # where-clause predicates that want a number literal (the positive ones too), and
@@ -303,6 +307,7 @@ def plan_for(rule: CompiledRule) -> Plan:
     producers: dict = {}
     quantized_outputs, symmetric_pads, ranks, avoided = set(), set(), {}, {}
     numbers, positives, fitting, features, partners, last_dims = set(), set(), set(), set(), {}, set()
+    made: set = set()
     for c in _conjuncts(rule.where):
         if isinstance(c, ast.Call):
             name = c.op.names[0]
@@ -324,6 +329,8 @@ def plan_for(rule: CompiledRule) -> Plan:
                     positives.add(first)
             if first is not None and name == "norm_weight":
                 features.add(first)
+            if name == "rule_made":
+                made |= vars_
             if name == "last_dim" and len(c.args) == 2 and isinstance(c.args[1], ast.Var):
                 last_dims.add(c.args[1].name)
             at = _FITTING.get(name)
@@ -375,7 +382,7 @@ def plan_for(rule: CompiledRule) -> Plan:
                 tuple(dict.fromkeys(favoured)), producers, frozenset(quantized_outputs),
                 frozenset(symmetric_pads), quantized, frozenset(partners), ranks, avoided,
                 frozenset(numbers), frozenset(positives), frozenset(fitting), frozenset(features),
-                {v: frozenset(o) for v, o in partners.items()}, frozenset(last_dims))
+                {v: frozenset(o) for v, o in partners.items()}, frozenset(last_dims), frozenset(made))
 
 
 def _pattern_calls(p: Any) -> Iterator[PCall]:
@@ -1952,10 +1959,19 @@ class _Builder:
         out = self.graph.call_function(clone, (last,))
         self.values[out] = self.values[last]
         self.graph.output(out)
+        self._mark_rule_made()
         gm = fx.GraphModule(self.root, self.graph)
         bindings = {k: self._concrete(v) for k, v in self.env.items()}
         return Instance(self.plan.rule.name, gm, tuple(self.inputs), bindings, self.ctx.dtype, self.dialect)
 
+
+    def _mark_rule_made(self) -> None:
+        """The nodes ``rule_made(u)`` asks about marked as a rule's (an instance's
+        nodes are otherwise the model's own, and the clause would hold on none)."""
+        for name in self.plan.rule_made:
+            node = self.env.get(name)
+            if isinstance(node, fx.Node):
+                node.meta[RULE_KEY] = ("verify", None)
 
     def _finish_results(self, root: fx.Node, names: tuple) -> Instance:
         replacement = self.plan.rule.replacement
@@ -1967,6 +1983,7 @@ class _Builder:
             outs.append(self.graph.call_function(clone, (g,)))
             self.values[outs[-1]] = self.values[g]
         self.graph.output(tuple(outs))
+        self._mark_rule_made()
         gm = fx.GraphModule(self.root, self.graph)
         bindings = {k: self._concrete(v) for k, v in self.env.items()}
         return Instance(self.plan.rule.name, gm, tuple(self.inputs), bindings, self.ctx.dtype, self.dialect)
