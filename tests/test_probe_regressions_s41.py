@@ -177,3 +177,57 @@ def test_amp_still_moves_the_casts_it_inserted():
     assert result.counts.get("gelu_bf16", 0) == 1, result.counts
     gelu = [n for n in result.graph_module.graph.nodes if n.op == "call_function" and "gelu" in str(n.target)]
     assert gelu and all(n.meta["val"].dtype == torch.bfloat16 for n in gelu)
+
+
+class _Pool3d(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv3d(2, 4, 1)
+        self.pool = torch.nn.AdaptiveAvgPool3d((1, 2, 2))
+
+    def forward(self, x):
+        return self.pool(self.conv(x)).flatten(1)
+
+
+def test_onnx_export_of_an_op_torch_onnx_lacks_names_it(tmp_path):
+    """AP F4: torch.onnx's ConversionError came through unwrapped (the CLI printed an
+    internal error); it is a QuantizationError naming the op now."""
+    import pytest
+
+    pytest.importorskip("onnxscript")
+    import rewrite.quant as rq
+
+    torch.manual_seed(0)
+    inputs = (torch.randn(1, 2, 3, 4, 4),)
+    qdq = rq.quantize(_Pool3d().eval(), [inputs], form="qdq")
+    with pytest.raises(rq.QuantizationError, match="No ONNX function found for .*adaptive_avg_pool3d"):
+        rq.export_onnx(qdq, inputs, tmp_path / "m.onnx")
+
+
+def test_onnx_export_into_a_file_object_and_run_onnx_refusals(tmp_path, monkeypatch):
+    """AP F5: a BytesIO got nothing and a file named after its repr appeared in the
+    working directory; AP F6: run_onnx leaked onnxruntime's pybind errors."""
+    import io
+
+    import pytest
+
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    import onnx
+
+    import rewrite.quant as rq
+
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    model, inputs = torch.nn.Sequential(torch.nn.Linear(8, 4)).eval(), (torch.randn(2, 8),)
+    qdq = rq.quantize(model, [inputs], form="qdq")
+    buffer = io.BytesIO()
+    assert rq.export_onnx(qdq, inputs, buffer) is buffer
+    assert list(tmp_path.iterdir()) == []
+    ops = {n.op_type for n in onnx.load_from_string(buffer.getvalue()).graph.node}
+    assert {"QuantizeLinear", "DequantizeLinear"} <= ops
+    with pytest.raises(rq.QuantizationError, match="no such ONNX file"):
+        rq.run_onnx(tmp_path / "missing.onnx", inputs)
+    (tmp_path / "junk.onnx").write_bytes(b"not a model")
+    with pytest.raises(rq.QuantizationError, match="onnxruntime cannot load"):
+        rq.run_onnx(tmp_path / "junk.onnx", inputs)

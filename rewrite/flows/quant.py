@@ -53,6 +53,7 @@ import functools
 import json
 import math
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -1303,23 +1304,42 @@ def export_onnx(gm: fx.GraphModule, example_inputs: Any = None, path: Any = "mod
     ``export``-ed program): each quantize/dequantize pair becomes a QuantizeLinear /
     DequantizeLinear pair, int8 weights become int8 initializers with their
     per-channel scales, ready for onnxruntime (its CPU provider fuses the pairs
-    into int8 kernels) or TensorRT. Needs the ``onnx`` extra. Returns ``path``."""
+    into int8 kernels) or TensorRT. Needs the ``onnx`` extra. Returns ``path`` (a file
+    object, such as ``io.BytesIO``, gets the serialized model, weights inside).
+
+    Raises:
+        QuantizationError: torch.export or torch.onnx cannot convert the model (the
+            message names the op torch.onnx has no function for).
+    """
     _check_target(path, ".onnx")
     _require_onnx()
     program = export(gm, example_inputs)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        onnx_program = torch.onnx.export(program, dynamo=True, verbose=False,
-                                         **({"opset_version": opset} if opset else {}))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            onnx_program = torch.onnx.export(program, dynamo=True, verbose=False,
+                                             **({"opset_version": opset} if opset else {}))
+    except Exception as err:  # noqa: BLE001  (torch.onnx raises its own many types)
+        raise QuantizationError(f"torch.onnx cannot convert the model: {_onnx_reason(err)}") from err
     # the inputs export made constants (an int, a flag): run_onnx refuses other values
     baked = [[k, v if isinstance(v, (bool, int, float, str, type(None))) else repr(v)]
              for k, v in enumerate(_as_args(example_inputs) if example_inputs is not None else ())
              if not isinstance(v, torch.Tensor)]
     if baked:
         onnx_program.model.metadata_props[_BAKED_KEY] = json.dumps(baked)
+    if not _is_path(path):
+        path.write(onnx_program.model_proto.SerializeToString())
+        return path
     # written in place: a large model's weights go to a file named after it (external data)
     onnx_program.save(str(path))
     return Path(path)
+
+
+def _onnx_reason(err: BaseException) -> str:
+    """The line of torch.onnx's long report that says what it lacks (``No ONNX function
+    found for <OpOverload(op='aten._adaptive_avg_pool3d', ...)>``), else its first."""
+    found = re.search(r"No ONNX function found for <[^>]*>", str(err))
+    return found.group(0) if found else f"{type(err).__name__}: {_first_line(err)}"
 
 
 #: ONNX metadata key: the non-tensor inputs the exported program holds as constants
@@ -1328,7 +1348,8 @@ _BAKED_KEY = "rewrite.baked_inputs"
 
 def run_onnx(path: Any, inputs: Any, *, threads: int | None = None) -> list:
     """Run an ONNX model with onnxruntime's CPU execution provider on ``inputs``
-    (a tensor or tuple of tensors, fed in order); returns its outputs as tensors."""
+    (a tensor or tuple of tensors, fed in order); returns its outputs as tensors.
+    ``QuantizationError`` when the file is missing or not a model onnxruntime loads."""
     _require_onnx()
     import onnxruntime as ort
 
@@ -1336,7 +1357,12 @@ def run_onnx(path: Any, inputs: Any, *, threads: int | None = None) -> list:
     if threads:
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
-    sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    if _is_path(path) and not Path(path).is_file():
+        raise QuantizationError(f"{path}: no such ONNX file")
+    try:
+        sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    except Exception as err:  # noqa: BLE001  (onnxruntime's own pybind error types)
+        raise QuantizationError(f"onnxruntime cannot load {path}: {_first_line(err)}") from err
     baked = sess.get_modelmeta().custom_metadata_map.get(_BAKED_KEY)
     feed = _onnx_feed(sess.get_inputs(), _as_args(inputs), dict(json.loads(baked)) if baked else None)
     return [torch.from_numpy(o) for o in sess.run(None, feed)]
