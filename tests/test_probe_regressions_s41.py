@@ -231,3 +231,21 @@ def test_onnx_export_into_a_file_object_and_run_onnx_refusals(tmp_path, monkeypa
     (tmp_path / "junk.onnx").write_bytes(b"not a model")
     with pytest.raises(rq.QuantizationError, match="onnxruntime cannot load"):
         rq.run_onnx(tmp_path / "junk.onnx", inputs)
+
+
+def test_amp_applied_to_its_own_result_stacks_no_contiguous():
+    """AQ F2: a second amp_bf16 apply moved casts past the exits' own contiguous and
+    left contiguous(contiguous(y)) chains."""
+    import rewrite
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Conv2d(4, 4, 3)).eval()
+    x = torch.randn(1, 3, 10, 10)
+    gm = torch.export.export(model, (x,), strict=False).module()
+    amp = rewrite.load("rules/amp_bf16.rw")
+    once = amp.apply(gm, example_inputs=(x,), training=False).graph_module
+    twice = amp.apply(once, example_inputs=(x,), training=False).graph_module
+    contiguous = torch.ops.aten.contiguous.default
+    assert not [n for n in twice.graph.nodes if n.target is contiguous
+                and isinstance(n.args[0], torch.fx.Node) and n.args[0].target is contiguous]
+    with torch.no_grad():
+        assert torch.equal(twice(x), once(x))
