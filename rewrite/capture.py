@@ -834,9 +834,11 @@ def write_atomically(path: Any, write: Any) -> Path:
     a failure leaves no partial file and an existing file untouched. The file gets
     the permissions any new file gets (``mkstemp`` makes it private, 0600: a serving
     process could not read it), or those of the file it replaces (a private 0600 one
-    stays private, as ``torch.save`` onto it keeps it). ``SaveError`` when no file
-    can be created next to ``path``."""
-    path = Path(path)
+    stays private, as ``torch.save`` onto it keeps it). A symbolic link is written
+    through. ``SaveError`` when no file can be created next to ``path``."""
+    given = path = Path(path)
+    if path.is_symlink():  # written through, as torch.save does: the link stays a link
+        path = path.resolve()
     try:
         mode = stat.S_IMODE(os.stat(path).st_mode)
     except OSError:  # no such file (yet)
@@ -853,4 +855,4 @@ def write_atomically(path: Any, write: Any) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return path
+    return given

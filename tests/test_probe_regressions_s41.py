@@ -249,3 +249,89 @@ def test_amp_applied_to_its_own_result_stacks_no_contiguous():
                 and isinstance(n.args[0], torch.fx.Node) and n.args[0].target is contiguous]
     with torch.no_grad():
         assert torch.equal(twice(x), once(x))
+
+
+class _Bf16ViewThenSoftmax(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16).to(torch.bfloat16)
+
+    def forward(self, x):
+        s = self.proj(x).float().transpose(1, 2)  # an exact op between the upcast and the softmax
+        return torch.relu(s).softmax(-1).pow(2).to(torch.bfloat16)
+
+
+def test_amp_keeps_a_models_own_upcast_past_exact_ops():
+    """AR F3: an exact rule (transpose, relu) moved the model's own cast down, the new
+    cast counted as rule-made, and softmax then ran in bfloat16: no fallthrough rule
+    moves a model's own cast now."""
+    import rewrite
+
+    torch.manual_seed(0)
+    model = _Bf16ViewThenSoftmax().eval()
+    x = torch.randn(2, 5, 16, dtype=torch.bfloat16)
+    gm = torch.export.export(model, (x,), strict=False).module()
+    before = _float32_ops(gm)
+    result = rewrite.load("rules/amp_bf16.rw").apply(gm, example_inputs=(x,), training=False)
+    assert _float32_ops(result.graph_module) == before
+    with torch.no_grad():
+        assert torch.equal(result.graph_module(x), model(x))
+
+
+# ---------------------------------------------------------------- probe AR (regressions of today's fixes)
+
+
+def _tiny_qdq():
+    import rewrite.quant as rq
+
+    torch.manual_seed(0)
+    inputs = (torch.randn(2, 8),)
+    return rq.quantize(torch.nn.Sequential(torch.nn.Linear(8, 4)).eval(), [inputs], form="qdq"), inputs
+
+
+def test_saving_into_a_text_stream_or_a_number_is_refused_before_any_work():
+    """AR F1: rq.export(program, io.StringIO()) raised, then torch aborted the process."""
+    import io
+
+    import pytest
+
+    import rewrite.quant as rq
+
+    qdq, inputs = _tiny_qdq()
+    for target in (123, io.StringIO()):
+        for save in (lambda t: rq.export(qdq, inputs, t), lambda t: rq.save(qdq, t),
+                     lambda t: rq.export_onnx(qdq, inputs, t)):
+            with pytest.raises(ValueError, match="binary file object"):
+                save(target)
+    buffer = io.BytesIO()
+    rq.export(qdq, inputs, buffer)
+    assert buffer.getvalue()
+
+
+def test_onnx_written_where_the_write_fails_is_a_quantization_error(tmp_path):
+    """AR F2: a link to a missing folder passed the checks, then the write raised
+    FileNotFoundError (the CLI printed an internal error)."""
+    import pytest
+
+    pytest.importorskip("onnxscript")
+    import rewrite.quant as rq
+
+    qdq, inputs = _tiny_qdq()
+    link = tmp_path / "m.onnx"
+    link.symlink_to(tmp_path / "missing" / "m.onnx")
+    with pytest.raises(rq.QuantizationError, match="cannot write"):
+        rq.export_onnx(qdq, inputs, link)
+    with pytest.raises(rq.QuantizationError, match="takes the path"):
+        rq.run_onnx(b"\x08\x01" * 100, inputs)
+    with pytest.raises(rq.QuantizationError, match="a folder"):
+        rq.run_onnx(tmp_path, inputs)
+
+
+def test_a_save_onto_a_symbolic_link_writes_through_it(tmp_path):
+    from rewrite.capture import write_atomically
+
+    target, link = tmp_path / "real.pt", tmp_path / "link.pt"
+    target.write_bytes(b"old")
+    link.symlink_to(target)
+    assert write_atomically(link, lambda f: open(f, "wb").write(b"new")) == link
+    assert link.is_symlink() and target.read_bytes() == b"new"

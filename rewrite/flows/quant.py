@@ -1280,9 +1280,25 @@ def _check_target(path: Any, suffix: str) -> None:
     """A file to write a ``suffix`` file at, before any work (``rewrite.capture.file_problem``)."""
     from rewrite.capture import file_problem
 
-    problem = file_problem(path, suffix) if _is_path(path) else None
+    if path is None:  # nothing to write
+        return
+    problem = file_problem(path, suffix) if _is_path(path) else _file_object_problem(path)
     if problem is not None:
         raise ValueError(f"{path}: {problem}")
+
+
+def _file_object_problem(target: Any) -> str | None:
+    """Why ``target`` (not a path) cannot take the bytes of a saved model, or None: a
+    text stream or a non-file would reach torch's writer, which aborts the process on
+    some (``torch.export.save(program, 123)``)."""
+    import io
+
+    binary = hasattr(target, "write") and not isinstance(target, io.TextIOBase) \
+        and "b" in str(getattr(target, "mode", "b"))
+    if binary:
+        return None
+    return (f"expected a path or a binary file object opened for writing (open(..., 'wb'), io.BytesIO), "
+            f"not {type(target).__name__}")
 
 
 def _require_onnx() -> None:
@@ -1331,7 +1347,10 @@ def export_onnx(gm: fx.GraphModule, example_inputs: Any = None, path: Any = "mod
         path.write(onnx_program.model_proto.SerializeToString())
         return path
     # written in place: a large model's weights go to a file named after it (external data)
-    onnx_program.save(str(path))
+    try:
+        onnx_program.save(str(path))
+    except OSError as err:  # a dangling link, a full disk: after the checks before any work
+        raise QuantizationError(f"cannot write {str(path)!r}: {err.strerror or err}") from err
     return Path(path)
 
 
@@ -1357,8 +1376,10 @@ def run_onnx(path: Any, inputs: Any, *, threads: int | None = None) -> list:
     if threads:
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
-    if _is_path(path) and not Path(path).is_file():
-        raise QuantizationError(f"{path}: no such ONNX file")
+    if not _is_path(path):
+        raise QuantizationError(f"run_onnx takes the path of an .onnx file, not {type(path).__name__}")
+    if not Path(path).is_file():
+        raise QuantizationError(f"{path}: {'a folder, not an' if Path(path).is_dir() else 'no such'} ONNX file")
     try:
         sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
     except Exception as err:  # noqa: BLE001  (onnxruntime's own pybind error types)
