@@ -335,3 +335,55 @@ def test_a_save_onto_a_symbolic_link_writes_through_it(tmp_path):
     link.symlink_to(target)
     assert write_atomically(link, lambda f: open(f, "wb").write(b"new")) == link
     assert link.is_symlink() and target.read_bytes() == b"new"
+
+
+# ---------------------------------------------------------------- probe AS (the rule language)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("replacement", [
+    "torch.tile(x, [10000, 10000])", "aten.tile(x, [10000, 10000])", "F.pad(x, [100000000, 0])",
+    "aten.constant_pad_nd(x, [100000000, 0])", "torch.diag(x, 100000)",
+    "F.interpolate(x, scale_factor=30000000.0)", "torch.histc(x, 100000000)",
+])
+def test_literals_an_op_grows_its_result_with_are_bounded(replacement):
+    """AS F1: E207 bounded sizes by a list of parameter names; tile's dims, pad,
+    diag's offset, one_hot's num_classes, histc's bins... went through and allocated
+    gigabytes on every call of the result."""
+    import rewrite
+    from rewrite.language.diagnostics import RuleError
+
+    with pytest.raises(RuleError, match="E207"):
+        rewrite.parse(f"rule r: relu(x) => {replacement}\n")
+
+
+def test_small_literals_of_those_arguments_still_load():
+    import rewrite
+
+    rewrite.parse("rule r: relu(x) => F.pad(x, [1, 1, 2, 2])\n")
+    rewrite.parse("rule r: relu(x) => torch.tile(x, [2, 3])\n")
+
+
+def test_an_integer_power_of_model_literals_too_large_does_not_fire():
+    """AS F2: operator.pow(c, c) with c bound to the model's 2000000 computed 2000000 **
+    2000000 at rewrite time and on every call."""
+    import rewrite
+
+    rules = rewrite.parse("rule r: mul(x, c) where is_number(c) => mul(x, operator.pow(c, c))\n")
+    huge = rules.apply(torch.fx.symbolic_trace(lambda x: x * 2_000_000), check=False)
+    assert huge.counts.get("r", 0) == 0 and huge.stats["r"].failed == 1
+    small = rules.apply(torch.fx.symbolic_trace(lambda x: x * 3), check=False)  # a wrong rule: only the bound
+    assert small.counts["r"] == 1
+    x = torch.rand(3)
+    assert torch.equal(small.graph_module(x), x * 27)
+
+
+def test_a_rule_file_path_the_system_refuses_to_look_at_is_a_rule_error():
+    """AS F3: a path component over 255 bytes raised OSError while building the E402 hint."""
+    import rewrite
+    from rewrite.language.diagnostics import RuleError
+
+    with pytest.raises(RuleError, match="E402"):
+        rewrite.load("/tmp/" + "a" * 300 + "/x.rw")

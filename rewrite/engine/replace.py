@@ -84,6 +84,31 @@ class ReplacementError(Exception):
     """A replacement could not be built (its rewrite-time function failed)."""
 
 
+#: Python integer arithmetic a replacement may build whose result grows without bound
+#: (E207 bounds literal exponents; a pattern variable takes whatever the model holds)
+_GROWING_INTS = {operator.pow: "power", operator.ipow: "power", operator.lshift: "shift",
+                 operator.ilshift: "shift"}
+#: the most bits such a result may have (computing it, once per call of the result)
+MAX_INTEGER_BITS = 1 << 16
+
+
+def _refuse_huge_integer(target: Any, args: tuple) -> None:
+    """``ReplacementError`` when ``target`` is integer power or shift of two Python
+    ints (a pattern variable bound to a model's literal, ``x * 10_000_000``) whose
+    result would have more than ``MAX_INTEGER_BITS`` bits: inferring its facts and
+    every call of the rewritten model would compute it (minutes, gigabytes)."""
+    kind = _GROWING_INTS.get(target) if callable(target) else None
+    if kind is None or len(args) < 2:
+        return
+    base, exponent = args[0], args[1]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (base, exponent)) or exponent <= 0:
+        return
+    bits = exponent * max(abs(base).bit_length() - 1, 0) if kind == "power" else exponent + abs(base).bit_length()
+    if bits > MAX_INTEGER_BITS:
+        raise ReplacementError(f"the replacement's integer {kind} ({base}, {exponent}) would have about {bits} "
+                               f"bits, over {MAX_INTEGER_BITS}")
+
+
 class Replacer:
     """Applies matches to one GraphModule in one dialect."""
 
@@ -280,6 +305,7 @@ class Replacer:
             args = {name: self._build(v, env, root) for name, v in r.args.items()}
             emitter = r.opdef.emit.get(self.dialect) or r.opdef.emit.get("torch")
             target, call_args, call_kwargs = emitter(args, self._facts_of)
+            _refuse_huge_integer(target, call_args)
             return self._node("call_function", target, call_args, call_kwargs, self._origin(r.opdef.name, root))
         if isinstance(r, RConst):
             args, kwargs = self._arguments(r, env)

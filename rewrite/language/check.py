@@ -835,6 +835,16 @@ class _Checker:
         nothing, but the check, verification and every call of the rewritten model
         would allocate it."""
         for param, arg in self._arguments(c, opdef).items():
+            bound = _GROWTH_PARAMS.get(param)
+            if bound is not None:
+                largest = _largest_literal(arg)
+                if largest is not None and largest > bound:
+                    self.error(_span_of(arg) or span,
+                               f"argument '{param}' of '{name}' is given {largest}: written as a literal, it is at "
+                               f"most {bound} (the op's result grows with it)", "E207",
+                               help="take it from a matched value, or compute the constant in a registered "
+                                    "constant function")
+                continue
             if param not in _SIZE_PARAMS:
                 continue
             lowest = _lowest_literal(arg)
@@ -1015,8 +1025,23 @@ def _default_of(opdef: Any, param: str) -> Any:
 
 
 #: parameters that give how many elements an op makes (E207 bounds literal ones)
-_SIZE_PARAMS = frozenset({"size", "sizes", "shape", "steps", "repeats", "n", "m", "end", "output_size", "length"})
+_SIZE_PARAMS = frozenset({"size", "sizes", "shape", "steps", "repeats", "n", "m", "end", "output_size", "length",
+                          "dims", "num_classes", "bins", "minlength", "N"})
 _MAX_LITERAL_ELEMENTS = 1 << 26
+#: parameters an op's result grows with otherwise (by adding to a size, multiplying
+#: each, or choosing among elements): each literal value they hold is at most this
+_GROWTH_PARAMS = {"pad": 1 << 13, "diagonal": 1 << 13, "offset": 1 << 13, "scale_factor": 64, "r": 4}
+
+
+def _largest_literal(arg: Any) -> Optional[float]:
+    """The largest absolute number a literal (a number, or a list or tuple of them)
+    holds, or None when it holds none."""
+    if isinstance(arg, ast.Literal) and isinstance(arg.value, (int, float)) and not isinstance(arg.value, bool):
+        return abs(arg.value)
+    if isinstance(arg, (ast.ListLit, ast.TupleLit)):
+        found = [v for v in map(_largest_literal, arg.items) if v is not None]
+        return max(found) if found else None
+    return None
 
 
 #: size parameters where -1 stands for a size inferred from the others (view, reshape, expand)

@@ -203,11 +203,15 @@ class _Loader:
     def _unreadable(self, display: str, span: ast.Span | None, why: str, path: Path | None = None,
                     imported: bool | None = None) -> None:
         hint = None
-        if path is not None and path.is_dir():
-            hint = f"{path} is a folder: name the .rw files in it ({path}/*.rw)"
-        elif path is not None:
-            found = path.parent.glob("*.rw") if path.parent.is_dir() else ()
-            hint = did_you_mean(path.name, (p.name for p in found if p.name != path.name)) or f"looked for {path}"
+        try:  # the path may be one the system refuses to even look at (a name over 255 bytes)
+            if path is not None and path.is_dir():
+                hint = f"{path} is a folder: name the .rw files in it ({path}/*.rw)"
+            elif path is not None:
+                found = list(path.parent.glob("*.rw")) if path.parent.is_dir() else ()
+                hint = did_you_mean(path.name, (p.name for p in found if p.name != path.name)) \
+                    or f"looked for {path}"
+        except OSError:
+            hint = None
         if imported is None:
             imported = span is not None
         if not imported:
