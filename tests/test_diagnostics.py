@@ -290,9 +290,13 @@ def test_documented_rule_text_parses():
     assert len(blocks) >= 5
     for block in blocks:
         parse_text(block, "doc.rw")
-    # The opening example is a whole program: it must also pass the checker.
+    # The opening example is a whole program: it must also pass the checker, next to
+    # the shipped cleanup.rw it imports (a rule of the same name would be an E401).
     opening = "\n".join(line for line in blocks[0].splitlines() if not line.startswith("import"))
-    assert [r.name for r in load_program_text(opening).rules] == ["mul_one", "conv_bn", "act_then_id", "cast_same"]
+    assert [r.name for r in load_program_text(opening).rules] == ["times_one", "conv_bn", "act_then_id", "cast_same"]
+    shipped = rewrite.load(str(Path(__file__).resolve().parents[1] / "rules" / "cleanup.rw"))
+    assert "times_one" in rewrite.parse(blocks[0], str(DOC.parents[1] / "rules" / "doc.rw")).rules
+    assert not set(shipped.rules) & {"times_one", "conv_bn", "act_then_id", "cast_same"}
 
 
 # ---------------------------------------------------------------- API misuse: told, not a traceback

@@ -387,3 +387,21 @@ def test_a_rule_file_path_the_system_refuses_to_look_at_is_a_rule_error():
 
     with pytest.raises(RuleError, match="E402"):
         rewrite.load("/tmp/" + "a" * 300 + "/x.rw")
+
+
+@pytest.mark.parametrize("word", ["param", "with", "rule", "import", "family", "ruleset"])
+def test_a_declaration_keyword_used_as_a_name_is_called_reserved(word):
+    """AS F5: add(x, param) said "'(' was never closed", with a hint that fixed nothing."""
+    import rewrite
+    from rewrite.language.diagnostics import RuleError
+
+    with pytest.raises(RuleError, match=f"'{word}' is a reserved word"):
+        rewrite.parse(f"rule r: add(x, {word}) => x\n")
+
+
+def test_an_unclosed_bracket_before_the_next_rule_is_still_called_unclosed():
+    import rewrite
+    from rewrite.language.diagnostics import RuleError
+
+    with pytest.raises(RuleError, match="was never closed"):
+        rewrite.parse("rule r: add(x, y => x\nrule s: relu(x) => x\n")

@@ -132,6 +132,10 @@ def _bad_token(exc: UnexpectedToken, text: str, path: str, parser: lark.Lark) ->
         opener, otok = ctx.open[-1]
         return Diagnostic(span, f"mismatched '{found_text}': '{opener}' at {otok.line}:{otok.column} is still open",
                           "E005", help=f"close it with '{_CLOSER[opener]}' first")
+    if found_text in _DECL_KEYWORDS and not at_end and tok.column > 1 and "NAME" in expected:
+        # a declaration starts a line: one inside a line is the word used as a name
+        return Diagnostic(span, f"'{tok}' is a reserved word and cannot be used as a name", "E001",
+                          help="choose another name")
     terminator = at_end or found_text in _DECL_KEYWORDS or found_text in ("=>", "where")
     if terminator and ctx.open and _CLOSER[ctx.open[-1][0]] in expected:
         opener, otok = ctx.open[-1]
