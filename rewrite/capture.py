@@ -549,8 +549,9 @@ def export_keeping_sizes(gm: fx.GraphModule, args: tuple) -> "torch.export.Expor
             program = None
         if program is not None and _keeps_symbolic_sizes(gm, program):
             return program
-        warnings.warn("the rewritten graph no longer exports with the symbolic sizes it was captured "
-                      "with; exported with the example inputs' sizes", stacklevel=3)
+        warnings.warn("the rewritten graph does not export with the symbolic sizes it was captured with "
+                      "(a rewrite fixed a size, or torch fixed one the example inputs give as 0 or 1); "
+                      "exported with the example inputs' sizes", stacklevel=3)
     return torch.export.export(gm, args, strict=False)
 
 
@@ -566,29 +567,57 @@ def _symbolic_dims(gm: fx.GraphModule) -> list:
     return out
 
 
+def _linear(expr: Any) -> tuple | None:
+    """``(symbol, a, b)`` when a recorded size is ``a * symbol + b`` with ints ``a >= 1``
+    and ``b`` (a plain symbol is ``(s, 1, 0)``; ``2*s`` one that another size derives
+    from), else None."""
+    symbols = getattr(expr, "free_symbols", ())
+    if len(symbols) != 1:
+        return None
+    (symbol,) = symbols
+    a, b = expr.coeff(symbol), expr.subs(symbol, 0)
+    if not (getattr(a, "is_Integer", False) and getattr(b, "is_Integer", False)) or int(a) < 1 \
+            or (expr - (a * symbol + b)).expand() != 0:
+        return None
+    return symbol, int(a), int(b)
+
+
 def _widened(gm: fx.GraphModule, args: tuple) -> tuple:
-    """``args`` with every input dimension of size 1 that the capture held as a plain
-    symbol made 2 (its one slice repeated), in every input that shares the symbol: an
-    example torch will not specialize. Unchanged when there is none, or when a
-    dimension of size 0, or a size-1 one of a compound symbolic size, would need it."""
+    """``args`` with every symbol the capture recorded that the example gives the value
+    0 or 1 set to 2, each dimension computed from it resized to match (its slices
+    repeated; zeros where it was empty): an example torch will not specialize.
+    Unchanged when there is none, or when a size is not ``a * symbol + b`` or a value
+    cannot be solved."""
     leaves, spec = torch.utils._pytree.tree_flatten(args)
     dims = _symbolic_dims(gm)
     if len(dims) != len(leaves):
         return args
-    small = {expr for leaf, found in zip(leaves, dims) if isinstance(leaf, torch.Tensor)
-             for i, expr in found.items() if i < leaf.dim() and leaf.shape[i] < 2}
-    if not small:
+    values: dict = {}
+    for leaf, found in zip(leaves, dims):
+        for i, expr in found.items():
+            form = _linear(expr)
+            if form is None or not isinstance(leaf, torch.Tensor) or i >= leaf.dim():
+                return args
+            symbol, a, b = form
+            value, rest = divmod(leaf.shape[i] - b, a)
+            if rest or values.setdefault(symbol, value) != value:
+                return args  # not a size this symbol gives, or sized otherwise elsewhere
+    wider = {symbol: 2 for symbol, value in values.items() if value < 2}
+    if not wider:
         return args
-    if any(not getattr(expr, "is_Symbol", False) for expr in small):
-        return args
+    values.update(wider)
     out = []
     for leaf, found in zip(leaves, dims):
-        if isinstance(leaf, torch.Tensor):
-            for i, expr in found.items():
-                if expr in small:
-                    if i >= leaf.dim() or leaf.shape[i] != 1:
-                        return args  # a size 0, or the symbol sized otherwise here: as given
-                    leaf = leaf.index_select(i, torch.zeros(2, dtype=torch.long, device=leaf.device))
+        for i, expr in found.items():
+            symbol, a, b = _linear(expr)
+            size, now = a * values[symbol] + b, leaf.shape[i]
+            if size != now:
+                if now == 0:  # nothing to repeat: zeros (export traces sizes, not values)
+                    shape = list(leaf.shape)
+                    shape[i] = size
+                    leaf = leaf.new_zeros(shape)
+                else:
+                    leaf = leaf.index_select(i, torch.arange(size, device=leaf.device) % now)
         out.append(leaf)
     return torch.utils._pytree.tree_unflatten(out, spec)
 
@@ -628,11 +657,47 @@ def dynamic_shapes_of(gm: fx.GraphModule, args: tuple) -> Any:
         specs.append(dims)
     if not found:
         return None
+    derived = _derived_dims(gm)
+    if derived is not None:
+        specs = [None if d is None else derived[k] for k, d in enumerate(specs)]
     shapes = torch.utils._pytree.tree_unflatten(specs, spec)
     params = [p for p in inspect.signature(gm.forward).parameters.values() if p.kind is not p.VAR_KEYWORD]
     if len(params) == 1 and params[0].kind is inspect.Parameter.VAR_POSITIONAL:
         return (shapes,)  # ``forward(*args)`` (an export's ``.module()``): one tuple input
     return shapes
+
+
+def _derived_dims(gm: fx.GraphModule) -> list | None:
+    """Per placeholder, ``{dim: Dim}`` naming each recorded symbol once, with a size
+    derived from one (``2*s``: a ``y`` of twice ``x``'s rows) as that ``Dim`` times and
+    plus ints, ranged as recorded (torch records a batch that may be 1 from 2 on);
+    None when no size is derived (``Dim.AUTO`` serves) or one is not of that form.
+    ``Dim.AUTO`` would make a derived size a symbol of its own, ranged from 2 on: a
+    program that refuses a batch the capture took."""
+    dims = _symbolic_dims(gm)
+    forms = [{i: _linear(expr) for i, expr in found.items()} for found in dims]
+    if all(form is not None and form[1:] == (1, 0) for found in forms for form in found.values()):
+        return None
+    if any(form is None for found in forms for form in found.values()):
+        return None
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    roots: dict = {}
+    out = []
+    for node, found in zip(placeholders, forms):
+        specs = {}
+        for i, (symbol, a, b) in found.items():
+            if symbol not in roots:
+                size = node.meta["val"].shape[i]
+                bounds = size.node.shape_env.var_to_range.get(symbol)
+                low = 1 if bounds is None or int(bounds.lower) <= 2 else int(bounds.lower)
+                try:
+                    high = int(bounds.upper) if bounds is not None else None
+                except (TypeError, ValueError, OverflowError):  # unbounded
+                    high = None
+                roots[symbol] = torch.export.Dim(f"d_{symbol}", min=low, **({"max": high} if high else {}))
+            specs[i] = roots[symbol] * a + b if (a, b) != (1, 0) else roots[symbol]
+        out.append(specs or None)
+    return out
 
 
 class _NodeTracker(fx.Interpreter):

@@ -405,3 +405,32 @@ def test_an_unclosed_bracket_before_the_next_rule_is_still_called_unclosed():
 
     with pytest.raises(RuleError, match="was never closed"):
         rewrite.parse("rule r: add(x, y => x\nrule s: relu(x) => x\n")
+
+
+class _Derived(torch.nn.Module):
+    def forward(self, x, y):  # x (B, 4), y (2B, 4)
+        return torch.cat([x, x]) * y + 0.0
+
+
+@pytest.mark.parametrize("example_batch", [0, 1, 3])
+def test_a_pt2_keeps_a_derived_dynamic_size_whatever_the_example(tmp_path, example_batch):
+    """AR F4: a capture whose y has 2*B rows saved a .pt2 refusing batch 1 (from a
+    batch-3 example) or taking batch 1 only (from a batch-1 one); a batch-0 example
+    fixed the batch at 0, with a warning blaming the rewrite."""
+    import warnings
+
+    import rewrite
+    from rewrite.capture import save
+
+    make = lambda b: (torch.randn(b, 4), torch.randn(2 * b, 4))  # noqa: E731
+    batch = torch.export.Dim("B", min=0, max=32)
+    gm = torch.export.export(_Derived(), make(3), dynamic_shapes=({0: batch}, {0: 2 * batch}), strict=False).module()
+    result = rewrite.load("rules/cleanup.rw").apply(gm, example_inputs=make(3))
+    assert result.counts.get("add_zero") == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        path = save(result.graph_module, tmp_path / "m.pt2", "export", make(example_batch))
+    loaded = torch.export.load(path).module()
+    for b in (1, 2, 5):
+        x, y = make(b)
+        torch.testing.assert_close(loaded(x, y), torch.cat([x, x]) * y)
