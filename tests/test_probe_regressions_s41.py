@@ -434,3 +434,17 @@ def test_a_pt2_keeps_a_derived_dynamic_size_whatever_the_example(tmp_path, examp
     for b in (1, 2, 5):
         x, y = make(b)
         torch.testing.assert_close(loaded(x, y), torch.cat([x, x]) * y)
+
+
+def test_fmt_wraps_a_long_call_in_a_where_clause_and_a_long_list():
+    """AR F6: a where-clause call (and cat's list of operands) longer than 100 columns
+    stayed on one line."""
+    from rewrite.language import format_source, parse_text
+
+    a, b, c = "weight_of_the_first_convolution_layer", "bias_of_the_first_convolution_layer", "running_mean_of_it"
+    texts = [f"rule r: add(mul({a}, {b}), {c}) where const({a}, {b}, {c}) and is_float({a}) => add({b}, {c})\n",
+             f"rule s: cat([to({a}, torch.float32), to({b}, torch.float32), to({c}, torch.float32)], 0) => {a}\n"]
+    for text in texts:
+        out = format_source(text)
+        assert all(len(line) <= 100 for line in out.splitlines()), out
+        assert parse_text(out) == parse_text(text) and format_source(out) == out

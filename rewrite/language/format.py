@@ -221,19 +221,33 @@ def _layout(e: Any, col: int, prefix: str, suffix: str = "") -> list:
         e, name_suffix = e.expr, f" as ({', '.join(e.names)})"
     if isinstance(e, ast.Call):
         return _layout_call(e, col, prefix, name_suffix + suffix)
+    if isinstance(e, ast.ListLit) and e.items:  # a list of calls (cat's operands): wrapped as arguments
+        head = " " * col + prefix + "["
+        return _pack_args([("", i) for i in e.items], head, len(head), suffix, fresh=True, closer="]")
     if isinstance(e, ast.BoolOp):
         items = [f"({format_expr(i)})" if isinstance(i, ast.BoolOp) and (e.op == "and" or i.op == "or")
                  else format_expr(i) for i in e.items]
-        lines, cur = [], " " * col + prefix + items[0]
-        for item in items[1:]:
+        lines, cur = _operand(e.items[0], items[0], col, prefix)
+        for expr, item in zip(e.items[1:], items[1:]):
             piece = f" {e.op} {item}"
             if len(cur) + len(piece) > WIDTH:
                 lines.append(cur)
-                cur = " " * (col + len(prefix)) + piece.lstrip()
+                more, cur = _operand(expr, item, col + len(prefix), f"{e.op} ")
+                lines += more
             else:
                 cur += piece
         return lines + [cur + suffix]
     return [text]
+
+
+def _operand(expr: Any, text: str, col: int, prefix: str) -> tuple:
+    """An ``and``/``or`` operand starting a line at ``col`` after ``prefix``: (the
+    lines it fills, the line it ends on). A call too long for the line wraps its
+    arguments; anything else stays whole."""
+    if col + len(prefix) + len(text) <= WIDTH or not isinstance(expr, ast.Call):
+        return [], " " * col + prefix + text
+    sub = _layout(expr, col, prefix)
+    return sub[:-1], sub[-1]
 
 
 _MIN_ROOM = 40  # columns after a call's ( below which its arguments hang
@@ -265,11 +279,11 @@ def _layout_call(e: Any, col: int, prefix: str, suffix: str) -> list:
     return _pack_args(args, head, len(head), suffix, fresh=True)
 
 
-def _pack_args(args: list, cur: str, inner: int, suffix: str, fresh: bool) -> list:
+def _pack_args(args: list, cur: str, inner: int, suffix: str, fresh: bool, closer: str = ")") -> list:
     """``args`` after ``cur`` (the head or an indent), continuation lines at ``inner``."""
     lines = []
     for i, (kw, value) in enumerate(args):
-        end = ")" + suffix if i == len(args) - 1 else ","
+        end = closer + suffix if i == len(args) - 1 else ","
         piece = kw + ("..." if value is None else format_expr(value)) + end
         sep = "" if fresh else " "
         if len(cur) + len(sep) + len(piece) <= WIDTH:
