@@ -448,3 +448,28 @@ def test_fmt_wraps_a_long_call_in_a_where_clause_and_a_long_list():
         out = format_source(text)
         assert all(len(line) <= 100 for line in out.splitlines()), out
         assert parse_text(out) == parse_text(text) and format_source(out) == out
+
+
+@pytest.mark.parametrize("replacement, word", [
+    ("Tensor.new_zeros(x, [3], dtype=8)", "dtype"), ("Tensor.new_zeros(x, 8, 8)", "dtype"),
+    ("torch.zeros_like(x, dtype=5)", "dtype"), ('torch.clamp(x, "a")', "min"),
+])
+def test_literal_types_of_c_bound_torch_functions_and_methods_are_checked(replacement, word):
+    """AS F4: the aten spelling of an op had its literals checked (E206), the torch and
+    Tensor spellings of the same op loaded and raised on every call."""
+    import rewrite
+    from rewrite.language.diagnostics import RuleError
+
+    with pytest.raises(RuleError, match=f"E206.*|argument '{word}'"):
+        rewrite.parse(f"rule r: relu(x) => {replacement}\n")
+
+
+@pytest.mark.parametrize("replacement", [
+    'Tensor.to(x, "cpu")', "Tensor.to(x, torch.float16)", "Tensor.to(x, x)", "torch.clamp(x, 0.5)",
+    "Tensor.new_zeros(x, [8, 8])", "torch.add(x, 2)", "Tensor.sum(x, [0, 1], True)", "torch.pow(2, x)",
+    "torch.max(x, 1)", "torch.max(x, x)", 'Tensor.div(x, 2, rounding_mode="floor")', "Tensor.split(x, [1, 2])",
+])
+def test_what_some_overload_takes_still_loads(replacement):
+    import rewrite
+
+    rewrite.parse(f"rule r: relu(x) => {replacement}\n")

@@ -29,6 +29,7 @@ Example::
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 from rewrite.language import ast
@@ -60,6 +61,9 @@ def param_types(opdef: Any) -> dict:
 def _compute(opdef: Any) -> dict:
     import torch
 
+    builtin = _builtin_types(opdef)
+    if builtin is not None:
+        return builtin
     found: dict = {p.name: [] for p in opdef.params}
     unknown: set = set()
     for form in opdef.forms:
@@ -87,6 +91,53 @@ def _compute(opdef: Any) -> dict:
                 unknown.add(canonical)
             else:
                 found[canonical].append(typ)
+    return {name: (tuple(dict.fromkeys(ts)) if ts and name not in unknown else None) for name, ts in found.items()}
+
+
+#: what a C-bound torch function or Tensor method is (``torch.zeros_like``, ``Tensor.to``)
+_C_BOUND = (types.BuiltinFunctionType, types.MethodDescriptorType, types.WrapperDescriptorType)
+
+
+def _builtin_types(opdef: Any) -> dict | None:
+    """The types of an op from outside the vocabulary whose every form is a C-bound
+    torch function or Tensor method (``torch.zeros_like``, ``Tensor.new_zeros``): its
+    signature was read from one aten schema of its name, and torch's argument parser
+    takes what any overload of that name takes, so a parameter takes a literal some
+    overload takes at its name or at its position (``x.to("cpu")`` is ``to.device``).
+    Numbers pass for tensors (the parser wraps them). None for any other op."""
+
+    from rewrite.ops.forms import FunctionForm, MethodForm
+    from rewrite.ops.resolve import aten_packet
+
+    names = set()
+    for form in opdef.forms:
+        if isinstance(form, MethodForm):
+            names.add(form.method)
+        elif isinstance(form, FunctionForm) and isinstance(form.target, _C_BOUND):
+            names.add(form.target.__name__)
+        else:
+            return None
+    packet = aten_packet(next(iter(names))) if len(names) == 1 else None
+    if packet is None:
+        return None
+    params = [p.name for p in opdef.params]
+    found: dict = {name: [] for name in params}
+    unknown: set = set()
+    for overload in packet.overloads():
+        schema = getattr(packet, overload)._schema
+        if any(a.is_out for a in schema.arguments):
+            continue
+        arguments = list(schema.arguments)
+        for position, name in enumerate(params):
+            at = [a for a in arguments if a.name == name]
+            if position < len(arguments) and not arguments[position].kwarg_only:
+                at.append(arguments[position])
+            for arg in at:
+                typ = _parse(str(getattr(arg, "real_type", arg.type)))
+                if typ is None:
+                    unknown.add(name)
+                else:
+                    found[name].append(typ)
     return {name: (tuple(dict.fromkeys(ts)) if ts and name not in unknown else None) for name, ts in found.items()}
 
 
