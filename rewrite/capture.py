@@ -626,8 +626,10 @@ def _keeps_symbolic_sizes(gm: fx.GraphModule, program: "torch.export.ExportedPro
     """Whether every input dimension ``gm`` holds as a symbol is one in ``program``'s
     inputs too (torch may specialize one without an error)."""
     user = set(program.graph_signature.user_inputs)
-    inputs = [n for n in program.graph.nodes if n.op == "placeholder" and n.name in user]
-    wanted = _symbolic_dims(gm)
+    inputs = [n for n in program.graph.nodes if n.op == "placeholder" and n.name in user
+              and isinstance(n.meta.get("val"), torch.Tensor)]  # an int input is a constant there
+    wanted = [dims for node, dims in zip([n for n in gm.graph.nodes if n.op == "placeholder"], _symbolic_dims(gm))
+              if isinstance(node.meta.get("val"), torch.Tensor)]
     if len(inputs) != len(wanted):
         return False
     for node, dims in zip(inputs, wanted):

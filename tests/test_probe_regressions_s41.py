@@ -473,3 +473,28 @@ def test_what_some_overload_takes_still_loads(replacement):
     import rewrite
 
     rewrite.parse(f"rule r: relu(x) => {replacement}\n")
+
+
+class _Scaled(torch.nn.Module):
+    def forward(self, x, n: int = 3):
+        return x * n + 0.0
+
+
+@pytest.mark.parametrize("example_batch", [1, 2])
+def test_a_pt2_of_a_model_with_an_int_input_keeps_its_dynamic_batch(example_batch):
+    """The symbols-kept check counted the int input (a constant of the program, not a
+    placeholder) and fell back to static sizes, with a warning, for every such model."""
+    import warnings
+
+    import rewrite
+    from rewrite.capture import export_program
+
+    x = torch.randn(2, 4)
+    batch = torch.export.Dim("b", min=1, max=8)
+    gm = torch.export.export(_Scaled(), (x, 3), dynamic_shapes=({0: batch}, None), strict=False).module()
+    result = rewrite.load("rules/cleanup.rw").apply(gm, example_inputs=(x, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        program = export_program(result.graph_module, (torch.randn(example_batch, 4), 3))
+    y = torch.randn(5, 4)
+    torch.testing.assert_close(program.module()(y, 3), y * 3)
