@@ -542,9 +542,8 @@ def export_keeping_sizes(gm: fx.GraphModule, args: tuple) -> "torch.export.Expor
         gm.real_recompile()
     dynamic = dynamic_shapes_of(gm, args)
     if dynamic is not None:
-        example = _widened(gm, args)
         try:
-            program = torch.export.export(gm, example, dynamic_shapes=dynamic, strict=False)
+            program = torch.export.export(gm, _widened(gm, args), dynamic_shapes=dynamic, strict=False)
         except Exception:  # noqa: BLE001 - a rewrite fixed a size: the example's sizes, said so
             program = None
         if program is not None and _keeps_symbolic_sizes(gm, program):
@@ -676,6 +675,14 @@ def _derived_dims(gm: fx.GraphModule) -> list | None:
     None when no size is derived (``Dim.AUTO`` serves) or one is not of that form.
     ``Dim.AUTO`` would make a derived size a symbol of its own, ranged from 2 on: a
     program that refuses a batch the capture took."""
+    try:
+        return _explicit_dims(gm)
+    except Exception:  # noqa: BLE001 - ranges or forms torch will not take: Dim.AUTO serves
+        return None
+
+
+def _explicit_dims(gm: fx.GraphModule) -> list | None:
+    """``_derived_dims``'s work, which may raise on a range torch does not take."""
     dims = _symbolic_dims(gm)
     forms = [{i: _linear(expr) for i, expr in found.items()} for found in dims]
     if all(form is not None and form[1:] == (1, 0) for found in forms for form in found.values()):
@@ -694,7 +701,9 @@ def _derived_dims(gm: fx.GraphModule) -> list | None:
                 low = 1 if bounds is None or int(bounds.lower) <= 2 else int(bounds.lower)
                 try:
                     high = int(bounds.upper) if bounds is not None else None
-                except (TypeError, ValueError, OverflowError):  # unbounded
+                except Exception:  # noqa: BLE001 - unbounded (sympy's and torch's infinities differ)
+                    high = None
+                if high is not None and high >= 2 ** 62:
                     high = None
                 roots[symbol] = torch.export.Dim(f"d_{symbol}", min=low, **({"max": high} if high else {}))
             specs[i] = roots[symbol] * a + b if (a, b) != (1, 0) else roots[symbol]
