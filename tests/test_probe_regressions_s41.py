@@ -1,6 +1,7 @@
 """Session 41: paths a rename missed (CI caught them in verification, not the suite's
 quick subset). Each test runs one line that raised NameError."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -146,18 +147,23 @@ def _float32_ops(gm):
                    and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dtype == torch.float32})
 
 
+def _amp_bf16_on(model_class):
+    """(model, input, float32 ops before, amp_bf16's result) for a bfloat16 model."""
+    import rewrite
+
+    torch.manual_seed(0)
+    model = model_class().eval()
+    x = torch.randn(2, 5, 16, dtype=torch.bfloat16)
+    gm = torch.export.export(model, (x,), strict=False).module()
+    before = _float32_ops(gm)
+    return model, x, before, rewrite.load("rules/amp_bf16.rw").apply(gm, example_inputs=(x,), training=False)
+
+
 def test_amp_keeps_a_models_own_float32_upcast():
     """AQ F1: the approximate fallthrough rules moved a bfloat16 model's own .float()
     below pow, mean, add and rsqrt, which then ran in bfloat16 (autocast keeps them in
     float32): only a cast a rule inserted moves now."""
-    import rewrite
-
-    torch.manual_seed(0)
-    model = _Bf16RmsNorm().eval()
-    x = torch.randn(2, 5, 16, dtype=torch.bfloat16)
-    gm = torch.export.export(model, (x,), strict=False).module()
-    before = _float32_ops(gm)
-    result = rewrite.load("rules/amp_bf16.rw").apply(gm, example_inputs=(x,), training=False)
+    model, x, before, result = _amp_bf16_on(_Bf16RmsNorm)
     assert not {"pow_bf16", "mean_bf16", "rsqrt_bf16", "add_scalar_bf16"} & set(result.counts)
     assert {"pow.Tensor_Scalar", "mean.dim", "rsqrt.default"} <= set(_float32_ops(result.graph_module)) <= set(before)
     x2 = torch.randn(2, 5, 16, dtype=torch.bfloat16)
@@ -265,14 +271,7 @@ def test_amp_keeps_a_models_own_upcast_past_exact_ops():
     """AR F3: an exact rule (transpose, relu) moved the model's own cast down, the new
     cast counted as rule-made, and softmax then ran in bfloat16: no fallthrough rule
     moves a model's own cast now."""
-    import rewrite
-
-    torch.manual_seed(0)
-    model = _Bf16ViewThenSoftmax().eval()
-    x = torch.randn(2, 5, 16, dtype=torch.bfloat16)
-    gm = torch.export.export(model, (x,), strict=False).module()
-    before = _float32_ops(gm)
-    result = rewrite.load("rules/amp_bf16.rw").apply(gm, example_inputs=(x,), training=False)
+    model, x, before, result = _amp_bf16_on(_Bf16ViewThenSoftmax)
     assert _float32_ops(result.graph_module) == before
     with torch.no_grad():
         assert torch.equal(result.graph_module(x), model(x))
@@ -339,8 +338,6 @@ def test_a_save_onto_a_symbolic_link_writes_through_it(tmp_path):
 
 # ---------------------------------------------------------------- probe AS (the rule language)
 
-
-import pytest  # noqa: E402
 
 
 @pytest.mark.parametrize("replacement", [
