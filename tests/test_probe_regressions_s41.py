@@ -1,5 +1,7 @@
-"""Session 41: paths a rename missed (CI caught them in verification, not the suite's
-quick subset). Each test runs one line that raised NameError."""
+"""Session 41: the paths a rename missed (each raised NameError), then the findings of
+probes AP (results leaving the library), AQ (shipped rule sets on other models), AR
+(regressions of the fixes for those) and AS (the rule language as a new user meets it).
+Each test shows the behaviour its probe's repro showed failing."""
 
 import pytest
 import torch
