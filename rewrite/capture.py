@@ -555,15 +555,20 @@ def export_keeping_sizes(gm: fx.GraphModule, args: tuple) -> "torch.export.Expor
 
 
 def _symbolic_dims(gm: fx.GraphModule) -> list:
-    """Per placeholder, ``{dim: sympy expression}`` of its recorded symbolic sizes."""
+    """Per placeholder, ``(node, {dim: sympy expression})`` of its recorded symbolic sizes."""
     out = []
     for node in gm.graph.nodes:
         if node.op != "placeholder":
             continue
         val = node.meta.get("val")
         shape = val.shape if isinstance(val, torch.Tensor) else ()
-        out.append({i: d.node.expr for i, d in enumerate(shape) if isinstance(d, torch.SymInt)})
+        out.append((node, {i: d.node.expr for i, d in enumerate(shape) if isinstance(d, torch.SymInt)}))
     return out
+
+
+def _linear_forms(gm: fx.GraphModule) -> list:
+    """``_symbolic_dims`` with each expression as ``_linear`` reads it (None: another form)."""
+    return [(node, {i: _linear(expr) for i, expr in found.items()}) for node, found in _symbolic_dims(gm)]
 
 
 def _linear(expr: Any) -> tuple | None:
@@ -588,13 +593,12 @@ def _widened(gm: fx.GraphModule, args: tuple) -> tuple:
     Unchanged when there is none, or when a size is not ``a * symbol + b`` or a value
     cannot be solved."""
     leaves, spec = torch.utils._pytree.tree_flatten(args)
-    dims = _symbolic_dims(gm)
-    if len(dims) != len(leaves):
+    forms = [found for _, found in _linear_forms(gm)]
+    if len(forms) != len(leaves):
         return args
     values: dict = {}
-    for leaf, found in zip(leaves, dims):
-        for i, expr in found.items():
-            form = _linear(expr)
+    for leaf, found in zip(leaves, forms):
+        for i, form in found.items():
             if form is None or not isinstance(leaf, torch.Tensor) or i >= leaf.dim():
                 return args
             symbol, a, b = form
@@ -606,9 +610,8 @@ def _widened(gm: fx.GraphModule, args: tuple) -> tuple:
         return args
     values.update(wider)
     out = []
-    for leaf, found in zip(leaves, dims):
-        for i, expr in found.items():
-            symbol, a, b = _linear(expr)
+    for leaf, found in zip(leaves, forms):
+        for i, (symbol, a, b) in found.items():
             size, now = a * values[symbol] + b, leaf.shape[i]
             if size != now:
                 if now == 0:  # nothing to repeat: zeros (export traces sizes, not values)
@@ -627,8 +630,7 @@ def _keeps_symbolic_sizes(gm: fx.GraphModule, program: "torch.export.ExportedPro
     user = set(program.graph_signature.user_inputs)
     inputs = [n for n in program.graph.nodes if n.op == "placeholder" and n.name in user
               and isinstance(n.meta.get("val"), torch.Tensor)]  # an int input is a constant there
-    wanted = [dims for node, dims in zip([n for n in gm.graph.nodes if n.op == "placeholder"], _symbolic_dims(gm))
-              if isinstance(node.meta.get("val"), torch.Tensor)]
+    wanted = [dims for node, dims in _symbolic_dims(gm) if isinstance(node.meta.get("val"), torch.Tensor)]
     if len(inputs) != len(wanted):
         return False
     for node, dims in zip(inputs, wanted):
@@ -683,16 +685,13 @@ def _derived_dims(gm: fx.GraphModule) -> list | None:
 
 def _explicit_dims(gm: fx.GraphModule) -> list | None:
     """``_derived_dims``'s work, which may raise on a range torch does not take."""
-    dims = _symbolic_dims(gm)
-    forms = [{i: _linear(expr) for i, expr in found.items()} for found in dims]
-    if all(form is not None and form[1:] == (1, 0) for found in forms for form in found.values()):
+    forms = _linear_forms(gm)
+    every = [form for _, found in forms for form in found.values()]
+    if None in every or all(form[1:] == (1, 0) for form in every):
         return None
-    if any(form is None for found in forms for form in found.values()):
-        return None
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     roots: dict = {}
     out = []
-    for node, found in zip(placeholders, forms):
+    for node, found in forms:
         specs = {}
         for i, (symbol, a, b) in found.items():
             if symbol not in roots:

@@ -97,7 +97,7 @@ def _refuse_huge_integer(target: Any, args: tuple) -> None:
     ints (a pattern variable bound to a model's literal, ``x * 10_000_000``) whose
     result would have more than ``MAX_INTEGER_BITS`` bits: inferring its facts and
     every call of the rewritten model would compute it (minutes, gigabytes)."""
-    kind = _GROWING_INTS.get(target) if callable(target) else None
+    kind = _GROWING_INTS.get(target)
     if kind is None or len(args) < 2:
         return
     base, exponent = args[0], args[1]

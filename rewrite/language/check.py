@@ -837,7 +837,7 @@ class _Checker:
         for param, arg in self._arguments(c, opdef).items():
             bound = _GROWTH_PARAMS.get(param)
             if bound is not None:
-                largest = _largest_literal(arg)
+                largest = max(map(abs, _literal_numbers(arg)), default=None)
                 if largest is not None and largest > bound:
                     self.error(_span_of(arg) or span,
                                f"argument '{param}' of '{name}' is given {largest}: written as a literal, it is at "
@@ -847,7 +847,7 @@ class _Checker:
                 continue
             if param not in _SIZE_PARAMS:
                 continue
-            lowest = _lowest_literal(arg)
+            lowest = min((v for v in _literal_numbers(arg) if isinstance(v, int)), default=None)
             if lowest is not None and param != "end" and lowest < (-1 if param in _MAY_INFER else 0):
                 self.error(_span_of(arg) or span,
                            f"argument '{param}' of '{name}' is given the size {lowest}: no size is negative"
@@ -1033,30 +1033,17 @@ _MAX_LITERAL_ELEMENTS = 1 << 26
 _GROWTH_PARAMS = {"pad": 1 << 13, "diagonal": 1 << 13, "offset": 1 << 13, "scale_factor": 64, "r": 4}
 
 
-def _largest_literal(arg: Any) -> Optional[float]:
-    """The largest absolute number a literal (a number, or a list or tuple of them)
-    holds, or None when it holds none."""
+def _literal_numbers(arg: Any) -> list:
+    """The numbers a literal (a number, or a list or tuple of them, nested) holds."""
     if isinstance(arg, ast.Literal) and isinstance(arg.value, (int, float)) and not isinstance(arg.value, bool):
-        return abs(arg.value)
+        return [arg.value]
     if isinstance(arg, (ast.ListLit, ast.TupleLit)):
-        found = [v for v in map(_largest_literal, arg.items) if v is not None]
-        return max(found) if found else None
-    return None
+        return [v for item in arg.items for v in _literal_numbers(item)]
+    return []
 
 
 #: size parameters where -1 stands for a size inferred from the others (view, reshape, expand)
 _MAY_INFER = frozenset({"size", "sizes", "shape"})
-
-
-def _lowest_literal(arg: Any) -> Optional[int]:
-    """The smallest int literal a literal size (an int, or a list or tuple of them)
-    holds, or None when it holds none."""
-    if isinstance(arg, ast.Literal) and isinstance(arg.value, int) and not isinstance(arg.value, bool):
-        return arg.value
-    if isinstance(arg, (ast.ListLit, ast.TupleLit)):
-        found = [v for v in map(_lowest_literal, arg.items) if v is not None]
-        return min(found) if found else None
-    return None
 
 
 def _literal_count(arg: Any) -> Optional[int]:

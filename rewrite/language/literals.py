@@ -91,7 +91,7 @@ def _compute(opdef: Any) -> dict:
                 unknown.add(canonical)
             else:
                 found[canonical].append(typ)
-    return {name: (tuple(dict.fromkeys(ts)) if ts and name not in unknown else None) for name, ts in found.items()}
+    return _table(found, unknown)
 
 
 #: what a C-bound torch function or Tensor method is (``torch.zeros_like``, ``Tensor.to``)
@@ -105,7 +105,6 @@ def _builtin_types(opdef: Any) -> dict | None:
     takes what any overload of that name takes, so a parameter takes a literal some
     overload takes at its name or at its position (``x.to("cpu")`` is ``to.device``).
     Numbers pass for tensors (the parser wraps them). None for any other op."""
-
     from rewrite.ops.forms import FunctionForm, MethodForm
     from rewrite.ops.resolve import aten_packet
 
@@ -138,6 +137,11 @@ def _builtin_types(opdef: Any) -> dict | None:
                     unknown.add(name)
                 else:
                     found[name].append(typ)
+    return _table(found, unknown)
+
+
+def _table(found: dict, unknown: set) -> dict:
+    """Parameter -> its types, deduplicated in order; None where one was unknown or none was found."""
     return {name: (tuple(dict.fromkeys(ts)) if ts and name not in unknown else None) for name, ts in found.items()}
 
 
