@@ -119,7 +119,8 @@ def check_declarations(modules: list, origins: list | None = None) -> list:
                 related = ((prev, f"'{item.name}' first defined here"),)
                 help = "rules, families and rulesets share one namespace; rename one of them"
                 if prev_origin is not None or origin is not None:
-                    related += tuple(o for o in (prev_origin, origin) if o is not None)
+                    # both in one instance: its note once
+                    related += tuple(dict.fromkeys(o for o in (prev_origin, origin) if o is not None))
                 if prev_origin is not None and origin is not None and prev == where:
                     help = ("two instances of one parametrized file declare it: give each import "
                             "its own tag (import \"...\" with NAME = value as TAG)")
@@ -636,6 +637,9 @@ class _Checker:
         hint = self._suggest(v.name, self.bound)
         if v.name in DTYPES:
             hint = f"did you mean 'torch.{v.name}'?"
+        elif v.name in ("inf", "nan"):
+            hint = (f"'{v.name}' is not a literal: write the bound as a number, or leave it out "
+                    "where the op takes None")
         self.error(v.span, f"unbound variable '{v.name}'", "E301",
                    help=hint or "every variable of the where clause and replacement must appear in the pattern")
 
@@ -897,8 +901,11 @@ class _Checker:
         errors_before = len(self.diags)
         if len(c.args) > len(names):
             extra = c.args[len(names)]
+            spread = next(((f.rename or {}).get(f.varargs, f.varargs) for f in opdef.forms
+                           if getattr(f, "varargs", None)), None)
+            hint = f"; a rule writes '{spread}' as one list, as in [2, 3]" if spread else ""
             self.error(_span_of(extra), f"too many arguments for {who}: it takes {len(names)}, got {len(c.args)}",
-                       "E201", help=sig)
+                       "E201", help=sig + hint)
         given = set(names[: len(c.args)])
         for k in c.kwargs:
             if k.name not in names:

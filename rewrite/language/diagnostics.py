@@ -15,9 +15,9 @@ The printed form follows ruff and mypy::
 
 from __future__ import annotations
 
-import functools
-
 import difflib
+import functools
+import re
 from typing import Callable, Iterable
 
 import attrs
@@ -42,9 +42,9 @@ class Diagnostic:
     """
 
     span: Span | None
-    message: str
+    message: str = attrs.field(converter=lambda text: _bounded(text))
     code: str
-    help: str | None = None
+    help: str | None = attrs.field(default=None, converter=lambda text: None if text is None else _bounded(text))
     severity: str = "error"
     related: tuple = ()
 
@@ -54,6 +54,17 @@ class Diagnostic:
         may hold newlines and escape sequences: a forged line, a cleared screen)."""
         where = f"{self.span}: " if self.span is not None else ""
         return printable(f"{where}{self.severity}: {self.message} [{self.code}]")
+
+
+#: a quoted name longer than this is cut in a message (the source line is cut too)
+_LONGEST_QUOTED = 200
+_QUOTED = re.compile(r"'([^'\n]{%d,})'" % (_LONGEST_QUOTED + 1))
+
+
+def _bounded(text: str) -> str:
+    """``text`` with every quoted name over ``_LONGEST_QUOTED`` characters cut: a rule
+    file's 200,000-character name must not make a 200,000-character message."""
+    return _QUOTED.sub(lambda m: f"'{m.group(1)[:_LONGEST_QUOTED]}...' ({len(m.group(1))} characters)", text)
 
 
 def printable(text: str) -> str:

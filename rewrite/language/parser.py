@@ -180,7 +180,7 @@ class _Builder(Transformer):
     def rule_decl(self, meta, children):
         name, options, pattern, where, replacement = children
         return ast.Rule(str(name), pattern, where, replacement, tuple(options or ()),
-                        doc=self._doc_above(meta.line), span=self._s(meta), name_span=self._tok(name))
+                        doc=self._doc_above(meta.line, meta.column), span=self._s(meta), name_span=self._tok(name))
 
     def rule_options(self, meta, children):
         return tuple(c for c in children if c is not None)
@@ -205,8 +205,11 @@ class _Builder(Transformer):
     def sched_ref(self, meta, children):
         return ast.ScheduleRef(str(children[0]), span=self._s(meta))
 
-    def _doc_above(self, line: int) -> str:
-        """The comment lines directly above line ``line`` (1-based), ``#`` stripped."""
+    def _doc_above(self, line: int, column: int) -> str:
+        """The comment lines directly above line ``line`` (1-based), ``#`` stripped; none
+        for a declaration that does not start its line (the comment is the first one's)."""
+        if self.lines[line - 1][: column - 1].strip():
+            return ""
         doc = []
         i = line - 2
         while i >= 0 and self.lines[i].lstrip().startswith("#"):

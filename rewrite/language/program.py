@@ -274,7 +274,9 @@ class _Loader:
             f.complete = False
             return
         if not exists:
-            why = "is a directory" if is_dir else "no such file"
+            why = ("is a directory" if is_dir else
+                   "is a symbolic link to nothing (a loop, or a missing target)" if target.is_symlink() else
+                   "no such file")
             self._unreadable(display, imp.span, why, target)
             f.complete = False
             return

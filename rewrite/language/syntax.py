@@ -10,6 +10,7 @@ expected there and the brackets still open, and named in the user's terms.
 from __future__ import annotations
 
 import functools
+import unicodedata
 
 import lark
 from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken
@@ -73,7 +74,12 @@ def _char(ch: str) -> str:
         return "end of file"
     if ch == "'":
         return '"\'"'
-    return f"'{ch}'" if ch.isprintable() else f"U+{ord(ch):04X}"
+    if not ch.isprintable():
+        return f"U+{ord(ch):04X}"
+    if ch.isascii():
+        return f"'{ch}'"
+    # a letter from another script may look exactly like an ASCII one: name it
+    return f"'{ch}' (U+{ord(ch):04X} {unicodedata.name(ch, 'unnamed')})"
 
 
 class _Context:

@@ -241,4 +241,17 @@ def signature_of(qualname: str, target: Any, overload: str | None = None) -> Sig
     schema_target = aten_overload(leaf, overload)
     if schema_target is None:
         return None
-    return schema_sig(schema_target, "self" if is_method else "input")
+    if is_method:
+        return _spread_int_list(schema_sig(schema_target, "self"))
+    return schema_sig(schema_target, "input")
+
+
+def _spread_int_list(sig: Sig) -> Sig:
+    """A method whose only positional parameter after ``self`` is an int list also
+    takes it spread out: ``x.repeat(2, 1)`` is ``x.repeat([2, 1])`` (torch's Python
+    binding allows it there, ``allow_varargs_intlist``), so its nodes spell it both
+    ways and the forms must pack the spread spelling to match it."""
+    positional = [n for n in sig.names[1:] if n not in sig.kwonly]
+    if len(positional) == 1 and sig.int_lists.get(positional[0]) is not None:
+        return attrs.evolve(sig, varargs=positional[0])
+    return sig

@@ -1,0 +1,118 @@
+"""Regressions found in session 42: generic Tensor methods spelled with spread ints,
+and whatever the session's probes (in-place rollback, fooling the check) turned up."""
+
+import pytest
+import torch
+
+import rewrite
+
+
+def _symbolic(forward):
+    class M(torch.nn.Module):
+        pass
+
+    M.forward = lambda self, x: forward(x)
+    return torch.fx.symbolic_trace(M())
+
+
+_FLIP_TWICE = """
+rule flip_twice(priority=1):
+    Tensor.flip(Tensor.flip(x, [0, 1]), [0, 1]) => x
+"""
+
+
+@pytest.mark.parametrize("forward", [
+    lambda x: x.flip(0, 1).flip(0, 1) + 1,
+    lambda x: x.flip([0, 1]).flip(0, 1) + 1,
+    lambda x: x.flip((0, 1)).flip([0, 1]) + 1,
+])
+def test_generic_method_matches_spread_and_list_spellings(forward):
+    """``x.flip(0, 1)`` is ``x.flip([0, 1])`` in torch's Python binding: a rule naming
+    ``Tensor.flip`` (outside the vocabulary) matches both spellings."""
+    gm = _symbolic(forward)
+    x = torch.randn(2, 3)
+    result = rewrite.parse(_FLIP_TWICE).apply(gm, example_inputs=(x,))
+    assert result.counts == {"flip_twice": 1}
+    assert "flip" not in result.graph_module.code
+    torch.testing.assert_close(result.graph_module(x), forward(x))
+
+
+def test_generic_method_spread_other_dims_does_not_match():
+    gm = _symbolic(lambda x: x.flip(0, 1).flip(1) + 1)
+    x = torch.randn(2, 3)
+    result = rewrite.parse(_FLIP_TWICE).apply(gm, example_inputs=(x,))
+    assert result.counts == {}
+
+
+def test_generic_method_spread_single_int_and_replacement_runs():
+    rules = rewrite.parse("""
+rule repeat_rows(priority=1):
+    Tensor.repeat(y, [2, 1]) => torch.cat([y, y], 0)
+""")
+    for forward in (lambda x: x.repeat(2, 1) * 2, lambda x: x.repeat([2, 1]) * 2):
+        gm = _symbolic(forward)
+        x = torch.randn(3, 4)
+        result = rewrite.parse("rule none(priority=1):\n    Tensor.repeat(y, [2]) => y\n").apply(
+            gm, example_inputs=(x,))
+        assert result.counts == {}
+        result = rules.apply(gm, example_inputs=(x,))
+        assert result.counts == {"repeat_rows": 1}
+        assert "repeat" not in result.graph_module.code
+        torch.testing.assert_close(result.graph_module(x), forward(x))
+
+
+def test_spread_ints_in_a_rule_get_a_list_hint():
+    with pytest.raises(rewrite.RuleError) as info:
+        rewrite.parse("rule p(priority=1):\n    Tensor.permute(x, 1, 0) => x\n")
+    text = str(info.value)
+    assert "E201" in text and "'dims' as one list" in text
+
+
+# ---------------------------------------------------------------- diagnostics nits (probe AS, session 41)
+
+
+def _errors(text: str) -> str:
+    with pytest.raises(rewrite.RuleError) as info:
+        rewrite.parse(text)
+    return str(info.value)
+
+
+def test_lookalike_letter_is_named_with_its_code_point():
+    text = _errors("rule r: relu(x) => \u0430dd(x, x)\n")
+    assert "U+0430 CYRILLIC SMALL LETTER A" in text and "E002" in text
+
+
+def test_inf_in_a_rule_says_it_is_not_a_literal():
+    text = _errors("rule r: relu(x) => clamp(x, 0.0, inf)\n")
+    assert "'inf' is not a literal" in text and "E301" in text
+
+
+def test_a_huge_unknown_name_is_cut_in_the_message():
+    text = _errors("rule r: relu(x) => " + "a" * 20000 + "(x)\n")
+    assert "E102" in text and "(20000 characters)" in text
+    assert len(text) < 2000
+
+
+def test_second_rule_on_a_line_does_not_take_the_first_ones_doc():
+    from rewrite.language.program import parse_module
+
+    module, _ = parse_module("# doc of a\nrule a: relu(x) => x rule b: relu(y) => y\n", "<t>")
+    assert [(r.name, r.doc) for r in module.items] == [("a", "doc of a"), ("b", "")]
+
+
+def test_instance_note_printed_once_for_a_clash_inside_one_instance(tmp_path):
+    (tmp_path / "clash.rw").write_text("param lowp\nrule scale_cast: to(x, lowp) where dtype(x) == lowp => x\n"
+                                       "rule scale_cast_bf16: mul(x, 1) => x\n")
+    (tmp_path / "main.rw").write_text('import "clash.rw" with lowp = torch.bfloat16 as bf16\n')
+    with pytest.raises(rewrite.RuleError) as info:
+        rewrite.load(str(tmp_path / "main.rw"))
+    text = str(info.value)
+    assert "E401" in text and text.count("in the instance of") == 1
+
+
+def test_import_of_a_symlink_loop_says_so(tmp_path):
+    (tmp_path / "loop.rw").symlink_to(tmp_path / "loop.rw")
+    (tmp_path / "main.rw").write_text('import "loop.rw"\n')
+    with pytest.raises(rewrite.RuleError) as info:
+        rewrite.load(str(tmp_path / "main.rw"))
+    assert "symbolic link to nothing" in str(info.value)
