@@ -491,12 +491,14 @@ class RuleSet:
                 report = verdict(gm) if driver.counts else None
                 if report is None:
                     break
+        # before the commit: a warning the caller's filter turns into an error
+        # (pytest -W error) must still find the in-place module to roll back
+        _warn_unknown_training(driver.facts.unknown_training)
         txn.commit()
         if driver.facts.training is not None:  # the caller's word, kept for a later apply
             gm.meta[INFERENCE_KEY] = not driver.facts.training
         elif driver.facts.inference:  # a later apply knows it too (a fold may remove what told)
             gm.meta[INFERENCE_KEY] = True
-        _warn_unknown_training(driver.facts.unknown_training)
         changes = tuple(sorted(set(driver.counts) & self._changes()))
         return RewriteResult(gm, dict(driver.counts), dict(driver.stats), report, seconds, tuple(rejected),
                              copy_seconds, changes, original=original, example_inputs=example_inputs)

@@ -116,3 +116,35 @@ def test_import_of_a_symlink_loop_says_so(tmp_path):
     with pytest.raises(rewrite.RuleError) as info:
         rewrite.load(str(tmp_path / "main.rw"))
     assert "symbolic link to nothing" in str(info.value)
+
+
+# ---------------------------------------------------------------- probe AT (in place and rollback)
+
+
+def test_inplace_warning_raised_as_error_leaves_the_module_as_it_was():
+    """A ``TrainingModeWarning`` a filter turns into an error (``pytest -W error``)
+    escapes apply: in place, the module must then be exactly as given, not rewritten
+    with no result returned."""
+    import warnings
+
+    class MLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.relu(self.l(x) * 1.0)
+
+    x = torch.randn(2, 4)
+    gm = torch.export.export(MLP().eval(), (x,)).module()
+    before_graph, before_code = str(gm.graph), gm.code
+    rules = rewrite.load("rules/cleanup.rw") + rewrite.load("rules/amp_bf16.rw")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(rewrite.TrainingModeWarning):
+            rules.apply(gm, example_inputs=(x,), inplace=True)
+    assert str(gm.graph) == before_graph and gm.code == before_code
+    # without the filter, the same call rewrites in place and warns
+    with pytest.warns(rewrite.TrainingModeWarning):
+        result = rules.apply(gm, example_inputs=(x,), inplace=True)
+    assert result.counts and str(gm.graph) != before_graph

@@ -39,7 +39,6 @@ Example::
 from __future__ import annotations
 
 import collections
-import contextlib
 import csv
 import io
 import json

@@ -22,7 +22,6 @@ import functools
 from typing import Any
 
 import attrs
-import torch
 
 from rewrite.engine.dtypes import DTYPES
 from rewrite.engine.outputs import results_opdef

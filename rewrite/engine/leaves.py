@@ -11,7 +11,7 @@ through them, so the warning names the modules, the ops they hide, and that fix.
 from __future__ import annotations
 
 import collections
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch.fx as fx
 

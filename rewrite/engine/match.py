@@ -16,7 +16,6 @@ import operator
 import os
 from typing import Any, Iterator
 
-import torch
 import torch.fx as fx
 
 from rewrite.engine.compile import CompiledRule, PCall, PDefault, PLit, PResults, PSeq, PVar, PWild, RResults

@@ -17,7 +17,7 @@ journal of an in-place rewrite) run before every change, as in fx.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 from torch import fx
 from torch.fx.immutable_collections import immutable_list

@@ -19,7 +19,6 @@ tensor of the model and costs nothing.
 
 from __future__ import annotations
 
-import functools
 import gc
 import sys
 import types

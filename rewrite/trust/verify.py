@@ -75,7 +75,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
-import math
 import tempfile
 import warnings
 from typing import Any
