@@ -148,3 +148,115 @@ def test_inplace_warning_raised_as_error_leaves_the_module_as_it_was():
     with pytest.warns(rewrite.TrainingModeWarning):
         result = rules.apply(gm, example_inputs=(x,), inplace=True)
     assert result.counts and str(gm.graph) != before_graph
+
+
+# ---------------------------------------------------------------- probe AU (fooling the check and verify)
+
+
+def test_is_contiguous_of_a_symbolic_trace_input_is_unknown():
+    """The example's strides say nothing of the caller's: on a symbolic_trace graph,
+    ``contiguous(x) where is_contiguous(x) => x`` must not drop the copy of an input
+    (a transposed input of the example's shape then fails the ``view``)."""
+    gm = _symbolic(lambda x: x.contiguous().view(-1) * 2)
+    x = torch.randn(4, 4)
+    rules = rewrite.parse("rule c: contiguous(x) where is_contiguous(x) => x")
+    result = rules.apply(gm, example_inputs=(x,))
+    assert result.counts == {}
+    transposed = torch.randn(4, 4).t()
+    torch.testing.assert_close(result.graph_module(transposed), transposed.reshape(-1) * 2)
+
+
+def test_is_contiguous_still_known_after_an_op_that_lays_out_afresh():
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.l(x).contiguous().view(-1)
+
+    gm = torch.fx.symbolic_trace(M())
+    x = torch.randn(3, 4)
+    result = rewrite.parse("rule c: contiguous(x) where is_contiguous(x) => x").apply(gm, example_inputs=(x,))
+    assert result.counts == {"c": 1}
+    torch.testing.assert_close(result.graph_module(x), gm(x))
+
+
+def _status(text: str, max_examples: int = 100) -> str:
+    from rewrite.trust.verify import verify_rule
+
+    return verify_rule(rewrite.parse(text), "wrong", max_examples=max_examples, seed=0).status
+
+
+@pytest.mark.parametrize("text", [
+    "rule wrong: slice(x, 1, 0, 512) => x",   # a no-op only up to 512 along dim 1
+    "rule wrong: flatten(x, 1, 4) => flatten(x, 1)",   # the same only up to rank 5
+])
+def test_verify_reaches_one_past_a_patterns_literal(text):
+    """Large shapes reach one past the literals a pattern is written with: a size
+    (513) or a rank (6) the default draws never meet."""
+    assert _status(text) == "counterexample"
+
+
+def test_verify_draws_attention_dropout():
+    """A rule that drops attention dropout is wrong: verify draws ``dropout_p`` > 0
+    now and then, pattern and replacement from one seeded generator."""
+    text = ("rule wrong: F.scaled_dot_product_attention(q, k, v, m, _, c, s) => "
+            "aten.scaled_dot_product_attention(q, k, v, m, 0.0, c, s)")
+    assert _status(text) == "counterexample"
+
+
+# ---------------------------------------------------------------- probe AV (shipped sets on unusual layers)
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv1x1"])
+def test_bn_with_eps_above_its_variance_is_not_folded_into_the_next_layer(kind):
+    """``bn_input_centred`` measures the running mean in running standard deviations,
+    ``sqrt(var)``: an eps far above the variance (mean 7.9, var 1e-10, eps 1) would
+    hide an offset of 1e5 spreads, and the folded model was 5-7% off on inputs the
+    batch norm's statistics describe."""
+    nn = torch.nn
+    if kind == "linear":
+        bn, layer, x = nn.BatchNorm1d(16, eps=1.0), nn.Linear(16, 8, bias=False), torch.randn(4, 16)
+    else:
+        bn, layer, x = nn.BatchNorm2d(16, eps=1.0), nn.Conv2d(16, 8, 1, bias=False), torch.randn(2, 16, 3, 3)
+    model = nn.Sequential(bn, layer).eval()
+    with torch.no_grad():
+        bn.running_mean.fill_(7.9)
+        bn.running_var.fill_(1e-10)
+    gm = torch.export.export(model, (x,)).module()
+    result = rewrite.load("rules/fusion.rw").apply(gm, example_inputs=(x,))
+    assert not {"bn_linear", "bn_conv"} & set(result.counts)
+    drawn = 7.9 + 1e-5 * torch.randn_like(x)
+    with torch.no_grad():
+        torch.testing.assert_close(result.graph_module(drawn), model(drawn))
+
+
+def test_bn_centred_folds_a_dead_channel_and_a_centred_one():
+    """A channel with zero mean is centred whatever its variance (a dead ReLU channel:
+    mean 0, var 0), and a usual batch norm still folds into the linear after it."""
+    nn = torch.nn
+    bn, layer = nn.BatchNorm1d(4), nn.Linear(4, 3)
+    model = nn.Sequential(bn, layer).eval()
+    with torch.no_grad():
+        bn.running_mean.copy_(torch.tensor([0.0, 0.5, -1.0, 0.0]))
+        bn.running_var.copy_(torch.tensor([0.0, 1.0, 2.0, 1e-12]))
+    x = torch.randn(5, 4)
+    gm = torch.export.export(model, (x,)).module()
+    result = rewrite.load("rules/fusion.rw").apply(gm, example_inputs=(x,))
+    assert result.counts.get("bn_linear") == 1
+    with torch.no_grad():
+        torch.testing.assert_close(result.graph_module(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+def test_coverage_names_the_padding_mode_of_a_conv_left_float():
+    import rewrite.quant as rq
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"), torch.nn.ReLU()).eval()
+    batches = [(torch.randn(2, 3, 6, 6),) for _ in range(2)]
+    quantized = rq.quantize(model, batches, capture="fx")
+    text = str(rq.coverage(quantized))
+    assert "padding_mode='reflect'" in text and "leaf module" not in text
+    with torch.no_grad():
+        torch.testing.assert_close(quantized(batches[0][0]), model(batches[0][0]))

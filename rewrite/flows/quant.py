@@ -986,10 +986,21 @@ def coverage(int8: fx.GraphModule) -> Coverage:
                 kind = _module_kind(child)
                 if kind is not None:
                     name = f"{node.target}.{sub}" if sub else str(node.target)
-                    left.append(FloatLayer(name, kind, f"not observed: inside leaf module "
-                                                       f"{node.target} ({type(mod).__name__}), "
-                                                       "which the graph calls whole"))
+                    left.append(FloatLayer(name, kind, _unbound_module_reason(node.target, mod, sub)))
     return Coverage(tuple(sorted(lowered.items(), key=lambda kv: list(_LAYER_OPS).index(kv[0]))), tuple(left))
+
+
+def _unbound_module_reason(target: str, mod: torch.nn.Module, sub: str) -> str:
+    """Why a layer in a module the graph calls whole stays float: a layer module the
+    vocabulary does not bind as configured (a conv padding by reflection), or a layer
+    inside a leaf module."""
+    if sub:
+        return f"not observed: inside leaf module {target} ({type(mod).__name__}), which the graph calls whole"
+    mode = getattr(mod, "padding_mode", "zeros")
+    if mode != "zeros":
+        return (f"not observed: a {type(mod).__name__} with padding_mode={mode!r}, which the rules do not bind "
+                "as one module; capture with torch.export, which spells the padding out as its own op")
+    return f"not observed: a {type(mod).__name__} module the rules do not bind as configured"
 
 
 # ---------------------------------------------------------------- accuracy

@@ -102,15 +102,17 @@ def is_contiguous(x: Value) -> bool:
     Rules that skip a copy rely on it: a reshape of a transposed tensor copies into
     a contiguous one, the tensor itself keeps its strides (``out.view(-1)`` fails).
     Unknown in an export graph for a value whose strides may follow a graph input's
-    (the program accepts inputs of any strides; the example's say nothing)."""
+    (the program accepts inputs of any strides; the example's say nothing), and so in
+    a symbolic_trace graph, whose facts were recorded from the example: the module is
+    called with inputs of other strides too (a transposed one of the same shape)."""
     m = x.meta
     if m is None:
         return False if x.is_literal else None
+    if x.node is not None and _layout_from_inputs(x.node, x.facts.gm):
+        return None  # a graph takes inputs of any strides, or sizes that lay it out otherwise
     recorded = getattr(m, "contiguous", None)  # TensorFacts (symbolic_trace graphs)
     if isinstance(recorded, bool):
         return recorded
-    if x.node is not None and _layout_from_inputs(x.node, x.facts.gm):
-        return None  # torch.export accepts inputs of any strides, or sizes that lay it out otherwise
     try:
         return bool(m.is_contiguous())
     except (AttributeError, TypeError, RuntimeError, NotImplementedError):  # metadata without strides
@@ -766,7 +768,9 @@ def bn_input_centred(x: Value, mean: Value, var: Value, eps: Value) -> bool | No
     standard deviations (a raw feature about 1e4, spread 1), the two cancel and the
     rounding of each, ``eps * |mean| / std`` of the result, is left; the batch norm
     subtracts ``mean`` from ``x`` exactly first. True when every channel's
-    ``|mean| / sqrt(var + eps)`` is within ``BN_OFFSET_BOUND``."""
+    ``|mean| / sqrt(var)`` is within ``BN_OFFSET_BOUND``: the spread of ``x`` is
+    ``sqrt(var)``, not ``sqrt(var + eps)`` (an eps far above the variance would hide
+    an offset of 1e5 spreads); a zero mean is centred whatever the variance."""
     m = x.meta
     mean_t = mean.facts.constant_of(mean.operand) if mean.is_const else None
     var_t = var.facts.constant_of(var.operand) if var.is_const else None
@@ -774,8 +778,11 @@ def bn_input_centred(x: Value, mean: Value, var: Value, eps: Value) -> bool | No
     if m is None or not isinstance(mean_t, torch.Tensor) or not isinstance(var_t, torch.Tensor) \
             or not isinstance(e, (int, float)) or not m.dtype.is_floating_point:
         return None
-    ratio = (mean_t.double().abs() * torch.rsqrt(var_t.double() + e)).max() if mean_t.numel() else 0.0
-    return bool(ratio <= BN_OFFSET_BOUND)
+    if not mean_t.numel():
+        return True
+    offset = mean_t.double().abs()
+    spreads = torch.where(offset == 0, 0.0, offset * torch.rsqrt(var_t.double().clamp(min=0)))
+    return bool(spreads.max() <= BN_OFFSET_BOUND)
 
 
 @register_predicate(local=True)

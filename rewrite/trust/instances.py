@@ -274,6 +274,9 @@ class Plan:
     #: variables the where clause asks to be rule-made (``rule_made(u)``): what made a
     #: node never changes its value, so each instance's node is marked as a rule's
     rule_made: frozenset = frozenset()
+    #: the int literals the pattern is written with (``slice(x, 1, 0, 512)``,
+    #: ``flatten(x, 1, 4)``): large shapes reach one past them (``_Ctx.shape``)
+    literal_ints: tuple = ()
 
 
 # where-clause predicates that want a number literal (the positive ones too), and
@@ -382,7 +385,29 @@ def plan_for(rule: CompiledRule) -> Plan:
                 tuple(dict.fromkeys(favoured)), producers, frozenset(quantized_outputs),
                 frozenset(symmetric_pads), quantized, frozenset(partners), ranks, avoided,
                 frozenset(numbers), frozenset(positives), frozenset(fitting), frozenset(features),
-                {v: frozenset(o) for v, o in partners.items()}, frozenset(last_dims), frozenset(made))
+                {v: frozenset(o) for v, o in partners.items()}, frozenset(last_dims), frozenset(made),
+                _literal_ints(rule.pattern))
+
+
+def _literal_ints(pattern: Any) -> tuple:
+    """The ints a pattern's calls are written with, in lists too, sorted."""
+    found: set = set()
+
+    def add(value: Any) -> None:
+        if isinstance(value, (list, tuple)):
+            for v in value:
+                add(v)
+        elif isinstance(value, int) and not isinstance(value, bool):
+            found.add(abs(value))
+
+    for call in _pattern_calls(pattern):
+        for alt in call.alts:
+            for _, sub in alt.args:
+                if isinstance(sub, PLit):
+                    add(sub.value)
+                elif isinstance(sub, PSeq):
+                    add([i.value for i in sub.items if isinstance(i, PLit)])
+    return tuple(sorted(found))
 
 
 def _pattern_calls(p: Any) -> Iterator[PCall]:
@@ -459,6 +484,15 @@ class _Ctx:
         self.int_specials = specials if int_specials is None else int_specials
         self.mode, self.forced = shapes, False
         self.shapes: list = []  # shapes drawn so far: operands drawn apart may share one
+        # one past the pattern's literals: a large dim (slice(x, 1, 0, 512) => x is
+        # wrong from 513) and a large rank (flatten(x, 1, 4) => flatten(x, 1) from 6)
+        self.past_literals: tuple = ()
+        self.large_rank = 5
+
+    def literals(self, ints: tuple) -> None:
+        """Let large shapes reach one past the pattern's int literals ``ints``."""
+        self.past_literals = tuple(n + 1 for n in ints if max(_PAST_POWERS) < n + 1 <= _LARGEST_LITERAL_DIM)
+        self.large_rank = max([5] + [n + 2 for n in ints if n + 2 <= _LARGEST_LITERAL_RANK])
 
     def int(self, lo: int, hi: int) -> int:
         return self.draw(strategies().integers(lo, hi))
@@ -487,7 +521,7 @@ class _Ctx:
             lo, scalar = max(lo, 2), False
         long = self.mode == "long" and (hi, dim_hi) == (4, 4)
         if (hi, dim_hi) == (4, 4) and self._large():
-            hi, dim_hi = 5, 8
+            hi, dim_hi = self.large_rank, 8
         elif long:
             hi, dim_hi = 3, max(_PAST_POWERS)
         fits = [s for s in dict.fromkeys(self.shapes)
@@ -496,9 +530,16 @@ class _Ctx:
         if fits and self.coin():
             return self.pick(fits)
         if long and lo <= 3:  # every dim just past a power of two (rank up to 3, at most _LONG_ELEMENTS)
-            dims = [self.pick(_PAST_POWERS[1:3]) for _ in range(self.int(max(lo, 1), 3))]
-            while math.prod(dims) > _LONG_ELEMENTS:
-                dims[dims.index(max(dims))] = _PAST_POWERS[1]
+            rank = self.int(max(lo, 1), 3)
+            if self.past_literals:  # one past the pattern's literal, on the last dims it fits in
+                dims = [self.pick(self.past_literals)] * rank
+                for j in range(rank - 1):
+                    if math.prod(dims) > _LITERAL_ELEMENTS:
+                        dims[j] = 2
+            else:
+                dims = [self.pick(_PAST_POWERS[1:3]) for _ in range(rank)]
+                while math.prod(dims) > _LONG_ELEMENTS:
+                    dims[dims.index(max(dims))] = _PAST_POWERS[1]
             self.shapes.append(tuple(dims))
             return tuple(dims)
         kind = self.degenerate(scalar=scalar, empty=empty)
@@ -512,7 +553,12 @@ class _Ctx:
                 i = self.int(0, len(shape) - 1)
                 # past 8 half the time: just past a power of two (a slice's literal end, a
                 # block size), where a rule right for the dims it usually meets is not
-                size = self.int(5, dim_hi) if self.coin() else self.pick(_PAST_POWERS)
+                if self.past_literals and self.coin():
+                    size = self.pick(self.past_literals)
+                else:
+                    size = self.int(5, dim_hi) if self.coin() else self.pick(_PAST_POWERS)
+                if size * 4 ** (len(shape) - 1) > _LONG_ELEMENTS:  # the other dims small, to stay cheap
+                    shape = tuple(min(d, 2) for d in shape)
                 shape = shape[:i] + (size,) + shape[i + 1:]
             if kind == "empty":
                 i = self.int(0, len(shape) - 1)
@@ -754,6 +800,10 @@ def _unary(ctx: _Ctx, a: _Args) -> dict:
 #: a large shape's large dim, half the time: just past a power of two, where a rule
 #: with a literal size (``slice(x, 1, 0, 16) => x``) meets a dim it is wrong on
 _PAST_POWERS = (17, 33, 65, 129)
+#: the largest dim and rank a pattern's literal sends large shapes to (one past it)
+_LARGEST_LITERAL_DIM = 8193
+_LITERAL_ELEMENTS = 2**20  # the most elements a long shape one past a literal holds
+_LARGEST_LITERAL_RANK = 8
 #: the most elements a ``"long"`` shape (every dim just past a power of two) holds
 _LONG_ELEMENTS = 40_000
 
@@ -1126,8 +1176,9 @@ def _prelu(ctx: _Ctx, a: _Args) -> dict:
 @_family("attention")
 def _sdpa(ctx: _Ctx, a: _Args) -> dict:
     """q (..., L, E), k (..., S, E), v (..., S, Ev); no mask, a bool mask (True:
-    attend) or a float one added to the scores, broadcast over the batch dims;
-    causal only without a mask; no dropout (it would draw random numbers)."""
+    attend) or a float one added to the scores, of shape (L, S) or with the batch
+    dims too; causal only without a mask; dropout now and then (pattern and
+    replacement draw from one seeded generator: a rule that drops it differs)."""
     q, k, v = a.get("query"), a.get("key"), a.get("value")
     known = next((t for t in (q, k, v) if _shape(t) is not None), None)
     batch = tuple(_shape(known)[:-2]) if known is not None else ctx.shape(0, 2, dim_hi=2)
@@ -1136,24 +1187,29 @@ def _sdpa(ctx: _Ctx, a: _Args) -> dict:
     big_l = _shape(q)[-2] if _shape(q) is not None else ctx.int(1, 4)
     e = _shape(q)[-1] if _shape(q) is not None else (_shape(k)[-1] if _shape(k) is not None else ctx.int(1, 4))
     s = _shape(k)[-2] if _shape(k) is not None else (_shape(v)[-2] if _shape(v) is not None else ctx.int(1, 4))
+    # grouped-query attention now and then: one key/value head for all query heads
+    gqa = (a.free("enable_gqa") and all(a.free(n) for n in ("query", "key", "value")) and len(batch) >= 1
+           and batch[-1] > 1 and ctx.coin())
+    kv_batch = (*batch[:-1], 1) if gqa else batch
     q = a.tensor("query", (*batch, big_l, e))
-    k = a.tensor("key", (*batch, s, e))
-    v = a.tensor("value", lambda: (*batch, s, ctx.int(1, 4)))
+    k = a.tensor("key", (*kv_batch, s, e))
+    v = a.tensor("value", lambda: (*kv_batch, s, ctx.int(1, 4)))
 
     def mask() -> Any:
         kind = ctx.pick(["none", "bool", "float"])
         if kind == "none":
             return None
+        shape = ctx.pick([(big_l, s), (*batch, big_l, s)])
         if kind == "bool":
-            return ctx.tensor((big_l, s), dtype=torch.bool)
-        return a.fresh((big_l, s))
+            return ctx.tensor(shape, dtype=torch.bool)
+        return a.fresh(shape)
 
     m = a.lit("attn_mask", mask) if a.free("attn_mask") else a.get("attn_mask")
     return {"query": q, "key": k, "value": v, "attn_mask": m,
-            "dropout_p": a.lit("dropout_p", lambda: 0.0),
+            "dropout_p": a.lit("dropout_p", lambda: ctx.pick([0.0, 0.0, 0.5])),
             "is_causal": a.lit("is_causal", lambda: ctx.coin() if m is None else False),
             "scale": a.lit("scale", lambda: ctx.pick([None, 0.5])),
-            "enable_gqa": a.lit("enable_gqa", lambda: False)}
+            "enable_gqa": a.lit("enable_gqa", lambda: gqa)}
 
 
 @_family("t")
@@ -2114,6 +2170,7 @@ def draw_instance(draw: Callable, plan: Plan, attempts: int = 3, shapes: str | N
         # quantizing NaN or an infinity is not defined: quantized patterns meet finite values
         ctx = _Ctx(draw, dtype, specials=plan.tolerance == "exact" and not plan.quantized,
                    int_specials=not plan.quantized, shapes=shapes, wide=wide, offset=offset)
+        ctx.literals(plan.literal_ints)
         builder = _Builder(ctx, plan, dialect)
         try:
             inst = builder.finish(builder.call(plan.rule.pattern), plan.rule.pattern.name)
