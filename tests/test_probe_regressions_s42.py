@@ -260,3 +260,34 @@ def test_coverage_names_the_padding_mode_of_a_conv_left_float():
     assert "padding_mode='reflect'" in text and "leaf module" not in text
     with torch.no_grad():
         torch.testing.assert_close(quantized(batches[0][0]), model(batches[0][0]))
+
+
+@pytest.mark.parametrize("level", ["fx", "export"])
+@pytest.mark.parametrize("spelling", ["flatten", "reshape"])
+def test_conv_flatten_bn_keeps_the_batch_norms_contiguous_output(level, spelling):
+    """A rank-3 batch norm returns a contiguous tensor for any input layout; folded,
+    the flatten of a channels_last input's conv output is a strided view (a caller's
+    ``out.view(n, -1)`` failed). The fold ends in ``contiguous``: no copy when the
+    view is contiguous already."""
+    nn = torch.nn
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c, self.bn = nn.Conv2d(2, 3, 2, stride=3, bias=False), nn.BatchNorm1d(3)
+
+        def forward(self, x):
+            y = self.c(x)
+            return self.bn(y.flatten(2) if spelling == "flatten" else y.reshape(2, 3, -1))
+
+    torch.manual_seed(0)
+    model = M().eval()
+    example = torch.randn(2, 2, 7, 8)
+    gm = torch.fx.symbolic_trace(model) if level == "fx" else torch.export.export(model, (example,)).module()
+    result = rewrite.load("rules/fusion.rw").apply(gm, example_inputs=(example,))
+    assert sum(result.counts.values()) == 1 and "batch_norm" not in result.graph_module.code
+    caller = torch.randn(2, 2, 7, 8).contiguous(memory_format=torch.channels_last)
+    out, expected = result.graph_module(caller), model(caller)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    assert out.stride() == expected.stride()
+    out.view(2, -1)
