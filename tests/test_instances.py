@@ -76,20 +76,26 @@ def test_attention_draws_masks_of_every_kind():
     _, rule = _rule("rule r: scaled_dot_product_attention(q, k, v, m, p, c, s, g) as o "
                     "where is_tensor(q) and is_tensor(k) and is_tensor(v) and is_literal(p) and is_literal(c) "
                     "and is_literal(s) and is_literal(g) and (is_none(m) or is_tensor(m)) => o")
-    seen = set()
+    seen, dropouts, gqa, batched_masks = set(), set(), set(), set()
 
-    @settings(max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=60, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(inst=instances(rule))
     def check(inst):
-        m = inst.bindings.get("m")
+        m, q, k = inst.bindings.get("m"), inst.bindings["q"], inst.bindings["k"]
         seen.add("none" if m is None else str(m.dtype))
         if inst.bindings.get("c") is True:
             assert m is None  # causal only without a mask
-        assert inst.bindings.get("p") == 0.0  # no dropout: it would draw random numbers
+        dropouts.add(inst.bindings.get("p"))  # dropout too: one seeded generator for both sides
+        if inst.bindings.get("g"):
+            assert q.dim() >= 3 and k.shape[-3] == 1 < q.shape[-3]  # one key/value head for every query head
+            gqa.add(True)
+        if m is not None:
+            batched_masks.add(m.dim() > 2)
         _runs(inst)
 
     check()
     assert {"none", "torch.bool"} <= seen and any("float" in s for s in seen)
+    assert dropouts == {0.0, 0.5} and gqa and batched_masks == {False, True}
 
 
 def test_quantized_operands_come_from_torch_observers():

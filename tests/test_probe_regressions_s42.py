@@ -82,15 +82,27 @@ def test_lookalike_letter_is_named_with_its_code_point():
     assert "U+0430 CYRILLIC SMALL LETTER A" in text and "E002" in text
 
 
-def test_inf_in_a_rule_says_it_is_not_a_literal():
-    text = _errors("rule r: relu(x) => clamp(x, 0.0, inf)\n")
-    assert "'inf' is not a literal" in text and "E301" in text
+@pytest.mark.parametrize("bound, code", [("inf", "E301"), ("-inf", "E002"), ("nan", "E301")])
+def test_inf_in_a_rule_says_it_is_not_a_literal(bound, code):
+    text = _errors(f"rule r: relu(x) => clamp(x, 0.0, {bound})\n")
+    assert "'inf' and 'nan' are not literals" in text and code in text
 
 
 def test_a_huge_unknown_name_is_cut_in_the_message():
     text = _errors("rule r: relu(x) => " + "a" * 20000 + "(x)\n")
     assert "E102" in text and "(20000 characters)" in text
     assert len(text) < 2000
+
+
+def test_a_long_quoted_path_keeps_its_file_name_and_is_cut_once():
+    import attrs
+    from rewrite.language.diagnostics import Diagnostic
+
+    path = "/very/long/folder" * 30 + "/missing.rw"
+    diagnostic = Diagnostic(None, f"cannot import '{path}'", "E402")
+    assert "missing.rw'" in diagnostic.message and f"({len(path)} characters)" in diagnostic.message
+    again = attrs.evolve(diagnostic, related=((None, "note"),))
+    assert again.message == diagnostic.message
 
 
 def test_second_rule_on_a_line_does_not_take_the_first_ones_doc():
@@ -153,17 +165,22 @@ def test_inplace_warning_raised_as_error_leaves_the_module_as_it_was():
 # ---------------------------------------------------------------- probe AU (fooling the check and verify)
 
 
-def test_is_contiguous_of_a_symbolic_trace_input_is_unknown():
-    """The example's strides say nothing of the caller's: on a symbolic_trace graph,
-    ``contiguous(x) where is_contiguous(x) => x`` must not drop the copy of an input
-    (a transposed input of the example's shape then fails the ``view``)."""
-    gm = _symbolic(lambda x: x.contiguous().view(-1) * 2)
-    x = torch.randn(4, 4)
-    rules = rewrite.parse("rule c: contiguous(x) where is_contiguous(x) => x")
-    result = rules.apply(gm, example_inputs=(x,))
-    assert result.counts == {}
-    transposed = torch.randn(4, 4).t()
-    torch.testing.assert_close(result.graph_module(transposed), transposed.reshape(-1) * 2)
+def test_attention_output_is_laid_out_as_q_in_an_export_graph():
+    """``scaled_dot_product_attention`` lays its output out as q: in an export graph,
+    where q may be a transposed input of the same shape, its contiguity is unknown and
+    ``cat_single`` keeps the cat that makes it contiguous."""
+    import torch.nn.functional as F
+
+    class Attention(torch.nn.Module):
+        def forward(self, q):
+            return torch.cat([F.scaled_dot_product_attention(q, q, q)]).view(2, 4, -1)
+
+    q = torch.randn(2, 4, 8, 16)
+    gm = torch.export.export(Attention(), (q,)).module()
+    result = rewrite.load("rules/cleanup.rw").apply(gm, example_inputs=(q,))
+    assert "cat_single" not in result.counts
+    transposed = torch.randn(2, 8, 4, 16).transpose(1, 2)
+    torch.testing.assert_close(result.graph_module(transposed), Attention()(transposed))
 
 
 def test_is_contiguous_still_known_after_an_op_that_lays_out_afresh():
@@ -291,3 +308,24 @@ def test_conv_flatten_bn_keeps_the_batch_norms_contiguous_output(level, spelling
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
     assert out.stride() == expected.stride()
     out.view(2, -1)
+
+
+def test_a_tolerance_allows_two_subnormal_steps_and_no_more():
+    """A fold whose outputs are subnormal (4e-45 in float32) differs by a step of the
+    dtype's smallest subnormal, all rounding: a scale-relative bound fell below one
+    step and the README's conv_bn property test failed on such an instance."""
+    from rewrite.trust.tolerance import Tolerance, compare_tensors
+
+    step = torch.finfo(torch.float32).tiny * torch.finfo(torch.float32).eps
+    ref = torch.tensor([-3 * step, 0.0, step], dtype=torch.float32)
+    for kind in ("approx", "exact"):
+        tol = _held_to_own_scale(Tolerance.of(torch.float32, kind))
+        assert compare_tensors(ref, ref + torch.tensor([-step, 0.0, step]), tol)[2] is None
+        assert compare_tensors(ref, ref + torch.tensor([-4 * step, 0.0, 0.0]), tol)[2] is not None
+    assert compare_tensors(ref, ref + torch.tensor([step, 0.0, 0.0]), Tolerance.bitwise())[2] is not None
+
+
+def _held_to_own_scale(tol):
+    import attrs
+
+    return attrs.evolve(tol, unit=0.0)  # the check's second look: held to the tensor's own scale

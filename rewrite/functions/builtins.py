@@ -102,17 +102,17 @@ def is_contiguous(x: Value) -> bool:
     Rules that skip a copy rely on it: a reshape of a transposed tensor copies into
     a contiguous one, the tensor itself keeps its strides (``out.view(-1)`` fails).
     Unknown in an export graph for a value whose strides may follow a graph input's
-    (the program accepts inputs of any strides; the example's say nothing), and so in
-    a symbolic_trace graph, whose facts were recorded from the example: the module is
-    called with inputs of other strides too (a transposed one of the same shape)."""
+    (the program accepts inputs of any strides; the example's say nothing). In a
+    symbolic_trace graph the example's run recorded it, as it recorded shapes and
+    dtypes: the rewrite holds for inputs laid out as the example's."""
     m = x.meta
     if m is None:
         return False if x.is_literal else None
-    if x.node is not None and _layout_from_inputs(x.node, x.facts.gm):
-        return None  # a graph takes inputs of any strides, or sizes that lay it out otherwise
     recorded = getattr(m, "contiguous", None)  # TensorFacts (symbolic_trace graphs)
     if isinstance(recorded, bool):
         return recorded
+    if x.node is not None and _layout_from_inputs(x.node, x.facts.gm):
+        return None  # torch.export accepts inputs of any strides, or sizes that lay it out otherwise
     try:
         return bool(m.is_contiguous())
     except (AttributeError, TypeError, RuntimeError, NotImplementedError):  # metadata without strides
@@ -121,11 +121,13 @@ def is_contiguous(x: Value) -> bool:
 
 #: ops that lay their result out afresh, not in their input's strides: contiguous, or
 #: (convolutions, pooling, batch norm) in the input's memory format, which for a 4-d
-#: input is taken from the example (a channels_last input makes channels_last results)
+#: input is taken from the example (a channels_last input makes channels_last results).
+#: Not attention: scaled_dot_product_attention lays its output out as q (HF's q is a
+#: transposed view), so the walk goes on to q
 _FRESH_LAYOUT = frozenset({
     "linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "embedding", "contiguous", "conv",
     "conv_transpose", "batch_norm", "group_norm", "layer_norm", "rms_norm", "max_pool2d", "avg_pool2d",
-    "adaptive_avg_pool2d", "interpolate", "scaled_dot_product_attention", "sum", "mean", "amax",
+    "adaptive_avg_pool2d", "interpolate", "sum", "mean", "amax",
     "linalg_vector_norm", "cat", "stack", "topk", "max"})
 _LAYOUT_WALK = 256  # nodes looked at before the answer is "may follow": unknown
 

@@ -29,6 +29,7 @@ from rewrite.language.diagnostics import Diagnostic, did_you_mean
 from rewrite.language.literals import describe, param_types, refusal
 from rewrite.language.parser import DTYPES
 from rewrite.language.printer import format_expr
+from rewrite.language.syntax import NOT_LITERALS
 from rewrite.language.where_kinds import ANY, BOOL, returned_kind, where_problems
 
 __all__ = ["Scope", "check_module", "check_declarations", "expand_families",
@@ -638,8 +639,7 @@ class _Checker:
         if v.name in DTYPES:
             hint = f"did you mean 'torch.{v.name}'?"
         elif v.name in ("inf", "nan"):
-            hint = (f"'{v.name}' is not a literal: write the bound as a number, or leave it out "
-                    "where the op takes None")
+            hint = NOT_LITERALS
         self.error(v.span, f"unbound variable '{v.name}'", "E301",
                    help=hint or "every variable of the where clause and replacement must appear in the pattern")
 

@@ -64,7 +64,14 @@ _QUOTED = re.compile(r"'([^'\n]{%d,})'" % (_LONGEST_QUOTED + 1))
 def _bounded(text: str) -> str:
     """``text`` with every quoted name over ``_LONGEST_QUOTED`` characters cut: a rule
     file's 200,000-character name must not make a 200,000-character message."""
-    return _QUOTED.sub(lambda m: f"'{m.group(1)[:_LONGEST_QUOTED]}...' ({len(m.group(1))} characters)", text)
+    return _QUOTED.sub(lambda m: f"'{_middle_cut(m.group(1))}' ({len(m.group(1))} characters)", text)
+
+
+def _middle_cut(name: str) -> str:
+    """``name`` cut to ``_LONGEST_QUOTED`` characters in the middle: a path keeps its
+    file name, and the cut name is short enough not to be cut again."""
+    head = (_LONGEST_QUOTED - 3) // 2
+    return f"{name[:head]}...{name[len(name) - (_LONGEST_QUOTED - 3 - head):]}"
 
 
 def printable(text: str) -> str:

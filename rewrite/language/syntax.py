@@ -19,7 +19,7 @@ from lark.lexer import PatternStr
 from rewrite.language.ast import Span
 from rewrite.language.diagnostics import Diagnostic, did_you_mean
 
-__all__ = ["syntax_diagnostic"]
+__all__ = ["NOT_LITERALS", "syntax_diagnostic"]
 
 _DESCRIBE = {"NAME": "a name", "INT": "an integer", "FLOAT": "a number",
              "STRING": "a string", "ELLIPSIS": "'...'", "$END": "end of file"}
@@ -32,6 +32,9 @@ _SALIENT = (")", "]", ",", ":", "=>")
 # After these tokens a rule needs more: what, in the user's words.
 _NEEDS = {"=>": "a replacement", "where": "a condition", ":": "a pattern", "=": "a value",
           "and": "a condition", "or": "a condition", "not": "a condition"}
+#: the hint for inf and nan in a rule, which are not literals
+NOT_LITERALS = ("'inf' and 'nan' are not literals: write a number (a large finite one for a bound), "
+                 "or leave the argument out where the op takes None")
 _RULE_SHAPE = "a rule reads: rule NAME: PATTERN [where CONDITION] => REPLACEMENT"
 
 
@@ -66,6 +69,8 @@ def _bad_character(exc: UnexpectedCharacters, text: str, path: str) -> Diagnosti
                           help="the pattern and the replacement are separated by '=>'")
     hints = {"&": "write 'and' to combine conditions", "!": "write 'not' to negate a condition",
              "-": "a minus sign is only allowed on a number literal"}
+    if ch == "-" and rest_of_line[1:].lstrip().startswith(("inf", "nan")):
+        hints["-"] = NOT_LITERALS
     return Diagnostic(span, f"unexpected character {_char(ch)}", "E002", help=hints.get(ch))
 
 

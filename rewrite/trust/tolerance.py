@@ -54,6 +54,10 @@ EXACT_TOLERANCES: Dict[torch.dtype, Tuple[float, float]] = {
 DEFAULT_TOLERANCE = (1e-3, 1e-3)
 _TABLES = {"approx": TOLERANCES, "exact": EXACT_TOLERANCES}
 
+#: A tolerance allows at least this many of its dtype's smallest subnormals: a
+#: subnormal result (4e-45 in float32) holds a digit or two, a scale-relative bound
+#: would fall below one step of it
+_SUBNORMAL_STEPS = 2
 #: Neighbours on each side along a dim that make up an element's surroundings.
 SCALE_RADIUS = 2
 #: Exact rewrites: the local scale is at least this fraction of the tensor's largest value.
@@ -302,6 +306,9 @@ def compare_tensors(ref: torch.Tensor, got, tol: Tolerance, agreement: Optional[
         allowed = tol.atol * local_scale(_without_fills(r64, g64), tol.floor).clamp(min=unit)
     if tol.quantum:
         allowed = allowed.clamp(min=tol.quantum)
+    if tol.atol > 0:  # never below two steps of the dtype's subnormals: all rounding there
+        info = torch.finfo(r.dtype)
+        allowed = allowed.clamp(min=_SUBNORMAL_STEPS * info.tiny * info.eps)
     noisy = noise is not None and noise_multiplier > 0 and tuple(noise[0].shape) == tuple(r64.shape)
     if noisy:
         wide, error = noise
