@@ -329,26 +329,3 @@ def _held_to_own_scale(tol):
     import attrs
 
     return attrs.evolve(tol, unit=0.0)  # the check's second look: held to the tensor's own scale
-
-
-def test_reshape_reshape_after_a_conv_keeps_an_export_graph_generic():
-    """A 4-d conv keeps its input's memory format: in an export graph, called with a
-    channels_last input of the example's shape, its output is channels_last and a
-    reshape of it views instead of copying; ``reshape_reshape`` must not fire there
-    (the rewritten module failed a later ``view(torch.int16)``)."""
-    class M(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.c = torch.nn.Conv2d(3, 4, 3, padding=1)
-
-        def forward(self, x):
-            return self.c(x).reshape(2, -1).reshape(2, 4, 36).view(torch.int16)
-
-    torch.manual_seed(0)
-    model, x = M().eval(), torch.randn(2, 3, 6, 6)
-    gm = torch.export.export(model, (x,)).module()
-    result = rewrite.load("rules/cleanup.rw").apply(gm, example_inputs=(x,))
-    assert "reshape_reshape" not in result.counts
-    caller = torch.randn(2, 3, 6, 6).contiguous(memory_format=torch.channels_last)
-    with torch.no_grad():
-        assert torch.equal(result.graph_module(caller), model(caller))

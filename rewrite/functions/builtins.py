@@ -120,19 +120,15 @@ def is_contiguous(x: Value) -> bool:
 
 
 #: ops that lay their result out afresh, not in their input's strides: contiguous, or
-#: (convolutions, pooling, batch norm) in the input's memory format (below). Not
-#: attention: scaled_dot_product_attention lays its output out as q (HF's q is a
+#: (convolutions, pooling, batch norm) in the input's memory format, which for a 4-d
+#: input is taken from the example (a channels_last input makes channels_last results).
+#: Not attention: scaled_dot_product_attention lays its output out as q (HF's q is a
 #: transposed view), so the walk goes on to q
 _FRESH_LAYOUT = frozenset({
     "linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "embedding", "contiguous", "conv",
     "conv_transpose", "batch_norm", "group_norm", "layer_norm", "rms_norm", "max_pool2d", "avg_pool2d",
     "adaptive_avg_pool2d", "interpolate", "sum", "mean", "amax",
     "linalg_vector_norm", "cat", "stack", "topk", "max"})
-#: of those, the ops whose result of rank 4 or 5 takes its input's memory format (a
-#: channels_last input makes a channels_last result): the walk goes on through them
-_MEMORY_FORMAT_FOLLOWERS = frozenset({
-    "conv", "conv_transpose", "batch_norm", "group_norm", "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d",
-    "interpolate", "cat", "stack"})
 _LAYOUT_WALK = 256  # nodes looked at before the answer is "may follow": unknown
 
 
@@ -143,9 +139,8 @@ def _layout_from_inputs(node: Any, gm: Any) -> bool:
     views, clones and casts carry on; and a ``reshape`` of a value not laid out
     contiguously copies or views by its sizes (a symbolic batch of 1 makes it a
     strided view where the example's 2 made a contiguous copy). Walks back until an
-    op that lays its result out afresh (``_FRESH_LAYOUT``; through a conv, pooling or
-    batch norm of rank 4 or 5, which keep their input's memory format), a constant,
-    or too far (then it may)."""
+    op that lays its result out afresh (``_FRESH_LAYOUT``), a constant, or too far
+    (then it may)."""
     def step(n: Any) -> Any:
         if n.op == "placeholder":
             return True
@@ -154,21 +149,12 @@ def _layout_from_inputs(node: Any, gm: Any) -> bool:
         ops = bind_node(n, gm)
         if any(b.op in _RESHAPING for b in ops) and _copy_by_size(n):
             return True
-        if not any(b.op in _FRESH_LAYOUT for b in ops):
-            return _GO_ON
-        follows = any(b.op in _MEMORY_FORMAT_FOLLOWERS for b in ops) and _rank_of(n) not in (0, 1, 2, 3)
-        return _GO_ON if follows else _STOP
+        return _STOP if any(b.op in _FRESH_LAYOUT for b in ops) else _GO_ON
 
     return _walk_back(node, step, _LAYOUT_WALK, too_far=True, done=False)
 
 
 _STOP, _GO_ON = object(), object()
-
-
-def _rank_of(node: Any) -> int | None:
-    """The rank of ``node``'s recorded value, or None when unknown."""
-    val = node.meta.get("val")
-    return val.dim() if isinstance(val, torch.Tensor) else None
 #: ops that view their input where its strides allow, and copy it otherwise
 _RESHAPING = frozenset({"reshape", "flatten", "reshape_as", "unflatten"})
 
