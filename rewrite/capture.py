@@ -455,7 +455,7 @@ def load_model(spec: str) -> Tuple[nn.Module, tuple]:
     if not (isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module)):
         raise ModelSpecError(f"{spec} must return (model, example_inputs), got {type(built).__name__}")
     model, inputs = built
-    training = next((name or "(the model)" for name, m in model.named_modules() if m.training), None)
+    training = next((name or "the model itself" for name, m in model.named_modules() if m.training), None)
     if training is not None:  # said, not done silently: a train-mode batch norm would compute otherwise
         warnings.warn(f"{spec} returned a model in training mode ({training}): it is put in eval mode "
                       "(model.eval()) and rewritten for inference", stacklevel=2)

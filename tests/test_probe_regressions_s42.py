@@ -329,3 +329,19 @@ def _held_to_own_scale(tol):
     import attrs
 
     return attrs.evolve(tol, unit=0.0)  # the check's second look: held to the tensor's own scale
+
+
+# ---------------------------------------------------------------- probe AX (analysis)
+
+
+def test_analyze_with_too_few_inputs_says_so():
+    from rewrite.analysis import analyze
+
+    class M(torch.nn.Module):
+        def forward(self, x, y, z=None):
+            return x + y
+
+    gm = torch.fx.symbolic_trace(M())
+    with pytest.raises(ValueError, match="analyze got 1 inputs for a graph of 3"):
+        analyze(gm, (torch.randn(2),))
+    assert analyze(gm, (torch.randn(2), torch.randn(2))).totals.elementwise == 2

@@ -571,9 +571,10 @@ def analyze(gm: Any, example_inputs: Sequence[Any] | None = None, *, show_progre
     # the sizes they stand for, as the check runs them
     inputs = torch.utils._pytree.tree_map_only(torch.SymInt, size_hint, inputs)
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    if type(gm.graph._codegen) is fx.graph.CodeGen and len(inputs) > len(placeholders):
+    required = sum(1 for p in placeholders if not p.args)  # (a placeholder's args hold its default)
+    if type(gm.graph._codegen) is fx.graph.CodeGen and not required <= len(inputs) <= len(placeholders):
         # (an export graph takes its inputs as the model's pytree; the interpreter
-        # would quietly leave extra inputs out)
+        # would quietly leave extra inputs out, and fail deep inside on missing ones)
         raise ValueError(f"analyze got {len(inputs)} inputs for a graph of {len(placeholders)}: pass "
                          f"example_inputs as a tuple of the graph's inputs")
     # a measurement leaves no trace: the graph runs on copies of the inputs (a model
