@@ -345,3 +345,17 @@ def test_analyze_with_too_few_inputs_says_so():
     with pytest.raises(ValueError, match="analyze got 1 inputs for a graph of 3"):
         analyze(gm, (torch.randn(2),))
     assert analyze(gm, (torch.randn(2), torch.randn(2))).totals.elementwise == 2
+
+
+def test_fx_and_export_measure_an_eval_batch_norm_alike():
+    """An eval-mode batch norm never reads its step counter: a symbolic_trace module
+    call was charged for it, an export graph (which reads the other four) was not."""
+    from rewrite.analysis import analyze
+    from rewrite.capture import capture_with_inputs
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)).eval()
+    x = torch.randn(1, 3, 8, 8)
+    totals = [analyze(*capture_with_inputs(model, (x,), level)).totals for level in ("fx", "export")]
+    assert totals[0].bytes_read == totals[1].bytes_read and totals[0].param_bytes == totals[1].param_bytes
+    train = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.BatchNorm2d(4)).train())
+    assert analyze(train, (torch.randn(2, 4, 3, 3),)).totals.param_bytes == 4 * 4 * 4 + 8  # + the counter

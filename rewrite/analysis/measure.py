@@ -607,8 +607,16 @@ def _node_inputs(gm: fx.GraphModule, node: fx.Node, values: dict) -> list:
     if node.op == "call_module":
         mod = gm.get_submodule(node.target)
         tensors.extend(mod.parameters())
-        tensors.extend(b for b in mod.buffers() if b is not None)
+        tensors.extend(b for name, b in mod.named_buffers() if b is not None and not _unread_buffer(mod, name))
     return tensors
+
+
+def _unread_buffer(mod: torch.nn.Module, name: str) -> bool:
+    """A buffer the module's forward does not read: an eval-mode batch norm's step
+    counter (``num_batches_tracked``, counted only while training; an export graph of
+    the same model reads the other four, and the totals must agree)."""
+    return name == "num_batches_tracked" and isinstance(mod, torch.nn.modules.batchnorm._BatchNorm) \
+        and not mod.training
 
 
 def _summarize(gm: fx.GraphModule, runner: _Runner, lifted: set) -> GraphAnalysis:
