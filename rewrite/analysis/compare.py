@@ -70,11 +70,23 @@ class Comparison:
             lines.append(f"{label:<18} {_fmt(b, unit):>14} {_fmt(a, unit):>14} {_change(b, a):>10}")
         changes = self.op_changes()
         if changes:
+            width = max(18, *(len(op) for op in changes))
             lines.append("")
-            lines.append(f"{'op':<18} {'before':>14} {'after':>14}")
+            lines.append(f"{'op':<{width}} {'before':>14} {'after':>14}")
             for op, (b, a) in changes.items():
-                lines.append(f"{op:<18} {b:>14} {a:>14}")
+                lines.append(f"{op:<{width}} {b:>14} {a:>14}")
+        if self._uncounted_attention():
+            lines.append("")
+            lines.append("note: attention counts 0 FLOPs on CPU, as in FlopCounterMode (its registry has no formula "
+                         "for the CPU kernel): the matmuls moved into it are not counted after")
         return "\n".join(lines)
+
+    def _uncounted_attention(self) -> bool:
+        """The rewrite made attention nodes whose FLOPs were not counted (CPU)."""
+        def uncounted(a: GraphAnalysis) -> int:
+            return sum(1 for n in a.nodes if n.op == "scaled_dot_product_attention" and not n.flops)
+
+        return uncounted(self.after) > uncounted(self.before)
 
     def __str__(self) -> str:
         return self.table()
