@@ -27,35 +27,6 @@ from rewrite.language.ast import Span
 __all__ = ["Diagnostic", "RuleError", "format_diagnostic", "did_you_mean", "printable", "sort_diagnostics"]
 
 
-@attrs.frozen
-class Diagnostic:
-    """One problem in a rule file.
-
-    Attributes:
-        span: where it is (1-based line and column; the caret underlines the span).
-        message: one sentence naming the objects involved.
-        code: a stable code such as ``E102`` (see ``docs/language.md``).
-        help: a hint on how to fix it, printed as ``help: ...``.
-        severity: ``"error"`` or ``"warning"``.
-        related: ``(span, message)`` pairs printed as ``note:`` lines, e.g. where a
-            duplicate name was first defined.
-    """
-
-    span: Span | None
-    message: str = attrs.field(converter=lambda text: _bounded(text))
-    code: str
-    help: str | None = attrs.field(default=None, converter=lambda text: None if text is None else _bounded(text))
-    severity: str = "error"
-    related: tuple = ()
-
-    def __str__(self) -> str:
-        """The one-line form: ``path:line:col: error: message [code]``, with any
-        character a terminal would act on escaped (a path or a name from a rule file
-        may hold newlines and escape sequences: a forged line, a cleared screen)."""
-        where = f"{self.span}: " if self.span is not None else ""
-        return printable(f"{where}{self.severity}: {self.message} [{self.code}]")
-
-
 #: a quoted name longer than this is cut in a message (the source line is cut too)
 _LONGEST_QUOTED = 200
 _QUOTED = re.compile(r"'([^'\n]{%d,})'" % (_LONGEST_QUOTED + 1))
@@ -72,6 +43,35 @@ def _middle_cut(name: str) -> str:
     file name, and the cut name is short enough not to be cut again."""
     head = (_LONGEST_QUOTED - 3) // 2
     return f"{name[:head]}...{name[len(name) - (_LONGEST_QUOTED - 3 - head):]}"
+
+
+@attrs.frozen
+class Diagnostic:
+    """One problem in a rule file.
+
+    Attributes:
+        span: where it is (1-based line and column; the caret underlines the span).
+        message: one sentence naming the objects involved.
+        code: a stable code such as ``E102`` (see ``docs/language.md``).
+        help: a hint on how to fix it, printed as ``help: ...``.
+        severity: ``"error"`` or ``"warning"``.
+        related: ``(span, message)`` pairs printed as ``note:`` lines, e.g. where a
+            duplicate name was first defined.
+    """
+
+    span: Span | None
+    message: str = attrs.field(converter=_bounded)
+    code: str
+    help: str | None = attrs.field(default=None, converter=attrs.converters.optional(_bounded))
+    severity: str = "error"
+    related: tuple = ()
+
+    def __str__(self) -> str:
+        """The one-line form: ``path:line:col: error: message [code]``, with any
+        character a terminal would act on escaped (a path or a name from a rule file
+        may hold newlines and escape sequences: a forged line, a cleared screen)."""
+        where = f"{self.span}: " if self.span is not None else ""
+        return printable(f"{where}{self.severity}: {self.message} [{self.code}]")
 
 
 def printable(text: str) -> str:

@@ -34,7 +34,7 @@ _NEEDS = {"=>": "a replacement", "where": "a condition", ":": "a pattern", "=": 
           "and": "a condition", "or": "a condition", "not": "a condition"}
 #: the hint for inf and nan in a rule, which are not literals
 NOT_LITERALS = ("'inf' and 'nan' are not literals: write a number (a large finite one for a bound), "
-                 "or leave the argument out where the op takes None")
+                "or leave the argument out where the op takes None")
 _RULE_SHAPE = "a rule reads: rule NAME: PATTERN [where CONDITION] => REPLACEMENT"
 
 

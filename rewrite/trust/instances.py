@@ -466,7 +466,7 @@ class _Ctx:
     """Hypothesis draws with names that read like the shapes they make."""
 
     def __init__(self, draw: Callable, dtype: torch.dtype, specials: bool, int_specials: bool | None = None,
-                 shapes: str | None = None, wide: float = 0.0, offset: float = 0.0) -> None:
+                 shapes: str | None = None, wide: float = 0.0, offset: float = 0.0, literals: tuple = ()) -> None:
         """``specials``: floats meet NaN, infinities, -0.0 and their largest finite
         values (exact rules); ``int_specials`` (default: ``specials``): integers meet
         their dtype's extremes and values whose arithmetic wraps (every rule: integer
@@ -484,15 +484,11 @@ class _Ctx:
         self.int_specials = specials if int_specials is None else int_specials
         self.mode, self.forced = shapes, False
         self.shapes: list = []  # shapes drawn so far: operands drawn apart may share one
-        # one past the pattern's literals: a large dim (slice(x, 1, 0, 512) => x is
-        # wrong from 513) and a large rank (flatten(x, 1, 4) => flatten(x, 1) from 6)
-        self.past_literals: tuple = ()
-        self.large_rank = 5
-
-    def literals(self, ints: tuple) -> None:
-        """Let large shapes reach one past the pattern's int literals ``ints``."""
-        self.past_literals = tuple(n + 1 for n in ints if max(_PAST_POWERS) < n + 1 <= _LARGEST_LITERAL_DIM)
-        self.large_rank = max([5] + [n + 2 for n in ints if n + 2 <= _LARGEST_LITERAL_RANK])
+        # one past the pattern's int literals (``literals``): a large dim (slice(x, 1, 0,
+        # 512) => x is wrong from 513) and a large rank (flatten(x, 1, 4) => flatten(x, 1)
+        # from 6)
+        self.past_literals = tuple(n + 1 for n in literals if max(_PAST_POWERS) < n + 1 <= _LARGEST_LITERAL_DIM)
+        self.large_rank = max([5] + [n + 2 for n in literals if n + 2 <= _LARGEST_LITERAL_RANK])
 
     def int(self, lo: int, hi: int) -> int:
         return self.draw(strategies().integers(lo, hi))
@@ -2169,8 +2165,8 @@ def draw_instance(draw: Callable, plan: Plan, attempts: int = 3, shapes: str | N
         dialect = draw(st.sampled_from(("torch", "aten")))
         # quantizing NaN or an infinity is not defined: quantized patterns meet finite values
         ctx = _Ctx(draw, dtype, specials=plan.tolerance == "exact" and not plan.quantized,
-                   int_specials=not plan.quantized, shapes=shapes, wide=wide, offset=offset)
-        ctx.literals(plan.literal_ints)
+                   int_specials=not plan.quantized, shapes=shapes, wide=wide, offset=offset,
+                   literals=plan.literal_ints)
         builder = _Builder(ctx, plan, dialect)
         try:
             inst = builder.finish(builder.call(plan.rule.pattern), plan.rule.pattern.name)
