@@ -29,6 +29,7 @@ import contextlib
 import copy
 import importlib
 import inspect
+import io
 import os
 import re
 import stat
@@ -54,7 +55,8 @@ __all__ = ["LEVELS", "INFERENCE_KEY", "AUTOCAST_OFF_LOST", "DYNAMO_SOURCE", "Exp
            "dynamic_shapes_of",
            "export_keeping_sizes", "export_program", "is_export_guard", "is_module_state_source", "is_tensor_method",
            "lifted_state_positions",
-           "load_model", "save", "save_format", "save_path_problem", "missing_folder"]
+           "load_model", "save", "save_format", "save_path_problem", "missing_folder", "file_problem",
+           "file_object_problem", "is_path", "write_atomically"]
 
 LEVELS: Tuple[str, ...] = ("fx", "export", "export_core", "dynamo")
 
@@ -762,16 +764,24 @@ def save_format(level: str) -> str:
 def save_path_problem(path: Any, level: str) -> str | None:
     """Why ``path`` cannot hold a ``level`` result (None when it can): checked by
     ``save`` and, before any work, by ``rewrite apply --save``."""
-    if level == "dynamo":
-        return ("a dynamo capture's graphs live inside torch.compile and cannot be saved; "
-                "use --capture fx or export")
-    if level not in LEVELS:
-        return f"unknown capture level {level!r}; expected one of {LEVELS}"
+    problem = _level_problem(level)
+    if problem is not None:
+        return problem
     wanted = save_format(level)
     if Path(path).suffix != wanted:
         kind = "an ExportedProgram (torch.export.save)" if wanted == ".pt2" else "a pickled GraphModule (torch.save)"
         return f"a {level!r} result is saved as {kind}: name the file *{wanted}, not {Path(path).name!r}"
     return missing_folder(path)
+
+
+def _level_problem(level: str) -> str | None:
+    """Why a ``level`` result cannot be saved at all (None when it can)."""
+    if level == "dynamo":
+        return ("a dynamo capture's graphs live inside torch.compile and cannot be saved; "
+                "use --capture fx or export")
+    if level not in LEVELS:
+        return f"unknown capture level {level!r}; expected one of {LEVELS}"
+    return None
 
 
 def missing_folder(path: Any) -> str | None:
@@ -866,7 +876,7 @@ def _umask() -> int:
     return mask
 
 
-def save(gm: fx.GraphModule, path: Any, level: str = "fx", example_inputs: Any = None) -> Path:
+def save(gm: fx.GraphModule, path: Any, level: str = "fx", example_inputs: Any = None) -> Any:
     """Save a rewritten GraphModule, all or nothing.
 
     ``"fx"``/``"dynamo"`` results are ``torch.save``d (string type annotations on
@@ -874,26 +884,50 @@ def save(gm: fx.GraphModule, path: Any, level: str = "fx", example_inputs: Any =
     exported again from ``example_inputs`` and written with ``torch.export.save``
     (load with ``torch.export.load``). The file is written next to its target and
     renamed into place only once complete: a failure leaves no partial file and
-    an existing file untouched.
+    an existing file untouched. ``path`` may also be a binary file object
+    (``io.BytesIO``, ``open(..., "wb")``), as ``torch.save`` takes: it gets the bytes
+    once they are all made, and is returned.
 
     Raises:
         ValueError: the path's suffix does not match the level's format, names a
-            folder, or the level is unknown; an export level without example_inputs.
+            folder, or the level is unknown; an export level without example_inputs;
+            a file object that is not binary and writable.
         ExportError: an export level's result cannot be exported (names the node).
     """
-    problem = save_path_problem(path, level)
+    problem = save_path_problem(path, level) if is_path(path) else _level_problem(level) or file_object_problem(path)
     if problem is None and save_format(level) == ".pt2" and example_inputs is None:
         problem = f"a {level!r} result is exported again to be saved: pass its example_inputs"
     if problem is not None:
         raise ValueError(problem)
-    path = Path(path)
     if save_format(level) == ".pt2":
         program = export_program(gm, example_inputs)
         write = lambda f: torch.export.save(program, f)  # noqa: E731
     else:
         plain = picklable(gm)
         write = lambda f: torch.save(plain, f)  # noqa: E731
-    return write_atomically(path, write)
+    if not is_path(path):
+        buffer = io.BytesIO()  # made whole before the caller's file gets a byte
+        write(buffer)
+        path.write(buffer.getvalue())
+        return path
+    return write_atomically(Path(path), write)
+
+
+def is_path(target: Any) -> bool:
+    """Whether ``target`` names a file (a str or path-like), rather than being a file object."""
+    return isinstance(target, (str, os.PathLike))
+
+
+def file_object_problem(target: Any) -> str | None:
+    """Why ``target`` (not a path) cannot take the bytes of a saved model, or None: a
+    text stream or a non-file would reach torch's writer, which aborts the process on
+    some (``torch.export.save(program, 123)``)."""
+    binary = hasattr(target, "write") and not isinstance(target, io.TextIOBase) \
+        and "b" in str(getattr(target, "mode", "b"))
+    if binary:
+        return None
+    return (f"expected a path or a binary file object opened for writing (open(..., 'wb'), io.BytesIO), "
+            f"not {type(target).__name__}")
 
 
 def file_problem(path: Any, suffix: str) -> str | None:

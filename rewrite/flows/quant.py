@@ -52,7 +52,6 @@ import copy
 import functools
 import json
 import math
-import os
 import re
 import sys
 import warnings
@@ -64,6 +63,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from rewrite.capture import file_object_problem, file_problem, is_path
 from rewrite.functions.quant import (
     DECOMPOSED_DEQUANTIZE,
     DECOMPOSED_QUANTIZE,
@@ -1276,40 +1276,20 @@ def export(gm: fx.GraphModule, example_inputs: Any = None, path: Any = None) -> 
     except Exception as err:  # noqa: BLE001  (torch.export raises many types)
         raise QuantizationError(f"torch.export could not capture the model: {_first_line(err)}") from err
     if path is not None:
-        if _is_path(path):
+        if is_path(path):
             write_atomically(path, lambda f: torch.export.save(program, f))
         else:  # a file object, as torch.export.save takes
             torch.export.save(program, path)
     return program
 
 
-def _is_path(path: Any) -> bool:
-    return isinstance(path, (str, os.PathLike))
-
-
 def _check_target(path: Any, suffix: str) -> None:
     """A file to write a ``suffix`` file at, before any work (``rewrite.capture.file_problem``)."""
-    from rewrite.capture import file_problem
-
     if path is None:  # nothing to write
         return
-    problem = file_problem(path, suffix) if _is_path(path) else _file_object_problem(path)
+    problem = file_problem(path, suffix) if is_path(path) else file_object_problem(path)
     if problem is not None:
         raise ValueError(f"{path}: {problem}")
-
-
-def _file_object_problem(target: Any) -> str | None:
-    """Why ``target`` (not a path) cannot take the bytes of a saved model, or None: a
-    text stream or a non-file would reach torch's writer, which aborts the process on
-    some (``torch.export.save(program, 123)``)."""
-    import io
-
-    binary = hasattr(target, "write") and not isinstance(target, io.TextIOBase) \
-        and "b" in str(getattr(target, "mode", "b"))
-    if binary:
-        return None
-    return (f"expected a path or a binary file object opened for writing (open(..., 'wb'), io.BytesIO), "
-            f"not {type(target).__name__}")
 
 
 def _require_onnx() -> None:
@@ -1354,7 +1334,7 @@ def export_onnx(gm: fx.GraphModule, example_inputs: Any = None, path: Any = "mod
              if not isinstance(v, torch.Tensor)]
     if baked:
         onnx_program.model.metadata_props[_BAKED_KEY] = json.dumps(baked)
-    if not _is_path(path):
+    if not is_path(path):
         path.write(onnx_program.model_proto.SerializeToString())
         return path
     # written in place: a large model's weights go to a file named after it (external data)
@@ -1387,7 +1367,7 @@ def run_onnx(path: Any, inputs: Any, *, threads: int | None = None) -> list:
     if threads:
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
-    if not _is_path(path):
+    if not is_path(path):
         raise QuantizationError(f"run_onnx takes the path of an .onnx file, not {type(path).__name__}")
     if not Path(path).is_file():
         raise QuantizationError(f"{path}: {'a folder, not an' if Path(path).is_dir() else 'no such'} ONNX file")
@@ -1469,7 +1449,7 @@ def save(gm: fx.GraphModule, path: Any) -> None:
 
     _check_target(path, ".pt")
     plain = picklable(gm)
-    if _is_path(path):
+    if is_path(path):
         write_atomically(path, lambda f: torch.save(plain, f))
     else:  # a file object (io.BytesIO), as torch.save takes
         torch.save(plain, path)

@@ -1,0 +1,55 @@
+"""Regressions found in session 43: saving to file objects, and whatever the
+session's probes (user-written rules, results leaving the library) turned up."""
+
+import io
+
+import pytest
+import torch
+
+import rewrite
+
+
+def _conv_bn():
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)).eval(), torch.randn(1, 3, 8, 8)
+
+
+def test_capture_save_writes_a_pickled_result_into_a_bytes_buffer():
+    """``rewrite.capture.save`` takes a binary file object, as ``torch.save`` and the
+    quantization savers do; the buffer holds the rewritten module."""
+    model, x = _conv_bn()
+    result = rewrite.load("rules/fusion.rw").apply(torch.fx.symbolic_trace(model), example_inputs=(x,))
+    assert result.counts.get("conv_bn") == 1
+    buffer = io.BytesIO()
+    assert rewrite.capture.save(result.graph_module, buffer) is buffer
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in loaded.modules())
+    torch.testing.assert_close(loaded(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_capture_save_writes_an_exported_result_into_a_bytes_buffer():
+    model, x = _conv_bn()
+    gm = torch.export.export(model, (x,), strict=False).module()
+    result = rewrite.load("rules/fusion.rw").apply(gm, example_inputs=(x,))
+    buffer = io.BytesIO()
+    rewrite.capture.save(result.graph_module, buffer, level="export", example_inputs=(x,))
+    buffer.seek(0)
+    program = torch.export.load(buffer)
+    assert "batch_norm" not in str(program.graph)
+    torch.testing.assert_close(program.module()(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("target", [io.StringIO(), 123, None])
+def test_capture_save_refuses_what_is_neither_a_path_nor_a_binary_file(target):
+    model, x = _conv_bn()
+    gm = torch.fx.symbolic_trace(model)
+    with pytest.raises(ValueError, match="binary file object"):
+        rewrite.capture.save(gm, target)
+
+
+def test_capture_save_refuses_a_dynamo_level_for_a_buffer_too():
+    model, _ = _conv_bn()
+    buffer = io.BytesIO()
+    with pytest.raises(ValueError, match="dynamo"):
+        rewrite.capture.save(torch.fx.symbolic_trace(model), buffer, level="dynamo")
+    assert buffer.getvalue() == b""
