@@ -208,6 +208,7 @@ def symbolic_trace(model: nn.Module) -> fx.GraphModule:
             tracer = _HookKeepingTracer()
             graph = tracer.trace(model)
             gm = fx.GraphModule(tracer.root, graph, model.__class__.__name__)
+        _name_call_sites(gm.graph, model)
         if False in entered:
             gm.meta[AUTOCAST_OFF_LOST] = True
             warnings.warn(f"{type(model).__name__}'s forward runs a block with torch.autocast(..., enabled=False): "
@@ -235,6 +236,39 @@ def symbolic_trace(model: nn.Module) -> fx.GraphModule:
     finally:
         snapshot.restore()
     return gm
+
+
+def _name_call_sites(graph: fx.Graph, root: nn.Module) -> None:
+    """Name each module in the graph's ``nn_module_stack`` where it was called.
+
+    fx names a module reachable under several names (a Linear shared by ``blocks.0``,
+    ``blocks.1`` and the model itself) by its first name wherever it is called, so
+    measurements and pictures credited every call to ``blocks.0.fc``. The calling
+    module is known (the entry before it); the shortest name of the module under the
+    caller is the call site. Call targets keep fx's name (the GraphModule holds the
+    module under that name only)."""
+    names: dict = {}
+    for name, m in root.named_modules(remove_duplicate=False):
+        names.setdefault(id(m), []).append(name)
+    if all(len(every) == 1 for every in names.values()):
+        return
+    sites_of: dict = {}
+    for node in graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if not stack:
+            continue
+        key = tuple(entry[0] for entry in stack.values())
+        sites = sites_of.get(key)
+        if sites is None:
+            sites, caller = [], ""
+            for first in key:
+                every = names.get(id(root.get_submodule(first)), [first]) if first else [first]
+                under = [n for n in every if not caller or n.startswith(caller + ".")]
+                caller = min(under, key=lambda n: n.count(".")) if under else first
+                sites.append(caller)
+            sites_of[key] = sites
+        node.meta["nn_module_stack"] = type(stack)(
+            (k, (site, entry[1])) for (k, entry), site in zip(stack.items(), sites))
 
 
 @contextlib.contextmanager

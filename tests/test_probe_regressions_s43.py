@@ -53,3 +53,51 @@ def test_capture_save_refuses_a_dynamo_level_for_a_buffer_too():
     with pytest.raises(ValueError, match="dynamo"):
         rewrite.capture.save(torch.fx.symbolic_trace(model), buffer, level="dynamo")
     assert buffer.getvalue() == b""
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, fc):
+        super().__init__()
+        self.fc = fc
+
+    def forward(self, x):
+        return self.fc(x).relu()
+
+
+class _SharedLinear(torch.nn.Module):
+    """One Linear reached as blocks.0.fc, blocks.1.fc and fc, called once under each."""
+
+    def __init__(self):
+        super().__init__()
+        fc = torch.nn.Linear(4, 4)
+        self.blocks = torch.nn.ModuleList([_Block(fc), _Block(fc)])
+        self.fc = fc
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("level", ["fx", "export"])
+def test_a_shared_module_is_credited_where_it_is_called(level):
+    """fx names a shared module by its first name at every call; the capture names
+    the call site, as torch.export does, so roll-ups by module agree across levels."""
+    from rewrite.analysis import analyze
+
+    model, x = _SharedLinear(), torch.randn(2, 4)
+    gm = rewrite.capture.capture(model, (x,), level) if level == "export" else rewrite.capture.symbolic_trace(model)
+    analysis = analyze(gm, (x,))
+    linears = [n.module for n in analysis.nodes if n.flops]
+    assert linears == ["blocks.0.fc", "blocks.1.fc", "fc"]
+    flops = {g.key: g.flops for g in analysis.by_module(depth=2)}
+    assert flops["blocks.0"] == flops["blocks.1"] == flops["fc"] > 0
+    torch.testing.assert_close(gm(x), model(x))
+
+
+def test_naming_call_sites_leaves_targets_and_unshared_modules_alone():
+    model = _SharedLinear()
+    gm = rewrite.capture.symbolic_trace(model)
+    assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == ["blocks.0.fc"] * 3
+    relus = [n for n in gm.graph.nodes if n.target == "relu"]
+    assert [list(n.meta["nn_module_stack"].values())[-1][0] for n in relus] == ["blocks.0", "blocks.1"]
