@@ -101,3 +101,42 @@ def test_naming_call_sites_leaves_targets_and_unshared_modules_alone():
     assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == ["blocks.0.fc"] * 3
     relus = [n for n in gm.graph.nodes if n.target == "relu"]
     assert [list(n.meta["nn_module_stack"].values())[-1][0] for n in relus] == ["blocks.0", "blocks.1"]
+
+
+def _ruleset_chain(n, top_down):
+    order = range(n - 1, 0, -1) if top_down else range(1, n)
+    chain = "".join(f"ruleset s{i} = seq(s{i - 1})\n" for i in order)
+    first = "ruleset s0 = fixpoint(r)\n"
+    return "rule r: neg(neg(x)) => x\n" + (chain + first if top_down else first + chain)
+
+
+def _neg_neg():
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return -(-x) + 1
+
+    return torch.fx.symbolic_trace(M()), torch.randn(3)
+
+
+@pytest.mark.parametrize("top_down", [True, False])
+def test_a_chain_of_rule_sets_too_deep_to_run_is_an_E001_at_load(top_down):
+    """A chain of rule sets each naming the one before loaded (declared bottom up)
+    and then exhausted the recursion limit in apply; declared top down it was an E001
+    or not depending on the recursion limit. Now a chain nesting schedules more than
+    MAX_NESTING levels is an E001 at the first rule set past the limit, and one at the
+    limit applies, even called from deep in the caller's stack."""
+    from rewrite.language.limits import MAX_NESTING
+
+    with pytest.raises(rewrite.RuleError, match=rf"chain\.rw:\d+:9: error: rule set 's{MAX_NESTING}' nests schedules "
+                                                r"too deeply \(more than 100 levels.*\[E001\]") as err:
+        rewrite.parse(_ruleset_chain(1000, top_down), "chain.rw")
+    assert str(err.value).count("error:") == 1
+    rules = rewrite.parse(_ruleset_chain(MAX_NESTING, top_down), "chain.rw")
+    gm, x = _neg_neg()
+
+    def from_depth(d):
+        return from_depth(d - 1) if d else rules[f"s{MAX_NESTING - 1}"].apply(gm, example_inputs=(x,))
+
+    result = from_depth(300)
+    assert result.counts == {"r": 1}
+    torch.testing.assert_close(result.graph_module(x), x + 1)

@@ -26,6 +26,7 @@ import attrs
 
 from rewrite.language import ast
 from rewrite.language.diagnostics import Diagnostic, did_you_mean
+from rewrite.language.limits import MAX_NESTING, NESTING_CODE
 from rewrite.language.literals import describe, param_types, refusal
 from rewrite.language.parser import DTYPES
 from rewrite.language.printer import format_expr
@@ -141,7 +142,47 @@ def check_declarations(modules: list, origins: list | None = None) -> list:
                       for n, f in families.items()}, "family")
     diags += _cycles({n: [(r.name, r.span) for r in _refs(d.schedule) if r.name in rulesets]
                       for n, d in rulesets.items()}, "ruleset")
+    diags += _nested_too_deeply(rulesets)
     return diags
+
+
+def _nested_too_deeply(rulesets: dict) -> list:
+    """One E001 for each rule set that is the first on its chain to nest schedules
+    deeper than ``MAX_NESTING``, counting the rule sets it names: the driver runs a
+    schedule recursively, and a chain of rule sets each naming the one before
+    (declared in any order) would otherwise exhaust Python's recursion limit when
+    applied, not when loaded."""
+    depth: dict = {}
+    for root in rulesets:
+        if root in depth:
+            continue
+        path, on_path = [root], {root}
+        while path:  # rule sets it names first (an explicit stack: a chain is as deep as its file)
+            name = path[-1]
+            waiting = next((r.name for r in _refs(rulesets[name].schedule)
+                            if r.name in rulesets and r.name not in depth and r.name not in on_path), None)
+            if waiting is not None:
+                path.append(waiting)
+                on_path.add(waiting)
+                continue
+            depth[name] = _schedule_depth(rulesets[name].schedule, depth)
+            on_path.discard(path.pop())
+    diags = []
+    for name, d in rulesets.items():
+        named = [depth.get(r.name, 0) for r in _refs(d.schedule) if r.name in rulesets]
+        if depth[name] > MAX_NESTING and all(n <= MAX_NESTING for n in named):
+            diags.append(Diagnostic(
+                d.name_span or d.span, f"rule set '{name}' nests schedules too deeply (more than {MAX_NESTING} "
+                "levels, counting the rule sets it names)", NESTING_CODE,
+                help="name the rules of the innermost rule sets directly, with fewer rule sets in between"))
+    return diags
+
+
+def _schedule_depth(s: ast.Schedule, depth: dict) -> int:
+    """Levels of ``s``, a named rule set counting its own (``depth``); a name not in
+    ``depth`` (a rule, or a rule set on a cycle) counts none."""
+    return 1 + max((depth.get(i.name, 0) if isinstance(i, ast.ScheduleRef) else _schedule_depth(i, depth)
+                    for i in s.items), default=0)
 
 
 def _kind(item: object) -> str:
@@ -162,25 +203,31 @@ def _refs(s: ast.Schedule) -> Iterator:
 
 def _cycles(graph: dict, kind: str) -> list:
     """One E404 per back edge of a depth-first walk of ``graph``
-    (name -> [(child name, span of the reference)])."""
-    diags, state, stack = [], {}, []
-
-    def visit(name: str) -> None:
-        state[name] = "open"
-        stack.append(name)
-        for child, span in graph.get(name, ()):
+    (name -> [(child name, span of the reference)]). Walked with an explicit stack:
+    a chain of declarations is as deep as its file is long, and whether it loads
+    must not depend on the recursion limit of the process loading it."""
+    diags, state, path = [], {}, []
+    for root in graph:
+        if root in state:
+            continue
+        state[root] = "open"
+        path.append(root)
+        pending = [iter(graph.get(root, ()))]
+        while pending:
+            step = next(pending[-1], None)
+            if step is None:
+                pending.pop()
+                state[path.pop()] = "done"
+                continue
+            child, span = step
             if state.get(child) == "open":
-                path = " -> ".join(stack[stack.index(child):] + [child])
-                diags.append(Diagnostic(span, f"{kind} '{child}' contains itself: {path}", "E404",
+                cycle = " -> ".join(path[path.index(child):] + [child])
+                diags.append(Diagnostic(span, f"{kind} '{child}' contains itself: {cycle}", "E404",
                                         help=f"a {kind} cannot include itself, directly or through another"))
             elif child not in state:
-                visit(child)
-        stack.pop()
-        state[name] = "done"
-
-    for name in graph:
-        if name not in state:
-            visit(name)
+                state[child] = "open"
+                path.append(child)
+                pending.append(iter(graph.get(child, ())))
     return diags
 
 
@@ -189,24 +236,31 @@ def expand_families(families: dict) -> dict:
     (``family a = relu | b`` with ``family b = gelu`` -> ``a: (relu, gelu)``)."""
 
     # each family expanded once (``f1 = f0 | f0``, ``f2 = f1 | f1``... would otherwise
-    # take a path per way down: 2^n); a family met again on its own path is a cycle,
-    # reported as E404, and skipped here
+    # take a path per way down: 2^n), members first, with an explicit stack (a chain
+    # declared from the top down is as deep as the file); a family met again on its
+    # own path is a cycle, reported as E404, and skipped here
     done: dict = {}
-
-    def expand(name: str, seen: tuple) -> tuple:
-        if name in done:
-            return done[name]
-        out: list = []
-        for member in families[name].ops:
-            if member in families:
-                if member not in seen:
-                    out += expand(member, seen + (member,))
-            else:
-                out.append(member)
-        done[name] = tuple(dict.fromkeys(out))
-        return done[name]
-
-    return {n: expand(n, (n,)) for n in families}
+    for root in families:
+        if root in done:
+            continue
+        path, on_path = [root], {root}
+        while path:
+            name = path[-1]
+            waiting = next((m for m in families[name].ops
+                            if m in families and m not in done and m not in on_path), None)
+            if waiting is not None:
+                path.append(waiting)
+                on_path.add(waiting)
+                continue
+            out: list = []
+            for member in families[name].ops:
+                if member not in families:
+                    out.append(member)
+                elif member in done:
+                    out += done[member]
+            done[name] = tuple(dict.fromkeys(out))
+            on_path.discard(path.pop())
+    return {name: done[name] for name in families}
 
 
 # ---------------------------------------------------------------- per rule
