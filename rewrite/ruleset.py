@@ -193,6 +193,44 @@ def _schedule_of(s: Any) -> Any:
     return Schedule(s.kind, tuple(_schedule_of(i) for i in s.items))
 
 
+def _runs(sets: dict, schedule: Any, name: str) -> list:
+    """For each place ``schedule`` runs rule ``name``, whether that run is one sweep:
+    the rule sits directly in a ``once(...)`` with no ``fixpoint(...)`` around it (a
+    bare rule in ``seq(...)`` runs to a fixpoint). Empty when it never runs it."""
+    found: list = []
+    walked: set = set()  # (set name, container, repeated): each context walked once
+
+    def walk(node: Any, container: str, repeated: bool, seen: frozenset) -> None:
+        if isinstance(node, str):
+            if node == name:
+                found.append(container == "once" and not repeated)
+            elif node in sets and node not in seen and (node, container, repeated) not in walked:
+                walked.add((node, container, repeated))
+                walk(sets[node], container, repeated, seen | {node})
+            return
+        for child in node.items:
+            walk(child, node.kind, repeated or node.kind == "fixpoint", seen)
+
+    walk(schedule, "fixpoint", False, frozenset())
+    return found
+
+
+def _runs_in_sets(sets: dict, name: str) -> list:
+    """``_runs`` over every rule set declared."""
+    return [once for schedule in sets.values() for once in _runs(sets, schedule, name)]
+
+
+def _default_schedule(rules: dict, sets: dict) -> Any:
+    """A file's schedule when it declares no ``main``: every rule to a fixpoint, but a
+    rule its rule sets run only in ``once(...)`` (one that rewrites its own output,
+    which the checker lets through for that once, E409) runs once, after the rest."""
+    once = tuple(n for n in rules if sets and all(_runs_in_sets(sets, n) or [False]))
+    rest = tuple(n for n in rules if n not in once)
+    if not once:
+        return Schedule("fixpoint", rest)
+    return Schedule("seq", (Schedule("fixpoint", rest), Schedule("once", once))) if rest else Schedule("once", once)
+
+
 class RuleSet:
     """Compiled rules plus a schedule. Build with ``rewrite.load`` / ``rewrite.parse``."""
 
@@ -207,8 +245,7 @@ class RuleSet:
         families = dict(program.families)
         rules = {r.name: compile_rule(r, i, families) for i, r in enumerate(program.rules)}
         sets = {n: _schedule_of(s) for n, s in program.rulesets.items()}
-        schedule = sets["main"] if "main" in sets else Schedule("fixpoint", tuple(rules))
-        return cls(rules, sets, schedule, name)
+        return cls(rules, sets, sets["main"] if "main" in sets else _default_schedule(rules, sets), name)
 
     def __repr__(self) -> str:
         return f"RuleSet({self.name or 'rules'}: {len(self.rules)} rules, schedule={self.schedule!r})"
@@ -224,15 +261,16 @@ class RuleSet:
         if name in self.sets:
             return RuleSet(self.rules, self.sets, self.sets[name], name)
         if name in self.rules:
-            return RuleSet(self.rules, self.sets, Schedule("fixpoint", (name,)), name)
+            return self.only(name)
         raise KeyError(f"no rule or ruleset named {name!r}; have {sorted(self.sets) + sorted(self.rules)}")
 
     def only(self, rule: Any) -> "RuleSet":
         """A rule set that runs one rule as this set's schedule runs it: to a
         fixpoint, or in one sweep when the schedule runs it only in ``once(...)`` (a
-        rule that matches its own replacement; verified so). ``rule``: a name of this
-        set, or a ``CompiledRule`` (a variant of one, e.g. without its where clause,
-        which replaces the rule of that name)."""
+        rule that matches its own replacement; verified so). A rule the schedule never
+        runs runs as the file's rule sets run it. ``rule``: a name of this set, or a
+        ``CompiledRule`` (a variant of one, e.g. without its where clause, which
+        replaces the rule of that name)."""
         if isinstance(rule, str):
             if rule not in self.rules:
                 raise KeyError(f"no rule named {rule!r}; have {sorted(self.rules)}")
@@ -241,30 +279,10 @@ class RuleSet:
             name = rule.name
         else:
             raise TypeError(f"only takes a rule's name or a compiled rule, not {type(rule).__name__}")
-        kind = "once" if self._runs_once(self.schedule, name) else "fixpoint"
+        runs = _runs(self.sets, self.schedule, name) or _runs_in_sets(self.sets, name)
+        kind = "once" if runs and all(runs) else "fixpoint"
         rules = self.rules if isinstance(rule, str) else {**self.rules, name: rule}
         return RuleSet(rules, self.sets, Schedule(kind, (name,)), name)
-
-    def _runs_once(self, schedule: Any, name: str) -> bool:
-        """Whether every run of rule ``name`` under ``schedule`` is one sweep: the rule
-        sits directly in a ``once(...)`` with no ``fixpoint(...)`` around it (a bare
-        rule in ``seq(...)`` runs to a fixpoint). False when the schedule never runs it."""
-        found: list = []
-        walked: set = set()  # (set name, container, repeated): each context walked once
-
-        def walk(node: Any, container: str, repeated: bool, seen: frozenset) -> None:
-            if isinstance(node, str):
-                if node == name:
-                    found.append(container == "once" and not repeated)
-                elif node in self.sets and node not in seen and (node, container, repeated) not in walked:
-                    walked.add((node, container, repeated))
-                    walk(self.sets[node], container, repeated, seen | {node})
-                return
-            for child in node.items:
-                walk(child, node.kind, repeated or node.kind == "fixpoint", seen)
-
-        walk(schedule, "fixpoint", False, frozenset())
-        return bool(found) and all(found)
 
     def __add__(self, other: "RuleSet") -> "RuleSet":
         """Run ``self`` then ``other``."""

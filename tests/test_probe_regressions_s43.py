@@ -178,3 +178,68 @@ def test_the_qdq_form_parts_from_the_reference_only_behind_an_average_pool(pool,
         assert measured > 60
     else:
         assert 25 < measured < 60
+
+
+_SWAP = """
+rule swap: add(x, y) => add(y, x)
+rule neg_neg: neg(neg(x)) => x
+ruleset swap_once = once(swap)
+"""
+
+
+def _add_of_neg_neg():
+    class M(torch.nn.Module):
+        def forward(self, a, b):
+            return -(-a) + b
+
+    a, b = torch.randn(3), torch.randn(3)
+    return torch.export.export(M(), (a, b), strict=False).module(), (a, b)
+
+
+def test_a_rule_run_once_by_its_rule_set_runs_once_in_the_default_schedule():
+    """probe AY F1: following E409's help (``ruleset swap_once = once(swap)``) gave a
+    file whose default schedule still ran ``swap`` to a fixpoint: apply raised
+    NonTerminationError and verify called the right rule a counterexample."""
+    rules = rewrite.parse(_SWAP, "swap.rw")
+    assert repr(rules.schedule) == "seq(fixpoint(neg_neg), once(swap))"
+    gm, (a, b) = _add_of_neg_neg()
+    result = rules.apply(gm, example_inputs=(a, b))
+    assert result.counts == {"neg_neg": 1, "swap": 1}
+    torch.testing.assert_close(result.graph_module(a, b), a + b)
+    assert rules["swap"].apply(gm, example_inputs=(a, b)).counts == {"swap": 1}
+    report = rules.verify(max_examples=10)
+    assert report.ok and report["swap"].status == report["neg_neg"].status == "ok"
+
+
+def test_a_main_rule_set_stays_the_default_and_other_rules_keep_their_fixpoint():
+    rules = rewrite.parse(_SWAP + "ruleset main = fixpoint(neg_neg)\n", "swap.rw")
+    assert repr(rules.schedule) == "fixpoint(neg_neg)"
+    assert repr(rules["neg_neg"].schedule) == "fixpoint(neg_neg)"
+    assert repr(rules["swap"].schedule) == "once(swap)"  # main never runs it: as swap_once does
+    plain = rewrite.parse("rule neg_neg: neg(neg(x)) => x\nruleset s = seq(once(neg_neg), fixpoint(neg_neg))\n")
+    assert repr(plain.schedule) == "fixpoint(neg_neg)"  # also run to a fixpoint: not once-only
+
+
+def test_a_registered_predicate_sees_matches_only():
+    """probe AY F2: the prefilter evaluated root where-conjuncts before the matcher
+    compared an argument the node omits (``clamp(a, min=0)`` has no max) with the
+    pattern's literal, so the user's predicate ran on a node the rule never matched."""
+    seen = []
+
+    @rewrite.register_predicate()
+    def s43_audited(root):
+        seen.append(root.node.name)
+        return True
+
+    class M(torch.nn.Module):
+        def forward(self, a):
+            return torch.clamp(a, min=0) * 2 + torch.clamp(a, 0, 1)
+
+    a = torch.randn(2, 3)
+    gm = torch.export.export(M(), (a,), strict=False).module()
+    rules = rewrite.parse("rule c: clamp(x, 0, 1) as root where s43_audited(root) => hardtanh(x, 0.0, 1.0)")
+    result = rules.apply(gm, example_inputs=(a,))
+    assert result.counts == {"c": 1}
+    clamps = [n.name for n in gm.graph.nodes if "clamp" in str(n.target)]
+    assert seen and set(seen) == {clamps[1]}  # the clamp(a, 0, 1), never clamp(a, min=0)
+    torch.testing.assert_close(result.graph_module(a), M()(a))

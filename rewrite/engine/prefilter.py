@@ -14,7 +14,9 @@ evaluated the same way, on the arguments as the node holds them, when binding wo
 hand the matcher exactly those values (a form bound through its plain plan, no
 keywords): on a transformer most views and permutes fail such a clause, and
 rejecting them here skips binding the node at all. A conjunct that raises lets the
-node through, so the matcher records the error as before.
+node through, so the matcher records the error as before. Only conjuncts calling the
+library's own functions are evaluated here: a function the user registered sees
+matches only.
 
 It is only ever a necessary condition. Whenever a position cannot be known from
 the form alone (varargs, value conversions, ``getitem``, a module's settings; a
@@ -35,6 +37,7 @@ from torch import fx
 from rewrite.engine.compile import CompiledRule, PAlt, PCall, PDefault, PLit, PResults, PSeq, PVar
 from rewrite.engine.symbolic import deciding
 from rewrite.engine.where import where_function
+from rewrite.functions.registry import BUILTIN_MODULES, lookup_function
 from rewrite.language import ast
 from rewrite.ops import forms_for_key
 from rewrite.ops.base import FunctionForm, MethodForm, ModuleForm
@@ -154,9 +157,22 @@ def _root_conjuncts(rule: CompiledRule) -> tuple:
     out = []
     for item in items:
         names = frozenset(e.name for e in ast.walk(item) if isinstance(e, ast.Var))
-        if names and all(counts.get(n) == 1 and n in direct for n in names):
+        if names and all(counts.get(n) == 1 and n in direct for n in names) and _calls_only_builtins(item):
             out.append((where_function(item), names))
     return tuple(out)
+
+
+def _calls_only_builtins(item: Any) -> bool:
+    """Whether a conjunct calls only the library's own functions: a function the
+    user registered is called on matches only (it may log, count or assume the
+    pattern's literals), never on a node the prefilter has not ruled out yet (one
+    whose omitted argument the matcher still compares with the pattern's)."""
+    for e in ast.walk(item):
+        if isinstance(e, ast.Call):
+            spec = lookup_function(e.op.names[0])
+            if spec is None or getattr(spec.fn, "__module__", None) not in BUILTIN_MODULES:
+                return False
+    return True
 
 
 def _count_names(p: Any, counts: dict) -> None:
