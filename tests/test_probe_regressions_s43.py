@@ -243,3 +243,15 @@ def test_a_registered_predicate_sees_matches_only():
     clamps = [n.name for n in gm.graph.nodes if "clamp" in str(n.target)]
     assert seen and set(seen) == {clamps[1]}  # the clamp(a, 0, 1), never clamp(a, min=0)
     torch.testing.assert_close(result.graph_module(a), M()(a))
+
+
+@pytest.mark.parametrize("constant, kind", [("contiguous_format", "memory format"), ("strided", "layout"),
+                                            ("per_tensor_affine", "quantization scheme")])
+def test_a_torch_constant_that_is_not_a_dtype_is_named_for_what_it_is(constant, kind):
+    """probe AY F3: ``torch.contiguous_format`` was an "unknown dtype" with a hint
+    about dtype spellings."""
+    with pytest.raises(rewrite.RuleError) as err:
+        rewrite.parse(f"rule r: clone(x, memory_format=torch.{constant}) => x\n", "f.rw")
+    text = str(err.value)
+    assert f"f.rw:1:32: error: 'torch.{constant}' is a {kind}, which rules cannot write" in text
+    assert "[E010]" in text and "unknown dtype" not in text

@@ -44,6 +44,15 @@ DTYPES = frozenset({
 # Lowercase spellings of the Python literals: a likely slip, never a variable name.
 _LOWER_LITERALS = {"true": "True", "false": "False", "none": "None", "null": "None"}
 
+#: torch's constants that are not dtypes, which the language has no literal for
+_TORCH_CONSTANTS = {
+    **dict.fromkeys(("contiguous_format", "channels_last", "channels_last_3d", "preserve_format"), "memory format"),
+    **dict.fromkeys(("strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc", "jagged"),
+                    "layout"),
+    **dict.fromkeys(("per_tensor_affine", "per_channel_affine", "per_tensor_symmetric", "per_channel_symmetric",
+                     "per_channel_affine_float_qparams"), "quantization scheme"),
+}
+
 
 def grammar_path() -> Path:
     """Where ``rules.lark`` is: inside the installed package (``rewrite/_grammar``)
@@ -304,7 +313,12 @@ class _Builder(Transformer):
         head, _, attr = text.partition(".")
         if head == "torch" and attr in DTYPES:
             return ast.DTypeLit(attr, span=span)
-        if head == "torch" and "." not in attr:
+        kind = _TORCH_CONSTANTS.get(attr) if head == "torch" else None
+        if kind is not None:
+            self._error(span, f"'{text}' is a {kind}, which rules cannot write; only dtypes are literals "
+                              "of torch (torch.float32, ...)", "E010",
+                        help="bind the argument to a variable or '_' (or leave it out, for its default)")
+        elif head == "torch" and "." not in attr:
             hint = did_you_mean(attr, DTYPES)
             self._error(span, f"unknown dtype '{text}'", "E010",
                         help=hint.replace("'", "'torch.", 1) if hint else "dtypes are written torch.float32, torch.int64, ...")
