@@ -255,3 +255,28 @@ def test_a_torch_constant_that_is_not_a_dtype_is_named_for_what_it_is(constant, 
     text = str(err.value)
     assert f"f.rw:1:32: error: 'torch.{constant}' is a {kind}, which rules cannot write" in text
     assert "[E010]" in text and "unknown dtype" not in text
+
+
+class _SliceAssign(torch.nn.Module):
+    def forward(self, x, y):
+        x = x.clone()
+        x[:, 0] = y
+        x[1:3] = 0.5
+        return x * 2
+
+
+def test_a_slice_assignment_counts_the_bytes_it_reads_and_writes_at_every_level():
+    """probe AX (low): dynamo's ``operator.setitem`` returns nothing, so ``t[i] = v``
+    was charged all of ``t`` read and nothing written; export's ``copy_`` into the
+    slice counted the slice. Both count the assigned part now, and totals agree."""
+    from rewrite.analysis import analyze
+
+    x, y = torch.randn(64, 32), torch.randn(64)
+    dynamo = analyze(rewrite.capture.capture(_SliceAssign(), (x, y), "dynamo"), (x, y))
+    export = analyze(torch.export.export(_SliceAssign(), (x, y)).module(), (x, y))
+    first, second = [n for n in dynamo.nodes if n.op == "setitem"]
+    assert (first.bytes_read, first.bytes_written, first.alias) == (64 * 4 * 2, 64 * 4, "inplace")
+    assert (second.bytes_read, second.bytes_written) == (2 * 32 * 4, 2 * 32 * 4)  # a scalar: nothing else read
+    # export writes the 0.5 into a 0-d constant first (4 bytes, a node of its own)
+    assert dynamo.totals.bytes_written == export.totals.bytes_written - 4
+    assert dynamo.totals.bytes_read == export.totals.bytes_read - 8

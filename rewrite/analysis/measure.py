@@ -661,7 +661,13 @@ def _summarize(gm: fx.GraphModule, runner: _Runner, lifted: set) -> GraphAnalysi
             param_bytes += packed
             out_keys = [_storage_key(t) for t in outs]
             aliased = bool(outs) and all(k in in_keys for k in out_keys)
-            if aliased and not mutated:
+            region = _assigned_region(node, values)
+            if region is not None:  # ``t[i] = v``: reads v, writes t[i], as export's copy_ into t[i] counts
+                alias = "inplace"
+                written = _nbytes(region)
+                read = written + sum(_nbytes(t) for t in _tensors(values.get(node.args[2])))
+                elementwise = region.numel()
+            elif aliased and not mutated:
                 alias = "view"
             else:
                 alias = "inplace" if aliased else ""
@@ -697,6 +703,21 @@ def _summarize(gm: fx.GraphModule, runner: _Runner, lifted: set) -> GraphAnalysi
         int8_ops=counts["int8_ops"],
     )
     return GraphAnalysis(tuple(records), totals, peak, peak_node, input_bytes)
+
+
+def _assigned_region(node: fx.Node, values: dict) -> torch.Tensor | None:
+    """The part of a tensor ``t[i] = v`` (dynamo's ``operator.setitem``, which returns
+    nothing) assigns, or None for any other node."""
+    if node.op != "call_function" or node.target is not operator.setitem or len(node.args) != 3:
+        return None
+    base = values.get(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+    if not isinstance(base, torch.Tensor):
+        return None
+    index = fx.node.map_arg(node.args[1], lambda n: values.get(n))
+    try:
+        return base[index]
+    except Exception:  # noqa: BLE001 - an index the tensor does not take now: measured as any call
+        return None
 
 
 def _is_cast(node: fx.Node) -> bool:
