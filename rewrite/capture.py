@@ -25,6 +25,7 @@ with, so tests run each rule set on the graphs of all four levels:
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import copy
 import importlib
@@ -56,7 +57,7 @@ __all__ = ["LEVELS", "INFERENCE_KEY", "AUTOCAST_OFF_LOST", "DYNAMO_SOURCE", "Exp
            "export_keeping_sizes", "export_program", "is_export_guard", "is_module_state_source", "is_tensor_method",
            "lifted_state_positions",
            "load_model", "save", "save_format", "save_path_problem", "missing_folder", "file_problem",
-           "file_object_problem", "is_path", "write_atomically"]
+           "file_object_problem", "is_path", "write_atomically", "normalize_module_path"]
 
 LEVELS: Tuple[str, ...] = ("fx", "export", "export_core", "dynamo")
 
@@ -945,6 +946,30 @@ def save(gm: fx.GraphModule, path: Any, level: str = "fx", example_inputs: Any =
         path.write(buffer.getvalue())
         return path
     return write_atomically(Path(path), write)
+
+
+_QUOTED = r"""('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")"""  # a Python string literal, as repr writes a key
+_PATH_PIECE = re.compile(rf"\.?_modules\[{_QUOTED}\]|\[(\d+)\]|\[{_QUOTED}\]")
+#: dynamo's name of the module whose forward was compiled: ``L['self']``, or whatever
+#: the forward calls its first parameter (``def forward(this, x)``: ``L['this']``)
+_DYNAMO_ROOT = re.compile(rf"^L\[{_QUOTED}\]\.?")
+
+
+
+def normalize_module_path(path: str) -> str:
+    """A module path as any capture level's ``nn_module_stack`` writes it, dotted:
+    dynamo's ``L['self'].layer1[0]`` (or ``L['this']...`` for a forward whose first
+    parameter is not ``self``, ``._modules['key']`` for a container key, quotes and
+    all) and ``self.layer1.0`` are ``layer1.0``."""
+    path = _DYNAMO_ROOT.sub("", path)
+    path = re.sub(r"^self\.?", "", path)
+    path = _PATH_PIECE.sub(lambda m: "." + _key(next(g for g in m.groups() if g is not None)), path)
+    return path.strip(".")
+
+
+def _key(piece: str) -> str:
+    """A container key as written in a path: an index, or a quoted string (any key)."""
+    return str(ast.literal_eval(piece)) if piece[:1] in "'\"" else piece
 
 
 def is_path(target: Any) -> bool:

@@ -280,3 +280,50 @@ def test_a_slice_assignment_counts_the_bytes_it_reads_and_writes_at_every_level(
     # export writes the 0.5 into a 0-d constant first (4 bytes, a node of its own)
     assert dynamo.totals.bytes_written == export.totals.bytes_written - 4
     assert dynamo.totals.bytes_read == export.totals.bytes_read - 8
+
+
+class _ThisForward(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.d = torch.nn.ModuleDict({"it's": torch.nn.Linear(4, 4), 'q"x': torch.nn.Linear(4, 4)})
+        self.l = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
+
+    def forward(this, x):  # noqa: N805 - what the probe wrote: a forward not calling itself self
+        return this.l[0](this.d["it's"](x) + this.d['q"x'](x))
+
+
+def test_dynamo_module_paths_with_quoted_keys_and_a_forward_not_calling_itself_self():
+    """probe AX (low): dynamo names the root after the forward's first parameter
+    (``L['this']``) and writes a key holding a quote in the other quotes; both were
+    left in the path (``L.this.d._modules["it's"]``)."""
+    from rewrite.analysis import analyze
+
+    x = torch.randn(2, 4)
+    gm, inputs = rewrite.capture.capture_with_inputs(_ThisForward(), (x,), "dynamo")
+    analysis = analyze(gm, inputs)
+    assert [n.module for n in analysis.nodes if n.flops] == ["d.it's", 'd.q"x', "l.0"]
+    assert {g.key for g in analysis.by_module(depth=1)} == {"d", "l", "(top)"}
+
+
+class _TwoLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+
+    def forward(self, x):
+        return self.layers[1](self.layers[0](x).relu())
+
+
+@pytest.mark.parametrize("level", ["fx", "export", "dynamo"])
+def test_module_name_matches_reads_dynamo_paths_too(level):
+    """Session 43: under dynamo the predicate read ``L['self'].layers.1``, so a rule
+    keeping layers.1 out (``not module_name_matches(y, "layers.1")``) fired on it too."""
+    rules = rewrite.parse('rule unfuse: linear(x, w, b) as y where not module_name_matches(y, "layers.1")\n'
+                          '    => add(matmul(x, t(w)), b)\n')
+    x = torch.randn(2, 4)
+    model = _TwoLayers()
+    gm, inputs = rewrite.capture.capture_with_inputs(model, (x,), level)
+    result = rules.apply(gm, example_inputs=inputs)
+    assert result.counts == {"unfuse": 1}
+    out = result.graph_module(*inputs)
+    torch.testing.assert_close(out[0] if isinstance(out, tuple) else out, model(x))  # (dynamo returns a tuple)

@@ -43,7 +43,6 @@ import csv
 import io
 import json
 import operator
-import re
 import warnings
 from typing import Any, Iterable, Sequence
 
@@ -55,7 +54,8 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from rewrite.analysis.progress import progress
-from rewrite.capture import as_input_tuple, is_export_guard, lifted_state_positions, mha_fastpath_off
+from rewrite.capture import (as_input_tuple, is_export_guard, lifted_state_positions, mha_fastpath_off,
+                             normalize_module_path)
 from rewrite.engine.replace import RULE_KEY
 from rewrite.engine.symbolic import size_hint
 from rewrite.language.diagnostics import printable
@@ -307,9 +307,6 @@ def _jsonable_shape(shape: tuple) -> list:
 
 # ---------------------------------------------------------------- module paths
 
-_PATH_PIECE = re.compile(r"\.?_modules\[['\"]([^'\"]+)['\"]\]|\[(\d+)\]|\[['\"]([^'\"]+)['\"]\]")
-
-
 def module_path(node: fx.Node) -> str:
     """The module a node was called in, as a dotted path (``layer1.0.conv1``):
     from ``nn_module_stack`` (any capture level; dynamo's ``L['self'].layer1[0]``
@@ -318,17 +315,10 @@ def module_path(node: fx.Node) -> str:
     if stack:
         path = list(stack.values())[-1]
         path = path[0] if isinstance(path, tuple) else str(path)
-        return _normalize_path(path)
+        return normalize_module_path(path)
     if node.op == "call_module":
         return str(node.target)
     return ""
-
-
-def _normalize_path(path: str) -> str:
-    path = re.sub(r"^L\[['\"]self['\"]\]\.?", "", path)
-    path = re.sub(r"^self\.?", "", path)
-    path = _PATH_PIECE.sub(lambda m: "." + next(g for g in m.groups() if g is not None), path)
-    return path.strip(".")
 
 
 # ---------------------------------------------------------------- the run

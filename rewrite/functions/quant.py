@@ -41,6 +41,7 @@ import torch.fx as fx
 from torch import nn
 from torch.ao.quantization import observer as _observer
 
+from rewrite.capture import normalize_module_path
 from rewrite.engine.facts import Value, tensor_meta_of
 from rewrite.functions.registry import (
     register_constant,
@@ -169,7 +170,7 @@ def module_path(node: fx.Node, gm: Any = None) -> str | None:
     if stack:
         path = list(stack.values())[-1][0]
         path = path[len("L__self__"):] if path.startswith("L__self__") else path
-        return path.split("@")[0]
+        return normalize_module_path(path.split("@")[0])  # dynamo's L['self'].layers[0] is layers.0
     if node.op == "call_module":
         return str(node.target)
     return None
