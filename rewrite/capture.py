@@ -446,14 +446,17 @@ def is_module_state_source(source: Any) -> bool:
 
 def lifted_state_positions(gm: fx.GraphModule) -> Tuple[int, ...]:
     """Positions of the placeholders of a ``capture_dynamo`` graph that are module
-    parameters or buffers (not user inputs), from ``meta["dynamo_source"]``.
+    parameters or buffers (not user inputs), from ``meta["dynamo_source"]``, or from
+    dynamo's own ``meta["grapharg"]`` while a backend of the caller's runs (a graph
+    analyzed inside ``torch.compile(backend=...)``).
 
     Pass them as ``fixed_inputs`` to ``rewrite.trust.check.check_equivalence`` to
     vary only the real inputs.
     """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     return tuple(i for i, n in enumerate(placeholders)
-                 if is_module_state_source(n.meta.get(DYNAMO_SOURCE)))
+                 if is_module_state_source(n.meta.get(DYNAMO_SOURCE)
+                                           or getattr(n.meta.get("grapharg"), "source", None)))
 
 
 class ModelSpecError(ValueError):

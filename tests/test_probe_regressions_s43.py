@@ -327,3 +327,27 @@ def test_module_name_matches_reads_dynamo_paths_too(level):
     assert result.counts == {"unfuse": 1}
     out = result.graph_module(*inputs)
     torch.testing.assert_close(out[0] if isinstance(out, tuple) else out, model(x))  # (dynamo returns a tuple)
+
+
+def test_analyze_inside_a_users_own_compile_backend_counts_parameters_as_parameters():
+    """probe AX (low): a graph measured inside the caller's own torch.compile backend
+    counted its lifted parameters as inputs (only rewrite's capture kept their source)."""
+    from rewrite.analysis import analyze
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    x = torch.randn(2, 64)
+    seen = []
+
+    def backend(gm, inputs):
+        seen.append(analyze(gm, inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        torch.compile(model, backend=backend)(x)
+    finally:
+        torch._dynamo.reset()
+    (analysis,) = seen
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert analysis.totals.param_bytes == params
+    assert analysis.input_bytes == x.numel() * x.element_size()
