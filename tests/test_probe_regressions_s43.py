@@ -351,3 +351,22 @@ def test_analyze_inside_a_users_own_compile_backend_counts_parameters_as_paramet
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     assert analysis.totals.param_bytes == params
     assert analysis.input_bytes == x.numel() * x.element_size()
+
+
+def test_an_expanded_operand_is_charged_the_bytes_it_holds():
+    """probe AX (low): ``x + y.expand_as(x)`` charged the add 64x the bytes of ``y``,
+    while ``x + y`` (the same broadcast) charged ``y``'s own."""
+    from rewrite.analysis import analyze
+
+    class Implicit(torch.nn.Module):
+        def forward(self, x, y):
+            return x + y
+
+    class Explicit(torch.nn.Module):
+        def forward(self, x, y):
+            return x + y.expand_as(x)
+
+    x, y = torch.randn(64, 32), torch.randn(32)
+    implicit, explicit = (analyze(torch.export.export(m(), (x, y)).module(), (x, y)) for m in (Implicit, Explicit))
+    assert implicit["add"].bytes_read == explicit["add"].bytes_read == (64 * 32 + 32) * 4
+    assert implicit.totals.bytes_read == explicit.totals.bytes_read

@@ -447,7 +447,20 @@ def _storage_bytes(t: torch.Tensor) -> int:
 
 
 def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+    """The bytes of the elements a tensor holds: an ``expand``ed (broadcast) dimension,
+    stride 0, repeats one element, read once (as ``x + y`` broadcasting ``y`` itself
+    is charged ``y``'s bytes, so is ``x + y.expand_as(x)``)."""
+    if t.numel() == 0:
+        return 0
+    try:
+        strides = t.stride()
+    except (RuntimeError, NotImplementedError):  # sparse, nested: as many as it holds
+        return t.numel() * t.element_size()
+    held = 1
+    for size, stride in zip(t.shape, strides):
+        if stride != 0:
+            held *= size
+    return held * t.element_size()
 
 
 def _shape_dtype(value: Any) -> tuple:
