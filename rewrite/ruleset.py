@@ -220,12 +220,12 @@ def _runs_in_sets(sets: dict, name: str) -> list:
     return [once for schedule in sets.values() for once in _runs(sets, schedule, name)]
 
 
-def _default_schedule(rules: dict, sets: dict) -> Any:
+def _default_schedule(rules: dict, unsettled: frozenset) -> Any:
     """A file's schedule when it declares no ``main``: every rule to a fixpoint, but a
-    rule its rule sets run only in ``once(...)`` (one that rewrites its own output,
-    which the checker lets through for that once, E409) runs once, after the rest."""
-    once = tuple(n for n in rules if sets and all(_runs_in_sets(sets, n) or [False]))
-    rest = tuple(n for n in rules if n not in once)
+    rule that rewrites its own output forever (E409, let through because one of the
+    file's rule sets runs it in ``once(...)``) runs once, after the rest."""
+    once = tuple(n for n in rules if n in unsettled)
+    rest = tuple(n for n in rules if n not in unsettled)
     if not once:
         return Schedule("fixpoint", rest)
     return Schedule("seq", (Schedule("fixpoint", rest), Schedule("once", once))) if rest else Schedule("once", once)
@@ -245,7 +245,7 @@ class RuleSet:
         families = dict(program.families)
         rules = {r.name: compile_rule(r, i, families) for i, r in enumerate(program.rules)}
         sets = {n: _schedule_of(s) for n, s in program.rulesets.items()}
-        return cls(rules, sets, sets["main"] if "main" in sets else _default_schedule(rules, sets), name)
+        return cls(rules, sets, sets["main"] if "main" in sets else _default_schedule(rules, program.unsettled), name)
 
     def __repr__(self) -> str:
         return f"RuleSet({self.name or 'rules'}: {len(self.rules)} rules, schedule={self.schedule!r})"

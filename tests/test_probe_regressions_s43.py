@@ -370,3 +370,31 @@ def test_an_expanded_operand_is_charged_the_bytes_it_holds():
     implicit, explicit = (analyze(torch.export.export(m(), (x, y)).module(), (x, y)) for m in (Implicit, Explicit))
     assert implicit["add"].bytes_read == explicit["add"].bytes_read == (64 * 32 + 32) * 4
     assert implicit.totals.bytes_read == explicit.totals.bytes_read
+
+
+def test_a_rule_run_once_that_settles_keeps_its_place_in_the_default_fixpoint():
+    """probe BA F1: the default schedule moved every once-only rule after the
+    fixpoint, so ``fold`` no longer saw ``lower``'s output. Only a rule that never
+    settles by itself (E409, accepted for its once) runs apart now."""
+    text = ("rule lower: sub(x, y) => add(x, neg(y))\nrule fold: neg(neg(x)) => x\n"
+            "ruleset pipeline = seq(once(lower), fixpoint(fold))\n")
+    rules = rewrite.parse(text)
+    assert repr(rules.schedule) == "fixpoint(lower, fold)"
+
+    class M(torch.nn.Module):
+        def forward(self, a, b):
+            return a - (-b)
+
+    a, b = torch.randn(3), torch.randn(3)
+    result = rules.apply(torch.fx.symbolic_trace(M()), example_inputs=(a, b))
+    assert result.counts == {"lower": 1, "fold": 1}
+    torch.testing.assert_close(result.graph_module(a, b), a + b)
+
+
+def test_a_long_cycle_of_rule_sets_is_one_E404_and_no_E001():
+    """probe BA F6: a cycle of 150 rule sets also got "nests schedules too deeply"."""
+    text = "rule r: neg(neg(x)) => x\n" + "".join(f"ruleset s{i} = seq(s{(i + 1) % 150}, r)\n" for i in range(150))
+    with pytest.raises(rewrite.RuleError) as err:
+        rewrite.parse(text, "t.rw")
+    assert "[E404]" in str(err.value) and "[E001]" not in str(err.value)
+    assert str(err.value).count("error:") == 1

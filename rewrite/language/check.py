@@ -80,9 +80,12 @@ class Scope:
     uses: dict = attrs.field(factory=dict)  # Span -> ast.Binding
 
 
-def check_module(module: ast.Module, scope: Scope) -> list:
-    """Every diagnostic for the declarations of one parsed file."""
+def check_module(module: ast.Module, scope: Scope, unsettled: set | None = None) -> list:
+    """Every diagnostic for the declarations of one parsed file. ``unsettled`` gets
+    the names of rules that never settle by themselves (E409), let through because
+    the file runs them in ``once(...)``: a schedule must not run them to a fixpoint."""
     checker = _Checker(scope)
+    checker.unsettled = unsettled if unsettled is not None else set()
     for item in module.items:
         if isinstance(item, ast.Rule):
             checker.rule(item)
@@ -140,9 +143,9 @@ def check_declarations(modules: list, origins: list | None = None) -> list:
                 rulesets[item.name] = item
     diags += _cycles({n: [(m, s) for m, s in zip(f.ops, _op_spans(f)) if m in families]
                       for n, f in families.items()}, "family")
-    diags += _cycles({n: [(r.name, r.span) for r in _refs(d.schedule) if r.name in rulesets]
+    cycles = _cycles({n: [(r.name, r.span) for r in _refs(d.schedule) if r.name in rulesets]
                       for n, d in rulesets.items()}, "ruleset")
-    diags += _nested_too_deeply(rulesets)
+    diags += cycles or _nested_too_deeply(rulesets)  # (a cycle is as deep as it is long: its E404 says it)
     return diags
 
 
@@ -473,10 +476,11 @@ class _Checker:
         certain match is reported; a rule the file runs in ``once(...)`` is exempt."""
         if r.where is not None:
             return
-        if r.name in self._run_once:
-            return
         for term in ast.walk(r.replacement):
             if isinstance(term, ast.Call) and _certainly_matches(r.pattern, term, {}, self._canonical):
+                if r.name in self._run_once:
+                    self.unsettled.add(r.name)
+                    return
                 self.error(term.span, f"rule '{r.name}' never settles: its pattern matches the "
                                       f"{format_expr(term)} it builds, so it rewrites its own output forever",
                            "E409", help="add a where clause the new term fails, or run the rule "

@@ -43,6 +43,8 @@ class Program:
         rulesets: ruleset name -> its ``ast.Schedule``.
         files: the files read, in the same order as ``rules`` (imports first).
         sources: file path -> text, for printing diagnostics.
+        unsettled: rules that rewrite their own output forever (E409), accepted
+            because a ruleset runs them in ``once(...)``: never run to a fixpoint.
     """
 
     rules: tuple
@@ -50,6 +52,7 @@ class Program:
     rulesets: dict
     files: tuple
     sources: dict = attrs.field(repr=False)
+    unsettled: frozenset = frozenset()
 
     def rule(self, name: str) -> ast.Rule:
         """The rule called ``name``; KeyError if there is none."""
@@ -346,10 +349,11 @@ class _Loader:
         modules = [m for _, m in unique]
         diags = list(self.diags)
         checking = None
+        unsettled: set = set()
         try:
             for f, module in unique:
                 checking = f
-                found = check_module(module, self._scope(f))
+                found = check_module(module, self._scope(f), unsettled)
                 if f.origin is not None:  # where the instance comes from, for what is not at the import itself
                     note = _instance_note(f.origin)
                     here = f.origin.span.path if f.origin.span is not None else None
@@ -372,6 +376,7 @@ class _Loader:
             rulesets={i.name: i.schedule for i in items if isinstance(i, ast.RuleSetDecl)},
             files=tuple(f.display for f in self.order),
             sources=dict(self.sources),
+            unsettled=frozenset(unsettled),
         )
 
 
