@@ -240,19 +240,30 @@ def symbolic_trace(model: nn.Module) -> fx.GraphModule:
 
 
 def _name_call_sites(graph: fx.Graph, root: nn.Module) -> None:
-    """Name each module in the graph's ``nn_module_stack`` where it was called.
+    """Name a shared module in the graph's ``nn_module_stack`` under the module that
+    called it.
 
-    fx names a module reachable under several names (a Linear shared by ``blocks.0``,
-    ``blocks.1`` and the model itself) by its first name wherever it is called, so
-    measurements and pictures credited every call to ``blocks.0.fc``. The calling
-    module is known (the entry before it); the shortest name of the module under the
-    caller is the call site. Call targets keep fx's name (the GraphModule holds the
-    module under that name only)."""
-    names: dict = {}
-    for name, m in root.named_modules(remove_duplicate=False):
-        names.setdefault(id(m), []).append(name)
-    if all(len(every) == 1 for every in names.values()):
+    fx names a module reachable under several names (a Linear shared by ``blocks.0``
+    and ``blocks.1``) by its first name wherever it is called, so measurements and
+    pictures credited the call inside ``blocks.1`` to ``blocks.0.fc``. The calling
+    module is the entry before it in the stack: where the first name is not under it
+    (certainly not the call site), the module's first name under the caller is. Where
+    the first name is under the caller (the model calling ``self.fc`` that is also
+    ``blocks.0.fc``), fx cannot tell which name the forward used, and it stays. Call
+    targets keep fx's name (the GraphModule holds the module under that name only)."""
+    if not _shares_modules(root):
         return
+    found: dict = {}
+
+    def call_site(caller: str, first: str) -> str:
+        if not caller or not first or first.startswith(caller + "."):
+            return first
+        if (caller, first) not in found:
+            module = root.get_submodule(first)
+            found[caller, first] = next((f"{caller}.{name}" for name, m in root.get_submodule(caller).named_modules()
+                                         if name and m is module), first)
+        return found[caller, first]
+
     sites_of: dict = {}
     for node in graph.nodes:
         stack = node.meta.get("nn_module_stack")
@@ -263,13 +274,24 @@ def _name_call_sites(graph: fx.Graph, root: nn.Module) -> None:
         if sites is None:
             sites, caller = [], ""
             for first in key:
-                every = names.get(id(root.get_submodule(first)), [first]) if first else [first]
-                under = [n for n in every if not caller or n.startswith(caller + ".")]
-                caller = min(under, key=lambda n: n.count(".")) if under else first
+                caller = call_site(caller, first)
                 sites.append(caller)
             sites_of[key] = sites
         node.meta["nn_module_stack"] = type(stack)(
             (k, (site, entry[1])) for (k, entry), site in zip(stack.items(), sites))
+
+
+def _shares_modules(root: nn.Module) -> bool:
+    """Whether some module of ``root`` is held in more than one place (linear: each
+    module's children are read once)."""
+    held: set = set()
+    for module in root.modules():
+        for child in module._modules.values():
+            if child is not None:
+                if id(child) in held:
+                    return True
+                held.add(id(child))
+    return False
 
 
 @contextlib.contextmanager
