@@ -495,7 +495,22 @@ def _held(t: Any, dtype: Any, name: str) -> Any:
     if out.is_floating_point() and not _all_finite(out):
         raise FoldOverflowError(f"{name}: the folded constant is not finite in {dtype or out.dtype} "
                                 f"(it overflows, or the values it folds are not finite): not folded")
+    if out is not t and out.is_floating_point() and t.is_floating_point() and _rounding_loses(t.detach(), out):
+        raise FoldOverflowError(f"{name}: the folded constant underflows {out.dtype} (its values fall below the "
+                                f"dtype's normal range and lose their digits): not folded")
     return out
+
+
+def _rounding_loses(exact: torch.Tensor, rounded: torch.Tensor) -> bool:
+    """Whether rounding a folded constant to a narrower dtype loses more than rounding
+    does in the dtype's normal range: per row (an output channel of a weight; a bias
+    or a scalar as a whole), an error above 4 epsilons of the row's largest value
+    (a float16 fold of a tiny gamma lands among subnormals, or at zero)."""
+    if rounded.numel() == 0 or torch.finfo(rounded.dtype).bits >= torch.finfo(exact.dtype).bits:
+        return False
+    rows = exact.reshape(exact.shape[0], -1) if exact.dim() >= 2 else exact.reshape(1, -1)
+    error = (rounded.to(exact.dtype).reshape(rows.shape) - rows).abs().amax(dim=1)
+    return bool((error > 4 * torch.finfo(rounded.dtype).eps * rows.abs().amax(dim=1)).any())
 
 
 def _all_finite(t: torch.Tensor) -> bool:
