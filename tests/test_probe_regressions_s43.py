@@ -468,3 +468,28 @@ def test_a_float16_fold_whose_weights_would_underflow_is_refused(gamma, folds):
     expected = model(x).double()
     error = (result.graph_module(x).double() - expected).abs().max()
     assert error <= 0.01 * expected.abs().max()
+
+
+class _Float16Branch(torch.nn.Module):
+    def __init__(self, side):
+        super().__init__()
+        self.a, self.c, self.side = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8).half(), side
+
+    def forward(self, x):
+        return self.a(x).double(), (self.c(x.half()) if self.side else x * 2)
+
+
+@pytest.mark.parametrize("level", ["fx", "export"])
+@pytest.mark.parametrize("side", [False, True])
+def test_amp_on_a_model_already_computing_float16_elsewhere_passes_its_check(level, side):
+    """probe BB F1: the check judged an output AMP lowered to float16 at float64's
+    tolerance as soon as the original computed float16 anywhere (a side branch the
+    output never reads): the run as a whole computed nothing new. Per output now."""
+    torch.manual_seed(0)
+    model, x = _Float16Branch(side).eval(), torch.randn(3, 8)
+    gm = torch.fx.symbolic_trace(model) if level == "fx" else torch.export.export(model, (x,)).module()
+    result = rewrite.load("rules/amp_fp16.rw").apply(gm, example_inputs=(x,))
+    assert any(name.startswith("linear_fp16") for name in result.counts)
+    out = result.graph_module(x)
+    assert out[0].dtype == torch.float64
+    torch.testing.assert_close(out[0], model(x)[0], atol=1e-2, rtol=1e-2)

@@ -629,7 +629,11 @@ class _Watch:
         buffer_ids = {id(t) for t in fn.buffers()} if isinstance(fn, torch.nn.Module) else set()
         by_value = frozenset(name for name in watched if writable is not None or id(state[name]) in buffer_ids)
         static = static_float_dtypes(fn) if dtypes else None
-        unneeded = static is not None and compared_with is not None and static <= compared_with
+        # with one floating dtype in the reference and none other here, no output is
+        # computed from a precision new to it; with several (a float16 branch of a
+        # float32 model), one output may be, though the whole run computes no new one
+        unneeded = static is not None and compared_with is not None and static <= compared_with \
+            and sum(d.is_floating_point for d in compared_with) <= 1
         lineage = lineage and dtypes and not unneeded
         return cls(state, frozenset(_storage(t) for t in state.values()) - {None}, writable, watched, by_value,
                    static, _static_lineage(fn) if lineage else None, unneeded, lineage or not dtypes or unneeded)
@@ -2309,8 +2313,11 @@ class _Comparison:
         # precision loosens its tolerance (and lets its integers flip)
         given = frozenset(x.dtype for x in input_leaves(inputs)
                           if isinstance(x, torch.Tensor) and x.is_floating_point())
-        low = _new_precision(ref, cand, given) if tolerance == "approx" else None
-        lows = _new_precisions(ref, cand, given) if low is not None else None
+        # (per output first: a model computing float16 on one branch may be lowered
+        # to float16 on another, which the whole run's dtypes would not show)
+        lows = _new_precisions(ref, cand, given) if tolerance == "approx" else None
+        low = loosest({d for d in lows if d is not None}) if lows is not None else None
+        lows = lows if low is not None else None
         bound = None if low is None else (INT_AGREEMENT if self.int_agreement is None else self.int_agreement)
         a, r, mm = _compare(t, ref.outputs, cand.outputs, tolerance, rtol, atol, None, agreement=bound,
                             compute_dtypes=lows, quantum=quantum)
