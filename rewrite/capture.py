@@ -834,6 +834,17 @@ def save_path_problem(path: Any, level: str) -> str | None:
     return missing_folder(path)
 
 
+def _write_all(file: Any, data: memoryview) -> None:
+    """Write all of ``data``: a raw stream may take part of it per call, and says so."""
+    while len(data):
+        written = file.write(data)
+        if written is None:  # a buffered writer: took it all
+            return
+        if not written:
+            raise SaveError(f"the file object took none of the last {len(data)} bytes: the file is incomplete")
+        data = data[written:]
+
+
 def _level_problem(level: str) -> str | None:
     """Why a ``level`` result cannot be saved at all (None when it can)."""
     if level == "dynamo":
@@ -968,7 +979,7 @@ def save(gm: fx.GraphModule, path: Any, level: str = "fx", example_inputs: Any =
     if not is_path(path):
         buffer = io.BytesIO()  # made whole before the caller's file gets a byte
         write(buffer)
-        path.write(buffer.getvalue())
+        _write_all(path, buffer.getbuffer())
         return path
     return write_atomically(Path(path), write)
 
@@ -1006,12 +1017,21 @@ def file_object_problem(target: Any) -> str | None:
     """Why ``target`` (not a path) cannot take the bytes of a saved model, or None: a
     text stream or a non-file would reach torch's writer, which aborts the process on
     some (``torch.export.save(program, 123)``)."""
+    mode = getattr(target, "mode", "b")  # (gzip's files give an int)
     binary = hasattr(target, "write") and not isinstance(target, io.TextIOBase) \
-        and "b" in str(getattr(target, "mode", "b"))
-    if binary:
-        return None
-    return (f"expected a path or a binary file object opened for writing (open(..., 'wb'), io.BytesIO), "
-            f"not {type(target).__name__}")
+        and not (isinstance(mode, str) and "b" not in mode)
+    if not binary:
+        return (f"expected a path or a binary file object opened for writing (open(..., 'wb'), io.BytesIO), "
+                f"not {type(target).__name__}")
+    if getattr(target, "closed", False):
+        return "the file object is closed"
+    writable = getattr(target, "writable", None)
+    try:
+        if callable(writable) and not writable():
+            return "the file object is not open for writing (open(..., 'wb'))"
+    except ValueError:  # io's answer for a file closed meanwhile
+        return "the file object is closed"
+    return None
 
 
 def file_problem(path: Any, suffix: str) -> str | None:
