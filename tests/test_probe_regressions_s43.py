@@ -534,3 +534,11 @@ def test_capture_save_into_odd_file_objects(tmp_path):
     closed.close()
     with pytest.raises(ValueError, match="closed"):
         rewrite.capture.save(gm, closed)
+
+
+@pytest.mark.parametrize("name", ["legacy_contiguous_format", "_mkldnn", "int4", "uint3", "bits8"])
+def test_other_torch_constants_are_not_unknown_dtypes(name):
+    """probe BA F8: these got "unknown dtype" (and int4 a "did you mean torch.int64")."""
+    with pytest.raises(rewrite.RuleError) as err:
+        rewrite.parse(f"rule r: relu(x) where dtype(x) == torch.{name} => x\n", "f.rw")
+    assert "which rules cannot write" in str(err.value) and "did you mean" not in str(err.value)

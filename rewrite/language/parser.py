@@ -46,9 +46,14 @@ _LOWER_LITERALS = {"true": "True", "false": "False", "none": "None", "null": "No
 
 #: torch's constants that are not dtypes, which the language has no literal for
 _TORCH_CONSTANTS = {
-    **dict.fromkeys(("contiguous_format", "channels_last", "channels_last_3d", "preserve_format"), "memory format"),
-    **dict.fromkeys(("strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc", "jagged"),
-                    "layout"),
+    **dict.fromkeys(("contiguous_format", "channels_last", "channels_last_3d", "preserve_format",
+                     "legacy_contiguous_format"), "memory format"),
+    **dict.fromkeys(("strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc", "jagged",
+                     "_mkldnn"), "layout"),
+    # torch's dtypes of sub-byte or packed bits, which no op of the vocabulary computes in
+    **dict.fromkeys(("bit", "bits8", "bits16", "bits1x8", "bits2x4", "bits4x2", "float4_e2m1fn_x2", "float8_e8m0fnu",
+                     "quint2x4", *(f"int{i}" for i in range(1, 8)), *(f"uint{i}" for i in range(1, 8))),
+                    "dtype of packed bits"),
     **dict.fromkeys(("per_tensor_affine", "per_channel_affine", "per_tensor_symmetric", "per_channel_symmetric",
                      "per_channel_affine_float_qparams"), "quantization scheme"),
 }
@@ -315,9 +320,10 @@ class _Builder(Transformer):
             return ast.DTypeLit(attr, span=span)
         kind = _TORCH_CONSTANTS.get(attr) if head == "torch" else None
         if kind is not None:
-            self._error(span, f"'{text}' is a {kind}, which rules cannot write; only dtypes are literals "
-                              "of torch (torch.float32, ...)", "E010",
-                        help="bind the argument to a variable or '_' (or leave it out, for its default)")
+            self._error(span, f"'{text}' is a {kind}, which rules cannot write; the dtypes of docs/language.md "
+                              "are the literals of torch (torch.float32, ...)", "E010",
+                        help="in a pattern, bind the argument to a variable or '_' (or leave it out, for its "
+                             "default)")
         elif head == "torch" and "." not in attr:
             hint = did_you_mean(attr, DTYPES)
             self._error(span, f"unknown dtype '{text}'", "E010",
