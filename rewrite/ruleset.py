@@ -220,6 +220,15 @@ def _runs_in_sets(sets: dict, name: str) -> list:
     return [once for schedule in sets.values() for once in _runs(sets, schedule, name)]
 
 
+def _renamed(schedule: Any, names: dict) -> Any:
+    """``schedule`` with the rule sets it names renamed by ``names``."""
+    if not names:
+        return schedule
+    if isinstance(schedule, str):
+        return names.get(schedule, schedule)
+    return Schedule(schedule.kind, tuple(_renamed(item, names) for item in schedule.items))
+
+
 def _default_schedule(rules: dict, unsettled: frozenset) -> Any:
     """A file's schedule when it declares no ``main``: every rule to a fixpoint, but a
     rule that rewrites its own output forever (E409, let through because one of the
@@ -293,8 +302,14 @@ class RuleSet:
             if name in rules and rules[name].rule != rule.rule:
                 raise ValueError(f"both rule sets define a different rule named {name!r}")
             rules[name] = rule
-        sets = {**self.sets, **other.sets}
-        return RuleSet(rules, sets, Schedule("seq", (self.schedule, other.schedule)), f"{self.name}+{other.name}")
+        # a rule set both declare differently (each file's ``main``, a ``cleanup`` of
+        # each) keeps its meaning on each side: ``other``'s gets a name no file can write
+        clash = {n: f"{n}+{other.name or 'other'}" for n in other.sets
+                 if n in self.sets and self.sets[n] != other.sets[n]}
+        other_sets = {clash.get(n, n): _renamed(s, clash) for n, s in other.sets.items()}
+        first = self.schedule.items if self.schedule.kind == "seq" else (self.schedule,)  # a + b + c: one seq
+        schedule = Schedule("seq", first + (_renamed(other.schedule, clash),))
+        return RuleSet(rules, {**self.sets, **other_sets}, schedule, f"{self.name}+{other.name}")
 
     def _resolve(self, name: str) -> Any:
         if name in self.rules:

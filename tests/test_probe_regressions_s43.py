@@ -542,3 +542,27 @@ def test_other_torch_constants_are_not_unknown_dtypes(name):
     with pytest.raises(rewrite.RuleError) as err:
         rewrite.parse(f"rule r: relu(x) where dtype(x) == torch.{name} => x\n", "f.rw")
     assert "which rules cannot write" in str(err.value) and "did you mean" not in str(err.value)
+
+
+def test_adding_rule_sets_keeps_each_sides_rule_sets_and_stays_flat():
+    """probe BA F9: ``A + B`` where both declare ``cleanup`` ran B's in A's place
+    (only b fired); 1201 sets added in a row nested seq(seq(...)) past the
+    recursion limit in apply."""
+    a = rewrite.parse("rule a: neg(neg(x)) => x\nruleset cleanup = fixpoint(a)\nruleset main = seq(cleanup)\n", "A.rw")
+    b = rewrite.parse("rule b: relu(relu(x)) => relu(x)\nruleset cleanup = fixpoint(b)\nruleset main = seq(cleanup)\n",
+                      "B.rw")
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return torch.relu(torch.relu(-(-x)))
+
+    x = torch.randn(5)
+    gm = torch.fx.symbolic_trace(M())
+    both = a + b
+    assert both.apply(gm, example_inputs=(x,)).counts == {"a": 1, "b": 1}
+    assert (b + a).apply(gm, example_inputs=(x,)).counts == {"a": 1, "b": 1}
+    many = a
+    for _ in range(1200):
+        many = many + a
+    assert len(many.schedule.items) == 1201
+    assert many.apply(gm, example_inputs=(x,)).counts == {"a": 1}
