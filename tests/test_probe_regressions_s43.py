@@ -566,3 +566,27 @@ def test_adding_rule_sets_keeps_each_sides_rule_sets_and_stays_flat():
         many = many + a
     assert len(many.schedule.items) == 1201
     assert many.apply(gm, example_inputs=(x,)).counts == {"a": 1}
+
+
+def test_a_check_on_empty_outputs_says_it_compared_nothing():
+    """probe BB note: with a batch of 0 every trial compares nothing, and a wrong
+    rule passes as well; the report says so."""
+    model, _ = _conv_bn()
+    wrong = rewrite.parse("rule r: relu(x) => neg(x)\n")
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, x):
+            return torch.relu(self.inner(x))
+
+    empty, some = torch.randn(0, 3, 8, 8), torch.randn(2, 3, 8, 8)
+    result = wrong.apply(torch.fx.symbolic_trace(M()), example_inputs=(empty,))
+    assert result.equivalence.ok and result.equivalence.empty
+    assert "nothing was compared" in str(result.equivalence)
+    with pytest.raises(rewrite.EquivalenceError):
+        wrong.apply(torch.fx.symbolic_trace(M()), example_inputs=(some,))
+    ok = rewrite.load("rules/fusion.rw").apply(torch.fx.symbolic_trace(model), example_inputs=(some,))
+    assert not ok.equivalence.empty and "nothing was compared" not in str(ok.equivalence)

@@ -175,6 +175,9 @@ class EquivalenceReport:
     #: trials not run because they could not tell anything a run trial did not:
     #: their inputs equal an earlier trial's (no input the check can vary)
     skipped: int = 0
+    #: every output of every trial run held no element (a batch of 0): the check
+    #: compared nothing, and a wrong rewrite would pass it as well
+    empty: bool = False
 
     def __bool__(self) -> bool:
         return self.ok
@@ -186,6 +189,8 @@ class EquivalenceReport:
         if self.skipped:
             errs += (f"; {self.skipped} trial(s) skipped: their inputs would equal an earlier trial's "
                      "(nothing the check can vary)")
+        if self.empty:
+            errs += "; every output was empty (a batch of 0?): nothing was compared"
         if self.ok:
             return f"equivalent over {self.trials} trial(s) ({errs})"
         return f"NOT equivalent: {self.first_mismatch} [{errs} over {self.trials} trial(s)]"
@@ -2208,6 +2213,7 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
     worst_abs = worst_rel = 0.0
     agreed: Optional[float] = None
     skipped = 0
+    compared = False  # some output of some trial held an element
     # One saved state for both (a copy shares the reference's tensors), put back
     # after every run: each starts from the state as it was.
     dtypes = tolerance == "approx"
@@ -2259,6 +2265,8 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
             if plan is not None and runner.reused * 4 < plan.computing:
                 reference.stop_recording()  # the rewrite changed values early: most is recomputed
             a, r, share, mm, low = compare.runs(t, ref, cand, inputs)
+            compared = compared or any(not isinstance(leaf, torch.Tensor) or leaf.numel()
+                                       for leaf in pytree.tree_leaves(ref.outputs))
             if share is not None:
                 agreed = share if agreed is None else min(agreed, share)
             worst_abs, worst_rel = max(worst_abs, a), max(worst_rel, r)
@@ -2285,7 +2293,7 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
             mm = _gradient_mismatch(reference, run_candidate, state, tolerance, rtol, atol, low0)
             if mm is not None:
                 return EquivalenceReport(False, trials, worst_abs, worst_rel, mm, agreed, skipped)
-    return EquivalenceReport(True, trials, worst_abs, worst_rel, None, agreed, skipped)
+    return EquivalenceReport(True, trials, worst_abs, worst_rel, None, agreed, skipped, empty=not compared)
 
 
 @attrs.frozen
