@@ -998,7 +998,7 @@ def normalize_module_path(path: str) -> str:
     parameter is not ``self``, ``._modules['key']`` for a container key, quotes and
     all) and ``self.layer1.0`` are ``layer1.0``."""
     path = _DYNAMO_ROOT.sub("", path)
-    path = re.sub(r"^self\.?", "", path)
+    path = re.sub(r"^self(\.|$)", "", path)  # (not the start of self_attn)
     path = _PATH_PIECE.sub(lambda m: "." + _key(next(g for g in m.groups() if g is not None)), path)
     return path.strip(".")
 

@@ -220,6 +220,33 @@ def _runs_in_sets(sets: dict, name: str) -> list:
     return [once for schedule in sets.values() for once in _runs(sets, schedule, name)]
 
 
+def _clashing(sets: dict, rule_names: set, beside: dict, taken: set, tag: str) -> dict:
+    """New names for the rule sets of ``sets`` that would mean something else beside
+    the rules ``rule_names`` (a rule's name resolves first) and the rule sets
+    ``beside``: named like such a rule, declared in ``beside`` with another schedule,
+    or naming a set renamed so (their text alike, their meaning not). New names
+    (``cleanup+fusion``, ``cleanup+fusion+2``) are added to ``taken``."""
+    renamed: set = {n for n in sets if n in rule_names or (n in beside and beside[n] != sets[n])}
+    grew = True
+    while grew:  # a set naming a renamed set means something else too
+        more = {n for n, sched in sets.items() if n not in renamed and n in beside and _names(sched) & renamed}
+        renamed |= more
+        grew = bool(more)
+    names: dict = {}
+    for n in sorted(renamed):
+        new, k = f"{n}+{tag}", 2
+        while new in taken:
+            new, k = f"{n}+{tag}+{k}", k + 1
+        taken.add(new)
+        names[n] = new
+    return names
+
+
+def _names(schedule: Any) -> set:
+    """The rule and rule-set names ``schedule`` refers to."""
+    return {schedule} if isinstance(schedule, str) else set().union(*(_names(i) for i in schedule.items))
+
+
 def _renamed(schedule: Any, names: dict) -> Any:
     """``schedule`` with the rule sets it names renamed by ``names``."""
     if not names:
@@ -302,14 +329,19 @@ class RuleSet:
             if name in rules and rules[name].rule != rule.rule:
                 raise ValueError(f"both rule sets define a different rule named {name!r}")
             rules[name] = rule
-        # a rule set both declare differently (each file's ``main``, a ``cleanup`` of
-        # each) keeps its meaning on each side: ``other``'s gets a name no file can write
-        clash = {n: f"{n}+{other.name or 'other'}" for n in other.sets
-                 if n in self.sets and self.sets[n] != other.sets[n]}
-        other_sets = {clash.get(n, n): _renamed(s, clash) for n, s in other.sets.items()}
-        first = self.schedule.items if self.schedule.kind == "seq" else (self.schedule,)  # a + b + c: one seq
-        schedule = Schedule("seq", first + (_renamed(other.schedule, clash),))
-        return RuleSet(rules, {**self.sets, **other_sets}, schedule, f"{self.name}+{other.name}")
+        # each side's schedules keep their meaning: a rule set named like a rule of
+        # the other side, or declared by both with another meaning (each file's
+        # ``main``, a ``cleanup`` of each, or one naming such a set), gets a name of
+        # its own, which no file can write
+        taken = set(rules) | set(self.sets) | set(other.sets)
+        mine = _clashing(self.sets, set(other.rules) - set(self.rules), {}, taken, self.name or "1")
+        mine_sets = {mine.get(n, n): _renamed(sched, mine) for n, sched in self.sets.items()}
+        theirs = _clashing(other.sets, set(self.rules) - set(other.rules), mine_sets, taken, other.name or "2")
+        their_sets = {theirs.get(n, n): _renamed(sched, theirs) for n, sched in other.sets.items()}
+        first = _renamed(self.schedule, mine)
+        items = first.items if not isinstance(first, str) and first.kind == "seq" else (first,)  # a + b + c: one seq
+        schedule = Schedule("seq", items + (_renamed(other.schedule, theirs),))
+        return RuleSet(rules, {**mine_sets, **their_sets}, schedule, f"{self.name}+{other.name}")
 
     def _resolve(self, name: str) -> Any:
         if name in self.rules:

@@ -590,3 +590,66 @@ def test_a_check_on_empty_outputs_says_it_compared_nothing():
         wrong.apply(torch.fx.symbolic_trace(M()), example_inputs=(some,))
     ok = rewrite.load("rules/fusion.rw").apply(torch.fx.symbolic_trace(model), example_inputs=(some,))
     assert not ok.equivalence.empty and "nothing was compared" not in str(ok.equivalence)
+
+
+def test_adding_rule_sets_whose_names_clash_in_every_way_keeps_every_meaning():
+    """probe BC F2: a set written alike on both sides but naming a clashing set, three
+    sets with one name, and a rule set named like the other side's rule all lost a
+    side's rules."""
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return torch.relu(torch.relu(-(-torch.abs(torch.abs(x)))))
+
+    x = torch.randn(5)
+
+    def counts(rules):
+        return rules.apply(torch.fx.symbolic_trace(M()), example_inputs=(x,)).counts
+
+    a = rewrite.parse("rule a: neg(neg(x)) => x\nruleset inner = fixpoint(a)\nruleset outer = seq(inner)\n"
+                      "ruleset main = seq(outer)\n", "A.rw")
+    b = rewrite.parse("rule b: relu(relu(x)) => relu(x)\nruleset inner = fixpoint(b)\nruleset outer = seq(inner)\n"
+                      "ruleset main = seq(outer)\n", "B.rw")
+    assert counts(a + b) == {"a": 1, "b": 1}
+
+    def one(rule, pattern):
+        return rewrite.parse(f"rule {rule}: {pattern}\nruleset cleanup = fixpoint({rule})\nruleset main = seq(cleanup)\n")
+
+    three = one("a", "neg(neg(x)) => x") + one("b", "relu(relu(x)) => relu(x)") + one("c", "abs(abs(x)) => abs(x)")
+    assert counts(three) == {"a": 1, "b": 1, "c": 1}
+    rule_named_cleanup = rewrite.parse("rule cleanup: relu(relu(x)) => relu(x)\n", "C.rw")
+    assert counts(one("a", "neg(neg(x)) => x") + rule_named_cleanup) == {"a": 1, "cleanup": 1}
+    assert counts(rule_named_cleanup + one("a", "neg(neg(x)) => x")) == {"a": 1, "cleanup": 1}
+
+
+def test_a_module_path_starting_with_self_keeps_it():
+    """probe BC F1: ``self_attn.q_proj`` lost its ``self`` (``_attn.q_proj``), so
+    ``module_name_matches(y, "self_attn*")`` stopped matching."""
+    from rewrite.capture import normalize_module_path
+
+    assert normalize_module_path("self_attn.q_proj") == "self_attn.q_proj"
+    assert normalize_module_path("L['self'].self_attn") == "self_attn"
+    assert normalize_module_path("self.self_attn") == "self_attn"
+    assert normalize_module_path("self") == ""
+
+
+def test_a_float16_transposed_conv_fold_whose_weights_would_underflow_is_refused():
+    """probe BC F3: a transposed convolution keeps its output channels along dim 1."""
+
+    class TB(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c, self.b = torch.nn.ConvTranspose2d(3, 4, 3, padding=1, bias=False), torch.nn.BatchNorm2d(4)
+
+        def forward(self, x):
+            return self.b(self.c(x))
+
+    torch.manual_seed(0)
+    model = TB().eval()
+    with torch.no_grad():
+        model.c.weight.uniform_(-1e-3, 1e-3)
+        model.b.weight.copy_(torch.tensor([1e-4, 1.0, 1.0, 1.0]))
+    model = model.half()
+    x = torch.randn(2, 3, 6, 6).half() * 1000
+    gm = torch.export.export(model, (x,)).module()
+    result = rewrite.load("rules/fusion.rw").apply(gm, example_inputs=(x,), check=False)
+    assert not result.counts

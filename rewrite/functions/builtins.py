@@ -503,14 +503,22 @@ def _held(t: Any, dtype: Any, name: str) -> Any:
 
 def _rounding_loses(exact: torch.Tensor, rounded: torch.Tensor) -> bool:
     """Whether rounding a folded constant to a narrower dtype loses more than rounding
-    does in the dtype's normal range: per row (an output channel of a weight; a bias
-    or a scalar as a whole), an error above 4 epsilons of the row's largest value
-    (a float16 fold of a tiny gamma lands among subnormals, or at zero)."""
+    does in the dtype's normal range: per channel (a weight's slices along dim 0, and
+    along dim 1, where a transposed convolution keeps its output channels; a bias or
+    a scalar as a whole), an error above 4 epsilons of the channel's largest value (a
+    float16 fold of a tiny gamma lands among subnormals, or at zero)."""
     if rounded.numel() == 0 or torch.finfo(rounded.dtype).bits >= torch.finfo(exact.dtype).bits:
         return False
-    rows = exact.reshape(exact.shape[0], -1) if exact.dim() >= 2 else exact.reshape(1, -1)
-    error = (rounded.to(exact.dtype).reshape(rows.shape) - rows).abs().amax(dim=1)
-    return bool((error > 4 * torch.finfo(rounded.dtype).eps * rows.abs().amax(dim=1)).any())
+    error = (rounded.to(exact.dtype) - exact).abs()
+    bound = 4 * torch.finfo(rounded.dtype).eps
+    if exact.dim() < 2:
+        return bool(error.max() > bound * exact.abs().max())
+    magnitude = exact.abs()
+    for dim in (0, 1):
+        others = tuple(d for d in range(exact.dim()) if d != dim)
+        if bool((error.amax(dim=others) > bound * magnitude.amax(dim=others)).any()):
+            return True
+    return False
 
 
 def _all_finite(t: torch.Tensor) -> bool:
