@@ -653,3 +653,14 @@ def test_a_float16_transposed_conv_fold_whose_weights_would_underflow_is_refused
     gm = torch.export.export(model, (x,)).module()
     result = rewrite.load("rules/fusion.rw").apply(gm, example_inputs=(x,), check=False)
     assert not result.counts
+
+
+def test_a_rule_that_never_settles_is_exempt_from_E409_only_if_nothing_repeats_it():
+    """probe BC F6: a ``once(grow)`` anywhere exempted ``grow`` although ``main`` ran
+    it to a fixpoint, which looped until apply's NonTerminationError."""
+    grow = "rule grow: relu(x) => relu(relu(x))\n"
+    with pytest.raises(rewrite.RuleError, match=r"f\.rw:1:23: error: rule 'grow' never settles.*\[E409\]"):
+        rewrite.parse(grow + "ruleset s = once(grow)\nruleset main = fixpoint(grow)\n", "f.rw")
+    with pytest.raises(rewrite.RuleError, match="E409"):
+        rewrite.parse(grow + "ruleset s = fixpoint(seq(once(grow)))\n", "f.rw")
+    assert rewrite.parse(grow + "ruleset s = once(grow)\nruleset main = seq(once(grow))\n", "f.rw")

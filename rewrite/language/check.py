@@ -269,15 +269,6 @@ def expand_families(families: dict) -> dict:
 # ---------------------------------------------------------------- per rule
 
 
-def _once_refs(s: ast.Schedule) -> Iterator:
-    """The references listed directly inside a ``once(...)`` of schedule ``s``."""
-    for item in s.items:
-        if isinstance(item, ast.Schedule):
-            yield from _once_refs(item)
-        elif s.kind == "once":
-            yield item
-
-
 def _certainly_matches(pattern: object, term: object, env: dict, canonical: Any) -> bool:
     """Does ``pattern`` match every graph that replacement ``term`` builds?
     ``term``'s variables stand for unknown values, so a sub-pattern that needs
@@ -483,16 +474,31 @@ class _Checker:
                     return
                 self.error(term.span, f"rule '{r.name}' never settles: its pattern matches the "
                                       f"{format_expr(term)} it builds, so it rewrites its own output forever",
-                           "E409", help="add a where clause the new term fails, or run the rule "
+                           "E409", help="add a where clause the new term fails, or run the rule only "
                                         f"in once(...): ruleset {r.name}_once = once({r.name})")
                 return
 
     @functools.cached_property
     def _run_once(self) -> frozenset:
-        """Rules some ruleset in scope lists directly inside ``once(...)`` (computed
-        once per file: a file of thousands of rules stays linear)."""
-        return frozenset(ref.name for d in self.scope.schedulables.values() if isinstance(d, ast.RuleSetDecl)
-                         for ref in _once_refs(d.schedule))
+        """Rules the rulesets in scope run only in one sweep: listed directly inside
+        ``once(...)`` with no ``fixpoint(...)`` around it, and nowhere else (a bare
+        rule in ``seq(...)`` runs to a fixpoint), through the rulesets they name
+        (computed once per file: a file of thousands of rules stays linear)."""
+        decls = {n: d.schedule for n, d in self.scope.schedulables.items() if isinstance(d, ast.RuleSetDecl)}
+        once, repeated, walked = set(), set(), set()
+        pending = [(s, "fixpoint", False) for s in decls.values()]
+        while pending:  # (an explicit stack: rulesets may chain a hundred deep)
+            node, container, again = pending.pop()
+            if isinstance(node, ast.ScheduleRef):
+                if node.name in decls:
+                    if (node.name, container, again) not in walked:
+                        walked.add((node.name, container, again))
+                        pending.append((decls[node.name], container, again))
+                else:
+                    (once if container == "once" and not again else repeated).add(node.name)
+                continue
+            pending.extend((item, node.kind, again or node.kind == "fixpoint") for item in node.items)
+        return frozenset(once - repeated)
 
     def _canonical(self, name: str) -> frozenset:
         """The ops a callee may stand for: canonical names (a family's members), or
