@@ -664,3 +664,25 @@ def test_a_rule_that_never_settles_is_exempt_from_E409_only_if_nothing_repeats_i
     with pytest.raises(rewrite.RuleError, match="E409"):
         rewrite.parse(grow + "ruleset s = fixpoint(seq(once(grow)))\n", "f.rw")
     assert rewrite.parse(grow + "ruleset s = once(grow)\nruleset main = seq(once(grow))\n", "f.rw")
+
+
+def test_a_float16_fold_over_a_dead_input_channel_still_folds():
+    """probe BD F1: measuring the rounding along dim 1 refused a conv + BN fold
+    because one input channel's weights were tiny in the model itself; the error is
+    measured in the weight's own terms now, and the fold is as precise as before."""
+    torch.manual_seed(0)
+    model = _ConvBN().eval()
+    with torch.no_grad():
+        model.c.weight.uniform_(-0.1, 0.1)
+        model.c.weight[:, 0] = 1e-6
+        model.b.weight.uniform_(0.5, 2.0)
+    model = model.half()
+    x = torch.randn(2, 3, 6, 6).half()
+    gm = torch.export.export(model, (x,)).module()
+    result = rewrite.load("rules/fusion.rw").apply(gm, example_inputs=(x,))
+    assert result.counts == {"conv_bn": 1}
+    exact = _ConvBN().eval()
+    exact.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    exact = exact.double()
+    reference = exact(x.double())
+    assert (result.graph_module(x).double() - reference).abs().max() <= 2 * (model(x).double() - reference).abs().max()

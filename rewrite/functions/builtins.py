@@ -488,25 +488,31 @@ def _fold_dtype(*values: Any) -> Any:
     return dtype
 
 
-def _held(t: Any, dtype: Any, name: str) -> Any:
+def _held(t: Any, dtype: Any, name: str, source: Any = None, out_dim: int = 0) -> Any:
     """The folded constant ``t`` rounded to ``dtype``, detached; ``FoldOverflowError``
-    when it is not finite there (an overflow, or a NaN the fold made)."""
+    when it is not finite there (an overflow, or a NaN the fold made), or when the
+    rounding loses digits the model kept (``_rounding_loses``: ``source`` is the
+    weight ``t`` scales element by element, ``out_dim`` its output channels' dim)."""
     out = t.detach() if dtype is None or t.dtype == dtype else t.detach().to(dtype)
     if out.is_floating_point() and not _all_finite(out):
         raise FoldOverflowError(f"{name}: the folded constant is not finite in {dtype or out.dtype} "
                                 f"(it overflows, or the values it folds are not finite): not folded")
-    if out is not t and out.is_floating_point() and t.is_floating_point() and _rounding_loses(t.detach(), out):
+    if out is not t and out.is_floating_point() and t.is_floating_point() \
+            and _rounding_loses(t.detach(), out, source, out_dim):
         raise FoldOverflowError(f"{name}: the folded constant underflows {out.dtype} (its values fall below the "
                                 f"dtype's normal range and lose their digits): not folded")
     return out
 
 
-def _rounding_loses(exact: torch.Tensor, rounded: torch.Tensor) -> bool:
+def _rounding_loses(exact: torch.Tensor, rounded: torch.Tensor, source: Any = None, out_dim: int = 0) -> bool:
     """Whether rounding a folded constant to a narrower dtype loses more than rounding
-    does in the dtype's normal range: per channel (a weight's slices along dim 0, and
-    along dim 1, where a transposed convolution keeps its output channels; a bias or
-    a scalar as a whole), an error above 4 epsilons of the channel's largest value (a
-    float16 fold of a tiny gamma lands among subnormals, or at zero)."""
+    in the dtype's normal range does. Per output channel (a bias or a scalar as a
+    whole), the largest error must stay within 4 epsilons of the channel's largest
+    value; for a weight scaled element by element from ``source`` (a batch norm's
+    scale folded in), the error is measured back in the source's terms (divided by
+    the scale): a tiny scale for one channel (a float16 fold of gamma 1e-4, whose
+    weights land among subnormals) loses digits, while weights the model itself
+    keeps tiny (a dead input channel) lose nothing they had."""
     if rounded.numel() == 0 or torch.finfo(rounded.dtype).bits >= torch.finfo(exact.dtype).bits:
         return False
     error = (rounded.to(exact.dtype) - exact).abs()
@@ -514,11 +520,13 @@ def _rounding_loses(exact: torch.Tensor, rounded: torch.Tensor) -> bool:
     if exact.dim() < 2:
         return bool(error.max() > bound * exact.abs().max())
     magnitude = exact.abs()
-    for dim in (0, 1):
-        others = tuple(d for d in range(exact.dim()) if d != dim)
-        if bool((error.amax(dim=others) > bound * magnitude.amax(dim=others)).any()):
-            return True
-    return False
+    if isinstance(source, torch.Tensor) and source.shape == exact.shape:
+        weight = source.detach().to(exact.dtype).abs()
+        error = torch.where(magnitude > 0, error * weight / magnitude.clamp_min(torch.finfo(exact.dtype).tiny),
+                            error)
+        magnitude = weight
+    others = tuple(d for d in range(exact.dim()) if d != out_dim)
+    return bool((error.amax(dim=others) > bound * magnitude.amax(dim=others)).any())
 
 
 def _all_finite(t: torch.Tensor) -> bool:
@@ -550,7 +558,7 @@ def _memo_last(fn: Any) -> Any:
 @_memo_last
 def _conv_bn(w: Any, b: Any, mean: Any, var: Any, gamma: Any, beta: Any, eps: float, transpose: bool) -> tuple:
     fw, fb = _fusion.fuse_conv_bn_weights(*map(_wide, (w, b, mean, var)), eps, _wide(gamma), _wide(beta), transpose)
-    return (_bn_laid_out(_held(fw, w.dtype, "conv_bn_weight"), w),
+    return (_bn_laid_out(_held(fw, w.dtype, "conv_bn_weight", w, 1 if transpose else 0), w),
             _held(fb, w.dtype if b is None else b.dtype, "conv_bn_bias"))
 
 
@@ -573,7 +581,7 @@ def _linear_bn(w: Any, b: Any, mean: Any, var: Any, gamma: Any, beta: Any, eps: 
     if beta is None:
         beta = torch.zeros_like(mean)
     fw, fb = _fusion.fuse_linear_bn_weights(*map(_wide, (w, b, mean, var)), eps, _wide(gamma), _wide(beta))
-    return (_held(fw, w.dtype, "linear_bn_weight"), _held(fb, w.dtype if b is None else b.dtype, "linear_bn_bias"))
+    return (_held(fw, w.dtype, "linear_bn_weight", w), _held(fb, w.dtype if b is None else b.dtype, "linear_bn_bias"))
 
 
 @register_constant()
@@ -665,7 +673,7 @@ def bn_conv_weight(w: Any, groups: int, mean: Any, var: Any, gamma: Any, beta: A
     every input channel's taps scaled by its ``s``."""
     s, _ = _bn_affine(mean, var, gamma, beta, eps)
     scale = _per_weight_entry(s, w, groups).reshape(w.shape[:2] + (1,) * (w.dim() - 2))
-    return _held(_wide(w) * scale, _fold_dtype(w, mean, var, gamma, beta), "bn_conv_weight")
+    return _held(_wide(w) * scale, _fold_dtype(w, mean, var, gamma, beta), "bn_conv_weight", w)
 
 
 @register_constant()
@@ -682,7 +690,7 @@ def bn_linear_weight(w: Any, mean: Any, var: Any, gamma: Any, beta: Any, eps: fl
     """Weight of a ``linear`` whose 2-d input is an eval-mode ``batch_norm``: each
     input feature's column scaled by its ``s``."""
     s, _ = _bn_affine(mean, var, gamma, beta, eps)
-    return _held(_wide(w) * s, _fold_dtype(w, mean, var, gamma, beta), "bn_linear_weight")
+    return _held(_wide(w) * s, _fold_dtype(w, mean, var, gamma, beta), "bn_linear_weight", w)
 
 
 @register_constant()
