@@ -996,9 +996,9 @@ def normalize_module_path(path: str) -> str:
     """A module path as any capture level's ``nn_module_stack`` writes it, dotted:
     dynamo's ``L['self'].layer1[0]`` (or ``L['this']...`` for a forward whose first
     parameter is not ``self``, ``._modules['key']`` for a container key, quotes and
-    all) and ``self.layer1.0`` are ``layer1.0``."""
+    all) is ``layer1.0``. A child module named ``self`` (BERT's attention has one)
+    keeps its name: no capture writes the root as ``self.``."""
     path = _DYNAMO_ROOT.sub("", path)
-    path = re.sub(r"^self(\.|$)", "", path)  # (not the start of self_attn)
     path = _PATH_PIECE.sub(lambda m: "." + _key(next(g for g in m.groups() if g is not None)), path)
     return path.strip(".")
 

@@ -628,8 +628,9 @@ def test_a_module_path_starting_with_self_keeps_it():
 
     assert normalize_module_path("self_attn.q_proj") == "self_attn.q_proj"
     assert normalize_module_path("L['self'].self_attn") == "self_attn"
-    assert normalize_module_path("self.self_attn") == "self_attn"
-    assert normalize_module_path("self") == ""
+    assert normalize_module_path("attention.self.query") == "attention.self.query"
+    assert normalize_module_path("self.query") == "self.query"  # probe BD F5: a child named self
+    assert normalize_module_path("L['self'].self.query") == "self.query"
 
 
 def test_a_float16_transposed_conv_fold_whose_weights_would_underflow_is_refused():
