@@ -31,6 +31,7 @@ import copy
 import importlib
 import inspect
 import io
+import linecache
 import os
 import re
 import stat
@@ -169,10 +170,33 @@ def hooked(module: nn.Module) -> bool:
     return any(getattr(module, kind, None) for kind in HOOK_TABLES if not kind.endswith(("_kwargs", "_called")))
 
 
+#: frames that are not the model's: torch's and this library's (but its example models')
+_LIBRARY_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.abspath(__file__)) + os.sep)
+_EXAMPLES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "examples") + os.sep
+
+
 class _HookKeepingTracer(fx.Tracer):
     """fx's tracer, keeping every hooked submodule a call of its own: inlined, its
     hooks would run once, at trace time, on Proxies (a feature hook on
     ``model.layer1`` appending a Proxy to the caller's list), and never again."""
+
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        """fx's node, with the model's source line that made it (``stack_trace``, as
+        export and dynamo record it, for error reports): the innermost frame outside
+        torch and this library. (fx's own ``record_stack_traces`` imports much of
+        torch on first use, seconds, and records its own frames after the model's.)"""
+        node = super().create_node(*args, **kwargs)
+        if "stack_trace" not in node.meta:
+            frame = sys._getframe(1)
+            while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS) \
+                    and not frame.f_code.co_filename.startswith(_EXAMPLES_DIR):
+                frame = frame.f_back
+            if frame is not None:
+                code = frame.f_code
+                line = linecache.getline(code.co_filename, frame.f_lineno).strip()
+                node.meta["stack_trace"] = (f'File "{code.co_filename}", line {frame.f_lineno}, in {code.co_name}'
+                                            + (f"\n    {line}" if line else ""))
+        return node
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return hooked(m) or super().is_leaf_module(m, module_qualified_name)

@@ -977,21 +977,30 @@ class _Transaction:
 
 
 def _source_of(node: fx.Node | None) -> str:
-    """The model source line a node came from (its stack trace's last frame), or
-    the module path it was called in."""
+    """The model source line a node came from (its stack trace's last frame outside
+    torch: fx's tracer records its own frames after the model's), or the module path
+    it was called in."""
     if node is None:
         return ""
     trace = node.meta.get("stack_trace")
     if trace:
-        lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
-        frames = [ln for ln in lines if ln.startswith("File ")]
-        if frames:
-            return frames[-1] + (f": {lines[-1]}" if lines[-1] != frames[-1] else "")
+        # (dynamo's traces mark the expression under the line: ^^^^ or ~~~^^^)
+        lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().strip("^~")]
+        frames = [(i, ln) for i, ln in enumerate(lines) if ln.startswith("File ")]
+        own = [(i, ln) for i, ln in frames if _TORCH_DIR not in ln] or frames
+        if own:
+            i, frame = own[-1]
+            code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
+            return frame + (f": {code}" if code else "")
     stack = node.meta.get("nn_module_stack")
     if stack:
         path, _ = list(stack.values())[-1]
         return f"module {path}"
     return f"{node.op} {getattr(node.target, '__name__', node.target)}"
+
+
+#: where torch's own frames come from, left out of a node's source line
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 
 def _keyword_only_inputs(model: Any) -> tuple:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import rewrite
+import rewrite.capture
 
 
 def _conv_bn():
@@ -687,3 +688,24 @@ def test_a_float16_fold_over_a_dead_input_channel_still_folds():
     exact = exact.double()
     reference = exact(x.double())
     assert (result.graph_module(x).double() - reference).abs().max() <= 2 * (model(x).double() - reference).abs().max()
+
+
+class _Sigmoid(torch.nn.Module):
+    def forward(self, x):
+        y = torch.relu(x)
+        y = torch.sigmoid(y)  # the culprit's line
+        return y + 1
+
+
+@pytest.mark.parametrize("level", ["model", "export", "dynamo"])
+def test_the_culprit_names_the_models_source_line(level):
+    """probe BE F2: dynamo's report printed its ^^^^ marker line, a plain module
+    (captured by rewrite.capture.symbolic_trace) only "from call_function sigmoid"."""
+    x = torch.randn(3, 4)
+    model = {"model": lambda: _Sigmoid(), "export": lambda: torch.export.export(_Sigmoid(), (x,)).module(),
+             "dynamo": lambda: rewrite.capture.capture(_Sigmoid(), (x,), "dynamo")}[level]()
+    with pytest.raises(rewrite.EquivalenceError) as err:
+        rewrite.parse("rule broken: sigmoid(x) => tanh(x)").apply(model, example_inputs=(x,))
+    culprit = str(err.value.culprit)
+    assert "test_probe_regressions_s43.py" in culprit and "y = torch.sigmoid(y)  # the culprit's line" in culprit
+    assert "^" not in culprit.split(": NOT equivalent")[0]
