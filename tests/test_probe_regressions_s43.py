@@ -709,3 +709,12 @@ def test_the_culprit_names_the_models_source_line(level):
     culprit = str(err.value.culprit)
     assert "test_probe_regressions_s43.py" in culprit and "y = torch.sigmoid(y)  # the culprit's line" in culprit
     assert "^" not in culprit.split(": NOT equivalent")[0]
+
+
+@pytest.mark.parametrize("call", ["torch.add(x, 1, out=x)", "torch.sin(x, out=x)", "torch.cumsum(x, 0, out=x)"])
+def test_an_out_argument_is_an_E105(call):
+    """probe BE F4: the docs list out= under E105; it was an E202 saying torch.add
+    has no parameter 'out' (it has)."""
+    with pytest.raises(rewrite.RuleError) as err:
+        rewrite.parse(f"rule r: neg(x) => {call}\n", "o.rw")
+    assert "[E105]" in str(err.value) and "has no parameter" not in str(err.value)

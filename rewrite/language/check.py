@@ -972,7 +972,10 @@ class _Checker:
                        "E201", help=sig + hint)
         given = set(names[: len(c.args)])
         for k in c.kwargs:
-            if k.name not in names:
+            if k.name == "out" and "out" not in names:  # torch takes it: say why a rule may not
+                self.error(k.span, f"'out=' makes {who} write its result into a given tensor, in place; rules "
+                                   "name the functional op", "E105", help="use the op's result instead of out=")
+            elif k.name not in names:
                 hint = self._suggest(k.name, names)
                 self.error(k.span, f"{who} has no parameter '{k.name}'", "E202",
                            help=f"{hint} ({sig})" if hint else sig)
