@@ -1015,7 +1015,6 @@ _PATH_PIECE = re.compile(rf"\.?_modules\[{_QUOTED}\]|\[(\d+)\]|\[{_QUOTED}\]")
 _DYNAMO_ROOT = re.compile(rf"^L\[{_QUOTED}\]\.?")
 
 
-
 def normalize_module_path(path: str) -> str:
     """A module path as any capture level's ``nn_module_stack`` writes it, dotted:
     dynamo's ``L['self'].layer1[0]`` (or ``L['this']...`` for a forward whose first

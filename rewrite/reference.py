@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from rewrite.functions.registry import BUILTIN_MODULES, KINDS, function_names, lookup_function
+from rewrite.functions.registry import KINDS, function_names, is_builtin, lookup_function
 from rewrite.ops.base import REQUIRED
 from rewrite.ops.vocabulary import OPS
 
@@ -67,7 +67,7 @@ def _functions_table(kind: str) -> list:
     lines = [f"### {_KIND_TITLES[kind]}", "", "| function | |", "| --- | --- |"]
     for name in function_names(kind):
         spec = lookup_function(name)
-        if spec.fn.__module__ not in BUILTIN_MODULES:  # registered by the user
+        if not is_builtin(spec.fn):  # registered by the user
             continue
         params = ", ".join([*spec.params, *(("...",) if spec.variadic else ())])
         lines.append(f"| `{name}({params})` | {_cell(spec.doc)} |")

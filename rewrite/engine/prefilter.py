@@ -37,7 +37,7 @@ from torch import fx
 from rewrite.engine.compile import CompiledRule, PAlt, PCall, PDefault, PLit, PResults, PSeq, PVar
 from rewrite.engine.symbolic import deciding
 from rewrite.engine.where import where_function
-from rewrite.functions.registry import BUILTIN_MODULES, lookup_function
+from rewrite.functions.registry import is_builtin, lookup_function
 from rewrite.language import ast
 from rewrite.ops import forms_for_key
 from rewrite.ops.base import FunctionForm, MethodForm, ModuleForm
@@ -170,7 +170,7 @@ def _calls_only_builtins(item: Any) -> bool:
     for e in ast.walk(item):
         if isinstance(e, ast.Call):
             spec = lookup_function(e.op.names[0])
-            if spec is None or getattr(spec.fn, "__module__", None) not in BUILTIN_MODULES:
+            if spec is None or not is_builtin(spec.fn):
                 return False
     return True
 

@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from rewrite.engine.symbolic import decide
 from rewrite.engine.dtypes import DTYPES
 from rewrite.engine.facts import Value
-from rewrite.functions.registry import BUILTIN_MODULES, lookup_function
+from rewrite.functions.registry import is_builtin, lookup_function
 from rewrite.language import ast
 from rewrite.ops.base import ConstRef, by_identity
 from rewrite.ops.forms import same_arg
@@ -277,7 +277,7 @@ def _eval(e: Any) -> Compiled:
         if spec is None:  # a checked rule names registered functions only
             raise ValueError(f"unknown function {e.op.names[0]!r} in a where clause")
         fn = spec.fn
-        if getattr(fn, "__module__", None) not in BUILTIN_MODULES:
+        if not is_builtin(fn):
             fn = _reporting(fn, spec.name)  # a user's bug is shown, not taken for "unknown"
             if spec.kind == "predicate":
                 fn = _answering(fn, spec.name)

@@ -472,10 +472,10 @@ def _calls_user_functions(texts: list) -> bool:
     reads, decide what the pass does, and may change between compilations, so
     Inductor must not serve a graph cached under the rules' texts alone. Every name
     in the texts is looked up (a variable of the same name counts: no cache)."""
-    from rewrite.functions.registry import BUILTIN_MODULES, function_names, lookup_function
+    from rewrite.functions.registry import function_names, is_builtin, lookup_function
 
     names = set(function_names())
-    return any(getattr(lookup_function(word).fn, "__module__", None) not in BUILTIN_MODULES
+    return any(not is_builtin(lookup_function(word).fn)
                for text in texts for word in set(re.findall(r"[A-Za-z_]\w*", text)) if word in names)
 
 

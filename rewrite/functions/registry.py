@@ -28,7 +28,7 @@ import attrs
 
 __all__ = [
     "FunctionSpec", "register_predicate", "register_query", "register_constant",
-    "register_module", "lookup_function", "function_names", "KINDS", "BUILTIN_MODULES",
+    "register_module", "lookup_function", "function_names", "KINDS", "BUILTIN_MODULES", "is_builtin",
 ]
 
 KINDS = ("predicate", "query", "constant", "module")
@@ -88,7 +88,7 @@ def _refuse_name(key: Any, kind: str, fn: Callable) -> None:
                          "(an identifier that is not a keyword)")
     from rewrite.ops.vocabulary import lookup_op  # imported late: the vocabulary registers functions too
 
-    if getattr(fn, "__module__", None) not in BUILTIN_MODULES:
+    if not is_builtin(fn):
         _ensure_builtins()  # a user's registration replaces a built-in, never the other way round
     if lookup_op(key) is not None:
         raise ValueError(f"cannot register {kind} {key!r}: an op has that name, and a rule file would call the "
@@ -199,6 +199,11 @@ def function_names(kind: str | None = None) -> list:
 #: Modules whose import registers built-in functions; one line per library area.
 BUILTIN_MODULES = ("rewrite.functions.builtins", "rewrite.functions.amp", "rewrite.functions.quant",
                     "rewrite.functions.qat", "rewrite.functions.transformer")
+
+
+def is_builtin(fn: Any) -> bool:
+    """Whether ``fn`` is one of the library's own functions, not one a user registered."""
+    return getattr(fn, "__module__", None) in BUILTIN_MODULES
 
 
 _builtins_loaded = False

@@ -20,7 +20,7 @@ Each rule is checked in three places with different rules of use:
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import attrs
 
@@ -156,20 +156,9 @@ def _nested_too_deeply(rulesets: dict) -> list:
     (declared in any order) would otherwise exhaust Python's recursion limit when
     applied, not when loaded."""
     depth: dict = {}
-    for root in rulesets:
-        if root in depth:
-            continue
-        path, on_path = [root], {root}
-        while path:  # rule sets it names first (an explicit stack: a chain is as deep as its file)
-            name = path[-1]
-            waiting = next((r.name for r in _refs(rulesets[name].schedule)
-                            if r.name in rulesets and r.name not in depth and r.name not in on_path), None)
-            if waiting is not None:
-                path.append(waiting)
-                on_path.add(waiting)
-                continue
-            depth[name] = _schedule_depth(rulesets[name].schedule, depth)
-            on_path.discard(path.pop())
+    for name in _members_first(lambda n: [r.name for r in _refs(rulesets[n].schedule) if r.name in rulesets],
+                               rulesets):
+        depth[name] = _schedule_depth(rulesets[name].schedule, depth)
     diags = []
     for name, d in rulesets.items():
         named = [depth.get(r.name, 0) for r in _refs(d.schedule) if r.name in rulesets]
@@ -239,31 +228,42 @@ def expand_families(families: dict) -> dict:
     (``family a = relu | b`` with ``family b = gelu`` -> ``a: (relu, gelu)``)."""
 
     # each family expanded once (``f1 = f0 | f0``, ``f2 = f1 | f1``... would otherwise
-    # take a path per way down: 2^n), members first, with an explicit stack (a chain
-    # declared from the top down is as deep as the file); a family met again on its
-    # own path is a cycle, reported as E404, and skipped here
+    # take a path per way down: 2^n), members first; a family met again on its own
+    # path is a cycle, reported as E404, and skipped here
     done: dict = {}
-    for root in families:
+    for name in _members_first(lambda n: [m for m in families[n].ops if m in families], families):
+        out: list = []
+        for member in families[name].ops:
+            if member not in families:
+                out.append(member)
+            elif member in done:  # (not done: a member on a cycle)
+                out += done[member]
+        done[name] = tuple(dict.fromkeys(out))
+    return {name: done[name] for name in families}
+
+
+def _members_first(members: Callable[[str], Iterable[str]], names: Iterable[str]) -> list:
+    """``names`` and the declarations they name (``members``), each after the ones it
+    names, walked with an explicit stack (a chain declared from the top down is as
+    deep as its file); a name met again on its own path (a cycle, E404) is not
+    waited for."""
+    order: list = []
+    done: set = set()
+    for root in names:
         if root in done:
             continue
         path, on_path = [root], {root}
         while path:
             name = path[-1]
-            waiting = next((m for m in families[name].ops
-                            if m in families and m not in done and m not in on_path), None)
+            waiting = next((m for m in members(name) if m not in done and m not in on_path), None)
             if waiting is not None:
                 path.append(waiting)
                 on_path.add(waiting)
                 continue
-            out: list = []
-            for member in families[name].ops:
-                if member not in families:
-                    out.append(member)
-                elif member in done:
-                    out += done[member]
-            done[name] = tuple(dict.fromkeys(out))
+            done.add(name)
+            order.append(name)
             on_path.discard(path.pop())
-    return {name: done[name] for name in families}
+    return order
 
 
 # ---------------------------------------------------------------- per rule
