@@ -256,6 +256,7 @@ class Driver:
         self.skip = frozenset(skip)
         self.shuffle = shuffle
         self._removed: dict = {}  # signature of a replaced node -> [history index, times recreated]
+        self._repeating = 0  # enclosing schedules that repeat (fixpoints): where a cycle can loop
         self._inserted: set = set()  # (rule name, root) of insertions: the root stays, never again
 
     # -- schedules
@@ -270,6 +271,7 @@ class Driver:
         queue = collections.deque(nodes)
         queued = set(queue)
         changed = False
+        self._start_repeating()
         try:
             while queue:
                 node = queue.popleft()
@@ -287,8 +289,18 @@ class Driver:
                 queue.extend(fresh)
                 queued.update(fresh)
         finally:
+            self._repeating -= 1
             self.replacer.flush()
         return changed
+
+    def _start_repeating(self) -> None:
+        """Enter a schedule that repeats until nothing changes, where rules that
+        undo each other loop. The outermost one starts its own record of replaced
+        nodes: steps run one after the other (``seq``, ``once``) cannot loop, and
+        what one of them recreates from an earlier one is no cycle."""
+        if not self._repeating:
+            self._removed = {}
+        self._repeating += 1
 
     def _seeds(self, index: RuleIndex) -> list:
         """The nodes some rule's root can bind, in graph order: a node without
@@ -306,7 +318,9 @@ class Driver:
         return found
 
     def once(self, rules: list) -> bool:
-        """One sweep in graph order; nodes created by the sweep are not revisited."""
+        """One sweep in graph order; nodes created by the sweep are not revisited.
+        Outside a fixpoint it cannot loop: what it recreates is not a cycle
+        (``seq(once(grow), once(grow))`` is two finite sweeps)."""
         index = _index_of(tuple(rules), self.matcher.compiled)
         changed = False
         try:
@@ -366,7 +380,8 @@ class Driver:
             self.counts[rule.name] += 1
             self.history.append((rule.name, node.name))
             self.created.extend(created)
-            self._check_cycle(None if insertion or twin else signature, created, node.name)
+            if self._repeating:
+                self._check_cycle(None if insertion or twin else signature, created, node.name)
             self._check_bound(node)
             for user in users_before:
                 self.matcher.forget(user)
@@ -448,13 +463,19 @@ class Driver:
         steps = ([Schedule("fixpoint" if kind == "fixpoint" else "once", tuple(r.name for r in rules))]
                  if rules else []) + nested
         changed_any = False
-        for _ in range(self.max_rewrites):
-            changed = False
-            for step in steps:
-                changed |= self.run(step, resolve)
-            changed_any |= changed
-            if not changed or kind != "fixpoint":
-                break
+        repeats = kind == "fixpoint"
+        if repeats:
+            self._start_repeating()
+        try:
+            for _ in range(self.max_rewrites):
+                changed = False
+                for step in steps:
+                    changed |= self.run(step, resolve)
+                changed_any |= changed
+                if not changed or not repeats:
+                    break
+        finally:
+            self._repeating -= repeats
         return changed_any
 
     @staticmethod

@@ -19,7 +19,6 @@ Each rule is checked in three places with different rules of use:
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import attrs
@@ -33,7 +32,7 @@ from rewrite.language.printer import format_expr
 from rewrite.language.syntax import NOT_LITERALS
 from rewrite.language.where_kinds import ANY, BOOL, returned_kind, where_problems
 
-__all__ = ["Scope", "check_module", "check_declarations", "expand_families",
+__all__ = ["Scope", "check_module", "check_declarations", "expand_families", "run_only_once",
            "SCHEDULE_KINDS", "OPTIONS"]
 
 SCHEDULE_KINDS = ("fixpoint", "once", "seq")
@@ -80,12 +79,13 @@ class Scope:
     uses: dict = attrs.field(factory=dict)  # Span -> ast.Binding
 
 
-def check_module(module: ast.Module, scope: Scope, unsettled: set | None = None) -> list:
-    """Every diagnostic for the declarations of one parsed file. ``unsettled`` gets
-    the names of rules that never settle by themselves (E409), let through because
-    the file runs them in ``once(...)``: a schedule must not run them to a fixpoint."""
+def check_module(module: ast.Module, scope: Scope, endless: list | None = None) -> list:
+    """Every diagnostic for the declarations of one parsed file. ``endless`` gets
+    ``(rule name, E409 diagnostic)`` for each rule that never settles by itself:
+    whether it is an error depends on how the whole program runs it
+    (``run_only_once``), which one file does not know."""
     checker = _Checker(scope)
-    checker.unsettled = unsettled if unsettled is not None else set()
+    checker.endless = endless if endless is not None else []
     for item in module.items:
         if isinstance(item, ast.Rule):
             checker.rule(item)
@@ -96,6 +96,32 @@ def check_module(module: ast.Module, scope: Scope, unsettled: set | None = None)
     misused = set(checker.misused)
     where = [d for d, bindings in checker.where_diags if not bindings & misused]
     return checker.diags + where + checker.binding_misuses()
+
+
+def run_only_once(modules: Iterable) -> tuple:
+    """``(once, repeated)``: the rules the rule sets of ``modules`` (a whole program:
+    every file loaded together, importers included) run only in one sweep, listed
+    directly inside ``once(...)`` with no ``fixpoint(...)`` around it and nowhere
+    else (a bare rule in ``seq(...)`` runs to a fixpoint), through the rule sets
+    they name; and for the other rules they name, where one is repeated. A rule
+    in ``once`` may rewrite its own output (E409's exemption). Linear in the program."""
+    decls = {i.name: i.schedule for m in modules for i in m.items if isinstance(i, ast.RuleSetDecl)}
+    once, repeated, walked = set(), {}, set()
+    pending = [(s, "fixpoint", False) for s in decls.values()]
+    while pending:  # (an explicit stack: rule sets may chain a hundred deep)
+        node, container, again = pending.pop()
+        if isinstance(node, ast.ScheduleRef):
+            if node.name in decls:
+                if (node.name, container, again) not in walked:
+                    walked.add((node.name, container, again))
+                    pending.append((decls[node.name], container, again))
+            elif container == "once" and not again:
+                once.add(node.name)
+            else:
+                repeated.setdefault(node.name, node.span)
+            continue
+        pending.extend((item, node.kind, again or node.kind == "fixpoint") for item in node.items)
+    return frozenset(once - set(repeated)), repeated
 
 
 # ---------------------------------------------------------------- declarations
@@ -126,6 +152,10 @@ def check_declarations(modules: list, origins: list | None = None) -> list:
                 if prev_origin is not None or origin is not None:
                     # both in one instance: its note once
                     related += tuple(dict.fromkeys(o for o in (prev_origin, origin) if o is not None))
+                if kind == "ruleset" and isinstance(item, ast.RuleSetDecl) and prev is not None \
+                        and where is not None and prev.path != where.path:
+                    help += ("; to run two files' rule sets one after the other, load the files apart and "
+                             "add them: rewrite.load(a) + rewrite.load(b)")
                 if prev_origin is not None and origin is not None and prev == where:
                     help = ("two instances of one parametrized file declare it: give each import "
                             "its own tag (import \"...\" with NAME = value as TAG)")
@@ -464,41 +494,18 @@ class _Checker:
         """E409: a rule whose replacement builds a term its own pattern certainly
         matches (no where clause to stop it) rewrites its own output forever,
         ``add(x, y) => add(y, x)`` or ``relu(x) as r => neg(relu(r))``. Only a
-        certain match is reported; a rule the file runs in ``once(...)`` is exempt."""
+        certain match is reported, and not for a rule the program runs only in
+        ``once(...)``: the error is kept in ``endless`` until that is known."""
         if r.where is not None:
             return
         for term in ast.walk(r.replacement):
             if isinstance(term, ast.Call) and _certainly_matches(r.pattern, term, {}, self._canonical):
-                if r.name in self._run_once:
-                    self.unsettled.add(r.name)
-                    return
-                self.error(term.span, f"rule '{r.name}' never settles: its pattern matches the "
-                                      f"{format_expr(term)} it builds, so it rewrites its own output forever",
-                           "E409", help="add a where clause the new term fails, or run the rule only "
-                                        f"in once(...): ruleset {r.name}_once = once({r.name})")
+                self.endless.append((r.name, Diagnostic(
+                    term.span, f"rule '{r.name}' never settles: its pattern matches the "
+                               f"{format_expr(term)} it builds, so it rewrites its own output forever", "E409",
+                    help="add a where clause the new term fails, or run the rule only "
+                         f"in once(...): ruleset {r.name}_once = once({r.name})")))
                 return
-
-    @functools.cached_property
-    def _run_once(self) -> frozenset:
-        """Rules the rulesets in scope run only in one sweep: listed directly inside
-        ``once(...)`` with no ``fixpoint(...)`` around it, and nowhere else (a bare
-        rule in ``seq(...)`` runs to a fixpoint), through the rulesets they name
-        (computed once per file: a file of thousands of rules stays linear)."""
-        decls = {n: d.schedule for n, d in self.scope.schedulables.items() if isinstance(d, ast.RuleSetDecl)}
-        once, repeated, walked = set(), set(), set()
-        pending = [(s, "fixpoint", False) for s in decls.values()]
-        while pending:  # (an explicit stack: rulesets may chain a hundred deep)
-            node, container, again = pending.pop()
-            if isinstance(node, ast.ScheduleRef):
-                if node.name in decls:
-                    if (node.name, container, again) not in walked:
-                        walked.add((node.name, container, again))
-                        pending.append((decls[node.name], container, again))
-                else:
-                    (once if container == "once" and not again else repeated).add(node.name)
-                continue
-            pending.extend((item, node.kind, again or node.kind == "fixpoint") for item in node.items)
-        return frozenset(once - repeated)
 
     def _canonical(self, name: str) -> frozenset:
         """The ops a callee may stand for: canonical names (a family's members), or

@@ -23,7 +23,7 @@ from pathlib import Path
 import attrs
 
 from rewrite.language import ast
-from rewrite.language.check import Scope, check_declarations, check_module, expand_families
+from rewrite.language.check import Scope, check_declarations, check_module, expand_families, run_only_once
 from rewrite.language.diagnostics import Diagnostic, RuleError, did_you_mean, sort_diagnostics
 from rewrite.language.params import binding_key, declared_params, instantiate, unbound_diagnostics
 from rewrite.language.parser import parse_module
@@ -350,10 +350,14 @@ class _Loader:
         diags = list(self.diags)
         checking = None
         unsettled: set = set()
+        once, repeated = run_only_once(modules)  # E409's exemption: how the whole program runs a rule
         try:
             for f, module in unique:
                 checking = f
-                found = check_module(module, self._scope(f), unsettled)
+                endless: list = []
+                found = check_module(module, self._scope(f), endless)
+                found += [_repeated_here(diag, repeated.get(name)) for name, diag in endless if name not in once]
+                unsettled.update(name for name, _ in endless if name in once)
                 if f.origin is not None:  # where the instance comes from, for what is not at the import itself
                     note = _instance_note(f.origin)
                     here = f.origin.span.path if f.origin.span is not None else None
@@ -378,6 +382,14 @@ class _Loader:
             sources=dict(self.sources),
             unsettled=frozenset(unsettled),
         )
+
+
+def _repeated_here(diag: Diagnostic, where: ast.Span | None) -> Diagnostic:
+    """An E409 with a note at the schedule that repeats the rule, when that is
+    not in the rule's own file (an importer's ``fixpoint(grow)``)."""
+    if where is None or diag.span is None or where.path == diag.span.path:
+        return diag
+    return attrs.evolve(diag, related=diag.related + ((where, "run to a fixpoint here"),))
 
 
 def _instance_note(imp: ast.Import) -> tuple:

@@ -1,0 +1,127 @@
+"""Regressions found in session 44: how a program runs a rule that never settles by
+itself (E409's exemption across imports, once-only sweeps run twice), and whatever
+the session's probes turned up."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import rewrite
+
+GROW = "rule grow: relu(x) => relu(relu(x))\n"
+
+
+class _Relu(torch.nn.Module):
+    def forward(self, x):
+        return torch.relu(x) + 1
+
+
+def _apply(rules):
+    x = torch.randn(5)
+    model = _Relu()
+    result = rules.apply(torch.fx.symbolic_trace(model), example_inputs=(x,))
+    torch.testing.assert_close(result.graph_module(x), model(x))
+    return result
+
+
+def _relus(result):
+    return sum(1 for n in result.graph_module.graph.nodes if n.target is torch.relu)
+
+
+@pytest.mark.parametrize("schedule", ["seq(once(grow), once(grow))", "seq(grow_once, grow_once)"])
+def test_two_one_sweep_runs_of_a_growing_rule_are_finite(schedule):
+    """Each ``once(...)`` is one sweep: the second recreates what the first made,
+    which is no cycle (it raised NonTerminationError "undoes itself")."""
+    rules = rewrite.parse(GROW + f"ruleset grow_once = once(grow)\nruleset main = {schedule}\n")
+    result = _apply(rules)
+    assert result.counts == {"grow": 3}  # one relu, then the two it became
+    assert _relus(result) == 4
+
+
+def test_a_rule_set_with_a_once_only_rule_added_to_itself_runs_twice():
+    once = rewrite.parse(GROW + "ruleset main = once(grow)\n", "GA.rw")
+    assert _apply(once).counts == {"grow": 1}
+    assert _apply(once + once).counts == {"grow": 3}
+
+
+def test_rules_undoing_each_other_in_a_fixpoint_are_still_a_cycle():
+    rules = rewrite.parse("rule a: neg(x) => mul(x, -1)\nrule b: mul(x, -1) => neg(x)\n"
+                          "ruleset main = fixpoint(a, b)\n")
+
+    class Neg(torch.nn.Module):
+        def forward(self, x):
+            return torch.neg(x) + 1
+
+    x = torch.randn(3)
+    with pytest.raises(rewrite.NonTerminationError, match="undo each other"):
+        rules.apply(torch.fx.symbolic_trace(Neg()), example_inputs=(x,))
+
+
+def test_a_cycle_through_once_sweeps_inside_a_fixpoint_is_still_caught():
+    rules = rewrite.parse("rule a: neg(x) => mul(x, -1)\nrule b: mul(x, -1) => neg(x)\n"
+                          "ruleset main = fixpoint(once(a), once(b))\n")
+
+    class Neg(torch.nn.Module):
+        def forward(self, x):
+            return torch.neg(x) + 1
+
+    with pytest.raises(rewrite.NonTerminationError):
+        rules.apply(torch.fx.symbolic_trace(Neg()), example_inputs=(torch.randn(3),))
+
+
+def test_steps_run_one_after_the_other_may_undo_each_other_finitely():
+    """``seq`` of fixpoints that turn neg into mul and back, five steps: finite,
+    though the later steps recreate nodes the earlier ones replaced."""
+    steps = ", ".join(["fixpoint(a)", "fixpoint(b)"] * 2 + ["fixpoint(a)"])
+    rules = rewrite.parse("rule a: neg(x) => mul(x, -1)\nrule b: mul(x, -1) => neg(x)\n"
+                          f"ruleset main = seq({steps})\n")
+
+    class Neg(torch.nn.Module):
+        def forward(self, x):
+            return torch.neg(x) + 1
+
+    x = torch.randn(3)
+    result = rules.apply(torch.fx.symbolic_trace(Neg()), example_inputs=(x,))
+    assert result.counts == {"a": 3, "b": 2}
+    assert any(n.target is torch.mul for n in result.graph_module.graph.nodes)
+    torch.testing.assert_close(result.graph_module(x), -x + 1)
+
+
+def _files(tmp_path, **files):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    return tmp_path
+
+
+def test_an_importer_that_repeats_a_once_only_rule_gets_E409_pointing_at_its_schedule(tmp_path):
+    """E409's exemption is decided over the whole program: the file defining the
+    rule runs it in once(...), but an importer running it to a fixpoint loops."""
+    _files(tmp_path, **{"lib.rw": GROW + "ruleset grow_once = once(grow)\n",
+                        "uses.rw": 'import "lib.rw"\nruleset main = seq(grow_once, grow)\n'})
+    assert _apply(rewrite.load(str(tmp_path / "lib.rw"))).counts == {"grow": 1}  # alone it is fine
+    with pytest.raises(rewrite.RuleError) as err:
+        rewrite.load(str(tmp_path / "uses.rw"))
+    text = str(err.value)
+    assert "E409" in text and "lib.rw:1:" in text
+    assert "uses.rw:2:" in text and "run to a fixpoint here" in text
+    out = subprocess.run([sys.executable, "-m", "rewrite", "check", str(tmp_path / "uses.rw")],
+                         capture_output=True, text=True)
+    assert out.returncode == 1 and "E409" in out.stdout + out.stderr
+
+
+def test_a_rule_an_importer_runs_only_once_is_not_E409(tmp_path):
+    _files(tmp_path, **{"plain.rw": GROW, "runs_once.rw": 'import "plain.rw"\nruleset main = once(grow)\n'})
+    with pytest.raises(rewrite.RuleError, match="E409"):
+        rewrite.load(str(tmp_path / "plain.rw"))  # alone, the default schedule would loop
+    assert _apply(rewrite.load(str(tmp_path / "runs_once.rw"))).counts == {"grow": 1}
+
+
+def test_two_files_declaring_main_loaded_together_are_told_to_add_rule_sets(tmp_path):
+    _files(tmp_path, **{"A.rw": "rule a: neg(neg(x)) => x\nruleset main = fixpoint(a)\n",
+                        "B.rw": "rule b: relu(relu(x)) => relu(x)\nruleset main = fixpoint(b)\n"})
+    with pytest.raises(rewrite.RuleError, match=r"E401[\s\S]*rewrite.load\(a\) \+ rewrite.load\(b\)"):
+        rewrite.load(str(tmp_path / "A.rw"), str(tmp_path / "B.rw"))
+    both = rewrite.load(str(tmp_path / "A.rw")) + rewrite.load(str(tmp_path / "B.rw"))
+    assert set(both.rules) == {"a", "b"}
