@@ -125,3 +125,37 @@ def test_two_files_declaring_main_loaded_together_are_told_to_add_rule_sets(tmp_
         rewrite.load(str(tmp_path / "A.rw"), str(tmp_path / "B.rw"))
     both = rewrite.load(str(tmp_path / "A.rw")) + rewrite.load(str(tmp_path / "B.rw"))
     assert set(both.rules) == {"a", "b"}
+
+
+class _EmptyPlusCount(torch.nn.Module):
+    def forward(self, x):
+        y = torch.relu(x)
+        return y, y.shape[0] + 1
+
+
+class _EmptyPlusScalar(torch.nn.Module):
+    def forward(self, x):
+        y = torch.relu(x)
+        return y, x.sum() * 0 + 1
+
+
+@pytest.mark.parametrize("model", [_EmptyPlusCount, _EmptyPlusScalar])
+def test_an_int_or_0d_tensor_beside_an_empty_batch_is_not_a_comparison(model):
+    """Probe BC F5: a wrong rule passes a batch-0 check; the report must say that
+    nothing was compared even when an int or a 0-d tensor sits beside the batch."""
+    wrong = rewrite.parse("rule r: relu(x) => neg(x)\n")
+    result = wrong.apply(torch.fx.symbolic_trace(model()), example_inputs=(torch.randn(0, 3),))
+    assert result.counts == {"r": 1}
+    assert result.equivalence.empty and "nothing was compared" in str(result.equivalence)
+    with pytest.raises(rewrite.EquivalenceError):  # with a batch, the same rule is caught
+        wrong.apply(torch.fx.symbolic_trace(model()), example_inputs=(torch.randn(2, 3),))
+
+
+def test_a_0d_output_alone_is_still_a_comparison():
+    class Total(torch.nn.Module):
+        def forward(self, x):
+            return torch.relu(torch.relu(x)).sum()
+
+    good = rewrite.parse("rule r: relu(relu(x)) => relu(x)\n")
+    result = good.apply(torch.fx.symbolic_trace(Total()), example_inputs=(torch.randn(4),))
+    assert result.counts == {"r": 1} and not result.equivalence.empty

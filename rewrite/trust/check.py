@@ -176,7 +176,8 @@ class EquivalenceReport:
     #: their inputs equal an earlier trial's (no input the check can vary)
     skipped: int = 0
     #: every output of every trial run held no element (a batch of 0): the check
-    #: compared nothing, and a wrong rewrite would pass it as well
+    #: compared nothing, and a wrong rewrite would pass it as well (ints and 0-d
+    #: tensors beside empty tensors do not count: ``x.shape[0]``, ``x.sum()``)
     empty: bool = False
 
     def __bool__(self) -> bool:
@@ -967,6 +968,18 @@ def _call(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool = True, watch: 
             run = _call_once(fn, inputs, rng_seed, dtypes, watch, False)
             return attrs.evolve(run, grad_error=_first_line(err), activation_error=activation_error)
     return _call_once(fn, inputs, rng_seed, dtypes, watch, False)
+
+
+def _holds_elements(outputs: Any) -> bool:
+    """Whether comparing ``outputs`` compares something: some tensor of at least one
+    dim holds an element. Beside an empty batch, an int (``x.shape[0] + 1``) or a
+    0-d tensor (``x.sum()``) is no comparison of what the batch computes; outputs
+    with no tensor of a dim count when they hold anything at all."""
+    leaves = pytree.tree_leaves(outputs)
+    batches = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim()]
+    if batches:
+        return any(leaf.numel() for leaf in batches)
+    return any(not isinstance(leaf, torch.Tensor) or leaf.numel() for leaf in leaves)
 
 
 def _first_line(err: BaseException) -> str:
@@ -2265,8 +2278,7 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
             if plan is not None and runner.reused * 4 < plan.computing:
                 reference.stop_recording()  # the rewrite changed values early: most is recomputed
             a, r, share, mm, low = compare.runs(t, ref, cand, inputs)
-            compared = compared or any(not isinstance(leaf, torch.Tensor) or leaf.numel()
-                                       for leaf in pytree.tree_leaves(ref.outputs))
+            compared = compared or _holds_elements(ref.outputs)
             if share is not None:
                 agreed = share if agreed is None else min(agreed, share)
             worst_abs, worst_rel = max(worst_abs, a), max(worst_rel, r)
