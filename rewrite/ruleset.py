@@ -979,7 +979,8 @@ class _Transaction:
 def _source_of(node: fx.Node | None) -> str:
     """The model source line a node came from (its stack trace's last frame outside
     torch: fx's tracer records its own frames after the model's), or the module path
-    it was called in."""
+    it was called in (a trace of torch's frames only, as export records for a model
+    defined in ``exec``'d source, names torch's ``linear.py``: the path says more)."""
     if node is None:
         return ""
     trace = node.meta.get("stack_trace")
@@ -987,7 +988,9 @@ def _source_of(node: fx.Node | None) -> str:
         # (dynamo's traces mark the expression under the line: ^^^^ or ~~~^^^)
         lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().strip("^~")]
         frames = [(i, ln) for i, ln in enumerate(lines) if ln.startswith("File ")]
-        own = [(i, ln) for i, ln in frames if _TORCH_DIR not in ln] or frames
+        own = [(i, ln) for i, ln in frames if _TORCH_DIR not in ln]
+        if not own and not node.meta.get("nn_module_stack"):
+            own = frames  # torch's frames only: better than nothing
         if own:
             i, frame = own[-1]
             code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""

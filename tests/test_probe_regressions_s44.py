@@ -159,3 +159,74 @@ def test_a_0d_output_alone_is_still_a_comparison():
     good = rewrite.parse("rule r: relu(relu(x)) => relu(x)\n")
     result = good.apply(torch.fx.symbolic_trace(Total()), example_inputs=(torch.randn(4),))
     assert result.counts == {"r": 1} and not result.equivalence.empty
+
+
+@pytest.mark.parametrize("rule", [
+    "rule r: silu(x) where is_float(x) => torch.where(torch.gt(x, 4.0), x, silu(x))",
+    "rule r: sigmoid(x) where is_float(x) => torch.where(torch.gt(x, 5.0), torch.ones_like(x), sigmoid(x))",
+    "rule r: tanh(x) where is_float(x) => clamp(tanh(x), -0.9999, 0.9999)",
+])
+def test_verify_meets_an_exact_rule_past_the_values_it_usually_draws(rule):
+    """Probe BG F1: an exact rule wrong only past 4 (and right again at the largest
+    values and infinities) passed verify, whose exact instances stayed in [-4, 4]."""
+    verdict = rewrite.parse(rule + "\n").verify(max_examples=10, seed=0).verdicts[0]
+    assert verdict.status == "counterexample", verdict
+
+
+@pytest.mark.parametrize("rule", [
+    "rule r: relu(relu(x)) => relu(x)",
+    "rule r: neg(neg(x)) => x",
+    "rule r: mul(x, 2) where is_float(x) => add(x, x)",
+    "rule r: abs(neg(x)) where is_float(x) => abs(x)",
+])
+def test_exact_rules_right_at_every_magnitude_still_verify(rule):
+    verdict = rewrite.parse(rule + "\n").verify(max_examples=10, seed=0).verdicts[0]
+    assert verdict.status == "ok", verdict
+
+
+class _RnnClassifier(torch.nn.Module):
+    """A text classifier being fine-tuned: CPU autocast cannot run its LSTM in float16."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 16)
+        self.lstm = torch.nn.LSTM(16, 16, batch_first=True, num_layers=2, bidirectional=True)
+        self.gru = torch.nn.GRU(32, 16, batch_first=True)
+        self.fc = torch.nn.Linear(16, 4)
+        self.bn = torch.nn.BatchNorm1d(4)
+
+    def forward(self, ids):
+        x, _ = self.lstm(self.emb(ids))
+        x, h = self.gru(x)
+        return self.bn(self.fc(x[:, -1])), h
+
+
+def test_the_autocast_allowance_runs_what_autocast_refuses_in_float32():
+    """Probe BF F1: where torch.autocast cannot run the model in float16 (oneDNN's
+    LSTM), the AMP check had no allowance at all; now the refused call runs in
+    float32 and the rest as autocast runs it."""
+    from rewrite.trust.precision import narrowed_run
+
+    torch.manual_seed(1)
+    model = _RnnClassifier().eval()
+    ids = torch.randint(0, 50, (3, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        with pytest.raises(RuntimeError):
+            with torch.autocast("cpu", torch.float16):
+                model(ids)
+        narrowed = narrowed_run(model, (ids,), 0, torch.float16)
+        ref = model(ids)
+    assert narrowed is not None
+    assert narrowed[0].dtype == torch.float16  # the head linear ran in float16, as autocast runs it
+    torch.testing.assert_close(narrowed[0].float(), ref[0], atol=0.05, rtol=0.05)
+    assert not torch.equal(narrowed[0].float(), ref[0])
+
+
+def test_amp_fp16_passes_its_check_on_an_rnn_classifier_autocast_cannot_run():
+    torch.manual_seed(1)
+    model = _RnnClassifier().train()
+    ids = torch.randint(0, 50, (3, 7), generator=torch.Generator().manual_seed(1))
+    gm = torch.export.export(model, (ids,), strict=False).module()
+    result = rewrite.load("rules/amp_fp16.rw").apply(gm, example_inputs=(ids,))
+    assert result.counts.get("linear_fp16_bias") == 1
+    assert result.equivalence.ok

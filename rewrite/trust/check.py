@@ -2426,7 +2426,7 @@ def _confirm_narrowed_below_unit(t: int, reference: "Reference", ref: _Run, cand
     within the tolerance of the original, ``NOISE_MULTIPLIER`` times the original's own
     distance from its run under ``torch.autocast`` to that precision allowed on top
     (what computing it so costs: an underflow autocast shares passes); when no such
-    run can be made (an op autocast refuses), nothing is allowed on top."""
+    run can be made (an op that runs neither under autocast nor in float32), nothing is allowed on top."""
     if not _below_unit(ref.outputs):
         return None
     _, _, strict = _compare(t, ref.outputs, cand.outputs, kind, None, None, agreement=bound, compute_dtypes=lows,

@@ -206,7 +206,10 @@ def widened_run(fn: Any, args: Any, rng_seed: int, to_float64: bool = False) -> 
 def narrowed_run(fn: Any, args: Any, rng_seed: int, dtype: torch.dtype) -> Any:
     """``fn(*args)`` under ``torch.autocast("cpu", dtype)`` (under ``no_grad``, the RNG
     seeded as the check's runs are), or None when it raises or ``dtype`` is not a half
-    precision. ``args`` must be private."""
+    precision. A call autocast cannot run in ``dtype`` (oneDNN's float16 LSTM on
+    CPU) runs in float32 instead (``_Float32WhereAutocastRefuses``), as the AMP
+    rules leave such an op: the run is mixed precision where torch's can be.
+    ``args`` must be private."""
     if dtype not in HALF:
         return None
     with contextlib.ExitStack() as stack:
@@ -215,9 +218,31 @@ def narrowed_run(fn: Any, args: Any, rng_seed: int, dtype: torch.dtype) -> Any:
         try:
             stack.enter_context(torch.autocast("cpu", dtype=dtype))
             stack.enter_context(_UncheckedMetadata(dtype))
+            stack.enter_context(_Float32WhereAutocastRefuses())
             return call_with(fn, args)
-        except Exception:  # noqa: BLE001 - an op autocast cannot run: no estimate
+        except Exception:  # noqa: BLE001 - an op that runs in neither: no estimate
             return None
+
+
+class _Float32WhereAutocastRefuses(TorchFunctionMode):
+    """A torch call that raises under autocast runs again without it, its half
+    precision tensor arguments widened to float32 (what autocast made of their
+    producers). Tried first as it is: an op autocast runs stays as torch runs it."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        try:
+            return func(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - retried in float32; raises again if that fails too
+            if not torch.is_autocast_enabled("cpu"):
+                raise
+        widened = pytree.tree_map_only(torch.Tensor, _float32_if_half, (args, kwargs))
+        with torch.autocast("cpu", enabled=False):
+            return func(*widened[0], **widened[1])
+
+
+def _float32_if_half(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.dtype in HALF else t
 
 
 def rounding_noise(outputs: Any, truth: Any) -> Optional[Tuple[Optional[Tuple[torch.Tensor, torch.Tensor]], ...]]:

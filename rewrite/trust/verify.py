@@ -96,7 +96,7 @@ from rewrite.trust.tolerance import Tolerance, compare_tensors, loosest, newly_n
 
 __all__ = [
     "RuleVerdict", "Counterexample", "VerificationReport", "Instance",
-    "verify_rules", "verify_rule", "instances", "rule_tolerance", "WIDE_DRAWS",
+    "verify_rules", "verify_rule", "instances", "rule_tolerance", "WIDE_DRAWS", "EXACT_WIDE_DRAWS",
 ]
 
 
@@ -714,12 +714,12 @@ class _Checker:
 
     def _less_accurate(self, inst: Instance, ref: Any, got: Any, seen: list) -> str | None:
         """Why ``got`` (the rewrite's outputs) is wrong where ``ref`` (the original's)
-        is not within tolerance of it, or None: it is within tolerance of the exact
+        is not within the rule's tolerance of it, or None: it is within tolerance of the exact
         answer (the original run in float64), or at most twice as far from it as the
         original is (``_no_less_accurate``). For values drawn far from zero, where
         either may lose digits the other keeps."""
         low = _lowest_precision(seen)
-        problem = _differ(ref, got, "approx", low, _quantum(seen))
+        problem = _differ(ref, got, self.plan.tolerance, low, _quantum(seen))
         if problem is None or problem.startswith("output structure"):
             return problem
         try:
@@ -1104,11 +1104,13 @@ def _verify_rule(ruleset: Any, rule: CompiledRule | str, max_examples: int, seed
             search(attrs.evolve(plan, dtypes=(dtype,), favoured=()), 1, shapes=shapes, leading=True, salt=shapes)
         # then hypothesis' own search over every dtype, for the rest of the budget
         search(plan, max(max_examples - checker.counts["checked"], min(max_examples, 2)), shapes="mixed")
-        # an approximate rule meets large magnitudes too, one instance each, in half
-        # precision as well (an exact one meets infinities and the largest values anyway)
+        # large magnitudes too, one instance each (an approximate rule in half
+        # precision as well; an exact one also meets infinities and the largest values)
+        # (an exact rule's in long shapes: many values, so that a window it is wrong
+        # in, past 4 and short of where it is right again, is met)
         for scale, dtype in _wide_draws(plan):
             search(attrs.evolve(plan, dtypes=(dtype,), favoured=()), 1, leading=True,
-                   salt=f"wide {scale:g} {dtype}", wide=scale)
+                   salt=f"wide {scale:g} {dtype}", wide=scale, shapes="long" if plan.tolerance == "exact" else None)
         # and values about a large offset, where a formula that cancels loses its digits
         for offset, dtype in _offset_draws(plan):
             search(attrs.evolve(plan, dtypes=(dtype,), favoured=()), 1, leading=True,
@@ -1137,17 +1139,20 @@ def _verify_rule(ruleset: Any, rule: CompiledRule | str, max_examples: int, seed
 
 
 def _wide_draws(plan: Plan) -> tuple:
-    """(magnitude, dtype) of an approximate rule's wide instances (``WIDE_DRAWS``),
-    in float16 and bfloat16 too, which an approximate rule's ordinary instances do
-    not draw (``plan_for``): a rewrite that squares a float16 value overflows past
-    256 where the original's kernel computes in float32. A where clause that pins
-    dtypes (``dtype(x) == torch.float32``) gets those instead. None for an exact or quantized rule
-    (quantized kernels clamp to their grid), nor for one declared
+    """(magnitude, dtype) of a rule's wide instances: for an approximate rule
+    ``WIDE_DRAWS``, in float16 and bfloat16 too, which an approximate rule's
+    ordinary instances do not draw (``plan_for``): a rewrite that squares a float16
+    value overflows past 256 where the original's kernel computes in float32; for
+    an exact rule ``EXACT_WIDE_DRAWS`` (its ordinary instances stay within [-4, 4]
+    but for infinities and the largest values: ``where(x > 4, x, silu(x))`` for
+    ``silu(x)`` is wrong from 4 to about 20 and right at both). A where clause
+    that pins dtypes (``dtype(x) == torch.float32``) gets those instead. None for a
+    quantized rule (quantized kernels clamp to their grid), nor for one declared
     ``assumes_range=True`` (a lowering to float16 that relies on autocast's
     contract: the values it casts fit)."""
-    if plan.tolerance != "approx" or plan.quantized or plan.rule.rule.option("assumes_range", False):
+    if plan.quantized or plan.rule.rule.option("assumes_range", False):
         return ()
-    draws = list(WIDE_DRAWS)
+    draws = list(WIDE_DRAWS if plan.tolerance == "approx" else EXACT_WIDE_DRAWS)
     pinned = [d for d in plan.favoured if d.is_floating_point]
     if plan.favoured:
         draws = [(scale, pinned[i % len(pinned)]) for i, (scale, _) in enumerate(draws)] if pinned else []
@@ -1179,6 +1184,11 @@ class _GiveUp(BaseException):
 #: float16 round trip past 65504 (1e5), float16's exp past 11 (4), its x * x past 256
 WIDE_DRAWS = ((32.0, torch.float32), (1e3, torch.float32), (1e5, torch.float32), (4.0, torch.float16),
                (1e3, torch.float16), (3e4, torch.bfloat16))
+
+#: (magnitude, dtype) of an exact rule's wide instances: past the [-4, 4] its
+#: ordinary instances draw, short of the largest values they meet as specials; in
+#: float32, where values are compared too (``_WIDE_COMPARED``)
+EXACT_WIDE_DRAWS = ((4.0, torch.float32), (32.0, torch.float32), (1e3, torch.float32))
 
 #: dtype -> the value an approximate rule's offset instance draws its floats about:
 #: their spread ([-4, 4]) is then a few ten-thousandths of their magnitude in float32
