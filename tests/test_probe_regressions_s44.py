@@ -230,3 +230,94 @@ def test_amp_fp16_passes_its_check_on_an_rnn_classifier_autocast_cannot_run():
     result = rewrite.load("rules/amp_fp16.rw").apply(gm, example_inputs=(ids,))
     assert result.counts.get("linear_fp16_bias") == 1
     assert result.equivalence.ok
+
+
+class _WriteThenIdentity(torch.nn.Module):
+    """``relu_`` writes h before the rewritten node reads it: sharing h is unseen."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        h.relu_()
+        c = h * 1
+        return c + 1
+
+
+class _IdentityThenWrite(torch.nn.Module):
+    """A write after the rewritten node: forwarding h would let c see it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        c = h * 1
+        h.add_(1)
+        return c + h
+
+
+class _IdentityThenViewWrite(_IdentityThenWrite):
+    def forward(self, x):
+        h = self.fc(x)
+        h.relu_()
+        c = h * 1
+        h[0].add_(1)
+        return c + h
+
+
+class _WriteThenBothReturned(_WriteThenIdentity):
+    def forward(self, x):
+        h = self.fc(x)
+        h.relu_()
+        c = h * 1
+        return c, h
+
+
+MUL_ONE = "rule mul_one: mul(x, 1) => x\n"
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_a_write_before_the_rewritten_node_does_not_block_forwarding(capture):
+    """Probe BF F2: an eval-mode dropout after ``ReLU(inplace=True)`` (a VGG head)
+    was kept, the int8 model's last linear with it: its input is written in place,
+    but before the dropout reads it."""
+    model, x = _WriteThenIdentity().eval(), torch.randn(2, 4)
+    gm = torch.fx.symbolic_trace(model) if capture == "fx" else \
+        torch.export.export(model, (x,), strict=False).module()
+    result = rewrite.parse(MUL_ONE).apply(gm, example_inputs=(x,))
+    assert result.counts == {"mul_one": 1}
+    torch.testing.assert_close(result.graph_module(x), model(x))
+
+
+@pytest.mark.parametrize("model", [_IdentityThenWrite, _IdentityThenViewWrite, _WriteThenBothReturned])
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_a_write_after_the_rewritten_node_or_a_returned_alias_still_blocks_it(model, capture):
+    model, x = model().eval(), torch.randn(2, 4)
+    gm = torch.fx.symbolic_trace(model) if capture == "fx" else \
+        torch.export.export(model, (x,), strict=False).module()
+    result = rewrite.parse(MUL_ONE).apply(gm, example_inputs=(x,), check=False)
+    assert not result.counts and "memory" in result.stats["mul_one"].first_error
+    got, want = result.graph_module(x), model(x)
+    torch.testing.assert_close(got, want)
+    if isinstance(got, tuple):
+        assert got[0].data_ptr() != got[1].data_ptr()  # the outputs must not become one tensor
+
+
+def test_qat_converts_a_vgg_head_with_an_inplace_relu_before_dropout():
+    import rewrite.qat as rqat
+    import rewrite.quant as rq
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(4),
+                                torch.nn.Flatten(), torch.nn.Linear(128, 32), torch.nn.ReLU(inplace=True),
+                                torch.nn.Dropout(), torch.nn.Linear(32, 10)).eval()
+    x = torch.randn(2, 3, 16, 16)
+    qat = rqat.prepare_qat(model, (x,), calibration=[(x,)])
+    qat.eval()
+    int8 = rqat.convert(qat)
+    assert "2 of 2 linears; none left in float" in str(rq.coverage(int8))
+    assert not any(isinstance(m, torch.nn.Dropout) for m in int8.modules())

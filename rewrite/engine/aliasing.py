@@ -116,6 +116,11 @@ def _written(cls: set, gm: Any) -> bool:
     return any(_writes_into(user, n, gm) for n in cls for user in n.users)
 
 
+def _written_after(cls: set, gm: Any, node: fx.Node) -> bool:
+    """Some node after ``node`` in graph order writes into the memory of ``cls``."""
+    return any(node < user and _writes_into(user, n, gm) for n in cls for user in n.users)
+
+
 def memory_observed(node: fx.Node, gm: Any, writes: bool) -> bool:
     """Whether the caller could tell ``node``'s memory shared or not: some node
     writes into it in place (``writes``: the graph writes at all), or two graph
@@ -202,7 +207,9 @@ def new_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any, writes: 
         theirs = alias_class(base, gm, exclude=frozenset(mine) | created)
     if written and _read_outside(theirs, created | mine):
         return f"its result is written in place and would share memory with {what}, which is read elsewhere"
-    if writes and (known[1] if known is not None else _written(theirs, gm)):
+    if writes and (known[1] if known is not None else _written(theirs, gm)) and _written_after(theirs, gm, root):
+        # (a write before root, ``relu_(h)`` upstream of an eval-mode dropout of h,
+        # is done before root's readers read the shared memory: they see what they saw)
         return f"its result would share memory with {what}, which is written in place"
     if escapes and (known[0] if known is not None else _escapes(theirs)):
         return f"its result and {what} are both returned by the graph: the outputs would alias each other"
