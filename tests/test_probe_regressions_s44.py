@@ -322,3 +322,32 @@ def test_qat_converts_a_vgg_head_with_an_inplace_relu_before_dropout():
     int8 = rqat.convert(qat)
     assert "2 of 2 linears; none left in float" in str(rq.coverage(int8))
     assert not any(isinstance(m, torch.nn.Dropout) for m in int8.modules())
+
+
+class _EmbeddingBagClassifier(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.eb = torch.nn.EmbeddingBag(50, 16, mode="mean")
+        self.fc = torch.nn.Linear(16, 8)
+        self.bn = torch.nn.BatchNorm1d(8)
+        self.fc2 = torch.nn.Linear(8, 2)
+
+    def forward(self, ids, offsets):
+        return self.fc2(torch.relu(self.bn(self.fc(self.eb(ids, offsets)))))
+
+
+def test_ptq_takes_the_checks_fixed_inputs_for_a_model_that_needs_valid_offsets():
+    """Probe BF F3: prepare's check drew offsets the model refuses, and its hint named
+    apply's fixed_inputs/input_ranges, which prepare and quantize did not take."""
+    import rewrite.quant as rq
+
+    torch.manual_seed(0)
+    model = _EmbeddingBagClassifier().eval()
+    ids, offsets = torch.randint(0, 50, (10,)), torch.tensor([0, 3, 7])
+    with pytest.raises(RuntimeError, match="fixed_inputs"):
+        rq.prepare(model, (ids, offsets))
+    observed = rq.prepare(model, (ids, offsets), fixed_inputs=[1])
+    assert observed.meta  # observed and checked
+    int8 = rq.quantize(model, [(ids, offsets)], fixed_inputs=[1])
+    assert "2 of 2 linears; none left in float" in str(rq.coverage(int8))
+    torch.testing.assert_close(int8(ids, offsets), model(ids, offsets), atol=0.1, rtol=0.1)

@@ -408,6 +408,8 @@ def prepare(
     ruleset: str | None = None,
     fuse: bool = True,
     check: bool = True,
+    input_ranges: dict | None = None,
+    fixed_inputs: tuple = (),
 ) -> fx.GraphModule:
     """Capture ``model``, fold batch norms (``rules/fusion.rw``) and insert observers
     (``rules/quant/observe.rw``).
@@ -428,6 +430,9 @@ def prepare(
         fuse: run ``rules/fusion.rw`` first.
         check: check the fused and observed graphs against the model (the
             observers are reset afterwards, so the check calibrates nothing).
+        input_ranges, fixed_inputs: for that check's random trials, as ``apply``
+            takes them: inputs the model accepts only some values of (an
+            ``EmbeddingBag``'s offsets: ``fixed_inputs=[1]``).
 
     Returns:
         The observed GraphModule. Run calibration batches through it
@@ -443,14 +448,15 @@ def prepare(
     # quantization makes an inference model: the weights are read as constants (folded,
     # observed, then rounded), whatever mode an exported graph's module reports
     if fuse:
-        gm = rewrite.load(rewrite.rules_dir() / "fusion.rw").apply(gm, args, check=check,
-                                                                    training=False).graph_module
+        gm = rewrite.load(rewrite.rules_dir() / "fusion.rw").apply(
+            gm, args, check=check, training=False, input_ranges=input_ranges, fixed_inputs=fixed_inputs).graph_module
     elif gm is model:  # the shape facts go on a copy: the caller's graph is left as it was
         from rewrite.engine.workspace import shared_copy
 
         gm = shared_copy(gm)
     record_shapes(gm, args)
-    result = _as_rules(observe, "observe", ruleset).apply(gm, args, check=check, trials=1, training=False)
+    result = _as_rules(observe, "observe", ruleset).apply(gm, args, check=check, trials=1, training=False,
+                                                          input_ranges=input_ranges, fixed_inputs=fixed_inputs)
     observed = result.graph_module
     merged = _merge_observers(observed)
     for node in _observers(observed):
@@ -678,7 +684,7 @@ def quantize(
 
     ``example_inputs`` defaults to the first calibration batch; ``options`` go to
     ``prepare`` (``backend``, ``capture``, ``observe``, ``ruleset``, ``fuse``,
-    ``check``) and ``convert`` (``form``, ``lower``, ``convert_rules``,
+    ``check``, ``input_ranges``, ``fixed_inputs``) and ``convert`` (``form``, ``lower``, ``convert_rules``,
     ``lower_rules``, ``min_qdq_sqnr``, ``reference``): ``form="qdq"`` returns the
     PT2E QDQ form, which ``export`` and ``export_onnx`` take.
     """
