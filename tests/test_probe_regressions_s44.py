@@ -351,3 +351,37 @@ def test_ptq_takes_the_checks_fixed_inputs_for_a_model_that_needs_valid_offsets(
     int8 = rq.quantize(model, [(ids, offsets)], fixed_inputs=[1])
     assert "2 of 2 linears; none left in float" in str(rq.coverage(int8))
     torch.testing.assert_close(int8(ids, offsets), model(ids, offsets), atol=0.1, rtol=0.1)
+
+
+class _HalfNorms(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.gn = torch.nn.GroupNorm(2, 8)
+        self.ln = torch.nn.LayerNorm(8)
+        self.ln_nobias = torch.nn.LayerNorm(8, bias=False)
+
+    def forward(self, x):
+        z = self.ln(self.gn(self.conv(x)).permute(0, 2, 3, 1))
+        return torch.softmax(z, -1), self.ln_nobias(z)
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_amp_fp16_runs_a_half_models_norms_in_float32(capture):
+    """Probe BF F4: on a model.half() the norms' own weights are float16, which the
+    layer_norm/group_norm rules refused: they never fired."""
+    torch.manual_seed(0)
+    model, x = _HalfNorms().eval().half(), torch.randn(2, 3, 8, 8).half()
+    gm = torch.fx.symbolic_trace(model) if capture == "fx" else \
+        torch.export.export(model, (x,), strict=False).module()
+    result = rewrite.load("rules/amp_fp16.rw").apply(gm, example_inputs=(x,))
+    assert result.counts.get("layer_norm_fp32_half_affine") == 1
+    assert result.counts.get("layer_norm_fp32_half_weight") == 1
+    assert result.counts.get("group_norm_fp32_half_affine") == 1
+    got, want = result.graph_module(x), model(x)
+    assert all(g.dtype == torch.float16 for g in got)
+    exact = _HalfNorms().eval()
+    exact.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    truth = exact(x.float())
+    for g, w, t in zip(got, want, truth):  # closer to the float32 model than the half one is
+        assert (g.float() - t).abs().max() <= (w.float() - t).abs().max() + 1e-3
