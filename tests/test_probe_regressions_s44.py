@@ -385,3 +385,164 @@ def test_amp_fp16_runs_a_half_models_norms_in_float32(capture):
     truth = exact(x.float())
     for g, w, t in zip(got, want, truth):  # closer to the float32 model than the half one is
         assert (g.float() - t).abs().max() <= (w.float() - t).abs().max() + 1e-3
+
+
+class _GatedAct(torch.nn.Module):
+    """sigmoid / 1.0, then an in-place ReLU: forwarding sigmoid's result makes the
+    ReLU write what sigmoid's backward reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.act = torch.nn.ReLU(inplace=True)
+        self.t = 1.0
+
+    def forward(self, x):
+        return self.act(torch.sigmoid(self.lin(x)) / self.t)
+
+
+class _Residual(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.scale = 1.0
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x)) * self.scale
+        h += x
+        return h
+
+
+class _ExpOut(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.exp(self.lin(x)) * 1.0
+
+
+class _SharedOut(torch.nn.Module):
+    """h is read by a matmul (which keeps it for its backward) and returned as h * 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.w = torch.nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h * 1.0, h @ self.w
+
+
+def _backward(module, x, caller_writes):
+    out = module(x)
+    outs = out if isinstance(out, tuple) else (out,)
+    if caller_writes:
+        outs[0].div_(2.0)  # the caller writes an output in place, then trains
+    sum(o.sum() for o in outs).backward()
+
+
+def _trains_alike(original, rewritten, x):
+    """Whatever backward the original survives (with the caller writing its first
+    output in place, or not), the rewrite survives too."""
+    for caller_writes in (True, False):
+        try:
+            _backward(original, x, caller_writes)
+        except RuntimeError:
+            continue
+        _backward(rewritten, x, caller_writes)  # raised "modified by an inplace operation"
+
+
+@pytest.mark.parametrize("model", [_GatedAct, _Residual, _ExpOut, _SharedOut])
+@pytest.mark.parametrize("capture", ["module", "fx", "export"])
+def test_cleanup_keeps_what_autograd_keeps_in_a_trained_graph(model, capture):
+    """Probe BI F1: cleanup's mul_one/div_one forwarded sigmoid's (tanh's, exp's)
+    result into an in-place write, or returned it where the caller writes it: the
+    forward values were the same, the check passed, and backward raised."""
+    torch.manual_seed(0)
+    model, x = model().train(), torch.randn(2, 4)
+    gm = model if capture == "module" else torch.fx.symbolic_trace(model) if capture == "fx" else \
+        torch.export.export(model, (x,), strict=False).module()
+    result = rewrite.load("rules/cleanup.rw").apply(gm, example_inputs=(x,), training=True)
+    _trains_alike(model, result.graph_module, x)
+    torch.testing.assert_close(result.graph_module(x), model(x))
+
+
+@pytest.mark.parametrize("model", [_GatedAct, _ExpOut])
+def test_cleanup_still_forwards_in_an_inference_graph(model):
+    torch.manual_seed(0)
+    model, x = model().eval(), torch.randn(2, 4)
+    result = rewrite.load("rules/cleanup.rw").apply(model, example_inputs=(x,), training=False)
+    assert sum(result.counts.values()) == 1  # div_one or mul_one
+    with torch.no_grad():
+        torch.testing.assert_close(result.graph_module(x), model(x))
+
+
+IN_PLACE_RULES = """
+rule relu_inplace: relu(tanh(x)) => aten.relu_(aten.tanh(x))
+rule sig_inplace: mul(sigmoid(x), 2) => aten.mul_.Scalar(aten.sigmoid(x), 2)
+ruleset main = once(relu_inplace, sig_inplace)
+"""
+
+
+class _Acts(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return torch.relu(torch.tanh(h)) + torch.sigmoid(h) * 2
+
+
+def test_a_replacement_writing_what_autograd_keeps_does_not_fire_in_a_trained_graph():
+    """Probe BI F2: E105 lets a replacement write a value it builds; where autograd
+    keeps that value (tanh's, sigmoid's result) the trained model's backward raised."""
+    torch.manual_seed(0)
+    model, x = _Acts().train(), torch.randn(2, 4)
+    rules = rewrite.parse(IN_PLACE_RULES)
+    trained = rules.apply(model, example_inputs=(x,), training=True)
+    assert not trained.counts
+    assert "autograd keeps" in trained.stats["relu_inplace"].first_error
+    trained.graph_module(x).sum().backward()
+    inference = rules.apply(model.eval(), example_inputs=(x,), training=False)
+    assert inference.counts == {"relu_inplace": 1, "sig_inplace": 1}
+    with torch.no_grad():
+        torch.testing.assert_close(inference.graph_module(x), model(x))
+    verdicts = {v.rule: v for v in rules.verify(max_examples=5, seed=0).verdicts}
+    assert "autograd keeps" in verdicts["relu_inplace"].counterexample.message
+
+
+@pytest.mark.parametrize("name, fn", [
+    ("sigmoid", torch.sigmoid), ("tanh", torch.tanh), ("exp", torch.exp), ("relu", torch.relu),
+    ("sqrt", torch.sqrt), ("rsqrt", torch.rsqrt), ("reciprocal", torch.reciprocal),
+    ("softmax", lambda x: torch.softmax(x, -1)), ("log_softmax", lambda x: torch.log_softmax(x, -1)),
+    ("amax", lambda x: x.amax(-1)), ("prod", lambda x: x.prod(-1)), ("logsumexp", lambda x: torch.logsumexp(x, -1)),
+])
+def test_the_ops_said_to_keep_their_result_do(name, fn):
+    from rewrite.ops.saved import KEPT_RESULT_OPS
+
+    assert name in KEPT_RESULT_OPS
+    x = (torch.rand(3, 4) + 0.5).requires_grad_()
+    y = fn(x)
+    with torch.no_grad():
+        y.add_(0)  # a write: bumps the version autograd saved
+    with pytest.raises(RuntimeError, match="inplace"):
+        y.sum().backward()
+
+
+@pytest.mark.parametrize("name, fn", [
+    ("mul", lambda x: x * 2), ("add", lambda x: x + 1), ("gelu", torch.nn.functional.gelu),
+    ("silu", torch.nn.functional.silu), ("layer_norm", lambda x: torch.nn.functional.layer_norm(x, (4,))),
+    ("abs", torch.abs), ("neg", torch.neg), ("clone", torch.clone),
+])
+def test_ops_not_said_to_keep_their_result_do_not(name, fn):
+    from rewrite.ops.saved import KEPT_RESULT_OPS
+
+    assert name not in KEPT_RESULT_OPS
+    x = (torch.rand(3, 4) + 0.5).requires_grad_()
+    y = fn(x)
+    with torch.no_grad():
+        y.add_(0)
+    y.sum().backward()

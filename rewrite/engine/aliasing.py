@@ -35,10 +35,11 @@ from rewrite.ops.effects import (ALIASING_NAMES, always_aliases, call_writes, fl
                                  may_alias_any_argument, op_name, schema_returns_alias, written_args,
                                  written_nodes)
 from rewrite.engine.shapes import symbolic_strides
+from rewrite.ops.saved import keeps_result
 from rewrite.ops.vocabulary import nodes_by_target
 
 __all__ = ["storage_base", "alias_class", "new_aliasing", "lost_aliasing", "may_view", "caller_owned",
-           "graph_writes", "written_between", "memory_observed"]
+           "graph_writes", "written_between", "memory_observed", "writes_kept_value"]
 
 
 def storage_base(node: Any, gm: Any, through: Any = may_alias) -> Any:
@@ -149,7 +150,7 @@ def _at_most(size: Any, bound: Any) -> bool:
 
 
 def new_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any, writes: bool = True,
-                 classes: dict | None = None, nbytes: Any = None) -> str | None:
+                 classes: dict | None = None, nbytes: Any = None, grads: bool = False) -> str | None:
     """Why replacing ``root`` by ``result`` would let the caller observe new memory
     sharing, or None when it would not. ``created``: the nodes the replacement built
     (they will compute ``root``'s value). ``writes=False``: no node of the graph
@@ -162,7 +163,10 @@ def new_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any, writes: 
     thousand readers walks that value's class once. ``nbytes(node)``: the bytes of
     a node's value (None when unknown); given, a returned value may not become a view
     of a larger intermediate (``cat([h[-1]]) => h[-1]``: the caller's output would
-    keep all of ``h`` alive, and ``torch.save`` would write it)."""
+    keep all of ``h`` alive, and ``torch.save`` would write it). ``grads``: the graph
+    may be trained: a value autograd keeps for the backward pass (``keeps_result``,
+    or read by another op, which may keep its inputs) may not become one written in
+    place or returned (the caller may write an output in place): backward would raise."""
     base = storage_base(result, gm)
     created = frozenset(created)
     if not isinstance(base, fx.Node) or (base in created and not caller_owned(base)):
@@ -207,12 +211,56 @@ def new_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any, writes: 
         theirs = alias_class(base, gm, exclude=frozenset(mine) | created)
     if written and _read_outside(theirs, created | mine):
         return f"its result is written in place and would share memory with {what}, which is read elsewhere"
+    if grads and (written or escapes):
+        problem = _kept_for_backward(base, theirs, created | mine, what, written, gm)
+        if problem is not None:
+            return problem
     if writes and (known[1] if known is not None else _written(theirs, gm)) and _written_after(theirs, gm, root):
         # (a write before root, ``relu_(h)`` upstream of an eval-mode dropout of h,
         # is done before root's readers read the shared memory: they see what they saw)
         return f"its result would share memory with {what}, which is written in place"
     if escapes and (known[0] if known is not None else _escapes(theirs)):
         return f"its result and {what} are both returned by the graph: the outputs would alias each other"
+    return None
+
+
+def _kept_for_backward(base: fx.Node, theirs: Any, inside: Any, what: str, written: bool, gm: Any) -> str | None:
+    """Why the memory of ``base``'s class may not take a write, or be returned, in a
+    graph that may be trained: an op of the class keeps its result for the backward
+    (``sigmoid``, an in-place ``relu_``), or (returned) another op reads it and may
+    keep it as an input; None when neither. The caller's write into a returned
+    output then reaches a tensor the backward reads."""
+    keeper = next((n for n in (base, *theirs) if keeps_result(n, gm)), None)
+    done = "it is written in place" if written else "a caller's in-place write into that output would reach it"
+    if keeper is not None:
+        return (f"its result would be {what}, which autograd keeps for the backward of {keeper.name!r}, and "
+                f"{done}: backward would raise")
+    if not written:
+        reader = next((u for n in theirs for u in n.users if u not in theirs and u not in inside
+                       and u.op != "output"), None)
+        if reader is not None:
+            return (f"the graph would return {what}, which {reader.name!r} reads (autograd may keep it for the "
+                    f"backward): {done}, and backward would raise")
+    return None
+
+
+def writes_kept_value(created: Any, gm: Any) -> str | None:
+    """Why a replacement's in-place write into a value it builds itself (which E105
+    allows: ``relu_(tanh(x))``) would break a backward pass, or None: the value is
+    one autograd keeps (``keeps_result``), or another node of the replacement reads
+    it (and may keep it as an input). Asked where the graph may be trained."""
+    made = frozenset(created)
+    for node in created:
+        for value in written_nodes(node, gm):
+            if value not in made:
+                continue
+            if keeps_result(value, gm):
+                return (f"its replacement writes in place the result of {value.name!r}, which autograd keeps for "
+                        "the backward: backward would raise (the graph may be trained)")
+            reader = next((u for u in value.users if u is not node and u in made), None)
+            if reader is not None:
+                return (f"its replacement writes in place {value.name!r}, which {reader.name!r} reads (autograd may "
+                        "keep it for the backward): backward would raise (the graph may be trained)")
     return None
 
 

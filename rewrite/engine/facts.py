@@ -249,6 +249,15 @@ class GraphFacts:
         marked = self.gm.meta.get(INFERENCE_KEY)
         return marked if marked is not None else self._graph_mode is False
 
+    @property
+    def differentiated(self) -> bool:
+        """Whether gradients may flow through the graph (a backward pass reads what
+        autograd kept of its values): not an inference graph (``inference``), nor a
+        ``symbolic_trace`` graph of a model in eval mode."""
+        if self.inference:
+            return False
+        return self.training is not None or not (self._flags_are_callers and not self.gm.training)
+
     def _owner_trains(self, qualname: str) -> bool:
         """The module holding ``qualname`` is in training mode, where that flag is the
         caller's: a module ``symbolic_trace`` kept (a ``Linear``, a user's own class).

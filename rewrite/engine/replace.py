@@ -30,7 +30,7 @@ from rewrite.engine.match import Match
 from rewrite.engine.outputs import getitem_users, result_count
 from rewrite.ops import bind_node
 from rewrite.ops.base import ConstRef, by_identity
-from rewrite.engine.aliasing import graph_writes, lost_aliasing, new_aliasing, written_between
+from rewrite.engine.aliasing import graph_writes, lost_aliasing, new_aliasing, writes_kept_value, written_between
 from rewrite.engine.regions import Regions
 from rewrite.engine.layout import StrideReaders, layout_change_seen
 from rewrite.engine.rewire import Rewirer
@@ -190,6 +190,10 @@ class Replacer:
         if not isinstance(result, fx.Node):
             self._undo()
             raise ReplacementError(f"rule {match.rule.name!r} did not produce a graph value")
+        problem = self._kept_value_written()
+        if problem is not None:
+            self._undo()
+            raise ReplacementError(f"rule {match.rule.name!r} at {root.name}: {problem}")
         if isinstance(result, fx.Node) and result.op == "call_module" and result in self._created:
             # an inserted module that stands for the root computes the root's value:
             # it has the root's shape and dtype (not its input's: a quantized conv)
@@ -214,7 +218,7 @@ class Replacer:
         relaid: dict = {}  # facts of the nodes whose layout the replacement changes
         if result is not root:
             problem = new_aliasing(root, result, self._created, self.gm, self._graph_writes(), self._classes,
-                                   self._nbytes) or self._lost_aliasing(root, result)
+                                   self._nbytes, self.facts.differentiated) or self._lost_aliasing(root, result)
             if problem is None and result not in self._created:  # a value forwarded as it is
                 problem = layout_change_seen(root, result, self.facts, self._readers, relaid=relaid) \
                     or self._regions.spanned((), root, result)
@@ -261,7 +265,7 @@ class Replacer:
             for getitem in read[i]:
                 problem = problem or self._unlike_root(getitem, value)
                 problem = problem or new_aliasing(getitem, value, self._created, self.gm, self._graph_writes(),
-                                                  self._classes, self._nbytes)
+                                                  self._classes, self._nbytes, self.facts.differentiated)
                 if problem is None and (always_aliases(root, self.gm) or schema_returns_alias(root.target)):
                     # the pieces of a split, or of an op whose schema says they may be views: views
                     problem = lost_aliasing(getitem, value, self._created, self.gm, self._graph_writes(),
@@ -282,6 +286,13 @@ class Replacer:
             self._readers.replaced(value, self._created)
         touched = self._retire(match)
         return tuple(self._created), touched
+
+    def _kept_value_written(self) -> str | None:
+        """``writes_kept_value`` of what was built, where the graph may be trained
+        (only a replacement that writes in place is asked)."""
+        if not any(written_args(node, self.gm) for node in self._created):
+            return None
+        return writes_kept_value(self._created, self.gm) if self.facts.differentiated else None
 
     def _lost_aliasing(self, root: fx.Node, result: fx.Node) -> str | None:
         """``lost_aliasing`` of a root that views other memory; one result of an op

@@ -434,8 +434,10 @@ class _Checker:
                 raise _Failure(self._cex(inst, "mismatch", stats.first_error.split(UNLIKE_ROOT, 1)[1].join(
                     ("its replacement is not the matched value: ", ""))))
             if stats is not None and stats.failed:
+                why = stats.first_error.split(": ", 1)[-1] if stats.first_error else ""
                 raise _Failure(self._cex(inst, "did not fire", f"its replacement failed to build "
-                                                              f"({stats.failed}x) where the rule matched"))
+                                                              f"({stats.failed}x) where the rule matched"
+                                                              + (f": {why}" if why else "")))
             if stats is not None and stats.first_error.startswith("where clause: ") and not self.where_error:
                 self.where_error = stats.first_error
             if self._matches(self.probe, inst):
