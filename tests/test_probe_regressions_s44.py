@@ -546,3 +546,45 @@ def test_ops_not_said_to_keep_their_result_do_not(name, fn):
     with torch.no_grad():
         y.add_(0)
     y.sum().backward()
+
+
+_REGISTRY = {}
+_CALLS = torch.zeros(())  # a module-level counter a wrapped helper writes
+
+
+@torch.fx.wrap
+def _count_call(x):
+    _REGISTRY["model"].calls.add_(1)
+    _CALLS.add_(1)
+    _REGISTRY.setdefault("log", []).append(1)
+    return x
+
+
+class _Counted(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        x = _count_call(x)
+        return -(-self.lin(x)) + 1
+
+
+@pytest.mark.parametrize("capture", ["module", "fx"])
+def test_apply_puts_back_what_a_wrapped_helper_writes_outside_its_arguments(capture):
+    """Probe BI F3: a ``torch.fx.wrap``'d helper reaching a model buffer through a
+    registry and a module-level tensor: apply's runs (the check's, the one that
+    records facts) left them written, as a hook's are not."""
+    model = _Counted()
+    _REGISTRY.clear()
+    _REGISTRY["model"] = model
+    _CALLS.zero_()
+    x = torch.randn(2, 3)
+    target = model if capture == "module" else torch.fx.symbolic_trace(model)
+    result = rewrite.parse("rule neg_neg: neg(neg(x)) => x\n").apply(target, example_inputs=(x,))
+    assert result.counts == {"neg_neg": 1}
+    assert model.calls.item() == 0 and _CALLS.item() == 0
+    assert "log" not in _REGISTRY  # a list it appends to is put back too
+    result.graph_module(x)  # the rewritten model still counts its calls
+    assert model.calls.item() == 1 and _CALLS.item() == 1

@@ -26,6 +26,7 @@ spellings with no schema from the name lists below.
 
 from __future__ import annotations
 
+import builtins
 import functools
 import operator
 import types
@@ -1035,6 +1036,10 @@ def state_writes(gm: Any) -> "frozenset[int] | None":
     hooks = HookReach()
     aliases: dict = {}
     written: set = set()
+    code_writes = hooks.code_state_written(gm)  # a wrapped helper may write what it reaches
+    if code_writes is None:
+        return None
+    written |= code_writes
     modules: set = set()  # get_attr nodes that read a module
     overloads: dict = {}  # id(aten overload) -> (overload, result may alias an argument, never writes)
 
@@ -1168,11 +1173,28 @@ class HookReach:
             self._found = None if reached is None else self._found + reached
         return self._found
 
+    def code_tensors(self, gm: Any) -> "list | None":
+        """Every tensor the code ``gm``'s graph calls that the library cannot read
+        (``opaque_code``: a ``torch.fx.wrap``'d helper, a user's leaf module) can
+        reach, with those asked about before; None when that is unbounded."""
+        for fn in opaque_code(gm):
+            if self._found is None:
+                break
+            reached = reachable_tensors(fn, self._seen)
+            self._found = None if reached is None else self._found + reached
+        return self._found
+
     def state_written(self, module: Any, gm: Any) -> "set | None":
         """The ids of the tensors (``gm``'s state among them, matched by memory) the
         hooks reach (those of ``module`` and of the modules asked about before), or
         None when unbounded."""
-        reached = self.tensors(module)
+        return self._ids(self.tensors(module), gm)
+
+    def code_state_written(self, gm: Any) -> "set | None":
+        """``state_written`` for the code of ``gm`` the library cannot read (``code_tensors``)."""
+        return self._ids(self.code_tensors(gm), gm)
+
+    def _ids(self, reached: "list | None", gm: Any) -> "set | None":
         if not reached:
             return None if reached is None else set()
         if self._state_storages is None:
@@ -1198,14 +1220,14 @@ def _from_torch_itself(hook: Any) -> bool:
 
 def hooked_containers(module: Any) -> "list | None":
     """The lists, dicts, sets and deques the caller's hooks on ``module`` and the
-    modules it holds can reach (``reachable_containers``: a feature list a hook
+    modules it holds, and the code its graph calls that the library cannot read
+    (``opaque_code``), can reach (``reachable_containers``: a feature list a hook
     appends to); None when that is unbounded."""
     found: list = []
     seen: set = set()
-    for _, hook in _hooks_of(module):
-        if _from_torch_itself(hook):
-            continue
-        reached = reachable_containers(hook, seen)
+    code = [hook for _, hook in _hooks_of(module) if not _from_torch_itself(hook)]
+    for fn in code + (opaque_code(module) if isinstance(module, fx.GraphModule) else []):
+        reached = reachable_containers(fn, seen)
         if reached is None:
             return None
         found += reached
@@ -1213,9 +1235,39 @@ def hooked_containers(module: Any) -> "list | None":
 
 
 def hooked_tensors(module: Any) -> "list | None":
-    """Every tensor the caller's hooks on ``module`` and the modules it holds can
+    """Every tensor the caller's hooks on ``module`` and the modules it holds, and
+    the code its graph calls that the library cannot read (``opaque_code``), can
     reach (``HookReach``); None when that is unbounded."""
-    return HookReach().tensors(module)
+    reach = HookReach()
+    found = reach.tensors(module)
+    return reach.code_tensors(module) if found is not None and isinstance(module, fx.GraphModule) else found
+
+
+def opaque_code(gm: Any) -> list:
+    """The Python code a run of ``gm``'s graph calls that the library cannot read,
+    hooks aside: a function from outside torch (``torch.fx.wrap``'d) and the forward
+    of a user's leaf module. It may write whatever it reaches besides its arguments
+    (a model's buffer through a registry, a module-level counter): what the check
+    and a recording run save and put back."""
+    found: list = []
+    for op, target, nodes in nodes_by_target(gm.graph):
+        if op == "call_function" and _opaque_function(target):
+            found.append(target)
+        elif op == "call_module":
+            for node in nodes:
+                module = _module(node, gm)
+                if module is not None and not isinstance(module, fx.GraphModule) \
+                        and not type(module).__module__.startswith("torch."):
+                    found.append(type(module).forward)
+    return found
+
+
+def _opaque_function(target: Any) -> bool:
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)):
+        return False
+    if _from_torch(target) or getattr(builtins, getattr(target, "__name__", ""), None) is target:
+        return False
+    return callable(target)
 
 
 def _state_tables(gm: Any) -> Iterator:
