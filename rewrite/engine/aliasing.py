@@ -150,7 +150,8 @@ def _at_most(size: Any, bound: Any) -> bool:
 
 
 def new_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any, writes: bool = True,
-                 classes: dict | None = None, nbytes: Any = None, grads: bool = False) -> str | None:
+                 classes: dict | None = None, nbytes: Any = None, grads: bool = False,
+                 trained: bool = False) -> str | None:
     """Why replacing ``root`` by ``result`` would let the caller observe new memory
     sharing, or None when it would not. ``created``: the nodes the replacement built
     (they will compute ``root``'s value). ``writes=False``: no node of the graph
@@ -164,9 +165,11 @@ def new_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any, writes: 
     a node's value (None when unknown); given, a returned value may not become a view
     of a larger intermediate (``cat([h[-1]]) => h[-1]``: the caller's output would
     keep all of ``h`` alive, and ``torch.save`` would write it). ``grads``: the graph
-    may be trained: a value autograd keeps for the backward pass (``keeps_result``,
-    or read by another op, which may keep its inputs) may not become one written in
-    place or returned (the caller may write an output in place): backward would raise."""
+    may be trained: a value autograd keeps for the backward pass (``keeps_result``)
+    may not become one the graph writes in place: backward would raise.
+    ``trained``: it is known to be (``apply(training=True)``, a train-mode batch norm
+    or dropout): nor one it returns, which the caller may write in place before
+    calling backward (and another op's reading it counts: it may keep its inputs)."""
     base = storage_base(result, gm)
     created = frozenset(created)
     if not isinstance(base, fx.Node) or (base in created and not caller_owned(base)):
@@ -211,7 +214,8 @@ def new_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any, writes: 
         theirs = alias_class(base, gm, exclude=frozenset(mine) | created)
     if written and _read_outside(theirs, created | mine):
         return f"its result is written in place and would share memory with {what}, which is read elsewhere"
-    if grads and (written or escapes):
+    if grads and (written or (escapes and trained)) and not keeps_result(root, gm):
+        # (root's own value kept, a write or a caller's into it broke the backward already)
         problem = _kept_for_backward(base, theirs, created | mine, what, written, gm)
         if problem is not None:
             return problem

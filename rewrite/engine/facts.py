@@ -258,6 +258,13 @@ class GraphFacts:
             return False
         return self.training is not None or not (self._flags_are_callers and not self.gm.training)
 
+    @property
+    def trained(self) -> bool:
+        """Whether the graph is known to be trained: the caller said so
+        (``apply(training=True)``), or it runs a batch norm updating its statistics
+        or a dropout that drops."""
+        return self.training if self.training is not None else self._graph_mode is True
+
     def _owner_trains(self, qualname: str) -> bool:
         """The module holding ``qualname`` is in training mode, where that flag is the
         caller's: a module ``symbolic_trace`` kept (a ``Linear``, a user's own class).

@@ -218,7 +218,8 @@ class Replacer:
         relaid: dict = {}  # facts of the nodes whose layout the replacement changes
         if result is not root:
             problem = new_aliasing(root, result, self._created, self.gm, self._graph_writes(), self._classes,
-                                   self._nbytes, self.facts.differentiated) or self._lost_aliasing(root, result)
+                                   self._nbytes, self.facts.differentiated, self.facts.trained) \
+                or self._lost_aliasing(root, result)
             if problem is None and result not in self._created:  # a value forwarded as it is
                 problem = layout_change_seen(root, result, self.facts, self._readers, relaid=relaid) \
                     or self._regions.spanned((), root, result)
@@ -265,7 +266,8 @@ class Replacer:
             for getitem in read[i]:
                 problem = problem or self._unlike_root(getitem, value)
                 problem = problem or new_aliasing(getitem, value, self._created, self.gm, self._graph_writes(),
-                                                  self._classes, self._nbytes, self.facts.differentiated)
+                                                  self._classes, self._nbytes, self.facts.differentiated,
+                                                  self.facts.trained)
                 if problem is None and (always_aliases(root, self.gm) or schema_returns_alias(root.target)):
                     # the pieces of a split, or of an op whose schema says they may be views: views
                     problem = lost_aliasing(getitem, value, self._created, self.gm, self._graph_writes(),
