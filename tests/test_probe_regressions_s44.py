@@ -588,3 +588,98 @@ def test_apply_puts_back_what_a_wrapped_helper_writes_outside_its_arguments(capt
     assert "log" not in _REGISTRY  # a list it appends to is put back too
     result.graph_module(x)  # the rewritten model still counts its calls
     assert model.calls.item() == 1 and _CALLS.item() == 1
+
+
+class _IndexWriteUnderAutocast(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.fc2 = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        h[:, [0, 1, 2, 3]] = h[:, :4] * 1.3 + x[:, :4] * 0.0  # a float32 value into float16 h under autocast
+        return self.fc2(h)
+
+
+def test_the_autocast_allowance_is_no_estimate_when_a_refused_call_writes_a_widened_copy():
+    """Probe BH F4: the float32 retry of ``h[:, i] = v`` wrote a copy of h, so the
+    "autocast run" was another computation, and 3x its distance let an 18% error
+    pass. Such a run gives no estimate (as before the retry existed)."""
+    from rewrite.capture import capture_with_inputs
+
+    torch.manual_seed(0)
+    model, x = _IndexWriteUnderAutocast().eval(), torch.randn(4, 8)
+    wrong = ("rule bad(tolerance='approx'): linear(x, w, b) where dtype(x) == torch.float32 => "
+             "to(mul(linear(to(x, torch.float16), to(w, torch.float16), to(b, torch.float16)), 1.1), torch.float32)\n")
+    gm, inputs = capture_with_inputs(model, (x,), "dynamo")
+    with pytest.raises(rewrite.EquivalenceError):
+        rewrite.parse(wrong).apply(gm, example_inputs=tuple(inputs))
+
+
+_STASH = []
+
+
+@torch.fx.wrap
+def _stash(h):
+    _STASH.append(h)
+    return h.sum()
+
+
+@torch.fx.wrap
+def _bump(x):
+    _STASH[-1].add_(1.0)
+    return x
+
+
+class _StashThenBump(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        s = _stash(h)
+        c = h * 1
+        x = _bump(x)
+        return c + s + x
+
+
+def test_a_write_before_the_root_by_code_that_may_keep_a_reference_still_blocks_forwarding():
+    """Probe BH F1: a wrapped helper "writes every argument"; before the root it may
+    keep a reference and write later through a path the graph does not show."""
+    _STASH.clear()
+    model, x = _StashThenBump().eval(), torch.randn(2, 4)
+    result = rewrite.parse(MUL_ONE).apply(torch.fx.symbolic_trace(model), example_inputs=(x,), check=False)
+    assert not result.counts and "written in place" in result.stats["mul_one"].first_error
+    torch.testing.assert_close(result.graph_module(x), model(x))
+
+
+def test_e409_notes_the_importers_fixpoint_around_a_once_only_rule_set(tmp_path):
+    """Probe BH F3: ``fixpoint(grow_once)`` in an importer repeats grow; the note
+    pointed nowhere (it named grow's own once(...) in the library)."""
+    _files(tmp_path, **{"lib.rw": GROW + "ruleset grow_once = once(grow)\n",
+                        "rep.rw": 'import "lib.rw"\nruleset again = fixpoint(grow_once)\n'})
+    with pytest.raises(rewrite.RuleError) as err:
+        rewrite.load(str(tmp_path / "rep.rw"))
+    assert "rep.rw:2:17: run to a fixpoint here" in str(err.value)
+
+
+def test_a_long_seq_of_finite_sweeps_is_not_stopped_by_the_default_bound():
+    """Probe BH F5: the default bound on rewrites counted the whole run: 48
+    alternating sweeps over 200 negs stopped as "did not settle"."""
+    class Negs(torch.nn.Module):
+        def forward(self, x):
+            for _ in range(200):
+                x = torch.neg(x)
+            return x
+
+    steps = ", ".join(["once(a)", "once(b)"] * 24)
+    rules = rewrite.parse("rule a: neg(x) => mul(x, -1)\nrule b: mul(x, -1) => neg(x)\n"
+                          f"ruleset main = seq({steps})\n")
+    x = torch.randn(3)
+    result = rules.apply(torch.fx.symbolic_trace(Negs()), example_inputs=(x,), check=False)
+    assert result.counts == {"a": 4800, "b": 4800}
+    torch.testing.assert_close(result.graph_module(x), x)
+    with pytest.raises(rewrite.NonTerminationError, match="max_rewrites=100"):  # the caller's bound: the whole run
+        rules.apply(torch.fx.symbolic_trace(Negs()), example_inputs=(x,), check=False, max_rewrites=100)

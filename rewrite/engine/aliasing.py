@@ -31,8 +31,8 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from rewrite.ops.effects import (ALIASING_NAMES, always_aliases, call_writes, flag_on, flagged_writes, may_alias,
-                                 may_alias_any_argument, op_name, schema_returns_alias, written_args,
+from rewrite.ops.effects import (ALIASING_NAMES, always_aliases, call_writes, flag_on, flagged_writes, lasting_write,
+                                 may_alias, may_alias_any_argument, op_name, schema_returns_alias, written_args,
                                  written_nodes)
 from rewrite.engine.shapes import symbolic_strides
 from rewrite.ops.saved import keeps_result
@@ -118,8 +118,11 @@ def _written(cls: set, gm: Any) -> bool:
 
 
 def _written_after(cls: set, gm: Any, node: fx.Node) -> bool:
-    """Some node after ``node`` in graph order writes into the memory of ``cls``."""
-    return any(node < user and _writes_into(user, n, gm) for n in cls for user in n.users)
+    """Some node after ``node`` in graph order writes into the memory of ``cls``, or
+    one before it whose write may outlast it (``lasting_write``: a wrapped helper
+    that keeps a reference, ``set_``)."""
+    return any(_writes_into(user, n, gm) and (node < user or lasting_write(user, gm))
+               for n in cls for user in n.users)
 
 
 def memory_observed(node: fx.Node, gm: Any, writes: bool) -> bool:

@@ -257,6 +257,7 @@ class Driver:
         self.shuffle = shuffle
         self._removed: dict = {}  # signature of a replaced node -> [history index, times recreated]
         self._repeating = 0  # enclosing schedules that repeat (fixpoints): where a cycle can loop
+        self._step_start = 0  # rewrites made before the outermost step running now (the default bound's count)
         self._inserted: set = set()  # (rule name, root) of insertions: the root stays, never again
 
     # -- schedules
@@ -300,6 +301,7 @@ class Driver:
         what one of them recreates from an earlier one is no cycle."""
         if not self._repeating:
             self._removed = {}
+            self._step_start = len(self.history)
         self._repeating += 1
 
     def _seeds(self, index: RuleIndex) -> list:
@@ -323,6 +325,8 @@ class Driver:
         (``seq(once(grow), once(grow))`` is two finite sweeps)."""
         index = _index_of(tuple(rules), self.matcher.compiled)
         changed = False
+        if not self._repeating:
+            self._step_start = len(self.history)
         try:
             for node in list(self.gm.graph.nodes):
                 if not node._erased and node.op in CALL_OPS:
@@ -424,8 +428,13 @@ class Driver:
                 )
 
     def _check_bound(self, node: fx.Node) -> None:
+        """Stop a run that does not settle: more rewrites than ``max_rewrites`` (the
+        default bound counts them per step of a ``seq``, as cycles are: steps run
+        one after the other are finite; the caller's counts the whole run), or a
+        graph grown ten times over."""
         grown = len(self.gm.graph.nodes) > self.max_nodes
-        if len(self.history) <= self.max_rewrites and not grown:
+        done = len(self.history) - (0 if self._bound_given else self._step_start)
+        if done <= self.max_rewrites and not grown:
             return
         recent = self.history[-200:]
         rules = tuple(sorted({name for name, _ in recent}))
@@ -435,6 +444,14 @@ class Driver:
                 f"stopped at max_rewrites={self.max_rewrites}: rules {', '.join(repr(r) for r in rules)} were "
                 f"still firing (last at node {where!r}); nothing was applied. Pass a larger max_rewrites (or "
                 "None, the default bound) if the rules settle",
+                rules,
+                where,
+            )
+        if grown and not self._repeating:  # one sweep is finite: it grew the graph past the bound
+            raise NonTerminationError(
+                f"stopped: the graph grew to {len(self.gm.graph.nodes)} nodes, past the bound of "
+                f"{self.max_nodes} (ten times the input's and 1000), after {len(self.history)} rewrites; "
+                f"rules {', '.join(repr(r) for r in rules)} were growing it (last at node {where!r})",
                 rules,
                 where,
             )

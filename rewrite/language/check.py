@@ -103,24 +103,27 @@ def run_only_once(modules: Iterable) -> tuple:
     every file loaded together, importers included) run only in one sweep, listed
     directly inside ``once(...)`` with no ``fixpoint(...)`` around it and nowhere
     else (a bare rule in ``seq(...)`` runs to a fixpoint), through the rule sets
-    they name; and for the other rules they name, where one is repeated. A rule
+    they name; and for the other rules they name, the span of a schedule that
+    repeats one (the ``fixpoint(...)`` around it, or the bare item itself). A rule
     in ``once`` may rewrite its own output (E409's exemption). Linear in the program."""
     decls = {i.name: i.schedule for m in modules for i in m.items if isinstance(i, ast.RuleSetDecl)}
     once, repeated, walked = set(), {}, set()
-    pending = [(s, "fixpoint", False) for s in decls.values()]
+    # (schedule item, the kind of schedule holding it, the fixpoint around it or None)
+    pending = [(s, "fixpoint", None) for s in decls.values()]
     while pending:  # (an explicit stack: rule sets may chain a hundred deep)
         node, container, again = pending.pop()
         if isinstance(node, ast.ScheduleRef):
             if node.name in decls:
-                if (node.name, container, again) not in walked:
-                    walked.add((node.name, container, again))
+                if (node.name, container, again is not None) not in walked:
+                    walked.add((node.name, container, again is not None))
                     pending.append((decls[node.name], container, again))
-            elif container == "once" and not again:
+            elif container == "once" and again is None:
                 once.add(node.name)
             else:
-                repeated.setdefault(node.name, node.span)
+                repeated.setdefault(node.name, again or node.span)
             continue
-        pending.extend((item, node.kind, again or node.kind == "fixpoint") for item in node.items)
+        around = again if again is not None or node.kind != "fixpoint" else node.span
+        pending.extend((item, node.kind, around) for item in node.items)
     return frozenset(once - set(repeated)), repeated
 
 

@@ -48,7 +48,7 @@ __all__ = [
     "written_args", "written_nodes", "target_writes", "flagged_writes", "flag_on", "call_writes",
     "opdef_writes", "opdef_may_alias",
     "module_writes_own_state", "writes_state_when_training", "call_argument",
-    "state_writes", "hooked_tensors", "hooked_containers", "graph_mode",
+    "state_writes", "hooked_tensors", "hooked_containers", "graph_mode", "opaque_code", "lasting_write",
 ]
 
 #: Ops whose result is always a view of their first input.
@@ -1260,6 +1260,23 @@ def opaque_code(gm: Any) -> list:
                         and not type(module).__module__.startswith("torch."):
                     found.append(type(module).forward)
     return found
+
+
+def lasting_write(node: fx.Node, gm: Any) -> bool:
+    """Whether what ``node`` does to the memory it writes may outlast the call: code
+    nothing describes (a ``torch.fx.wrap``'d helper, a user's leaf module, a
+    higher-order op: it may keep a reference and write later, through a path the
+    graph does not show) or an op that makes memory shared (``z.set_(h)``: a later
+    write into z is one into h)."""
+    if node.op == "call_module":
+        module = _module(node, gm)
+        return module is None or not type(module).__module__.startswith("torch.")
+    if node.op not in ("call_function", "call_method"):
+        return False
+    target = node.target
+    if op_name(target) in _WRITES_EVERY_ARGUMENT or isinstance(target, torch._ops.HigherOrderOperator):
+        return True
+    return node.op == "call_function" and _opaque_function(target)
 
 
 def _opaque_function(target: Any) -> bool:

@@ -227,7 +227,9 @@ def narrowed_run(fn: Any, args: Any, rng_seed: int, dtype: torch.dtype) -> Any:
 class _Float32WhereAutocastRefuses(TorchFunctionMode):
     """A torch call that raises under autocast runs again without it, its half
     precision tensor arguments widened to float32 (what autocast made of their
-    producers). Tried first as it is: an op autocast runs stays as torch runs it."""
+    producers). Tried first as it is: an op autocast runs stays as torch runs it. A
+    call that writes one of the widened copies raises (no estimate): its write
+    would not reach the tensor later calls read."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -236,13 +238,24 @@ class _Float32WhereAutocastRefuses(TorchFunctionMode):
         except Exception:  # noqa: BLE001 - retried in float32; raises again if that fails too
             if not torch.is_autocast_enabled("cpu"):
                 raise
-        widened = pytree.tree_map_only(torch.Tensor, _float32_if_half, (args, kwargs))
+        copies: list = []
+        widened = pytree.tree_map_only(torch.Tensor, lambda t: _float32_if_half(t, copies), (args, kwargs))
+        versions = [t._version for t in copies]
         with torch.autocast("cpu", enabled=False):
-            return func(*widened[0], **widened[1])
+            out = func(*widened[0], **widened[1])
+        if any(t._version != v for t, v in zip(copies, versions)):
+            # an in-place call (``h[:, i] = v`` into the float16 h autocast made) wrote
+            # the float32 copy: what reads h later would not see it, another computation
+            raise RuntimeError("an in-place call autocast refuses wrote a widened copy")
+        return out
 
 
-def _float32_if_half(t: torch.Tensor) -> torch.Tensor:
-    return t.float() if t.dtype in HALF else t
+def _float32_if_half(t: torch.Tensor, copies: list) -> torch.Tensor:
+    if t.dtype not in HALF:
+        return t
+    copy = t.float()
+    copies.append(copy)
+    return copy
 
 
 def rounding_noise(outputs: Any, truth: Any) -> Optional[Tuple[Optional[Tuple[torch.Tensor, torch.Tensor]], ...]]:
