@@ -1258,7 +1258,10 @@ def opaque_code(gm: Any) -> list:
                 module = _module(node, gm)
                 if module is not None and not isinstance(module, fx.GraphModule) \
                         and not type(module).__module__.startswith("torch."):
-                    found.append(type(module).forward)
+                    # its code, and the module itself: a plain tensor attribute, a dict of
+                    # them, a helper object it holds (``self.stats.add_(...)``)
+                    held = tuple(v for k, v in vars(module).items() if not k.startswith("_"))
+                    found.append((type(module).forward, module, *held))
     return found
 
 

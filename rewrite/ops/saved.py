@@ -8,60 +8,80 @@ counter, so an in-place write into the forwarded value afterwards (the model's
 ``backward()`` raise "modified by an inplace operation" where the original trained.
 ``rewrite.engine.aliasing`` refuses such a rewrite where the graph may be trained.
 
-``KEPT_RESULT_OPS`` was found by running each op on a tensor that requires grad,
-bumping the result's version (an in-place write) and calling backward
-(``tests/test_probe_regressions_s44.py`` checks the list against torch). Ops keep
-their *inputs* far more often (``mul``, ``matmul``, ``conv``): a reader of a value is
-therefore taken to keep it.
+Many ops keep their result (``sigmoid``, ``exp``, ``softmax``, ``torch.special``'s
+spellings, ``inverse``, ``cdist``, an LSTM, every in-place activation...), so the
+list kept here is the other one: ops known *not* to keep their result
+(``RESULT_NOT_KEPT``: views, linear algebra, most elementwise ops), each checked
+against torch by writing its result in place and calling backward
+(``tests/test_probe_regressions_s44.py``). Any other op, an in-place call, a module
+with ``inplace=True``, or code the library cannot read may keep it.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
 import torch.fx as fx
 
 from rewrite.ops.base import submodule
-from rewrite.ops.effects import op_name
+from rewrite.ops.effects import op_name, written_args
 
-__all__ = ["KEPT_RESULT_OPS", "keeps_result"]
+__all__ = ["RESULT_NOT_KEPT", "keeps_result"]
 
-#: ops whose backward reads their own result (by name, every spelling and overload:
-#: ``torch.sigmoid``, ``x.sigmoid_()``, ``aten.sigmoid.default``); ``pow`` keeps it
-#: for a tensor exponent, and is taken to always
-KEPT_RESULT_OPS = frozenset({
-    "sigmoid", "tanh", "exp", "exp2", "expm1", "relu", "sqrt", "rsqrt", "reciprocal", "tan",
-    "softmax", "_softmax", "_safe_softmax", "log_softmax", "_log_softmax", "softmin", "logsumexp",
-    "pow", "float_power", "amax", "amin", "max", "min", "cumprod", "prod", "norm", "linalg_vector_norm",
-    "std", "std_mean", "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+#: ops (by ``op_name``: every spelling, ``torch.add``, ``x.add``, ``aten.add.Tensor``,
+#: ``operator.add``) whose out-of-place backward reads no result of theirs
+RESULT_NOT_KEPT = frozenset({
+    # views, copies, casts, shapes (not split's or chunk's pieces: autograd refuses a
+    # write into one view of several an op returned)
+    "view", "reshape", "_unsafe_view", "flatten", "unflatten", "permute", "transpose", "t", "expand",
+    "expand_as", "squeeze", "unsqueeze", "select", "slice", "narrow", "as_strided",
+    "view_as", "reshape_as", "contiguous", "clone", "alias", "to", "_to_copy", "type_as", "float", "half",
+    "double", "bfloat16", "repeat", "tile", "roll", "flip", "pad", "constant_pad_nd", "cat", "stack",
+    # linear algebra
+    "linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "conv1d", "conv2d", "conv3d",
+    "convolution", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "embedding",
+    # elementwise
+    "add", "sub", "rsub", "mul", "div", "truediv", "neg", "abs", "where", "clamp", "clamp_min", "clamp_max",
+    "maximum", "minimum", "hardtanh", "relu6", "leaky_relu", "elu", "selu", "celu", "gelu", "silu", "mish",
+    "softplus", "hardswish", "hardsigmoid", "log", "log1p", "log2", "sin", "cos", "erf", "square", "sign",
+    "threshold",
+    # norms, reductions, pooling, dropout
+    "layer_norm", "batch_norm", "group_norm", "instance_norm", "sum", "mean", "var", "avg_pool1d",
+    "avg_pool2d", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "max_pool1d", "max_pool2d", "interpolate",
+    "dropout",
 })
 
-#: torch modules whose forward is one of those ops
-_KEPT_RESULT_MODULES = frozenset({"ReLU", "Sigmoid", "Tanh", "Softmax", "LogSoftmax", "Softmin",
-                                  "MultiheadAttention"})
+#: torch modules whose forward keeps no result of its own (unless ``inplace=True``)
+_RESULT_NOT_KEPT_MODULES = frozenset({
+    "Linear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",
+    "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "LayerNorm", "GroupNorm", "InstanceNorm1d", "InstanceNorm2d",
+    "Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "Identity", "Flatten", "Unflatten", "MaxPool1d",
+    "MaxPool2d", "AvgPool1d", "AvgPool2d", "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "GELU", "SiLU", "Mish",
+    "Softplus", "Hardswish", "Hardsigmoid", "Hardtanh", "ReLU6", "LeakyReLU", "ELU", "SELU", "CELU",
+    "Embedding", "Upsample", "ZeroPad2d", "ConstantPad2d",
+})
 
 
 def keeps_result(node: fx.Node, gm: Any) -> bool:
-    """Whether autograd may keep ``node``'s result for its backward: one of
-    ``KEPT_RESULT_OPS`` (or a torch module running one), or code whose backward the
-    library cannot read (a user's module or function): it may."""
+    """Whether autograd may keep ``node``'s result for its backward: unless it is an
+    out-of-place call of an op (or a torch module) known not to (``RESULT_NOT_KEPT``),
+    it may. One result of a multi-output op (``getitem``) is asked of the op."""
     if node.op == "call_module":
         try:
             module = submodule(gm, node.target)
         except AttributeError:
             return True
-        if type(module).__module__.startswith("torch."):
-            return type(module).__name__ in _KEPT_RESULT_MODULES
-        return True
+        return not (type(module).__module__.startswith("torch.") and type(module).__name__ in _RESULT_NOT_KEPT_MODULES
+                    and not getattr(module, "inplace", False))
     if node.op not in ("call_function", "call_method"):
-        return False
+        return False  # an input or a constant: no op of the graph made it
     target = node.target
-    if op_name(target) in KEPT_RESULT_OPS:
-        return True
-    if isinstance(target, torch._ops.HigherOrderOperator):
-        return True  # its subgraph's last op may
+    if target is operator.getitem and isinstance(node.args[0], fx.Node):
+        return keeps_result(node.args[0], gm)
+    if op_name(target) not in RESULT_NOT_KEPT or written_args(node, gm):
+        return True  # an in-place call keeps what it wrote (relu_, leaky_relu(x, inplace=True))
     if node.op == "call_method" or isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return False
     where = (getattr(target, "__module__", None) or "").split(".")[0]
