@@ -826,3 +826,87 @@ def test_apply_puts_back_what_a_users_leaf_module_writes_outside_its_buffers():
     assert result.counts == {"neg_neg": 1}
     c = model.c
     assert (c.buf.item(), c.plain.item(), c.d["n"].item(), c.helper.t.item(), c.helper.hist) == (0, 0, 0, 0, [])
+
+
+class _ScaleLeaf(torch.nn.Module):
+    """A harmless leaf module holding a large object graph."""
+
+    def __init__(self, held):
+        super().__init__()
+        self.scale = 1.5
+        self.held = held
+
+    def forward(self, x):
+        return x * self.scale
+
+
+class _ConvBnLeaf(torch.nn.Module):
+    def __init__(self, held):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+        self.bn = torch.nn.BatchNorm2d(4)
+        self.leaf = _ScaleLeaf(held)
+
+    def forward(self, x):
+        return self.leaf(self.bn(self.conv(x)))
+
+
+@pytest.mark.parametrize("held", [lambda: [(i, str(i)) for i in range(30000)],
+                                  lambda: torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2000)),
+                                  lambda: (i for i in range(3))])
+def test_a_leaf_module_holding_a_large_object_graph_does_not_stop_every_fold(held):
+    """Probe BK F3: walking what a user's leaf module holds gave up (over 20000
+    objects, a generator) and every tensor of the model counted as written."""
+    class Tracer(torch.fx.Tracer):
+        def is_leaf_module(self, m, qualname):
+            return isinstance(m, _ScaleLeaf) or super().is_leaf_module(m, qualname)
+
+    torch.manual_seed(0)
+    model, x = _ConvBnLeaf(held()).eval(), torch.randn(1, 3, 8, 8)
+    gm = torch.fx.GraphModule(model, Tracer().trace(model))
+    result = rewrite.load("rules/fusion.rw").apply(gm, example_inputs=(x,))
+    assert result.counts == {"conv_bn": 1}
+    torch.testing.assert_close(result.graph_module(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+class _LeakyThenAdd(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = torch.nn.functional.leaky_relu(self.lin(x), 0.1)
+        y += x
+        return y
+
+
+def test_a_replacement_whose_value_autograd_keeps_does_not_stand_for_one_written_later():
+    """Probe BK F2: ``leaky_relu(x) => leaky_relu_(clone(x))``: the in-place op keeps
+    its result, the original's did not; the model's ``y += x`` then broke backward."""
+    rules = rewrite.parse("rule r: leaky_relu(x, 0.1) => aten.leaky_relu_(aten.clone(x), 0.1)\n"
+                          "ruleset main = once(r)\n")
+    torch.manual_seed(0)
+    model, x = _LeakyThenAdd().train(), torch.randn(2, 4)
+    gm = torch.export.export(model, (x,), strict=False).module()
+    result = rules.apply(gm, example_inputs=(x,), training=True)
+    assert not result.counts and "autograd keeps" in result.stats["r"].first_error
+    _trains_alike(model, result.graph_module, x)
+
+
+@pytest.mark.parametrize("pool", [torch.nn.MaxPool1d(2, return_indices=True),
+                                  torch.nn.MaxPool2d(2, return_indices=True)])
+def test_a_max_pool_returning_indices_is_taken_to_keep_them(pool):
+    """Probe BK F1: the backward reads the indices a max pool returns."""
+    from rewrite.ops.saved import keeps_result
+
+    class Pool(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pool = pool
+
+        def forward(self, x):
+            return self.pool(x)[1]
+
+    gm = torch.fx.symbolic_trace(Pool())
+    node = next(n for n in gm.graph.nodes if n.op == "call_module")
+    assert keeps_result(node, gm)

@@ -39,7 +39,7 @@ from rewrite.ops.saved import keeps_result
 from rewrite.ops.vocabulary import nodes_by_target
 
 __all__ = ["storage_base", "alias_class", "new_aliasing", "lost_aliasing", "may_view", "caller_owned",
-           "graph_writes", "written_between", "memory_observed", "writes_kept_value"]
+           "graph_writes", "written_between", "memory_observed", "writes_kept_value", "newly_kept"]
 
 
 def storage_base(node: Any, gm: Any, through: Any = may_alias) -> Any:
@@ -248,6 +248,24 @@ def _kept_for_backward(base: fx.Node, theirs: Any, inside: Any, what: str, writt
         if reader is not None:
             return (f"the graph would return {what}, which {reader.name!r} reads (autograd may keep it for the "
                     f"backward): {done}, and backward would raise")
+    return None
+
+
+def newly_kept(root: fx.Node, result: fx.Node, gm: Any, trained: bool) -> str | None:
+    """Why standing ``result``, a value autograd may keep for its backward (a
+    replacement's ``softmax``, ``leaky_relu_``), for ``root``, one it did not keep,
+    would break a backward pass, or None: root's value is written in place later,
+    or (``trained``: the graph is known to train) returned, where the caller may
+    write it. Asked where the graph may be trained."""
+    if not keeps_result(result, gm) or keeps_result(root, gm):
+        return None
+    mine = alias_class(root, gm)
+    if _written(mine, gm):
+        return (f"its result {result.name!r} is one autograd keeps for the backward, and the matched value is "
+                "written in place: backward would raise")
+    if trained and _escapes(mine):
+        return (f"its result {result.name!r} is one autograd keeps for the backward, and the graph returns it: a "
+                "caller's in-place write into that output would make backward raise")
     return None
 
 

@@ -30,7 +30,8 @@ from rewrite.engine.match import Match
 from rewrite.engine.outputs import getitem_users, result_count
 from rewrite.ops import bind_node
 from rewrite.ops.base import ConstRef, by_identity
-from rewrite.engine.aliasing import graph_writes, lost_aliasing, new_aliasing, writes_kept_value, written_between
+from rewrite.engine.aliasing import (graph_writes, lost_aliasing, new_aliasing, newly_kept, writes_kept_value,
+                                     written_between)
 from rewrite.engine.regions import Regions
 from rewrite.engine.layout import StrideReaders, layout_change_seen
 from rewrite.engine.rewire import Rewirer
@@ -225,6 +226,8 @@ class Replacer:
                     or self._regions.spanned((), root, result)
             elif problem is None:  # a new value: laid out as its root, if a reader depends on strides
                 problem = layout_change_seen(root, result, self.facts, self._readers, self._created, relaid)
+                if problem is None and self.facts.differentiated:
+                    problem = newly_kept(root, result, self.gm, self.facts.trained)
             if problem is not None:
                 self._undo()
                 raise ReplacementError(f"rule {match.rule.name!r} at {root.name}: {problem}")

@@ -48,7 +48,8 @@ __all__ = [
     "written_args", "written_nodes", "target_writes", "flagged_writes", "flag_on", "call_writes",
     "opdef_writes", "opdef_may_alias",
     "module_writes_own_state", "writes_state_when_training", "call_argument",
-    "state_writes", "hooked_tensors", "hooked_containers", "graph_mode", "opaque_code", "lasting_write",
+    "state_writes", "hooked_tensors", "hooked_containers", "graph_mode", "opaque_code", "opaque_holders",
+    "lasting_write",
 ]
 
 #: Ops whose result is always a view of their first input.
@@ -1191,8 +1192,26 @@ class HookReach:
         return self._ids(self.tensors(module), gm)
 
     def code_state_written(self, gm: Any) -> "set | None":
-        """``state_written`` for the code of ``gm`` the library cannot read (``code_tensors``)."""
-        return self._ids(self.code_tensors(gm), gm)
+        """``state_written`` for the code of ``gm`` the library cannot read (``code_tensors``),
+        and what its user leaf modules hold where that can be told (``holder_tensors``)."""
+        found = self._ids(self.code_tensors(gm), gm)
+        held = self.holder_tensors(gm)
+        return found if found is None or not held else found | self._ids(held, gm)
+
+    def holder_tensors(self, gm: Any) -> list:
+        """The tensors ``opaque_holders`` reach, new to this walk; none when that walk
+        cannot be bounded (best-effort: see ``opaque_holders``)."""
+        holders = opaque_holders(gm)
+        if not holders:
+            return []
+        seen = set(self._seen)
+        reached = reachable_tensors(holders, seen)
+        if reached is None:
+            return []
+        self._seen |= seen
+        if self._found is not None:
+            self._found = self._found + reached
+        return reached
 
     def _ids(self, reached: "list | None", gm: Any) -> "set | None":
         if not reached:
@@ -1231,6 +1250,9 @@ def hooked_containers(module: Any) -> "list | None":
         if reached is None:
             return None
         found += reached
+    for held in opaque_holders(module) if isinstance(module, fx.GraphModule) else ():
+        reached = reachable_containers(held, set(seen))  # best-effort (see ``opaque_holders``)
+        found += reached or []
     return found
 
 
@@ -1240,7 +1262,10 @@ def hooked_tensors(module: Any) -> "list | None":
     reach (``HookReach``); None when that is unbounded."""
     reach = HookReach()
     found = reach.tensors(module)
-    return reach.code_tensors(module) if found is not None and isinstance(module, fx.GraphModule) else found
+    if found is None or not isinstance(module, fx.GraphModule):
+        return found
+    found = reach.code_tensors(module)
+    return found if found is None else found + reach.holder_tensors(module)
 
 
 def opaque_code(gm: Any) -> list:
@@ -1258,10 +1283,25 @@ def opaque_code(gm: Any) -> list:
                 module = _module(node, gm)
                 if module is not None and not isinstance(module, fx.GraphModule) \
                         and not type(module).__module__.startswith("torch."):
-                    # its code, and the module itself: a plain tensor attribute, a dict of
-                    # them, a helper object it holds (``self.stats.add_(...)``)
-                    held = tuple(v for k, v in vars(module).items() if not k.startswith("_"))
-                    found.append((type(module).forward, module, *held))
+                    found.append(type(module).forward)
+    return found
+
+
+def opaque_holders(gm: Any) -> list:
+    """What a user's leaf module of ``gm`` holds besides its parameters and buffers:
+    the module and its public attributes (a plain tensor, a dict of them, a helper
+    object with a list), which its forward may write. Walked best-effort (a module
+    holding a large object graph is not walked at all): its own parameters and buffers
+    count as written anyway (``module_effects``)."""
+    found: list = []
+    for op, _, nodes in nodes_by_target(gm.graph):
+        if op != "call_module":
+            continue
+        for node in nodes:
+            module = _module(node, gm)
+            if module is not None and not isinstance(module, fx.GraphModule) \
+                    and not type(module).__module__.startswith("torch."):
+                found.append((module, *(v for k, v in vars(module).items() if not k.startswith("_"))))
     return found
 
 

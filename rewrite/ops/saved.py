@@ -74,7 +74,7 @@ def keeps_result(node: fx.Node, gm: Any) -> bool:
         except AttributeError:
             return True
         return not (type(module).__module__.startswith("torch.") and type(module).__name__ in _RESULT_NOT_KEPT_MODULES
-                    and not getattr(module, "inplace", False))
+                    and not getattr(module, "inplace", False) and not getattr(module, "return_indices", False))
     if node.op not in ("call_function", "call_method"):
         return False  # an input or a constant: no op of the graph made it
     target = node.target
