@@ -12,7 +12,11 @@ That is harmless for an intermediate nobody writes; it is observable when
 * the node's value is written in place, and something else reads the shared value
   (the write now reaches it);
 * the shared value is written in place somewhere (the node's readers would see it);
-* both are returned by the graph (two outputs would alias each other).
+* both are returned by the graph (two outputs would alias each other);
+* in a graph that may be trained, the shared value is one autograd keeps for the
+  backward (``rewrite.ops.saved``) and the node's value is written in place, or
+  returned where the graph is known to train (``backward()`` would raise "modified
+  by an inplace operation" where the original trained).
 
 Values are grouped into *alias classes*: a storage base (a placeholder, a
 ``get_attr``, or an op whose result is fresh memory) and every value that may be a
