@@ -910,3 +910,25 @@ def test_a_max_pool_returning_indices_is_taken_to_keep_them(pool):
     gm = torch.fx.symbolic_trace(Pool())
     node = next(n for n in gm.graph.nodes if n.op == "call_module")
     assert keeps_result(node, gm)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: _A.native_batch_norm(x, None, None, None, None, True, 0.1, 1e-5)[0],
+    lambda x: _A.native_layer_norm(x, [4], None, None, 1e-5)[0],
+    lambda x: _A.native_group_norm(x, None, None, 2, 4, 4, 2, 1e-5)[0],
+    lambda x: _A.max_pool2d_with_indices(x, [2, 2])[0],
+])
+def test_a_norms_or_pools_first_result_is_not_kept_and_is_taken_not_to_be(fn):
+    """A training graph's batch norm returned through ``/ 1`` (export spells it
+    ``aten.batch_norm``, writing its statistics: not an in-place call of its input)."""
+    from rewrite.ops.saved import keeps_result
+
+    assert not _keeps_its_result(fn)
+
+    class Call(torch.nn.Module):
+        def forward(self, x):
+            return fn(x)
+
+    gm = torch.fx.symbolic_trace(Call())
+    last = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")][-1]
+    assert not keeps_result(last, gm)

@@ -1281,10 +1281,17 @@ def opaque_code(gm: Any) -> list:
         elif op == "call_module":
             for node in nodes:
                 module = _module(node, gm)
-                if module is not None and not isinstance(module, fx.GraphModule) \
-                        and not type(module).__module__.startswith("torch."):
+                if module is not None and _users_module(module):
                     found.append(type(module).forward)
     return found
+
+
+def _users_module(module: Any) -> bool:
+    """A leaf module whose code is the user's: not torch's, not the library's own
+    (a QAT layer, a fake quantizer: ``module_effects`` knows what they write), not a
+    GraphModule (its graph is read)."""
+    where = type(module).__module__
+    return not isinstance(module, fx.GraphModule) and not where.startswith(("torch.", "rewrite."))
 
 
 def opaque_holders(gm: Any) -> list:
@@ -1299,8 +1306,7 @@ def opaque_holders(gm: Any) -> list:
             continue
         for node in nodes:
             module = _module(node, gm)
-            if module is not None and not isinstance(module, fx.GraphModule) \
-                    and not type(module).__module__.startswith("torch."):
+            if module is not None and _users_module(module):
                 found.append((module, *(v for k, v in vars(module).items() if not k.startswith("_"))))
     return found
 

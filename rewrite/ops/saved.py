@@ -53,6 +53,12 @@ RESULT_NOT_KEPT = frozenset({
     "dropout",
 })
 
+#: multi-output ops whose first result (the normalized or pooled value) is not kept
+_FIRST_NOT_KEPT = frozenset({
+    "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
+    "_native_batch_norm_legit_no_training", "native_layer_norm", "native_group_norm", "max_pool2d_with_indices",
+})
+
 #: torch modules whose forward keeps no result of its own (unless ``inplace=True``)
 _RESULT_NOT_KEPT_MODULES = frozenset({
     "Linear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",
@@ -79,10 +85,13 @@ def keeps_result(node: fx.Node, gm: Any) -> bool:
         return False  # an input or a constant: no op of the graph made it
     target = node.target
     if target is operator.getitem and isinstance(node.args[0], fx.Node):
-        return keeps_result(node.args[0], gm)
-    if op_name(target) not in RESULT_NOT_KEPT or written_args(node, gm):
+        source = node.args[0]
+        if node.args[1] == 0 and source.op == "call_function" and op_name(source.target) in _FIRST_NOT_KEPT:
+            return False  # a norm's output (its statistics, results 1 and 2, are kept)
+        return keeps_result(source, gm)
+    if op_name(target) not in RESULT_NOT_KEPT or any(p in (0, "input", "self") for p in written_args(node, gm)):
         return True  # an in-place call keeps what it wrote (relu_, leaky_relu(x, inplace=True))
     if node.op == "call_method" or isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return False
-    where = (getattr(target, "__module__", None) or "").split(".")[0]
+    where = (getattr(target, "__module__", None) or "torch").split(".")[0]  # (a method descriptor has none)
     return where not in ("torch", "operator", "_operator", "builtins", "math")
