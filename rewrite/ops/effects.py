@@ -1274,24 +1274,9 @@ def opaque_code(gm: Any) -> list:
     of a user's leaf module. It may write whatever it reaches besides its arguments
     (a model's buffer through a registry, a module-level counter): what the check
     and a recording run save and put back."""
-    found: list = []
-    for op, target, nodes in nodes_by_target(gm.graph):
-        if op == "call_function" and _opaque_function(target):
-            found.append(target)
-        elif op == "call_module":
-            for node in nodes:
-                module = _module(node, gm)
-                if module is not None and _users_module(module):
-                    found.append(type(module).forward)
-    return found
-
-
-def _users_module(module: Any) -> bool:
-    """A leaf module whose code is the user's: not torch's, not the library's own
-    (a QAT layer, a fake quantizer: ``module_effects`` knows what they write), not a
-    GraphModule (its graph is read)."""
-    where = type(module).__module__
-    return not isinstance(module, fx.GraphModule) and not where.startswith(("torch.", "rewrite."))
+    functions = [target for op, target, _ in nodes_by_target(gm.graph)
+                 if op == "call_function" and _opaque_function(target)]
+    return functions + [type(module).forward for module in _users_leaf_modules(gm)]
 
 
 def opaque_holders(gm: Any) -> list:
@@ -1300,15 +1285,23 @@ def opaque_holders(gm: Any) -> list:
     object with a list), which its forward may write. Walked best-effort (a module
     holding a large object graph is not walked at all): its own parameters and buffers
     count as written anyway (``module_effects``)."""
-    found: list = []
+    return [(module, *(v for k, v in vars(module).items() if not k.startswith("_")))
+            for module in _users_leaf_modules(gm)]
+
+
+def _users_leaf_modules(gm: Any) -> Iterator:
+    """The modules ``gm``'s call_module nodes call whose code is the user's: not
+    torch's, not the library's own (a QAT layer, a fake quantizer: ``module_effects``
+    knows what they write), not a GraphModule (its graph is read)."""
     for op, _, nodes in nodes_by_target(gm.graph):
         if op != "call_module":
             continue
         for node in nodes:
             module = _module(node, gm)
-            if module is not None and _users_module(module):
-                found.append((module, *(v for k, v in vars(module).items() if not k.startswith("_"))))
-    return found
+            where = type(module).__module__
+            if module is not None and not isinstance(module, fx.GraphModule) \
+                    and not where.startswith(("torch.", "rewrite.")):
+                yield module
 
 
 def lasting_write(node: fx.Node, gm: Any) -> bool:
