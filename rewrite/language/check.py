@@ -368,6 +368,29 @@ def _signature(opdef: Any) -> str:
     return f"{opdef.name}({', '.join(parts)})"
 
 
+def _other_overloads_hint(c: ast.Call, opdef: Any, sig: str) -> str:
+    """``sig``, and where the call's arguments fit another aten overload of a torch
+    function than the one its name binds (``torch.var(x, dim=-1)``: ``var.dim``),
+    that overload and how a rule names it."""
+    from rewrite.ops.generic import other_overloads
+
+    keywords = {k.name for k in c.kwargs}
+    fits = []
+    for qualname, other in other_overloads(opdef.name):
+        params = [n for n in other.names if n not in ("inplace",)]
+        positional = [n for n in params if n not in other.kwonly]
+        if len(c.args) > len(positional) or not keywords <= set(params) | {"input"}:
+            continue
+        given = set(positional[: len(c.args)]) | {"self" if k == "input" else k for k in keywords}
+        if not c.rest and any(n not in other.defaults and n not in given for n in params):
+            continue
+        fits.append(f"{qualname}({', '.join(params)})")
+    if not fits:
+        return sig
+    return (f"{sig} (the overload this name binds); the call fits {' and '.join(fits[:2])}: a rule names "
+            "it so, at the ATen level (torch.export graphs)")
+
+
 class _Checker:
     """Collects diagnostics for one file's declarations."""
 
@@ -972,6 +995,8 @@ class _Checker:
         members of the family a pattern calls)."""
         names = [p.name for p in opdef.params]
         sig = f"signature: {_signature(opdef)}"
+        if opdef.qualified:
+            sig = _other_overloads_hint(c, opdef, sig)
         errors_before = len(self.diags)
         if len(c.args) > len(names):
             extra = c.args[len(names)]

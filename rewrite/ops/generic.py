@@ -48,7 +48,7 @@ from rewrite.ops.builders import fn, make_op, method, sig_params
 from rewrite.ops.custom import custom_opdef, library_name
 from rewrite.ops.resolve import Sig, aten_overload, resolve, schema_sig, signature_of
 
-__all__ = ["generic_opdef", "emission_refusal", "OPERATOR_ALLOWED", "DECOMPOSED_ALLOWED"]
+__all__ = ["generic_opdef", "emission_refusal", "other_overloads", "OPERATOR_ALLOWED", "DECOMPOSED_ALLOWED"]
 
 _UNARY = ("neg", "pos", "abs", "invert", "not_")
 _BINARY = (
@@ -106,6 +106,34 @@ def _tensor(name: str) -> OpDef | None:
         return None
     sig = signature_of(f"Tensor.{name}", getattr(torch.Tensor, name))
     return None if sig is None else _build(f"Tensor.{name}", sig, method(name), f"Tensor.{name}")
+
+
+def other_overloads(qualname: str) -> list:
+    """``(aten qualified name, Sig)`` of the aten overloads of a ``torch.<f>``,
+    ``F.<f>`` or ``Tensor.<m>`` name whose arguments differ from the one its
+    ``generic_opdef`` takes (``torch.var`` takes ``var(input, unbiased)``; torch
+    also takes ``var.dim`` and ``var.correction``): a rule names those only at the
+    ATen level, and an error about the arguments should say so."""
+    root, _, name = qualname.partition(".")
+    if root not in ("torch", "F", "Tensor") or "." in name:
+        return []
+    chosen = aten_overload(name)
+    if chosen is None:
+        return []
+    taken = schema_sig(chosen).names
+    out, seen = [], {taken}
+    packet = getattr(torch.ops.aten, name)
+    for ov in packet.overloads():
+        overload = getattr(packet, ov)
+        args = overload._schema.arguments
+        if not args or "Tensor" not in str(args[0].type) or any(a.is_out for a in args) \
+                or any("Dimname" in str(a.type) for a in args):
+            continue
+        sig = schema_sig(overload)
+        if sig.names not in seen:
+            seen.add(sig.names)
+            out.append((f"aten.{name}.{ov}", sig))
+    return out
 
 
 def _operator(name: str) -> OpDef | None:

@@ -1,0 +1,38 @@
+"""Regressions found in session 45: diagnostics that told less than the truth, and
+whatever the session's probes turned up."""
+
+import pytest
+import torch
+
+import rewrite
+
+
+@pytest.mark.parametrize("call, fits", [
+    ("torch.var(x, dim=-1)", "aten.var.dim(self, dim, unbiased, keepdim)"),
+    ("torch.var(x, -1, keepdim=True)", "aten.var.dim"),
+    ("torch.var(x, [-1], correction=0)", "aten.var.correction(self, dim, correction, keepdim)"),
+    ("Tensor.std(x, dim=-1)", "aten.std.dim"),
+    ("torch.all(x, 1)", "aten.all.dim"),
+])
+def test_an_overload_the_name_does_not_bind_is_named(call, fits):
+    """``torch.var`` binds ``var(input, unbiased)``; torch takes ``var(x, dim=-1)``
+    too, and the E202 said only "has no parameter 'dim'" with the one signature, as
+    if torch took no such call. The help names the overload the call fits."""
+    with pytest.raises(rewrite.RuleError) as info:
+        rewrite.parse(f"rule r: sigmoid(x) => {call}\n")
+    (d,) = info.value.diagnostics
+    assert d.code in ("E201", "E202")
+    assert fits in d.help and "the overload this name binds" in d.help
+
+
+def test_a_call_no_overload_takes_keeps_the_plain_help():
+    with pytest.raises(rewrite.RuleError) as info:
+        rewrite.parse("rule r: sigmoid(x) => torch.var(x, dimm=-1)\n")
+    (d,) = info.value.diagnostics
+    assert d.code == "E202" and "overload" not in d.help
+
+
+def test_the_overload_it_names_is_what_torch_runs():
+    """The named overload, at the ATen level, is the computation the torch call makes."""
+    x = torch.randn(3, 5)
+    torch.testing.assert_close(torch.ops.aten.var.correction(x, [-1], correction=0), torch.var(x, -1, correction=0))
