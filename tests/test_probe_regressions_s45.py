@@ -36,3 +36,22 @@ def test_the_overload_it_names_is_what_torch_runs():
     """The named overload, at the ATen level, is the computation the torch call makes."""
     x = torch.randn(3, 5)
     torch.testing.assert_close(torch.ops.aten.var.correction(x, [-1], correction=0), torch.var(x, -1, correction=0))
+
+
+def test_explain_names_a_multi_output_argument_handed_on_whole():
+    """A symbolic_trace graph of ``torch.cat(x.split(2, 1), 1)`` hands cat the split's
+    tuple whole; the rule does not match there (README), and ``explain`` said "no
+    rule was tried at any node" although the root ``cat`` matched."""
+    rules = rewrite.parse("rule cat_split: cat((Tensor.split | aten.split.Tensor) (x, _, d) as (_, _), d) => x")
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return torch.cat(x.split(2, 1), 1).relu()
+
+    gm = torch.fx.symbolic_trace(M())
+    x = torch.randn(3, 4)
+    assert rules.apply(gm, example_inputs=(x,)).counts == {}
+    (miss,) = rules.explain(gm, rule="cat_split")
+    assert miss.node == "cat" and not miss.matched
+    assert "split(...) as (_, _)" in miss.element and "getitem" in miss.expected
+    assert "handed on whole" in miss.actual and miss.location == "<string>:1:21"

@@ -22,7 +22,7 @@ import attrs
 import torch
 import torch.fx as fx
 
-from rewrite.engine.compile import CompiledRule, PCall, PDefault, PLit, PSeq, PVar
+from rewrite.engine.compile import CompiledRule, PCall, PDefault, PLit, PResults, PSeq, PVar
 from rewrite.engine.facts import GraphFacts
 from rewrite.language import ast
 from rewrite.language.printer import format_expr
@@ -95,6 +95,8 @@ def _pattern_text(p: Any) -> str:
         return f"omitted argument {p.param!r}"
     if isinstance(p, PSeq):
         return "(" + ", ".join(_pattern_text(i) for i in p.items) + ")"
+    if isinstance(p, PResults):
+        return f"{_pattern_text(p.call)} as ({', '.join(p.call.results)})"
     return "_"
 
 
@@ -118,7 +120,9 @@ class _Explainer:
         return len(match_bindings(env)) + 1 + len(match_nodes(env))
 
     def _explain_failure(self, p: Any, operand: Any, env: dict) -> None:
-        depth, text = self._depth(env), _pattern_text(p)
+        # past the root (its op matched) even with nothing bound yet: a near miss
+        # (``cat(split(...) as (_, _), d)`` at a cat whose list is one node)
+        depth, text = self._depth(env) + (p is not self.rule.pattern), _pattern_text(p)
         if isinstance(p, PCall):
             wanted = " | ".join(dict.fromkeys(a.opdef.name for a in p.alts))
             if not isinstance(operand, fx.Node) or not operand.op.startswith("call_"):
@@ -143,6 +147,14 @@ class _Explainer:
             self._note(depth, p.span, text, repr(p.value), _describe(operand, self.gm), env)
         elif isinstance(p, PSeq):
             self._note(depth, p.span, text, f"a sequence of {len(p.items)} items", _describe(operand, self.gm), env)
+        elif isinstance(p, PResults):
+            wanted = " | ".join(dict.fromkeys(a.opdef.name for a in p.call.alts))
+            whole = isinstance(operand, fx.Node) and operand.op.startswith("call_")
+            self._note(depth, p.span, f"{wanted}(...) as ({', '.join(p.call.results)})",
+                       f"the list of the {len(p.call.results)} results of a call of {wanted}, read one by one "
+                       "(getitem nodes)", _describe(operand, self.gm) + (
+                           ": its value handed on whole, not read through getitem nodes (as symbolic_trace "
+                           "records cat(x.split(...)); torch.export and dynamo unpack it)" if whole else ""), env)
 
     def explain_at(self, node: fx.Node) -> Explanation:
         rule = self.rule
