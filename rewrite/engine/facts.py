@@ -391,8 +391,11 @@ class GraphFacts:
 
     def settle(self, nodes: Any) -> None:
         """The end of a rewrite: created ``nodes`` still in the graph get the facts
-        the graph's other nodes carry (a FakeTensor ``val`` on export and dynamo
-        graphs, in creation order so inputs come first); the pending marks go."""
+        the graph's fake mode gives (a FakeTensor ``val`` on export graphs and on
+        dynamo graphs of symbolic sizes, in creation order so inputs come first; a
+        dynamo graph of static sizes has no fake mode here: its new nodes keep the
+        ``TensorFacts`` inferred on meta tensors, no ``example_value``); the pending
+        marks go."""
         for node in nodes:
             if node.meta.get(NEW_NODE_KEY) and not node._erased and self.fake_mode is not None:
                 self.meta(node, record=False)
