@@ -144,12 +144,22 @@ def _cmd_apply(args: argparse.Namespace) -> int:
     if args.capture == "dynamo":
         results = []
         compiled = torch.compile(model, backend=rewrite.backend(
-            rules, check=not args.no_check, on_result=results.append, rtol=args.rtol, atol=args.atol))
-        with torch.no_grad():
-            compiled(*inputs)
+            rules, check=not args.no_check, on_result=results.append, trials=args.trials, rtol=args.rtol,
+            atol=args.atol))
+        try:
+            with torch.no_grad():
+                compiled(*inputs)
+        except Exception as err:  # noqa: BLE001 - dynamo wraps what the backend raised
+            inner = _raised_by_backend(err)
+            if not isinstance(inner, rewrite.EquivalenceError):
+                raise inner from None
+            print(f"rewrite: error: {inner}", file=sys.stderr)
+            return 1
         for i, result in enumerate(results):
             print(f"-- dynamo graph {i}")
             print(result.summary())
+            if args.print_code:
+                print(result.graph_module.code)
         return 0
     gm = _captured_model(model, inputs, args.capture, args.model)
     try:
@@ -171,6 +181,17 @@ def _cmd_apply(args: argparse.Namespace) -> int:
     if args.print_code:
         print(result.graph_module.code)
     return 0
+
+
+def _raised_by_backend(err: BaseException) -> BaseException:
+    """What ``rewrite.backend`` raised inside ``torch.compile``, which dynamo hands
+    on wrapped (``BackendCompilerFailed``, with advice to report a bug to PyTorch):
+    a failed check is the user's finding, as under the other captures."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    while isinstance(err, BackendCompilerFailed) and isinstance(err.inner_exception, BaseException):
+        err = err.inner_exception
+    return err
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:
@@ -341,12 +362,25 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _captured(spec: str, level: str) -> tuple:
-    """(graph module, the inputs to run it with) for a ``--model`` spec."""
+def _captured(spec: str, level: str, for_rules: bool = False) -> tuple:
+    """(graph module, the inputs to run it with) for a ``--model`` spec. ``for_rules``:
+    the graph rules will read; a dynamo graph takes the model's parameters as inputs,
+    so they are frozen into constants first, as ``rewrite.backend`` does (no folding
+    rule would fire otherwise, and ``show --rules`` would draw no rewrite)."""
+    import copy
+
+    import torch.fx as fx
+
+    from rewrite.flows.dynamo import freeze_parameters
     from rewrite.trust.runnable import load_runnable_model
 
     model, inputs = load_runnable_model(spec)
-    return _captured_model(model, inputs, level, spec, with_inputs=True)
+    gm, inputs = _captured_model(model, inputs, level, spec, with_inputs=True)
+    if for_rules and level == "dynamo":
+        gm = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+        _, kept = freeze_parameters(gm, list(inputs))
+        inputs = tuple(kept)
+    return gm, inputs
 
 
 def _captured_model(model: Any, inputs: tuple, level: str, spec: str, with_inputs: bool = False) -> Any:
@@ -392,7 +426,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     if problem:  # refused before any work
         print(f"rewrite: error: show -o {args.output}: {problem}", file=sys.stderr)
         return 2
-    gm, inputs = _captured(args.model, args.capture)
+    gm, inputs = _captured(args.model, args.capture, for_rules=bool(args.rules))
     before = None
     if args.rules:
         import rewrite

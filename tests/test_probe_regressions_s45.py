@@ -55,3 +55,42 @@ def test_explain_names_a_multi_output_argument_handed_on_whole():
     assert miss.node == "cat" and not miss.matched
     assert "split(...) as (_, _)" in miss.element and "getitem" in miss.expected
     assert "handed on whole" in miss.actual and miss.location == "<string>:1:21"
+
+
+DEMO = "rewrite.examples.cnn:demo_cnn_with_inputs"
+
+
+def test_cli_dynamo_failed_check_is_a_finding_not_an_internal_error(tmp_path, capsys):
+    """Under --capture dynamo the check's EquivalenceError came out of torch.compile
+    wrapped in BackendCompilerFailed: "internal error", exit 2, "report a bug to PyTorch"."""
+    from rewrite.cli import main
+
+    wrong = tmp_path / "wrong.rw"
+    wrong.write_text("rule wrong: relu(x) => neg(x)\n")
+    for capture in ("fx", "dynamo"):
+        assert main(["apply", str(wrong), "--model", DEMO, "--capture", capture]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("rewrite: error:") and "NOT equivalent" in err
+        assert "internal error" not in err and "BackendCompilerFailed" not in err
+
+
+def test_cli_dynamo_prints_code_when_asked(capsys):
+    from rewrite.cli import main
+
+    assert main(["apply", "rules/fusion.rw", "--model", DEMO, "--capture", "dynamo", "--print-code"]) == 0
+    out = capsys.readouterr().out
+    assert "conv_bn" in out and "def forward" in out
+
+
+def test_cli_show_under_dynamo_sees_the_folds(tmp_path, capsys):
+    """``show --capture dynamo --rules fusion.rw`` drew 0 rewrites where ``apply``
+    folds: the dynamo graph takes the parameters as inputs, and nothing froze them."""
+    from rewrite.cli import main
+
+    pytest.importorskip("graphviz")
+    out = tmp_path / "g.html"
+    assert main(["show", "--model", DEMO, "--capture", "dynamo", "--rules", "rules/fusion.rw", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    line = next(line for line in text.splitlines() if line.startswith("conv_bn"))
+    assert int(line.split()[1]) >= 1, text
+    assert out.exists()
