@@ -94,3 +94,33 @@ def test_cli_show_under_dynamo_sees_the_folds(tmp_path, capsys):
     line = next(line for line in text.splitlines() if line.startswith("conv_bn"))
     assert int(line.split()[1]) >= 1, text
     assert out.exists()
+
+
+@pytest.mark.parametrize("layers, bidirectional", [(1, False), (2, True)])
+def test_an_lstm_counts_its_matmuls(layers, bidirectional):
+    """On CPU an ``nn.LSTM`` runs as ``aten.mkldnn_rnn_layer``, which torch's FLOP
+    registry does not list: analyze counted it 0, silently (a GRU was counted)."""
+    import warnings
+
+    from rewrite.analysis import analyze
+    from rewrite.capture import capture_with_inputs
+
+    B, T, I, H = 2, 5, 4, 8
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.r = torch.nn.LSTM(I, H, num_layers=layers, bidirectional=bidirectional, batch_first=True)
+
+        def forward(self, x):
+            return self.r(x)[0]
+
+    torch.manual_seed(0)
+    m, x = M().eval(), torch.randn(B, T, I)
+    dirs = 2 if bidirectional else 1
+    hand = sum(2 * B * T * 4 * H * ((I if layer == 0 else H * dirs) + H) * dirs for layer in range(layers))
+    for capture in ("fx", "export", "export_core"):
+        gm, inputs = capture_with_inputs(m, (x,), capture)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # counted: nothing to warn of
+            assert analyze(gm, inputs).totals.flops == hand, capture

@@ -43,6 +43,7 @@ import csv
 import io
 import json
 import operator
+import re
 import warnings
 from typing import Any, Iterable, Sequence
 
@@ -330,6 +331,11 @@ def module_path(node: fx.Node) -> str:
 _ELEMENTWISE_NAMESPACES = frozenset({"aten", "prims", "prim", "quantized_decomposed"})
 
 
+#: aten ops with no FLOP formula that are no elementwise op: a recurrent cell's or
+#: layer's kernel hides matmuls (warned of, unless counted: ``_rnn_layer``)
+_RECURRENT = re.compile(r"rnn|lstm|gru", re.IGNORECASE)
+
+
 def _warn_uncounted(name: str) -> None:
     warnings.warn(f"analyze: {name} has no FLOP formula, so its FLOPs are not counted (its output elements count "
                   "as elementwise ops); torch.utils.flop_counter.register_flop_formula gives it one", stacklevel=2)
@@ -377,11 +383,26 @@ class _Counter(TorchDispatchMode):
         formula = flop_registry.get(func._overloadpacket)
         if formula is not None:
             self.flops += int(formula(*args, **kwargs, out_val=out))
+        elif func._overloadpacket is torch.ops.aten.mkldnn_rnn_layer:
+            self._rnn_layer(args)
         elif func.namespace == "quantized":
             self._int8_kernel(func, args, out)
-        elif func.namespace not in _ELEMENTWISE_NAMESPACES:
+        elif func.namespace not in _ELEMENTWISE_NAMESPACES or _RECURRENT.search(func._schema.name):
             _warn_uncounted(func._overloadpacket._qualified_op_name)
         return out
+
+    def _rnn_layer(self, args: tuple) -> None:
+        """``aten.mkldnn_rnn_layer``, one direction of one layer of an ``nn.LSTM`` on
+        CPU, which the registry does not list (``FlopCounterMode`` counts it 0): its
+        matmuls, every step's input and hidden state by the gates' weights, with the
+        registry's ``mm`` formula (what the decomposed LSTM of an ``export_core``
+        capture counts)."""
+        x, w_ih, w_hh = args[:3]
+        rows = x.numel() // x.shape[-1]
+        for w in (w_ih, w_hh):
+            self.flops += int(flop_registry[torch.ops.aten.mm](
+                torch.empty(rows, w.shape[1], device="meta"), torch.empty(w.shape[::-1], device="meta"),
+                out_val=torch.empty(rows, w.shape[0], device="meta")))
 
     def _higher_order(self, func, args, kwargs) -> Any:
         """``torch.cond`` counts its costlier branch, as ``FlopCounterMode`` does, and
