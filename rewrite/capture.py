@@ -971,6 +971,15 @@ def _umask() -> int:
     return mask
 
 
+def require_graph_module(gm: Any, who: str) -> None:
+    """A ``TypeError`` that says what ``who`` takes, for anything but a GraphModule
+    (a plain ``nn.Module`` has no graph to save or export: capture it first)."""
+    if not isinstance(gm, fx.GraphModule):
+        hint = " (capture it first: rewrite.capture.capture(model, example_inputs, level))" if isinstance(gm, torch.nn.Module) else ""
+        raise TypeError(f"{who} takes a torch.fx.GraphModule (a rewrite's result.graph_module, a capture), "
+                        f"not {type(gm).__name__}{hint}")
+
+
 def save(gm: fx.GraphModule, path: Any, level: str = "fx", example_inputs: Any = None) -> Any:
     """Save a rewritten GraphModule, all or nothing.
 
@@ -989,6 +998,7 @@ def save(gm: fx.GraphModule, path: Any, level: str = "fx", example_inputs: Any =
             a file object that is not binary and writable.
         ExportError: an export level's result cannot be exported (names the node).
     """
+    require_graph_module(gm, "save")
     problem = save_path_problem(path, level) if is_path(path) else _level_problem(level) or file_object_problem(path)
     if problem is None and save_format(level) == ".pt2" and example_inputs is None:
         problem = f"a {level!r} result is exported again to be saved: pass its example_inputs"

@@ -124,3 +124,26 @@ def test_an_lstm_counts_its_matmuls(layers, bidirectional):
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # counted: nothing to warn of
             assert analyze(gm, inputs).totals.flops == hand, capture
+
+
+def test_entry_points_say_what_they_take(tmp_path):
+    """``save``/``quant.export``/``quant.export_onnx`` given a plain module raised
+    ``AttributeError: ... no attribute 'graph'``; ``run_onnx(threads="a")``
+    onnxruntime's pybind TypeError."""
+    import rewrite.capture as rc
+    import rewrite.quant as rq
+
+    m, x = torch.nn.Linear(4, 3).eval(), torch.randn(2, 4)
+    for call in (lambda: rc.save(m, tmp_path / "m.pt"),
+                 lambda: rc.save(m, tmp_path / "m.pt2", level="export", example_inputs=(x,)),
+                 lambda: rq.export(m, (x,)),
+                 lambda: rq.export_onnx(m, (x,), tmp_path / "m.onnx")):
+        with pytest.raises(TypeError, match="takes a torch.fx.GraphModule.*not Linear.*capture it first"):
+            call()
+    assert not list(tmp_path.iterdir())
+    pytest.importorskip("onnxruntime")
+    path = rq.export_onnx(torch.fx.symbolic_trace(m), (x,), tmp_path / "g.onnx")
+    for bad in ("a", 0, True, 1.5):
+        with pytest.raises(rq.QuantizationError, match="threads is a positive int"):
+            rq.run_onnx(path, (x,), threads=bad)
+    torch.testing.assert_close(rq.run_onnx(path, (x,), threads=1)[0], m(x))

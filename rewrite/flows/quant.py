@@ -1262,8 +1262,9 @@ def export(gm: fx.GraphModule, example_inputs: Any = None, path: Any = None) -> 
     Returns:
         The ``torch.export.ExportedProgram``.
     """
-    from rewrite.capture import export_keeping_sizes, write_atomically
+    from rewrite.capture import export_keeping_sizes, require_graph_module, write_atomically
 
+    require_graph_module(gm, "rewrite.quant.export")
     _check_target(path, ".pt2")
     args = _as_args(example_inputs) if example_inputs is not None else gm.meta.get(_META, {}).get("example_inputs")
     if args is None:
@@ -1324,6 +1325,9 @@ def export_onnx(gm: fx.GraphModule, example_inputs: Any = None, path: Any = "mod
         QuantizationError: torch.export or torch.onnx cannot convert the model (the
             message names the op torch.onnx has no function for).
     """
+    from rewrite.capture import require_graph_module
+
+    require_graph_module(gm, "rewrite.quant.export_onnx")
     _check_target(path, ".onnx")
     _require_onnx()
     program = export(gm, example_inputs)
@@ -1369,6 +1373,8 @@ def run_onnx(path: Any, inputs: Any, *, threads: int | None = None) -> list:
     _require_onnx()
     import onnxruntime as ort
 
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise QuantizationError(f"run_onnx: threads is a positive int or None (onnxruntime's default), not {threads!r}")
     opts = ort.SessionOptions()
     if threads:
         opts.intra_op_num_threads = threads
