@@ -147,3 +147,76 @@ def test_entry_points_say_what_they_take(tmp_path):
         with pytest.raises(rq.QuantizationError, match="threads is a positive int"):
             rq.run_onnx(path, (x,), threads=bad)
     torch.testing.assert_close(rq.run_onnx(path, (x,), threads=1)[0], m(x))
+
+
+_SEEN = []
+
+
+@rewrite.register_predicate(name="s45_writes_its_constant")
+def _writes_its_constant(v):
+    t = v.facts.constant_of(v.operand)
+    _SEEN.append(float(t))
+    with torch.no_grad():
+        t.add_(100.0)
+    return True
+
+
+@rewrite.register_constant(name="s45_to_meta")
+def _to_meta(w):
+    return torch.empty_like(w, device="meta")
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("sc", torch.tensor(2.0))
+
+    def forward(self, x):
+        return self.lin(x) * self.sc
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_a_predicate_that_writes_the_constant_it_reads_leaves_the_model_alone(check):
+    """``v.facts.constant_of(...)`` gave a user's predicate the caller's own buffer:
+    one that normalized it in place changed the model for good (2.0 -> 102.0), also
+    when apply raised. Constant functions were given copies; predicates are now too."""
+    seen = _SEEN
+    seen.clear()
+    rules = rewrite.parse("rule r: mul(x, s) where s45_writes_its_constant(s) => add(x, x)")
+    torch.manual_seed(0)
+    model = _Scaled().eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(3, 4)
+    result = rules.apply(torch.fx.symbolic_trace(model), example_inputs=(x,), check=check)
+    assert result.counts == {"r": 1}  # x * 2.0 is x + x: the predicate saw 2.0, every time
+    assert seen and set(seen) == {2.0}
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    torch.testing.assert_close(result.graph_module(x), model(x))
+
+
+@pytest.mark.parametrize("level", ["fx", "export"])
+def test_a_constant_function_returning_a_meta_tensor_does_not_fire(level):
+    """A meta constant made a check=False result compute from memory nothing wrote
+    (finite garbage, different on every call)."""
+    from rewrite.capture import capture_with_inputs
+
+    rules = rewrite.parse("rule r: mul(linear(x, w, b), 2) where const(w) => mul(linear(x, s45_to_meta(w), b), 2)")
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.lin(x) * 2
+
+    torch.manual_seed(0)
+    model, x = M().eval(), torch.randn(2, 4)
+    gm, inputs = capture_with_inputs(model, (x,), level)
+    result = rules.apply(gm, example_inputs=inputs, check=False)
+    assert result.counts == {}
+    assert "meta tensor" in result.stats["r"].first_error
+    assert all(not t.is_meta for t in result.graph_module.state_dict().values())
+    torch.testing.assert_close(result.graph_module(*inputs), model(x))

@@ -8,6 +8,7 @@ plus the ``GraphFacts`` of the graph being rewritten.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import logging
@@ -146,6 +147,7 @@ class GraphFacts:
         self._inference_errors: dict = {}  # new node -> why its op rejects its inputs' facts
         #: parameters not taken as constants only because nothing tells whether the graph trains
         self.unknown_training: set = set()
+        self._copies: dict = {}  # id(constant) -> (it, its version, the copy a user's code sees, its version)
 
     def _fake_of(self, mode: Any, v: Any) -> Any:
         """``_fake``, converting each real constant (a weight new nodes read) once
@@ -177,16 +179,30 @@ class GraphFacts:
 
     def constant_of(self, operand: Any) -> Any:
         """The concrete value of a constant operand (tensor for get_attr/ConstRef,
-        the literal itself otherwise); raises ValueError for graph values."""
+        the literal itself otherwise); raises ValueError for graph values. Inside a
+        user's predicate or query (``showing_copies``) a tensor is a copy: the
+        model's own would let a predicate that writes what it reads change the
+        caller's model, whatever apply decides."""
         if isinstance(operand, ConstRef):
-            return fetch_attr(self.gm, operand.qualname)
+            return self._shown(fetch_attr(self.gm, operand.qualname))
         if isinstance(operand, fx.Node):
             if operand.op == "get_attr":
-                return fetch_attr(self.gm, operand.target)
+                return self._shown(fetch_attr(self.gm, operand.target))
             raise ValueError(f"{operand.name} is computed by the graph, not a constant")
         if isinstance(operand, (list, tuple)):
             return type(operand)(self.constant_of(o) for o in operand)
         return operand
+
+    def _shown(self, value: Any) -> Any:
+        """``value``, or in a user's code a copy of it, made once per tensor and
+        made again when either was written since."""
+        if not _SHOWING_COPIES.depth or not isinstance(value, torch.Tensor):
+            return value
+        entry = self._copies.get(id(value))
+        if entry is None or entry[0] is not value or entry[1] != value._version or entry[2]._version != entry[3]:
+            shown = value.detach().clone()
+            entry = self._copies[id(value)] = (value, value._version, shown, shown._version)
+        return entry[2]
 
     def is_const(self, operand: Any) -> bool:
         """A literal, or a parameter/buffer the graph never writes in place (an
@@ -886,6 +902,27 @@ class _Recorder(fx.Interpreter):
         if n.op != "output":
             self.record(n, result)
         return result
+
+
+class _ShowingCopies:
+    """How many calls of a user's where-clause function are running (``constant_of``
+    then answers with copies)."""
+
+    depth = 0
+
+
+_SHOWING_COPIES = _ShowingCopies()
+
+
+@contextlib.contextmanager
+def showing_copies() -> Any:
+    """While a user's predicate or query runs: the constants ``constant_of`` gives
+    it are copies of the model's tensors."""
+    _SHOWING_COPIES.depth += 1
+    try:
+        yield
+    finally:
+        _SHOWING_COPIES.depth -= 1
 
 
 class Value:

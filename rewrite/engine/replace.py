@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+from torch._subclasses.fake_tensor import FakeTensor
 
 from rewrite.engine.compile import RConst, RLit, RModule, ROp, RResults, RSeq, RVar
 from rewrite.engine.facts import FACTS_KEY, GraphFacts, is_metadata_check, keeps_shape, tensor_meta_of
@@ -326,6 +327,10 @@ class Replacer:
         if isinstance(r, RConst):
             args, kwargs = self._arguments(r, env)
             value = r.spec.fn(*args, **kwargs)
+            if isinstance(value, torch.Tensor) and (value.is_meta or isinstance(value, FakeTensor)):
+                # the model would compute with memory nothing wrote (check=False: unseen)
+                raise ValueError(f"{r.spec.name}() returned a {'meta' if value.is_meta else 'fake'} tensor, which "
+                                 "holds no values: a constant holds what the model computes with")
             if isinstance(value, torch.Tensor):
                 return self._new_constant(value, r, env, fresh=self._fresh_result(value, r, (args, kwargs)))
             return value

@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from rewrite.engine.symbolic import decide
 from rewrite.engine.dtypes import DTYPES
-from rewrite.engine.facts import Value
+from rewrite.engine.facts import Value, showing_copies
 from rewrite.functions.registry import is_builtin, lookup_function
 from rewrite.language import ast
 from rewrite.ops.base import ConstRef, by_identity
@@ -39,10 +39,12 @@ class PredicateError(Exception):
 
 
 def _reporting(fn: Callable, name: str) -> Callable:
-    """``fn`` whose exceptions become ``PredicateError``s naming it."""
+    """A user's ``fn`` whose exceptions become ``PredicateError``s naming it, and
+    which reads copies of the model's constants (``showing_copies``)."""
     def call(*args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(*args, **kwargs)
+            with showing_copies():
+                return fn(*args, **kwargs)
         except Exception as err:  # noqa: BLE001 - reported, then the clause does not hold
             raise PredicateError(f"{name}() raised {type(err).__name__}: {err}") from err
     return call
