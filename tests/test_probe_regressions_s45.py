@@ -220,3 +220,81 @@ def test_a_constant_function_returning_a_meta_tensor_does_not_fire(level):
     assert "meta tensor" in result.stats["r"].first_error
     assert all(not t.is_meta for t in result.graph_module.state_dict().values())
     torch.testing.assert_close(result.graph_module(*inputs), model(x))
+
+
+_CATLIST = torch.library.Library("s45cat", "DEF")
+_CATLIST.define("catlist(Tensor[] xs, int dim=0) -> Tensor")
+_CATLIST.impl("catlist", lambda xs, dim=0: torch.cat(xs, dim), "CompositeExplicitAutograd")
+
+
+@pytest.mark.parametrize("rule, status", [
+    ("rule right: s45cat.catlist([a, b], d) => cat([a, b], d)", "ok"),
+    ("rule wrong: s45cat.catlist([a, b], _) => cat([b, a], 0)", "counterexample"),
+])
+def test_verify_draws_the_items_of_a_custom_ops_tensor_list(rule, status):
+    """A custom op taking ``Tensor[]``: the instance handed it the pattern's list of
+    undrawn items (and fx's immutable_list), so every such rule, a plainly wrong one
+    too, was "skipped: no valid instance"."""
+    from rewrite.trust.verify import verify_rules
+
+    report = verify_rules(rewrite.parse(rule), max_examples=40, seed=0)
+    (verdict,) = report.verdicts
+    assert verdict.status == status, report.table()
+
+
+class _Reduce(torch.nn.Module):
+    def forward(self, x):
+        return x.mean(0) + x.sum(1).sum() + x.amax(0)
+
+
+@pytest.mark.parametrize("pattern", ["mean(x, [0])", "sum(x, [1])", "amax(x, (0,))", "mean(x, 0)"])
+@pytest.mark.parametrize("level", ["fx", "dynamo", "export"])
+def test_a_dim_written_as_a_list_matches_every_capture(pattern, level):
+    """``mean(x, [0])`` (export's spelling) matched only export graphs; ``x.mean(0)``
+    in a symbolic_trace or dynamo graph was missed."""
+    from rewrite.capture import capture_with_inputs
+
+    x = torch.randn(4, 4)
+    gm, inputs = capture_with_inputs(_Reduce(), (x,), level)
+    rules = rewrite.parse(f"rule r: {pattern} => clone({pattern})\nruleset main = once(r)")
+    result = rules.apply(gm, example_inputs=inputs)
+    assert result.counts == {"r": 1}
+    out = result.graph_module(*inputs)
+    torch.testing.assert_close(out[0] if isinstance(out, (tuple, list)) else out, _Reduce()(x))
+
+
+@pytest.mark.parametrize("rule", ["rule r: reshape(x, 2) => flatten(x)", "rule r: sum(x, 0) => sum(x, [0, 1])"])
+def test_an_int_is_not_a_longer_list_of_sizes_or_dims(rule):
+    """An int equals its per-dimension expansion only where torch expands it
+    (``stride=1`` is ``[1, 1]``): ``reshape(x, 2)`` matched ``x.reshape(2, 2)`` and a
+    check=False result returned another shape."""
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return x.reshape(2, 2) + x.reshape(2, 2).sum([0, 1])
+
+    x = torch.randn(4)
+    result = rewrite.parse(rule).apply(torch.fx.symbolic_trace(M()), example_inputs=(x,), check=False)
+    assert result.counts == {}
+
+
+def test_a_per_dimension_int_still_matches_its_expansion():
+    """``stride=1`` is conv's ``[1, 1]`` (export spells it so), ``output_size=1`` an
+    adaptive pool's ``[1, 1]``; a size or a list of dims is not its expansion."""
+    from rewrite.ops.forms import per_dimension, same_arg
+
+    assert same_arg(1, [1, 1], per_dimension("conv", "stride"))
+    assert same_arg([1, 1], 1, per_dimension("adaptive_avg_pool2d", "output_size"))
+    assert same_arg(4, [4, 4], per_dimension("interpolate", "size"))
+    assert not same_arg(2, [2, 2], per_dimension("reshape", "shape"))
+    assert not same_arg(2, (2, 2), per_dimension("expand", "size"))
+    assert same_arg(0, [0], per_dimension("mean", "dim")) and same_arg((3,), 3, per_dimension("view", "shape"))
+
+
+def test_the_shipped_folds_still_read_exported_strides():
+    from rewrite.examples.cnn import demo_cnn_with_inputs
+
+    model, inputs = demo_cnn_with_inputs()
+    gm = torch.export.export(model.eval(), inputs).module()
+    result = rewrite.load("rules/fusion.rw").apply(gm, example_inputs=inputs)
+    assert result.counts.get("conv_bn", 0) >= 1

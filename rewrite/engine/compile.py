@@ -273,7 +273,12 @@ class _PatternBuilder:
         if isinstance(e, ast.DTypeLit):
             return PLit(DTYPES[e.name], e.span)
         if isinstance(e, (ast.TupleLit, ast.ListLit)):
-            return PSeq(tuple(self.build(i) for i in e.items), e.span)
+            items = tuple(self.build(i) for i in e.items)
+            if items and all(type(i) is PLit for i in items):
+                # a literal list is one literal: ``mean(x, [0])`` matches ``x.mean(0)`` as
+                # ``mean(x, 0)`` matches export's ``[0]`` (``same_arg``)
+                return PLit(tuple(i.value for i in items), e.span)
+            return PSeq(items, e.span)
         raise CompileError(f"{type(e).__name__} cannot appear in a pattern")
 
     def results(self, e: ast.AsTuple) -> PCall:

@@ -234,7 +234,10 @@ def _needs(form: Any, order: tuple) -> tuple:
         nested = None
         if isinstance(pat, PCall):
             keys, literal, nested = _keys_of(pat), None, _operand_filter(pat)
-        elif isinstance(pat, (PLit, PDefault)) and param not in getattr(form, "convert", {}):
+        elif isinstance(pat, (PLit, PDefault)) and param not in getattr(form, "convert", {}) \
+                and not (isinstance(pat, PLit) and isinstance(pat.value, tuple)):
+            # (a sequence literal, ``reshape(x, (4, 8))``, is left to the matcher: a
+            # node may spell it spread out, ``x.reshape(4, 8)``)
             keys, literal = None, pat.value
         else:
             continue

@@ -34,7 +34,7 @@ from rewrite.ops.base import (
     REQUIRED, FunctionForm, GetitemForm, MethodForm, OpDef, bind_signature,
 )
 
-__all__ = ["OneOf", "Fn", "Method", "Item", "EmitError", "call_for", "same_value", "same_arg"]
+__all__ = ["OneOf", "Fn", "Method", "Item", "EmitError", "call_for", "same_value", "same_arg", "per_dimension"]
 
 _MISSING = object()
 
@@ -86,15 +86,28 @@ def same_value(a: Any, b: Any) -> bool:
         return a is b
 
 
-def same_arg(a: Any, b: Any) -> bool:
-    """``same_value``, and a per-dimension int equals its expansion: ``1``, ``(1, 1)``
-    and ``[1, 1]`` all say "stride 1" (nn modules, ``F`` calls and aten spell it so)."""
+def same_arg(a: Any, b: Any, per_dimension: bool = True) -> bool:
+    """``same_value``, and an int equals the one-element list of it (``x.mean(0)``,
+    export's ``[0]``) and, for a ``per_dimension`` parameter, its expansion: ``1``,
+    ``(1, 1)`` and ``[1, 1]`` all say "stride 1" (nn modules, ``F`` calls and aten
+    spell it so). For a size or a list of dims, ``2`` is not ``[2, 2]``."""
     if same_value(a, b):
         return True
     for one, many in ((a, b), (b, a)):
         if isinstance(one, int) and not isinstance(one, bool) and isinstance(many, (list, tuple)) and many:
-            return all(same_value(one, m) for m in many)
+            return (per_dimension or len(many) == 1) and all(same_value(one, m) for m in many)
     return False
+
+
+#: parameters torch expands from one int to one per spatial dimension
+_PER_DIMENSION = frozenset({"stride", "padding", "dilation", "output_padding", "kernel_size", "output_size"})
+_PER_DIMENSION_OF = frozenset({("interpolate", "size"), ("interpolate", "scale_factor")})
+
+
+def per_dimension(op: str, param: str) -> bool:
+    """Whether ``op``'s ``param`` takes one int for every spatial dimension
+    (``stride=2`` is ``[2, 2]``), unlike a size or a list of dims."""
+    return param in _PER_DIMENSION or (op, param) in _PER_DIMENSION_OF
 
 
 def _guard_ok(value: Any, expected: Any) -> bool:

@@ -149,6 +149,19 @@ def strategies() -> Any:
     return hypothesis_api().strategies
 
 
+def _plain(value: Any) -> Any:
+    """``map_arg``'s result with plain lists and dicts for fx's immutable ones: a
+    ``torch.library`` op's binding takes a ``Tensor[]`` argument as a list only (it
+    refuses ``immutable_list``, which aten's own bindings take)."""
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
 @attrs.frozen
 class Instance:
     """A random instance of a rule's pattern: a small graph and inputs for it.
@@ -1677,9 +1690,13 @@ def _generic(opdef: Any) -> Callable | None:
         return None
 
     def gen(ctx: _Ctx, a: _Args) -> dict:
-        known = next((a.get(p.name) for p in opdef.params if _shape(a.get(p.name)) is not None), None)
+        given = [v for p in opdef.params for v in _items(a.get(p.name))]
+        known = next((v for v in given if _shape(v) is not None), None)
         shape = _shape(known) if known is not None else ctx.shape(scalar=True, empty=True)
         drawn = {p.name: a.tensor(p.name, shape) for p in opdef.params if p.tensor and p.default is REQUIRED}
+        for name, value in drawn.items():  # a tensor list the pattern spells ([a, b]): its free items
+            if isinstance(value, (list, tuple)) and any(v is _FREE for v in value):
+                drawn[name] = type(value)(a.fresh(shape) if v is _FREE else v for v in value)
         for p in opdef.params:  # a defaulted attribute the pattern leaves free: any value it may take
             if not p.tensor and p.default is not REQUIRED and a.free(p.name):
                 others = _other_values(p.default)
@@ -1689,6 +1706,11 @@ def _generic(opdef: Any) -> Callable | None:
 
     gen.generic = True  # type: ignore[attr-defined]  # _pinned_attributes: what it cannot vary
     return gen
+
+
+def _items(value: Any) -> tuple:
+    """A value, or the items of a list of them (a ``Tensor[]`` argument)."""
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
 
 
 def _other_values(default: Any) -> tuple:
@@ -1892,7 +1914,7 @@ class _Builder:
         full = {p.name: operands.get(p.name, p.default) for p in opdef.params}
         try:
             target, cargs, ckwargs = opdef.emit[self.dialect](full, self.values.get)
-            concrete = fx.node.map_arg((cargs, ckwargs), self.values.__getitem__)
+            concrete = _plain(fx.node.map_arg((cargs, ckwargs), self.values.__getitem__))
             with torch.no_grad():
                 trapping_division(concrete[0], concrete[1])
                 out = target(*concrete[0], **concrete[1])
@@ -1974,7 +1996,7 @@ class _Builder:
             raise _Discard(f"{opdef.name} cannot be emitted: {err}") from None
         node = self.graph.call_function(target, tuple(cargs), dict(ckwargs))
         try:
-            concrete = fx.node.map_arg((cargs, ckwargs), self.values.__getitem__)
+            concrete = _plain(fx.node.map_arg((cargs, ckwargs), self.values.__getitem__))
             with torch.no_grad():
                 trapping_division(concrete[0], concrete[1])
                 out = target(*concrete[0], **concrete[1])
