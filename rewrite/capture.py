@@ -975,7 +975,8 @@ def require_graph_module(gm: Any, who: str) -> None:
     """A ``TypeError`` that says what ``who`` takes, for anything but a GraphModule
     (a plain ``nn.Module`` has no graph to save or export: capture it first)."""
     if not isinstance(gm, fx.GraphModule):
-        hint = " (capture it first: rewrite.capture.capture(model, example_inputs, level))" if isinstance(gm, torch.nn.Module) else ""
+        hint = " (capture it first: rewrite.capture.capture(model, example_inputs, level))" \
+            if isinstance(gm, torch.nn.Module) else ""
         raise TypeError(f"{who} takes a torch.fx.GraphModule (a rewrite's result.graph_module, a capture), "
                         f"not {type(gm).__name__}{hint}")
 

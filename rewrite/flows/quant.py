@@ -1374,7 +1374,8 @@ def run_onnx(path: Any, inputs: Any, *, threads: int | None = None) -> list:
     import onnxruntime as ort
 
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise QuantizationError(f"run_onnx: threads is a positive int or None (onnxruntime's default), not {threads!r}")
+        raise QuantizationError(f"run_onnx: threads is a positive int or None (onnxruntime's default), "
+                                f"not {threads!r}")
     opts = ort.SessionOptions()
     if threads:
         opts.intra_op_num_threads = threads
