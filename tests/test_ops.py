@@ -549,6 +549,10 @@ SAMPLES = {
     "baddbmm": ({"input": _t(2, 3, 5), "batch1": _t(2, 3, 4), "batch2": _t(2, 4, 5), "alpha": 2},
                 lambda a: a["input"] + 2 * (a["batch1"] @ a["batch2"])),
     "mean": ({"input": _t(2, 3, 4), "dim": (1,), "keepdim": True}, lambda a: a["input"].mean(1, keepdim=True)),
+    "var": ({"input": _t(2, 3, 4), "dim": (1,), "correction": 0, "keepdim": True},
+            lambda a: a["input"].var(1, keepdim=True, unbiased=False)),
+    "std": ({"input": _t(2, 3, 4), "dim": (-1,), "correction": 1, "keepdim": False},
+            lambda a: a["input"].std(-1)),
     "softmax": ({"input": _t(2, 5), "dim": -1}, lambda a: a["input"].softmax(-1)),
     "sum": ({"input": _t(2, 3, 4), "dim": (0, 2), "keepdim": True}, lambda a: a["input"].sum((0, 2), keepdim=True)),
     "stack": ({"tensors": [_t(2, 3), _t(2, 3)], "dim": 1}, lambda a: torch.stack(a["tensors"], 1)),
@@ -702,7 +706,8 @@ def test_emission_refuses_what_the_target_cannot_say() -> None:
 def test_every_op_is_complete() -> None:
     for opdef in OPS.values():
         assert set(opdef.emit) == {"torch", "aten"} and opdef.forms and opdef.doc, opdef.name
-        keys = {(f.key, getattr(f, "inner_target", None)) for f in opdef.forms}
+        # one form per target and argument list (torch.var takes three)
+        keys = {(f.key, getattr(f, "inner_target", None), getattr(f, "signature", None)) for f in opdef.forms}
         assert len(keys) == len(opdef.forms), opdef.name
 
 

@@ -8,16 +8,17 @@ import rewrite
 
 
 @pytest.mark.parametrize("call, fits", [
-    ("torch.var(x, dim=-1)", "aten.var.dim(self, dim, unbiased, keepdim)"),
-    ("torch.var(x, -1, keepdim=True)", "aten.var.dim"),
-    ("torch.var(x, [-1], correction=0)", "aten.var.correction(self, dim, correction, keepdim)"),
-    ("Tensor.std(x, dim=-1)", "aten.std.dim"),
+    ("torch.prod(x, dim=-1)", "aten.prod.dim_int(self, dim, keepdim, dtype)"),
+    ("torch.prod(x, 1, keepdim=True)", "aten.prod.dim_int"),
+    ("Tensor.median(x, dim=-1)", "aten.median.dim"),
     ("torch.all(x, 1)", "aten.all.dim"),
 ])
 def test_an_overload_the_name_does_not_bind_is_named(call, fits):
-    """``torch.var`` binds ``var(input, unbiased)``; torch takes ``var(x, dim=-1)``
-    too, and the E202 said only "has no parameter 'dim'" with the one signature, as
-    if torch took no such call. The help names the overload the call fits."""
+    """A torch function outside the vocabulary binds one aten overload's arguments
+    (``torch.prod``: ``prod(input, dtype)``); torch takes ``prod(x, dim=-1)`` too, and
+    the E202 said only "has no parameter 'dim'" with the one signature, as if torch
+    took no such call. The help names the overload the call fits. (``torch.var`` was
+    the probe's example: it is in the vocabulary now, every spelling.)"""
     with pytest.raises(rewrite.RuleError) as info:
         rewrite.parse(f"rule r: sigmoid(x) => {call}\n")
     (d,) = info.value.diagnostics
@@ -27,7 +28,7 @@ def test_an_overload_the_name_does_not_bind_is_named(call, fits):
 
 def test_a_call_no_overload_takes_keeps_the_plain_help():
     with pytest.raises(rewrite.RuleError) as info:
-        rewrite.parse("rule r: sigmoid(x) => torch.var(x, dimm=-1)\n")
+        rewrite.parse("rule r: sigmoid(x) => torch.prod(x, dimm=-1)\n")
     (d,) = info.value.diagnostics
     assert d.code == "E202" and "overload" not in d.help
 
@@ -35,7 +36,7 @@ def test_a_call_no_overload_takes_keeps_the_plain_help():
 def test_the_overload_it_names_is_what_torch_runs():
     """The named overload, at the ATen level, is the computation the torch call makes."""
     x = torch.randn(3, 5)
-    torch.testing.assert_close(torch.ops.aten.var.correction(x, [-1], correction=0), torch.var(x, -1, correction=0))
+    torch.testing.assert_close(torch.ops.aten.prod.dim_int(x, -1), torch.prod(x, dim=-1))
 
 
 def test_explain_names_a_multi_output_argument_handed_on_whole():
@@ -298,3 +299,81 @@ def test_the_shipped_folds_still_read_exported_strides():
     gm = torch.export.export(model.eval(), inputs).module()
     result = rewrite.load("rules/fusion.rw").apply(gm, example_inputs=inputs)
     assert result.counts.get("conv_bn", 0) >= 1
+
+
+class _Spread(torch.nn.Module):
+    """Every spelling of a variance and a standard deviation torch takes."""
+
+    def forward(self, x):
+        return (x.var(-1, keepdim=True, unbiased=False).sum() + torch.var(x, 0).sum() + x.std(1, correction=0).sum()
+                + torch.var(x, False) + x.var() + torch.std(x, [0, 1], True, False) + x.std(unbiased=False))
+
+
+VARIANCE_RULES = """
+rule var_as_std(tolerance="approx"): var(x, d, correction=c, keepdim=k)
+    => pow(std(x, d, correction=c, keepdim=k), 2)
+ruleset main = once(var_as_std)
+"""
+
+
+@pytest.mark.parametrize("level", ["fx", "dynamo", "export"])
+def test_var_and_std_match_every_spelling_at_every_capture(level):
+    """``var``/``std`` were outside the vocabulary: ``torch.var`` bound only
+    ``var(input, unbiased)``, so ``x.var(-1, keepdim=True, unbiased=False)`` (the
+    usual spelling) could not be written in a rule at the torch level."""
+    from rewrite.capture import capture_with_inputs
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 5)
+    gm, inputs = capture_with_inputs(_Spread(), (x,), level)
+    result = rewrite.parse(VARIANCE_RULES).apply(gm, example_inputs=inputs)
+    assert result.counts == {"var_as_std": 4}
+    out = result.graph_module(*inputs)
+    torch.testing.assert_close(out[0] if isinstance(out, (tuple, list)) else out, _Spread()(x))
+
+
+@pytest.mark.parametrize("pattern, expected", [
+    ("var(x, -1, correction=0)", 0),      # x.var(-1) is correction 1
+    ("var(x, -1, correction=1)", 1),
+    ("var(x)", 1),                        # torch.var(x, True) is all dims, correction 1
+    ("var(x, correction=0)", 0),
+])
+def test_var_binds_what_torch_computes(pattern, expected):
+    """``torch.var(x, True)`` is the ``unbiased`` overload, not dim=True; ``x.var(-1)``
+    divides by n - 1."""
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return x.var(-1).sum() + torch.var(x, True)
+
+    x = torch.randn(3, 4)
+    rules = rewrite.parse(f"rule r: {pattern} => clone({pattern})\nruleset main = once(r)")
+    result = rules.apply(torch.fx.symbolic_trace(M()), example_inputs=(x,))
+    assert result.counts.get("r", 0) == expected
+    torch.testing.assert_close(result.graph_module(x), M()(x))
+
+
+@pytest.mark.parametrize("rule, status", [
+    ('rule r(tolerance="approx"): var(x, d, correction=c, keepdim=k) => pow(std(x, d, correction=c, keepdim=k), 2)',
+     "ok"),
+    ('rule r(tolerance="approx"): var(x, d, correction=_, keepdim=k) => pow(std(x, d, correction=0, keepdim=k), 2)',
+     "counterexample"),
+])
+def test_variance_rules_verify(rule, status):
+    from rewrite.trust.verify import verify_rules
+
+    (verdict,) = verify_rules(rewrite.parse(rule), max_examples=30, seed=0).verdicts
+    assert verdict.status == status
+
+
+@pytest.mark.parametrize("call", ["var(x, False)", "torch.var(x, False)", "Tensor.std(x, True)", "softmax(x, True)"])
+def test_a_bool_is_no_dim(call):
+    """``torch.var(x, False)`` in a rule meant unbiased=False (torch's other overload);
+    in the vocabulary's ``var(input, dim, correction, keepdim)`` it would be dim=False,
+    a rule matching nothing: refused, saying how to write it."""
+    with pytest.raises(rewrite.RuleError) as info:
+        rewrite.parse(f"rule r: {call} => x\n")
+    (d,) = info.value.diagnostics
+    assert d.code == "E206" and "not a bool" in d.message
+    if "var" in call or "std" in call:
+        assert "correction=0" in d.help

@@ -398,15 +398,15 @@ def test_approximate_rules_are_compared_at_large_magnitudes(name, text):
 @pytest.mark.parametrize("name, text, status", [
     # a variance as E[x^2] - E[x]^2 cancels on values about 1000 (a sensor's readings):
     # within tolerance about zero, in float64, and at large magnitudes, wrong there
-    ("var_naive", "torch.var(x, False) where dtype(x) == torch.float32 "
+    ("var_naive", "torch.var(x, correction=0) where dtype(x) == torch.float32 "
                   "=> sub(mean(mul(x, x)), mul(mean(x), mean(x)))", "counterexample"),
-    ("std_naive", "torch.std(x, False) where dtype(x) == torch.float32 "
+    ("std_naive", "torch.std(x, correction=0) where dtype(x) == torch.float32 "
                   "=> sqrt(sub(mean(mul(x, x)), mul(mean(x), mean(x))))", "counterexample"),
     # the two-pass formula is as accurate as the kernel: verified
-    ("var_two_pass", "torch.var(x, False) => mean(mul(sub(x, mean(x)), sub(x, mean(x))))", "ok"),
+    ("var_two_pass", "torch.var(x, correction=0) => mean(mul(sub(x, mean(x)), sub(x, mean(x))))", "ok"),
     # a written-out variance made the kernel: more accurate than the original, verified
     ("var_kernel", "sub(mean(mul(x, x)), mul(mean(x), mean(x))) where dtype(x) == torch.float32 "
-                   "=> torch.var(x, False)", "ok"),
+                   "=> torch.var(x, correction=0)", "ok"),
 ])
 def test_approximate_rules_meet_values_about_a_large_offset(name, text, status):
     v = _verify(f'rule {name}(tolerance="approx"): {text}', name, n=10)

@@ -189,7 +189,10 @@ def make_op(name: str, params: tuple, specs: Any, *, torch: Any, aten: Any, comm
     for group in specs:
         for spec in group:
             for form in _build(spec, name, by_name):
-                key = (form.key, getattr(form, "index", None), getattr(form, "inner_target", None))
+                # one target called with several argument lists (torch.var(x, dim, unbiased) and
+                # torch.var(x, dim, correction=c)) keeps a form per list
+                key = (form.key, getattr(form, "index", None), getattr(form, "inner_target", None),
+                       getattr(form, "signature", None))
                 if key in seen:  # F.conv2d is torch.conv2d: one form, found by either name
                     at = seen[key]
                     forms[at] = attrs.evolve(forms[at], aliases=forms[at].aliases + (form.qualname,))

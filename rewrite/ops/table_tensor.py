@@ -16,7 +16,7 @@ import torch.fx as fx
 from rewrite.ops import modules
 from rewrite.ops.base import Instances
 from rewrite.ops.builders import fn, method, module, op
-from rewrite.ops.forms import OneOf
+from rewrite.ops.forms import EmitError, OneOf
 from rewrite.ops.table_nn import standard
 
 __all__ = ["OPS"]
@@ -96,6 +96,59 @@ def _as_tuple(value: Any) -> Any:
 
 
 _TENSOR_LIST = {"tensors": (_as_tuple, list)}
+
+
+def _no_bool_dim(args: dict) -> bool:
+    """``torch.var(x, True)`` is the ``unbiased`` overload: a bool is no dim (nor is
+    a graph value, whose kind the call does not show)."""
+    dim = args.get("dim")
+    if dim is None or (isinstance(dim, int) and not isinstance(dim, bool)):
+        return True
+    return isinstance(dim, (list, tuple)) and all(isinstance(d, int) and not isinstance(d, bool) for d in dim)
+
+
+def _bool_unbiased(args: dict) -> bool:
+    return isinstance(args.get("unbiased", True), bool)
+
+
+def _correction_from_unbiased(value: Any) -> Any:
+    return 1 if value is True else 0 if value is False else value
+
+
+def _unbiased_from_correction(value: Any) -> bool:
+    if value is True or value is False or value not in (0, 1):
+        raise EmitError(f"correction {value!r} has no unbiased spelling")
+    return bool(value)
+
+
+#: ``correction=None`` is Bessel's 1; ``unbiased`` is correction 1 (True) or 0 (False)
+_CORRECTION = {"correction": (lambda v: 1 if v is None else v, lambda v: v)}
+_UNBIASED = {"correction": (_correction_from_unbiased, _unbiased_from_correction)}
+
+
+def _variance(name: str) -> tuple:
+    """The surfaces of ``var``/``std``: torch calls them with a correction
+    (``x.var(-1, correction=0)``), with ``unbiased`` after the dims
+    (``x.var(-1, False, True)``, ``unbiased=False``) or with ``unbiased`` alone
+    (``torch.var(x, False)``); each spelling is a form of its own, told apart by
+    what its arguments are (``_no_bool_dim``)."""
+    by_correction = "dim=None, *, correction=None, keepdim=False"
+    by_unbiased = "dim, unbiased=True, keepdim=False"
+    alone = {"rename": {"unbiased": "correction"}, "convert": _UNBIASED, "check": _bool_unbiased,
+             "fixed": {"dim": None, "keepdim": False}}
+    return (
+        fn(f"torch.{name}", sig=f"input, {by_correction}", check=_no_bool_dim, convert=_CORRECTION),
+        fn(f"torch.{name}", sig=f"input, {by_unbiased}", rename={"unbiased": "correction"}, check=_no_bool_dim,
+           convert=_UNBIASED),
+        fn(f"torch.{name}", sig="input, unbiased=True", **alone),
+        method(name, sig=f"self, {by_correction}", check=_no_bool_dim, convert=_CORRECTION),
+        method(name, sig=f"self, {by_unbiased}", rename={"unbiased": "correction"}, check=_no_bool_dim,
+               convert=_UNBIASED),
+        method(name, sig="self, unbiased=True", **alone),
+        fn(f"aten.{name}.correction", convert=_CORRECTION),
+        fn(f"aten.{name}.dim", rename={"unbiased": "correction"}, check=_no_bool_dim, convert=_UNBIASED),
+        fn(f"aten.{name}.default", **alone),
+    )
 
 OPS = [
     # ---- arithmetic ----------------------------------------------------------
@@ -218,6 +271,16 @@ OPS = [
        fn("aten.sum.default", "aten.sum.dim_IntList", guards={"dtype": None}),
        instances=Instances("reduce", literals=(("keepdim", bool),)),
        torch="torch.sum", aten=_sum_aten, doc="sum over dim (all dims when None)"),
+    # var(x, dim, correction) / std: torch.var(x, -1, keepdim=True), x.var(-1, unbiased=False),
+    # torch.var(x, False), aten.var.{correction,dim,default}
+    op("var", "input: T, dim=None, correction=1, keepdim=False", *_variance("var"),
+       instances=Instances("reduce", literals=(("correction", (1, 0)), ("keepdim", bool))),
+       torch="torch.var", aten="aten.var.correction", doc="variance over dim (all dims when None), "
+       "divided by the count less correction"),
+    op("std", "input: T, dim=None, correction=1, keepdim=False", *_variance("std"),
+       instances=Instances("reduce", literals=(("correction", (1, 0)), ("keepdim", bool))),
+       torch="torch.std", aten="aten.std.correction", doc="standard deviation over dim (all dims when None), "
+       "from the count less correction"),
     op("amax", "input: T, dim=(), keepdim=False", standard("amax"),
        instances=Instances("reduce_dims", literals=(("keepdim", bool),)),
        torch="torch.amax", aten="aten.amax.default", doc="maximum over dim (all dims when empty)"),
