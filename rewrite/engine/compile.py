@@ -30,6 +30,7 @@ from rewrite.functions.registry import FunctionSpec, lookup_function
 from rewrite.language import ast
 from rewrite.ops import OpDef, lookup_op
 from rewrite.ops.base import REQUIRED
+from rewrite.ops.forms import literal_expansion
 
 __all__ = [
     "PCall", "PVar", "PWild", "PLit", "PDefault", "PSeq", "PResults", "ROp", "RVar", "RLit", "RSeq",
@@ -63,6 +64,9 @@ class PVar:
 class PLit:
     value: Any
     span: Any = attrs.field(**_SPAN)
+    #: how an int compares with a list at the argument it is (``same_arg``): set
+    #: per op and parameter (``literal_expansion``); an item of a list: never
+    expand: str = attrs.field(default="none", eq=False)
 
 
 @attrs.frozen
@@ -72,6 +76,7 @@ class PDefault:
     value: Any
     param: str = ""
     span: Any = attrs.field(**_SPAN)  # the call that omitted it
+    expand: str = attrs.field(default="none", eq=False)  # as PLit's
 
 
 @attrs.frozen
@@ -111,7 +116,7 @@ class PAlt:
 
 def _split(args: tuple) -> tuple:
     """``(literals, variables, nested)`` of an alternative's arguments."""
-    return (tuple((n, p.value) for n, p in args if isinstance(p, (PLit, PDefault))),
+    return (tuple((n, p.value, p.expand) for n, p in args if isinstance(p, (PLit, PDefault))),
             tuple((n, p.name) for n, p in args if isinstance(p, PVar)),
             tuple((n, p) for n, p in args if isinstance(p, (PCall, PSeq, PResults))))
 
@@ -297,12 +302,16 @@ class _PatternBuilder:
             given.update(keywords)
             args = []
             for param in opdef.params:
+                expand = literal_expansion(opdef.name, param.name)
                 if param.name in given:
-                    args.append((param.name, given[param.name]))
+                    given_pattern = given[param.name]
+                    if isinstance(given_pattern, PLit):
+                        given_pattern = attrs.evolve(given_pattern, expand=expand)
+                    args.append((param.name, given_pattern))
                 elif not e.rest:
                     if param.default is REQUIRED:
                         raise CompileError(f"{opdef.name}: missing argument {param.name!r}")
-                    args.append((param.name, PDefault(param.default, param.name, e.span)))
+                    args.append((param.name, PDefault(param.default, param.name, e.span, expand)))
             args.sort(key=lambda item: _cost(item[1]))
             alts.append(PAlt.of(opdef, not opdef.qualified, tuple(args)))
         return PCall(tuple(alts), None, e.span)

@@ -33,7 +33,7 @@ from rewrite.ops.vocabulary import CALL_OPS, nodes_by_target
 from rewrite.engine.prefilter import build_prefilter
 from rewrite.functions.registry import lookup_function
 from rewrite.language import ast
-from rewrite.engine.replace import Replacer, ReplacementError, uses_root
+from rewrite.engine.replace import Replacer, ReplacementError, Unchanged, uses_root
 
 __all__ = ["Driver", "NonTerminationError", "RuleIndex", "RuleStats", "Schedule"]
 
@@ -74,6 +74,7 @@ class RuleStats:
     seconds: float = 0.0
     prefiltered: int = 0
     first_error: str = ""  # why the first failed replacement failed, or a user's predicate raised
+    unchanged: int = 0  # matches whose replacement is the call they matched (``Unchanged``)
 
 
 def _depth(p: Any) -> int:
@@ -372,6 +373,9 @@ class Driver:
             twin = not insertion and _has_twin(node, signature)
             try:
                 created, producers = self.replacer.apply(match)
+            except Unchanged:
+                stats.unchanged += 1  # the graph already says it so: no rewrite
+                continue
             except ReplacementError as err:
                 stats.failed += 1
                 if not stats.first_error:

@@ -147,7 +147,6 @@ class GraphFacts:
         self._inference_errors: dict = {}  # new node -> why its op rejects its inputs' facts
         #: parameters not taken as constants only because nothing tells whether the graph trains
         self.unknown_training: set = set()
-        self._copies: dict = {}  # id(constant) -> (it, its version, the copy a user's code sees, its version)
 
     def _fake_of(self, mode: Any, v: Any) -> Any:
         """``_fake``, converting each real constant (a weight new nodes read) once
@@ -193,16 +192,14 @@ class GraphFacts:
             return type(operand)(self.constant_of(o) for o in operand)
         return operand
 
-    def _shown(self, value: Any) -> Any:
-        """``value``, or in a user's code a copy of it, made once per tensor and
-        made again when either was written since."""
+    @staticmethod
+    def _shown(value: Any) -> Any:
+        """``value``, or in a user's code a copy of it (made per call and kept by
+        nobody here: a predicate reading every weight of a model at its one reader
+        holds one copy at a time)."""
         if not _SHOWING_COPIES.depth or not isinstance(value, torch.Tensor):
             return value
-        entry = self._copies.get(id(value))
-        if entry is None or entry[0] is not value or entry[1] != value._version or entry[2]._version != entry[3]:
-            shown = value.detach().clone()
-            entry = self._copies[id(value)] = (value, value._version, shown, shown._version)
-        return entry[2]
+        return value.detach().clone()
 
     def is_const(self, operand: Any) -> bool:
         """A literal, or a parameter/buffer the graph never writes in place (an

@@ -27,7 +27,7 @@ from rewrite.language import ast
 from rewrite.engine.aliasing import alias_class, caller_owned, storage_base
 from rewrite.ops import bind_node, forms_for_key, forms_for_node, node_key
 from rewrite.ops.effects import written_nodes
-from rewrite.ops.forms import per_dimension, same_arg
+from rewrite.ops.forms import same_arg
 from rewrite.ops.base import ConstRef
 
 __all__ = ["Match", "Matcher", "Refusal", "match_bindings", "match_nodes", "COMPILED", "UNKNOWN"]
@@ -91,8 +91,8 @@ def _fits_straight(alt: Any, args: dict, env: dict) -> bool:
     """An alternative's literal checks and plain variables against bound ``args``:
     the variables are bound into ``env`` (a variable bound before must be the same
     operand). False when one does not fit (``env`` is then partly written)."""
-    for name, value in alt.literals:
-        if not same_arg(value, args[name], per_dimension(alt.opdef.name, name)):
+    for name, value, expand in alt.literals:
+        if not same_arg(value, args[name], expand):
             return False
     for name, var in alt.variables:
         operand = args[name]
@@ -358,7 +358,7 @@ class Matcher:
         elif isinstance(p, PWild):
             yield env
         elif isinstance(p, (PLit, PDefault)):
-            if same_arg(p.value, operand):
+            if same_arg(p.value, operand, p.expand):
                 yield env
         elif isinstance(p, PSeq):
             if isinstance(operand, (list, tuple)) and len(operand) == len(p.items):

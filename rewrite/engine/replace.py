@@ -38,9 +38,10 @@ from rewrite.engine.layout import StrideReaders, layout_change_seen
 from rewrite.engine.rewire import Rewirer
 from rewrite.engine.shapes import addressing, sizes_differ
 from rewrite.ops.effects import always_aliases, note_built_module, schema_returns_alias, written_args
+from rewrite.ops.forms import same_value
 from rewrite.ops.reach import storage_key
 
-__all__ = ["Replacer", "ReplacementError", "RULE_KEY", "SOURCES_KEY", "UNLIKE_ROOT", "uses_root"]
+__all__ = ["Replacer", "ReplacementError", "Unchanged", "RULE_KEY", "SOURCES_KEY", "UNLIKE_ROOT", "uses_root"]
 
 _CARRIED_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "from_node")
 
@@ -84,6 +85,23 @@ def _library_function(fn: Any) -> bool:
 
 class ReplacementError(Exception):
     """A replacement could not be built (its rewrite-time function failed)."""
+
+
+class Unchanged(ReplacementError):
+    """The replacement is the very call it replaces (same op, target and arguments):
+    no rewrite, and no failure either. Without it a rule that writes an op's other
+    spelling, which the matcher takes for the same op, would replace its own output
+    again and again."""
+
+
+#: values fx writes into a graph's code as they are (a tensor becomes a constant)
+_CODE_LITERALS = (bool, int, float, complex, str, type(None), torch.dtype, torch.device, torch.memory_format,
+                  torch.layout, torch.qscheme, torch.Size, slice)
+
+
+def _same_call(a: fx.Node, b: fx.Node) -> bool:
+    return a.op == b.op and a.target is b.target and same_value(a.args, b.args) and \
+        a.kwargs.keys() == b.kwargs.keys() and all(same_value(v, b.kwargs[k]) for k, v in a.kwargs.items())
 
 
 #: Python integer arithmetic a replacement may build whose result grows without bound
@@ -192,6 +210,9 @@ class Replacer:
         if not isinstance(result, fx.Node):
             self._undo()
             raise ReplacementError(f"rule {match.rule.name!r} did not produce a graph value")
+        if result is not root and result in self._created and _same_call(result, root):
+            self._undo()  # a rule that spells an op as the graph already does (mean(x, [1]) => mean(x, 1))
+            raise Unchanged(f"rule {match.rule.name!r} at {root.name}: the replacement is the call it replaces")
         problem = self._kept_value_written()
         if problem is not None:
             self._undo()
@@ -326,14 +347,7 @@ class Replacer:
             return self._node("call_function", target, call_args, call_kwargs, self._origin(r.opdef.name, root))
         if isinstance(r, RConst):
             args, kwargs = self._arguments(r, env)
-            value = r.spec.fn(*args, **kwargs)
-            if isinstance(value, torch.Tensor) and (value.is_meta or isinstance(value, FakeTensor)):
-                # the model would compute with memory nothing wrote (check=False: unseen)
-                raise ValueError(f"{r.spec.name}() returned a {'meta' if value.is_meta else 'fake'} tensor, which "
-                                 "holds no values: a constant holds what the model computes with")
-            if isinstance(value, torch.Tensor):
-                return self._new_constant(value, r, env, fresh=self._fresh_result(value, r, (args, kwargs)))
-            return value
+            return self._constant_value(r.spec.fn(*args, **kwargs), r, env, (args, kwargs))
         if isinstance(r, RModule):
             inputs = tuple(self._build(i, env, root) for i in r.inputs)
             # tensors the module is built from are its own copies: the rewritten
@@ -377,6 +391,24 @@ class Replacer:
             args, kwargs = self._arguments(r, env)
             return r.spec.fn(*args, **kwargs)
         raise ValueError(f"{r!r} is not a rewrite-time constant")
+
+    def _constant_value(self, value: Any, r: RConst, env: dict, arguments: Any) -> Any:
+        """What a rewrite-time function returned, as the graph reads it: a tensor (also
+        one in a list or tuple: the graph's code names no tensor inline) becomes a new
+        constant; a number or a dtype stays a literal."""
+        if isinstance(value, torch.Tensor):
+            if value.is_meta or isinstance(value, FakeTensor):
+                # the model would compute with memory nothing wrote (check=False: unseen)
+                raise ValueError(f"{r.spec.name}() returned a {'meta' if value.is_meta else 'fake'} tensor, which "
+                                 "holds no values: a constant holds what the model computes with")
+            return self._new_constant(value, r, env, fresh=self._fresh_result(value, r, arguments))
+        if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
+            return type(value)(self._constant_value(v, r, env, arguments) for v in value)
+        if not isinstance(value, _CODE_LITERALS) and value is not Ellipsis:
+            # the graph's generated code would name it by its repr (a numpy array: NameError)
+            raise ValueError(f"{r.spec.name}() returned a {type(value).__name__}, which the graph's code cannot "
+                             "hold: return a tensor, a number, a string, a dtype or a list of them")
+        return value
 
     def _arguments(self, r: RConst, env: dict) -> tuple[list, dict]:
         args = [self._evaluate(a, env) for a in r.args]

@@ -52,6 +52,7 @@ import copy
 import functools
 import json
 import math
+import operator
 import re
 import sys
 import warnings
@@ -1373,9 +1374,15 @@ def run_onnx(path: Any, inputs: Any, *, threads: int | None = None) -> list:
     _require_onnx()
     import onnxruntime as ort
 
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise QuantizationError(f"run_onnx: threads is a positive int or None (onnxruntime's default), "
-                                f"not {threads!r}")
+    if threads is not None:
+        try:
+            count = operator.index(threads) if not isinstance(threads, bool) else None  # numpy ints too
+        except TypeError:
+            count = None
+        if count is None or not 1 <= count < 2 ** 31:
+            raise QuantizationError(f"run_onnx: threads is a positive int (below 2**31) or None (onnxruntime's "
+                                    f"default), not {threads!r}")
+        threads = count
     opts = ort.SessionOptions()
     if threads:
         opts.intra_op_num_threads = threads

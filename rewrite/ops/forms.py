@@ -34,7 +34,7 @@ from rewrite.ops.base import (
     REQUIRED, FunctionForm, GetitemForm, MethodForm, OpDef, bind_signature,
 )
 
-__all__ = ["OneOf", "Fn", "Method", "Item", "EmitError", "call_for", "same_value", "same_arg", "per_dimension"]
+__all__ = ["OneOf", "Fn", "Method", "Item", "EmitError", "call_for", "same_value", "same_arg", "literal_expansion"]
 
 _MISSING = object()
 
@@ -86,28 +86,38 @@ def same_value(a: Any, b: Any) -> bool:
         return a is b
 
 
-def same_arg(a: Any, b: Any, per_dimension: bool = True) -> bool:
-    """``same_value``, and an int equals the one-element list of it (``x.mean(0)``,
-    export's ``[0]``) and, for a ``per_dimension`` parameter, its expansion: ``1``,
-    ``(1, 1)`` and ``[1, 1]`` all say "stride 1" (nn modules, ``F`` calls and aten
-    spell it so). For a size or a list of dims, ``2`` is not ``[2, 2]``."""
+def same_arg(a: Any, b: Any, expand: str = "any") -> bool:
+    """``same_value``, and an int equals a list of itself as ``expand`` says (what
+    the parameter takes: ``literal_expansion``): ``"any"``, a per-dimension
+    parameter, ``1``, ``(1, 1)`` and ``[1, 1]`` all say "stride 1" (nn modules, ``F``
+    calls and aten spell it so); ``"one"``, a dim or a size, only the one-element
+    list (``x.mean(0)`` is export's ``[0]``; ``2`` is not ``[2, 2]``); ``"none"``,
+    never (``split(x, 2)`` is pieces of 2, ``split(x, [2])`` one piece of 2)."""
     if same_value(a, b):
         return True
+    if expand == "none":
+        return False
     for one, many in ((a, b), (b, a)):
         if isinstance(one, int) and not isinstance(one, bool) and isinstance(many, (list, tuple)) and many:
-            return (per_dimension or len(many) == 1) and all(same_value(one, m) for m in many)
+            return (expand == "any" or len(many) == 1) and all(same_value(one, m) for m in many)
     return False
 
 
 #: parameters torch expands from one int to one per spatial dimension
 _PER_DIMENSION = frozenset({"stride", "padding", "dilation", "output_padding", "kernel_size", "output_size"})
 _PER_DIMENSION_OF = frozenset({("interpolate", "size"), ("interpolate", "scale_factor")})
+#: parameters where an int is the one-element list of it: dims and sizes
+_ONE_ELEMENT = frozenset({"dim", "dims", "shape", "size", "normalized_shape", "shifts", "repeats"})
 
 
-def per_dimension(op: str, param: str) -> bool:
-    """Whether ``op``'s ``param`` takes one int for every spatial dimension
-    (``stride=2`` is ``[2, 2]``), unlike a size or a list of dims."""
-    return param in _PER_DIMENSION or (op, param) in _PER_DIMENSION_OF
+def literal_expansion(op: str, param: str) -> str:
+    """How an int literal at ``op``'s ``param`` compares with a list (``same_arg``'s
+    ``expand``): ``"any"`` where torch takes one int for every spatial dimension
+    (``stride=2`` is ``[2, 2]``), ``"one"`` at a dim or a size, ``"none"`` elsewhere
+    (split sizes, sections, pads, and any parameter nothing here knows)."""
+    if param in _PER_DIMENSION or (op, param) in _PER_DIMENSION_OF:
+        return "any"
+    return "one" if param in _ONE_ELEMENT else "none"
 
 
 def _guard_ok(value: Any, expected: Any) -> bool:
