@@ -181,12 +181,12 @@ def test_a_rule_file_that_is_not_a_regular_file_or_too_large_is_refused(tmp_path
     assert "[E402]" in str(err.value)
     big = tmp_path / "big.rw"
     with open(big, "wb") as fh:
-        fh.truncate(17 * 2**20)  # sparse: nothing is written
-    with pytest.raises(rewrite.RuleError, match="a rule file is at most 16 MiB"):
+        fh.truncate(2 * 2**20)  # sparse: nothing is written
+    with pytest.raises(rewrite.RuleError, match="a rule file is at most 1 MiB"):
         rewrite.load(str(big))
     importer = tmp_path / "main.rw"
     importer.write_text('import "big.rw"\n')
-    with pytest.raises(rewrite.RuleError, match=r"cannot import '.*big.rw'.*at most 16 MiB"):
+    with pytest.raises(rewrite.RuleError, match=r"cannot import '.*big.rw'.*at most 1 MiB"):
         rewrite.load(str(importer))
 
 

@@ -476,3 +476,86 @@ def test_a_constant_function_returning_what_code_cannot_hold_does_not_fire():
     rules = rewrite.parse("rule r: add(x, w) where const(w) => add(x, s45_an_array(w))")
     result = rules.apply(torch.fx.symbolic_trace(M()), example_inputs=(torch.randn(3),), check=False)
     assert result.counts == {} and "cannot hold" in result.stats["r"].first_error
+
+
+def test_a_namespace_torch_defines_is_refused():
+    """``cplib`` (context parallelism's all-gather, registered by a torch module) was
+    missing from the list of torch's own namespaces; any namespace whose ops torch's
+    own code defined with ``custom_op`` is refused."""
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    f.__module__ = "torch.s45_pretend"  # as torch's own modules define theirs
+    torch.library.custom_op("s45torchns::copy", mutates_args=())(f)
+    with pytest.raises(rewrite.RuleError, match="torch's own namespace"):
+        rewrite.parse("rule r: neg(x) => s45torchns.copy(x)")
+    with pytest.raises(rewrite.RuleError, match="torch's own namespace"):
+        rewrite.parse('rule r: neg(x) => cplib.flex_cp_allgather(x, x, 1, "0")')
+
+
+def test_a_named_rule_file_that_links_elsewhere_is_not_read(tmp_path):
+    """A repository's ``rules/creds.rw -> ~/.git-credentials``: ``rewrite check
+    rules/*.rw`` quoted the token back in its syntax error."""
+    import os
+
+    secret = tmp_path / "credentials"
+    secret.write_text("https://alice:TOKEN123@github.com\n")
+    link = tmp_path / "creds.rw"
+    os.symlink(secret, link)
+    environ = tmp_path / "env.rw"
+    os.symlink("/proc/self/environ", environ)
+    for path in (link, environ):
+        with pytest.raises(rewrite.RuleError) as info:
+            rewrite.load(str(path))
+        (d,) = info.value.diagnostics
+        assert d.code == "E402" and "TOKEN123" not in str(info.value) and "PATH" not in str(info.value)
+    good = tmp_path / "real.rw"
+    good.write_text("rule r: neg(neg(x)) => x\n")
+    os.symlink(good, tmp_path / "alias.rw")
+    assert "r" in rewrite.load(str(tmp_path / "alias.rw")).rules  # a link to a rule file is fine
+
+
+def test_an_imported_fifo_says_what_it_is(tmp_path):
+    import os
+
+    os.mkfifo(tmp_path / "pipe.rw")
+    (tmp_path / "main.rw").write_text('import "pipe.rw"\n')
+    with pytest.raises(rewrite.RuleError, match="not a regular file"):
+        rewrite.load(str(tmp_path / "main.rw"))
+
+
+def test_rule_files_past_the_bounds_are_refused_before_parsing(tmp_path):
+    """A 4 MB list literal of 2,000,000 ints took minutes and GBs to parse, a 16 MiB
+    string literal 5 GiB (the string token's regex kept state per character)."""
+    many = "rule r: relu(x) => add(x, [" + ",".join(["1"] * 100_001) + "])\n"
+    with pytest.raises(rewrite.RuleError, match="100001 commas"):
+        rewrite.parse(many)
+    big = tmp_path / "big.rw"
+    big.write_text('rule r: gelu(x, approximate="' + "a" * (2**20) + '") => x\n')
+    with pytest.raises(rewrite.RuleError, match="at most 1 MiB"):
+        rewrite.load(str(big))
+    text = 'rule r: gelu(x, approximate="' + "a\\\\" * 200_000 + '") => x\n'  # long, with escapes: one token
+    (rule,) = rewrite.parse(text).rules.values()
+    assert rule.pattern is not None
+
+
+def test_nested_repeats_are_bounded_as_one():
+    """Three nested ``operator.mul(..., 4096)`` made a 64 GiB string on every call."""
+    with pytest.raises(rewrite.RuleError, match="nested repeats multiply"):
+        rewrite.parse('rule r: add(x, 1) => add(x, operator.mul(operator.mul(operator.mul("a", 4096), 4096), 4096))')
+    rewrite.parse('rule r: add(x, 1) => add(x, operator.mul(operator.mul(operator.add(x, 1), 4096), 4096))')
+
+
+def test_errors_on_one_long_line_cost_what_they_show():
+    """6000 errors on one line rendered the whole line per error (a minute), and again
+    on every str(err); each excerpt still shows its own part, marked as cut."""
+    rule = "rule r: relu(x) => x "
+    with pytest.raises(rewrite.RuleError) as info:
+        rewrite.parse(" ".join([rule] * 3000))
+    text = str(info.value)
+    assert str(info.value) is text  # rendered once
+    lines = text.splitlines()
+    assert len(info.value.diagnostics) == 2999
+    excerpts = [line for line in lines if line.startswith("    ...")]
+    assert excerpts and all(len(line) <= 4 + 3 + 120 + 3 for line in excerpts)

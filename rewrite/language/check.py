@@ -19,6 +19,7 @@ Each rule is checked in three places with different rules of use:
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import attrs
@@ -389,6 +390,29 @@ def _other_overloads_hint(c: ast.Call, opdef: Any, sig: str) -> str:
         return sig
     return (f"{sig} (the overload this name binds); the call fits {' and '.join(fits[:2])}: a rule names "
             "it so, at the ATen level (torch.export graphs)")
+
+
+def _repetitions(e: Any) -> float | None:
+    """How many times ``e`` repeats a literal sequence (a string or a list: 1 for the
+    literal itself, the product of the counts through nested ``operator.mul(...,
+    n)``, infinite for a count that is no int literal), or None when ``e`` is no
+    repeated literal sequence (a product of numbers)."""
+    from rewrite.ops.resolve import normalize_qualname
+
+    if isinstance(e, (ast.ListLit, ast.TupleLit)) or (isinstance(e, ast.Literal) and isinstance(e.value, str)):
+        return 1
+    if not isinstance(e, ast.Call) or normalize_qualname(e.op.names[0]) not in _REPEATING:
+        return None
+    args = list(e.args) + [k.value for k in e.kwargs]
+    if len(args) != 2:
+        return None
+    for sequence, count in (args, args[::-1]):
+        inner = _repetitions(sequence)
+        if inner is not None:
+            if isinstance(count, ast.Literal) and isinstance(count.value, int) and not isinstance(count.value, bool):
+                return inner * max(count.value, 0)
+            return math.inf
+    return None
 
 
 class _Checker:
@@ -920,13 +944,11 @@ class _Checker:
                                  "a variable or a literal", "E207",
                            help="compute the constant in a registered constant function, or write the number")
         elif op in _REPEATING and len(args) == 2:
-            sequences = [a for a in args if isinstance(a, (ast.ListLit, ast.TupleLit)) or (
-                isinstance(a, ast.Literal) and isinstance(a.value, str))]
-            counts = [a for a in args if a not in sequences]
-            if sequences and not all(isinstance(n, ast.Literal) and isinstance(n.value, int)
-                                     and n.value <= _MAX_REPEAT for n in counts):
+            times = _repetitions(c)
+            if times is not None and times > _MAX_REPEAT:
                 self.error(span, f"'{name}' repeats a literal sequence a number of times that may have no bound: "
-                                 f"the count must be an int literal of at most {_MAX_REPEAT}", "E207",
+                                 "the count (nested repeats multiply theirs) must be an int literal of at most "
+                                 f"{_MAX_REPEAT}", "E207",
                            help="write the sequence out")
 
     def _literal_sizes(self, c: ast.Call, opdef: Any, name: str, span: Any) -> None:

@@ -110,20 +110,30 @@ def _excerpt(span: Span, source: str) -> list:
     text_lines = source_lines(source)
     if not 1 <= span.line <= len(text_lines):
         return []
-    line = text_lines[span.line - 1].expandtabs(4)
     raw = text_lines[span.line - 1]
-    start = len(raw[: max(span.col - 1, 0)].expandtabs(4))
-    if span.end_line == span.line and span.end_col > span.col:
-        end = len(raw[: span.end_col - 1].expandtabs(4))
+    col, end_col = span.col, span.end_col
+    cut_before = cut_after = False
+    if len(raw) > 4 * _EXCERPT_WIDTH:
+        # a long line (a generated file, thousands of errors on one line): only the
+        # part about the span is looked at, so each excerpt costs the same
+        first = max(0, col - 1 - _EXCERPT_WIDTH)
+        last = min(len(raw), first + 4 * _EXCERPT_WIDTH)
+        cut_before, cut_after = first > 0, last < len(raw)
+        raw, col, end_col = raw[first:last], col - first, end_col - first
+    line = raw.expandtabs(4)
+    start = len(raw[: max(col - 1, 0)].expandtabs(4))
+    if span.end_line == span.line and end_col > col:
+        end = len(raw[: end_col - 1].expandtabs(4))
     else:
         end = len(line.rstrip())
     width = max(end - start, 1)
     # Non-printable characters would garble the excerpt; show them as '?'.
     shown = "".join(c if c.isprintable() else "?" for c in line).rstrip()
-    if len(shown) > _EXCERPT_WIDTH:  # a long line: the part around the span, marked as cut
+    if len(shown) > _EXCERPT_WIDTH or cut_before or cut_after:  # the part around the span, marked as cut
         first = max(0, min(start - _EXCERPT_WIDTH // 3, len(shown) - _EXCERPT_WIDTH))
         last = first + _EXCERPT_WIDTH
-        before, after = ("..." if first else ""), ("..." if last < len(shown) else "")
+        before = "..." if first or cut_before else ""
+        after = "..." if last < len(shown) or cut_after else ""
         shown = before + shown[first:last] + after
         start = start - first + len(before)
         width = max(1, min(width, len(shown) - len(after) - start))
@@ -178,7 +188,8 @@ class RuleError(Exception):
     def __init__(self, diagnostics: Iterable[Diagnostic], sources: dict | None = None):
         self.diagnostics = list(diagnostics)
         self.sources = dict(sources or {})
-        super().__init__(self._render())
+        self._text: str | None = None  # rendered on the first str(): thousands of excerpts cost
+        super().__init__(self.summary())
 
     def _render(self) -> str:
         parts = [format_diagnostic(d, self.sources.get(d.span.path) if d.span else None)
@@ -196,7 +207,9 @@ class RuleError(Exception):
         return out
 
     def __str__(self) -> str:
-        return self._render()
+        if self._text is None:
+            self._text = self._render()
+        return self._text
 
     def __reduce__(self) -> tuple:
         # Exceptions pickle through their args; ours are the rendered text.

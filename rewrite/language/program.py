@@ -142,8 +142,34 @@ MAX_LOADED_FILES = 1000
 
 #: Imports nested deeper are refused (E402): the shipped files nest at most 2 levels.
 MAX_IMPORT_DEPTH = 64
-#: Larger rule files are refused before they are read (the shipped ones are under 50 KiB).
-MAX_RULE_FILE_BYTES = 16 * 2**20
+#: Larger rule files are refused before they are read (the shipped ones are under 50 KiB;
+#: parsing costs about 100 bytes of memory per byte of a file of literals).
+MAX_RULE_FILE_BYTES = 2**20
+#: A rule file with more commas (arguments, list items: a literal list of millions of
+#: ints parses for minutes) is refused before it is parsed.
+MAX_RULE_FILE_ITEMS = 100_000
+
+
+#: file systems whose files are no rule files: their reads may block (``/proc/kmsg``)
+#: or hand out the process's secrets (``/proc/self/environ``)
+_SPECIAL_ROOTS = ("/proc/", "/sys/", "/dev/")
+
+
+def _not_a_rule_file(path: Path) -> str | None:
+    """Why a named path is read as no rule file, or None. A symbolic link to a file
+    not named ``*.rw`` (a repository may hold ``rules/x.rw -> ~/.git-credentials``:
+    its first line would be quoted back in the syntax error), or anything on ``/proc``,
+    ``/sys`` or ``/dev``. A path named without a link is the caller's choice."""
+    try:
+        resolved = os.path.realpath(path)
+        linked = any(p.is_symlink() for p in (Path(path), *Path(path).parents))
+    except (OSError, ValueError):
+        return None  # read() says what is wrong with it
+    if resolved.startswith(_SPECIAL_ROOTS):
+        return "a file of /proc, /sys or /dev, not a rule file"
+    if linked and not resolved.endswith(".rw") and not os.path.isdir(resolved):
+        return f"a symbolic link to '{resolved}', which is not a .rw rule file"
+    return None
 
 
 class _Loader:
@@ -183,6 +209,10 @@ class _Loader:
     def read(self, path: Path, display: str, import_span: ast.Span | None = None) -> str | None:
         """The file's text, or None with an E402 diagnostic (unreadable, not a regular
         file, too large, not UTF-8). A FIFO would block the read, /dev/zero never end it."""
+        problem = _not_a_rule_file(path)
+        if problem is not None:
+            self._unreadable(display, import_span, problem)
+            return None
         try:
             status = os.stat(path)
             if not stat.S_ISREG(status.st_mode) and not stat.S_ISDIR(status.st_mode):  # a folder: named below
@@ -227,6 +257,14 @@ class _Loader:
         text = one_line_end(text)
         f = _File(display, key)
         self.files[key] = f
+        items = text.count(",")
+        if len(text) > MAX_RULE_FILE_BYTES or items > MAX_RULE_FILE_ITEMS:
+            f.complete = False
+            self._unreadable(display, imp.span if imp is not None else None,
+                             f"{len(text)} characters: a rule file is at most {MAX_RULE_FILE_BYTES // 2**20} MiB"
+                             if len(text) > MAX_RULE_FILE_BYTES else
+                             f"{items} commas: a rule file lists at most {MAX_RULE_FILE_ITEMS} arguments and items")
+            return
         self.sources[display] = text
         module, diags = parse_module(text, display)
         self.diags += diags
@@ -278,6 +316,7 @@ class _Loader:
             return
         if not exists:
             why = ("is a directory" if is_dir else
+                   "not a regular file (a pipe, a device or a socket)" if os.path.exists(target) else
                    "is a symbolic link to nothing (a loop, or a missing target)" if target.is_symlink() else
                    "no such file")
             self._unreadable(display, imp.span, why, target)
