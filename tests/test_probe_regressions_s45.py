@@ -559,3 +559,12 @@ def test_errors_on_one_long_line_cost_what_they_show():
     assert len(info.value.diagnostics) == 2999
     excerpts = [line for line in lines if line.startswith("    ...")]
     assert excerpts and all(len(line) <= 4 + 3 + 120 + 3 for line in excerpts)
+
+
+def test_the_overload_hint_names_one_that_takes_the_literals():
+    """``torch.repeat_interleave(x, 2, 0)``: the hint named ``self_Tensor`` (which
+    takes no int 2) and dropped ``self_int``, which has the same parameter names."""
+    with pytest.raises(rewrite.RuleError) as info:
+        rewrite.parse("rule r: neg(x) => torch.repeat_interleave(x, 2, 0)\n")
+    (d,) = info.value.diagnostics
+    assert "aten.repeat_interleave.self_int" in d.help and "self_Tensor" not in d.help

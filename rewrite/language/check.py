@@ -373,7 +373,7 @@ def _other_overloads_hint(c: ast.Call, opdef: Any, sig: str) -> str:
     """``sig``, and where the call's arguments fit another aten overload of a torch
     function than the one its name binds (``torch.var(x, dim=-1)``: ``var.dim``),
     that overload and how a rule names it."""
-    from rewrite.ops.generic import other_overloads
+    from rewrite.ops.generic import generic_opdef, other_overloads
 
     keywords = {k.name for k in c.kwargs}
     fits = []
@@ -385,7 +385,12 @@ def _other_overloads_hint(c: ast.Call, opdef: Any, sig: str) -> str:
         given = set(positional[: len(c.args)]) | {"self" if k == "input" else k for k in keywords}
         if not c.rest and any(n not in other.defaults and n not in given for n in params):
             continue
-        fits.append(f"{qualname}({', '.join(params)})")
+        overload = generic_opdef(qualname)  # its literals' types: repeat_interleave(x, 2) is self_int's
+        if overload is not None and _refuses_literals(c, overload):
+            continue
+        text = f"{qualname}({', '.join(params)})"
+        if text not in fits:
+            fits.append(text)
     if not fits:
         return sig
     return (f"{sig} (the overload this name binds); the call fits {' and '.join(fits[:2])}: a rule names "
@@ -413,6 +418,19 @@ def _repetitions(e: Any) -> float | None:
                 return inner * max(count.value, 0)
             return math.inf
     return None
+
+
+def _refuses_literals(c: ast.Call, opdef: Any) -> bool:
+    """Whether a literal argument of ``c`` is no value ``opdef`` takes there (E206's
+    test, for the overloads an E201/E202 hint could name)."""
+    types = param_types(opdef)
+    named = dict(zip(opdef.param_names, c.args))
+    named.update({"input" if k.name == "self" else k.name: k.value for k in c.kwargs})
+    for name, value in named.items():
+        param = opdef.param(name)
+        if param is not None and refusal(types.get(name), value, optional=param.default is None) is not None:
+            return True
+    return False
 
 
 class _Checker:

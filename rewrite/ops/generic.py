@@ -120,19 +120,15 @@ def other_overloads(qualname: str) -> list:
     chosen = aten_overload(name)
     if chosen is None:
         return []
-    taken = schema_sig(chosen).names
-    out, seen = [], {taken}
+    out = []
     packet = getattr(torch.ops.aten, name)
     for ov in packet.overloads():
         overload = getattr(packet, ov)
         args = overload._schema.arguments
-        if not args or "Tensor" not in str(args[0].type) or any(a.is_out for a in args) \
+        if overload is chosen or not args or "Tensor" not in str(args[0].type) or any(a.is_out for a in args) \
                 or any("Dimname" in str(a.type) for a in args):
             continue
-        sig = schema_sig(overload)
-        if sig.names not in seen:
-            seen.add(sig.names)
-            out.append((f"aten.{name}.{ov}", sig))
+        out.append((f"aten.{name}.{ov}", schema_sig(overload)))
     return out
 
 
