@@ -505,6 +505,7 @@ def test_a_named_rule_file_that_links_elsewhere_is_not_read(tmp_path):
     os.symlink(secret, link)
     environ = tmp_path / "env.rw"
     os.symlink("/proc/self/environ", environ)
+    (tmp_path / "shm.rw").write_text("rule r: neg(neg(x)) => x\n")  # a regular file anywhere is read
     for path in (link, environ):
         with pytest.raises(rewrite.RuleError) as info:
             rewrite.load(str(path))
@@ -568,3 +569,94 @@ def test_the_overload_hint_names_one_that_takes_the_literals():
         rewrite.parse("rule r: neg(x) => torch.repeat_interleave(x, 2, 0)\n")
     (d,) = info.value.diagnostics
     assert "aten.repeat_interleave.self_int" in d.help and "self_Tensor" not in d.help
+
+
+def test_an_int_and_a_float_literal_are_not_the_same_call():
+    """``mul(x, 2) => mul(x, 2.0)`` makes a float of an int tensor: the no-op test took
+    2 and 2.0 for one call, apply skipped it silently and verify said ok."""
+    from rewrite.trust.verify import verify_rules
+
+    rules = rewrite.parse("rule promote: mul(x, 2) => mul(x, 2.0)")
+    (verdict,) = verify_rules(rules, max_examples=30, seed=0).verdicts
+    assert verdict.status == "counterexample"
+
+
+def test_a_getitem_index_tuple_is_not_a_list():
+    """``x[(0, 1)]`` is one element, ``x[[0, 1]]`` two rows."""
+
+    class Rows(torch.nn.Module):
+        def forward(self, x):
+            return x[[0, 1]] * 2
+
+    x = torch.randn(3, 4)
+    for rule in ("rule r: getitem(x, (0, 1)) => select(select(x, 0, 0), 0, 1)",
+                 "rule r: getitem(x, (i, j)) => select(select(x, 0, i), 0, j)"):
+        result = rewrite.parse(rule).apply(torch.fx.symbolic_trace(Rows()), example_inputs=(x,), check=False)
+        assert result.counts == {}
+
+
+@rewrite.register_constant(name="s45_numpy_scale")
+def _numpy_scale(w):
+    import numpy as np
+
+    return np.float64(1.5)
+
+
+def test_a_numpy_scalar_is_no_code_literal():
+    """``numpy.float64`` is a float subclass fx writes as ``np.float64(1.5)``: the
+    result passed its check and raised NameError when called."""
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("w", torch.randn(3))
+
+        def forward(self, x):
+            return x * self.w
+
+    x = torch.randn(3)
+    result = rewrite.parse("rule r: mul(x, w) where const(w) => mul(mul(x, w), s45_numpy_scale(w))").apply(
+        torch.fx.symbolic_trace(M()), example_inputs=(x,))
+    assert result.counts == {} and "cannot hold" in result.stats["r"].first_error
+
+
+def test_a_user_predicate_reads_a_constants_facts_without_a_copy():
+    """``w.meta`` of a constant cloned the whole weight on every call in a user's
+    predicate (the copy protects ``constant_of``; facts need none)."""
+    from rewrite.engine.facts import TensorFacts
+
+    seen = []
+
+    @rewrite.register_predicate(name="s45_meta_reader")
+    def reads(v):
+        seen.append(v.meta)
+        return True
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("w", torch.randn(3))
+
+        def forward(self, x):
+            return x * self.w
+
+    x = torch.randn(3)
+    rewrite.parse("rule r: mul(x, w) where s45_meta_reader(w) => mul(w, x)\nruleset main = once(r)").apply(
+        torch.fx.symbolic_trace(M()), example_inputs=(x,))
+    assert seen and all(isinstance(m, TensorFacts) and m.shape == (3,) for m in seen)
+
+
+def test_a_positional_unbiased_reads_as_a_correction_at_every_level():
+    """``torch.var(x, 1, False, True)`` bound correction=False at fx and 0 at export."""
+    from rewrite.capture import capture_with_inputs
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return torch.var(x, 1, False, True)
+
+    x = torch.randn(3, 4)
+    for level in ("fx", "export"):
+        gm, inputs = capture_with_inputs(M(), (x,), level)
+        rules = rewrite.parse("rule r: var(x, d, correction=0, keepdim=True) => clone(var(x, d, correction=0, "
+                              "keepdim=True))\nruleset main = once(r)")
+        assert rules.apply(gm, example_inputs=inputs).counts == {"r": 1}, level

@@ -67,6 +67,8 @@ class PLit:
     #: how an int compares with a list at the argument it is (``same_arg``): set
     #: per op and parameter (``literal_expansion``); an item of a list: never
     expand: str = attrs.field(default="none", eq=False)
+    #: "list" or "tuple" for a sequence literal as written (a getitem index tells them apart)
+    sequence: str = attrs.field(default="", eq=False)
 
 
 @attrs.frozen
@@ -83,6 +85,10 @@ class PDefault:
 class PSeq:
     items: tuple
     span: Any = attrs.field(**_SPAN)
+    written: str = attrs.field(default="", eq=False)  # "list" or "tuple", as written
+    #: only a sequence of the kind written matches (a getitem index: ``x[(0, 1)]`` is one
+    #: element, ``x[[0, 1]]`` two rows); elsewhere a tuple also matches a list
+    strict: bool = attrs.field(default=False, eq=False)
 
 
 @attrs.frozen
@@ -279,11 +285,12 @@ class _PatternBuilder:
             return PLit(DTYPES[e.name], e.span)
         if isinstance(e, (ast.TupleLit, ast.ListLit)):
             items = tuple(self.build(i) for i in e.items)
+            sequence = "list" if isinstance(e, ast.ListLit) else "tuple"
             if items and all(type(i) is PLit for i in items):
                 # a literal list is one literal: ``mean(x, [0])`` matches ``x.mean(0)`` as
                 # ``mean(x, 0)`` matches export's ``[0]`` (``same_arg``)
-                return PLit(tuple(i.value for i in items), e.span)
-            return PSeq(items, e.span)
+                return PLit(tuple(i.value for i in items), e.span, sequence=sequence)
+            return PSeq(items, e.span, written=sequence)
         raise CompileError(f"{type(e).__name__} cannot appear in a pattern")
 
     def results(self, e: ast.AsTuple) -> PCall:
@@ -305,8 +312,12 @@ class _PatternBuilder:
                 expand = literal_expansion(opdef.name, param.name)
                 if param.name in given:
                     given_pattern = given[param.name]
+                    indexing = (opdef.name, param.name) == ("getitem", "index")
                     if isinstance(given_pattern, PLit):
-                        given_pattern = attrs.evolve(given_pattern, expand=expand)
+                        given_pattern = attrs.evolve(given_pattern, expand=(
+                            given_pattern.sequence if indexing and given_pattern.sequence else expand))
+                    elif isinstance(given_pattern, PSeq) and indexing:
+                        given_pattern = attrs.evolve(given_pattern, strict=True)
                     args.append((param.name, given_pattern))
                 elif not e.rest:
                     if param.default is REQUIRED:

@@ -182,14 +182,18 @@ class GraphFacts:
         user's predicate or query (``showing_copies``) a tensor is a copy: the
         model's own would let a predicate that writes what it reads change the
         caller's model, whatever apply decides."""
-        if isinstance(operand, ConstRef):
-            return self._shown(fetch_attr(self.gm, operand.qualname))
-        if isinstance(operand, fx.Node):
-            if operand.op == "get_attr":
-                return self._shown(fetch_attr(self.gm, operand.target))
-            raise ValueError(f"{operand.name} is computed by the graph, not a constant")
         if isinstance(operand, (list, tuple)):
             return type(operand)(self.constant_of(o) for o in operand)
+        return self._shown(self._constant(operand))
+
+    def _constant(self, operand: Any) -> Any:
+        """``constant_of`` without the copy: the model's own tensor."""
+        if isinstance(operand, ConstRef):
+            return fetch_attr(self.gm, operand.qualname)
+        if isinstance(operand, fx.Node):
+            if operand.op == "get_attr":
+                return fetch_attr(self.gm, operand.target)
+            raise ValueError(f"{operand.name} is computed by the graph, not a constant")
         return operand
 
     @staticmethod
@@ -357,8 +361,11 @@ class GraphFacts:
                 val = tensor_meta_of(operand)
             return val if hasattr(val, "shape") and hasattr(val, "dtype") else None
         if isinstance(operand, (ConstRef, fx.Node)):  # a constant (get_attr or a module's tensor)
-            value = self.constant_of(operand)
-            return value if isinstance(value, torch.Tensor) else None
+            value = self._constant(operand)
+            if not isinstance(value, torch.Tensor):
+                return None
+            # a user's predicate reads the facts, not the caller's tensor (nor a copy of it)
+            return _facts_of(value) if _SHOWING_COPIES.depth else value
         if isinstance(operand, torch.Tensor):
             return operand
         return None
@@ -899,6 +906,11 @@ class _Recorder(fx.Interpreter):
         if n.op != "output":
             self.record(n, result)
         return result
+
+
+def _facts_of(t: torch.Tensor) -> "TensorFacts":
+    """A constant's facts (shape, dtype, device, layout) without its values."""
+    return TensorFacts(tuple(t.shape), t.dtype, t.device, t.is_contiguous(), tuple(t.stride()), t.storage_offset())
 
 
 class _ShowingCopies:

@@ -361,6 +361,8 @@ class Matcher:
             if same_arg(p.value, operand, p.expand):
                 yield env
         elif isinstance(p, PSeq):
+            if p.strict and isinstance(operand, list) != (p.written == "list"):
+                return  # a getitem index: x[(i, j)] is not x[[i, j]]
             if isinstance(operand, (list, tuple)) and len(operand) == len(p.items):
                 yield from self._match_args(tuple(zip(p.items, operand)), env)
         elif isinstance(p, PResults):

@@ -94,14 +94,27 @@ class Unchanged(ReplacementError):
     again and again."""
 
 
-#: values fx writes into a graph's code as they are (a tensor becomes a constant)
-_CODE_LITERALS = (bool, int, float, complex, str, type(None), torch.dtype, torch.device, torch.memory_format,
-                  torch.layout, torch.qscheme, torch.Size, slice)
+#: values fx writes into a graph's code as they are (a tensor becomes a constant): Python's
+#: own scalars exactly (``numpy.float64`` is a float fx writes as ``np.float64(1.0)``)
+_PLAIN = frozenset({bool, int, float, complex, str, type(None), slice})
+_CODE_LITERALS = (torch.dtype, torch.device, torch.memory_format, torch.layout, torch.qscheme, torch.Size)
 
 
 def _same_call(a: fx.Node, b: fx.Node) -> bool:
-    return a.op == b.op and a.target is b.target and same_value(a.args, b.args) and \
-        a.kwargs.keys() == b.kwargs.keys() and all(same_value(v, b.kwargs[k]) for k, v in a.kwargs.items())
+    return a.op == b.op and a.target is b.target and _identical(a.args, b.args) and _identical(a.kwargs, b.kwargs)
+
+
+def _identical(a: Any, b: Any) -> bool:
+    """The same argument, spelled the same: nodes by identity, literals of the same
+    type (``2`` is not ``2.0``: ``mul(x, 2.0)`` makes a float of an int tensor)."""
+    if isinstance(a, fx.Node) or isinstance(b, fx.Node):
+        return a is b
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return isinstance(a, list) == isinstance(b, list) and len(a) == len(b) and \
+            all(_identical(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_identical(v, b[k]) for k, v in a.items())
+    return type(a) is type(b) and same_value(a, b)
 
 
 #: Python integer arithmetic a replacement may build whose result grows without bound
@@ -404,7 +417,7 @@ class Replacer:
             return self._new_constant(value, r, env, fresh=self._fresh_result(value, r, arguments))
         if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
             return type(value)(self._constant_value(v, r, env, arguments) for v in value)
-        if not isinstance(value, _CODE_LITERALS) and value is not Ellipsis:
+        if not (type(value) in _PLAIN or isinstance(value, _CODE_LITERALS)) and value is not Ellipsis:
             # the graph's generated code would name it by its repr (a numpy array: NameError)
             raise ValueError(f"{r.spec.name}() returned a {type(value).__name__}, which the graph's code cannot "
                              "hold: return a tensor, a number, a string, a dtype or a list of them")

@@ -406,11 +406,15 @@ def _repetitions(e: Any) -> float | None:
 
     if isinstance(e, (ast.ListLit, ast.TupleLit)) or (isinstance(e, ast.Literal) and isinstance(e.value, str)):
         return 1
-    if not isinstance(e, ast.Call) or normalize_qualname(e.op.names[0]) not in _REPEATING:
+    op = normalize_qualname(e.op.names[0]) if isinstance(e, ast.Call) else None
+    if op not in _REPEATING and op not in _JOINING:
         return None
     args = list(e.args) + [k.value for k in e.kwargs]
     if len(args) != 2:
         return None
+    if op in _JOINING:  # "b" + "a" * n: as long as its parts together
+        parts = [_repetitions(a) for a in args]
+        return None if all(p is None for p in parts) else sum(1 if p is None else p for p in parts)
     for sequence, count in (args, args[::-1]):
         inner = _repetitions(sequence)
         if inner is not None:
@@ -1221,6 +1225,7 @@ def _literal_count(arg: Any) -> Optional[int]:
 
 _GROWING = frozenset({"operator.pow", "operator.ipow", "operator.lshift", "operator.ilshift"})
 _REPEATING = frozenset({"operator.mul", "operator.imul"})
+_JOINING = frozenset({"operator.add", "operator.iadd", "operator.concat", "operator.iconcat"})
 _MAX_EXPONENT = 64
 _MAX_REPEAT = 4096
 

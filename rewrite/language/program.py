@@ -152,21 +152,22 @@ MAX_RULE_FILE_ITEMS = 100_000
 
 #: file systems whose files are no rule files: their reads may block (``/proc/kmsg``)
 #: or hand out the process's secrets (``/proc/self/environ``)
-_SPECIAL_ROOTS = ("/proc/", "/sys/", "/dev/")
+_SPECIAL_ROOTS = ("/proc/", "/sys/")
 
 
 def _not_a_rule_file(path: Path) -> str | None:
     """Why a named path is read as no rule file, or None. A symbolic link to a file
     not named ``*.rw`` (a repository may hold ``rules/x.rw -> ~/.git-credentials``:
-    its first line would be quoted back in the syntax error), or anything on ``/proc``,
-    ``/sys`` or ``/dev``. A path named without a link is the caller's choice."""
+    its first line would be quoted back in the syntax error), or anything on ``/proc``
+    or ``/sys`` (``/dev``'s devices are no regular files: ``read`` says so). A path
+    named without a link is the caller's choice."""
     try:
         resolved = os.path.realpath(path)
-        linked = any(p.is_symlink() for p in (Path(path), *Path(path).parents))
+        linked = Path(path).is_symlink()  # the file itself (a folder's link is the caller's layout)
     except (OSError, ValueError):
         return None  # read() says what is wrong with it
     if resolved.startswith(_SPECIAL_ROOTS):
-        return "a file of /proc, /sys or /dev, not a rule file"
+        return "a file of /proc or /sys, not a rule file"
     if linked and not resolved.endswith(".rw") and not os.path.isdir(resolved):
         return f"a symbolic link to '{resolved}', which is not a .rw rule file"
     return None

@@ -62,12 +62,10 @@ def _defined_by_torch(namespace: str) -> bool:
     from torch._library import custom_ops
 
     prefix = namespace + "::"
-    for qualname, opdef in list(getattr(custom_ops, "OPDEFS", {}).items()):
-        if qualname.startswith(prefix):
-            module = getattr(getattr(opdef, "_init_fn", None), "__module__", "") or ""
-            if module == "torch" or module.startswith("torch."):
-                return True
-    return False
+    modules = [getattr(getattr(opdef, "_init_fn", None), "__module__", "") or ""
+               for qualname, opdef in list(getattr(custom_ops, "OPDEFS", {}).items()) if qualname.startswith(prefix)]
+    # every op of it (a user's library registering a torch function as one of its ops stays the user's)
+    return bool(modules) and all(m == "torch" or m.startswith("torch.") for m in modules)
 
 
 @attrs.frozen

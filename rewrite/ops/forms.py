@@ -92,7 +92,10 @@ def same_arg(a: Any, b: Any, expand: str = "any") -> bool:
     parameter, ``1``, ``(1, 1)`` and ``[1, 1]`` all say "stride 1" (nn modules, ``F``
     calls and aten spell it so); ``"one"``, a dim or a size, only the one-element
     list (``x.mean(0)`` is export's ``[0]``; ``2`` is not ``[2, 2]``); ``"none"``,
-    never (``split(x, 2)`` is pieces of 2, ``split(x, [2])`` one piece of 2)."""
+    never (``split(x, 2)`` is pieces of 2, ``split(x, [2])`` one piece of 2); ``"list"`` or
+    ``"tuple"``, only a sequence of that kind (a getitem index)."""
+    if expand in ("list", "tuple"):  # a getitem index as written: x[(0, 1)] is not x[[0, 1]]
+        return (not isinstance(b, (list, tuple)) or isinstance(b, list) == (expand == "list")) and same_value(a, b)
     if same_value(a, b):
         return True
     if expand == "none":

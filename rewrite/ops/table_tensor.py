@@ -122,7 +122,7 @@ def _unbiased_from_correction(value: Any) -> bool:
 
 
 #: ``correction=None`` is Bessel's 1; ``unbiased`` is correction 1 (True) or 0 (False)
-_CORRECTION = {"correction": (lambda v: 1 if v is None else v, lambda v: v)}
+_CORRECTION = {"correction": (lambda v: 1 if v is None else int(v) if isinstance(v, bool) else v, lambda v: v)}
 _UNBIASED = {"correction": (_correction_from_unbiased, _unbiased_from_correction)}
 
 

@@ -556,14 +556,15 @@ class _Checker:
         return False
 
     def _matches(self, ruleset: Any, inst: Instance) -> bool:
-        """Whether the (where-less) rule matched: it fired, or its replacement failed.
-        One rewrite tells: without its where clause a rule may never settle."""
+        """Whether the (where-less) rule matched: it fired, its replacement failed, or
+        its replacement was the call it matched (``softmax(x, d) => softmax(x, -1)``
+        where d is -1). One rewrite tells: without its where clause a rule may never settle."""
         try:
             result = _fires(ruleset, inst.graph_module, inst.example_inputs, max_rewrites=1)
         except Exception:  # noqa: BLE001 - the probe only classifies
             return True
         stats = result.stats.get(self.rule.name)
-        return bool(result.counts) or bool(stats is not None and stats.failed)
+        return bool(result.counts) or bool(stats is not None and (stats.failed or stats.unchanged))
 
     def _apply(self, ruleset: Any, inst: Instance, quiet: bool = False) -> Any:
         from rewrite.engine.driver import NonTerminationError
