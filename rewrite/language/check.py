@@ -1085,13 +1085,12 @@ class _Checker:
             param = opdef.param(name)
             if param is None:
                 continue
-            if name == "dim" and isinstance(value, ast.Literal) and isinstance(value.value, bool):
-                # torch refuses a bool dim (aten would read it as 0 or 1); torch.var(x, False)
-                # is another overload's unbiased
-                hint = "unbiased=False is correction=0, over every dim when dim is left out; " \
-                    if "correction" in opdef.param_names else ""
+            if name == "dim" and "correction" in opdef.param_names and isinstance(value, ast.Literal) \
+                    and isinstance(value.value, bool):
+                # torch.var(x, False) is another overload's unbiased, which this dim is not
                 self.error(_span_of(value) or c.span, f"argument 'dim' of {who} takes a dim (an int or a list of "
-                           f"them), not a bool", "E206", help=hint + sig)
+                           f"them), not a bool", "E206",
+                           help="unbiased=False is correction=0, over every dim when dim is left out; " + sig)
                 continue
             found = refusal(types.get(name), value, optional=param.default is None)
             if found is None or any(_takes(other, where, value) for other in siblings):
