@@ -1,6 +1,8 @@
 """Regressions found in session 45: diagnostics that told less than the truth, and
 whatever the session's probes turned up."""
 
+import functools
+
 import pytest
 import torch
 
@@ -168,6 +170,17 @@ def _writes_its_constant(v):
 @rewrite.register_constant(name="s45_to_meta")
 def _to_meta(w):
     return torch.empty_like(w, device="meta")
+
+
+class _Weighted(torch.nn.Module):
+    """``x * w``, ``w`` a buffer: a constant the rules fold or read."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.register_buffer("w", torch.randn(n))
+
+    def forward(self, x):
+        return x * self.w
 
 
 class _Scaled(torch.nn.Module):
@@ -443,13 +456,7 @@ def test_a_constant_function_returning_tensors_in_a_list_makes_constants(check):
     """The tensors went into the node's arguments as they were: the result passed
     the check (run node by node) but its generated code raised NameError."""
 
-    class M(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.register_buffer("w", torch.randn(4))
-
-        def forward(self, x):
-            return x * self.w
+    M = functools.partial(_Weighted, 4)
 
     x = torch.randn(4)
     rules = rewrite.parse("rule r: mul(x, w) where const(w) => mul(x, sum(stack(s45_pieces(w), 0), 0))")
@@ -604,13 +611,7 @@ def test_a_numpy_scalar_is_no_code_literal():
     """``numpy.float64`` is a float subclass fx writes as ``np.float64(1.5)``: the
     result passed its check and raised NameError when called."""
 
-    class M(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.register_buffer("w", torch.randn(3))
-
-        def forward(self, x):
-            return x * self.w
+    M = functools.partial(_Weighted, 3)
 
     x = torch.randn(3)
     result = rewrite.parse("rule r: mul(x, w) where const(w) => mul(mul(x, w), s45_numpy_scale(w))").apply(
@@ -630,13 +631,7 @@ def test_a_user_predicate_reads_a_constants_facts_without_a_copy():
         seen.append(v.meta)
         return True
 
-    class M(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.register_buffer("w", torch.randn(3))
-
-        def forward(self, x):
-            return x * self.w
+    M = functools.partial(_Weighted, 3)
 
     x = torch.randn(3)
     rewrite.parse("rule r: mul(x, w) where s45_meta_reader(w) => mul(w, x)\nruleset main = once(r)").apply(
