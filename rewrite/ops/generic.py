@@ -110,10 +110,10 @@ def _tensor(name: str) -> OpDef | None:
 
 def other_overloads(qualname: str) -> list:
     """``(aten qualified name, Sig)`` of the aten overloads of a ``torch.<f>``,
-    ``F.<f>`` or ``Tensor.<m>`` name whose arguments differ from the one its
-    ``generic_opdef`` takes (``torch.var`` takes ``var(input, unbiased)``; torch
-    also takes ``var.dim`` and ``var.correction``): a rule names those only at the
-    ATen level, and an error about the arguments should say so."""
+    ``F.<f>`` or ``Tensor.<m>`` name other than the one its ``generic_opdef`` takes
+    (``torch.prod`` takes ``prod(input, dtype)``; torch also takes ``prod.dim_int``):
+    a rule names those only at the ATen level, and an error about the arguments
+    should say so."""
     root, _, name = qualname.partition(".")
     if root not in ("torch", "F", "Tensor") or "." in name:
         return []
