@@ -103,7 +103,12 @@ def _capture(model: Any, args: tuple, capture: str) -> fx.GraphModule:
     elif isinstance(model, torch.nn.Module):
         # a copy in eval mode: batch norms are captured with their running statistics,
         # and the caller's model keeps its mode (the input is never modified)
-        gm = capture_at(copy.deepcopy(model).eval(), args, capture)
+        model = copy.deepcopy(model).eval()
+        gm = capture_at(model, args, capture)
+        if capture == "fx":  # symbolic_trace drops what Python decides (a no_grad block): as PTQ checks
+            from rewrite.ruleset import confirm_capture
+
+            confirm_capture(model, gm, args)
     else:
         raise TypeError(f"prepare_qat takes an nn.Module or a GraphModule, got {type(model).__name__}")
     _allow_train_eval(gm)
@@ -276,7 +281,8 @@ def calibrate(qat: fx.GraphModule, batches: Iterable) -> int:
         mod.activation_post_process.reset_min_max_vals()
     n = 0
     try:
-        with torch.no_grad():
+        with torch.no_grad(), ptq.model_state_kept(qat, [qat.get_submodule(node.target)
+                                                        for node in fake_quant_nodes(qat)]):
             for batch in batches:
                 ptq.run_calibration_batch(qat, _copies(tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)),
                                           n, QATError)

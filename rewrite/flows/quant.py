@@ -48,6 +48,7 @@ linears that run as int8 kernels and names every one left in float with the reas
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import json
@@ -496,11 +497,28 @@ def calibrate(observed: fx.GraphModule, batches: Iterable) -> int:
     _require_prepared(observed, "calibrate")
     require_batches(batches, "calibrate")
     n = 0
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+    with torch.no_grad(), torch.random.fork_rng(devices=[]), model_state_kept(
+            observed, [observed.get_submodule(node.target) for node in _observers(observed)]):
         for batch in batches:
             run_calibration_batch(observed, _clones(_as_args(batch)), n)
             n += 1
     return n
+
+
+@contextlib.contextmanager
+def model_state_kept(gm: fx.GraphModule, observers: Iterable[torch.nn.Module]) -> Any:
+    """Calibration observes; only ``observers`` (and what they hold) may keep what
+    the batches wrote. Every other state tensor the forward writes in place (a step
+    counter, a cache position) is put back afterwards: the converted model starts
+    where the caller's model was, not three batches on."""
+    from rewrite.module_state import TensorValues
+
+    kept = {id(m) for o in observers for m in o.modules()}
+    values = TensorValues(m for m in gm.modules() if id(m) not in kept)
+    try:
+        yield
+    finally:
+        values.restore()
 
 
 def run_calibration_batch(model: Any, args: tuple, n: int, error: type = None) -> Any:
@@ -973,6 +991,9 @@ def coverage(int8: fx.GraphModule) -> Coverage:
                 continue
         if not node.op.startswith("call_"):
             continue
+        if isinstance(node.target, torch._ops.HigherOrderOperator):
+            left.extend(_layers_inside(node, int8))
+            continue
         bound = {b.op: b for b in bind_node(node, int8)}
         op = next((o for o in _LAYER_OPS if o in bound), None)
         if op is not None and _pt2e_layer(node, bound[op], int8):
@@ -995,6 +1016,33 @@ def coverage(int8: fx.GraphModule) -> Coverage:
                     name = f"{node.target}.{sub}" if sub else str(node.target)
                     left.append(FloatLayer(name, kind, _unbound_module_reason(node.target, mod, sub)))
     return Coverage(tuple(sorted(lowered.items(), key=lambda kv: list(_LAYER_OPS).index(kv[0]))), tuple(left))
+
+
+def _layers_inside(node: fx.Node, gm: fx.GraphModule) -> list:
+    """The convs and linears of the subgraphs a higher-order op runs (export's
+    ``wrap_with_set_grad_enabled`` for a ``torch.no_grad()`` block), which no rule
+    enters: each stays float."""
+    from rewrite.functions.quant import module_path
+    from rewrite.ops import bind_node
+
+    hop = getattr(node.target, "__name__", str(node.target))
+    found: list = []
+    todo = [_attr(gm, str(a.target)) for a in node.all_input_nodes if a.op == "get_attr"]
+    while todo:
+        sub = todo.pop()
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        for inner in sub.graph.nodes:
+            if inner.op == "get_attr":
+                todo.append(_attr(sub, str(inner.target)))
+            if not inner.op.startswith("call_"):
+                continue
+            op = next((o for o in _LAYER_OPS if o in {b.op for b in bind_node(inner, sub)}), None)
+            if op is not None:
+                found.append(FloatLayer(module_path(inner) or f"{node.name}.{inner.name}", op, (
+                    f"not observed: inside higher-order op {hop} (a torch.no_grad() block, a cond or a "
+                    "checkpoint in an export capture), whose subgraph the rules do not enter")))
+    return found
 
 
 def _unbound_module_reason(target: str, mod: torch.nn.Module, sub: str) -> str:

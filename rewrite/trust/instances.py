@@ -290,6 +290,10 @@ class Plan:
     #: the int literals the pattern is written with (``slice(x, 1, 0, 512)``,
     #: ``flatten(x, 1, 4)``): large shapes reach one past them (``_Ctx.shape``)
     literal_ints: tuple = ()
+    #: variable -> numbers about the bound a comparison puts on it (``value(e) < 1e-4``:
+    #: a layer norm's eps is drawn about 1e-4 too, not only from its table's short list,
+    #: which the clause may narrow to the one value the replacement writes back)
+    bounds: Any = attrs.field(factory=dict)
 
 
 # where-clause predicates that want a number literal (the positive ones too), and
@@ -324,6 +328,7 @@ def plan_for(rule: CompiledRule) -> Plan:
     quantized_outputs, symmetric_pads, ranks, avoided = set(), set(), {}, {}
     numbers, positives, fitting, features, partners, last_dims = set(), set(), set(), set(), {}, set()
     made: set = set()
+    bounds: dict = {}
     for c in _conjuncts(rule.where):
         if isinstance(c, ast.Call):
             name = c.op.names[0]
@@ -361,7 +366,9 @@ def plan_for(rule: CompiledRule) -> Plan:
                 quantized_outputs.add(first)
             elif name == "symmetric_pad" and len(c.args) == 2 and isinstance(c.args[1], ast.Var):
                 symmetric_pads.add(c.args[1].name)
-        elif isinstance(c, ast.Compare) and c.op == "!=":
+        if isinstance(c, ast.Compare):
+            _add_bounds(c, bounds)
+        if isinstance(c, ast.Compare) and c.op == "!=":
             for a, b in ((c.left, c.right), (c.right, c.left)):
                 if (isinstance(a, ast.Call) and a.op.names[0] == "dtype" and a.args
                         and isinstance(a.args[0], ast.Var) and isinstance(b, ast.DTypeLit)):
@@ -399,7 +406,21 @@ def plan_for(rule: CompiledRule) -> Plan:
                 frozenset(symmetric_pads), quantized, frozenset(partners), ranks, avoided,
                 frozenset(numbers), frozenset(positives), frozenset(fitting), frozenset(features),
                 {v: frozenset(o) for v, o in partners.items()}, frozenset(last_dims), frozenset(made),
-                _literal_ints(rule.pattern))
+                _literal_ints(rule.pattern), {v: tuple(sorted(n)) for v, n in bounds.items()})
+
+
+def _add_bounds(c: ast.Compare, bounds: dict) -> None:
+    """``v < 1e-4``, ``value(v) >= 2``, ``3 != v``...: numbers about the bound, on both
+    sides of it, for ``v`` (``Plan.bounds``)."""
+    for a, b in ((c.left, c.right), (c.right, c.left)):
+        if isinstance(a, ast.Call) and a.op.names[0] == "value" and len(a.args) == 1:
+            a = a.args[0]
+        if not (isinstance(a, ast.Var) and isinstance(b, ast.Literal) and isinstance(b.value, (int, float))
+                and not isinstance(b.value, bool) and math.isfinite(b.value)):
+            continue
+        n = b.value
+        near = (n - 1, n, n + 1) if isinstance(n, int) else (n, n / 2, n * 2, n / 1000, n * 1000, 0.0)
+        bounds.setdefault(a.name, set()).update(near)
 
 
 def _literal_ints(pattern: Any) -> tuple:
@@ -1970,6 +1991,11 @@ class _Builder:
             v = drawn.get(param.name, given[param.name])
             if v is _FREE:
                 strategy = literal_strategy(opdef.instances, param.name)
+                near = self.plan.bounds.get(variables.get(param.name), ())
+                if near and (strategy is not None or param.default is not REQUIRED):
+                    # about the where clause's bound, half the time (Plan.bounds)
+                    strategy = strategies().sampled_from(near) | (
+                        strategy if strategy is not None else strategies().just(param.default))
                 if strategy is not None:
                     v = self.ctx.draw(strategy)
                 elif param.default is not REQUIRED:

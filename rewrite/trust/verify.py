@@ -54,7 +54,9 @@ Verdicts, per rule:
 * ``intentional``: the rule is declared an intentional change (``change=True``): it
   changes what the model computes on purpose, so there is no equivalence to verify;
 * ``skipped``: no generator for an op of the pattern, or no instance satisfied the
-  where clause (instances violating it are discarded, not failures). A skipped rule
+  where clause (instances violating it are discarded, not failures), or on every
+  instance it matched its replacement was the very call it matched (no rewrite: an
+  instance that exercises nothing is discarded too). A skipped rule
   is an unverified rule: ``VerificationReport.ok`` is False, and ``rewrite check
   --verify`` fails unless ``--allow-skipped``.
 
@@ -424,7 +426,10 @@ class _Checker:
         if not result.counts:
             stats = result.stats.get(self.rule.name)
             if stats is not None and stats.unchanged and not stats.failed:
-                self.counts["checked"] += 1  # its replacement is the call it matched: the graph as it was
+                # its replacement is the call it matched: the graph as it was, which
+                # exercises nothing (a rule changing a layer norm's eps meets only the
+                # eps it writes): not an instance; none at all is a skipped rule
+                self.counts["unchanged"] += 1
                 return
             if stats is not None and stats.failed and inst.wide:
                 # declining large values (a constant float16 cannot hold) is sound
@@ -1129,6 +1134,10 @@ def _verify_rule(ruleset: Any, rule: CompiledRule | str, max_examples: int, seed
         cex = Counterexample(rule.name, rule.location, "error", f"{type(err).__name__}: {err}")
         return _failed(verdict, checker, cex)
     counts = checker.counts
+    if counts["checked"] == 0 and counts["unchanged"]:
+        why = (f"its replacement rebuilt the call it matched on every instance it fired on ({counts['unchanged']}): "
+               "no instance exercised the rewrite")
+        return RuleVerdict(status="skipped", reason=why, generated=counts["generated"], **verdict)
     if counts["checked"] == 0:
         why = (f"no valid instance in {counts['generated']}: {checker.last_discard}" if not counts["filtered"]
                else f"the where clause held on none of {counts['filtered']} instances"

@@ -1,0 +1,145 @@
+"""Regressions found in session 46: a wrong rule that verify called ok (it met only
+the one attribute value its where clause let through, where the rule changes
+nothing), and the quantization flows on models they were not tuned for."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import rewrite
+from rewrite.trust.verify import verify_rules
+
+
+@pytest.mark.parametrize("clause", [
+    "value(e) < 0.0001",
+    "value(e) < 0.0001 and value(e) > 0.000000001",
+    "e <= 0.00001 and e != 0.00001",
+])
+def test_an_eps_rule_meets_eps_the_clause_lets_through(clause):
+    """``layer_norm(x, s, w, b, e) where value(e) < 1e-4 => layer_norm(..., 1e-5)``
+    is wrong for BERT's eps of 1e-12 on readings of about 1e-3 (60% off). Verify drew
+    eps from the table's (1e-5, 1e-3) only; the clause left 1e-5, where the rule
+    changes nothing, and every such "instance" counted: ok. It now draws numbers
+    about the clause's bound, and an instance that changes nothing does not count."""
+    rules = rewrite.parse(f"rule ln_eps: layer_norm(x, s, w, b, e) where {clause} => layer_norm(x, s, w, b, 1e-5)")
+    (verdict,) = verify_rules(rules, max_examples=20, seed=0).verdicts
+    assert verdict.status == "counterexample", verdict
+
+
+def test_the_same_rule_right_for_its_bound_still_verifies():
+    """The draws about a bound do not fail a right rule: an eps at or below 1e-5
+    written as exactly 1e-5 only where it already is, and a sound spelling rule."""
+    rules = rewrite.parse(
+        "rule ok_eps: layer_norm(x, s, w, b, e) where value(e) >= 0.00001 and value(e) <= 0.00001 "
+        "=> layer_norm(x, s, w, b, e)\n"
+        "rule sm: softmax(x, d) where d == -1 and rank(x) == 2 => softmax(x, 1)\n")
+    verdicts = {v.rule: v for v in verify_rules(rules, max_examples=10, seed=0).verdicts}
+    assert verdicts["ok_eps"].status == "skipped"  # it never changes anything
+    assert verdicts["sm"].status == "ok", verdicts["sm"]
+
+
+def test_a_rule_that_only_rebuilds_what_it_matched_is_unverified():
+    """An instance on which the replacement is the very call it matched exercises
+    nothing: verify draws another, and a rule that never changes anything is
+    skipped (unverified), not ok."""
+    rules = rewrite.parse("rule sm: softmax(x, d) where d == -1 => softmax(x, -1)")
+    report = verify_rules(rules, max_examples=10, seed=0)
+    (verdict,) = report.verdicts
+    assert verdict.status == "skipped" and "no instance exercised the rewrite" in verdict.reason
+    assert not report.ok
+
+
+class _FrozenBackbone(nn.Module):
+    """A fine-tuning pattern: the conv and batch norm run under no_grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.c, self.bn, self.l = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            y = self.bn(self.c(x))
+        return self.l(y.mean((2, 3)))
+
+
+def test_qat_refuses_an_fx_capture_that_drops_a_no_grad_block():
+    """symbolic_trace drops ``with torch.no_grad()``; prepare_qat (check=False by
+    default) made the frozen conv and batch norm a trainable QAT layer, where PTQ's
+    prepare refused the same capture. It refuses too now; export keeps the block."""
+    from rewrite.flows.qat import prepare_qat
+    from rewrite.ruleset import CaptureError
+
+    torch.manual_seed(0)
+    m, x = _FrozenBackbone().eval(), torch.randn(2, 3, 6, 6)
+    before = copy.deepcopy(m.state_dict())
+    with pytest.raises(CaptureError, match="no_grad"):
+        prepare_qat(m, (x,), calibration=[(x,)], capture="fx")
+    assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+    qat = prepare_qat(m, (x,), calibration=[(x,)], capture="export")
+    qat(x).sum().backward()
+    trained = {n for n, p in qat.named_parameters() if p.grad is not None}
+    assert trained and all("l" in n.split(".")[0] or "linear" in n for n in trained), trained
+
+
+def test_coverage_names_a_layer_inside_a_no_grad_block():
+    """An export capture keeps a no_grad block as a higher-order op the rules do not
+    enter: its conv stayed float and coverage said "none left in float"."""
+    import rewrite.quant as rq
+
+    torch.manual_seed(0)
+    m, x = _FrozenBackbone().eval(), torch.randn(2, 3, 6, 6)
+    q = rq.quantize(m, [(torch.randn_like(x),) for _ in range(2)], (x,), capture="export")
+    cov = rq.coverage(q)
+    assert dict(cov.lowered) == {"linear": 1}
+    (layer,) = cov.left_float
+    assert layer.op == "conv" and layer.layer == "c" and "higher-order op" in layer.reason
+    assert "0 of 1 conv" in str(cov)
+
+
+class _Counter(nn.Module):
+    """A step counter the forward advances in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(3, 4, 3)
+        self.register_buffer("n", torch.zeros(()))
+
+    def forward(self, x):
+        self.n.add_(1)
+        return self.c(x) * self.n
+
+
+def test_ptq_calibration_leaves_the_models_own_state_where_it_was():
+    """Three calibration batches advanced the int8 model's counter to 3: its first
+    call computed 4x what the caller's model computes on its first call."""
+    import rewrite.quant as rq
+
+    torch.manual_seed(0)
+    m, x = _Counter().eval(), torch.randn(2, 3, 6, 6)
+    with torch.no_grad():
+        ref = copy.deepcopy(m)(x)
+    for form in ("int8", "qdq"):
+        q = rq.quantize(m, [(torch.randn_like(x),) for _ in range(3)], (x,), capture="export", form=form)
+        assert m.n.item() == 0.0
+        with torch.no_grad():
+            got = q(x)
+        assert rq.sqnr(ref, got) > 25, form
+    observed = rq.prepare(m, (x,), capture="export")
+    rq.calibrate(observed, [(x,), (x,)])
+    assert observed.n.item() == 0.0  # the observers saw both batches; the counter is as it was
+    assert any(getattr(mod, "min_val", torch.tensor(float("inf"))).numel() and
+               torch.isfinite(getattr(mod, "min_val", torch.tensor(float("inf")))).all()
+               for mod in observed.modules() if hasattr(mod, "min_val"))
+
+
+def test_qat_calibration_leaves_the_models_own_state_where_it_was():
+    from rewrite.flows.qat import prepare_qat
+
+    torch.manual_seed(0)
+    m, x = _Counter().eval(), torch.randn(2, 3, 6, 6)
+    qat = prepare_qat(m, (x,), calibration=[(x,), (x,), (x,)], capture="export")
+    counters = [b for name, b in qat.named_buffers() if name.split(".")[-1] == "n"]
+    assert counters and all(c.item() == 0.0 for c in counters)
+    assert m.n.item() == 0.0
