@@ -51,15 +51,20 @@ class EquivalenceError(AssertionError):
     rewrite is not returned; ``report`` says which output diverged, ``counts``
     which rules fired."""
 
-    def __init__(self, report: Any, counts: dict, culprit: Any = None, tolerance: str = "exact") -> None:
+    def __init__(self, report: Any, counts: dict, culprit: Any = None, tolerance: str = "exact",
+                 rolled_back: tuple = ()) -> None:
         fired = ", ".join(f"{name} x{n}" for name, n in sorted(counts.items())) or "none"
         mm = getattr(report, "first_mismatch", None)
         what = "outputs"
         if mm is not None and (mm.path.startswith("gradient") or mm.message.startswith("gradients")):
             what = "gradients"
         message = f"rewrite changed the model's {what}: {report}; rules that fired: {fired}"
+        if rolled_back:
+            rules = ", ".join(f"{r!r}" for r in dict.fromkeys(r.rule for r in rolled_back))
+            message += (f"; on_mismatch=\"skip-rule\" rolled back {len(rolled_back)} applications (rules {rules}), "
+                        f"its limit, and the rewrite still differs")
         if culprit is not None:
-            message += f"; the first application that broke it: {culprit}"
+            message += f"; the first application that {'still ' if rolled_back else ''}broke it: {culprit}"
         if tolerance == "approx" and mm is not None and 0 < mm.max_rel_error < 0.1:
             message += (
                 f". Approximate rules fired: the outputs differ by {mm.max_rel_error:.2g} of their scale, "
@@ -72,6 +77,7 @@ class EquivalenceError(AssertionError):
         self.report = report
         self.counts = counts
         self.culprit = culprit
+        self.rolled_back = rolled_back  # skip-rule's rollbacks before it gave up (Rejection records)
 
 
 class CaptureError(EquivalenceError):
@@ -547,11 +553,19 @@ class RuleSet:
                     confirm_capture(model, original, example_inputs)
                     traced = False
                 culprit = txn.bisect(verdict, len(driver.history))
-                if on_mismatch == "raise" or culprit is None or len(rejected) >= _MAX_REJECTIONS:
+                if on_mismatch == "raise" or culprit is None:
                     raise EquivalenceError(report, dict(driver.counts), culprit, kind)
+                if len(rejected) >= _MAX_REJECTIONS:
+                    raise EquivalenceError(report, dict(driver.counts), culprit, kind, rolled_back=tuple(rejected))
+                if sum(r.rule == culprit.rule for r in rejected) + 1 >= _ROLLBACKS_PER_RULE:
+                    # a rule wrong at this many places is likely wrong at more: skipped
+                    # everywhere, rather than one bisection per place
+                    culprit = attrs.evolve(culprit, everywhere=True)
+                    txn.skip.add((culprit.rule, None))
+                else:
+                    txn.skip.add((culprit.rule, culprit.node))
                 rejected.append(culprit)
                 warnings.warn(f"rewrite: rolled back {culprit}", stacklevel=3)
-                txn.skip.add((culprit.rule, culprit.node))
                 gm, driver = txn.run()
                 report = verdict(gm) if driver.counts else None
                 if report is None:
@@ -700,7 +714,11 @@ class RuleSet:
         return explain(self, gm, rule, node, example_inputs, limit)
 
 
+#: ``on_mismatch="skip-rule"``: bisections (one per rolled-back application) before
+#: the check's failure is raised after all
 _MAX_REJECTIONS = 16
+#: the rolled-back applications of one rule after which it is skipped at every node
+_ROLLBACKS_PER_RULE = 3
 
 
 def _refuse_uninitialized(model: torch.nn.Module) -> None:
@@ -828,12 +846,16 @@ class Rejection:
     rule_location: str
     source: str
     report: Any
+    #: the rule was rolled back at every node (its ``_ROLLBACKS_PER_RULE``-th
+    #: application that broke equivalence is ``node``)
+    everywhere: bool = False
 
     def __str__(self) -> str:
-        return (
-            f"rule {self.rule!r} ({self.rule_location}) at node {self.node!r}"
-            f"{' from ' + self.source if self.source else ''}: {self.report}"
-        )
+        where = f"at node {self.node!r}{' from ' + self.source if self.source else ''}"
+        if self.everywhere:
+            where = (f"at every node: its {_ROLLBACKS_PER_RULE}th application that broke equivalence was "
+                     f"{where}")
+        return f"rule {self.rule!r} ({self.rule_location}) {where}: {self.report}"
 
 
 class _Transaction:

@@ -143,3 +143,76 @@ def test_qat_calibration_leaves_the_models_own_state_where_it_was():
     counters = [b for name, b in qat.named_buffers() if name.split(".")[-1] == "n"]
     assert counters and all(c.item() == 0.0 for c in counters)
     assert m.n.item() == 0.0
+
+
+def _outputs(n):
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return tuple(torch.sigmoid(x + i) * 1 for i in range(n))
+
+    return torch.fx.symbolic_trace(M())
+
+
+def test_skip_rule_rolls_a_rule_wrong_at_many_places_back_everywhere():
+    """A wrong rule firing at 17 places made skip-rule give up after 16 rollbacks
+    (EquivalenceError), one bisection each; the right rule's 17 applications stay."""
+    import warnings
+
+    rules = rewrite.parse("rule m1: mul(x, 1) where is_float(x) => x\nrule bad: sigmoid(x) => x\n", "cap.rw")
+    x = torch.randn(3, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = rules.apply(_outputs(17), (x,), on_mismatch="skip-rule")
+    assert result.counts == {"m1": 17}
+    assert [r.rule for r in result.rejected] == ["bad"] * 3 and result.rejected[-1].everywhere
+    assert "at every node" in str(result.rejected[-1])
+    gm = result.graph_module
+    assert sum(n.target is torch.sigmoid for n in gm.graph.nodes) == 17
+    assert all(torch.equal(a, b) for a, b in zip(gm(x), _outputs(17)(x)))
+
+
+def test_a_rule_wrong_at_two_places_keeps_its_right_applications():
+    import warnings
+
+    rules = rewrite.parse("rule bad: add(x, c) where is_number(c) and value(c) >= 15 => x\n", "two.rw")
+    x = torch.randn(3, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = rules.apply(_outputs(17), (x,), on_mismatch="skip-rule")
+    assert [r.rule for r in result.rejected] == ["bad", "bad"] and not any(r.everywhere for r in result.rejected)
+
+
+def test_skip_rule_says_what_it_rolled_back_when_it_gives_up():
+    """Seventeen wrong rules, one place each: after 16 rollbacks the error says so."""
+    import warnings
+
+    body = "\n".join(f"rule bad{i}: add(x, {i}) => x" for i in range(1, 18))
+    rules = rewrite.parse(body + "\n", "many.rw")
+    x = torch.randn(3, 4)
+    with warnings.catch_warnings(), pytest.raises(rewrite.EquivalenceError) as info:
+        warnings.simplefilter("ignore")
+        rules.apply(_outputs(18), (x,), on_mismatch="skip-rule")
+    assert len(info.value.rolled_back) == 16
+    assert 'skip-rule" rolled back 16 applications' in str(info.value)
+
+
+def test_rules_rewriting_two_places_into_one_term_are_no_cycle():
+    """``x * 2 => x + x`` and ``(x + x) * 1 => x * 2`` settle after five rewrites; the
+    loop detector saw ``mul(x, 2)`` recreated twice (at two places) and called it a
+    cycle. A real cycle still stops with its rules named."""
+    from rewrite.engine.driver import NonTerminationError
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return x * 2, (x + x) * 1, (x + x) * 1
+
+    x = torch.randn(3, 4)
+    rules = rewrite.parse("rule p: mul(x, 2) where is_float(x) => add(x, x)\n"
+                          "rule r: mul(add(x, x), 1) where is_float(x) => mul(x, 2)\n")
+    result = rules.apply(torch.fx.symbolic_trace(M()), (x,))
+    assert result.counts == {"p": 3, "r": 2}
+    assert all(torch.equal(a, b) for a, b in zip(result.graph_module(x), M()(x)))
+    looping = rewrite.parse("rule p: mul(x, 2) where is_float(x) => add(x, x)\n"
+                            "rule q: add(x, x) where is_float(x) => mul(x, 2)\n")
+    with pytest.raises(NonTerminationError, match="'p', 'q'"):
+        looping.apply(torch.fx.symbolic_trace(M()), (x,))

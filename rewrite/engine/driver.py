@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import operator
 import random
 import time
@@ -136,6 +137,19 @@ def _signature(node: fx.Node) -> tuple:
             tuple(sorted((k, _arg_signature(v)) for k, v in kwargs.items())) if kwargs else ())
 
 
+def _readers(node: fx.Node) -> frozenset:
+    """Where ``node`` is read: each reader's name with the positions of ``node``
+    among its inputs (the graph's output reads many values, each at its own place)."""
+    found = []
+    for user in node.users:
+        places: list = []
+        count = itertools.count()
+        fx.node.map_arg((user.args, user.kwargs), lambda n, places=places, count=count:
+                        places.append(next(count)) if n is node else next(count))
+        found.append((user.name, tuple(places)))
+    return frozenset(found)
+
+
 def _has_twin(node: fx.Node, signature: tuple) -> bool:
     """Whether another node computes what ``node`` does (same op and inputs: a conv
     applied twice to one input). Rewriting twins recreates the signature of the
@@ -234,7 +248,8 @@ class Driver:
             max_rewrites: bound on rewrites before ``NonTerminationError``.
             example_inputs: for shape facts on graphs that carry none.
             limit: stop after this many rewrites (bisection replays).
-            skip: (rule name, root node name) pairs never applied (rolled back).
+            skip: (rule name, root node name) pairs never applied (rolled back);
+                (rule name, None): that rule nowhere.
             shuffle: visit the worklist in this random order (confluence tests).
             on_meta: called as ``on_meta(node, key)`` before facts are recorded on
                 a node of the input graph (``rewrite.engine.workspace.Journal``).
@@ -256,7 +271,7 @@ class Driver:
         self.limit = limit
         self.skip = frozenset(skip)
         self.shuffle = shuffle
-        self._removed: dict = {}  # signature of a replaced node -> [history index, times recreated]
+        self._removed: dict = {}  # (signature, readers) of a replaced node -> [history index, times recreated]
         self._repeating = 0  # enclosing schedules that repeat (fixpoints): where a cycle can loop
         self._step_start = 0  # rewrites made before the outermost step running now (the default bound's count)
         self._inserted: set = set()  # (rule name, root) of insertions: the root stays, never again
@@ -342,7 +357,7 @@ class Driver:
         if self.limit is not None and len(self.history) >= self.limit:
             return None
         for rule, prefilter in index.candidates(self.matcher, node):
-            if self.skip and (rule.name, node.name) in self.skip:
+            if self.skip and ((rule.name, node.name) in self.skip or (rule.name, None) in self.skip):
                 continue
             if self._inserted and (rule.name, node) in self._inserted:
                 continue
@@ -371,6 +386,7 @@ class Driver:
             signature = _signature(node)
             insertion = uses_root(match)
             twin = not insertion and _has_twin(node, signature)
+            removed = (signature, _readers(node)) if self._repeating and not (insertion or twin) else None
             try:
                 created, producers = self.replacer.apply(match)
             except Unchanged:
@@ -389,7 +405,7 @@ class Driver:
             self.history.append((rule.name, node.name))
             self.created.extend(created)
             if self._repeating:
-                self._check_cycle(None if insertion or twin else signature, created, node.name)
+                self._check_cycle(removed, created, node.name)
             self._check_bound(node)
             for user in users_before:
                 self.matcher.forget(user)
@@ -408,17 +424,20 @@ class Driver:
 
     def _check_cycle(self, removed: tuple | None, created: tuple, where: str) -> None:
         """Rules that undo each other recreate a node they replaced before, with the
-        same op and inputs. The second time that happens is a cycle: stop and name
-        the rules that fired since the node first went away."""
+        same op and inputs, for the same readers at the same places (``removed``: the
+        replaced node's signature and ``_readers``). The second time that happens is a cycle:
+        stop and name the rules that fired since the node first went away. Rules that
+        each rewrite another place into the same term (``mul(x, 2)`` from ``x * 2``
+        and from ``(x + x) * 1``) give it other readers: no cycle."""
         if removed is not None:  # an insertion removes nothing; a node with a twin is not unique
             self._removed.setdefault(removed, [len(self.history) - 1, 0])
         for node in created:
-            entry = self._removed.get(_signature(node))
+            sig = _signature(node)
+            entry = self._removed.get((sig, _readers(node)))
             if entry is None:
                 continue
             entry[1] += 1
             since, seen = entry
-            sig = _signature(node)
             if seen >= 2:
                 rules = tuple(sorted({name for name, _ in self.history[since:]}))
                 who = f"rule {rules[0]!r} undoes itself" if len(rules) == 1 else \
