@@ -681,7 +681,7 @@ class RuleSet:
         return verify_rules(self, max_examples=max_examples, seed=seed, names=names)
 
     def explain(self, model: Any, rule: str | None = None, node: str | None = None,
-                example_inputs: tuple | None = None, limit: int = 10) -> list:
+                example_inputs: tuple | None = None, limit: int = 10, training: bool | None = None) -> list:
         """Why rules fire or not, in the rule file's terms.
 
         Args:
@@ -691,9 +691,12 @@ class RuleSet:
                 (nodes where the rule's root op matched but something else failed,
                 deepest partial match first, at most ``limit`` per rule).
             example_inputs: for shape facts on graphs that carry none.
+            training: as ``apply`` takes it (False: an inference graph, whose
+                parameters are constants).
 
         Returns:
-            A list of ``rewrite.trust.explain.Explanation`` (printable).
+            A list of ``rewrite.trust.explain.Explanation`` (printable). A match of
+            a rule this set's schedule never runs says so.
         """
         from rewrite.trust.explain import explain
 
@@ -711,7 +714,8 @@ class RuleSet:
         if rule is not None and rule not in self.rules:
             raise KeyError(f"no rule named {rule!r}; have {sorted(self.rules)}")
         gm = model if isinstance(model, fx.GraphModule) else _symbolic_trace(model)
-        return explain(self, gm, rule, node, example_inputs, limit)
+        return explain(self, gm, rule, node, example_inputs, limit, training)
+
 
 
 #: ``on_mismatch="skip-rule"``: bisections (one per rolled-back application) before

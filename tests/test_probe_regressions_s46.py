@@ -216,3 +216,43 @@ def test_rules_rewriting_two_places_into_one_term_are_no_cycle():
                             "rule q: add(x, x) where is_float(x) => mul(x, 2)\n")
     with pytest.raises(NonTerminationError, match="'p', 'q'"):
         looping.apply(torch.fx.symbolic_trace(M()), (x,))
+
+
+class _Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        return (torch.relu(x) * 1) * (self.w * 1)
+
+
+def test_explain_says_when_the_schedule_never_runs_a_rule():
+    """``main`` runs wfold only: explain said "m1 matches" where apply never fires it."""
+    rules = rewrite.parse("rule m1: mul(x, 1) where is_float(x) => x\n"
+                          "rule wfold: mul(w, 1) where const(w) => w\n"
+                          "ruleset main = fixpoint(wfold)\n", "e.rw")
+    x = torch.randn(3, 4)
+    gm = torch.fx.symbolic_trace(_Scaled().eval())
+    assert rules.apply(gm, (x,)).counts == {"wfold": 1}
+    matched = [e for e in rules.explain(gm, rule="m1", example_inputs=(x,)) if e.matched]
+    assert matched and all("never runs rule 'm1'" in str(e) for e in matched)
+    assert all("never runs" not in str(e) for e in rules.explain(gm, rule="wfold", example_inputs=(x,)))
+
+
+def test_explain_says_a_parameter_is_no_constant_because_the_graph_may_train():
+    """On an export graph ``const(w)`` is false for a parameter (the module may train);
+    explain said "false" with no word why, and took no ``training=``."""
+    import warnings
+
+    rules = rewrite.parse("rule wfold: mul(w, 1) where const(w) => w\n", "e.rw")
+    x = torch.randn(3, 4)
+    gm = torch.export.export(_Scaled(), (x,)).module()
+    node = next(n.name for n in gm.graph.nodes if n.op == "call_function" and n.args[0].op == "get_attr")
+    (e,) = rules.explain(gm, rule="wfold", node=node, example_inputs=(x,))
+    assert not e.matched and "may be trained" in e.actual and "training=False" in e.actual
+    (e,) = rules.explain(gm, rule="wfold", node=node, example_inputs=(x,), training=False)
+    assert e.matched
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert rules.apply(gm, (x,), training=False).counts == {"wfold": 1}

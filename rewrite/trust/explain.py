@@ -60,10 +60,12 @@ class Explanation:
     expected: str = ""
     actual: str = ""
     bindings: dict = attrs.field(factory=dict)
+    #: what else to know (a match of a rule the rule set's schedule never runs)
+    note: str = ""
 
     def __str__(self) -> str:
         if self.matched:
-            return f"{self.rule} matches at node {self.node!r}"
+            return f"{self.rule} matches at node {self.node!r}" + (f" ({self.note})" if self.note else "")
         lines = [f"{self.location}: {self.rule} at node {self.node!r}: {self.element} failed"]
         lines.append(f"    expected: {self.expected}")
         lines.append(f"    actual:   {self.actual}")
@@ -168,6 +170,10 @@ class _Explainer:
                 # a registered function that raised: its error, not "false"
                 error, self.matcher.where_error = self.matcher.where_error, None
                 verdict = f"an error ({error})" if error else "false"
+                if not error and self._asks_training(failed, env):
+                    # a parameter of a graph that may train is no constant (apply warns)
+                    verdict += (" (the graph may be trained, so its parameters are no constants: pass "
+                                "training=False to apply and explain if it is an inference graph)")
                 if not error and self._unknown(failed, env):
                     # unknown and false is false: a false conjunct is what example inputs cannot cure
                     false = self._false_conjunct(rule.where, env)
@@ -192,6 +198,19 @@ class _Explainer:
         depth, location, element, expected, actual, env = self.best
         return Explanation(rule.name, node.name, False, depth, location, element, expected, actual,
                            self._bindings_text(env))
+
+    def _asks_training(self, expr: Any, env: dict) -> bool:
+        """Whether ``expr`` read a parameter of a graph that may train (which is
+        then no constant): the facts note such parameters as they answer."""
+        before = set(self.facts.unknown_training)
+        self.facts.unknown_training.clear()
+        try:
+            self.matcher.where_value(expr, env)
+        except Exception:  # noqa: BLE001 - a failing function is reported as such
+            pass
+        asked = bool(self.facts.unknown_training)
+        self.facts.unknown_training |= before
+        return asked
 
     def _false_conjunct(self, where: Any, env: dict) -> Any:
         items = where.items if isinstance(where, ast.BoolOp) and where.op == "and" else (where,)
@@ -248,7 +267,7 @@ class Explanations(list):
 
 
 def explain(ruleset: Any, model: fx.GraphModule, rule: str | None = None, node: str | None = None,
-            example_inputs: tuple | None = None, limit: int = 10) -> list:
+            example_inputs: tuple | None = None, limit: int = 10, training: bool | None = None) -> list:
     """Explain rules at nodes (see ``RuleSet.explain``); works on a copy of ``model``
     that shares its tensors, as ``apply``'s does (running it writes none of the
     caller's), and leaves every random generator as it was.
@@ -256,7 +275,8 @@ def explain(ruleset: Any, model: fx.GraphModule, rule: str | None = None, node: 
     if rule is not None and rule not in ruleset.rules:
         raise KeyError(f"no rule named {rule!r}; have {sorted(ruleset.rules)}")
     with generators_kept():
-        trials = _Trials(model, example_inputs)
+        trials = _Trials(model, example_inputs, training)
+        scheduled = ruleset.scheduled_rules()
         gm = trials.gm
         rules = [ruleset.rules[rule]] if rule is not None else list(ruleset.rules.values())
         if node is not None:
@@ -274,7 +294,12 @@ def explain(ruleset: Any, model: fx.GraphModule, rule: str | None = None, node: 
                 found = [e for e in found if e.matched or e.depth > 1]
                 found.sort(key=lambda e: (not e.matched, -e.depth))
                 found = found[:limit]
-            out.extend(trials.refused(r, e) if e.matched else e for e in found)
+            found = [trials.refused(r, e) if e.matched else e for e in found]
+            if r.name not in scheduled:
+                found = [attrs.evolve(e, note=f"but this rule set's schedule never runs rule {r.name!r}: apply "
+                                            f"does not fire it; rules[{r.name!r}] runs it") if e.matched else e
+                         for e in found]
+            out.extend(found)
     return Explanations(out)
 
 
@@ -285,12 +310,12 @@ class _Trials:
     or device, a grad-mode or autocast switch). A replacement made is undone by the
     copy's journal, as ``apply`` undoes an in-place rewrite."""
 
-    def __init__(self, model: fx.GraphModule, example_inputs: tuple | None) -> None:
+    def __init__(self, model: fx.GraphModule, example_inputs: tuple | None, training: bool | None = None) -> None:
         self.gm = shared_copy(model)
         own_written_state(self.gm)  # recording facts runs the copy
-        self.example_inputs = example_inputs
+        self.example_inputs, self.training = example_inputs, training
         self.journal = Journal(self.gm).open()
-        self.facts = GraphFacts(self.gm, example_inputs, on_meta=self.journal.note_meta)
+        self.facts = GraphFacts(self.gm, example_inputs, on_meta=self.journal.note_meta, training=training)
 
     def refused(self, rule: CompiledRule, matched: Explanation) -> Explanation:
         """The match as it was, or why its replacement is refused."""
@@ -309,5 +334,5 @@ class _Trials:
         # made: back to the graph as it was (facts recorded on it kept), with facts
         # that know nothing of the replacement
         self.journal.undo(keep_meta=True)
-        self.facts = GraphFacts(self.gm, self.example_inputs, on_meta=self.journal.note_meta)
+        self.facts = GraphFacts(self.gm, self.example_inputs, on_meta=self.journal.note_meta, training=self.training)
         return matched
