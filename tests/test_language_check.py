@@ -554,6 +554,8 @@ def test_a_rule_that_settles_is_not_rejected(text):
     ("shape(x) >= [1, 1]", "1:23",
      "'>=' cannot order a list and a tuple (a shape is a tuple): the comparison never holds"),
     ('shape(x) == (2, "a")', "1:23", "a shape holds ints, never a string: '==' never holds"),
+    # a shape is no int, as in Python (a variable bound at a stride is of any kind: s == 1 holds for [1, 1])
+    ("shape(x) == 1", "1:23", "a sequence is never equal to an int: '==' never holds"),
     ("[2, None] == shape(x)", "1:23", "a shape holds ints, never None: '==' never holds"),
 ])
 def test_where_clause_that_never_decides(clause, position, message):
@@ -566,7 +568,7 @@ def test_a_predicate_s_parameters_before_its_varargs_are_required():
 
 
 @pytest.mark.parametrize("clause", [
-    "shape(x)[0] > 3", "shape(x)[-1] == 1 and rank(x) >= 2", "shape(x) == 1", "shape(x) == (1, 2)",
+    "shape(x)[0] > 3", "shape(x)[-1] == 1 and rank(x) >= 2", "shape(x) != 1", "shape(x) == (1, 2)",
     "dtype(x) in (torch.float16, torch.bfloat16)", "dtype(x) != torch.int64", 'device(x) == "cpu"',
     "numel(x) > 0 and users(x) == 1", "value(x) == 0.0", "value(x)", "x", "not x", "x == 3", "x > 1",
     "shape(x) < (3, 4)", "rank(x) > 1.5", "single_use(x) and not is_float(x)", "True",

@@ -256,3 +256,36 @@ def test_explain_says_a_parameter_is_no_constant_because_the_graph_may_train():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert rules.apply(gm, (x,), training=False).counts == {"wfold": 1}
+
+
+@pytest.mark.parametrize("shape, clause, fires", [
+    ((8, 8), "shape(x) != 8", True),        # a shape is no int (``shape(x) == 8`` held for (8, 8))
+    ((8,), "shape(x) != 8", True),
+    ((8,), "shape(x) == [8]", True),
+    ((8, 8), "shape(x) == [8, 8]", True),
+    ((8, 8), "shape(x)[0] == 8", True),
+])
+def test_a_computed_shape_compares_as_python_does(shape, clause, fires):
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return torch.relu(x)
+
+    rules = rewrite.parse(f"rule r: relu(x) where {clause} => clone(relu(x))\nruleset main = once(r)")
+    assert bool(rules.apply(torch.fx.symbolic_trace(M()), (torch.randn(*shape),)).counts) == fires
+
+
+def test_a_shape_equal_to_an_int_is_reported_and_a_stride_variable_still_expands():
+    with pytest.raises(rewrite.RuleError) as info:
+        rewrite.parse("rule r: relu(x) where shape(x) == 8 => x")
+    assert info.value.diagnostics[0].code == "E306"
+
+    class C(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c = nn.Conv2d(3, 3, 3, stride=1)
+
+        def forward(self, x):
+            return self.c(x)
+
+    rules = rewrite.parse("rule r: conv(x, w, b, s) where s == 1 => clone(conv(x, w, b, s))\nruleset main = once(r)")
+    assert rules.apply(torch.fx.symbolic_trace(C()), (torch.randn(1, 3, 8, 8),)).counts == {"r": 1}

@@ -106,12 +106,16 @@ def _same_operand(a: Any, b: Any) -> bool:
     return same_arg(a, b)
 
 
-def _equal(a: Any, b: Any) -> bool:
+def _equal(a: Any, b: Any, expand: str = "any") -> bool:
+    """``a == b`` in a where clause; ``expand`` as ``same_arg`` takes it: ``"any"``
+    where a side is a pattern variable (``s == 1`` for a stride bound as
+    ``[1, 1]``), ``"none"`` between computed values (``shape(x) == 8`` is no shape
+    ``[8, 8]``)."""
     if isinstance(a, Value):
         return _same_operand(a.operand, getattr(b, "operand", b))
     if _symbolic(a) or _symbolic(b):
-        return _symbolic_equal(a, b)
-    return same_arg(a, b)
+        return _symbolic_equal(a, b, expand)
+    return same_arg(a, b, expand)
 
 
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
@@ -124,7 +128,7 @@ def _symbolic(v: Any) -> bool:
     return isinstance(v, _SYMBOLIC)
 
 
-def _symbolic_equal(a: Any, b: Any) -> bool:
+def _symbolic_equal(a: Any, b: Any, expand: str = "any") -> bool:
     """``same_arg`` where a side holds symbolic sizes: asked of the ShapeEnv (a
     where clause runs under ``rewrite.engine.symbolic.deciding``), so a size equal
     to a literal for some sizes only makes the clause unknown, never False (``!=``
@@ -132,6 +136,8 @@ def _symbolic_equal(a: Any, b: Any) -> bool:
     sequences = isinstance(a, (list, tuple)), isinstance(b, (list, tuple))
     if all(sequences):
         return len(a) == len(b) and all(_symbolic_equal(x, y) for x, y in zip(a, b))
+    if any(sequences) and expand == "none":
+        return False
     if any(sequences):  # a per-dimension int equals its expansion (same_arg)
         one, many = (b, a) if sequences[0] else (a, b)
         return bool(many) and isinstance(one, (int, torch.SymInt)) and not isinstance(one, bool) \
@@ -165,6 +171,14 @@ def _ordering(op: str, plain: Any) -> Any:
             return decide(op, a, b)
         return plain(a, b)
     return compare
+
+
+def _strictly_equal(a: Any, b: Any) -> bool:
+    return _equal(a, b, "none")
+
+
+def _strictly_unequal(a: Any, b: Any) -> bool:
+    return not _equal(a, b, "none")
 
 
 _COMPARE = {
@@ -263,6 +277,10 @@ def _eval(e: Any) -> Compiled:
         return negate
     if isinstance(e, ast.Compare):
         left, right, compare = _side(_eval(e.left)), _side(_eval(e.right)), _COMPARE[e.op]
+        if e.op in ("==", "!=") and not (isinstance(e.left, ast.Var) or isinstance(e.right, ast.Var)):
+            # an int is a list of itself only as a pattern variable bound at a
+            # per-dimension argument; computed values compare as Python does
+            compare = _strictly_equal if e.op == "==" else _strictly_unequal
 
         op = e.op
 

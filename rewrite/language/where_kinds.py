@@ -21,8 +21,9 @@ numel(x)``: an empty tensor), and a comparison that is never true is reported on
 where the clause needs it true (the clause or one of its conjuncts: under ``not`` or
 beside an ``or`` it may be meant). Only kinds known for certain are reported, so a
 clause this passes may still be wrong, never the other way round. Python's own
-rules decide what compares: ``==`` between an int and a sequence is allowed (a
-per-dimension int equals its expansion, ``stride == 1``), ordering needs two numbers
+rules decide what compares: ``==`` between an int and a sequence never holds
+(``shape(x) == 1``; a variable bound at a per-dimension argument is of any kind, and
+``stride == 1`` holds for ``[1, 1]``), ordering needs two numbers
 or two sequences, ``in`` needs a sequence (or a string) on its right.
 """
 
@@ -45,8 +46,7 @@ NUMBER_KINDS = frozenset({BOOL, INT, FLOAT})
 _NAMES = {BOOL: "a condition", INT: "an int", FLOAT: "a float", STR: "a string", NONE: "None",
           DTYPE: "a dtype", SEQ: "a sequence"}
 # kinds that can be equal to each other (besides a kind and itself, and ANY)
-_EQUAL_ACROSS = {frozenset({BOOL, INT}), frozenset({BOOL, FLOAT}), frozenset({INT, FLOAT}),
-                 frozenset({INT, SEQ})}  # an int equals its per-dimension expansion
+_EQUAL_ACROSS = {frozenset({BOOL, INT}), frozenset({BOOL, FLOAT}), frozenset({INT, FLOAT})}
 
 
 @attrs.frozen
