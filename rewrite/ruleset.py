@@ -857,8 +857,8 @@ class Rejection:
     def __str__(self) -> str:
         where = f"at node {self.node!r}{' from ' + self.source if self.source else ''}"
         if self.everywhere:
-            where = (f"at every node: its {_ROLLBACKS_PER_RULE}th application that broke equivalence was "
-                     f"{where}")
+            where = (f"at every node, after {_ROLLBACKS_PER_RULE} of its applications broke equivalence (the "
+                     f"last {where})")
         return f"rule {self.rule!r} ({self.rule_location}) {where}: {self.report}"
 
 

@@ -289,3 +289,35 @@ def test_a_shape_equal_to_an_int_is_reported_and_a_stride_variable_still_expands
 
     rules = rewrite.parse("rule r: conv(x, w, b, s) where s == 1 => clone(conv(x, w, b, s))\nruleset main = once(r)")
     assert rules.apply(torch.fx.symbolic_trace(C()), (torch.randn(1, 3, 8, 8),)).counts == {"r": 1}
+
+
+@pytest.mark.parametrize("clause", [
+    "value(s) in (1.0, 1.5)",
+    "value(s) == 1.5 or value(s) == 1.0",
+    "value(s) >= 1.0 and not value(s) > 1.5",
+])
+def test_a_bound_under_in_or_not_is_drawn_about_too(clause):
+    """``leaky_relu(x, 1.0)`` is ``x``; a rule firing for slopes up to 1.5 is wrong
+    at 1.5, which the table does not hold: bounds inside ``in``, ``or`` and ``not``
+    were not drawn about, and these verified ok."""
+    rules = rewrite.parse(f"rule r: leaky_relu(x, s) where {clause} => x")
+    (verdict,) = verify_rules(rules, max_examples=20, seed=0).verdicts
+    assert verdict.status == "counterexample", verdict
+
+
+def test_a_cycle_through_a_rebuilt_reader_is_still_caught():
+    """``exp(mul(x, 2)) => exp(add(x, x))`` with ``add(x, x) => mul(x, 2)``: the
+    recreated ``add`` is read by a new ``exp`` each turn; keying it by its readers'
+    names let the cycle run to the rewrite bound (66 s on 10k nodes)."""
+    from rewrite.engine.driver import NonTerminationError
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return torch.exp(x * 2) + 1
+
+    x = torch.randn(4, 5)
+    gm = torch.export.export(M(), (x,)).module()
+    rules = rewrite.parse("rule a: exp(mul(x, 2)) => exp(add(x, x))\nrule b: add(x, x) => mul(x, 2)\n")
+    with pytest.raises(NonTerminationError, match="undo each other: near node") as info:
+        rules.apply(gm, example_inputs=(x,))
+    assert set(info.value.rules) == {"a", "b"}

@@ -137,17 +137,22 @@ def _signature(node: fx.Node) -> tuple:
             tuple(sorted((k, _arg_signature(v)) for k, v in kwargs.items())) if kwargs else ())
 
 
-def _readers(node: fx.Node) -> frozenset:
-    """Where ``node`` is read: each reader's name with the positions of ``node``
-    among its inputs (the graph's output reads many values, each at its own place)."""
-    found = []
+def _readers(node: fx.Node) -> dict:
+    """Where ``node`` is read: each reader with the positions of ``node`` among its
+    inputs (the graph's output reads many values, each at its own place)."""
+    found = {}
     for user in node.users:
-        places: list = []
-        count = itertools.count()
-        fx.node.map_arg((user.args, user.kwargs), lambda n, places=places, count=count:
-                        places.append(next(count)) if n is node else next(count))
-        found.append((user.name, tuple(places)))
-    return frozenset(found)
+        args = user.args
+        if not user.kwargs and not any(a.__class__ in (list, tuple, dict) for a in args):
+            places = tuple(i for i, a in enumerate(args) if a is node)  # the usual flat call
+        else:
+            seen: list = []
+            count = itertools.count()
+            fx.node.map_arg((args, user.kwargs), lambda n, seen=seen, count=count:
+                            seen.append(next(count)) if n is node else next(count))
+            places = tuple(seen)
+        found[user] = places
+    return found
 
 
 def _has_twin(node: fx.Node, signature: tuple) -> bool:
@@ -271,7 +276,8 @@ class Driver:
         self.limit = limit
         self.skip = frozenset(skip)
         self.shuffle = shuffle
-        self._removed: dict = {}  # (signature, readers) of a replaced node -> [history index, times recreated]
+        # signature of a replaced node -> [[history index, times recreated, its readers, len(created)], ...]
+        self._removed: dict = {}
         self._repeating = 0  # enclosing schedules that repeat (fixpoints): where a cycle can loop
         self._step_start = 0  # rewrites made before the outermost step running now (the default bound's count)
         self._inserted: set = set()  # (rule name, root) of insertions: the root stays, never again
@@ -386,7 +392,8 @@ class Driver:
             signature = _signature(node)
             insertion = uses_root(match)
             twin = not insertion and _has_twin(node, signature)
-            removed = (signature, _readers(node)) if self._repeating and not (insertion or twin) else None
+            removed = (signature, tuple(_readers(node).items())) if self._repeating and not (insertion or twin) \
+                else None
             try:
                 created, producers = self.replacer.apply(match)
             except Unchanged:
@@ -424,31 +431,56 @@ class Driver:
 
     def _check_cycle(self, removed: tuple | None, created: tuple, where: str) -> None:
         """Rules that undo each other recreate a node they replaced before, with the
-        same op and inputs, for the same readers at the same places (``removed``: the
-        replaced node's signature and ``_readers``). The second time that happens is a cycle:
-        stop and name the rules that fired since the node first went away. Rules that
+        same op and inputs, read where it was read (``removed``: the replaced node's
+        signature and ``_readers``). The second time that happens is a cycle: stop
+        and name the rules that fired since the node first went away. Rules that
         each rewrite another place into the same term (``mul(x, 2)`` from ``x * 2``
-        and from ``(x + x) * 1``) give it other readers: no cycle."""
+        and from ``(x + x) * 1``) give it other readers: no cycle. A reader erased
+        since (a rule rebuilt it) is not asked for, and the new node may be read by
+        nodes made since (``exp(mul(x, 2)) => exp(add(x, x))`` with ``add(x, x) =>
+        mul(x, 2)`` rebuilds the ``exp`` each turn)."""
         if removed is not None:  # an insertion removes nothing; a node with a twin is not unique
-            self._removed.setdefault(removed, [len(self.history) - 1, 0])
+            signature, readers = removed
+            entries = self._removed.setdefault(signature, [])
+            if not any(e[2] == readers for e in entries):
+                entries.append([len(self.history) - 1, 0, readers, len(self.created)])
         for node in created:
             sig = _signature(node)
-            entry = self._removed.get((sig, _readers(node)))
-            if entry is None:
+            entries = self._removed.get(sig)
+            if not entries:
                 continue
-            entry[1] += 1
-            since, seen = entry
-            if seen >= 2:
-                rules = tuple(sorted({name for name, _ in self.history[since:]}))
-                who = f"rule {rules[0]!r} undoes itself" if len(rules) == 1 else \
-                    f"rules {', '.join(repr(r) for r in rules)} undo each other"
-                raise NonTerminationError(
-                    f"{who}: near node {where!r} "
-                    f"{'it keeps' if len(rules) == 1 else 'they keep'} recreating "
-                    f"{sig[1]}({', '.join(map(str, sig[2]))}) after replacing it",
-                    rules,
-                    where,
-                )
+            now = _readers(node)
+            for entry in entries:
+                if not self._read_as_before(entry, now):
+                    continue
+                entry[1] += 1
+                since, seen = entry[0], entry[1]
+                if seen >= 2:
+                    rules = tuple(sorted({name for name, _ in self.history[since:]}))
+                    who = f"rule {rules[0]!r} undoes itself" if len(rules) == 1 else \
+                        f"rules {', '.join(repr(r) for r in rules)} undo each other"
+                    raise NonTerminationError(
+                        f"{who}: near node {where!r} "
+                        f"{'it keeps' if len(rules) == 1 else 'they keep'} recreating "
+                        f"{sig[1]}({', '.join(map(str, sig[2]))}) after replacing it",
+                        rules,
+                        where,
+                    )
+                break
+
+    def _read_as_before(self, entry: list, now: dict) -> bool:
+        """Whether a recreated node is read as the replaced one was (``entry``): by
+        each of its readers still in the graph, at the same places, and otherwise
+        only by nodes made since it was replaced."""
+        before, born = entry[2], entry[3]
+        alive = {user: places for user, places in before if not user._erased}
+        if any(now.get(user) != places for user, places in alive.items()):
+            return False
+        others = [user for user in now if user not in alive]
+        if not others:
+            return True
+        fresh = set(self.created[born:])
+        return all(user in fresh for user in others)
 
     def _check_bound(self, node: fx.Node) -> None:
         """Stop a run that does not settle: more rewrites than ``max_rewrites`` (the

@@ -366,8 +366,6 @@ def plan_for(rule: CompiledRule) -> Plan:
                 quantized_outputs.add(first)
             elif name == "symmetric_pad" and len(c.args) == 2 and isinstance(c.args[1], ast.Var):
                 symmetric_pads.add(c.args[1].name)
-        if isinstance(c, ast.Compare):
-            _add_bounds(c, bounds)
         if isinstance(c, ast.Compare) and c.op == "!=":
             for a, b in ((c.left, c.right), (c.right, c.left)):
                 if (isinstance(a, ast.Call) and a.op.names[0] == "dtype" and a.args
@@ -380,6 +378,8 @@ def plan_for(rule: CompiledRule) -> Plan:
                 if (isinstance(a, ast.Call) and a.op.names[0] == "rank" and a.args and isinstance(a.args[0], ast.Var)
                         and isinstance(b, ast.Literal) and isinstance(b.value, int)):
                     ranks[a.args[0].name] = b.value
+    for c in _comparisons(rule.where):  # anywhere: under or, not, in
+        _add_bounds(c, bounds)
     tolerance = rule_tolerance(rule)
     ops = _pattern_ops(rule.pattern)
     missing = sorted({name for name, gen in ops if gen is None})
@@ -409,18 +409,41 @@ def plan_for(rule: CompiledRule) -> Plan:
                 _literal_ints(rule.pattern), {v: tuple(sorted(n)) for v, n in bounds.items()})
 
 
+def _comparisons(e: Any) -> Iterator[ast.Compare]:
+    """Every comparison in a where clause, at any depth (``or``, ``not``, calls)."""
+    todo = [e]
+    while todo:
+        e = todo.pop()
+        if isinstance(e, ast.Compare):
+            yield e
+            todo += [e.left, e.right]
+        elif isinstance(e, ast.BoolOp):
+            todo += e.items
+        elif isinstance(e, ast.Not):
+            todo.append(e.expr)
+        elif isinstance(e, ast.Call):
+            todo += [*e.args, *(k.value for k in e.kwargs)]
+
+
 def _add_bounds(c: ast.Compare, bounds: dict) -> None:
-    """``v < 1e-4``, ``value(v) >= 2``, ``3 != v``...: numbers about the bound, on both
-    sides of it, for ``v`` (``Plan.bounds``)."""
+    """``v < 1e-4``, ``value(v) >= 2``, ``3 != v``, ``abs(value(v)) > 1``, ``v in (1.0,
+    1.5)``...: numbers about each bound, on both sides of it (and their negatives
+    under ``abs``), for ``v`` (``Plan.bounds``)."""
     for a, b in ((c.left, c.right), (c.right, c.left)):
+        signs = (1,)
+        if isinstance(a, ast.Call) and a.op.names[0] == "abs" and len(a.args) == 1:
+            a, signs = a.args[0], (1, -1)
         if isinstance(a, ast.Call) and a.op.names[0] == "value" and len(a.args) == 1:
             a = a.args[0]
-        if not (isinstance(a, ast.Var) and isinstance(b, ast.Literal) and isinstance(b.value, (int, float))
-                and not isinstance(b.value, bool) and math.isfinite(b.value)):
+        if not isinstance(a, ast.Var):
             continue
-        n = b.value
-        near = (n - 1, n, n + 1) if isinstance(n, int) else (n, n / 2, n * 2, n / 1000, n * 1000, 0.0)
-        bounds.setdefault(a.name, set()).update(near)
+        items = b.items if c.op in ("in", "not in") and isinstance(b, (ast.TupleLit, ast.ListLit)) else (b,)
+        for item in items:
+            n = item.value if isinstance(item, ast.Literal) else None
+            if not isinstance(n, (int, float)) or isinstance(n, bool) or not math.isfinite(n):
+                continue
+            near = (n - 1, n, n + 1) if isinstance(n, int) else (n, n / 2, n * 2, n / 1000, n * 1000, 0.0)
+            bounds.setdefault(a.name, set()).update(sign * v for v in near for sign in signs)
 
 
 def _literal_ints(pattern: Any) -> tuple:
