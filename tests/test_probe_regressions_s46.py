@@ -321,3 +321,13 @@ def test_a_cycle_through_a_rebuilt_reader_is_still_caught():
     with pytest.raises(NonTerminationError, match="undo each other: near node") as info:
         rules.apply(gm, example_inputs=(x,))
     assert set(info.value.rules) == {"a", "b"}
+
+
+def test_a_multi_output_rule_that_matches_its_own_output_is_e409():
+    """``aten.max.dim(x, d, k) as (_, _) => aten.max.dim(neg(x), d, k)`` loaded and then
+    ran to the rewrite bound; the single-output ``exp(x) => exp(neg(x))`` was E409."""
+    with pytest.raises(rewrite.RuleError) as info:
+        rewrite.parse("rule a: aten.max.dim(x, d, k) as (_, _) => aten.max.dim(neg(x), d, k)")
+    assert info.value.diagnostics[0].code == "E409"
+    rewrite.parse("rule a: aten.max.dim(x, d, k) as (_, _) => aten.max.dim(neg(x), d, k)\n"
+                  "ruleset main = once(a)")  # run once, it settles

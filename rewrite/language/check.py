@@ -570,8 +570,11 @@ class _Checker:
         ``once(...)``: the error is kept in ``endless`` until that is known."""
         if r.where is not None:
             return
+        pattern = r.pattern
+        if isinstance(pattern, ast.AsTuple) and all(n == "_" for n in pattern.names):
+            pattern = pattern.expr  # a multi-output root whose results nothing names: the call's match
         for term in ast.walk(r.replacement):
-            if isinstance(term, ast.Call) and _certainly_matches(r.pattern, term, {}, self._canonical):
+            if isinstance(term, ast.Call) and _certainly_matches(pattern, term, {}, self._canonical):
                 self.endless.append((r.name, Diagnostic(
                     term.span, f"rule '{r.name}' never settles: its pattern matches the "
                                f"{format_expr(term)} it builds, so it rewrites its own output forever", "E409",
