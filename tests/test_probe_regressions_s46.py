@@ -331,3 +331,16 @@ def test_a_multi_output_rule_that_matches_its_own_output_is_e409():
     assert info.value.diagnostics[0].code == "E409"
     rewrite.parse("rule a: aten.max.dim(x, d, k) as (_, _) => aten.max.dim(neg(x), d, k)\n"
                   "ruleset main = once(a)")  # run once, it settles
+
+
+def test_a_model_built_under_inference_mode_that_writes_its_state_gets_a_clear_error():
+    """A train-mode batch norm made under ``torch.inference_mode()``: the check read
+    the version counter of its inference-tensor statistics and raised torch's raw
+    "Inference tensors do not track version counter"."""
+    with torch.inference_mode():
+        m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+        x = torch.randn(2, 3, 8, 8)
+        with pytest.raises(ValueError, match="inference tensor.*check=False"):
+            rewrite.load(rewrite.rules_dir() / "fusion.rw").apply(m, example_inputs=(x,))
+        result = rewrite.load(rewrite.rules_dir() / "fusion.rw").apply(m, example_inputs=(x,), check=False)
+        assert result.counts == {}  # a train-mode batch norm is not folded

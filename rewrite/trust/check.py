@@ -1172,9 +1172,17 @@ class _SavedState:
             # and what the caller's hooks can reach outside the model: a hook on a copy of a
             # module (the check's reference) still writes the tensor it closes over
             reached = [t for t in (hooked_tensors(fn) or []) if _saveable(t)] if writable is None or writable else []
-            for t in [*(watch.state if watch is not None else _state(fn)).values(), *reached]:
+            named = (watch.state if watch is not None else _state(fn)).items()
+            for name, t in [*((f"the model's {n!r}", t) for n, t in named),
+                            *(("a tensor a hook reaches", t) for t in reached)]:
                 if id(t) not in seen and (writable is None or id(t) in writable):
                     seen.add(id(t))
+                    if t.is_inference():
+                        raise ValueError(
+                            f"{name} is an inference tensor (made under torch.inference_mode()) and the model's "
+                            "forward may write it in place: the check runs the model outside inference mode, "
+                            "where torch refuses such a write. Build the model outside inference_mode (or "
+                            "capture it with torch.export), or pass check=False")
                     self.saved.append([t, t._version, t.detach().clone(), t.grad_fn])
 
     def restore(self) -> None:
