@@ -344,3 +344,21 @@ def test_a_model_built_under_inference_mode_that_writes_its_state_gets_a_clear_e
             rewrite.load(rewrite.rules_dir() / "fusion.rw").apply(m, example_inputs=(x,))
         result = rewrite.load(rewrite.rules_dir() / "fusion.rw").apply(m, example_inputs=(x,), check=False)
         assert result.counts == {}  # a train-mode batch norm is not folded
+
+
+def test_a_trace_that_loses_a_write_through_a_view_is_refused():
+    """symbolic_trace turns ``v += 1`` on a view of the input into an out-of-place add:
+    the caller's input is no longer written. apply refuses the capture (probe BV)."""
+    from rewrite.ruleset import CaptureError
+
+    class M(nn.Module):
+        def forward(self, x):
+            v = x[:, :2]
+            v += 1
+            return x[:, 2:] * 1.0
+
+    x = torch.randn(3, 4)
+    given = x.clone()
+    with pytest.raises(CaptureError, match="writes into this input"):
+        rewrite.load(rewrite.rules_dir() / "cleanup.rw").apply(M(), example_inputs=(x,))
+    assert torch.equal(x, given)
