@@ -21,7 +21,7 @@ import torch
 from torch import fx
 from torch.nn.parameter import UninitializedTensorMixin
 
-__all__ = ["AttributeSnapshot", "CONTAINERS", "TensorValues", "same_entries"]
+__all__ = ["AttributeSnapshot", "CONTAINERS", "TensorValues", "same_entries", "version_of"]
 
 _ABSENT = object()  # an attribute a module did not have
 #: the containers whose contents a snapshot keeps (a copy of each: ``copy()``), by
@@ -148,7 +148,7 @@ class TensorValues:
                         or isinstance(t, UninitializedTensorMixin) or t.device.type == "meta":
                     continue  # (a lazy module's parameter has no values yet: its run makes them)
                 seen.add(id(t))
-                self._saved.append((t, _version_of(t), t.detach().clone()))
+                self._saved.append((t, version_of(t), t.detach().clone()))
 
     def restore(self) -> bool:
         """Put back the values a run changed; returns whether any had changed. A
@@ -156,7 +156,7 @@ class TensorValues:
         changed = False
         with torch.no_grad():
             for t, version, copy in self._saved:
-                if _version_of(t) == version and _same_bits(t, copy):
+                if version_of(t) == version and _same_bits(t, copy):
                     continue
                 try:
                     t.detach().copy_(copy)
@@ -171,7 +171,7 @@ class TensorValues:
 _MODULE_TABLES = frozenset(vars(torch.nn.Module()))
 
 
-def _version_of(t: torch.Tensor) -> int | None:
+def version_of(t: torch.Tensor) -> int | None:
     """``t``'s version counter; None for an inference tensor, which has none."""
     try:
         return t._version

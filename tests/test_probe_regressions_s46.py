@@ -292,6 +292,7 @@ def test_a_shape_equal_to_an_int_is_reported_and_a_stride_variable_still_expands
 
 
 @pytest.mark.parametrize("clause", [
+    "value(s) > 0.5 and value(s) < 2.0",  # an open interval: only 1.0 (where the rule is right) was drawn in it
     "value(s) in (1.0, 1.5)",
     "value(s) == 1.5 or value(s) == 1.0",
     "value(s) >= 1.0 and not value(s) > 1.5",
@@ -344,6 +345,10 @@ def test_a_model_built_under_inference_mode_that_writes_its_state_gets_a_clear_e
             rewrite.load(rewrite.rules_dir() / "fusion.rw").apply(m, example_inputs=(x,))
         result = rewrite.load(rewrite.rules_dir() / "fusion.rw").apply(m, example_inputs=(x,), check=False)
         assert result.counts == {}  # a train-mode batch norm is not folded
+        frozen = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).eval()
+    # a model made under inference mode that writes nothing is checked as any other (it was refused)
+    result = rewrite.load(rewrite.rules_dir() / "fusion.rw").apply(frozen, example_inputs=(x,))
+    assert result.counts == {"conv_bn": 1}
 
 
 def test_a_trace_that_loses_a_write_through_a_view_is_refused():

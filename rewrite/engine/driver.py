@@ -436,9 +436,9 @@ class Driver:
         and name the rules that fired since the node first went away. Rules that
         each rewrite another place into the same term (``mul(x, 2)`` from ``x * 2``
         and from ``(x + x) * 1``) give it other readers: no cycle. A reader erased
-        since (a rule rebuilt it) is not asked for, and the new node may be read by
-        nodes made since (``exp(mul(x, 2)) => exp(add(x, x))`` with ``add(x, x) =>
-        mul(x, 2)`` rebuilds the ``exp`` each turn)."""
+        since (a rule rebuilt it) may be stood in for by a node made since, of its op
+        (``exp(mul(x, 2)) => exp(add(x, x))`` with ``add(x, x) => mul(x, 2)`` rebuilds
+        the ``exp`` each turn)."""
         if removed is not None:  # an insertion removes nothing; a node with a twin is not unique
             signature, readers = removed
             entries = self._removed.setdefault(signature, [])
@@ -471,7 +471,8 @@ class Driver:
     def _read_as_before(self, entry: list, now: dict) -> bool:
         """Whether a recreated node is read as the replaced one was (``entry``): by
         each of its readers still in the graph, at the same places, and otherwise
-        only by nodes made since it was replaced."""
+        only by nodes made since it was replaced that rebuild an erased reader (the
+        same op, reading it at the same places)."""
         before, born = entry[2], entry[3]
         alive = {user: places for user, places in before if not user._erased}
         if any(now.get(user) != places for user, places in alive.items()):
@@ -479,8 +480,10 @@ class Driver:
         others = [user for user in now if user not in alive]
         if not others:
             return True
+        # a reader rebuilt since: a node made since, of the erased reader's op, reading it there
+        rebuilt = {(user.op, user.target, places) for user, places in before if user._erased}
         fresh = set(self.created[born:])
-        return all(user in fresh for user in others)
+        return all(user in fresh and (user.op, user.target, now[user]) in rebuilt for user in others)
 
     def _check_bound(self, node: fx.Node) -> None:
         """Stop a run that does not settle: more rewrites than ``max_rewrites`` (the

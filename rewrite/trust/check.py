@@ -73,7 +73,7 @@ from rewrite.capture import is_export_guard, lifted_state_positions
 from rewrite.engine.shapes import addressing, layout_of
 from rewrite.engine.symbolic import size_hint
 from rewrite.engine.workspace import CODE_ATTRIBUTES, gc_paused
-from rewrite.module_state import AttributeSnapshot
+from rewrite.module_state import AttributeSnapshot, version_of
 from rewrite.ops.base import ConstRef, attribute, nodes_by_target
 from rewrite.ops.effects import call_writes, hooked_containers, hooked_tensors, state_writes, written_args
 from rewrite.ops.reach import storage_key
@@ -1023,7 +1023,7 @@ def _call_once(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool, watch: Op
         _as_activations(leaves, held)
     before = [t._version if isinstance(t, torch.Tensor) else None for t in leaves]
     state = watch.state
-    versions = {name: state[name]._version for name in watch.watched}
+    versions = {name: version_of(state[name]) for name in watch.watched}  # (an inference tensor: None)
     values_before = {name: state[name].detach().clone() for name in watch.by_value}  # _Watch.of says why
     # The floating dtypes ops compute in matter only to approximate checks (a
     # lower precision loosens the tolerance); recording them dispatches every op
@@ -1066,7 +1066,7 @@ def _call_once(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool, watch: Op
                         if isinstance(t, torch.Tensor) and (t._version != v or (
                             isinstance(given, torch.Tensor) and not _same_values(t, given))))
     state_written = {name: state[name].detach().clone() for name in watch.watched
-                     if state[name]._version != versions[name]
+                     if version_of(state[name]) != versions[name]
                      or (name in values_before and not _same_values(state[name], values_before[name]))}
     seen = static if static is not None else (frozenset(recorder.dtypes) if dtypes else frozenset())
     return _Run(out, args, written, state_written, state, seen, watch.storages, lineage, requires_grad, roots,
@@ -1178,11 +1178,15 @@ class _SavedState:
                 if id(t) not in seen and (writable is None or id(t) in writable):
                     seen.add(id(t))
                     if t.is_inference():
+                        if writable is None:
+                            # torch refuses any write into it outside inference mode, loudly:
+                            # nothing to save (a model that writes it fails its run)
+                            continue
                         raise ValueError(
                             f"{name} is an inference tensor (made under torch.inference_mode()) and the model's "
-                            "forward may write it in place: the check runs the model outside inference mode, "
-                            "where torch refuses such a write. Build the model outside inference_mode (or "
-                            "capture it with torch.export), or pass check=False")
+                            "forward writes it in place: the check runs the model outside inference mode, "
+                            "where torch refuses such a write. Build the model outside inference_mode, or pass "
+                            "check=False")
                     self.saved.append([t, t._version, t.detach().clone(), t.grad_fn])
 
     def restore(self) -> None:
@@ -1982,6 +1986,12 @@ class Reference:
                                               trial == 0, saved.restore,
                                               self.held_positions() if trial == 0 else frozenset())
                 except Exception as e:
+                    if "inference tensor outside InferenceMode" in str(e):
+                        raise ValueError(
+                            "the model writes an inference tensor of its own in place (its state was made under "
+                            "torch.inference_mode()): the check runs the model outside inference mode, where "
+                            "torch refuses such a write. Build the model outside inference_mode, or pass "
+                            f"check=False ({type(e).__name__}: {str(e).splitlines()[0]})") from e
                     hint = "" if trial == 0 else (
                         " (the original itself fails on these random inputs: if it needs inputs random ones are "
                         "not, such as sorted lengths or a positive definite matrix, pass fixed_inputs=[index] or "

@@ -442,7 +442,9 @@ def _add_bounds(c: ast.Compare, bounds: dict) -> None:
             n = item.value if isinstance(item, ast.Literal) else None
             if not isinstance(n, (int, float)) or isinstance(n, bool) or not math.isfinite(n):
                 continue
-            near = (n - 1, n, n + 1) if isinstance(n, int) else (n, n / 2, n * 2, n / 1000, n * 1000, 0.0)
+            # (just inside an open interval too: 0.5 < s < 2 meets 0.55 and 1.8, not only 1)
+            near = (n - 1, n, n + 1) if isinstance(n, int) else (
+                n, n * 0.9, n * 1.1, n / 2, n * 2, n / 1000, n * 1000, 0.0)
             bounds.setdefault(a.name, set()).update(sign * v for v in near for sign in signs)
 
 
