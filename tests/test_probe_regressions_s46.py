@@ -367,3 +367,21 @@ def test_a_trace_that_loses_a_write_through_a_view_is_refused():
     with pytest.raises(CaptureError, match="writes into this input"):
         rewrite.load(rewrite.rules_dir() / "cleanup.rw").apply(M(), example_inputs=(x,))
     assert torch.equal(x, given)
+
+
+def test_a_cycle_that_rebuilds_the_roots_input_is_caught_early():
+    """``sigmoid(neg(x)) => sigmoid(mul(x, -1))`` and back makes a new inner node each
+    turn: no signature by input names repeats, and the run went to the default bound
+    (61,061 rewrites, ~10 s on 3k nodes). What a rule-made input computes is compared
+    now, and the cycle stops within a few turns per place."""
+    from rewrite.engine.driver import NonTerminationError
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return torch.stack([torch.sigmoid(-x[i]) for i in range(50)])
+
+    x = torch.randn(50, 5)
+    rules = rewrite.parse("rule a: sigmoid(neg(x)) => sigmoid(mul(x, -1))\n"
+                          "rule b: sigmoid(mul(x, -1)) => sigmoid(neg(x))\n")
+    with pytest.raises(NonTerminationError, match="rules 'a', 'b' undo each other: near node"):
+        rules.apply(torch.fx.symbolic_trace(M()), (x,), check=False)

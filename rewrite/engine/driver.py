@@ -137,6 +137,10 @@ def _signature(node: fx.Node) -> tuple:
             tuple(sorted((k, _arg_signature(v)) for k, v in kwargs.items())) if kwargs else ())
 
 
+#: how many levels of rule-made inputs ``Driver._computes`` spells out
+_STRUCTURE_DEPTH = 3
+
+
 def _readers(node: fx.Node) -> dict:
     """Where ``node`` is read: each reader with the positions of ``node`` among its
     inputs (the graph's output reads many values, each at its own place)."""
@@ -269,6 +273,7 @@ class Driver:
         self.stats: dict = collections.defaultdict(RuleStats)
         self.history: list = []  # (rule name, root node name) per applied rewrite
         self.created: list = []  # every node a rewrite created (some erased later)
+        self._made: set = set()  # the same, for membership (``_computes``)
         n = len(gm.graph.nodes)
         self.max_rewrites = max_rewrites if max_rewrites is not None else 20 * n + 1000
         self._bound_given = max_rewrites is not None
@@ -276,7 +281,8 @@ class Driver:
         self.limit = limit
         self.skip = frozenset(skip)
         self.shuffle = shuffle
-        # signature of a replaced node -> [[history index, times recreated, its readers, len(created)], ...]
+        # what a replaced node computed (``_computes``) -> [[history index, times recreated, its readers,
+        # len(created)], ...]
         self._removed: dict = {}
         self._repeating = 0  # enclosing schedules that repeat (fixpoints): where a cycle can loop
         self._step_start = 0  # rewrites made before the outermost step running now (the default bound's count)
@@ -392,8 +398,8 @@ class Driver:
             signature = _signature(node)
             insertion = uses_root(match)
             twin = not insertion and _has_twin(node, signature)
-            removed = (signature, tuple(_readers(node).items())) if self._repeating and not (insertion or twin) \
-                else None
+            removed = (self._computes(node), tuple(_readers(node).items())) \
+                if self._repeating and not (insertion or twin) else None
             try:
                 created, producers = self.replacer.apply(match)
             except Unchanged:
@@ -411,6 +417,7 @@ class Driver:
             self.counts[rule.name] += 1
             self.history.append((rule.name, node.name))
             self.created.extend(created)
+            self._made.update(created)
             if self._repeating:
                 self._check_cycle(removed, created, node.name)
             self._check_bound(node)
@@ -445,10 +452,10 @@ class Driver:
             if not any(e[2] == readers for e in entries):
                 entries.append([len(self.history) - 1, 0, readers, len(self.created)])
         for node in created:
-            sig = _signature(node)
-            entries = self._removed.get(sig)
+            entries = self._removed.get(self._computes(node))
             if not entries:
                 continue
+            sig = _signature(node)
             now = _readers(node)
             for entry in entries:
                 if not self._read_as_before(entry, now):
@@ -467,6 +474,23 @@ class Driver:
                         where,
                     )
                 break
+
+    def _computes(self, node: fx.Node, depth: int = _STRUCTURE_DEPTH) -> tuple:
+        """``_signature``, with each input a rule made spelled by what it computes
+        (a few levels down) rather than by its name: a cycle that rebuilds the
+        root's input each turn (``sigmoid(neg(x)) => sigmoid(mul(x, -1))`` and back)
+        recreates the same computation under new names."""
+        def spelled(a: Any) -> Any:
+            if isinstance(a, fx.Node):
+                return self._computes(a, depth - 1) if depth > 0 and a in self._made else a.name
+            if isinstance(a, (list, tuple)):
+                return tuple(spelled(x) for x in a)
+            return repr(a)
+
+        target = getattr(node.target, "__name__", None) or str(node.target)
+        kwargs = node.kwargs
+        return (node.op, target, tuple(spelled(a) for a in node.args),
+                tuple(sorted((k, spelled(v)) for k, v in kwargs.items())) if kwargs else ())
 
     def _read_as_before(self, entry: list, now: dict) -> bool:
         """Whether a recreated node is read as the replaced one was (``entry``): by
