@@ -30,7 +30,7 @@ from rewrite.functions.registry import FunctionSpec, lookup_function
 from rewrite.language import ast
 from rewrite.ops import OpDef, lookup_op
 from rewrite.ops.base import REQUIRED
-from rewrite.ops.forms import literal_expansion
+from rewrite.ops.forms import literal_expansion, strictest_expansion
 
 __all__ = [
     "PCall", "PVar", "PWild", "PLit", "PDefault", "PSeq", "PResults", "ROp", "RVar", "RLit", "RSeq",
@@ -125,6 +125,31 @@ def _split(args: tuple) -> tuple:
     return (tuple((n, p.value, p.expand) for n, p in args if isinstance(p, (PLit, PDefault))),
             tuple((n, p.name) for n, p in args if isinstance(p, PVar)),
             tuple((n, p) for n, p in args if isinstance(p, (PCall, PSeq, PResults))))
+
+
+def variable_expansions(pattern: Any) -> dict:
+    """Variable name -> how an int equals a list at the arguments it is bound at
+    (``same_arg``'s ``expand``): the strictest where a variable is bound at more
+    than one; an item of a sequence, never (an int is no list of itself there)."""
+    out: dict = {}
+
+    def bind(name: str, expand: str) -> None:
+        out[name] = strictest_expansion(out.get(name, expand), expand)
+
+    def walk(p: Any, expand: str) -> None:
+        if isinstance(p, PVar):
+            bind(p.name, expand)
+        elif isinstance(p, PCall):
+            for alt in p.alts:
+                for param, arg in alt.args:
+                    walk(arg, literal_expansion(alt.opdef.name, param))
+        elif isinstance(p, PSeq):
+            for item in p.items:
+                walk(item, "none")
+        elif isinstance(p, PResults):
+            walk(p.call, "none")
+    walk(pattern, "none")
+    return out
 
 
 def _same_operand_pattern(a: Any, b: Any) -> bool:
@@ -222,7 +247,14 @@ class CompiledRule:
     def where_fn(self) -> Any:
         """The where clause compiled to a closure ``f(env, facts)`` (None: no clause);
         ``compile_rule`` builds it, so matching never walks the AST."""
-        return None if self.where is None else compile_where(self.where)
+        return None if self.where is None else compile_where(self.where, self.expansions)
+
+    @functools.cached_property
+    def expansions(self) -> dict:
+        """How each pattern variable compares with an int in the where clause, as
+        a literal at the argument it was bound at would (``literal_expansion``):
+        ``s == 1`` holds for a stride ``[1, 1]``, not for a size ``[1, 1]``."""
+        return variable_expansions(self.pattern)
 
     @functools.cached_property
     def flat(self) -> bool:

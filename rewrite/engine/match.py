@@ -267,7 +267,7 @@ class Matcher:
     def _attempts(self, rule: CompiledRule, node: fx.Node) -> Iterator[tuple]:
         for env in self._match_root(rule, node):
             if rule.where_fn is not None and not self._holds(rule.where_fn, env):
-                yield env, Refusal("where", self.failed_conjunct(rule.where, env))
+                yield env, Refusal("where", self.failed_conjunct(rule.where, env, rule.expansions))
                 continue
             escape = None if rule.shared else self.interior_escape(rule, env)
             if escape is not None:
@@ -496,31 +496,32 @@ class Matcher:
                 return n, user
         return None
 
-    def failed_conjunct(self, where: Any, env: dict) -> Any:
+    def failed_conjunct(self, where: Any, env: dict, expansions: dict | None = None) -> Any:
         """The first conjunct of ``where`` that does not hold (``where`` itself when
-        it is not a conjunction)."""
+        it is not a conjunction); ``expansions``: the rule's (``CompiledRule.expansions``)."""
         items = where.items if isinstance(where, ast.BoolOp) and where.op == "and" else (where,)
         for item in items:
-            if not self.where_holds(item, env):
+            if not self.where_holds(item, env, expansions):
                 return item
         return where
 
-    def where_holds(self, expr: Any, env: dict) -> bool:
+    def where_holds(self, expr: Any, env: dict, expansions: dict | None = None) -> bool:
         """The where clause (or a part of it) holds: True, not False and not unknown.
         ``expr`` runs as the closure it compiles to (``rewrite.engine.where``)."""
-        return self._holds(where_function(expr), env)
+        return self._holds(where_function(expr, expansions), env)
 
-    def where_value(self, expr: Any, env: dict) -> Any:
+    def where_value(self, expr: Any, env: dict, expansions: dict | None = None) -> Any:
         """What a where clause (or a part of it) answers: True, False, or None when
         it is unknown (a fact the graph does not record, a size that decides it
         for some sizes only); a failing user function raises ``PredicateError``."""
         shape_env = self.facts.shape_env
+        function = where_function(expr, expansions)
         try:
             if shape_env is None:
-                value = where_function(expr)(env, self.facts)
+                value = function(env, self.facts)
             else:
                 with deciding(shape_env):
-                    value = where_function(expr)(env, self.facts)
+                    value = function(env, self.facts)
         except SymbolicUnknown:
             return None
         return None if value is UNKNOWN or value is None else value

@@ -158,7 +158,7 @@ def _root_conjuncts(rule: CompiledRule) -> tuple:
     for item in items:
         names = frozenset(e.name for e in ast.walk(item) if isinstance(e, ast.Var))
         if names and all(counts.get(n) == 1 and n in direct for n in names) and _calls_only_builtins(item):
-            out.append((where_function(item), names))
+            out.append((where_function(item, rule.expansions), names))
     return tuple(out)
 
 

@@ -13,6 +13,7 @@ dually. A rule fires only on True.
 
 from __future__ import annotations
 
+import functools
 import numbers
 import operator
 from typing import Any, Callable
@@ -27,7 +28,7 @@ from rewrite.engine.facts import Value, showing_copies
 from rewrite.functions.registry import is_builtin, lookup_function
 from rewrite.language import ast
 from rewrite.ops.base import ConstRef, by_identity
-from rewrite.ops.forms import same_arg
+from rewrite.ops.forms import same_arg, strictest_expansion
 
 __all__ = ["UNKNOWN", "PredicateError", "compile_where", "where_function", "plain"]
 
@@ -264,23 +265,47 @@ def _bool_op(op: str, items: list) -> Compiled:
     return bool_op
 
 
-def _eval(e: Any) -> Compiled:
-    """Compile a condition (a where clause or a part of it)."""
+def _comparison(e: Any, expansions: dict) -> Callable[[Any, Any], bool]:
+    """How ``e`` (a comparison) compares its sides: an int equals a list of itself
+    only where a side is a pattern variable bound at an argument where torch reads
+    it so (``expansions``: a stride, ``s == 1`` for ``[1, 1]``; a size or a dim only
+    the one-element list; elsewhere never); computed values compare as Python does."""
+    names = [side.name for side in (e.left, e.right) if isinstance(side, ast.Var)]
+    if not names:
+        return _strictly_equal if e.op == "==" else _strictly_unequal if e.op == "!=" else _COMPARE[e.op]
+    expand = strictest_expansion(*(expansions.get(n, "any") for n in names))
+    equal = functools.partial(_equal, expand=expand)
+    if e.op == "==":
+        return equal
+    if e.op == "!=":
+        return lambda a, b: not equal(a, b)
+    if e.op in ("in", "not in") and isinstance(e.left, ast.Var):
+        def contains(a: Any, b: Any) -> bool:
+            try:
+                found = any(equal(a, item) for item in b)
+            except TypeError:  # not a collection: Python's own answer (an error)
+                return _COMPARE[e.op](a, b)
+            return found == (e.op == "in")
+        return contains
+    return _COMPARE[e.op]
+
+
+
+def _eval(e: Any, expansions: dict) -> Compiled:
+    """Compile a condition (a where clause or a part of it); ``expansions`` as
+    ``compile_where`` takes them."""
     if isinstance(e, ast.BoolOp):
-        return _bool_op(e.op, [_eval(i) for i in e.items])
+        return _bool_op(e.op, [_eval(i, expansions) for i in e.items])
     if isinstance(e, ast.Not):
-        inner = _eval(e.expr)
+        inner = _eval(e.expr, expansions)
 
         def negate(env: dict, facts: Any) -> Any:
             v = _truth(inner(env, facts))
             return v if v is UNKNOWN else not v
         return negate
     if isinstance(e, ast.Compare):
-        left, right, compare = _side(_eval(e.left)), _side(_eval(e.right)), _COMPARE[e.op]
-        if e.op in ("==", "!=") and not (isinstance(e.left, ast.Var) or isinstance(e.right, ast.Var)):
-            # an int is a list of itself only as a pattern variable bound at a
-            # per-dimension argument; computed values compare as Python does
-            compare = _strictly_equal if e.op == "==" else _strictly_unequal
+        left, right = _side(_eval(e.left, expansions)), _side(_eval(e.right, expansions))
+        compare = _comparison(e, expansions)
 
         op = e.op
 
@@ -301,8 +326,8 @@ def _eval(e: Any) -> Compiled:
             fn = _reporting(fn, spec.name)  # a user's bug is shown, not taken for "unknown"
             if spec.kind == "predicate":
                 fn = _answering(fn, spec.name)
-        args = [_value(a) for a in e.args]
-        kwargs = [(kw.name, _value(kw.value)) for kw in e.kwargs]
+        args = [_value(a, expansions) for a in e.args]
+        kwargs = [(kw.name, _value(kw.value, expansions)) for kw in e.kwargs]
 
         if not kwargs and len(args) == 1:  # most predicates: no argument list to build
             only = args[0]
@@ -324,7 +349,7 @@ def _eval(e: Any) -> Compiled:
             return UNKNOWN if result is None else result
         return call
     if isinstance(e, ast.Index):
-        base, index = _side(_eval(e.expr)), _side(_eval(e.index))
+        base, index = _side(_eval(e.expr, expansions)), _side(_eval(e.index, expansions))
 
         def indexing(env: dict, facts: Any) -> Any:
             b, i = base(env, facts), index(env, facts)
@@ -332,10 +357,10 @@ def _eval(e: Any) -> Compiled:
                 return UNKNOWN
             return b[i]
         return indexing
-    return _value(e)
+    return _value(e, expansions)
 
 
-def _value(e: Any) -> Compiled:
+def _value(e: Any, expansions: dict) -> Compiled:
     """Compile an argument: variables and literals become ``Value``s."""
     if isinstance(e, ast.Var):
         name = e.name
@@ -347,19 +372,22 @@ def _value(e: Any) -> Compiled:
         dtype = DTYPES[e.name]
         return lambda env, facts: Value(dtype, facts)
     if isinstance(e, (ast.TupleLit, ast.ListLit)):
-        items = [_side(_eval(i)) for i in e.items]
+        items = [_side(_eval(i, expansions)) for i in e.items]
 
         def sequence(env: dict, facts: Any) -> Any:
             values = tuple(i(env, facts) for i in items)
             return UNKNOWN if any(v is UNKNOWN for v in values) else Value(values, facts)
         return sequence
-    return _eval(e)
+    return _eval(e, expansions)
 
 
-def compile_where(expr: Any) -> Compiled:
+def compile_where(expr: Any, expansions: dict | None = None) -> Compiled:
     """``expr`` (a where clause's AST) as a closure ``f(env, facts)``. A clause that
-    is a literal (``where True``) holds by its truth, as inside ``and``/``or``/``not``."""
-    compiled = _eval(expr)
+    is a literal (``where True``) holds by its truth, as inside ``and``/``or``/``not``.
+    ``expansions``: pattern variable -> how it equals an int, as a literal at the
+    argument it was bound at would (``compile.variable_expansions``; a variable
+    not named: as at a per-dimension argument)."""
+    compiled = _eval(expr, expansions or {})
     if isinstance(expr, (ast.BoolOp, ast.Not, ast.Compare, ast.Call)):
         return compiled
 
@@ -371,7 +399,13 @@ def compile_where(expr: Any) -> Compiled:
 _CACHE: dict = {}
 
 
-def where_function(expr: Any) -> Compiled:
-    """The compiled closure of ``expr``, compiled once per AST node (rules keep their
-    where clause for their lifetime; the cache holds the node, so ids stay unique)."""
-    return by_identity(_CACHE, expr, compile_where)
+def where_function(expr: Any, expansions: dict | None = None) -> Compiled:
+    """The compiled closure of ``expr``, compiled once per AST node and per rule's
+    ``expansions`` (rules keep their where clause for their lifetime; the cache
+    holds the node, so ids stay unique)."""
+    per_rule = by_identity(_CACHE, expr, lambda _: {})
+    key = tuple(sorted((expansions or {}).items()))
+    compiled = per_rule.get(key)
+    if compiled is None:
+        compiled = per_rule[key] = compile_where(expr, expansions)
+    return compiled

@@ -113,6 +113,15 @@ _PER_DIMENSION_OF = frozenset({("interpolate", "size"), ("interpolate", "scale_f
 _ONE_ELEMENT = frozenset({"dim", "dims", "shape", "size", "normalized_shape", "shifts", "repeats"})
 
 
+_STRICTNESS = {"none": 0, "one": 1, "any": 2}
+
+
+def strictest_expansion(*modes: str) -> str:
+    """The strictest of ``same_arg`` expansions (``"none"`` before ``"one"`` before
+    ``"any"``): how a variable bound at several arguments equals an int."""
+    return min(modes, key=_STRICTNESS.__getitem__)
+
+
 def literal_expansion(op: str, param: str) -> str:
     """How an int literal at ``op``'s ``param`` compares with a list (``same_arg``'s
     ``expand``): ``"any"`` where torch takes one int for every spatial dimension

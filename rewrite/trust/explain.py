@@ -205,7 +205,7 @@ class _Explainer:
         before = set(self.facts.unknown_training)
         self.facts.unknown_training.clear()
         try:
-            self.matcher.where_value(expr, env)
+            self.matcher.where_value(expr, env, self.rule.expansions)
         except Exception:  # noqa: BLE001 - a failing function is reported as such
             pass
         asked = bool(self.facts.unknown_training)
@@ -216,7 +216,7 @@ class _Explainer:
         items = where.items if isinstance(where, ast.BoolOp) and where.op == "and" else (where,)
         for item in items:
             try:
-                if self.matcher.where_value(item, env) is False:
+                if self.matcher.where_value(item, env, self.rule.expansions) is False:
                     return item
             except Exception:  # noqa: BLE001 - a failing function is reported as such
                 continue
@@ -224,7 +224,7 @@ class _Explainer:
 
     def _unknown(self, expr: Any, env: dict) -> bool:
         try:
-            return self.matcher.where_value(expr, env) is None
+            return self.matcher.where_value(expr, env, self.rule.expansions) is None
         except Exception:  # noqa: BLE001 - a failing function is reported as such
             return False
 
