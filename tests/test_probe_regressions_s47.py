@@ -65,3 +65,37 @@ def test_a_one_element_size_still_equals_its_int():
         result = rewrite.parse(rule).apply(gm, (x,))
         assert torch.allclose(result.graph_module(x), gm(x))
         assert sum(result.counts.values()) == fires, clause
+
+
+class _Attention(nn.Module):
+    """nanoGPT's attention: ``nn.Linear`` projections around a written-out attention."""
+
+    def __init__(self, d=16, heads=2):
+        super().__init__()
+        self.heads, self.head_dim = heads, d // heads
+        self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, self.head_dim).transpose(1, 2) for z in (q, k, v))
+        att = torch.softmax((q @ k.transpose(-2, -1)) * (1.0 / self.head_dim ** 0.5), dim=-1)
+        return x + self.o((att @ v).transpose(1, 2).reshape(b, t, d))
+
+
+@pytest.mark.parametrize("capture", ["symbolic_trace", "export"])
+def test_attention_fuses_in_every_layer_behind_nn_linear(capture):
+    """A correct attention rule fused only the last of three layers of a
+    symbolic_trace graph: the layout walk took every module call, ``nn.Linear`` too,
+    for one that carries its input's layout on, and the next layer's ``q.view``
+    for a reader of the new attention's layout (``F.linear`` stopped it)."""
+    from rewrite.capture import symbolic_trace
+
+    model = nn.Sequential(*(_Attention() for _ in range(3))).eval()
+    x = torch.randn(2, 5, 16)
+    gm = symbolic_trace(model) if capture == "symbolic_trace" else torch.export.export(model, (x,)).module()
+    rules = rewrite.load("rules/transformer.rw")["transformer"]
+    result = rules.apply(gm, (x,))
+    assert result.counts.get("attention_scale") == 3, result.counts
+    assert torch.allclose(result.graph_module(x), model(x), atol=1e-5)
+    assert "scaled_dot_product_attention" in str(result.graph_module.graph)

@@ -384,7 +384,7 @@ class _KeptValues:
             if inputs_done:
                 self.reached[n] = any(i in self.sources or self.reached.get(i, False) for i in n.all_input_nodes)
                 continue
-            if n.op in ("placeholder", "get_attr") or any(b.op in _OWN_LAYOUT for b in bind_node(n, self.gm)):
+            if n.op in ("placeholder", "get_attr") or _lays_out_own(n, self.gm):
                 self.reached[n] = False
                 continue
             self.budget -= 1
@@ -497,12 +497,19 @@ def _through_layout_picker(node: fx.Node, created: set) -> bool:
     return _MadeThrough(created, _picks_cpu_layout)(node)
 
 
-def _carries_layout(node: fx.Node) -> bool:
+def _carries_layout(node: fx.Node, gm: fx.GraphModule) -> bool:
     """A call whose result's layout may follow its inputs' (clones, elementwise ops,
-    views, convolutions, module calls): any call but ``_OWN_LAYOUT`` ones."""
+    views, convolutions, module calls): any call but ``_OWN_LAYOUT`` ones (an
+    ``nn.Linear`` is ``linear`` here too)."""
     if node.op == "call_module":
-        return True
+        return not _lays_out_own(node, gm)
     return node.op in ("call_function", "call_method") and op_name(node.target) not in _OWN_LAYOUT
+
+
+def _lays_out_own(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """``node`` computes an ``_OWN_LAYOUT`` op (by the vocabulary's binding, so a
+    module call counts as the op it is)."""
+    return any(b.op in _OWN_LAYOUT for b in bind_node(node, gm))
 
 
 def _reads_strides(node: fx.Node) -> fx.Node | None:
@@ -560,7 +567,7 @@ class StrideReaders:
     def _reader_through(self, user: fx.Node, value: fx.Node) -> fx.Node | None:
         if _reads_strides(user) is value or (self.writes() and value in written_nodes(user, self.gm)):
             return user
-        return self._seen.get(user) if _carries_layout(user) else None
+        return self._seen.get(user) if _carries_layout(user, self.gm) else None
 
     def _note(self, node: fx.Node) -> None:
         read = _reads_strides(node)
@@ -577,7 +584,7 @@ class StrideReaders:
             if node in seen:
                 continue
             seen[node] = reader
-            if _carries_layout(node):
+            if _carries_layout(node, self.gm):
                 stack.extend(node.all_input_nodes)
 
 
@@ -674,7 +681,7 @@ def _follow_change(root: fx.Node, after: Any, facts: GraphFacts, readers: Stride
         name = op_name(user.target) if user.op != "call_module" else ""
         if name in _MAY_COPY and _sharing_seen(user, readers.gm, readers.writes()):
             return seen_by(user)
-        if not (name in _VIEWS and _reads_strides(user) in changed) and not _carries_layout(user):
+        if not (name in _VIEWS and _reads_strides(user) in changed) and not _carries_layout(user, readers.gm):
             continue
         if _layout_not_inferable(user, readers.gm):
             reader = readers.reader_of(user)
