@@ -161,7 +161,7 @@ def _cmd_apply(args: argparse.Namespace) -> int:
             if args.print_code:
                 print(result.graph_module.code)
         return 0
-    gm = _captured_model(model, inputs, args.capture, args.model)
+    gm = _captured_model(model, inputs, args.capture, args.model, _APPLY_CAPTURES)
     try:
         result = rules.apply(gm, example_inputs=inputs, check=not args.no_check, trials=args.trials,
                              rtol=args.rtol, atol=args.atol)
@@ -197,7 +197,7 @@ def _raised_by_backend(err: BaseException) -> BaseException:
 def _cmd_explain(args: argparse.Namespace) -> int:
     rules = _load(args.rules)
     if (args.rule or args.node) and args.model:
-        gm, inputs = _captured(args.model, args.capture)
+        gm, inputs = _captured(args.model, args.capture, levels=_EXPLAIN_CAPTURES)
         try:
             explanations = rules.explain(gm, rule=args.rule, node=args.node, example_inputs=inputs)
         except KeyError as err:  # --rule or --node names nothing: the user's input, not a bug
@@ -213,7 +213,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         return 2
     stats = {}
     if args.model:
-        gm, inputs = _captured(args.model, args.capture)
+        gm, inputs = _captured(args.model, args.capture, levels=_EXPLAIN_CAPTURES)
         stats = rules.apply(gm, example_inputs=inputs, check=False).stats
     for rule in rules:
         if args.rule and rule.name != args.rule:
@@ -272,6 +272,12 @@ def _write_text(text: str) -> None:
     sys.stdout.write(text)
 
 
+#: the capture levels each command takes (``--capture``)
+_APPLY_CAPTURES = ("fx", "export", "dynamo")
+_EXPLAIN_CAPTURES = ("fx", "export")
+_ANALYSIS_CAPTURES = ("fx", "export", "export_core", "dynamo")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rewrite", description="Declarative rewrite rules for PyTorch graphs.")
     p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
@@ -302,7 +308,7 @@ def _parser() -> argparse.ArgumentParser:
     a = sub.add_parser("apply", help="apply rule files to a model and report what changed")
     a.add_argument("rules", nargs="+", help="rule files (.rw)")
     a.add_argument("--model", required=True, help="module:callable returning (model, example_inputs)")
-    a.add_argument("--capture", choices=("fx", "export", "dynamo"), default="fx")
+    a.add_argument("--capture", choices=_APPLY_CAPTURES, default="fx")
     a.add_argument("--ruleset", help="apply only this ruleset of the files")
     a.add_argument("--no-check", action="store_true", help="skip the equivalence check")
     a.add_argument("--trials", type=positive_int, default=3)
@@ -325,13 +331,13 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--rule", help="only this rule")
     e.add_argument("--node", help="explain at this node (by name) of the captured graph")
     e.add_argument("--model", help="module:callable returning (model, example_inputs)")
-    e.add_argument("--capture", choices=("fx", "export"), default="fx")
+    e.add_argument("--capture", choices=_EXPLAIN_CAPTURES, default="fx")
     e.set_defaults(fn=_cmd_explain)
 
     s = sub.add_parser("stats", help="per-node FLOPs, bytes, shapes and peak activation memory of a model's "
                        "graph, with totals (rewrite.analysis)")
     s.add_argument("--model", required=True, help="module:callable returning (model, example_inputs)")
-    s.add_argument("--capture", choices=("fx", "export", "export_core", "dynamo"), default="fx")
+    s.add_argument("--capture", choices=_ANALYSIS_CAPTURES, default="fx")
     s.add_argument("--by", choices=("module", "op"), help="roll the table up by module path or by op")
     s.add_argument("--depth", type=non_negative_int, default=2,
                    help="with --by module: module path components kept (0: the whole path)")
@@ -344,7 +350,7 @@ def _parser() -> argparse.ArgumentParser:
     w = sub.add_parser("show", help="draw the graph as a DAG (SVG or a self-contained HTML viewer); with "
                        "--rules, the before/after diff with rewritten regions labelled by rule")
     w.add_argument("--model", required=True, help="module:callable returning (model, example_inputs)")
-    w.add_argument("--capture", choices=("fx", "export", "export_core", "dynamo"), default="fx")
+    w.add_argument("--capture", choices=_ANALYSIS_CAPTURES, default="fx")
     w.add_argument("--rules", nargs="+", metavar="FILE", help="rule files to apply; draw before and after")
     w.add_argument("--ruleset", help="with --rules: apply only this ruleset of the files")
     w.add_argument("-o", "--output", required=True, help="out.svg or out.html")
@@ -362,7 +368,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _captured(spec: str, level: str, for_rules: bool = False) -> tuple:
+def _captured(spec: str, level: str, levels: tuple, for_rules: bool = False) -> tuple:
     """(graph module, the inputs to run it with) for a ``--model`` spec. ``for_rules``:
     the graph rules will read; a dynamo graph takes the model's parameters as inputs,
     so they are frozen into constants first, as ``rewrite.backend`` does (no folding
@@ -375,7 +381,7 @@ def _captured(spec: str, level: str, for_rules: bool = False) -> tuple:
     from rewrite.trust.runnable import load_runnable_model
 
     model, inputs = load_runnable_model(spec)
-    gm, inputs = _captured_model(model, inputs, level, spec, with_inputs=True)
+    gm, inputs = _captured_model(model, inputs, level, spec, levels, with_inputs=True)
     if for_rules and level == "dynamo":
         gm = fx.GraphModule(gm, copy.deepcopy(gm.graph))
         _, kept = freeze_parameters(gm, list(inputs))
@@ -383,15 +389,22 @@ def _captured(spec: str, level: str, for_rules: bool = False) -> tuple:
     return gm, inputs
 
 
-def _captured_model(model: Any, inputs: tuple, level: str, spec: str, with_inputs: bool = False) -> Any:
+def _captured_model(model: Any, inputs: tuple, level: str, spec: str, levels: tuple,
+                    with_inputs: bool = False) -> Any:
     """``capture(_with_inputs)`` of a loaded model; a model torch cannot capture at
-    ``level`` (transformers' code under symbolic_trace) is the user's error, said so."""
-    from rewrite.capture import LEVELS, ModelSpecError, capture_with_inputs
+    ``level`` (transformers' code under symbolic_trace) is the user's error, said so,
+    with the other ``levels`` the command takes."""
+    import torch
 
+    from rewrite.capture import ModelSpecError, capture_with_inputs
+
+    if isinstance(model, torch.jit.ScriptModule):
+        raise ModelSpecError(f"{spec}: a TorchScript module cannot be captured or rewritten: return the "
+                             "nn.Module itself")
     try:
         captured = capture_with_inputs(model, inputs, level)
     except Exception as err:  # noqa: BLE001 - the model's own code (or torch) cannot be captured so: say so
-        others = ", ".join(other for other in LEVELS if other != level)
+        others = ", ".join(other for other in levels if other != level)
         first = str(err).splitlines()[0] if str(err) else ""
         raise ModelSpecError(f"{spec}: the model cannot be captured at --capture {level} "
                              f"({type(err).__name__}: {first}); try --capture {others}") from err
@@ -403,7 +416,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
     from rewrite.analysis import analyze
 
-    gm, inputs = _captured(args.model, args.capture)
+    gm, inputs = _captured(args.model, args.capture, levels=_ANALYSIS_CAPTURES)
     analysis = analyze(gm, inputs, show_progress=True)
     if args.json:
         groups = analysis.by_op() if args.by != "module" else analysis.by_module(args.depth)
@@ -426,7 +439,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     if problem:  # refused before any work
         print(f"rewrite: error: show -o {args.output}: {problem}", file=sys.stderr)
         return 2
-    gm, inputs = _captured(args.model, args.capture, for_rules=bool(args.rules))
+    gm, inputs = _captured(args.model, args.capture, levels=_ANALYSIS_CAPTURES, for_rules=bool(args.rules))
     before = None
     if args.rules:
         import rewrite

@@ -436,7 +436,7 @@ class RuleSet:
         """
         validate_apply_options(check=check, trials=trials, rtol=rtol, atol=atol, max_rewrites=max_rewrites,
                                on_mismatch=on_mismatch, inplace=inplace, input_ranges=input_ranges,
-                               fixed_inputs=fixed_inputs, training=training)
+                               fixed_inputs=fixed_inputs, training=training, shuffle_seed=shuffle_seed)
         if not isinstance(model, (torch.nn.Module, torch.export.ExportedProgram)):
             raise TypeError(f"apply needs a torch.fx.GraphModule, a torch.export.ExportedProgram or an "
                             f"nn.Module, not {type(model).__name__}")
@@ -463,6 +463,8 @@ class RuleSet:
         if check:
             _refuse_meta(model, example_inputs)
         original = model if isinstance(model, fx.GraphModule) else _symbolic_trace(model)
+        if not any(n.op == "output" for n in reversed(original.graph.nodes)):
+            raise ValueError("the graph has no output node: a GraphModule's graph ends in graph.output(...)")
         self._warn_hidden(original)
         example_inputs = as_input_tuple(example_inputs) if example_inputs is not None else None
         if example_inputs is not None and (input_ranges or fixed_inputs):
@@ -477,13 +479,19 @@ class RuleSet:
         # inputs: what a hook of theirs writes into them (a feature list) is put back
         caller = AttributeSnapshot(list(model.modules())) if model is not original else None
         with gc_paused(), torch.inference_mode(False), autocast_off(), generators_kept():
-            txn = _Transaction(self, original, example_inputs, max_rewrites, shuffle_seed, inplace, checked=check,
-                               training=training)
+            try:
+                txn = _Transaction(self, original, example_inputs, max_rewrites, shuffle_seed, inplace,
+                                   checked=check, training=training)
+            except Exception as err:
+                _refuse_malformed(original, err)
+                raise
             try:
                 return self._apply(txn, model, original, example_inputs, check, trials, rtol, atol, on_mismatch,
                                    {"input_ranges": input_ranges, "fixed_inputs": tuple(fixed_inputs)})
-            except BaseException:
+            except BaseException as err:
                 txn.rollback()  # in place: the module as it was; a copy: nothing to do
+                if isinstance(err, Exception):
+                    _refuse_malformed(original, err)
                 raise
             finally:
                 if caller is not None:
@@ -725,6 +733,39 @@ _MAX_REJECTIONS = 16
 _ROLLBACKS_PER_RULE = 3
 
 
+def _refuse_malformed(gm: fx.GraphModule, err: Exception) -> None:
+    """``ValueError`` naming what makes ``gm`` no program, for an apply that failed
+    with torch's own error from deep inside (a ``KeyError`` for a node used before it
+    is defined); our own errors and a sound graph: nothing."""
+    from rewrite.trust.check import ModelRunError
+
+    if isinstance(err, (ValueError, TypeError, AssertionError)) and not isinstance(err, ModelRunError):
+        return
+    problem = graph_problem(gm)
+    if problem is not None:
+        raise ValueError(f"the graph is malformed: {problem}") from err
+
+
+def graph_problem(gm: fx.GraphModule) -> str | None:
+    """What makes ``gm`` no program fx can run (``Graph.lint``'s complaint: a node
+    used before it is defined or from another graph, a missing submodule; a
+    ``get_attr`` of nothing), or None. Asked only once a rewrite failed: linting
+    every graph would cost every apply a walk."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            gm.graph.lint()
+    except Exception as err:  # noqa: BLE001 - lint's own complaint is the answer
+        return str(err).splitlines()[0] if str(err) else type(err).__name__
+    for node in gm.graph.find_nodes(op="get_attr"):
+        owner: Any = gm
+        for atom in str(node.target).split("."):
+            if not hasattr(owner, atom):
+                return f"get_attr node {node.name!r} reads {node.target!r}, which the module does not have"
+            owner = getattr(owner, atom)
+    return None
+
+
 def _refuse_uninitialized(model: torch.nn.Module) -> None:
     """A lazy module (``LazyLinear``) whose parameters have no shape yet cannot be
     rewritten: no fact about them is known until a forward pass materializes them."""
@@ -762,6 +803,7 @@ def validate_apply_options(**options: Any) -> None:
     check, trials, rtol, atol = given["check"], given["trials"], given["rtol"], given["atol"]
     max_rewrites, on_mismatch, inplace = given["max_rewrites"], given["on_mismatch"], given["inplace"]
     input_ranges, fixed_inputs, training = given["input_ranges"], given["fixed_inputs"], given["training"]
+    seed = given["shuffle_seed"]
     if on_mismatch not in ("raise", "skip-rule"):
         raise ValueError(f"on_mismatch must be 'raise' or 'skip-rule', not {on_mismatch!r}")
     for flag, given in (("check", check), ("inplace", inplace), ("training", training)):
@@ -772,8 +814,10 @@ def validate_apply_options(**options: Any) -> None:
                                      or max_rewrites < 1):
         raise ValueError(f"max_rewrites must be a positive int (or None: 20 per node, plus 1000), "
                          f"not {max_rewrites!r}")
-    if check and (not isinstance(trials, int) or trials < 1):
+    if check and (not isinstance(trials, int) or isinstance(trials, bool) or trials < 1):
         raise ValueError(f"trials must be a positive int when check=True, not {trials!r}")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+        raise ValueError(f"shuffle_seed must be a non-negative int (or None: graph order), not {seed!r}")
     for name, tol in (("rtol", rtol), ("atol", atol)):
         if tol is not None and not (isinstance(tol, (int, float)) and not isinstance(tol, bool)
                                     and 0 <= tol < math.inf):
@@ -1171,6 +1215,8 @@ def load(*paths: Any) -> RuleSet:
     """
     if len(paths) == 1 and not isinstance(paths[0], (str, bytes, Path)) and isinstance(paths[0], Iterable):
         paths = tuple(paths[0])
+    if not paths:
+        raise TypeError("rewrite.load needs at least one rule file path")
     for p in paths:
         if not isinstance(p, (str, os.PathLike)):
             raise TypeError(f"rewrite.load takes rule file paths (str or os.PathLike), not {type(p).__name__}")

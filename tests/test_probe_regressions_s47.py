@@ -99,3 +99,126 @@ def test_attention_fuses_in_every_layer_behind_nn_linear(capture):
     assert result.counts.get("attention_scale") == 3, result.counts
     assert torch.allclose(result.graph_module(x), model(x), atol=1e-5)
     assert "scaled_dot_product_attention" in str(result.graph_module.graph)
+
+
+@pytest.mark.parametrize("seed", [None, 0, 1, 3])
+def test_the_loop_message_names_only_the_rules_of_the_cycle(seed):
+    """``p``/``q`` undo each other; ``one`` fires at five other places meanwhile and
+    was named among the rules that "undo each other" (probe BW F3)."""
+    from rewrite.engine.driver import NonTerminationError
+
+    class M(nn.Module):
+        def forward(self, x):
+            return -x, *[torch.relu(x + i) * 1 for i in range(5)]
+
+    rules = rewrite.parse("rule p: neg(x) => mul(x, -1)\nrule q: mul(x, -1) => neg(x)\n"
+                          "rule one: mul(x, 1) where is_float(x) => x\n")
+    with pytest.raises(NonTerminationError) as err:
+        rules.apply(torch.fx.symbolic_trace(M()), example_inputs=(torch.randn(4, 5),), check=False,
+                    shuffle_seed=seed)
+    assert err.value.rules == ("p", "q")
+    assert "'one'" not in str(err.value)
+
+
+# ---------------------------------------------------------------- probe BY: bad input
+
+
+class _ReluTwice(nn.Module):
+    def forward(self, x):
+        return torch.relu(torch.relu(x)) * 1
+
+
+def test_a_graph_without_output_is_a_value_error():
+    """A graph whose output node was erased (``lint`` accepts it) leaked a bare
+    ``StopIteration``, which silently ends a caller's ``map`` or generator."""
+    gm = torch.fx.symbolic_trace(_ReluTwice())
+    gm.graph.erase_node(next(n for n in gm.graph.nodes if n.op == "output"))
+    rules = rewrite.load("rules/cleanup.rw")
+    for kwargs in ({}, {"check": False}, {"inplace": True}):
+        with pytest.raises(ValueError, match="no output node"):
+            rules.apply(gm, (torch.randn(2, 3),), **kwargs)
+
+
+@pytest.mark.parametrize("check, inplace", [(False, False), (True, False), (True, True)])
+def test_a_graph_lint_refuses_is_named_not_torchs_key_error(check, inplace):
+    """A node used before it is defined raised torch's ``KeyError('relu')`` from the
+    copy (or a ``RuntimeError`` wrapping an ``UnboundLocalError`` in place). Only a
+    failure asks ``lint`` (a walk of the graph): in place without the check nothing
+    runs the graph, and nothing is asked."""
+    gm = torch.fx.symbolic_trace(_ReluTwice())
+    nodes = list(gm.graph.nodes)
+    nodes[2].append(nodes[1])  # the second relu before the first
+    before = str(gm.graph)
+    with pytest.raises(ValueError, match="malformed.*used before it has been defined"):
+        rewrite.load("rules/cleanup.rw").apply(gm, (torch.randn(2, 3),), check=check, inplace=inplace)
+    assert str(gm.graph) == before
+
+
+def test_a_get_attr_of_nothing_is_named():
+    import warnings
+
+    gm = torch.fx.symbolic_trace(_ReluTwice())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with gm.graph.inserting_after(next(iter(gm.graph.nodes))):
+            ghost = gm.graph.get_attr("does_not_exist")
+    relu = next(n for n in gm.graph.nodes if n.op == "call_function")
+    relu.args = (ghost,)
+    with pytest.raises(ValueError, match="malformed.*does_not_exist"):
+        rewrite.load("rules/cleanup.rw").apply(gm, (torch.randn(2, 3),))
+
+
+@pytest.mark.parametrize("option, value", [
+    ("shuffle_seed", "a"), ("shuffle_seed", 1.5), ("shuffle_seed", -1), ("shuffle_seed", True),
+    ("trials", True),
+])
+def test_apply_refuses_a_bad_seed_or_trials(option, value):
+    gm = torch.fx.symbolic_trace(_ReluTwice())
+    with pytest.raises(ValueError, match=option):
+        rewrite.load("rules/cleanup.rw").apply(gm, (torch.randn(2, 3),), **{option: value})
+
+
+def test_load_without_paths_and_a_model_failing_its_own_inputs():
+    from rewrite.trust.check import ModelRunError
+
+    with pytest.raises(TypeError, match="at least one"):
+        rewrite.load()
+    gm = torch.fx.symbolic_trace(_ReluTwice())
+    x = torch.randn(2, 3)
+    for inputs in ((), (x, x)):
+        with pytest.raises(ValueError, match="reference failed on trial 0") as err:
+            rewrite.load("rules/cleanup.rw").apply(gm, inputs)
+        assert isinstance(err.value, (RuntimeError, ModelRunError))  # what it always was, too
+
+
+def test_fmt_keeps_a_doc_comment_with_trailing_blanks():
+    """``fmt`` drops trailing blanks, and the doc the parser read kept them: parsing
+    the formatted text gave another program."""
+    from rewrite.language.format import format_source
+    from rewrite.language.parser import parse_text
+
+    text = "# x * 1 -> x   \nrule mul_one: mul(x, 1) => x\n"
+    assert parse_text(text, "d.rw") == parse_text(format_source(text, "d.rw"), "d.rw")
+    assert parse_text(text, "d.rw").items[0].doc == "x * 1 -> x"
+
+
+def test_the_capture_hint_names_only_levels_the_command_takes(tmp_path, monkeypatch, capsys):
+    from rewrite.cli import main
+
+    (tmp_path / "s47_models.py").write_text(
+        "import torch\n"
+        "class M(torch.nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        return x.relu() if x.sum() > 0 else x\n"  # data-dependent: symbolic_trace fails
+        "def f():\n"
+        "    return M(), (torch.ones(2),)\n"
+        "def script():\n"
+        "    return torch.jit.script(M()), (torch.ones(2),)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["apply", "cleanup.rw", "--model", "s47_models:f"]) == 2
+    err = capsys.readouterr().err
+    assert "try --capture export, dynamo" in err and "export_core" not in err
+    assert main(["apply", "cleanup.rw", "--model", "s47_models:script"]) == 2
+    err = capsys.readouterr().err
+    assert "TorchScript" in err and "AssertionError" not in err

@@ -273,6 +273,7 @@ class Driver:
         self.stats: dict = collections.defaultdict(RuleStats)
         self.history: list = []  # (rule name, root node name) per applied rewrite
         self.created: list = []  # every node a rewrite created (some erased later)
+        self._created_at: list = []  # per rewrite in history: where its nodes start in created
         self._made: set = set()  # the same, for membership (``_computes``)
         n = len(gm.graph.nodes)
         self.max_rewrites = max_rewrites if max_rewrites is not None else 20 * n + 1000
@@ -416,6 +417,7 @@ class Driver:
                 self._inserted.add((rule.name, node))
             self.counts[rule.name] += 1
             self.history.append((rule.name, node.name))
+            self._created_at.append(len(self.created))
             self.created.extend(created)
             self._made.update(created)
             if self._repeating:
@@ -463,7 +465,7 @@ class Driver:
                 entry[1] += 1
                 since, seen = entry[0], entry[1]
                 if seen >= 2:
-                    rules = tuple(sorted({name for name, _ in self.history[since:]}))
+                    rules = self._cycle_rules(since, entry[2])
                     who = f"rule {rules[0]!r} undoes itself" if len(rules) == 1 else \
                         f"rules {', '.join(repr(r) for r in rules)} undo each other"
                     raise NonTerminationError(
@@ -474,6 +476,21 @@ class Driver:
                         where,
                     )
                 break
+
+    def _cycle_rules(self, since: int, readers: tuple) -> tuple:
+        """The rules of a cycle that began at rewrite ``since``: that rewrite, the last
+        one, and those between that rewrote a node the cycle made or a reader of the
+        replaced node (``readers``), not rules that fired elsewhere meanwhile."""
+        involved = {user.name for user, _ in readers}
+        rules = set()
+        last = len(self.history) - 1
+        for i in range(since, last + 1):
+            name, root = self.history[i]
+            if i in (since, last) or root in involved:
+                rules.add(name)
+                end = self._created_at[i + 1] if i < last else len(self.created)
+                involved.update(n.name for n in self.created[self._created_at[i]:end])
+        return tuple(sorted(rules))
 
     def _computes(self, node: fx.Node, depth: int = _STRUCTURE_DEPTH) -> tuple:
         """``_signature``, with each input a rule made spelled by what it computes

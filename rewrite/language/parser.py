@@ -227,7 +227,7 @@ class _Builder(Transformer):
         doc = []
         i = line - 2
         while i >= 0 and self.lines[i].lstrip().startswith("#"):
-            text = self.lines[i].lstrip()[1:]
+            text = self.lines[i].strip()[1:]  # trailing blanks are no part of it (``fmt`` drops them)
             doc.append(text[1:] if text.startswith(" ") else text)
             i -= 1
         return "\n".join(reversed(doc))

@@ -98,6 +98,7 @@ from rewrite.trust.tolerance import (
 
 __all__ = [
     "Reference",
+    "ModelRunError",
     "TOLERANCES",
     "EXACT_TOLERANCES",
     "INT_AGREEMENT",
@@ -132,6 +133,12 @@ DEFAULT_INT_RANGE = (0, 3)
 
 Range = Tuple[float, float]
 InputKey = Union[int, str]
+
+
+class ModelRunError(RuntimeError, ValueError):
+    """The original model itself fails on the inputs the check runs it on (its own
+    example inputs on trial 0: too many or too few, of the wrong kind): the caller's
+    input, so a ``ValueError`` too (a ``RuntimeError`` as it always was)."""
 
 
 @attrs.frozen
@@ -1996,7 +2003,8 @@ class Reference:
                         " (the original itself fails on these random inputs: if it needs inputs random ones are "
                         "not, such as sorted lengths or a positive definite matrix, pass fixed_inputs=[index] or "
                         "input_ranges={index: (low, high)} to apply, or trials=1)")
-                    raise RuntimeError(f"reference failed on trial {trial} inputs: {type(e).__name__}: {e}{hint}") from e
+                    raise ModelRunError(
+                        f"reference failed on trial {trial} inputs: {type(e).__name__}: {e}{hint}") from e
                 finally:
                     if recording is not None:
                         runner.recording = None
