@@ -325,7 +325,7 @@ def test_backend_input_keys_apply_to_the_graphs_they_address():
             return (h * 1).relu()
 
     model, x, lengths = Split().eval(), torch.randn(2, 4), torch.tensor([3, 1])
-    for options in ({"fixed_inputs": [1]}, {"input_ranges": {1: (0, 4)}}):
+    for options in ({"fixed_inputs": ["lengths"]}, {"input_ranges": {"lengths": (0, 4)}}):
         torch._dynamo.reset()
         counts = []
         compiled = torch.compile(model, backend=rewrite.backend(rewrite.load(CLEANUP), on_result=lambda r: counts.append(

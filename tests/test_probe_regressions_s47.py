@@ -222,3 +222,120 @@ def test_the_capture_hint_names_only_levels_the_command_takes(tmp_path, monkeypa
     assert main(["apply", "cleanup.rw", "--model", "s47_models:script"]) == 2
     err = capsys.readouterr().err
     assert "TorchScript" in err and "AssertionError" not in err
+
+
+# ---------------------------------------------------------------- probe BZ: the backend
+
+
+class _ConvBn(nn.Module):
+    def __init__(self, channels=3):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(channels, 4, 3, padding=1), nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.conv(x)))
+
+
+class _DriftingStats(_ConvBn):
+    """Writes its batch norm's statistic in one dynamo graph, reads it in the next."""
+
+    def forward(self, x):
+        self.bn.running_var.mul_(1.5)
+        torch._dynamo.graph_break()
+        return self.bn(self.conv(x))
+
+
+@pytest.fixture
+def dynamo_reset():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_a_buffer_another_graph_writes_is_not_a_stale_constant(dynamo_reset):
+    """``conv_bn`` folded ``running_var`` as it was at compile time while the
+    graph before the break multiplied it each call: wrong from the second call on."""
+    import copy
+    import warnings
+
+    model = _DriftingStats().eval()
+    eager, results = copy.deepcopy(model), []
+    compiled = torch.compile(model, backend=rewrite.backend("rules/fusion.rw", on_result=results.append))
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            assert torch.allclose(compiled(x), eager(x), atol=1e-5)
+    assert any(r.counts.get("conv_bn") for r in results), "the rules ran"
+    assert any("between every two calls" in str(w.message) for w in caught)
+
+
+def test_eval_after_training_steps_sees_the_new_statistics(dynamo_reset):
+    """Training steps update the batch norm's statistics (its kernel bumps no version
+    counter); the eval graph compiled before kept the old ones folded."""
+    import copy
+
+    model = _ConvBn()
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=rewrite.backend("rules/fusion.rw"))
+    x = torch.randn(8, 3, 8, 8)
+    with torch.no_grad():
+        for _ in range(2):
+            model.train(), eager.train()
+            for _ in range(2):
+                batch = torch.randn(8, 3, 8, 8) * 3 + 1
+                compiled(batch), eager(batch)
+            model.eval(), eager.eval()
+            for _ in range(2):
+                assert torch.allclose(compiled(x), eager(x), atol=1e-5)
+
+
+def test_instances_sharing_dynamo_graph_each_get_the_rules(dynamo_reset):
+    """Blocks of one class compiled apart share dynamo's graph: only the first got
+    the rules, the others ran without them (under a wrong "replaced" warning)."""
+    import warnings
+
+    blocks = [_ConvBn(4).eval() for _ in range(3)]
+    for b in blocks:
+        b.bn.running_mean.uniform_(-1, 1), b.bn.running_var.uniform_(0.5, 2)
+    results = []
+    backend = rewrite.backend("rules/fusion.rw", on_result=results.append)
+    compiled = [torch.compile(b, backend=backend) for b in blocks]
+    x = torch.randn(2, 4, 8, 8)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            for fast, block in zip(compiled, blocks):
+                assert torch.allclose(fast(x), block(x), atol=1e-5)
+    assert [r.counts.get("conv_bn") for r in results] == [1, 1, 1]
+    assert not [w for w in caught if "rewrite.backend" in str(w.message)]
+
+
+class _TwoInputs(nn.Module):
+    def forward(self, a, b):
+        y = b * 3.0  # b used first: dynamo's graph takes it first
+        return torch.clamp(a, 0, 1) + y
+
+
+def test_backend_input_keys_name_the_forwards_arguments(dynamo_reset):
+    """``input_ranges={1: ...}`` (the model's b) reached dynamo's first input, a: a
+    rule sound only for a in [0, 1] passed and a later batch was off by 13."""
+    rules = rewrite.parse("rule clamp01: clamp(x, 0, 1) => x")
+    with pytest.raises(ValueError, match="name the forward's argument"):
+        rewrite.backend(rules, input_ranges={1: (0.0, 1.0)})
+    a, b = torch.rand(16, 16), torch.rand(16, 16)
+    refused = torch.compile(_TwoInputs(), backend=rewrite.backend(rules, input_ranges={"b": (0.0, 1.0)}))
+    with pytest.raises(Exception, match="clamp01"):
+        refused(a, b)
+    torch._dynamo.reset()
+    results = []
+    sound = torch.compile(_TwoInputs(), backend=rewrite.backend(rules, input_ranges={"a": (0.0, 1.0)},
+                                                                 on_result=results.append))
+    assert torch.allclose(sound(a, b), _TwoInputs()(a, b))
+    assert results[0].counts == {"clamp01": 1}
+
+
+def test_a_compiler_returning_none_is_said_at_compile(dynamo_reset):
+    compiled = torch.compile(_TwoInputs(), backend=rewrite.backend("rules/cleanup.rw", compiler=lambda gm, i: None))
+    with pytest.raises(Exception, match="the compiler returned NoneType"):
+        compiled(torch.rand(2), torch.rand(2))

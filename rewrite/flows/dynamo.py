@@ -4,8 +4,11 @@ Dynamo passes parameters and buffers to the graph as inputs (placeholders), so a
 folding rule would see them as runtime values and never fire. The backend freezes
 them first: every placeholder whose source is a module parameter or buffer becomes a
 constant attribute of the graph (``get_attr``), as Inductor's freezing does. The
-compiled function then ignores those inputs; later in-place updates of the model's
-parameters are not seen (compile again after changing weights).
+compiled function then ignores those inputs; a frozen tensor written in place
+between calls (seen by its version counter, or counted when a graph the backend
+runs writes it) makes the graph rewritten again from its new values
+(``_FrozenGraph``); a change no counter sees (an eager training step on the same
+model) needs a new compile.
 
 Example::
 
@@ -35,6 +38,7 @@ import os
 import operator
 import re
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -46,10 +50,12 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from rewrite.capture import is_module_state_source
 from rewrite.language.printer import format_rule
 from rewrite.ops.base import OpDef
-from rewrite.trust.check import keys_within
 from rewrite.trust.modes import ambient_autocast
 
-__all__ = ["COMPILERS", "backend", "freeze_parameters", "inductor_pass"]
+__all__ = ["COMPILERS", "FROZEN_INPUTS", "backend", "freeze_parameters", "inductor_pass"]
+
+#: ``gm.meta`` key where ``freeze_parameters`` notes each frozen buffer's input position
+FROZEN_INPUTS = "rewrite_frozen_inputs"
 
 #: The compilers ``backend(..., compiler=...)`` names; a callable works too.
 COMPILERS = ("python", "inductor")
@@ -125,6 +131,7 @@ def freeze_parameters(gm: fx.GraphModule, example_inputs: list) -> tuple:
                          f"{sum(1 for n in gm.graph.nodes if n.op == 'placeholder')} placeholders")
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     kept = []
+    frozen = gm.meta.setdefault(FROZEN_INPUTS, {})
     first_real = next((n for n in gm.graph.nodes if n.op != "placeholder"), None)
     for i, (node, example) in enumerate(zip(placeholders, example_inputs)):
         if _module_scalar(node, example):
@@ -137,6 +144,7 @@ def freeze_parameters(gm: fx.GraphModule, example_inputs: list) -> tuple:
         while hasattr(gm, name):
             name += "_"
         gm.register_buffer(name, example.detach())
+        frozen[name] = i
         with gm.graph.inserting_before(first_real):
             attr = gm.graph.get_attr(name)
         attr.meta.update({k: v for k, v in node.meta.items() if k in ("val", "example_value", "tensor_meta")})
@@ -177,43 +185,230 @@ def backend(rules: Any, *, compiler: Any = "python", check: bool = True, on_resu
     rules = _as_ruleset(rules, "backend")
     compile_graph = _compiler(compiler)
     _validate_options("backend", check, on_result, apply_options)
+    _validate_input_names(apply_options)
 
-    def compile_fn(gm: fx.GraphModule, example_inputs: list) -> Callable:
+    def build(as_given: fx.GraphModule, example_inputs: list) -> "_Variant":
         # Dynamo reads the graph it handed us after we return: work on a copy (of
         # the graph: parameters are shared until apply's own copy; code generated
         # only for the final graph, on its first call).
-        as_given = gm
-        gm = _LazyGraphModule(gm, copy.deepcopy(gm.graph))
+        gm = _LazyGraphModule(as_given, copy.deepcopy(as_given.graph))
         kept, kept_inputs = freeze_parameters(gm, list(example_inputs))
-        # the tensors frozen into the graph: a model that reassigns one (a step
-        # counter, ``self.step = self.step + 1``) hands a new tensor on later calls
         kept_set = set(kept)
-        frozen = tuple((i, t) for i, t in enumerate(example_inputs) if i not in kept_set)
-        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for _, t in frozen):
+        frozen = tuple(i for i in range(len(example_inputs)) if i not in kept_set)
+        if torch.is_grad_enabled() and any(isinstance(example_inputs[i], torch.Tensor)
+                                           and example_inputs[i].requires_grad for i in frozen):
             _warn_no_gradients()
-        # in place on our copy (a failed check puts it back; no second copy)
-        # the caller's input keys name the model's inputs: a graph dynamo split off takes
-        # fewer, and a key past them is not this graph's
-        options = {name: keys_within(tuple(kept_inputs), value) if name in ("fixed_inputs", "input_ranges") else value
+        # the caller's input keys name the forward's arguments; a graph dynamo split
+        # off may not take them all
+        options = {name: _graph_keys(as_given, kept, value) if name in ("fixed_inputs", "input_ranges") else value
                    for name, value in apply_options.items()}
+        # in place on our copy (a failed check puts it back; no second copy)
         with ambient_autocast():  # the graph runs under the autocast it was traced in
             result = rules.apply(gm, example_inputs=tuple(kept_inputs), check=check, **{"inplace": True, **options})
         if on_result is not None:
             on_result(result)
         compiled = compile_graph(result.graph_module, kept_inputs)
+        if not callable(compiled):
+            raise TypeError(f"rewrite.backend: the compiler returned {type(compiled).__name__}, not a callable "
+                            "running the graph (a backend is (gm, example_inputs) -> callable)")
+        return _Variant(kept, compiled, written=_frozen_written(result.graph_module))
 
-        def run(*args: Any) -> Any:
-            for i, t in frozen:
-                # a module's float (bn.eps) comes as a new 0-d tensor each call: its value counts
-                if args[i] is not t and not (t.dim() == 0 and torch.equal(args[i], t)):
-                    # the graph as dynamo gave it reads the new tensor
-                    _warn_reassigned()
-                    return as_given(*args)
-            return compiled(*[args[i] for i in kept])
-
-        return run
+    def compile_fn(gm: fx.GraphModule, example_inputs: list) -> Callable:
+        return _FrozenGraph(gm, example_inputs, build).run
 
     return compile_fn
+
+
+#: parameter sets one dynamo graph is rewritten for (instances of one module class
+#: compiled apart share dynamo's graph); past it, calls run the graph as dynamo gave it
+MAX_VARIANTS = 64
+
+
+@attrs.define(eq=False)
+class _Variant:
+    """A dynamo graph rewritten for one set of module tensors (frozen into it)."""
+
+    kept: tuple  # the positions of the inputs the rewritten graph still takes
+    compiled: Callable
+    written: tuple = ()  # the positions of the frozen tensors the graph writes in place
+    versions: tuple = ()  # the frozen tensors' (version counter, write count) after the last run
+    clock: int = -1  # the write clock after the last run
+    changed_last: bool = False  # a write between calls was seen on the previous call
+
+
+class _FrozenGraph:
+    """One graph dynamo handed the backend, run as rewritten with the module tensors
+    frozen into it. A call with other module tensors (another instance of the module
+    class sharing dynamo's graph) gets a variant of its own, rewritten for them; a
+    tensor the model replaced on two calls running (``self.step = self.step + 1``)
+    makes the graph run as dynamo gave it (warned). A frozen tensor written in place
+    between calls (by another graph of the model: a training step's batch norm, whose
+    kernel bumps no version counter, is counted by ``_WRITES``; an in-place op or
+    ``load_state_dict`` by the version counter) makes the variant rewritten again for
+    its new values; written between every two calls, the graph runs as dynamo gave it
+    (warned): a constant the rules folded from it would be stale. A variant whose
+    tensors are gone (a model deleted) is dropped."""
+
+    def __init__(self, as_given: fx.GraphModule, example_inputs: list, build: Callable) -> None:
+        self.as_given, self.build = as_given, build
+        # dynamo strips its graph's metadata (the inputs' sources and fake values)
+        # once compiled: a variant built later starts from this copy
+        self.template = _LazyGraphModule(as_given, copy.deepcopy(as_given.graph))
+        first = build(self.template, example_inputs)
+        kept = set(first.kept)
+        frozen = [i for i in range(len(example_inputs)) if i not in kept]
+        # a module's float (bn.eps) comes as a new 0-d tensor each call: its value counts
+        self.scalars = tuple(i for i in frozen if _module_scalar_at(as_given, i, example_inputs[i]))
+        self.tensors = tuple(i for i in frozen if i not in self.scalars)
+        self.variants: dict = {}
+        self.owners: dict = {}  # variant key -> weak references to the model's tensors it froze
+        self.fallback = ""  # why calls run the graph as dynamo gave it, once they do
+        self.replaced_last = False  # the last new variant replaced one whose tensors were gone
+        self._keep(example_inputs, first)
+
+    def _key(self, args: Any) -> tuple:
+        return tuple(id(args[i]) for i in self.tensors), tuple(float(args[i]) for i in self.scalars)
+
+    def _generation(self, args: Any) -> tuple:
+        return tuple((args[i]._version, _writes_of(args[i])) for i in self.tensors)
+
+    def _keep(self, args: Any, variant: _Variant) -> None:
+        key = self._key(args)
+        variant.versions, variant.clock = self._generation(args), _WRITE_CLOCK[0]
+        self.variants[key] = variant
+        self.owners[key] = tuple(weakref.ref(args[i]) for i in self.tensors)
+
+    def _forget_replaced(self) -> bool:
+        """Drop the variants whose model tensors are gone (the model replaced one, or
+        the model itself is gone); whether there were any."""
+        gone = [key for key, refs in self.owners.items() if any(ref() is None for ref in refs)]
+        for key in gone:
+            del self.variants[key], self.owners[key]
+        return bool(gone)
+
+    def _written_since(self, variant: _Variant, args: Any) -> bool:
+        if variant.clock == _WRITE_CLOCK[0]:  # no graph wrote a frozen tensor since: versions only
+            return any(args[i]._version != v for i, (v, _) in zip(self.tensors, variant.versions))
+        return self._generation(args) != variant.versions
+
+    def run(self, *args: Any) -> Any:
+        if self.fallback:
+            return self.as_given(*args)
+        key = self._key(args)
+        variant = self.variants.get(key)
+        if variant is None or any(ref() is not args[i] for ref, i in zip(self.owners[key], self.tensors)):
+            replaced = self._forget_replaced()
+            if replaced and self.replaced_last:  # one more tensor each call: no variant would run twice
+                return self._fall_back(args, _REASSIGNED)
+            self.replaced_last = replaced
+            if len(self.variants) >= MAX_VARIANTS:
+                return self._fall_back(args, _TOO_MANY)
+            variant = self.build(self.template, list(args))
+            self._keep(args, variant)
+        elif self._written_since(variant, args):
+            if variant.changed_last:
+                return self._fall_back(args, _WRITTEN)
+            variant = self.build(self.template, list(args))  # folded again from the new values
+            self._keep(args, variant)
+            variant.changed_last = True
+        else:
+            variant.changed_last = False
+        out = variant.compiled(*[args[i] for i in variant.kept])
+        if variant.written:  # its kernels may bump no version counter: counted here
+            _WRITE_CLOCK[0] += 1
+            for i in variant.written:
+                _count_write(args[i])
+        variant.versions, variant.clock = self._generation(args), _WRITE_CLOCK[0]  # its own writes are no change
+        return out
+
+    def _fall_back(self, args: Any, why: str) -> Any:
+        self.fallback = why
+        self.variants.clear()
+        self.owners.clear()
+        warnings.warn(f"rewrite.backend: {why}: its calls run the graph as dynamo gave it, without the rules",
+                      stacklevel=3)
+        return self.as_given(*args)
+
+
+#: how often a graph the backend runs wrote each model tensor frozen into graphs
+#: (a batch norm's running statistics in training mode: its kernel bumps no version
+#: counter), and a clock of all such writes (unchanged: nothing to look up per call)
+_WRITES: dict = {}  # id(tensor) -> [weak reference to it, writes]
+_WRITE_CLOCK = [0]
+
+
+def _writes_of(t: torch.Tensor) -> int:
+    entry = _WRITES.get(id(t))
+    return entry[1] if entry is not None and entry[0]() is t else 0
+
+
+def _count_write(t: torch.Tensor) -> None:
+    entry = _WRITES.get(id(t))
+    if entry is None or entry[0]() is not t:  # (a recycled id: another tensor's entry)
+        key = id(t)
+        entry = _WRITES[key] = [weakref.ref(t, lambda _, key=key: _WRITES.pop(key, None)), 0]
+    entry[1] += 1
+
+
+def _frozen_written(gm: fx.GraphModule) -> tuple:
+    """The input positions of the frozen tensors ``gm`` writes in place (through
+    views too); every frozen one where a write's target is not known."""
+    from rewrite.engine.aliasing import storage_base
+    from rewrite.ops.effects import written_nodes
+
+    frozen = gm.meta.get(FROZEN_INPUTS, {})
+    written: set = set()
+    for node in gm.graph.nodes:
+        for target in written_nodes(node, gm) if node.op != "output" else ():
+            base = storage_base(target, gm)
+            if isinstance(base, fx.Node) and base.op == "get_attr" and base.target in frozen:
+                written.add(frozen[base.target])
+            elif not (isinstance(base, fx.Node) and base.op in ("placeholder", "call_function", "call_method")):
+                written.update(frozen.values())
+    return tuple(sorted(written))
+
+
+_REASSIGNED = "the model replaced a parameter or buffer its graph was compiled with (self.step = self.step + 1)"
+_WRITTEN = ("the model writes in place a parameter or buffer its graph was compiled with, between every two calls "
+            "(another graph of it writes it): a constant the rules folded from it would be stale")
+_TOO_MANY = f"more than {MAX_VARIANTS} sets of parameters share one dynamo graph"
+
+
+def _module_scalar_at(gm: fx.GraphModule, index: int, example: Any) -> bool:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return _module_scalar(placeholders[index], example)
+
+
+def _validate_input_names(apply_options: dict) -> None:
+    """Under the backend, ``input_ranges`` and ``fixed_inputs`` name the forward's
+    arguments (``"b"``, ``"batch['lengths']"``): a dynamo graph takes them in an
+    order of its own (first use, sizes first), so a flat index would reach another."""
+    keys = list(apply_options.get("input_ranges") or {}) + list(apply_options.get("fixed_inputs") or ())
+    for key in keys:
+        if not (isinstance(key, str) and re.match(r"[A-Za-z_]\w*(\[.+\])?$", key)):
+            raise ValueError(f"rewrite.backend: input key {key!r}: name the forward's argument (input_ranges="
+                             "{'b': (0, 1)}, fixed_inputs=['lengths'], an item as \"batch['lengths']\"): a dynamo "
+                             "graph takes the model's inputs in an order of its own")
+
+
+def _graph_keys(gm: fx.GraphModule, kept: tuple, keys: Any) -> Any:
+    """``keys`` (by the forward's argument names) as the frozen graph's input
+    positions, by dynamo's source of each input (``L['b']``); a name the graph
+    does not take is left out (a graph dynamo split off)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    position = {}
+    for at, i in enumerate(kept):
+        source = getattr(placeholders[i].meta.get("grapharg"), "source", None)
+        if source is not None:
+            name = source.name if isinstance(source.name, str) else source.name()
+            position[name] = at
+
+    def spelled(key: str) -> str:
+        head, _, rest = key.partition("[")
+        return f"L[{head!r}]" + (f"[{rest}" if rest else "")
+    if isinstance(keys, dict):
+        return {position[spelled(k)]: v for k, v in keys.items() if spelled(k) in position}
+    return tuple(position[spelled(k)] for k in keys if spelled(k) in position)
 
 
 def _validate_options(where: str, check: Any, on_result: Any, apply_options: dict) -> None:
@@ -234,13 +429,6 @@ def _warn_no_gradients() -> None:  # once per place under the default filter (no
     warnings.warn("rewrite.backend freezes the model's parameters into the compiled graph: with gradients "
                   "enabled, they get none through it (the backend is for inference: compile model.eval() and "
                   "call it under torch.no_grad(); to train a rewritten model, use rewrite.qat)", stacklevel=3)
-
-
-@functools.lru_cache(maxsize=1)
-def _warn_reassigned() -> None:
-    warnings.warn("rewrite.backend: the model replaced a parameter or buffer its graph was compiled with "
-                  "(self.step = self.step + 1): such calls run the graph as dynamo gave it, without the rules",
-                  stacklevel=3)
 
 
 def _compiler(compiler: Any) -> Callable:

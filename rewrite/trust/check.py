@@ -110,7 +110,6 @@ __all__ = [
     "preserved_state",
     "random_like",
     "generate_inputs",
-    "keys_within",
     "validate_input_keys",
     "inputs_from_graph",
     "inputs_copy",
@@ -303,16 +302,6 @@ def _addresses(example_inputs: Any) -> Callable[[Any], bool]:
     paths = {pytree.keystr(kp) for kp, _ in leaves}
     return lambda k: ((isinstance(k, int) and not isinstance(k, bool) and 0 <= k < len(leaves))
                       or (isinstance(k, str) and k in paths))
-
-
-def keys_within(example_inputs: Any, keys: Any) -> Any:
-    """``keys`` (``fixed_inputs``, or ``input_ranges``' dict) less those that address
-    no leaf of ``example_inputs``: a graph dynamo split off takes fewer inputs than
-    the model, and the caller's keys name the model's."""
-    fits = _addresses(example_inputs)
-    if isinstance(keys, Mapping):
-        return {k: v for k, v in keys.items() if fits(k)}
-    return tuple(k for k in keys if fits(k))
 
 
 def validate_input_keys(example_inputs: Any, input_ranges: Optional[Mapping[InputKey, Range]],
