@@ -339,3 +339,12 @@ def test_a_compiler_returning_none_is_said_at_compile(dynamo_reset):
     compiled = torch.compile(_TwoInputs(), backend=rewrite.backend("rules/cleanup.rw", compiler=lambda gm, i: None))
     with pytest.raises(Exception, match="the compiler returned NoneType"):
         compiled(torch.rand(2), torch.rand(2))
+
+
+def test_explain_names_the_training_flag_of_a_train_mode_batch_norm():
+    """``explain`` said "False failed / expected: False / actual: True" (probe BT)."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).train()
+    x = torch.randn(2, 3, 8, 8)
+    gm = torch.export.export(model, (x,)).module()
+    (miss,) = rewrite.load("rules/fusion.rw").explain(gm, rule="conv_bn", example_inputs=(x,), limit=1)
+    assert "training=False failed" in str(miss) and "model.eval()" in str(miss)

@@ -85,6 +85,25 @@ def _describe(operand: Any, gm: fx.GraphModule) -> str:
     return repr(operand)
 
 
+def _param_of(pattern: Any, literal: Any) -> str | None:
+    """The parameter a pattern's literal is written for (``training`` of
+    ``batch_norm(..., training=False)``), or None (an item of a list)."""
+    stack = [pattern]
+    while stack:
+        p = stack.pop()
+        if isinstance(p, PCall):
+            for alt in p.alts:
+                for param, arg in alt.args:
+                    if arg is literal:
+                        return param
+                    stack.append(arg)
+        elif isinstance(p, PSeq):
+            stack.extend(p.items)
+        elif isinstance(p, PResults):
+            stack.append(p.call)
+    return None
+
+
 def _pattern_text(p: Any) -> str:
     if isinstance(p, PCall):
         names = " | ".join(dict.fromkeys(a.opdef.name for a in p.alts))
@@ -146,7 +165,12 @@ class _Explainer:
         elif isinstance(p, PDefault):
             self._note(depth, p.span, text, f"the default {p.value!r}", _describe(operand, self.gm), env)
         elif isinstance(p, PLit):
-            self._note(depth, p.span, text, repr(p.value), _describe(operand, self.gm), env)
+            param = _param_of(self.rule.pattern, p)
+            actual = _describe(operand, self.gm)
+            if param == "training" and p.value is False and operand is True:
+                actual += " (the op runs in training mode, on its batch's statistics: call model.eval() before " \
+                          "capturing)"
+            self._note(depth, p.span, f"{param}={text}" if param else text, repr(p.value), actual, env)
         elif isinstance(p, PSeq):
             self._note(depth, p.span, text, f"a sequence of {len(p.items)} items", _describe(operand, self.gm), env)
         elif isinstance(p, PResults):
