@@ -264,10 +264,10 @@ def test_a_buffer_another_graph_writes_is_not_a_stale_constant(dynamo_reset):
     x = torch.randn(2, 3, 8, 8)
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for _ in range(4):
+        for _ in range(8):
             assert torch.allclose(compiled(x), eager(x), atol=1e-5)
     assert any(r.counts.get("conv_bn") for r in results), "the rules ran"
-    assert any("between every two calls" in str(w.message) for w in caught)
+    assert any("between most calls" in str(w.message) for w in caught)
 
 
 def test_eval_after_training_steps_sees_the_new_statistics(dynamo_reset):
@@ -348,3 +348,79 @@ def test_explain_names_the_training_flag_of_a_train_mode_batch_norm():
     gm = torch.export.export(model, (x,)).module()
     (miss,) = rewrite.load("rules/fusion.rw").explain(gm, rule="conv_bn", example_inputs=(x,), limit=1)
     assert "training=False failed" in str(miss) and "model.eval()" in str(miss)
+
+
+def test_models_of_one_class_compiled_in_turn_each_get_the_rules(dynamo_reset):
+    """Each model dropped before the next of its class was compiled: from the third
+    on, the backend took the new tensors for a reassignment and ran without the rules
+    (probe CB F3); a model built under inference mode failed to compile (its tensors
+    have no version counter, CB F2)."""
+    import warnings
+
+    results = []
+    backend = rewrite.backend("rules/fusion.rw", on_result=results.append)
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(5):
+            model = _ConvBn().eval()
+            assert torch.allclose(torch.compile(model, backend=backend)(x), model(x), atol=1e-5)
+            del model
+        with torch.inference_mode():
+            model = _ConvBn().eval()
+            assert torch.allclose(torch.compile(model, backend=backend)(x), model(x), atol=1e-5)
+    assert [r.counts.get("conv_bn") for r in results] == [1] * 6
+    assert not [w for w in caught if "rewrite.backend" in str(w.message)]
+
+
+def test_a_parameter_given_new_data_is_rewritten_for_it(dynamo_reset):
+    """``p.data = ...`` hands the graph other memory: its own rewrite (CB F1)."""
+    model = _ConvBn().eval()
+    compiled = torch.compile(model, backend=rewrite.backend("rules/fusion.rw"))
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        compiled(x)
+        model.conv.weight.data = model.conv.weight.data * 2
+        model.bn.running_var.data = model.bn.running_var.data * 4
+        assert torch.allclose(compiled(x), model(x), atol=1e-5)
+
+
+def test_a_rewrite_for_new_values_that_fails_runs_dynamos_graph(dynamo_reset):
+    """A rule right only for the buffer's first values: after the write its rewrite
+    fails the check, and every later call raised it (and redid it; CB F6)."""
+    import warnings
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("w", torch.ones(3))
+
+        def forward(self, x):
+            return torch.relu(x * self.w)
+
+    model = Scaled().eval()
+    compiled = torch.compile(model, backend=rewrite.backend(rewrite.parse("rule drop: mul(x, _) => x")))
+    x = torch.randn(2, 3)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert torch.equal(compiled(x), model(x))
+        model.w.fill_(2.0)
+        for _ in range(3):
+            assert torch.equal(compiled(x), model(x))
+    assert sum("rewriting it again for new values failed" in str(w.message) for w in caught) == 1
+
+
+def test_backend_keys_read_an_item_in_either_quotes(dynamo_reset):
+    class Batch(nn.Module):
+        def forward(self, batch):
+            return torch.clamp(batch["p"], 0, 1) * 2
+
+    results = []
+    rules = rewrite.parse("rule clamp01: clamp(x, 0, 1) => x")
+    for key in ("batch['p']", 'batch["p"]', " batch[ 'p' ] "):
+        torch._dynamo.reset()
+        compiled = torch.compile(Batch(), backend=rewrite.backend(rules, input_ranges={key: (0.0, 1.0)},
+                                                                  on_result=results.append))
+        batch = {"p": torch.rand(4)}
+        assert torch.equal(compiled(batch), Batch()(batch))
+    assert [r.counts for r in results] == [{"clamp01": 1}] * 3

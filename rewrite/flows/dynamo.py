@@ -38,7 +38,6 @@ import os
 import operator
 import re
 import warnings
-import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -219,8 +218,8 @@ def backend(rules: Any, *, compiler: Any = "python", check: bool = True, on_resu
     return compile_fn
 
 
-#: parameter sets one dynamo graph is rewritten for (instances of one module class
-#: compiled apart share dynamo's graph); past it, calls run the graph as dynamo gave it
+#: parameter sets one dynamo graph keeps a rewrite for (instances of one module class
+#: compiled apart share dynamo's graph); past it, the least recently used goes
 MAX_VARIANTS = 64
 
 
@@ -231,23 +230,28 @@ class _Variant:
     kept: tuple  # the positions of the inputs the rewritten graph still takes
     compiled: Callable
     written: tuple = ()  # the positions of the frozen tensors the graph writes in place
-    versions: tuple = ()  # the frozen tensors' (version counter, write count) after the last run
+    versions: tuple = ()  # the frozen tensors' (version counter, writes counted) after the last run
+    pinned: tuple = ()  # aliases of the frozen tensors: their memory stays theirs
     clock: int = -1  # the write clock after the last run
-    changed_last: bool = False  # a write between calls was seen on the previous call
 
 
 class _FrozenGraph:
     """One graph dynamo handed the backend, run as rewritten with the module tensors
-    frozen into it. A call with other module tensors (another instance of the module
-    class sharing dynamo's graph) gets a variant of its own, rewritten for them; a
-    tensor the model replaced on two calls running (``self.step = self.step + 1``)
-    makes the graph run as dynamo gave it (warned). A frozen tensor written in place
-    between calls (by another graph of the model: a training step's batch norm, whose
-    kernel bumps no version counter, is counted by ``_WRITES``; an in-place op or
-    ``load_state_dict`` by the version counter) makes the variant rewritten again for
-    its new values; written between every two calls, the graph runs as dynamo gave it
-    (warned): a constant the rules folded from it would be stale. A variant whose
-    tensors are gone (a model deleted) is dropped."""
+    frozen into it, one variant per memory those tensors hold (instances of one
+    module class compiled apart share dynamo's graph; a tensor the model replaced,
+    ``self.step = self.step + 1`` or ``p.data = ...``, holds other memory): a call
+    with tensors in other memory gets a variant rewritten for them (the least
+    recently used of ``MAX_VARIANTS`` goes). A frozen tensor written in place between
+    calls (an in-place op or ``load_state_dict``: its version counter; a graph the
+    backend runs, such as a training step's batch norm, whose kernel bumps no
+    counter: ``_WRITES``) makes the variant rewritten again for its new values. A
+    graph rewritten on more than half of its calls (after ``_FREE_REBUILDS``: the
+    model replaces or writes its tensors on every call) or whose rewrite failed runs
+    as dynamo gave it (warned). Keys are memory addresses, not the tensors: the
+    backend holds no reference to the model's tensors (``swap_tensors`` refuses a
+    tensor something refers to weakly); a variant keeps its tensors' memory (through
+    aliases), so no other tensor takes an address while it is a key. A write no
+    counter sees (through ``.data`` or ``.numpy()``) is not seen."""
 
     def __init__(self, as_given: fx.GraphModule, example_inputs: list, build: Callable) -> None:
         self.as_given, self.build = as_given, build
@@ -260,94 +264,93 @@ class _FrozenGraph:
         # a module's float (bn.eps) comes as a new 0-d tensor each call: its value counts
         self.scalars = tuple(i for i in frozen if _module_scalar_at(as_given, i, example_inputs[i]))
         self.tensors = tuple(i for i in frozen if i not in self.scalars)
-        self.variants: dict = {}
-        self.owners: dict = {}  # variant key -> weak references to the model's tensors it froze
+        # an inference tensor has no version counter (nothing writes it outside inference mode)
+        self.counted = tuple(i for i in self.tensors if not example_inputs[i].is_inference())
+        self.variants: dict = {}  # key -> _Variant, least recently used first
         self.fallback = ""  # why calls run the graph as dynamo gave it, once they do
-        self.replaced_last = False  # the last new variant replaced one whose tensors were gone
+        self.calls = self.rebuilds = 0
         self._keep(example_inputs, first)
 
     def _key(self, args: Any) -> tuple:
-        return tuple(id(args[i]) for i in self.tensors), tuple(float(args[i]) for i in self.scalars)
+        return tuple(args[i].data_ptr() for i in self.tensors), tuple(float(args[i]) for i in self.scalars)
 
     def _generation(self, args: Any) -> tuple:
-        return tuple((args[i]._version, _writes_of(args[i])) for i in self.tensors)
+        return tuple((args[i]._version, _WRITES.get(args[i].data_ptr(), 0)) for i in self.counted)
 
     def _keep(self, args: Any, variant: _Variant) -> None:
         key = self._key(args)
         variant.versions, variant.clock = self._generation(args), _WRITE_CLOCK[0]
+        # its tensors' memory, kept (aliases, not the model's tensors): a key is that
+        # memory's address, which no other tensor gets while the variant lives
+        variant.pinned = tuple(args[i].detach() for i in self.tensors)
+        self.variants.pop(key, None)
         self.variants[key] = variant
-        self.owners[key] = tuple(weakref.ref(args[i]) for i in self.tensors)
-
-    def _forget_replaced(self) -> bool:
-        """Drop the variants whose model tensors are gone (the model replaced one, or
-        the model itself is gone); whether there were any."""
-        gone = [key for key, refs in self.owners.items() if any(ref() is None for ref in refs)]
-        for key in gone:
-            del self.variants[key], self.owners[key]
-        return bool(gone)
+        while len(self.variants) > MAX_VARIANTS:
+            del self.variants[next(iter(self.variants))]
 
     def _written_since(self, variant: _Variant, args: Any) -> bool:
         if variant.clock == _WRITE_CLOCK[0]:  # no graph wrote a frozen tensor since: versions only
-            return any(args[i]._version != v for i, (v, _) in zip(self.tensors, variant.versions))
+            return any(args[i]._version != v for i, (v, _) in zip(self.counted, variant.versions))
         return self._generation(args) != variant.versions
+
+    def _rebuilt(self, args: Any, why: str) -> _Variant | None:
+        """A variant rewritten for ``args``' tensors, or None once the graph falls back."""
+        self.rebuilds += 1
+        if self.rebuilds > _FREE_REBUILDS and 2 * self.rebuilds > self.calls:
+            self._fall_back(why)
+            return None
+        try:
+            variant = self.build(self.template, list(args))
+        except Exception as err:  # noqa: BLE001 - the rules fail on these values: dynamo's graph computes them
+            self._fall_back(f"rewriting it again for new values failed ({type(err).__name__}: {err})")
+            return None
+        self._keep(args, variant)
+        return variant
 
     def run(self, *args: Any) -> Any:
         if self.fallback:
             return self.as_given(*args)
+        self.calls += 1
         key = self._key(args)
         variant = self.variants.get(key)
-        if variant is None or any(ref() is not args[i] for ref, i in zip(self.owners[key], self.tensors)):
-            replaced = self._forget_replaced()
-            if replaced and self.replaced_last:  # one more tensor each call: no variant would run twice
-                return self._fall_back(args, _REASSIGNED)
-            self.replaced_last = replaced
-            if len(self.variants) >= MAX_VARIANTS:
-                return self._fall_back(args, _TOO_MANY)
-            variant = self.build(self.template, list(args))
-            self._keep(args, variant)
+        if variant is None:
+            variant = self._rebuilt(args, _REPLACED)
         elif self._written_since(variant, args):
-            if variant.changed_last:
-                return self._fall_back(args, _WRITTEN)
-            variant = self.build(self.template, list(args))  # folded again from the new values
-            self._keep(args, variant)
-            variant.changed_last = True
-        else:
-            variant.changed_last = False
+            variant = self._rebuilt(args, _WRITTEN)  # folded again from the new values
+        elif key != next(reversed(self.variants)):
+            self.variants[key] = self.variants.pop(key)  # the most recently used
+        if variant is None:
+            return self.as_given(*args)
         out = variant.compiled(*[args[i] for i in variant.kept])
         if variant.written:  # its kernels may bump no version counter: counted here
             _WRITE_CLOCK[0] += 1
             for i in variant.written:
-                _count_write(args[i])
+                address = args[i].data_ptr()
+                _WRITES[address] = _WRITES.get(address, 0) + 1
         variant.versions, variant.clock = self._generation(args), _WRITE_CLOCK[0]  # its own writes are no change
         return out
 
-    def _fall_back(self, args: Any, why: str) -> Any:
+    def _fall_back(self, why: str) -> None:
         self.fallback = why
         self.variants.clear()
-        self.owners.clear()
         warnings.warn(f"rewrite.backend: {why}: its calls run the graph as dynamo gave it, without the rules",
-                      stacklevel=3)
-        return self.as_given(*args)
+                      stacklevel=4)
 
 
-#: how often a graph the backend runs wrote each model tensor frozen into graphs
-#: (a batch norm's running statistics in training mode: its kernel bumps no version
-#: counter), and a clock of all such writes (unchanged: nothing to look up per call)
-_WRITES: dict = {}  # id(tensor) -> [weak reference to it, writes]
+#: rewrites of one graph after its first that are always made; past them, a graph
+#: rewritten on more than half of its calls runs as dynamo gave it
+_FREE_REBUILDS = 4
+
+#: writes a graph the backend runs made into frozen tensors' memory (a batch norm's
+#: running statistics in training mode: its kernel bumps no version counter), by
+#: address, and a clock of all such writes (unchanged: nothing to look up per call)
+_WRITES: dict = {}
 _WRITE_CLOCK = [0]
 
-
-def _writes_of(t: torch.Tensor) -> int:
-    entry = _WRITES.get(id(t))
-    return entry[1] if entry is not None and entry[0]() is t else 0
-
-
-def _count_write(t: torch.Tensor) -> None:
-    entry = _WRITES.get(id(t))
-    if entry is None or entry[0]() is not t:  # (a recycled id: another tensor's entry)
-        key = id(t)
-        entry = _WRITES[key] = [weakref.ref(t, lambda _, key=key: _WRITES.pop(key, None)), 0]
-    entry[1] += 1
+_REPLACED = ("the model replaces a parameter or buffer its graph was compiled with on most calls "
+             "(self.step = self.step + 1)")
+_WRITTEN = ("the model writes in place a parameter or buffer its graph was compiled with between most calls "
+            "(another graph of it writes it): a constant the rules folded from it would be stale")
 
 
 def _frozen_written(gm: fx.GraphModule) -> tuple:
@@ -368,12 +371,6 @@ def _frozen_written(gm: fx.GraphModule) -> tuple:
     return tuple(sorted(written))
 
 
-_REASSIGNED = "the model replaced a parameter or buffer its graph was compiled with (self.step = self.step + 1)"
-_WRITTEN = ("the model writes in place a parameter or buffer its graph was compiled with, between every two calls "
-            "(another graph of it writes it): a constant the rules folded from it would be stale")
-_TOO_MANY = f"more than {MAX_VARIANTS} sets of parameters share one dynamo graph"
-
-
 def _module_scalar_at(gm: fx.GraphModule, index: int, example: Any) -> bool:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     return _module_scalar(placeholders[index], example)
@@ -385,7 +382,7 @@ def _validate_input_names(apply_options: dict) -> None:
     order of its own (first use, sizes first), so a flat index would reach another."""
     keys = list(apply_options.get("input_ranges") or {}) + list(apply_options.get("fixed_inputs") or ())
     for key in keys:
-        if not (isinstance(key, str) and re.match(r"[A-Za-z_]\w*(\[.+\])?$", key)):
+        if not (isinstance(key, str) and re.match(r"[A-Za-z_]\w*(\[.+\])?$", re.sub(r"\s+", "", key))):
             raise ValueError(f"rewrite.backend: input key {key!r}: name the forward's argument (input_ranges="
                              "{'b': (0, 1)}, fixed_inputs=['lengths'], an item as \"batch['lengths']\"): a dynamo "
                              "graph takes the model's inputs in an order of its own")
@@ -404,8 +401,9 @@ def _graph_keys(gm: fx.GraphModule, kept: tuple, keys: Any) -> Any:
             position[name] = at
 
     def spelled(key: str) -> str:
-        head, _, rest = key.partition("[")
-        return f"L[{head!r}]" + (f"[{rest}" if rest else "")
+        head, _, rest = re.sub(r"\s+", "", key).partition("[")
+        rest = re.sub(r'\["([^"\]]*)"\]', r"['\1']", f"[{rest}") if rest else ""  # batch["x"] is batch['x']
+        return f"L[{head!r}]" + rest
     if isinstance(keys, dict):
         return {position[spelled(k)]: v for k, v in keys.items() if spelled(k) in position}
     return tuple(position[spelled(k)] for k in keys if spelled(k) in position)
