@@ -424,3 +424,44 @@ def test_backend_keys_read_an_item_in_either_quotes(dynamo_reset):
         batch = {"p": torch.rand(4)}
         assert torch.equal(compiled(batch), Batch()(batch))
     assert [r.counts for r in results] == [{"clamp01": 1}] * 3
+
+
+# ---------------------------------------------------------------- probe CA: onednn conv + add
+
+
+class _ResidualReadTwice(nn.Module):
+    """The residual is read again after its conv + add, by a second branch; and a
+    block whose conv reads the tensor it is added to."""
+
+    def __init__(self, self_add: bool):
+        super().__init__()
+        self.self_add = self_add
+        self.c1, self.c0 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+        self.c2, self.c3 = nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x):
+        x = torch.relu(self.c1(x))
+        if self.self_add:
+            return torch.relu(self.c2(x) + x)
+        y = torch.relu(self.c2(torch.relu(self.c0(x))) + x)
+        return y + self.c3(x)
+
+
+@pytest.mark.skipif("onednn" not in torch.backends.quantized.supported_engines, reason="no onednn engine")
+@pytest.mark.parametrize("self_add", [False, True])
+def test_onednn_conv_add_leaves_its_accumulator_as_it_was(self_add):
+    """In channels_last onednn's conv2d_add sums into the accumulator's memory: a
+    residual read again later (or the conv's own input, ``relu(conv(x) + x)``, which
+    no rule lowered before) was overwritten; the int8 model disagreed with its QDQ
+    reference (SQNR 2-12 dB, a ``QuantizationError``). Found by probe CA."""
+    import rewrite.quant as rq
+
+    torch.manual_seed(0)
+    model, x = _ResidualReadTwice(self_add).eval(), torch.randn(2, 3, 16, 16)
+    gm = torch.export.export(model, (x,)).module()
+    int8 = rq.quantize(gm, [x], backend="onednn", ruleset="onednn")
+    state = int8.meta["rewrite.quant"]
+    assert state["qdq_sqnr"] >= 30, state["qdq_sqnr"]
+    lowered = state["lower_counts"]
+    assert lowered.get("lower_conv_add_relu_self" if self_add else "lower_conv_add_relu") == 1, lowered
+    assert "left in float" not in str(rq.coverage(int8)) or "none left in float" in str(rq.coverage(int8))

@@ -886,9 +886,13 @@ class QuantizedConvAdd(_PaddedWindows, QuantizedModule):
         if self._needs_reference(x):
             return self._reference(x, accum)
         # onednn reads the accumulator in the input's memory format
-        if x.is_contiguous(memory_format=torch.channels_last) != accum.is_contiguous(memory_format=torch.channels_last):
-            fmt = torch.channels_last if x.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format
-            accum = accum.contiguous(memory_format=fmt)
+        channels_last = x.is_contiguous(memory_format=torch.channels_last)
+        if channels_last != accum.is_contiguous(memory_format=torch.channels_last):
+            accum = accum.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+        elif channels_last:
+            # in channels_last onednn sums into the accumulator's memory and returns it:
+            # a copy, so the value (read again later, or the conv's own input) stays
+            accum = accum.clone(memory_format=torch.channels_last)
         return self._op(x, accum, self._packed, self.scale, self.zero_point)
 
     def extra_repr(self) -> str:
