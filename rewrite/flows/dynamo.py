@@ -230,9 +230,10 @@ class _Variant:
     kept: tuple  # the positions of the inputs the rewritten graph still takes
     compiled: Callable
     written: tuple = ()  # the positions of the frozen tensors the graph writes in place
-    versions: tuple = ()  # the frozen tensors' (version counter, writes counted) after the last run
+    versions: tuple = ()  # the frozen tensors' version counters after the last run
+    writes: tuple = ()  # the writes counted in their memory, as of ``clock``
+    clock: int = -1  # the write clock when ``writes`` was read
     pinned: tuple = ()  # aliases of the frozen tensors: their memory stays theirs
-    clock: int = -1  # the write clock after the last run
 
 
 class _FrozenGraph:
@@ -245,13 +246,14 @@ class _FrozenGraph:
     calls (an in-place op or ``load_state_dict``: its version counter; a graph the
     backend runs, such as a training step's batch norm, whose kernel bumps no
     counter: ``_WRITES``) makes the variant rewritten again for its new values. A
-    graph rewritten on more than half of its calls (after ``_FREE_REBUILDS``: the
+    graph rewritten on more than a quarter of its calls (after ``_FREE_REBUILDS``: the
     model replaces or writes its tensors on every call) or whose rewrite failed runs
-    as dynamo gave it (warned). Keys are memory addresses, not the tensors: the
-    backend holds no reference to the model's tensors (``swap_tensors`` refuses a
-    tensor something refers to weakly); a variant keeps its tensors' memory (through
-    aliases), so no other tensor takes an address while it is a key. A write no
-    counter sees (through ``.data`` or ``.numpy()``) is not seen."""
+    as dynamo gave it (warned). Keys are memory addresses and the tensors' ids, not
+    the tensors: the backend holds no reference to the model's tensors
+    (``swap_tensors`` refuses a tensor something refers to weakly); a variant keeps
+    its tensors' memory (through aliases), so no other tensor takes an address while
+    it is a key. A write no counter sees (through ``.data`` or ``.numpy()``; any
+    write to an inference tensor, which has no counter) is not seen."""
 
     def __init__(self, as_given: fx.GraphModule, example_inputs: list, build: Callable) -> None:
         self.as_given, self.build = as_given, build
@@ -272,14 +274,29 @@ class _FrozenGraph:
         self._keep(example_inputs, first)
 
     def _key(self, args: Any) -> tuple:
-        return tuple(args[i].data_ptr() for i in self.tensors), tuple(float(args[i]) for i in self.scalars)
+        # the memory and the tensor (swapping ``.data`` between two instances hands one
+        # tensor the other's memory): a key no other tensor has while the variant lives
+        return (tuple((args[i].data_ptr(), id(args[i])) for i in self.tensors),
+                tuple(float(args[i]) for i in self.scalars))
 
-    def _generation(self, args: Any) -> tuple:
-        return tuple((args[i]._version, _WRITES.get(args[i].data_ptr(), 0)) for i in self.counted)
+    def _versions(self, args: Any) -> tuple:
+        return tuple(args[i]._version for i in self.counted)
+
+    def _writes(self, args: Any) -> tuple:
+        return tuple(_WRITES.get(args[i].untyped_storage().data_ptr(), 0) for i in self.tensors)
+
+    def _note_state(self, variant: _Variant, args: Any) -> None:
+        """What ``variant``'s tensors hold now, to tell a later write: their version
+        counters, and (when a graph wrote a frozen tensor since last asked) the writes
+        counted in their memory."""
+        variant.versions = self._versions(args)
+        if variant.clock != _WRITE_CLOCK[0]:
+            variant.writes, variant.clock = self._writes(args), _WRITE_CLOCK[0]
 
     def _keep(self, args: Any, variant: _Variant) -> None:
         key = self._key(args)
-        variant.versions, variant.clock = self._generation(args), _WRITE_CLOCK[0]
+        variant.clock = -1
+        self._note_state(variant, args)
         # its tensors' memory, kept (aliases, not the model's tensors): a key is that
         # memory's address, which no other tensor gets while the variant lives
         variant.pinned = tuple(args[i].detach() for i in self.tensors)
@@ -289,14 +306,15 @@ class _FrozenGraph:
             del self.variants[next(iter(self.variants))]
 
     def _written_since(self, variant: _Variant, args: Any) -> bool:
-        if variant.clock == _WRITE_CLOCK[0]:  # no graph wrote a frozen tensor since: versions only
-            return any(args[i]._version != v for i, (v, _) in zip(self.counted, variant.versions))
-        return self._generation(args) != variant.versions
+        if self._versions(args) != variant.versions:
+            return True
+        # no graph wrote a frozen tensor since: nothing more to look up
+        return variant.clock != _WRITE_CLOCK[0] and self._writes(args) != variant.writes
 
     def _rebuilt(self, args: Any, why: str) -> _Variant | None:
         """A variant rewritten for ``args``' tensors, or None once the graph falls back."""
         self.rebuilds += 1
-        if self.rebuilds > _FREE_REBUILDS and 2 * self.rebuilds > self.calls:
+        if self.rebuilds > _FREE_REBUILDS and _REBUILD_SHARE * self.rebuilds > self.calls:
             self._fall_back(why)
             return None
         try:
@@ -322,12 +340,12 @@ class _FrozenGraph:
         if variant is None:
             return self.as_given(*args)
         out = variant.compiled(*[args[i] for i in variant.kept])
-        if variant.written:  # its kernels may bump no version counter: counted here
+        if variant.written:  # its kernels may bump no version counter: counted here, by memory
             _WRITE_CLOCK[0] += 1
             for i in variant.written:
-                address = args[i].data_ptr()
+                address = args[i].untyped_storage().data_ptr()
                 _WRITES[address] = _WRITES.get(address, 0) + 1
-        variant.versions, variant.clock = self._generation(args), _WRITE_CLOCK[0]  # its own writes are no change
+        self._note_state(variant, args)  # its own writes are no change
         return out
 
     def _fall_back(self, why: str) -> None:
@@ -338,18 +356,20 @@ class _FrozenGraph:
 
 
 #: rewrites of one graph after its first that are always made; past them, a graph
-#: rewritten on more than half of its calls runs as dynamo gave it
+#: rewritten on more than one call in ``_REBUILD_SHARE`` runs as dynamo gave it
 _FREE_REBUILDS = 4
+_REBUILD_SHARE = 4
 
 #: writes a graph the backend runs made into frozen tensors' memory (a batch norm's
-#: running statistics in training mode: its kernel bumps no version counter), by
-#: address, and a clock of all such writes (unchanged: nothing to look up per call)
+#: running statistics in training mode: its kernel bumps no version counter), by the
+#: address of the storage (a view at an offset is written too), and a clock of all
+#: such writes (unchanged: nothing to look up per call)
 _WRITES: dict = {}
 _WRITE_CLOCK = [0]
 
-_REPLACED = ("the model replaces a parameter or buffer its graph was compiled with on most calls "
+_REPLACED = ("the model replaces a parameter or buffer its graph was compiled with on many calls "
              "(self.step = self.step + 1)")
-_WRITTEN = ("the model writes in place a parameter or buffer its graph was compiled with between most calls "
+_WRITTEN = ("the model writes in place a parameter or buffer its graph was compiled with between many calls "
             "(another graph of it writes it): a constant the rules folded from it would be stale")
 
 

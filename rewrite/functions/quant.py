@@ -885,14 +885,12 @@ class QuantizedConvAdd(_PaddedWindows, QuantizedModule):
     def forward(self, x: torch.Tensor, accum: torch.Tensor) -> torch.Tensor:
         if self._needs_reference(x):
             return self._reference(x, accum)
-        # onednn reads the accumulator in the input's memory format
-        channels_last = x.is_contiguous(memory_format=torch.channels_last)
-        if channels_last != accum.is_contiguous(memory_format=torch.channels_last):
-            accum = accum.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
-        elif channels_last:
-            # in channels_last onednn sums into the accumulator's memory and returns it:
-            # a copy, so the value (read again later, or the conv's own input) stays
-            accum = accum.clone(memory_format=torch.channels_last)
+        # onednn reads the accumulator in the input's memory format, and may sum into
+        # its memory and return it (channels_last; a 1x1 map in either layout): always
+        # a copy, so the value (read again later, or the conv's own input) stays
+        fmt = torch.channels_last if x.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format
+        laid = accum.contiguous(memory_format=fmt)
+        accum = laid if laid is not accum else accum.clone(memory_format=fmt)
         return self._op(x, accum, self._packed, self.scale, self.zero_point)
 
     def extra_repr(self) -> str:
