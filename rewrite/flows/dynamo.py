@@ -206,11 +206,12 @@ def backend(rules: Any, *, compiler: Any = "python", check: bool = True, on_resu
             result = rules.apply(gm, example_inputs=tuple(kept_inputs), check=check, **{"inplace": True, **options})
         if on_result is not None:
             on_result(result)
+        written = _frozen_written(result.graph_module)  # read before a compiler may change the graph
         compiled = compile_graph(result.graph_module, kept_inputs)
         if not callable(compiled):
             raise TypeError(f"rewrite.backend: the compiler returned {type(compiled).__name__}, not a callable "
                             "running the graph (a backend is (gm, example_inputs) -> callable)")
-        return _Variant(kept, compiled, written=_frozen_written(result.graph_module))
+        return _Variant(kept, compiled, written=written)
 
     def compile_fn(gm: fx.GraphModule, example_inputs: list) -> Callable:
         return _FrozenGraph(gm, example_inputs, build).run
