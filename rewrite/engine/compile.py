@@ -19,7 +19,7 @@ variables) so most failing candidates are rejected before any recursion.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Iterator
 
 import attrs
 
@@ -35,6 +35,7 @@ from rewrite.ops.forms import literal_expansion, strictest_expansion
 __all__ = [
     "PCall", "PVar", "PWild", "PLit", "PDefault", "PSeq", "PResults", "ROp", "RVar", "RLit", "RSeq",
     "RConst", "RModule", "RResults", "CompiledRule", "compile_rule", "CompileError", "DTYPES",
+    "pattern_arguments", "variable_expansions",
 ]
 
 
@@ -127,28 +128,32 @@ def _split(args: tuple) -> tuple:
             tuple((n, p) for n, p in args if isinstance(p, (PCall, PSeq, PResults))))
 
 
+def pattern_arguments(pattern: Any) -> Iterator[tuple]:
+    """``(op, param, pattern)`` of every argument written in ``pattern``: each call
+    alternative's, nested calls' and results' too; an item of a sequence has op and
+    param None (an int is no list of itself there)."""
+    stack = [(None, None, pattern)]
+    while stack:
+        op, param, p = stack.pop()
+        if p is not pattern:
+            yield op, param, p
+        if isinstance(p, PCall):
+            stack.extend((alt.opdef.name, name, arg) for alt in p.alts for name, arg in alt.args)
+        elif isinstance(p, PSeq):
+            stack.extend((None, None, item) for item in p.items)
+        elif isinstance(p, PResults):
+            stack.append((None, None, p.call))
+
+
 def variable_expansions(pattern: Any) -> dict:
     """Variable name -> how an int equals a list at the arguments it is bound at
-    (``same_arg``'s ``expand``): the strictest where a variable is bound at more
-    than one; an item of a sequence, never (an int is no list of itself there)."""
+    (``same_arg``'s ``expand``, ``literal_expansion``): the strictest where a
+    variable is bound at more than one; an item of a sequence, never."""
     out: dict = {}
-
-    def bind(name: str, expand: str) -> None:
-        out[name] = strictest_expansion(out.get(name, expand), expand)
-
-    def walk(p: Any, expand: str) -> None:
+    for op, param, p in pattern_arguments(pattern):
         if isinstance(p, PVar):
-            bind(p.name, expand)
-        elif isinstance(p, PCall):
-            for alt in p.alts:
-                for param, arg in alt.args:
-                    walk(arg, literal_expansion(alt.opdef.name, param))
-        elif isinstance(p, PSeq):
-            for item in p.items:
-                walk(item, "none")
-        elif isinstance(p, PResults):
-            walk(p.call, "none")
-    walk(pattern, "none")
+            expand = literal_expansion(op, param) if op is not None else "none"
+            out[p.name] = strictest_expansion(out.get(p.name, expand), expand)
     return out
 
 

@@ -290,7 +290,6 @@ def _comparison(e: Any, expansions: dict) -> Callable[[Any, Any], bool]:
     return _COMPARE[e.op]
 
 
-
 def _eval(e: Any, expansions: dict) -> Compiled:
     """Compile a condition (a where clause or a part of it); ``expansions`` as
     ``compile_where`` takes them."""

@@ -60,13 +60,19 @@ FROZEN_INPUTS = "rewrite_frozen_inputs"
 COMPILERS = ("python", "inductor")
 
 
-def _is_module_state(node: fx.Node, example: Any) -> bool:
-    # While the backend runs, meta["grapharg"] says where an input came from; dynamo
-    # deletes it after compiling but keeps node._dynamo_source; recorders may have
-    # saved it as meta["dynamo_source"].
+def _input_source(node: fx.Node) -> Any:
+    """Where a dynamo placeholder's input came from (``L['b']``,
+    ``L['self']._modules['conv']._parameters['weight']``), or None. While the backend
+    runs, meta["grapharg"] says so; dynamo deletes it after compiling but keeps
+    node._dynamo_source; recorders may have saved it as meta["dynamo_source"]."""
     source = getattr(node.meta.get("grapharg"), "source", None)
     if source is None:
         source = getattr(node, "_dynamo_source", None) or node.meta.get("dynamo_source")
+    return source
+
+
+def _is_module_state(node: fx.Node, example: Any) -> bool:
+    source = _input_source(node)
     if source is not None:
         return is_module_state_source(source)
     return isinstance(example, torch.nn.Parameter)
@@ -77,9 +83,7 @@ def _module_scalar(node: fx.Node, example: Any) -> bool:
     ``.item()`` (``bn.eps`` and ``bn.momentum`` under ``dynamic=True``)."""
     if not isinstance(example, torch.Tensor) or example.dim() != 0 or not example.is_floating_point():
         return False
-    source = getattr(node.meta.get("grapharg"), "source", None)
-    if source is None:
-        source = getattr(node, "_dynamo_source", None) or node.meta.get("dynamo_source")
+    source = _input_source(node)
     text = str(source)
     return source is not None and text.startswith("AttrSource(") and "NNModuleSource" in text and bool(node.users) \
         and all(u.op == "call_method" and u.target == "item" for u in node.users)
@@ -265,7 +269,8 @@ class _FrozenGraph:
         kept = set(first.kept)
         frozen = [i for i in range(len(example_inputs)) if i not in kept]
         # a module's float (bn.eps) comes as a new 0-d tensor each call: its value counts
-        self.scalars = tuple(i for i in frozen if _module_scalar_at(as_given, i, example_inputs[i]))
+        placeholders = self.template.graph.find_nodes(op="placeholder")
+        self.scalars = tuple(i for i in frozen if _module_scalar(placeholders[i], example_inputs[i]))
         self.tensors = tuple(i for i in frozen if i not in self.scalars)
         # an inference tensor has no version counter (nothing writes it outside inference mode)
         self.counted = tuple(i for i in self.tensors if not example_inputs[i].is_inference())
@@ -392,11 +397,6 @@ def _frozen_written(gm: fx.GraphModule) -> tuple:
     return tuple(sorted(written))
 
 
-def _module_scalar_at(gm: fx.GraphModule, index: int, example: Any) -> bool:
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    return _module_scalar(placeholders[index], example)
-
-
 def _validate_input_names(apply_options: dict) -> None:
     """Under the backend, ``input_ranges`` and ``fixed_inputs`` name the forward's
     arguments (``"b"``, ``"batch['lengths']"``): a dynamo graph takes them in an
@@ -416,7 +416,7 @@ def _graph_keys(gm: fx.GraphModule, kept: tuple, keys: Any) -> Any:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     position = {}
     for at, i in enumerate(kept):
-        source = getattr(placeholders[i].meta.get("grapharg"), "source", None)
+        source = _input_source(placeholders[i])
         if source is not None:
             name = source.name if isinstance(source.name, str) else source.name()
             position[name] = at

@@ -22,7 +22,7 @@ import attrs
 import torch
 import torch.fx as fx
 
-from rewrite.engine.compile import CompiledRule, PCall, PDefault, PLit, PResults, PSeq, PVar
+from rewrite.engine.compile import CompiledRule, PCall, PDefault, PLit, PResults, PSeq, PVar, pattern_arguments
 from rewrite.engine.facts import GraphFacts
 from rewrite.language import ast
 from rewrite.language.printer import format_expr
@@ -88,20 +88,7 @@ def _describe(operand: Any, gm: fx.GraphModule) -> str:
 def _param_of(pattern: Any, literal: Any) -> str | None:
     """The parameter a pattern's literal is written for (``training`` of
     ``batch_norm(..., training=False)``), or None (an item of a list)."""
-    stack = [pattern]
-    while stack:
-        p = stack.pop()
-        if isinstance(p, PCall):
-            for alt in p.alts:
-                for param, arg in alt.args:
-                    if arg is literal:
-                        return param
-                    stack.append(arg)
-        elif isinstance(p, PSeq):
-            stack.extend(p.items)
-        elif isinstance(p, PResults):
-            stack.append(p.call)
-    return None
+    return next((param for _, param, p in pattern_arguments(pattern) if p is literal), None)
 
 
 def _pattern_text(p: Any) -> str:
