@@ -228,6 +228,17 @@ rule scaled: rwtest.scale(x) where is_float(x) => add(x, x)
     assert [v.status for v in verify_rules(wrong, max_examples=30, seed=0).verdicts] == ["counterexample"]
 
 
+def test_a_counterexample_names_a_custom_op_by_its_library():
+    """The counterexample's graphs name a library's op as the rule does
+    (``rwtest2.twice``): every OpOverload was printed ``aten.<name>`` (probe CE F1),
+    an op that does not exist."""
+    report = verify_rules(rewrite.parse("rule wrong: rwtest2.twice(x) => add(x, 1)"), max_examples=10, seed=0)
+    assert [v.status for v in report.verdicts] == ["counterexample"]
+    text = str(report)
+    assert "= rwtest2.twice.default(%x)" in text, text
+    assert "aten.twice" not in text
+
+
 def test_cli_check_verify(tmp_path, capsys):
     from rewrite.cli import main
 

@@ -950,8 +950,9 @@ def _round(data: Any) -> Any:
 def _target_name(target: Any) -> str:
     if isinstance(target, str):
         return target
-    if isinstance(target, torch._ops.OpOverload):
-        return f"aten.{target._schema.name.split('::')[-1]}.{target._overloadname}"
+    if isinstance(target, torch._ops.OpOverload):  # by its namespace: aten's, a library's (mylib.twice)
+        namespace, _, name = target._schema.name.rpartition("::")
+        return f"{namespace or 'aten'}.{name}.{target._overloadname}"
     module = getattr(target, "__module__", None) or ""
     name = getattr(target, "__qualname__", None) or getattr(target, "__name__", repr(target))
     if module.startswith("torch.nn.functional"):
