@@ -24,7 +24,7 @@ from torch.nn.utils import fusion as _fusion
 
 from rewrite.engine.facts import Value
 from rewrite.engine.replace import RULE_KEY
-from rewrite.ops.vocabulary import bind_node
+from rewrite.ops.vocabulary import bind_node, forms_for_node
 from rewrite.functions.registry import (
     register_constant,
     register_module,
@@ -146,6 +146,8 @@ def _layout_from_inputs(node: Any, gm: Any) -> bool:
             return True
         if n.op == "get_attr":
             return _STOP
+        if not any(form.op in _LAYOUT_OPS for _, form in forms_for_node(n, gm)):
+            return _GO_ON  # carries its input's layout on however it binds (add, gelu...): no binding needed
         ops = bind_node(n, gm)
         if any(b.op in _RESHAPING for b in ops) and _copy_by_size(n):
             return True
@@ -157,6 +159,7 @@ def _layout_from_inputs(node: Any, gm: Any) -> bool:
 _STOP, _GO_ON = object(), object()
 #: ops that view their input where its strides allow, and copy it otherwise
 _RESHAPING = frozenset({"reshape", "flatten", "reshape_as", "unflatten"})
+_LAYOUT_OPS = _FRESH_LAYOUT | _RESHAPING
 
 
 def _copy_by_size(node: Any) -> bool:
