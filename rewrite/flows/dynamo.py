@@ -257,7 +257,8 @@ class _FrozenGraph:
     the tensors: the backend holds no reference to the model's tensors
     (``swap_tensors`` refuses a tensor something refers to weakly); a variant keeps
     its tensors' memory (through aliases), so no other tensor takes an address while
-    it is a key. A write no counter sees (through ``.data`` or ``.numpy()``; any
+    it is a key. The tensors dynamo puts in the graph itself (``get_attr``: the
+    parameters under Inductor's ``freezing``) count as frozen ones too. A write no counter sees (through ``.data`` or ``.numpy()``; any
     write to an inference tensor, which has no counter) is not seen."""
 
     def __init__(self, as_given: fx.GraphModule, example_inputs: list, build: Callable) -> None:
@@ -274,6 +275,10 @@ class _FrozenGraph:
         self.tensors = tuple(i for i in frozen if i not in self.scalars)
         # an inference tensor has no version counter (nothing writes it outside inference mode)
         self.counted = tuple(i for i in self.tensors if not example_inputs[i].is_inference())
+        # tensors dynamo put in the graph itself (the model's parameters under Inductor's
+        # ``freezing``, lifted constants): read, written and replaced as frozen inputs are
+        self.attributes = _attribute_tensors(self.template)
+        self.counted_attributes = tuple(t for t in self.attributes if not t.is_inference())
         self.variants: dict = {}  # key -> _Variant, least recently used first
         self.fallback = ""  # why calls run the graph as dynamo gave it, once they do
         self.calls = self.rebuilds = 0
@@ -283,10 +288,10 @@ class _FrozenGraph:
         # the memory and the tensor (swapping ``.data`` between two instances hands one
         # tensor the other's memory): a key no other tensor has while the variant lives
         return (tuple((args[i].data_ptr(), id(args[i])) for i in self.tensors),
-                tuple(float(args[i]) for i in self.scalars))
+                tuple(float(args[i]) for i in self.scalars), tuple(t.data_ptr() for t in self.attributes))
 
     def _versions(self, args: Any) -> tuple:
-        return tuple(args[i]._version for i in self.counted)
+        return tuple(args[i]._version for i in self.counted) + tuple(t._version for t in self.counted_attributes)
 
     def _writes(self, args: Any) -> tuple:
         return tuple(_WRITES.get(args[i].untyped_storage().data_ptr(), 0) for i in self.tensors)
@@ -305,7 +310,7 @@ class _FrozenGraph:
         self._note_state(variant, args)
         # its tensors' memory, kept (aliases, not the model's tensors): a key is that
         # memory's address, which no other tensor gets while the variant lives
-        variant.pinned = tuple(args[i].detach() for i in self.tensors)
+        variant.pinned = tuple(args[i].detach() for i in self.tensors) + tuple(t.detach() for t in self.attributes)
         self.variants.pop(key, None)
         self.variants[key] = variant
         while len(self.variants) > MAX_VARIANTS:
@@ -377,6 +382,19 @@ _REPLACED = ("the model replaces a parameter or buffer its graph was compiled wi
              "(self.step = self.step + 1)")
 _WRITTEN = ("the model writes in place a parameter or buffer its graph was compiled with between many calls "
             "(another graph of it writes it): a constant the rules folded from it would be stale")
+
+
+def _attribute_tensors(gm: fx.GraphModule) -> tuple:
+    """The tensors ``gm``'s ``get_attr`` nodes read, once each, in graph order."""
+    found: dict = {}
+    for node in gm.graph.find_nodes(op="get_attr"):
+        try:
+            value = _fetch(gm, node.target)
+        except AttributeError:
+            continue
+        if isinstance(value, torch.Tensor):
+            found.setdefault(id(value), value)
+    return tuple(found.values())
 
 
 def _frozen_written(gm: fx.GraphModule) -> tuple:
