@@ -60,3 +60,139 @@ def test_backend_sees_parameter_writes_under_inductor_freezing(inductor_freezing
         reference.c.weight.data = new.clone()
         torch.testing.assert_close(compiled(x), reference(x))
     assert len(results) == 4  # rewritten again for each change, not fallen back
+
+
+class _Accumulate(nn.Module):
+    def __init__(self, init):
+        super().__init__()
+        self.register_buffer("buf", init.clone())
+
+    def forward(self, x):
+        self.buf.add_(x)  # an accumulator written in place...
+        return self.buf[0]  # ...returned as a view of itself
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_check_compares_an_output_in_written_state_as_returned(inplace):
+    """An output that is a view of a buffer the forward writes was compared after the
+    state was put back for the next run: both models showed the restored zeros, and a
+    rule returning the wrong row passed with "max abs error 0" (probe CG F2, high)."""
+    x = torch.randn(2, 3)
+    gm = torch.export.export(_Accumulate(torch.zeros(2, 3)), (x,)).module()
+    wrong = rewrite.parse("rule wrong: select(b, 0, 0) => select(b, 0, 1)")
+    with pytest.raises(rewrite.EquivalenceError, match="output"):
+        wrong.apply(gm, example_inputs=(x,), inplace=inplace)
+    # the right rewrite of the same graph still passes, sharing the buffer as before
+    right = rewrite.parse("rule right: select(b, 0, 0) => select(b, 0, -2)")
+    result = right.apply(gm, example_inputs=(x,))
+    assert result.counts == {"right": 1}
+    reference = _Accumulate(torch.zeros(2, 3))
+    out = result.graph_module(x)
+    torch.testing.assert_close(out, reference(x))
+    assert out.untyped_storage().data_ptr() == result.graph_module.buf.untyped_storage().data_ptr()
+
+
+def test_check_still_sees_an_output_newly_sharing_written_state():
+    """Copies of state-memory outputs keep what they shared: a rewrite that returns the
+    buffer's row itself where the original returned a copy of it still fails."""
+    class Copying(_Accumulate):
+        def forward(self, x):
+            self.buf.add_(x)
+            return self.buf[0].clone()
+
+    from rewrite.trust.check import check_equivalence
+
+    x = torch.randn(2, 3)
+    report = check_equivalence(Copying(torch.zeros(2, 3)), _Accumulate(torch.zeros(2, 3)), (x,))
+    assert not report.ok and "shares memory" in report.first_mismatch.message, report
+    report = check_equivalence(_Accumulate(torch.zeros(2, 3)), Copying(torch.zeros(2, 3)), (x,))
+    assert not report.ok and "shares memory" in report.first_mismatch.message, report
+    assert check_equivalence(_Accumulate(torch.zeros(2, 3)), _Accumulate(torch.zeros(2, 3)), (x,)).ok
+
+
+class _Sampler(nn.Module):
+    def forward(self, scale: float):
+        base = torch.ones(4) * scale
+        u = torch.rand_like(base[0])  # a random decision inside the model
+        return torch.where(u > 0.5, base * 2, base * 3)
+
+
+def test_check_runs_repeated_inputs_of_a_model_drawing_random_numbers():
+    """A trial whose inputs equal an earlier trial's was skipped as "cannot tell",
+    but each trial runs from its own seed: for a model drawing random numbers a wrong
+    rule (right for one draw only) passed with "2 trial(s) skipped" (probe CG F1)."""
+    import torch.fx as fx
+
+    gm = fx.symbolic_trace(_Sampler())
+    with pytest.raises(rewrite.EquivalenceError, match="output"):
+        rewrite.parse("rule wrong: torch.where(_, _, b) => b").apply(gm, example_inputs=(1.0,))
+    # a model drawing nothing still skips them: its trials cannot differ
+    class Fixed(nn.Module):
+        def forward(self, scale: float):
+            return torch.relu(torch.relu(torch.ones(4) * scale))
+
+    result = rewrite.parse("rule rr: relu(relu(x)) => relu(x)").apply(fx.symbolic_trace(Fixed()),
+                                                                       example_inputs=(1.0,))
+    assert result.counts == {"rr": 1} and result.equivalence.skipped == 2
+
+
+class _LockedHolder:
+    def __init__(self):
+        import threading
+
+        self.lock = threading.Lock()  # deepcopy refuses it
+        self.t = torch.ones(3)
+
+
+class _ReadsHolder(nn.Module):
+    def forward(self, x, o):
+        return torch.relu(torch.relu(x)) + o.t
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_an_input_the_check_cannot_copy_is_refused_with_a_type_error(inplace):
+    """An input object holding a tensor and a lock: the first deepcopy attempt failed
+    halfway and left an emptied copy of its ``__dict__`` in the memo, which the second
+    attempt handed out: the model got an object without attributes and the check
+    blamed it (ModelRunError ... no attribute 't'), instead of the TypeError the README
+    promises (probe CG F3)."""
+    import torch.fx as fx
+
+    gm = fx.symbolic_trace(_ReadsHolder())
+    x, o = torch.randn(3), _LockedHolder()
+    with pytest.raises(TypeError, match="cannot copy it"):
+        rewrite.parse("rule rr: relu(relu(x)) => relu(x)").apply(gm, example_inputs=(x, o), inplace=inplace)
+    assert gm.code.count("torch.relu(") == 2 and torch.equal(gm(x, o), torch.relu(x) + 1)  # nothing half-applied
+
+
+class _TwoConvBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.c2, self.b2 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        return torch.sigmoid(self.b2(self.c2(torch.relu(self.b1(self.c1(x))))))
+
+
+def _index(graph):
+    """The graph's find_nodes index, its non-empty entries in their order."""
+    return {key: [n.name for n in nodes] for key, nodes in graph._find_nodes_lookup_table.table.items() if nodes}
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_a_failed_in_place_apply_puts_the_find_nodes_index_back(capture):
+    """Rolled back, the nodes a rewrite erased came back last in the graph's
+    find_nodes index: ``find_nodes(op="call_module", sort=False)`` listed c2, b2, c1,
+    b1 where it listed c1, b1, c2, b2 (probe CG F4)."""
+    import torch.fx as fx
+
+    x = torch.randn(2, 3, 8, 8)
+    model = _TwoConvBN().eval()
+    gm = fx.symbolic_trace(model) if capture == "fx" else torch.export.export(model, (x,)).module()
+    before, code = _index(gm.graph), gm.code
+    rules = rewrite.load("rules/fusion.rw") + rewrite.parse("rule broken: sigmoid(x) => relu(x)")
+    with pytest.raises(rewrite.EquivalenceError):
+        rules.apply(gm, example_inputs=(x,), inplace=True)
+    assert _index(gm.graph) == before
+    assert gm.code == code

@@ -445,6 +445,9 @@ class Journal:
         # restored in their order (a user regained would otherwise come last)
         self._users: dict = {}
         self._rewired: set = set()  # nodes whose arguments before the first rewire are recorded
+        # per key of the graph's find_nodes index that a node joined or left: its nodes
+        # before (``find_nodes(sort=False)`` lists them in that order), or _ABSENT
+        self._index: dict = {}
         namespace = self.graph._graph_namespace
         self._base_count = dict(namespace._base_count)
         self._modules = _module_snapshots(gm)
@@ -487,9 +490,11 @@ class Journal:
 
     def _on_create(self, node: fx.Node) -> None:
         self._entries.append((0, node, None, None, None))
+        self._note_index(node)
 
     def _on_erase(self, node: fx.Node) -> None:
         self._entries.append((1, node, node.prev, node.args, node.kwargs))
+        self._note_index(node)
         for i in node.all_input_nodes:
             if i not in self._users:
                 self._users[i] = list(i.users)
@@ -508,6 +513,28 @@ class Journal:
                     self._users[i] = list(i.users)
         if old not in self._users:
             self._users[old] = list(old.users)
+
+    def _note_index(self, node: fx.Node) -> None:
+        """The find_nodes index entry ``node`` is about to join or leave, as it is
+        (fx calls the hooks first): a node erased and put back would come last."""
+        lookup = self.graph._find_nodes_lookup_table
+        key = lookup._key(node)
+        if key not in self._index:
+            entry = lookup.table.get(key)
+            self._index[key] = _ABSENT if entry is None else list(entry)
+
+    def _restore_index(self) -> None:
+        table = self.graph._find_nodes_lookup_table.table
+        for key, order in self._index.items():
+            entry = table.get(key)
+            if order is _ABSENT:
+                if entry is not None and not entry:
+                    del table[key]
+            elif entry is None or list(entry) != order:
+                entry = table[key]
+                entry.clear()
+                entry.update(dict.fromkeys(order))
+        self._index.clear()
 
     def note_meta(self, node: fx.Node, key: str) -> None:
         """``node.meta[key]`` is about to be set on a node that existed before: a new
@@ -548,6 +575,7 @@ class Journal:
             namespace._obj_to_name.pop(node, None)
         self._entries.clear()
         self._rewired.clear()
+        self._restore_index()
         for node, order in self._users.items():
             users = node.users
             order = [u for u in order if u in users]  # users created meanwhile are gone

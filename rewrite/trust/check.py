@@ -586,6 +586,9 @@ class _Run:
     rng_after: Optional[torch.Tensor] = None
     #: every value of the run, by node (``rewrite.trust.reuse.Recording``), or None
     recorded: Any = None
+    #: ``_sharing`` of the outputs as returned, where ``outputs`` holds copies of
+    #: those in module state's memory (``_state_views_copied``); None: not taken apart
+    sharing: Optional[Tuple[set, Dict[str, tuple]]] = None
 
 
 @attrs.frozen
@@ -1065,8 +1068,28 @@ def _call_once(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool, watch: Op
                      if version_of(state[name]) != versions[name]
                      or (name in values_before and not _same_values(state[name], values_before[name]))}
     seen = static if static is not None else (frozenset(recorder.dtypes) if dtypes else frozenset())
-    return _Run(out, args, written, state_written, state, seen, watch.storages, lineage, requires_grad, roots,
-                rng_after=rng_after)
+    run = _Run(out, args, written, state_written, state, seen, watch.storages, lineage, requires_grad, roots,
+               rng_after=rng_after)
+    if watch.storages and any(_storage(t) in watch.storages for t in pytree.tree_leaves(out)):
+        # an output in module state's memory (``buf[0]`` of a buffer the call wrote)
+        # would show the state as put back for the next run, in both models alike
+        run = attrs.evolve(run, outputs=_state_views_copied(out, watch.storages), sharing=_sharing(run))
+    return run
+
+
+def _state_views_copied(outputs: Any, storages: frozenset) -> Any:
+    """``outputs`` with each tensor in the memory of ``storages`` (module state) as a
+    tensor over a copy of that memory: the values the call returned, with the same
+    strides, offset and storage size (what ``_layout_change`` and ``_retained_memory``
+    read); ``_Run.sharing`` keeps which memory they shared."""
+    def copied(t: Any) -> Any:
+        if _storage(t) not in storages or t.layout != torch.strided:
+            return t
+        with torch.no_grad():
+            return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+                t.untyped_storage().clone(), t.storage_offset(), t.size(), t.stride())
+
+    return pytree.tree_map(copied, outputs)
 
 
 @contextlib.contextmanager
@@ -1706,7 +1729,7 @@ def _side_effects(trial: int, ref: _Run, cand: _Run, kind: str, rtol: Optional[f
     newly computes in (``_new_precision``): what it writes (a train-mode batch
     norm's running statistics after a bfloat16 conv) is held to that precision's
     tolerance, as its outputs are."""
-    (ref_sharing, ref_groups), (cand_sharing, cand_groups) = _sharing(ref), _sharing(cand)
+    (ref_sharing, ref_groups), (cand_sharing, cand_groups) = ref.sharing or _sharing(ref), cand.sharing or _sharing(cand)
     gained = sorted(cand_sharing - ref_sharing)
     pair = gained[0] if gained else _shared_only_in(cand_groups, ref_groups)
     if pair is not None:
@@ -2212,7 +2235,8 @@ def check_equivalence(reference: Callable, candidate: Callable, example_inputs: 
 
     ``reference`` may be a ``Reference``: its runs are computed once and reused by
     every check against it (its own inputs settings then apply). Trials whose
-    inputs equal an earlier trial's are skipped and counted in ``report.skipped``.
+    inputs equal an earlier trial's are skipped and counted in ``report.skipped``,
+    unless the original drew random numbers (each trial has its own seed).
     """
     if tolerance not in ("exact", "approx"):
         raise ValueError(f"tolerance must be 'exact' or 'approx', not {tolerance!r}")
@@ -2265,8 +2289,9 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
         runner = active_runner(run_candidate) if records and not watch.dispatches(dtypes) else None
         plan = ReusePlan(run_candidate, runner.steps, reference._plan) if runner is not None else None
         compare = _Comparison(reference, run_candidate, state, tolerance, rtol, atol, int_agreement, quantum)
+        draws = False  # the original draws random numbers: a trial's own seed can tell, equal inputs or not
         for t in reference.trial_indices(trials):
-            if reference.repeats(t):
+            if reference.repeats(t) and not draws:
                 skipped += 1
                 continue
             try:
@@ -2276,6 +2301,7 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
                     raise
                 skipped += 1  # the smallest sizes: the program refuses them (its input guards)
                 continue
+            draws = draws or _drew_random(ref, seed + t)
             inputs = reference.inputs(t)
             if plan is not None and ref.recorded is not None:
                 runner.reuse = (plan, ref.recorded)
@@ -2321,6 +2347,11 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
             if mm is not None:
                 return EquivalenceReport(False, trials, worst_abs, worst_rel, mm, agreed, skipped)
     return EquivalenceReport(True, trials, worst_abs, worst_rel, None, agreed, skipped, empty=not compared)
+
+
+def _drew_random(run: _Run, seed: int) -> bool:
+    """Whether ``run`` (started from ``seed``) moved the CPU generator: it drew random numbers."""
+    return run.rng_after is not None and not torch.equal(run.rng_after, torch.Generator().manual_seed(seed).get_state())
 
 
 @attrs.frozen

@@ -83,16 +83,21 @@ def map_held(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     held = held_tensors(obj)
     if not held:
         return obj
-    memo: dict = {}
-    for t in held:
-        memo[id(t)] = fn(t)
-    memo[id(memo)] = [obj, held]  # copy.deepcopy's keep-alive list: the ids above stay valid
+    copies = {id(t): fn(t) for t in held}
+
+    def memo() -> dict:
+        # each attempt its own: a failed one leaves half-made copies in the memo it used
+        # (a dict emptied of what came after a lock), which a second would hand out
+        fresh = dict(copies)
+        fresh[id(fresh)] = [obj, held]  # copy.deepcopy's keep-alive list: the ids above stay valid
+        return fresh
+
     try:
-        return copy.deepcopy(obj, memo)
+        return copy.deepcopy(obj, memo())
     except Exception:  # noqa: BLE001 - a class whose __getattr__ answers for __deepcopy__ with a KeyError
         pass
     try:  # what deepcopy does for an object without __deepcopy__, asked directly
-        return copy._reconstruct(obj, memo, *obj.__reduce_ex__(4))
+        return copy._reconstruct(obj, memo(), *obj.__reduce_ex__(4))
     except Exception as err:  # noqa: BLE001 - any object that refuses to be copied
         raise TypeError(
             f"an example input of type {type(obj).__name__} holds tensors, and the check cannot copy it "
