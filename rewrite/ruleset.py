@@ -1155,9 +1155,13 @@ def _remove_unused(gm: fx.GraphModule, released_nodes: list, released_targets: s
 
 def _delete_emptied_owners(gm: fx.GraphModule, name: str, used_or_under: set) -> None:
     """Delete the module ``name`` and then its owners, up to the first one that is
-    referenced, holds something still (a parameter, a buffer, a submodule) or is
-    ``gm``: containers the rewrite emptied (export's ``layer1.0`` of folded weights).
-    A submodule the graph never called (a head the caller attached) stays."""
+    referenced, holds something still or is ``gm``: containers the rewrite emptied
+    (export's ``layer1.0`` of folded weights). ``name`` itself, which the rewrite
+    just deleted a tensor from, goes while it holds only tensors nothing reads: a
+    conv whose call an earlier rewrite replaced, its bias folded now, would stay
+    with its weight and without the bias its ``repr`` reads. A submodule the graph
+    never called (a head the caller attached) stays."""
+    first = True
     while name and name not in used_or_under:
         owner_name, _, attr = name.rpartition(".")
         try:
@@ -1165,11 +1169,11 @@ def _delete_emptied_owners(gm: fx.GraphModule, name: str, used_or_under: set) ->
             owner = gm.get_submodule(owner_name) if owner_name else gm
         except AttributeError:
             return
-        if any(v is not None for table in (module._parameters, module._buffers, module._modules)
-               for v in table.values()):
+        tables = (module._modules,) if first else (module._parameters, module._buffers, module._modules)
+        if any(v is not None for table in tables for v in table.values()):
             return
         delattr(owner, attr)
-        name = owner_name
+        name, first = owner_name, False
 
 
 def rules_dir() -> Path:
