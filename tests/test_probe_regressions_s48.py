@@ -240,3 +240,49 @@ def test_an_int8_cnn_keeps_no_float_leftovers(model_class, capture):
     repr(int8)  # every module left is whole
     assert not any(isinstance(m, (nn.Conv2d, nn.BatchNorm2d, nn.Linear)) for m in int8.modules())
     assert rq.sqnr(model(x), int8(x)) > 20
+
+
+class _SmallNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(3, 8, 3, padding=1)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.c(x)).mean((2, 3)))
+
+
+def test_the_quant_steps_say_what_they_take():
+    """Misused, the quantization API raised raw AttributeErrors (``coverage`` or
+    ``accuracy_report`` given the float model, ``rewrite.qat.convert`` of a float
+    model), reported every layer "not observed" for an observed model, took swapped
+    arguments and prepared an observed or int8 model again; a NaN calibration said
+    "saw no data" only (probe CF F3)."""
+    import rewrite.qat as rqat
+    import rewrite.quant as rq
+
+    torch.manual_seed(0)
+    model, x = _SmallNet().eval(), torch.randn(2, 3, 16, 16)
+    observed = rq.prepare(model, (x,))
+    rq.calibrate(observed, [x])
+    int8 = rq.convert(observed)
+    with pytest.raises(TypeError, match="coverage takes the int8 GraphModule"):
+        rq.coverage(model)
+    with pytest.raises(TypeError, match="not the observed model"):
+        rq.coverage(observed)
+    with pytest.raises(TypeError, match="observed model first"):
+        rq.accuracy_report(int8, observed, [x])
+    with pytest.raises(TypeError, match="accuracy_report takes the int8 GraphModule"):
+        rq.accuracy_report(observed, model, [x])
+    with pytest.raises(TypeError, match="already prepared"):
+        rq.prepare(observed, (x,))
+    with pytest.raises(TypeError, match="already converted"):
+        rq.prepare(int8, (x,))
+    with pytest.raises(rqat.QATError, match="prepare_qat returned"):
+        rqat.convert(model)
+    nan_observed = rq.prepare(model, (x,))
+    rq.calibrate(nan_observed, [torch.full_like(x, float("nan"))])
+    with pytest.raises(rq.QuantizationError, match="NaN"):
+        rq.convert(nan_observed)
+    assert "none left in float" in str(rq.coverage(int8))  # the right calls still work
+    assert rq.accuracy_report(observed, int8, [x]).coverage is not None

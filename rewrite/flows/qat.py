@@ -406,7 +406,7 @@ def convert(qat: fx.GraphModule, **options: Any) -> Any:
     """
     from rewrite.ops import detect_dialect
 
-    state = qat.meta.get(_META)
+    state = qat.meta.get(_META) if isinstance(qat, fx.GraphModule) else None
     if state is None:
         raise QATError("convert takes the GraphModule prepare_qat returned (it has no QAT metadata)")
     gm = copy.deepcopy(qat)

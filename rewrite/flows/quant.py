@@ -320,10 +320,14 @@ def _describe(node: Any, gm: fx.GraphModule) -> tuple:
 def _qparams(mod: Any, name: str) -> tuple:
     """(scale, zero_point) an observer computes; remembered on the observer until it
     sees more data (HistogramObserver's range search is convert's slowest step)."""
-    if not torch.isfinite(getattr(mod, "min_val", torch.tensor(0.0))).all():
+    low, high = getattr(mod, "min_val", torch.tensor(0.0)), getattr(mod, "max_val", torch.tensor(0.0))
+    if low.isnan().any() or high.isnan().any():
         raise QuantizationError(
-            f"observer {name!r} saw no data: run calibration batches through the prepared "
-            "model before convert()")
+            f"observer {name!r} saw NaN values: a calibration batch (or the model on it) has NaNs")
+    if not torch.isfinite(low).all():
+        raise QuantizationError(
+            f"observer {name!r} saw no data, or only NaN and infinite values: run calibration batches "
+            "(finite ones) through the prepared model before convert()")
     if mod.qscheme not in (torch.per_tensor_affine, torch.per_tensor_symmetric):
         raise QuantizationError(f"observer {name!r}: activations are quantized per tensor only")
     state = tuple(float(t.double().sum()) for t in (mod.min_val, mod.max_val, getattr(mod, "histogram", mod.min_val)))
@@ -442,6 +446,7 @@ def prepare(
     """
     import rewrite
 
+    _refuse_flow_output(model, "prepare")
     _set_backend(backend)
     if ruleset is None:
         ruleset = "onednn" if backend == "onednn" else "main"
@@ -472,6 +477,25 @@ def prepare(
 
 def _first_line(err: BaseException) -> str:
     return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
+def _refuse_flow_output(model: Any, step: str) -> None:
+    """``step`` takes a float model: one ``prepare`` or ``convert`` made already would
+    be observed twice, or its int8 kernels observed as float layers."""
+    state = getattr(model, "meta", {}).get(_META) if isinstance(model, fx.GraphModule) else None
+    if state is not None:
+        made = "converted (an int8 or QDQ model)" if "points" in state else "prepared (an observed model)"
+        raise TypeError(f"{step} takes a float model; this one is already {made}: pass the model it was made from")
+
+
+def _require_converted(int8: Any, step: str) -> None:
+    """``step`` takes a GraphModule; not a plain module nor an observed one."""
+    if not isinstance(int8, fx.GraphModule):
+        raise TypeError(f"{step} takes the int8 GraphModule that convert() or quantize() returned, "
+                        f"not {type(int8).__name__}")
+    if _observers(int8):
+        raise TypeError(f"{step} takes the int8 model convert() returned, not the observed model prepare() "
+                        "returned (its observers are still in)")
 
 
 def _require_prepared(observed: Any, step: str) -> None:
@@ -997,6 +1021,7 @@ def coverage(int8: fx.GraphModule) -> Coverage:
     from rewrite.functions.quant import QuantizedPad, module_path
     from rewrite.ops import bind_node
 
+    _require_converted(int8, "coverage")
     lowered: dict = {}
     left: list = []
     for node in int8.graph.nodes:
@@ -1226,6 +1251,10 @@ def accuracy_report(
     tensor they compute (``convert`` marks them).
     """
     _require_prepared(observed, "accuracy_report")
+    if "points" in observed.meta[_META]:
+        raise TypeError("accuracy_report takes the observed model first, then the int8 model: "
+                        "accuracy_report(observed, int8, batches)")
+    _require_converted(int8, "accuracy_report")
     require_batches(batches, "accuracy_report")
     points = int8.meta.get(_META, {}).get("points", [])
     sig: dict = {}
