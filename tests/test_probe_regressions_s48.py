@@ -2,7 +2,9 @@
 says what failed before)."""
 
 import copy
+import random
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -286,3 +288,158 @@ def test_the_quant_steps_say_what_they_take():
         rq.convert(nan_observed)
     assert "none left in float" in str(rq.coverage(int8))  # the right calls still work
     assert rq.accuracy_report(observed, int8, [x]).coverage is not None
+
+
+_ACCUMULATOR = torch.zeros(3, 3)  # a module-level tensor a wrapped helper writes
+
+
+@torch.fx.wrap
+def _accumulate(x):
+    _ACCUMULATOR.add_(x)
+    return _ACCUMULATOR
+
+
+class _GlobalRow(nn.Module):
+    def forward(self, x):
+        return _accumulate(x)[0]
+
+
+class _ListCache(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cache = [torch.zeros(3, 3)]  # a tensor the module keeps outside its buffers
+
+    def forward(self, x):
+        self.cache[0].add_(x)
+        return self.cache[0]
+
+
+def test_check_compares_an_output_in_memory_outside_the_model_as_returned():
+    """Outputs in memory outside the model (a global a wrapped helper writes, a tensor
+    a module keeps in a list) were compared after that memory was put back or written
+    by the other model's run: a wrong rule passed with error 0 (probe CH F1, high)."""
+    import torch.fx as fx
+
+    from rewrite.trust.check import check_equivalence
+
+    x = torch.randn(3, 3)
+    with pytest.raises(rewrite.EquivalenceError, match="output"):
+        rewrite.parse("rule wrong: getitem(b, 0) => getitem(b, 1)").apply(fx.symbolic_trace(_GlobalRow()),
+                                                                          example_inputs=(x,))
+
+    class Row(nn.Module):
+        def __init__(self, i):
+            super().__init__()
+            self.leaf, self.i = _ListCache(), i
+
+        def forward(self, x):
+            return self.leaf(x)[self.i]
+
+    assert not check_equivalence(Row(0), Row(1), (x,)).ok
+    assert check_equivalence(Row(0), Row(0), (x,)).ok
+
+
+def _threshold(draw, seed_with):
+    """A threshold between the draw of the check's trial 0 (seed 0) and that of a later
+    trial (seeds 1 and 2): the coin comes up differently in them."""
+    seed_with(0)
+    first = draw()
+    later = []
+    for seed in (1, 2):
+        seed_with(seed)
+        later.append(draw())
+    other = max(later) if first < max(later) else min(later)
+    return (first + other) / 2
+
+
+_PY_THRESHOLD = _threshold(random.random, random.seed)
+_NP_THRESHOLD = _threshold(np.random.rand, np.random.seed)
+
+
+@torch.fx.wrap
+def _python_coin(x):
+    return torch.tensor(random.random() > _PY_THRESHOLD)
+
+
+@torch.fx.wrap
+def _numpy_coin(x):
+    return torch.tensor(bool(np.random.rand() > _NP_THRESHOLD))
+
+
+class _PythonSampler(nn.Module):
+    def forward(self, scale: float):
+        base = torch.ones(4) * scale
+        return torch.where(_python_coin(base), base * 2, base * 3)
+
+
+class _NumpySampler(nn.Module):
+    def forward(self, scale: float):
+        base = torch.ones(4) * scale
+        return torch.where(_numpy_coin(base), base * 2, base * 3)
+
+
+@pytest.mark.parametrize("model_class", [_PythonSampler, _NumpySampler])
+@pytest.mark.parametrize("wrong", ["torch.where(_, _, b) => b", "torch.where(_, a, _) => a"])
+def test_check_runs_repeated_inputs_of_a_model_drawing_from_python_or_numpy(model_class, wrong):
+    """Only torch's generator told a model drawing random numbers: one drawing from
+    Python's ``random`` or numpy's still had its repeated trials skipped, and a rule
+    right for one draw passed (probe CH F2)."""
+    import torch.fx as fx
+
+    gm = fx.symbolic_trace(model_class())
+    with pytest.raises(rewrite.EquivalenceError, match="output"):
+        rewrite.parse(f"rule wrong: {wrong}").apply(gm, example_inputs=(1.0,))
+
+
+def test_a_qat_model_is_no_int8_model_nor_a_float_one():
+    """``coverage`` of ``prepare_qat``'s model said "no convs or linears", and
+    ``prepare`` took it (its convert then had no int8 kernel) (probe CH F4)."""
+    import rewrite.qat as rqat
+    import rewrite.quant as rq
+
+    torch.manual_seed(0)
+    model, x = _SmallNet().eval(), torch.randn(2, 3, 16, 16)
+    qat = rqat.prepare_qat(model, (x,), calibration=[x])
+    with pytest.raises(TypeError, match="prepare_qat"):
+        rq.coverage(qat)
+    with pytest.raises(TypeError, match="prepared for QAT"):
+        rq.prepare(qat, (x,))
+    int8 = rqat.convert(qat)
+    assert "none left in float" in str(rq.coverage(int8))
+
+
+class _ReluTwice(nn.Module):
+    def forward(self, x):
+        a = torch.relu(torch.neg(torch.neg(x)))  # this relu is rewired to read x
+        return torch.sigmoid(torch.relu(a * 2))
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_rollback_puts_a_rewired_node_back_in_its_index_place(capture):
+    """A node whose arguments a rewrite rewired moved last in the find_nodes index
+    when the rollback set them back (fx re-indexes a node on every attribute set):
+    ``find_nodes(target=relu, sort=False)`` gave relu_1, relu (probe CH F3)."""
+    import torch.fx as fx
+
+    x = torch.randn(4)
+    gm = fx.symbolic_trace(_ReluTwice()) if capture == "fx" else torch.export.export(_ReluTwice(), (x,)).module()
+    before, code = _index(gm.graph), gm.code
+    rules = rewrite.parse("rule negneg: neg(neg(x)) => x\nrule broken: sigmoid(x) => relu(x)")
+    with pytest.raises(rewrite.EquivalenceError):
+        rules.apply(gm, example_inputs=(x,), inplace=True)
+    assert _index(gm.graph) == before and gm.code == code
+
+
+def test_a_folded_batch_norm_of_an_export_graph_goes_whole():
+    """Export fetches a batch norm's ``num_batches_tracked`` and never reads it: after
+    the conv + batch norm fold the module stayed, holding it, and the result's
+    state_dict had the key (probe CH F5)."""
+    x = torch.randn(2, 3, 8, 8)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8)).eval()
+    gm = torch.export.export(model, (x,)).module()
+    result = rewrite.load("rules/fusion.rw").apply(gm, example_inputs=(x,))
+    assert sum(result.counts.values()) >= 1
+    assert not any("1." in key for key in result.graph_module.state_dict())  # nothing of the batch norm
+    assert "num_batches_tracked" not in result.graph_module.code
+    torch.testing.assert_close(result.graph_module(x), model(x), atol=1e-5, rtol=1e-5)
+    assert "num_batches_tracked" in gm.code  # the input keeps its own

@@ -506,6 +506,7 @@ class Journal:
         if user not in self._rewired:
             self._rewired.add(user)
             self._entries.append((2, user, None, user.args, user.kwargs))
+            self._note_index(user)  # undo sets its arguments back, which moves it last in the index
             # undo gives ``user`` its arguments back, which makes it a reader of each
             # of them anew (last): the order of their readers is put back after
             for i in user._input_nodes:

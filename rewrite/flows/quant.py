@@ -482,10 +482,22 @@ def _first_line(err: BaseException) -> str:
 def _refuse_flow_output(model: Any, step: str) -> None:
     """``step`` takes a float model: one ``prepare`` or ``convert`` made already would
     be observed twice, or its int8 kernels observed as float layers."""
-    state = getattr(model, "meta", {}).get(_META) if isinstance(model, fx.GraphModule) else None
-    if state is not None:
-        made = "converted (an int8 or QDQ model)" if "points" in state else "prepared (an observed model)"
+    if not isinstance(model, fx.GraphModule):
+        return
+    state = getattr(model, "meta", {}).get(_META)
+    made = None if state is None else \
+        "converted (an int8 or QDQ model)" if "points" in state else "prepared (an observed model)"
+    if made is None and _qat_nodes(model):
+        made = "prepared for QAT (prepare_qat's model: convert it with rewrite.qat.convert)"
+    if made is not None:
         raise TypeError(f"{step} takes a float model; this one is already {made}: pass the model it was made from")
+
+
+def _qat_nodes(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` runs fake quantizers or QAT layers (``prepare_qat``'s model)."""
+    from rewrite.functions.qat import is_fake_quant_node, is_qat_layer_node
+
+    return any(is_fake_quant_node(n, gm) or is_qat_layer_node(n, gm) for n in gm.graph.find_nodes(op="call_module"))
 
 
 def _require_converted(int8: Any, step: str) -> None:
@@ -496,6 +508,9 @@ def _require_converted(int8: Any, step: str) -> None:
     if _observers(int8):
         raise TypeError(f"{step} takes the int8 model convert() returned, not the observed model prepare() "
                         "returned (its observers are still in)")
+    if _qat_nodes(int8):
+        raise TypeError(f"{step} takes the int8 model convert() returned, not the QAT model prepare_qat() "
+                        "returned (convert it with rewrite.qat.convert first)")
 
 
 def _require_prepared(observed: Any, step: str) -> None:

@@ -84,7 +84,7 @@ from rewrite.trust.held import input_leaves, laid_out_copy, map_held
 from rewrite.trust.modes import autocast_off, is_higher_order, run_higher_order
 from rewrite.trust.nonfinite import non_finite_births
 from rewrite.trust.precision import HALF, NOISE_MULTIPLIER, computes_in_half, narrowed_run, rounding_noise, widened_run
-from rewrite.trust.rng import seeded
+from rewrite.trust.rng import host_generator_states, seeded
 from rewrite.trust.reuse import Recording, ReusePlan, record_plan, recordable
 from rewrite.trust.runner import GraphRunner, active_runner, call_with, running_as_graph, runs_generated_code
 from rewrite.trust.tolerance import (
@@ -587,8 +587,10 @@ class _Run:
     #: every value of the run, by node (``rewrite.trust.reuse.Recording``), or None
     recorded: Any = None
     #: ``_sharing`` of the outputs as returned, where ``outputs`` holds copies of
-    #: those in module state's memory (``_state_views_copied``); None: not taken apart
+    #: those in memory the run did not make (``_memory_copied``); None: not taken apart
     sharing: Optional[Tuple[set, Dict[str, tuple]]] = None
+    #: the call drew from Python's or numpy's generator (``seeded`` seeds them too)
+    host_drew: bool = False
 
 
 @attrs.frozen
@@ -1039,8 +1041,10 @@ def _call_once(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool, watch: Op
     else:
         grad_mode.enter_context(torch.no_grad())
     with grad_mode, seeded(rng_seed), recorder, uninitialized_filled():
+        host_before = host_generator_states()
         out = _fields_as_dicts(call_with(fn, args))
         rng_after = torch.get_rng_state()
+        host_drew = host_generator_states() != host_before
     requires_grad = roots = None
     if grad:
         flat, spec = pytree.tree_flatten(out)
@@ -1069,21 +1073,24 @@ def _call_once(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool, watch: Op
                      or (name in values_before and not _same_values(state[name], values_before[name]))}
     seen = static if static is not None else (frozenset(recorder.dtypes) if dtypes else frozenset())
     run = _Run(out, args, written, state_written, state, seen, watch.storages, lineage, requires_grad, roots,
-               rng_after=rng_after)
-    if watch.storages and any(_storage(t) in watch.storages for t in pytree.tree_leaves(out)):
-        # an output in module state's memory (``buf[0]`` of a buffer the call wrote)
-        # would show the state as put back for the next run, in both models alike
-        run = attrs.evolve(run, outputs=_state_views_copied(out, watch.storages), sharing=_sharing(run))
+               rng_after=rng_after, host_drew=host_drew)
+    own = {_storage(t) for t in leaves}
+    if any(_storage(t) not in own for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)):
+        # an output in memory the call did not make (``buf[0]`` of a buffer it wrote, a
+        # tensor a leaf module or a global keeps) would show that memory as the state is
+        # put back for the next run, or as the other model's run writes it
+        run = attrs.evolve(run, outputs=_memory_copied(out, own), sharing=_sharing(run))
     return run
 
 
-def _state_views_copied(outputs: Any, storages: frozenset) -> Any:
-    """``outputs`` with each tensor in the memory of ``storages`` (module state) as a
-    tensor over a copy of that memory: the values the call returned, with the same
-    strides, offset and storage size (what ``_layout_change`` and ``_retained_memory``
-    read); ``_Run.sharing`` keeps which memory they shared."""
+def _memory_copied(outputs: Any, own: set) -> Any:
+    """``outputs`` with each tensor outside the memory ``own`` (the run's private
+    inputs) as a tensor over a copy of its memory: the values the call returned, with
+    the same strides, offset and storage size (what ``_layout_change`` and
+    ``_retained_memory`` read); ``_Run.sharing`` keeps which memory they shared."""
     def copied(t: Any) -> Any:
-        if _storage(t) not in storages or t.layout != torch.strided:
+        if not isinstance(t, torch.Tensor) or _storage(t) in own or t.layout != torch.strided \
+                or type(t) not in (torch.Tensor, torch.nn.Parameter):
             return t
         with torch.no_grad():
             return torch.empty(0, dtype=t.dtype, device=t.device).set_(
@@ -2350,8 +2357,10 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
 
 
 def _drew_random(run: _Run, seed: int) -> bool:
-    """Whether ``run`` (started from ``seed``) moved the CPU generator: it drew random numbers."""
-    return run.rng_after is not None and not torch.equal(run.rng_after, torch.Generator().manual_seed(seed).get_state())
+    """Whether ``run`` (started from ``seed``) drew random numbers: it moved torch's
+    CPU generator, or Python's or numpy's."""
+    return run.host_drew or (run.rng_after is not None
+                             and not torch.equal(run.rng_after, torch.Generator().manual_seed(seed).get_state()))
 
 
 @attrs.frozen

@@ -20,7 +20,7 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["generators_kept", "host_generators_kept", "seeded"]
+__all__ = ["generators_kept", "host_generator_states", "host_generators_kept", "seeded"]
 
 
 @contextlib.contextmanager
@@ -36,6 +36,16 @@ def host_generators_kept() -> Iterator[None]:
         random.setstate(state)
         if numpy_state is not None:
             numpy.random.set_state(numpy_state)
+
+
+def host_generator_states() -> tuple:
+    """Python's and numpy's global generator states, comparable with ``==``: a call
+    between two readings that differ drew from one of them."""
+    numpy = sys.modules.get("numpy")
+    if numpy is None:
+        return (random.getstate(),)
+    name, keys, position, has_gauss, gauss = numpy.random.get_state()
+    return random.getstate(), (name, keys.tobytes(), position, has_gauss, gauss)
 
 
 def _cuda_devices() -> list:
