@@ -258,8 +258,9 @@ class _FrozenGraph:
     (``swap_tensors`` refuses a tensor something refers to weakly); a variant keeps
     its tensors' memory (through aliases), so no other tensor takes an address while
     it is a key. The tensors dynamo puts in the graph itself (``get_attr``: the
-    parameters under Inductor's ``freezing``) count as frozen ones too. A write no counter sees (through ``.data`` or ``.numpy()``; any
-    write to an inference tensor, which has no counter) is not seen."""
+    parameters under Inductor's ``freezing``) count as frozen ones too. A write no
+    counter sees (through ``.data`` or ``.numpy()``; any write to an inference
+    tensor, which has no counter) is not seen."""
 
     def __init__(self, as_given: fx.GraphModule, example_inputs: list, build: Callable) -> None:
         self.as_given, self.build = as_given, build

@@ -1090,8 +1090,8 @@ def _memory_copied(outputs: Any, own: set) -> Any:
     ``_retained_memory`` read); ``_Run.sharing`` keeps which memory they shared."""
     def copied(t: Any) -> Any:
         if not isinstance(t, torch.Tensor) or _storage(t) in own or t.layout != torch.strided \
-                or type(t) not in (torch.Tensor, torch.nn.Parameter):
-            return t
+                or type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_quantized or t.is_conj() or t.is_neg():
+            return t  # (a view whose memory alone is not its values: kept as it is)
         with torch.no_grad():
             return torch.empty(0, dtype=t.dtype, device=t.device).set_(
                 t.untyped_storage().clone(), t.storage_offset(), t.size(), t.stride())
@@ -1736,7 +1736,8 @@ def _side_effects(trial: int, ref: _Run, cand: _Run, kind: str, rtol: Optional[f
     newly computes in (``_new_precision``): what it writes (a train-mode batch
     norm's running statistics after a bfloat16 conv) is held to that precision's
     tolerance, as its outputs are."""
-    (ref_sharing, ref_groups), (cand_sharing, cand_groups) = ref.sharing or _sharing(ref), cand.sharing or _sharing(cand)
+    ref_sharing, ref_groups = ref.sharing or _sharing(ref)
+    cand_sharing, cand_groups = cand.sharing or _sharing(cand)
     gained = sorted(cand_sharing - ref_sharing)
     pair = gained[0] if gained else _shared_only_in(cand_groups, ref_groups)
     if pair is not None:
