@@ -443,3 +443,90 @@ def test_a_folded_batch_norm_of_an_export_graph_goes_whole():
     assert "num_batches_tracked" not in result.graph_module.code
     torch.testing.assert_close(result.graph_module(x), model(x), atol=1e-5, rtol=1e-5)
     assert "num_batches_tracked" in gm.code  # the input keeps its own
+
+
+class _ComplexAccumulate(nn.Module):
+    def __init__(self, i=0, view="conj"):
+        super().__init__()
+        self.register_buffer("buf", torch.zeros(2, 3, dtype=torch.complex64))
+        self.i, self.view = i, view
+
+    def forward(self, x):
+        self.buf.add_(torch.complex(x, x))
+        row = self.buf[self.i]
+        return row.conj() if self.view == "conj" else row.conj().imag  # lazy views of the buffer
+
+
+@pytest.mark.parametrize("view", ["conj", "neg"])
+def test_check_compares_a_lazy_view_of_written_state_as_returned(view):
+    """A conjugate or negative-bit view of a written buffer was kept as it was by my
+    first copy of state outputs, so still compared after the restore (probe CI F2)."""
+    from rewrite.trust.check import check_equivalence
+
+    x = torch.randn(2, 3)
+    assert not check_equivalence(_ComplexAccumulate(0, view), _ComplexAccumulate(1, view), (x,)).ok
+    assert check_equivalence(_ComplexAccumulate(0, view), _ComplexAccumulate(0, view), (x,)).ok
+
+
+class _Unbound(nn.Module):
+    def forward(self, x):
+        return torch.relu(torch.relu(x)).unbind(0)
+
+
+def test_check_of_many_outputs_over_one_memory():
+    """Each of an ``unbind``'s rows was copied with its whole memory (quadratic: 640 MB
+    for a 1.6 MB output); the rows now share one copy and still compare right."""
+    import torch.fx as fx
+
+    x = torch.randn(300, 50)
+    result = rewrite.parse("rule rr: relu(relu(x)) => relu(x)").apply(fx.symbolic_trace(_Unbound()),
+                                                                       example_inputs=(x,))
+    assert result.counts == {"rr": 1} and len(result.graph_module(x)) == 300
+
+
+class _DrawsWith(nn.Module):
+    def forward(self, x, g):
+        return torch.relu(torch.relu(x)) + torch.rand(x.shape, generator=g)
+
+
+def test_a_generator_passed_as_an_input_is_the_checks_own_copy():
+    """The check drew from the caller's ``torch.Generator`` itself: a correct rewrite
+    was refused (the reference and the rewrite drew different numbers) and the
+    caller's generator moved (probe CI F3)."""
+    import torch.fx as fx
+
+    x, g = torch.randn(4, 4), torch.Generator().manual_seed(3)
+    state = g.get_state().clone()
+    result = rewrite.parse("rule rr: relu(relu(x)) => relu(x)").apply(fx.symbolic_trace(_DrawsWith()),
+                                                                       example_inputs=(x, g))
+    assert result.counts == {"rr": 1}
+    assert torch.equal(g.get_state(), state)
+
+
+class _DetectionHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.c2 = nn.Conv2d(8, 6, 1)
+
+    def forward(self, x):
+        box, score = self.c2(torch.relu(self.c1(x))).split((4, 2), 1)
+        return box, score.sigmoid()
+
+
+def test_amp_keeps_a_channel_slice_of_a_channels_last_output_servable():
+    """``amp_bf16.rw`` failed its own default check on a channels_last detection head:
+    the box output, a channel slice of a channels_last conv output (strides (384, 1,
+    48, 6)), came back as a row-major copy. A compact copy in the original's
+    dimension order (channels_last) serves every view the slice serves, as a
+    compact row-major copy of a row-major slice does: apply now makes that copy
+    (probe CI F5)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, 8).contiguous(memory_format=torch.channels_last)
+    model = _DetectionHead().eval()
+    gm = torch.export.export(model, (x,)).module()
+    result = rewrite.load("rules/amp_bf16.rw").apply(gm, example_inputs=(x,), training=False)
+    assert result.counts.get("conv_bf16", 0) + result.counts.get("conv_bf16_bias", 0) == 2
+    box, score = result.graph_module(x)
+    assert box.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(box, model(x)[0], atol=0.05, rtol=0.05)

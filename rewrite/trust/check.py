@@ -516,6 +516,10 @@ def inputs_copy(tree: Any) -> Any:
     copies: Dict[int, Any] = {}
 
     def one(t: Any) -> Any:
+        if isinstance(t, torch.Generator):  # the run draws from its own: the caller's stays where it was
+            copy = torch.Generator(device=t.device)
+            copy.set_state(t.get_state())
+            return copy
         if not isinstance(t, torch.Tensor):
             return map_held(t, one)  # an object holding tensors: a copy holding copies
         if t.requires_grad or type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_conj() or t.is_neg() \
@@ -1085,16 +1089,32 @@ def _call_once(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool, watch: Op
 
 def _memory_copied(outputs: Any, own: set) -> Any:
     """``outputs`` with each tensor outside the memory ``own`` (the run's private
-    inputs) as a tensor over a copy of its memory: the values the call returned, with
-    the same strides, offset and storage size (what ``_layout_change`` and
-    ``_retained_memory`` read); ``_Run.sharing`` keeps which memory they shared."""
+    inputs) as a tensor over a copy of its memory, one copy per memory (the thousand
+    rows of an ``unbind`` share one): the values the call returned, with the same
+    strides, offset and storage size (what ``_layout_change`` and ``_retained_memory``
+    read); ``_Run.sharing`` keeps which memory they shared. A conjugate or negative
+    view is the same view of the copy (its bit is what the caller sees); a quantized
+    tensor or a subclass is cloned."""
+    copies: Dict[int, Any] = {}
+
     def copied(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor) or _storage(t) in own or t.layout != torch.strided \
-                or type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_quantized or t.is_conj() or t.is_neg():
-            return t  # (a view whose memory alone is not its values: kept as it is)
+        key = _storage(t)
+        if key is None or key in own:
+            return t
         with torch.no_grad():
-            return torch.empty(0, dtype=t.dtype, device=t.device).set_(
-                t.untyped_storage().clone(), t.storage_offset(), t.size(), t.stride())
+            if t.layout != torch.strided or type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_quantized:
+                try:
+                    return t.clone()
+                except (RuntimeError, NotImplementedError, TypeError):
+                    return t
+            memory = copies.get(key)
+            if memory is None:
+                memory = copies[key] = t.untyped_storage().clone()
+            out = torch.empty(0, dtype=t.dtype, device=t.device).set_(memory, t.storage_offset(), t.size(),
+                                                                      t.stride())
+            if t.is_neg():
+                out = torch._neg_view(out)
+            return out.conj() if t.is_conj() else out
 
     return pytree.tree_map(copied, outputs)
 
@@ -1804,11 +1824,15 @@ def _layout_change(ref_out: Any, cand_out: Any, trial: int) -> Optional[Mismatch
                 or r.numel() < 2 or r.layout != torch.strided or c.layout != torch.strided:
             continue
         mine, theirs = layout_of(r), layout_of(c)
-        compacted = theirs == "contiguous" and _gapped_row_major(r)
+        order = _gapped_order(r) if mine == "strided" else None
+        compacted = order is not None and theirs == order
         if mine == "strided" and addressing(r) != addressing(c) and not compacted:
+            # a gapped original in a dense format's order (a channel slice of a channels_last
+            # conv output): a compact copy in that format serves it, which apply can make
             return Mismatch("output" + pytree.keystr(kp), trial, tuple(r.shape), str(r.dtype).replace("torch.", ""),
                             0.0, 0.0, f"strides changed: {tuple(r.stride())} in the original, {tuple(c.stride())} "
-                                      "in the rewrite (out.t().view(-1) or is_contiguous() would tell)")
+                                      "in the rewrite (out.t().view(-1) or is_contiguous() would tell)",
+                            relayout=None if order is None else (index, order))
         if mine not in (None, "strided") and mine != theirs:
             return Mismatch("output" + pytree.keystr(kp), trial, tuple(r.shape), str(r.dtype).replace("torch.", ""),
                             0.0, 0.0, f"memory layout changed: {mine} (strides {tuple(r.stride())}) in the original, "
@@ -1847,21 +1871,31 @@ def _retained_memory(ref_out: Any, cand_out: Any, trial: int, caller_memory: set
     return None
 
 
-def _gapped_row_major(t: torch.Tensor) -> bool:
-    """``t`` has gaps or overlaps (a slice ``logits[:, -1]``, an ``expand``) with its
-    dimensions in row-major order: a compact row-major copy of it serves every view
-    and write ``t`` serves (only ``stride()`` tells them apart), so a rewrite may
-    return one (the AMP files' cast back to float32 after such a view)."""
-    dims = [(int(st), int(n)) for n, st in zip(t.shape, t.stride()) if n > 1]
-    moving = [st for st, _ in dims if st != 0]
-    if any(a < b for a, b in zip(moving, moving[1:])):
-        return False  # a permuted order: a transposed slice keeps its strides
-    expected = 1
-    for st, n in reversed(dims):
-        if st != expected:
-            return True
-        expected *= n
-    return False  # dense: contiguous, its layout is compared as such
+_FORMAT_ORDERS = {"contiguous": None, "channels_last": (0, 2, 3, 1), "channels_last_3d": (0, 2, 3, 4, 1)}
+
+
+def _gapped_order(t: torch.Tensor) -> Optional[str]:
+    """The dense format (``"contiguous"``, ``"channels_last"``...) whose dimension
+    order ``t`` keeps with gaps or overlaps (a slice ``logits[:, -1]``, an ``expand``,
+    the channel slice of a channels_last conv output): a compact copy of it in that
+    format serves every view and write ``t`` serves (only ``stride()`` tells them
+    apart), so a rewrite may return one (the AMP files' cast back to float32 after
+    such a view). None: a dense tensor, or another order (a transposed slice)."""
+    for name, order in _FORMAT_ORDERS.items():
+        if order is not None and len(order) != t.dim():
+            continue
+        perm = order or tuple(range(t.dim()))
+        dims = [(int(t.stride()[d]), int(t.shape[d])) for d in perm if int(t.shape[d]) > 1]
+        moving = [st for st, _ in dims if st != 0]
+        if any(a < b for a, b in zip(moving, moving[1:])):
+            continue  # not this order
+        expected = 1
+        for st, n in reversed(dims):
+            if st != expected:
+                return name
+            expected *= n
+        return None  # dense in this order: its layout is compared as such
+    return None
 
 
 def _same_inputs(a: Any, b: Any) -> bool:
