@@ -1127,7 +1127,7 @@ def _remove_unused(gm: fx.GraphModule, released_nodes: list, released_targets: s
     # what the input fetched and never read, of a module the rewrite released from
     # (export fetches a batch norm's num_batches_tracked): it goes with the module
     owners = {str(t).rpartition(".")[0] for t in targets}
-    for node in gm.graph.find_nodes(op="get_attr"):
+    for node in gm.graph.find_nodes(op="get_attr", sort=False):
         if not node.users and str(node.target).rpartition(".")[0] in owners and "." in str(node.target):
             targets.add(node.target)
             gm.graph.erase_node(node)

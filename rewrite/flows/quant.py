@@ -621,7 +621,6 @@ def convert(
     # an inference model: new constants derived from parameters (the int8 weights)
     # would otherwise inherit requires_grad, which int8 tensors cannot have
     gm.requires_grad_(False)
-    _drop_unread_state(gm)
     points = _freeze_observers(gm, qparams)
     if form not in FORMS:
         raise ValueError(f"unknown form {form!r}; expected one of {FORMS}")
@@ -665,27 +664,6 @@ def convert(
         qdq.meta[_META] = dict(state)
         return int8, qdq
     return int8
-
-
-def _drop_unread_state(gm: fx.GraphModule) -> None:
-    """Erase the tensors the graph fetches and nothing reads (``torch.export`` fetches
-    a batch norm's ``num_batches_tracked`` it never uses): the int8 model holds only
-    what it runs, and a batch norm the rules fold goes whole. A tensor of a module
-    the graph calls stays (its forward may read it)."""
-    dead = [node for node in gm.graph.find_nodes(op="get_attr") if not node.users]
-    if not dead:
-        return
-    for node in dead:
-        gm.graph.erase_node(node)
-    read = {str(n.target) for n in gm.graph.nodes if n.op in ("get_attr", "call_module")}
-    for node in dead:
-        parts = str(node.target).split(".")
-        if any(".".join(parts[:i]) in read for i in range(1, len(parts) + 1)):
-            continue
-        owner = gm.get_submodule(".".join(parts[:-1])) if len(parts) > 1 else gm
-        if parts[-1] in owner._buffers or parts[-1] in owner._parameters:
-            delattr(owner, parts[-1])
-    gm.recompile()
 
 
 def _lower_what_runs(qdq: fx.GraphModule, args: tuple, lower_rules: Any) -> tuple:
