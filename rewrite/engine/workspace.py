@@ -219,58 +219,109 @@ def own_state_training_writes(gm: fx.GraphModule) -> int:
     the caller's buffers then either. Done on the final result, so the statistics of
     a batch norm a rule folded away are never copied. Returns how many tensors were
     copied."""
-    written = {id(t) for node in gm.graph.find_nodes(op="call_module")
-               for module in (gm.get_submodule(node.target),) if writes_state_when_training(module)
-               for t in module.buffers()}
-    return _own_tensors(gm, frozenset(written)) if written else 0
+    targets = {node.target for node in gm.graph.find_nodes(op="call_module")}
+    if not targets:
+        return 0
+    by_path = _modules_by_path(gm)
+    written = {id(t) for target in targets
+               for module in (by_path.get(target) or gm.get_submodule(target),) if writes_state_when_training(module)
+               for t in (module._buffers.values() if not module._modules else module.buffers()) if t is not None}
+    return _own_tensors(gm, frozenset(written), by_path.values()) if written else 0
 
 
-def _own_tensors(gm: fx.GraphModule, written: "frozenset[int] | None") -> int:
+def _modules_by_path(gm: torch.nn.Module) -> dict:
+    """``dict(gm.named_modules(remove_duplicate=False))`` without its generators."""
+    found = {"": gm}
+    stack = [("", gm)]
+    while stack:
+        prefix, module = stack.pop()
+        for name, child in module._modules.items():
+            if child is not None:
+                path = f"{prefix}.{name}" if prefix else name
+                if path not in found:
+                    found[path] = child
+                    stack.append((path, child))
+    return found
+
+
+def _module_tensors(modules: Iterable[torch.nn.Module]) -> list:
+    """(table, name, tensor, whether a parameter) for every tensor ``modules`` hold
+    (each module once): parameters, buffers and plain tensor attributes (fx's
+    ``_tensor_constant``s)."""
+    found = []
+    for module in {id(m): m for m in modules}.values():
+        attributes = module.__dict__
+        for table, parameters in ((attributes["_parameters"], True), (attributes["_buffers"], False)):
+            for name, t in table.items():
+                if t is not None:
+                    found.append((table, name, t, parameters))
+        for name in attributes.keys() - _MODULE_INTERNALS:
+            value = attributes[name]
+            if isinstance(value, torch.Tensor):
+                found.append((attributes, name, value, isinstance(value, torch.nn.Parameter)))
+    return found
+
+
+#: what every ``nn.Module.__init__`` sets (flags, tables, hook dicts): never a tensor
+_MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__)
+
+
+def _own_tensors(gm: fx.GraphModule, written: "frozenset[int] | None", modules: Any = None) -> int:
     """``own_written_state`` for the tensors whose ids are ``written`` (None: every
-    buffer and plain tensor attribute)."""
+    buffer and plain tensor attribute). ``modules``: ``gm``'s, where known."""
     if written is not None and not written:
         return 0
-
-    def chosen(t: Any, parameters: bool) -> bool:
-        return isinstance(t, torch.Tensor) and (id(t) in written if written is not None else not parameters)
-
-    def places() -> Any:  # (table, name, tensor, whether a parameter) for every module tensor
-        for module in gm.modules():
-            for table, parameters in ((module._parameters, True), (module._buffers, False)):
-                for name, t in table.items():
-                    if t is not None:
-                        yield table, name, t, parameters
-            for name, value in list(module.__dict__.items()):
-                if isinstance(value, torch.Tensor):
-                    yield module.__dict__, name, value, isinstance(value, torch.nn.Parameter)
-
+    places = _module_tensors(gm.modules() if modules is None else modules)
+    chosen = [place for place in places
+              if (id(place[2]) in written if written is not None else not place[3])]
     # Tensors sharing memory with a copied one (a second buffer viewing it, fx's
     # ``_tensor_constant`` of ``self.cache.t()``) view the copy's memory as they
     # viewed the original's: the copy's writes must reach its reads.
-    storages = {storage_key(t) for _, _, t, parameters in places() if chosen(t, parameters)}
+    keys = {id(t): storage_key(t) for _, _, t, _ in chosen}
+    storages = set(keys.values())
     storages.discard(None)
+    addresses = {address for _, address in storages}
+    for _, _, t, _ in places:
+        if id(t) not in keys and _address(t) in addresses and storage_key(t) in storages:
+            keys[id(t)] = storage_key(t)
+    views = collections.Counter(keys[id(t)] for _, _, t, _ in places if id(t) in keys)
     copies: dict = {}
     fresh_storages: dict = {}
 
-    def own(t: torch.Tensor) -> torch.Tensor:
-        copy_ = copies.get(id(t))
-        if copy_ is None:
-            key = storage_key(t)
-            if key is None:
-                clone = t.detach().clone()
-            else:
-                if key not in fresh_storages:
-                    fresh_storages[key] = t.untyped_storage().clone()
-                clone = torch.empty(0, dtype=t.dtype, device=t.device).set_(
-                    fresh_storages[key], t.storage_offset(), t.size(), t.stride())
-            copy_ = copies[id(t)] = torch.nn.Parameter(clone, t.requires_grad) if isinstance(
-                t, torch.nn.Parameter) else clone
-        return copy_
+    def own(t: torch.Tensor, key: Any) -> torch.Tensor:
+        if key is None:
+            clone = t.detach().clone()
+        elif views[key] == 1 and t.storage_offset() == 0 and t.is_contiguous() \
+                and t.nbytes == t.untyped_storage().nbytes():  # the only tensor over its memory: it alone
+            clone = t.detach().clone()
+            if clone.stride() != t.stride():  # a contiguous tensor's size-1 dimensions may have any stride
+                clone = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device).copy_(t.detach())
+        else:
+            if key not in fresh_storages:
+                fresh_storages[key] = t.untyped_storage().clone()
+            clone = torch.empty(0, dtype=t.dtype, device=t.device).set_(
+                fresh_storages[key], t.storage_offset(), t.size(), t.stride())
+        return torch.nn.Parameter(clone, t.requires_grad) if isinstance(t, torch.nn.Parameter) else clone
 
-    for table, name, t, parameters in list(places()):
-        if chosen(t, parameters) or storage_key(t) in storages:
-            table[name] = own(t)
+    for table, name, t, _ in places:
+        key = keys.get(id(t), False)
+        if key is not False:
+            copy_ = copies.get(id(t))
+            if copy_ is None:
+                copy_ = copies[id(t)] = own(t, key)
+            table[name] = copy_
     return len(copies)
+
+
+def _address(t: torch.Tensor) -> int | None:
+    """Where ``t``'s memory starts, cheaply, for a plain strided tensor (``storage_key``
+    says whether it has memory to share)."""
+    if t.__class__ not in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer) or t.layout != torch.strided:
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
 
 
 def _graph_module_copy(gm: fx.GraphModule, memo: dict) -> fx.GraphModule:
