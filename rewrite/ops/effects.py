@@ -39,7 +39,7 @@ from torch.utils import _pytree as pytree
 
 from rewrite.capture import is_export_guard
 from rewrite.ops.base import attribute, by_identity, nodes_by_target, submodule
-from rewrite.ops.reach import reachable_containers, reachable_tensors, storage_key
+from rewrite.ops.reach import reachable_containers, reachable_generators, reachable_tensors, storage_key
 
 __all__ = [
     "VIEW_NAMES", "ALIASING_NAMES", "ALIASING_MODULES", "FRESH_COMPOSITES", "FRESH_FUNCTIONS", "FRESH_OPERATORS",
@@ -48,7 +48,8 @@ __all__ = [
     "written_args", "written_nodes", "target_writes", "flagged_writes", "flag_on", "call_writes",
     "opdef_writes", "opdef_may_alias",
     "module_writes_own_state", "writes_state_when_training", "call_argument",
-    "state_writes", "hooked_tensors", "hooked_containers", "graph_mode", "opaque_code", "opaque_holders",
+    "state_writes", "hooked_tensors", "hooked_containers", "hooked_generators", "graph_mode", "opaque_code",
+    "opaque_holders",
     "lasting_write",
 ]
 
@@ -1254,6 +1255,21 @@ def hooked_containers(module: Any) -> "list | None":
         reached = reachable_containers(held, set(seen))  # best-effort (see ``opaque_holders``)
         found += reached or []
     return found
+
+
+def hooked_generators(module: Any) -> list:
+    """The random generator objects (``reachable_generators``) the caller's hooks on
+    ``module`` and the modules it holds, the code its graph calls that the library
+    cannot read (``opaque_code``) and what its user leaf modules hold can reach: a
+    run may draw from them (a wrapped helper adding noise from a module-level
+    ``numpy.random.default_rng()``). Best-effort, each object once."""
+    roots = [hook for _, hook in _hooks_of(module) if not _from_torch_itself(hook)]
+    if isinstance(module, fx.GraphModule):
+        roots += opaque_code(module) + opaque_holders(module)
+    if not roots:
+        return []
+    found = reachable_generators(roots)
+    return list({id(g): g for g in found}.values())
 
 
 def hooked_tensors(module: Any) -> "list | None":

@@ -20,6 +20,7 @@ tensor of the model and costs nothing.
 from __future__ import annotations
 
 import gc
+import random
 import sys
 import types
 import weakref
@@ -29,7 +30,7 @@ import torch
 
 from rewrite.module_state import CONTAINERS
 
-__all__ = ["reachable_containers", "reachable_tensors", "storage_key"]
+__all__ = ["generator_types", "reachable_containers", "reachable_generators", "reachable_tensors", "storage_key"]
 
 #: objects visited before the walk gives up (None: everything may be written)
 _LIMIT = 20000
@@ -110,6 +111,40 @@ def reachable_containers(fn: Any, seen: Optional[set] = None) -> Optional[list]:
         return True
 
     return found if _walk(fn, set() if seen is None else seen, visit) else None
+
+
+def reachable_generators(fn: Any, seen: Optional[set] = None) -> list:
+    """The random number generator objects ``fn`` can reach (``generator_types``: a
+    module-level ``numpy.random.default_rng()``, a ``random.Random``, a
+    ``torch.Generator`` a helper draws from), best-effort: an unbounded walk answers
+    what it found before it stopped."""
+    found: list = []
+    kinds = generator_types()
+    numpy = sys.modules.get("numpy")
+    # the global generators: ``rewrite.trust.rng.seeded`` seeds them for each run
+    seeded = {id(torch.default_generator), id(getattr(random, "_inst", None))}
+    if numpy is not None:
+        seeded.add(id(getattr(numpy.random.mtrand, "_rand", None)))
+
+    def visit(obj: Any) -> bool:
+        if isinstance(obj, kinds):
+            if id(obj) not in seeded:
+                found.append(obj)
+            return False
+        return not isinstance(obj, (torch.Tensor, torch.fx.Graph, torch.fx.Node))
+
+    _walk(fn, set() if seen is None else seen, visit)
+    return found
+
+
+def generator_types() -> tuple:
+    """The classes of random generator objects whose state can be read and put back:
+    torch's, Python's and, once imported, numpy's."""
+    kinds: tuple = (torch.Generator, random.Random)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        kinds += (numpy.random.Generator, numpy.random.RandomState)
+    return kinds
 
 
 def _walk(fn: Any, seen: set, visit: Any) -> bool:

@@ -84,7 +84,7 @@ from rewrite.trust.held import input_leaves, laid_out_copy, map_held
 from rewrite.trust.modes import autocast_off, is_higher_order, run_higher_order
 from rewrite.trust.nonfinite import non_finite_births
 from rewrite.trust.precision import HALF, NOISE_MULTIPLIER, computes_in_half, narrowed_run, rounding_noise, widened_run
-from rewrite.trust.rng import host_generator_states, seeded
+from rewrite.trust.rng import host_generator_states, model_generators, seeded
 from rewrite.trust.reuse import Recording, ReusePlan, record_plan, recordable
 from rewrite.trust.runner import GraphRunner, active_runner, call_with, running_as_graph, runs_generated_code
 from rewrite.trust.tolerance import (
@@ -619,6 +619,9 @@ class _Watch:
     lineage_unneeded: bool = False
     #: False: ``lineage`` was not worked out (``of``'s ``lineage=False``)
     lineage_read: bool = True
+    #: random generator objects its code draws from (``hooked_generators``): every run
+    #: starts from their state as the caller left it
+    generators: tuple = ()
 
     @classmethod
     def of(cls, fn: Any, dtypes: bool = True, compared_with: Optional[frozenset] = None,
@@ -646,8 +649,10 @@ class _Watch:
         unneeded = static is not None and compared_with is not None and static <= compared_with \
             and sum(d.is_floating_point for d in compared_with) <= 1
         lineage = lineage and dtypes and not unneeded
+        generators = tuple(model_generators(fn))
         return cls(state, frozenset(_storage(t) for t in state.values()) - {None}, writable, watched, by_value,
-                   static, _static_lineage(fn) if lineage else None, unneeded, lineage or not dtypes or unneeded)
+                   static, _static_lineage(fn) if lineage else None, unneeded, lineage or not dtypes or unneeded,
+                   generators)
 
     def with_lineage(self, fn: Any) -> "_Watch":
         """This watch with ``fn``'s lineage worked out, if it was not."""
@@ -1044,7 +1049,7 @@ def _call_once(fn: Callable, inputs: Any, rng_seed: int, dtypes: bool, watch: Op
         grad_mode.enter_context(torch.autograd.graph.saved_tensors_hooks(_discard, _discard))
     else:
         grad_mode.enter_context(torch.no_grad())
-    with grad_mode, seeded(rng_seed), recorder, uninitialized_filled():
+    with grad_mode, seeded(rng_seed, watch.generators), recorder, uninitialized_filled():
         host_before = host_generator_states()
         out = _fields_as_dicts(call_with(fn, args))
         rng_after = torch.get_rng_state()

@@ -31,7 +31,7 @@ from rewrite.engine.replace import Replacer, ReplacementError
 from rewrite.engine.workspace import Journal, own_written_state, shared_copy
 from rewrite.ops import detect_dialect
 from rewrite.ops import ConstRef
-from rewrite.trust.rng import generators_kept
+from rewrite.trust.rng import generators_kept, model_generators
 
 __all__ = ["Explanation", "Explanations", "explain"]
 
@@ -285,7 +285,7 @@ def explain(ruleset: Any, model: fx.GraphModule, rule: str | None = None, node: 
     Returns ``Explanations``: a list that prints as text."""
     if rule is not None and rule not in ruleset.rules:
         raise KeyError(f"no rule named {rule!r}; have {sorted(ruleset.rules)}")
-    with generators_kept():
+    with generators_kept(model_generators(model)):
         trials = _Trials(model, example_inputs, training)
         scheduled = ruleset.scheduled_rules()
         gm = trials.gm

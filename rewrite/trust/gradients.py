@@ -23,7 +23,7 @@ import attrs
 import torch
 from torch.utils import _pytree as pytree
 
-from rewrite.trust.rng import seeded
+from rewrite.trust.rng import model_generators, seeded
 from rewrite.trust.runner import call_with
 
 __all__ = ["GRADIENT_OPS", "GradientRun", "grad_leaves", "gradient_reach", "gradient_run", "moved",
@@ -111,7 +111,7 @@ def gradient_run(fn: Any, inputs: Any, seed: int) -> Optional[GradientRun]:
     if isinstance(fn, torch.nn.Module):
         params = {name: p for name, p in fn.named_parameters(remove_duplicate=False)
                   if p.requires_grad and _floating(p)}
-    with torch.enable_grad(), seeded(seed):
+    with torch.enable_grad(), seeded(seed, model_generators(fn)):
         out = call_with(fn, args)
     flat = [(pytree.keystr(kp), t) for kp, t in pytree.tree_flatten_with_path(out)[0] if _floating(t)]
     reached = tuple((path, bool(t.requires_grad)) for path, t in flat)
@@ -174,7 +174,7 @@ def gradient_reach(fn: Any, inputs: Tuple[Any, ...]) -> Optional[Tuple[Tuple[str
                  else (t.clone() if isinstance(t, torch.Tensor) else t) for t in inputs)
     position = {id(t): i for i, t in enumerate(args) if isinstance(t, torch.Tensor) and t.requires_grad}
     try:
-        with torch.enable_grad(), seeded(0):
+        with torch.enable_grad(), seeded(0, model_generators(fn)):
             out = call_with(fn, args)
     except Exception:  # noqa: BLE001 - nothing to compare
         return None

@@ -44,7 +44,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rewrite.trust.modes import is_higher_order, run_higher_order
-from rewrite.trust.rng import seeded
+from rewrite.trust.rng import model_generators, seeded
 from rewrite.trust.runner import call_with
 from rewrite.trust.tolerance import SCALE_RADIUS, window_max
 
@@ -193,7 +193,7 @@ def widened_run(fn: Any, args: Any, rng_seed: int, to_float64: bool = False) -> 
     be private: the run may write the widened ones."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.no_grad())
-        stack.enter_context(seeded(rng_seed))
+        stack.enter_context(seeded(rng_seed, model_generators(fn)))
         widening = _Widening(HALF + (torch.float32,), torch.float64) if to_float64 else _Widening()
         stack.enter_context(_WidenedCalls(widening))
         stack.enter_context(_WidenedOps(widening))
@@ -214,7 +214,7 @@ def narrowed_run(fn: Any, args: Any, rng_seed: int, dtype: torch.dtype) -> Any:
         return None
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.no_grad())
-        stack.enter_context(seeded(rng_seed))
+        stack.enter_context(seeded(rng_seed, model_generators(fn)))
         try:
             stack.enter_context(torch.autocast("cpu", dtype=dtype))
             stack.enter_context(_UncheckedMetadata(dtype))
