@@ -459,7 +459,13 @@ class RuleSet:
                 f"the check calls the model with example_inputs as positional arguments, and this model "
                 f"takes {', '.join(map(repr, keywords))} by keyword only: pass check=False (and compare the "
                 "result yourself), or wrap the model in a module whose forward takes them positionally")
-        _refuse_uninitialized(model)
+        try:
+            _refuse_uninitialized(model)
+        except RecursionError:
+            raise ValueError(f"{type(model).__name__} holds one of its own ancestors as a submodule (a cycle in the "
+                             "module tree, e.g. `child.owner = model` on an nn.Module): torch's module walks "
+                             "(named_modules, state_dict, .to) never end on it. Keep the reference out of the "
+                             "module tree (a weakref, or object.__setattr__ outside _modules)") from None
         if check:
             _refuse_meta(model, example_inputs)
         original = model if isinstance(model, fx.GraphModule) else _symbolic_trace(model)

@@ -165,3 +165,215 @@ def test_a_parameter_among_the_copies_stays_a_parameter():
     assert torch.equal(gm.w, before)
     assert isinstance(out.w, nn.Parameter) and not out.w.requires_grad
     assert _storage(out.lead) == _storage(out.w) != _storage(gm.w)
+
+
+# -- probe CK (session 49): conj/neg views, overlapping memory blocks, containers,
+# -- tensors that require grad, norms inside torch modules, module cycles
+
+def _counter_graph(buffers: dict, written: str, read: str, read_imag: bool = False) -> fx.GraphModule:
+    """A graph that writes ``written`` in place (a counter: the result owns a copy)
+    and reads ``read`` into its output."""
+    import operator
+
+    root = nn.Module()
+    for name, t in buffers.items():
+        root.register_buffer(name, t)
+    g = fx.Graph()
+    x = g.placeholder("x")
+    g.call_method("add_", (g.get_attr(written), 1 + 1j if buffers[written].is_complex() else 1))
+    y = g.call_function(operator.mul, (g.call_function(operator.add, (x, 2.0)), 1.0))
+    r = g.get_attr(read)
+    if read_imag:
+        r = g.call_function(torch.imag, (r,))
+    g.output(g.call_function(operator.add, (y, g.call_method("sum", (r,)))))
+    return fx.GraphModule(root, g)
+
+
+@pytest.mark.parametrize("bit", ["conj", "neg"])
+@pytest.mark.parametrize("check", [False, True])
+def test_a_conjugate_or_negative_view_of_a_written_buffer_keeps_its_bit(bit, check):
+    """``c = steps.conj()`` (or ``steps.conj().imag``, a negative view) re-made over
+    the copy's memory was a plain view: the result read +imag where the input read
+    -imag (and the check blamed the exact rule)."""
+    def make():
+        steps = torch.zeros(2, dtype=torch.complex64)
+        view = steps.conj() if bit == "conj" else steps.conj().imag
+        return _counter_graph({"steps": steps, "view": view}, "steps", "view", read_imag=bit == "conj")
+
+    x = torch.randn(3)
+    want = [make()(x) for _ in range(1)][0]
+    gm = make()
+    out = _apply(gm, x, check)
+    assert out.view.is_conj() == gm.view.is_conj() and out.view.is_neg() == gm.view.is_neg()
+    assert _storage(out.view) == _storage(out.steps) != _storage(gm.steps)
+    assert torch.allclose(out(x), want)
+
+
+def test_overlapping_memory_blocks_are_refused_not_miscopied():
+    """``torch.from_numpy`` of an array and of its slice: two memory blocks over the
+    same bytes. One copy per block would hold uninitialized memory or lose the
+    sharing: apply refuses with a clear error, and leaves the input alone."""
+    np = pytest.importorskip("numpy")
+    x = torch.randn(3)
+    for head, tail in ((slice(0, 2), slice(None)), (slice(6, None), slice(None))):
+        values = np.arange(8, dtype=np.float32) + 100
+        gm = _counter_graph({"part": torch.from_numpy(values[head]), "table": torch.from_numpy(values)},
+                            "part", "table")
+        before = gm.table.clone()
+        for check in (False, True):
+            with pytest.raises(ValueError, match="overlaps a tensor its forward writes"):
+                rewrite.parse(MUL_ONE).apply(gm, (x,), check=check)
+        assert torch.equal(gm.table, before)
+
+
+def test_a_subclass_view_of_a_written_buffer_is_refused():
+    class Sub(torch.Tensor):
+        pass
+
+    base = torch.zeros(4).as_subclass(Sub)
+    gm = _counter_graph({"s": base, "v": base[1:3]}, "s", "v")
+    with pytest.raises(ValueError, match="cannot keep which of its tensors share memory"):
+        rewrite.parse(MUL_ONE).apply(gm, (torch.randn(3),), check=False)
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_tensors_a_leaf_module_keeps_in_a_list_or_dict_are_owned(check):
+    """A hooked block (kept as one call) writing ``self.cache[0]`` and
+    ``self.stats['n']``: the result's own list and dict held the caller's tensors,
+    and every run of the result wrote them."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.cache = [torch.zeros(4)]
+            self.stats = {"n": torch.zeros(()), "nested": (torch.zeros(2),)}
+
+        def forward(self, x):
+            y = self.lin(x)
+            self.cache[0].add_(y.mean(0).detach())
+            self.stats["n"].add_(1)
+            self.stats["nested"][0].add_(1)
+            return y
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = Block()
+
+        def forward(self, x):
+            return (self.block(x) + 1.0) * 1.0
+
+    model = Net().eval()
+    model.block.register_forward_hook(lambda m, i, o: None)  # one call in the trace
+    x = torch.randn(5, 4)
+    held = [model.block.cache[0], model.block.stats["n"], model.block.stats["nested"][0]]
+    before = [t.clone() for t in held]
+    result = rewrite.parse(MUL_ONE).apply(model, (x,), check=check)
+    assert result.counts == {"mul_one": 1}
+    out = result.graph_module
+    out(x)
+    out(x)
+    assert all(torch.equal(t, b) for t, b in zip(held, before)), "running the result wrote the caller's tensors"
+    mine = out.block
+    assert mine.cache[0] is not held[0] and mine.stats["n"] is not held[1] and mine.stats["nested"][0] is not held[2]
+    assert mine.stats["n"].item() == before[1].item() + 2
+    assert model.block.stats["nested"][0] is held[2]  # the caller's nested tuple was not written either
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_a_tensor_that_requires_grad_stays_the_callers_when_writes_are_unknown(check):
+    """A global forward hook (a profiler's) makes what the graph writes unknown: every
+    buffer and plain tensor attribute is copied, but not one that requires grad
+    (trained by the caller): it kept gradients and ``backward`` worked before."""
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.alpha = torch.ones(3, requires_grad=True)
+
+        def forward(self, x):
+            return self.lin(x) * 1.0 * self.alpha
+
+    model = Scaled()
+    gm = fx.symbolic_trace(model)
+    x = torch.randn(2, 3)
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: None)
+    try:
+        out = _apply(gm, x, check)
+    finally:
+        handle.remove()
+    assert out.alpha.requires_grad
+    out(x).sum().backward()
+    assert gm.alpha.grad is not None  # the gradient reached the caller's tensor
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+@pytest.mark.parametrize("check", [False, True])
+def test_a_norm_inside_a_torch_module_called_whole_is_owned(mode, check):
+    """``TransformerEncoder(..., norm=BatchNorm1d(n))`` is one call in the trace: its
+    norm's statistics were neither seen as written (train mode: apply's own runs
+    wrote the caller's) nor owned for ``result.train()``."""
+    seq, width = 6, 8
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            layer = nn.TransformerEncoderLayer(width, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+            self.enc = nn.TransformerEncoder(layer, 1, norm=nn.BatchNorm1d(seq), enable_nested_tensor=False)
+
+        def forward(self, x):
+            return self.enc(x * 1.0) * 1.0
+
+    torch.manual_seed(0)
+    model = Net().train(mode == "train")
+    x = torch.randn(3, seq, width)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    result = rewrite.parse(MUL_ONE).apply(model, (x,), check=check)
+    assert result.counts.get("mul_one", 0) >= 1
+    out = result.graph_module
+    out.train()
+    out(x)
+    after = model.state_dict()
+    assert [k for k in before if not torch.equal(before[k], after[k])] == []
+    assert out.enc.norm.running_mean is not model.enc.norm.running_mean
+    assert out.enc.layers[0].linear1.weight is model.enc.layers[0].linear1.weight  # weights stay shared
+
+
+def test_meta_buffers_do_not_count_as_sharing_memory():
+    """Every meta tensor's memory is at address 0: two meta buffers are not views of
+    one memory (the smaller was re-made over the larger's storage when every buffer
+    is copied)."""
+    from rewrite.engine.workspace import own_written_state, shared_copy
+    from rewrite.ops.reach import storage_key
+
+    root = nn.Module()
+    root.register_buffer("small", torch.empty(2, device="meta"))
+    root.register_buffer("big", torch.empty(300, device="meta"))
+    g = fx.Graph()
+    x = g.placeholder("x")
+    g.output((x, g.get_attr("small"), g.get_attr("big")))
+    copy_ = shared_copy(fx.GraphModule(root, g))
+    assert storage_key(copy_.small) is None
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: None)  # writes unknown
+    try:
+        assert own_written_state(copy_) == 2
+    finally:
+        handle.remove()
+    assert copy_.small.untyped_storage().nbytes() == 8 and copy_.big.untyped_storage().nbytes() == 1200
+
+
+def test_a_module_tree_with_a_cycle_is_refused_clearly():
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.lin(x) * 1.0
+
+    model = Net()
+    model.lin.owner = model
+    with pytest.raises(ValueError, match="cycle in the module tree"):
+        rewrite.parse(MUL_ONE).apply(model, (torch.randn(1, 2),))

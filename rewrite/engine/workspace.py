@@ -20,6 +20,7 @@ the full collections that ordinary allocation triggers cost as much as matching.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import copy
@@ -36,7 +37,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.graph import _illegal_names
 
 from rewrite.capture import HOOK_TABLES
-from rewrite.ops.effects import state_writes, writes_state_when_training
+from rewrite.ops.effects import held_norms, state_writes, writes_state_when_training
 from rewrite.ops.reach import storage_key
 
 __all__ = ["CODE_ATTRIBUTES", "HOOK_TABLES", "Journal", "check_touched", "compile_now", "gc_paused", "own_module_path",
@@ -204,18 +205,23 @@ def shared_copy(gm: fx.GraphModule) -> fx.GraphModule:
 def own_written_state(gm: fx.GraphModule) -> int:
     """Give ``gm`` (a ``shared_copy``) its own copy of every tensor its forward may
     write in place (a step counter, an EMA, a train-mode batch norm's running
-    statistics): running the copy must not change the model it was copied from.
-    When what the graph writes is unknown (``state_writes`` is None: a hook, a call
-    no schema describes), every buffer and plain tensor attribute is copied
-    (parameters stay shared: a forward that writes its weights is beyond what
-    anything here can tell). Returns how many tensors were copied."""
+    statistics, a running sum a leaf module keeps in a list): running the copy must
+    not change the model it was copied from. When what the graph writes is unknown
+    (``state_writes`` is None: a hook, a call no schema describes), every buffer and
+    plain tensor attribute is copied, except those that require grad (parameters
+    and trained tensors stay shared: a forward that writes its weights is beyond
+    what anything here can tell, and gradients must reach the caller's). Returns how
+    many tensors were copied. Raises ValueError where a written tensor's memory
+    overlaps another memory block (two ``torch.from_numpy`` of overlapping arrays):
+    no copy could keep both."""
     return _own_tensors(gm, state_writes(gm))
 
 
 def own_state_training_writes(gm: fx.GraphModule) -> int:
     """Give a result its own running statistics where a module it calls writes them
-    only in training mode (a torch batch norm or instance norm in eval mode now):
-    ``result.train()`` flips the result's own module, and its runs must not write
+    only in training mode (a torch batch norm or instance norm in eval mode now, or
+    one a called module holds: ``TransformerEncoder(..., norm=BatchNorm1d(n))``):
+    ``result.train()`` flips the result's own modules, and its runs must not write
     the caller's buffers then either. Done on the final result, so the statistics of
     a batch norm a rule folded away are never copied. Returns how many tensors were
     copied."""
@@ -223,16 +229,22 @@ def own_state_training_writes(gm: fx.GraphModule) -> int:
     if not targets:
         return 0
     by_path = _modules_by_path(gm)
-    written = {id(t) for target in targets
-               for module in (by_path.get(target) or gm.get_submodule(target),) if writes_state_when_training(module)
-               for t in (module._buffers.values() if not module._modules else module.buffers()) if t is not None}
+    written = set()
+    for target in targets:
+        module = by_path.get(target) or gm.get_submodule(target)
+        norms = ([module] if writes_state_when_training(module) else []) + held_norms(module)
+        for norm in norms:
+            written.update(id(t) for t in (norm._buffers.values() if not norm._modules else norm.buffers())
+                           if t is not None)
     return _own_tensors(gm, frozenset(written), by_path.values()) if written else 0
 
 
 def _modules_by_path(gm: torch.nn.Module) -> dict:
-    """``dict(gm.named_modules(remove_duplicate=False))`` without its generators."""
+    """``dict(gm.named_modules(remove_duplicate=False))`` without its generators; a
+    module reachable again (a cycle: a child holding its root) is not gone into twice."""
     found = {"": gm}
     stack = [("", gm)]
+    expanded = {id(gm)}
     while stack:
         prefix, module = stack.pop()
         for name, child in module._modules.items():
@@ -240,59 +252,115 @@ def _modules_by_path(gm: torch.nn.Module) -> dict:
                 path = f"{prefix}.{name}" if prefix else name
                 if path not in found:
                     found[path] = child
-                    stack.append((path, child))
+                    if id(child) not in expanded:
+                        expanded.add(id(child))
+                        stack.append((path, child))
     return found
 
 
-def _module_tensors(modules: Iterable[torch.nn.Module]) -> list:
-    """(table, name, tensor, whether a parameter) for every tensor ``modules`` hold
-    (each module once): parameters, buffers and plain tensor attributes (fx's
-    ``_tensor_constant``s)."""
-    found = []
+def _module_tensors(modules: Iterable[torch.nn.Module]) -> tuple:
+    """(table, key, tensor, whether a parameter) for every tensor ``modules`` hold
+    (each module once; a table is ``_parameters``, ``_buffers`` or the module's
+    ``__dict__``): parameters,
+    buffers, plain tensor attributes (fx's ``_tensor_constant``s), and the names of
+    their attributes that are lists, tuples or dicts holding tensors (a running sum a
+    leaf module keeps in ``self.cache[0]``): ``(places, containers)``, containers as
+    ``(module's __dict__, name, the tensors inside)``."""
+    places: list = []
+    containers: list = []
     for module in {id(m): m for m in modules}.values():
         attributes = module.__dict__
         for table, parameters in ((attributes["_parameters"], True), (attributes["_buffers"], False)):
             for name, t in table.items():
                 if t is not None:
-                    found.append((table, name, t, parameters))
+                    places.append((table, name, t, parameters))
         for name in attributes.keys() - _MODULE_INTERNALS:
             value = attributes[name]
             if isinstance(value, torch.Tensor):
-                found.append((attributes, name, value, isinstance(value, torch.nn.Parameter)))
-    return found
+                places.append((attributes, name, value, isinstance(value, torch.nn.Parameter)))
+            elif value.__class__ in _CONTAINERS and value and not _only_numbers(value):
+                inside = _tensors_inside(value)
+                if inside:
+                    containers.append((attributes, name, inside))
+    return places, containers
 
 
 #: what every ``nn.Module.__init__`` sets (flags, tables, hook dicts): never a tensor
 _MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__)
 
+#: the containers whose tensors a result's copy replaces (rebuilt, never written in place:
+#: a nested one may be the caller's)
+_CONTAINERS = (list, tuple, dict, collections.OrderedDict)
+
+
+def _only_numbers(value: Any) -> bool:
+    """A tuple or list of ints (a convolution's ``kernel_size``): nothing to look into."""
+    return not isinstance(value, dict) and set(map(type, value)) <= _NUMBERS
+
+
+_NUMBERS = frozenset({int, float, bool})
+
+
+def _tensors_inside(value: Any, depth: int = 0) -> list:
+    """The tensors in nested lists, tuples and dicts ``value`` holds (a few levels deep)."""
+    found = []
+    for item in (value.values() if isinstance(value, dict) else value):
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif item.__class__ in _CONTAINERS and depth < 4:
+            found += _tensors_inside(item, depth + 1)
+    return found
+
+
+def _replaced(value: Any, copies: dict) -> Any:
+    """``value`` with every tensor in ``copies`` (by id) replaced by its copy, the
+    containers on the way rebuilt (the same object where nothing inside changed)."""
+    if isinstance(value, torch.Tensor):
+        return copies.get(id(value), value)
+    if value.__class__ not in _CONTAINERS:
+        return value
+    if isinstance(value, dict):
+        items = {k: _replaced(v, copies) for k, v in value.items()}
+        return value if all(items[k] is v for k, v in value.items()) else value.__class__(items)
+    items = [_replaced(v, copies) for v in value]
+    return value if all(a is b for a, b in zip(items, value)) else value.__class__(items)
+
 
 def _own_tensors(gm: fx.GraphModule, written: "frozenset[int] | None", modules: Any = None) -> int:
     """``own_written_state`` for the tensors whose ids are ``written`` (None: every
-    buffer and plain tensor attribute). ``modules``: ``gm``'s, where known."""
+    buffer and plain tensor attribute that does not require grad). ``modules``:
+    ``gm``'s, where known."""
     if written is not None and not written:
         return 0
-    places = _module_tensors(gm.modules() if modules is None else modules)
-    chosen = [place for place in places
-              if (id(place[2]) in written if written is not None else not place[3])]
+    places, containers = _module_tensors(gm.modules() if modules is None else modules)
+    held = list({id(t): t for t in [place[2] for place in places] + [t for *_, inside in containers for t in inside]
+                 }.values())
+    if written is not None:
+        chosen = [t for t in held if id(t) in written]
+    else:
+        chosen = [t for _, _, t, parameter in places if not parameter and not t.requires_grad]
+        chosen += [t for *_, inside in containers for t in inside if not t.requires_grad]
+    if not chosen:
+        return 0
     # Tensors sharing memory with a copied one (a second buffer viewing it, fx's
     # ``_tensor_constant`` of ``self.cache.t()``) view the copy's memory as they
     # viewed the original's: the copy's writes must reach its reads.
-    keys = {id(t): storage_key(t) for _, _, t, _ in chosen}
-    storages = set(keys.values())
-    storages.discard(None)
-    addresses = {address for _, address in storages}
-    for _, _, t, _ in places:
-        if id(t) not in keys and _address(t) in addresses and storage_key(t) in storages:
+    keys = {id(t): storage_key(t) for t in chosen}
+    extent_of = {id(t): _extent(t) for t in held}
+    extents = {extent_of[id(t)] for t in chosen} - {None}
+    for t in held:
+        if id(t) not in keys and extent_of[id(t)] in extents:
             keys[id(t)] = storage_key(t)
-    views = collections.Counter(keys[id(t)] for _, _, t, _ in places if id(t) in keys)
+    _refuse_overlaps(held, extent_of, extents, keys)
+    views = collections.Counter(keys[id(t)] for t in held if id(t) in keys)
     copies: dict = {}
     fresh_storages: dict = {}
 
     def own(t: torch.Tensor, key: Any) -> torch.Tensor:
         if key is None:
             clone = t.detach().clone()
-        elif views[key] == 1 and t.storage_offset() == 0 and t.is_contiguous() \
-                and t.nbytes == t.untyped_storage().nbytes():  # the only tensor over its memory: it alone
+        elif views[key] == 1 and t.storage_offset() == 0 and t.is_contiguous() and not t.is_conj() \
+                and not t.is_neg() and t.nbytes == t.untyped_storage().nbytes():  # alone over its memory
             clone = t.detach().clone()
             if clone.stride() != t.stride():  # a contiguous tensor's size-1 dimensions may have any stride
                 clone = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device).copy_(t.detach())
@@ -301,27 +369,84 @@ def _own_tensors(gm: fx.GraphModule, written: "frozenset[int] | None", modules: 
                 fresh_storages[key] = t.untyped_storage().clone()
             clone = torch.empty(0, dtype=t.dtype, device=t.device).set_(
                 fresh_storages[key], t.storage_offset(), t.size(), t.stride())
-        return torch.nn.Parameter(clone, t.requires_grad) if isinstance(t, torch.nn.Parameter) else clone
+            if t.is_neg():  # the view's bits are what its readers see: the same view of the copy
+                clone = torch._neg_view(clone)
+            if t.is_conj():
+                clone = clone.conj()
+        if isinstance(t, torch.nn.Parameter):
+            return torch.nn.Parameter(clone, t.requires_grad)
+        return clone.requires_grad_() if t.requires_grad and t.is_leaf and clone.is_leaf else clone
 
-    for table, name, t, _ in places:
+    for t in held:
         key = keys.get(id(t), False)
-        if key is not False:
-            copy_ = copies.get(id(t))
-            if copy_ is None:
-                copy_ = copies[id(t)] = own(t, key)
-            table[name] = copy_
+        if key is not False and id(t) not in copies:
+            copies[id(t)] = own(t, key)
+    for table, key, t, _ in places:
+        copy_ = copies.get(id(t))
+        if copy_ is not None:
+            table[key] = copy_
+    for attributes, name, inside in containers:
+        if any(id(t) in copies for t in inside):
+            attributes[name] = _replaced(attributes[name], copies)
     return len(copies)
 
 
-def _address(t: torch.Tensor) -> int | None:
-    """Where ``t``'s memory starts, cheaply, for a plain strided tensor (``storage_key``
-    says whether it has memory to share)."""
-    if t.__class__ not in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer) or t.layout != torch.strided:
+def _extent(t: torch.Tensor) -> "tuple | None":
+    """(device, first byte address, byte size) of the memory block ``t`` is a view of,
+    for a tensor that has one (``storage_key``'s), else None. Any class: a subclass
+    made with ``as_subclass`` views memory too."""
+    if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
         return None
     try:
-        return t.untyped_storage().data_ptr()
+        storage = t.untyped_storage()
+        size = storage.nbytes()
+        return (t.device, storage.data_ptr(), size) if size else None
     except (RuntimeError, NotImplementedError, TypeError):
         return None
+
+
+def _refuse_overlaps(held: list, extent_of: dict, extents: set, keys: dict) -> None:
+    """ValueError when a memory block to copy (``extents``) overlaps another block
+    without being the same one (``torch.from_numpy`` of an array and of its slice),
+    or is viewed by more than one tensor, one of them a subclass ``storage_key``
+    cannot follow: one copy per block would leave the result's tensors sharing less
+    memory than the caller's (a write that reached a read no longer does), or a
+    copy reading memory nobody copied. ``extent_of``: ``_extent`` by tensor id;
+    ``keys``: the ``storage_key`` of every tensor over a block in ``extents``."""
+    blocks = sorted(extents, key=lambda e: (str(e[0]), e[1]))
+    for a, b in zip(blocks, blocks[1:]):
+        if a[0] == b[0] and b[1] < a[1] + a[2]:
+            _overlap_error(None)
+    starts: dict = collections.defaultdict(list)
+    for device, start, size in blocks:
+        starts[device].append((start, start + size))
+    over_block = collections.Counter()
+    subclassed = set()
+    for t in held:
+        extent = extent_of[id(t)]
+        if extent is None:
+            continue
+        if extent in extents:
+            over_block[extent] += 1
+            if keys[id(t)] is None:
+                subclassed.add(extent)
+            continue
+        device, start, size = extent
+        ranges = starts.get(device, ())
+        i = bisect.bisect_right(ranges, (start, float("inf"))) - 1
+        if any(0 <= j < len(ranges) and ranges[j][0] < start + size and start < ranges[j][1] for j in (i, i + 1)):
+            _overlap_error(t)
+    if any(over_block[extent] > 1 for extent in subclassed):
+        _overlap_error(None)
+
+
+def _overlap_error(t: Any) -> None:
+    what = f"a tensor ({type(t).__name__} of shape {tuple(t.shape)})" if t is not None else "tensors"
+    raise ValueError(
+        f"the model holds {what} over memory that overlaps a tensor its forward writes through another memory "
+        "block or a tensor subclass (torch.from_numpy of overlapping arrays, as_subclass views): a copy of the "
+        "model cannot keep which of its tensors share memory. Give those tensors one memory block (clone "
+        "them), or rewrite the model in place (inplace=True)")
 
 
 def _graph_module_copy(gm: fx.GraphModule, memo: dict) -> fx.GraphModule:

@@ -47,7 +47,7 @@ __all__ = [
     "may_alias_any_argument", "note_built_module", "always_aliases",
     "written_args", "written_nodes", "target_writes", "flagged_writes", "flag_on", "call_writes",
     "opdef_writes", "opdef_may_alias",
-    "module_writes_own_state", "writes_state_when_training", "call_argument",
+    "module_writes_own_state", "writes_state_when_training", "held_norms", "call_argument",
     "state_writes", "hooked_tensors", "hooked_containers", "hooked_generators", "graph_mode", "opaque_code",
     "opaque_holders",
     "lasting_write",
@@ -766,8 +766,9 @@ def module_effects(module: Any) -> "tuple[bool, bool, bool]":
         own = True
     elif kind.norm:
         own = bool(module.training and module.track_running_stats)
-    else:
-        own = _module_setting(module, "max_norm", None) is not None
+    else:  # a torch module holding a norm (``TransformerEncoder(..., norm=BatchNorm1d(n))``) writes its statistics
+        own = _module_setting(module, "max_norm", None) is not None or bool(
+            module._modules and any(m.training for m in held_norms(module)))
     aliasing = kind.aliasing or bool(_module_setting(module, "inplace", False)) or not torch_module
     return own, hooked or not torch_module or kind.container, aliasing
 
@@ -897,6 +898,15 @@ def writes_state_when_training(module: Any) -> bool:
     return isinstance(module, torch.nn.modules.batchnorm._NormBase) and bool(module.track_running_stats)
 
 
+def held_norms(module: Any) -> list:
+    """The batch and instance norms tracking running statistics among the modules
+    ``module`` holds (itself excluded): a torch module that runs them writes their
+    statistics in training mode."""
+    if not module._modules:
+        return []
+    return [m for m in module.modules() if m is not module and writes_state_when_training(m)]
+
+
 def module_written_state(module: Any) -> list:
     """The tensors of a module that writes its own state (``module_writes_own_state``)
     it may write: a hook-free torch BatchNorm or InstanceNorm its buffers (running
@@ -911,6 +921,12 @@ def module_written_state(module: Any) -> list:
         return list(module.buffers())
     if _writes_buffers_only(module):
         return list(module.buffers())  # the library's own (a QAT layer): statistics and ranges, not its weights
+    kind = _module_kind(type(module))
+    if kind.plain_leaf and not kind.norm and not (module._forward_hooks or module._forward_pre_hooks
+                                                  or _global_hooks()) and _runs_torch_code_only(module) \
+            and _module_setting(module, "max_norm", None) is None:
+        # torch's code writes only the statistics of the norms it holds: not the weights
+        return [t for m in held_norms(module) for t in m.buffers()]
     return [*module.parameters(), *module.buffers()]
 
 

@@ -51,7 +51,7 @@ def storage_key(t: torch.Tensor) -> Any:
     """What identifies ``t``'s memory (tensors with the same key share it), or None
     when it has none to share (empty, quantized, sparse, a subclass)."""
     if t.__class__ not in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer) or t.layout != torch.strided \
-            or t.is_quantized:
+            or t.is_quantized or t.device.type == "meta":  # a meta tensor's memory is nowhere (address 0)
         return None
     try:
         storage = t.untyped_storage()
