@@ -520,7 +520,8 @@ class RuleSet:
                 "example_inputs=(...) (the model's example inputs: the check draws random ones like them), or "
                 "check=False to take the rewrite unchecked")
         if check and set(driver.counts) - self._changes():
-            from rewrite.trust.check import Reference, check_equivalence, new_half_precisions, static_float_dtypes
+            from rewrite.trust.check import (Reference, check_equivalence, half_node_counts, more_half_nodes,
+                                             new_half_precisions, static_float_dtypes)
 
             kind = self._tolerance_of(driver.counts)
             # Intentional changes (``change=True``) are not checked: the rewrite is
@@ -535,11 +536,12 @@ class RuleSet:
                 # per trial (and under autocast to the half precisions the rewrite
                 # newly computes in: the check may measure against it), then the
                 # (deterministic) rewrite again
-                rewritten_dtypes = static_float_dtypes(gm)
+                rewritten_dtypes, rewritten_half = static_float_dtypes(gm), half_node_counts(gm)
                 txn.restore()
                 base = original if not changes else self._changed(original, changes, driver.counts, example_inputs,
                                                                   (trials, rtol, atol, drawn, on_mismatch))
-                lower = new_half_precisions(static_float_dtypes(original), rewritten_dtypes)
+                lower = tuple(sorted(set(new_half_precisions(static_float_dtypes(original), rewritten_dtypes))
+                                     | set(more_half_nodes(half_node_counts(original), rewritten_half)), key=str))
                 reference = Reference(base, example_inputs, graph=original, **drawn)
                 reference.prepare(trials, kind, gradients, lower)
                 gm, driver = txn.run()

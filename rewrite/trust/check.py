@@ -51,6 +51,7 @@ effects on either.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import threading
@@ -114,7 +115,7 @@ __all__ = [
     "inputs_from_graph",
     "inputs_copy",
     "laid_out_copy",
-    "new_half_precisions",
+    "new_half_precisions", "half_node_counts", "more_half_nodes",
     "static_float_dtypes",
     "uninitialized_filled",
 ]
@@ -782,6 +783,15 @@ def _new_precisions(ref: _Run, cand: _Run, given: frozenset = frozenset()) -> Tu
     return tuple(loosest(_less_precise(c - r, r, ref.dtypes | given)) for r, c in zip(ref.lineage, cand.lineage))
 
 
+def _computed_from(cand: _Run, dtype: torch.dtype) -> Tuple[Optional[torch.dtype], ...]:
+    """Per output leaf, ``dtype`` where the candidate computes it from values in that
+    precision (every output when the lineage is not known), else None."""
+    n = len(pytree.tree_leaves(cand.outputs))
+    if cand.lineage is None or len(cand.lineage) != n:
+        return (dtype,) * n
+    return tuple(dtype if dtype in lineage else None for lineage in cand.lineage)
+
+
 def _less_precise(new: frozenset, before: frozenset, run: frozenset = frozenset()) -> frozenset:
     """The floating dtypes of ``new`` less precise than the most precise of
     ``before`` (else of ``run``, the dtypes of the original's whole run: a bool
@@ -827,6 +837,35 @@ def static_float_dtypes(fn: Any) -> Optional[frozenset]:
             if isinstance(dtype, torch.dtype):
                 out.add(dtype)
     return frozenset(d for d in out if d.is_floating_point)
+
+
+def half_node_counts(fn: Any) -> Optional[collections.Counter]:
+    """How many call nodes of a GraphModule compute a value in each half precision,
+    read from its nodes' metadata; None when a call node carries none."""
+    if not isinstance(fn, fx.GraphModule):
+        return None
+    counts: collections.Counter = collections.Counter()
+    for node in fn.graph.nodes:
+        if node.op not in CALL_OPS or _computes_nothing(node, fn):
+            continue
+        val = _meta_val(node)
+        if val is None:
+            return None
+        leaves = (val,) if isinstance(val, torch.Tensor) else pytree.tree_leaves(val)
+        for dtype in {getattr(leaf, "dtype", None) for leaf in leaves} & set(HALF):
+            counts[dtype] += 1
+    return counts
+
+
+def more_half_nodes(before: Optional[collections.Counter], after: Optional[collections.Counter]
+                    ) -> Tuple[torch.dtype, ...]:
+    """The half precisions more of the rewritten graph's nodes compute in than the
+    original's did (``half_node_counts``): a mixed-precision rewrite of a model that
+    already computes something in bfloat16 (Falcon's ALiBi slopes) computes in no
+    dtype new to it, but newly computes most of its work in it. None when unknown."""
+    if before is None or after is None:
+        return ()
+    return tuple(sorted((d for d in after if after[d] > before.get(d, 0)), key=str))
 
 
 def _computes_nothing(node: fx.Node, gm: fx.GraphModule) -> bool:
@@ -1945,6 +1984,9 @@ class Reference:
         if example_inputs is not None and (input_ranges or self.fixed_inputs):
             validate_input_keys(self.example_inputs, input_ranges, self.fixed_inputs)  # check_equivalence's
         self.graph = graph if graph is not None else fn
+        #: the original graph's nodes per half precision (``more_half_nodes``), read before
+        #: an in-place rewrite changes it
+        self.half_nodes = half_node_counts(self.graph)
         self._inputs: Dict[int, Any] = {}
         self._narrowed: set = set()  # trials whose one-valued integer inputs keep their value (_narrow)
         self._runs: Dict[int, _Run] = {}
@@ -2335,7 +2377,10 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
             running_as_graph(reference.fn), running_as_graph(candidate, force=records) as run_candidate:
         runner = active_runner(run_candidate) if records and not watch.dispatches(dtypes) else None
         plan = ReusePlan(run_candidate, runner.steps, reference._plan) if runner is not None else None
-        compare = _Comparison(reference, run_candidate, state, tolerance, rtol, atol, int_agreement, quantum)
+        more_half = loosest(set(more_half_nodes(reference.half_nodes, half_node_counts(candidate)))) \
+            if tolerance == "approx" else None
+        compare = _Comparison(reference, run_candidate, state, tolerance, rtol, atol, int_agreement, quantum,
+                              more_half)
         draws = False  # the original draws random numbers: a trial's own seed can tell, equal inputs or not
         for t in reference.trial_indices(trials):
             if reference.repeats(t) and not draws:
@@ -2416,6 +2461,9 @@ class _Comparison:
     atol: Optional[float]
     int_agreement: Optional[float]
     quantum: Union[float, Tuple[float, ...]]
+    #: a half precision more of the rewrite's nodes compute in than the original's
+    #: (``more_half_nodes``), where none is new to it
+    more_half: Optional[torch.dtype] = None
 
     def runs(self, t: int, ref: _Run, cand: _Run, inputs: Any
              ) -> Tuple[float, float, Optional[float], Optional[Mismatch], Optional[torch.dtype]]:
@@ -2432,6 +2480,11 @@ class _Comparison:
         # to float16 on another, which the whole run's dtypes would not show)
         lows = _new_precisions(ref, cand, given) if tolerance == "approx" else None
         low = loosest({d for d in lows if d is not None}) if lows is not None else None
+        if lows is not None and low is None and self.more_half is not None:
+            # no precision is new, but the rewrite computes more in one the original
+            # already used somewhere: the outputs computed from it are held to it
+            lows = _computed_from(cand, self.more_half)
+            low = loosest({d for d in lows if d is not None})
         lows = lows if low is not None else None
         bound = None if low is None else (INT_AGREEMENT if self.int_agreement is None else self.int_agreement)
         a, r, mm = _compare(t, ref.outputs, cand.outputs, tolerance, rtol, atol, None, agreement=bound,
