@@ -38,7 +38,7 @@ from torch.fx.graph import _illegal_names
 
 from rewrite.capture import HOOK_TABLES
 from rewrite.ops.effects import held_norms, state_writes, writes_state_when_training
-from rewrite.ops.reach import storage_key
+from rewrite.ops.reach import storage_key, view_over
 
 __all__ = ["CODE_ATTRIBUTES", "HOOK_TABLES", "Journal", "check_touched", "compile_now", "gc_paused", "own_module_path",
            "own_state_training_writes", "own_written_state", "shared_copy", "working_copy"]
@@ -367,12 +367,7 @@ def _own_tensors(gm: fx.GraphModule, written: "frozenset[int] | None", modules: 
         else:
             if key not in fresh_storages:
                 fresh_storages[key] = t.untyped_storage().clone()
-            clone = torch.empty(0, dtype=t.dtype, device=t.device).set_(
-                fresh_storages[key], t.storage_offset(), t.size(), t.stride())
-            if t.is_neg():  # the view's bits are what its readers see: the same view of the copy
-                clone = torch._neg_view(clone)
-            if t.is_conj():
-                clone = clone.conj()
+            clone = view_over(fresh_storages[key], t)
         if isinstance(t, torch.nn.Parameter):
             return torch.nn.Parameter(clone, t.requires_grad)
         return clone.requires_grad_() if t.requires_grad and t.is_leaf and clone.is_leaf else clone

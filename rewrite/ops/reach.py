@@ -30,7 +30,8 @@ import torch
 
 from rewrite.module_state import CONTAINERS
 
-__all__ = ["generator_types", "reachable_containers", "reachable_generators", "reachable_tensors", "storage_key"]
+__all__ = ["generator_types", "reachable_containers", "reachable_generators", "reachable_tensors", "storage_key",
+           "view_over"]
 
 #: objects visited before the walk gives up (None: everything may be written)
 _LIMIT = 20000
@@ -58,6 +59,16 @@ def storage_key(t: torch.Tensor) -> Any:
         return (t.device, storage.data_ptr()) if storage.nbytes() else None
     except (RuntimeError, NotImplementedError, TypeError):
         return None
+
+
+def view_over(memory: torch.UntypedStorage, t: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``memory`` (a copy of ``t``'s storage) laid out as ``t`` is in its
+    own: dtype, offset, sizes and strides, and a negative or conjugate view's bit,
+    which is what its readers see."""
+    out = torch.empty(0, dtype=t.dtype, device=t.device).set_(memory, t.storage_offset(), t.size(), t.stride())
+    if t.is_neg():
+        out = torch._neg_view(out)
+    return out.conj() if t.is_conj() else out
 
 
 def reachable_tensors(fn: Any, seen: Optional[set] = None) -> Optional[list]:

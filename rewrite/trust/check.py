@@ -77,7 +77,7 @@ from rewrite.engine.workspace import CODE_ATTRIBUTES, gc_paused
 from rewrite.module_state import AttributeSnapshot, version_of
 from rewrite.ops.base import ConstRef, attribute, nodes_by_target
 from rewrite.ops.effects import call_writes, hooked_containers, hooked_tensors, state_writes, written_args
-from rewrite.ops.reach import storage_key
+from rewrite.ops.reach import storage_key, view_over
 from rewrite.ops.vocabulary import CALL_OPS, OPS, bind_node
 from rewrite.trust.gradients import GradientRun, grad_leaves, gradient_run, moved, redrawn
 from rewrite.trust.sizes import smallest_sizes
@@ -1154,11 +1154,7 @@ def _memory_copied(outputs: Any, own: set) -> Any:
             memory = copies.get(key)
             if memory is None:
                 memory = copies[key] = t.untyped_storage().clone()
-            out = torch.empty(0, dtype=t.dtype, device=t.device).set_(memory, t.storage_offset(), t.size(),
-                                                                      t.stride())
-            if t.is_neg():
-                out = torch._neg_view(out)
-            return out.conj() if t.is_conj() else out
+            return view_over(memory, t)
 
     return pytree.tree_map(copied, outputs)
 
