@@ -377,3 +377,133 @@ def test_a_module_tree_with_a_cycle_is_refused_clearly():
     model.lin.owner = model
     with pytest.raises(ValueError, match="cycle in the module tree"):
         rewrite.parse(MUL_ONE).apply(model, (torch.randn(1, 2),))
+
+
+# -- probe CL (session 49): regressions of the ownership changes
+
+def _unknown_writes():
+    """A global forward hook (a profiler's): what any graph writes is unknown."""
+    return torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: None)
+
+
+def test_a_frozen_rnns_parameters_stay_shared_when_writes_are_unknown():
+    """``LSTM._flat_weights`` lists its parameters: with the writes unknown they were
+    chosen from that list (they do not require grad) and copied, parameters included."""
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = nn.LSTM(4, 4, batch_first=True)
+
+        def forward(self, x):
+            return self.rnn(x)[0] * 1.0
+
+    gm = fx.symbolic_trace(Model().requires_grad_(False).eval())
+    handle = _unknown_writes()
+    try:
+        out = rewrite.parse(MUL_ONE).apply(gm, (torch.randn(2, 3, 4),)).graph_module
+    finally:
+        handle.remove()
+    theirs = dict(gm.named_parameters())
+    assert all(p is theirs[name] for name, p in out.named_parameters())
+    assert all(w is theirs[f"rnn.{name}"] for w, name in zip(out.rnn._flat_weights, out.rnn._flat_weights_names))
+
+
+def test_a_buffer_viewing_a_trained_parameter_stays_shared_when_writes_are_unknown():
+    """Copying it would copy the parameter's memory too: the gradient then missed the
+    caller's weight."""
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.register_buffer("wt", self.lin.weight.detach().t())
+
+        def forward(self, x):
+            return self.lin(x) * 1.0 + x @ self.wt
+
+    gm = fx.symbolic_trace(Model())
+    x = torch.randn(2, 3)
+    handle = _unknown_writes()
+    try:
+        out = _apply(gm, x, check=False)
+    finally:
+        handle.remove()
+    assert out.lin.weight is gm.lin.weight
+    out(x).sum().backward()
+    assert gm.lin.weight.grad is not None
+
+
+@pytest.mark.parametrize("kind", ["namedtuple", "dict subclass", "deque", "deep list"])
+def test_tensors_in_other_containers_of_a_leaf_module_are_owned(kind):
+    import collections
+
+    Pair = collections.namedtuple("Pair", "total other")
+
+    class Registry(dict):
+        pass
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            t = torch.zeros(4)
+            if kind == "namedtuple":
+                self.held, self.get = Pair(t, 1), lambda h: h.total
+            elif kind == "dict subclass":
+                self.held, self.get = Registry(total=t), lambda h: h["total"]
+            elif kind == "deque":
+                self.held, self.get = collections.deque([t], maxlen=3), lambda h: h[0]
+            else:
+                self.held, self.get = [[[[[[t]]]]]], lambda h: h[0][0][0][0][0][0]
+
+        def forward(self, x):
+            y = self.lin(x)
+            self.get(self.held).add_(1)
+            return y
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = Block()
+
+        def forward(self, x):
+            return (self.block(x) + 1.0) * 1.0
+
+    model = Net().eval()
+    model.block.register_forward_hook(lambda m, i, o: None)
+    theirs = model.block.get(model.block.held)
+    x = torch.randn(2, 4)
+    out = rewrite.parse(MUL_ONE).apply(model, (x,), check=True).graph_module
+    out(x)
+    assert theirs.sum().item() == 0, "running the result wrote the caller's tensor"
+    mine = out.block.held
+    assert type(mine) is type(model.block.held) and out.block.get(mine) is not theirs
+    if kind == "deque":
+        assert mine.maxlen == 3
+
+
+def test_a_container_holding_itself_with_a_written_tensor_is_refused():
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.c = [torch.zeros(4)]
+            self.c.append(self.c)
+
+        def forward(self, x):
+            self.c[0].add_(1)
+            return self.lin(x)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = Block()
+
+        def forward(self, x):
+            return (self.block(x) + 1.0) * 1.0
+
+    model = Net().eval()
+    model.block.register_forward_hook(lambda m, i, o: None)
+    with pytest.raises(ValueError, match="contains itself"):
+        rewrite.parse(MUL_ONE).apply(model, (torch.randn(2, 4),), check=False)

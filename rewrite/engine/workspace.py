@@ -278,7 +278,7 @@ def _module_tensors(modules: Iterable[torch.nn.Module]) -> tuple:
             value = attributes[name]
             if isinstance(value, torch.Tensor):
                 places.append((attributes, name, value, isinstance(value, torch.nn.Parameter)))
-            elif value.__class__ in _CONTAINERS and value and not _only_numbers(value):
+            elif isinstance(value, _CONTAINERS) and value and not _only_numbers(value):
                 inside = _tensors_inside(value)
                 if inside:
                     containers.append((attributes, name, inside))
@@ -289,8 +289,11 @@ def _module_tensors(modules: Iterable[torch.nn.Module]) -> tuple:
 _MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__)
 
 #: the containers whose tensors a result's copy replaces (rebuilt, never written in place:
-#: a nested one may be the caller's)
-_CONTAINERS = (list, tuple, dict, collections.OrderedDict)
+#: a nested one may be the caller's), subclasses included (a namedtuple, a dict subclass)
+_CONTAINERS = (list, tuple, dict, collections.deque)
+
+#: how deep ``_tensors_inside`` looks into nested containers
+_NESTING = 8
 
 
 def _only_numbers(value: Any) -> bool:
@@ -307,23 +310,47 @@ def _tensors_inside(value: Any, depth: int = 0) -> list:
     for item in (value.values() if isinstance(value, dict) else value):
         if isinstance(item, torch.Tensor):
             found.append(item)
-        elif item.__class__ in _CONTAINERS and depth < 4:
+        elif isinstance(item, _CONTAINERS) and depth < _NESTING:
             found += _tensors_inside(item, depth + 1)
     return found
 
 
-def _replaced(value: Any, copies: dict) -> Any:
+def _replaced(value: Any, copies: dict, path: tuple = ()) -> Any:
     """``value`` with every tensor in ``copies`` (by id) replaced by its copy, the
-    containers on the way rebuilt (the same object where nothing inside changed)."""
+    containers on the way rebuilt as the same type (the same object where nothing
+    inside changed). ValueError for a container that holds itself or one that cannot
+    be rebuilt."""
     if isinstance(value, torch.Tensor):
         return copies.get(id(value), value)
-    if value.__class__ not in _CONTAINERS:
+    if not isinstance(value, _CONTAINERS) or len(path) > _NESTING:
         return value
+    if id(value) in path:
+        raise ValueError(f"a module of the model holds a {type(value).__name__} that contains itself, with a "
+                         "tensor its forward writes: a copy cannot own that tensor. Rewrite the model in place "
+                         "(inplace=True)")
+    path = path + (id(value),)
     if isinstance(value, dict):
-        items = {k: _replaced(v, copies) for k, v in value.items()}
-        return value if all(items[k] is v for k, v in value.items()) else value.__class__(items)
-    items = [_replaced(v, copies) for v in value]
-    return value if all(a is b for a, b in zip(items, value)) else value.__class__(items)
+        items = {k: _replaced(v, copies, path) for k, v in value.items()}
+        if all(items[k] is v for k, v in value.items()):
+            return value
+    else:
+        items = [_replaced(v, copies, path) for v in value]
+        if all(a is b for a, b in zip(items, value)):
+            return value
+    try:
+        if hasattr(value, "_make"):  # a namedtuple
+            return value._make(items)
+        if isinstance(value, collections.deque):
+            return type(value)(items, value.maxlen)
+        rebuilt = type(value)(items)
+    except Exception:  # noqa: BLE001 - a container class with its own constructor
+        rebuilt = None
+    if rebuilt is None or (isinstance(rebuilt, dict) and list(rebuilt) != list(items)):
+        raise ValueError(f"a module of the model holds a {type(value).__name__} with a tensor its forward writes, "
+                         "which a copy cannot rebuild: rewrite the model in place (inplace=True)")
+    if hasattr(value, "__dict__") and not isinstance(value, tuple):
+        rebuilt.__dict__.update(value.__dict__)
+    return rebuilt
 
 
 def _own_tensors(gm: fx.GraphModule, written: "frozenset[int] | None", modules: Any = None) -> int:
@@ -335,18 +362,20 @@ def _own_tensors(gm: fx.GraphModule, written: "frozenset[int] | None", modules: 
     places, containers = _module_tensors(gm.modules() if modules is None else modules)
     held = list({id(t): t for t in [place[2] for place in places] + [t for *_, inside in containers for t in inside]
                  }.values())
+    extent_of = {id(t): _extent(t) for t in held}
     if written is not None:
         chosen = [t for t in held if id(t) in written]
-    else:
-        chosen = [t for _, _, t, parameter in places if not parameter and not t.requires_grad]
-        chosen += [t for *_, inside in containers for t in inside if not t.requires_grad]
+    else:  # what requires grad (and memory it shares) stays the caller's, as parameters do
+        parameters = {id(t) for _, _, t, parameter in places if parameter}
+        trained = {extent_of[id(t)] for t in held if t.requires_grad or id(t) in parameters} - {None}
+        chosen = [t for t in held if id(t) not in parameters and not isinstance(t, torch.nn.Parameter)
+                  and not t.requires_grad and extent_of[id(t)] not in trained]
     if not chosen:
         return 0
     # Tensors sharing memory with a copied one (a second buffer viewing it, fx's
     # ``_tensor_constant`` of ``self.cache.t()``) view the copy's memory as they
     # viewed the original's: the copy's writes must reach its reads.
     keys = {id(t): storage_key(t) for t in chosen}
-    extent_of = {id(t): _extent(t) for t in held}
     extents = {extent_of[id(t)] for t in chosen} - {None}
     for t in held:
         if id(t) not in keys and extent_of[id(t)] in extents:

@@ -115,7 +115,7 @@ __all__ = [
     "inputs_from_graph",
     "inputs_copy",
     "laid_out_copy",
-    "new_half_precisions", "half_node_counts", "more_half_nodes",
+    "new_half_precisions", "half_node_counts", "half_nodes_per_output", "more_half_nodes",
     "static_float_dtypes",
     "uninitialized_filled",
 ]
@@ -783,15 +783,6 @@ def _new_precisions(ref: _Run, cand: _Run, given: frozenset = frozenset()) -> Tu
     return tuple(loosest(_less_precise(c - r, r, ref.dtypes | given)) for r, c in zip(ref.lineage, cand.lineage))
 
 
-def _computed_from(cand: _Run, dtype: torch.dtype) -> Tuple[Optional[torch.dtype], ...]:
-    """Per output leaf, ``dtype`` where the candidate computes it from values in that
-    precision (every output when the lineage is not known), else None."""
-    n = len(pytree.tree_leaves(cand.outputs))
-    if cand.lineage is None or len(cand.lineage) != n:
-        return (dtype,) * n
-    return tuple(dtype if dtype in lineage else None for lineage in cand.lineage)
-
-
 def _less_precise(new: frozenset, before: frozenset, run: frozenset = frozenset()) -> frozenset:
     """The floating dtypes of ``new`` less precise than the most precise of
     ``before`` (else of ``run``, the dtypes of the original's whole run: a bool
@@ -866,6 +857,53 @@ def more_half_nodes(before: Optional[collections.Counter], after: Optional[colle
     if before is None or after is None:
         return ()
     return tuple(sorted((d for d in after if after[d] > before.get(d, 0)), key=str))
+
+
+def half_nodes_per_output(fn: Any) -> Optional[Tuple[collections.Counter, ...]]:
+    """Per output leaf of a GraphModule (pytree order), how many of the call nodes it
+    is computed from compute in each half precision (``half_node_counts``, output by
+    output); None when a node's metadata does not tell."""
+    if not isinstance(fn, fx.GraphModule):
+        return None
+    output = next((n for n in reversed(fn.graph.nodes) if n.op == "output"), None)
+    if output is None:
+        return None
+    leaves = pytree.tree_leaves(output.args[0] if output.args else None)
+    reach: Dict[fx.Node, int] = {}  # node -> bit mask of the output leaves computed from it
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, fx.Node):
+            reach[leaf] = reach.get(leaf, 0) | (1 << i)
+    counts = tuple(collections.Counter() for _ in leaves)
+    for node in reversed(fn.graph.nodes):
+        mask = reach.get(node, 0)
+        for user in node.users:
+            mask |= reach.get(user, 0)
+        if not mask:
+            continue
+        reach[node] = mask
+        if node.op not in CALL_OPS or _computes_nothing(node, fn):
+            continue
+        val = _meta_val(node)
+        if val is None:
+            return None
+        values = (val,) if isinstance(val, torch.Tensor) else pytree.tree_leaves(val)
+        for dtype in {getattr(v, "dtype", None) for v in values} & set(HALF):
+            i = 0
+            while mask >> i:
+                if mask >> i & 1:
+                    counts[i][dtype] += 1
+                i += 1
+    return counts
+
+
+def _more_half_per_output(before: Optional[tuple], after: Optional[tuple]) -> Optional[Tuple[Any, ...]]:
+    """Per output leaf, the loosest half precision more of the rewrite's nodes it is
+    computed from compute in than the original's (``half_nodes_per_output``), else
+    None; None for all when unknown or when no output has more."""
+    if before is None or after is None or len(before) != len(after):
+        return None
+    more = tuple(loosest({d for d in a if a[d] > b.get(d, 0)}) for b, a in zip(before, after))
+    return more if any(d is not None for d in more) else None
 
 
 def _computes_nothing(node: fx.Node, gm: fx.GraphModule) -> bool:
@@ -1982,7 +2020,7 @@ class Reference:
         self.graph = graph if graph is not None else fn
         #: the original graph's nodes per half precision (``more_half_nodes``), read before
         #: an in-place rewrite changes it
-        self.half_nodes = half_node_counts(self.graph)
+        self.half_nodes = half_nodes_per_output(self.graph)
         self._inputs: Dict[int, Any] = {}
         self._narrowed: set = set()  # trials whose one-valued integer inputs keep their value (_narrow)
         self._runs: Dict[int, _Run] = {}
@@ -2373,7 +2411,7 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
             running_as_graph(reference.fn), running_as_graph(candidate, force=records) as run_candidate:
         runner = active_runner(run_candidate) if records and not watch.dispatches(dtypes) else None
         plan = ReusePlan(run_candidate, runner.steps, reference._plan) if runner is not None else None
-        more_half = loosest(set(more_half_nodes(reference.half_nodes, half_node_counts(candidate)))) \
+        more_half = _more_half_per_output(reference.half_nodes, half_nodes_per_output(candidate)) \
             if tolerance == "approx" else None
         compare = _Comparison(reference, run_candidate, state, tolerance, rtol, atol, int_agreement, quantum,
                               more_half)
@@ -2457,9 +2495,9 @@ class _Comparison:
     atol: Optional[float]
     int_agreement: Optional[float]
     quantum: Union[float, Tuple[float, ...]]
-    #: a half precision more of the rewrite's nodes compute in than the original's
-    #: (``more_half_nodes``), where none is new to it
-    more_half: Optional[torch.dtype] = None
+    #: per output leaf, a half precision more of the rewrite's nodes it is computed from
+    #: compute in than the original's (``_more_half_per_output``), or None
+    more_half: Optional[Tuple[Any, ...]] = None
 
     def runs(self, t: int, ref: _Run, cand: _Run, inputs: Any
              ) -> Tuple[float, float, Optional[float], Optional[Mismatch], Optional[torch.dtype]]:
@@ -2476,15 +2514,12 @@ class _Comparison:
         # to float16 on another, which the whole run's dtypes would not show)
         lows = _new_precisions(ref, cand, given) if tolerance == "approx" else None
         low = loosest({d for d in lows if d is not None}) if lows is not None else None
-        if lows is not None and low is None and self.more_half is not None:
-            # no precision is new, but the rewrite computes more in one the original
-            # already used somewhere: the outputs computed from it are held to it
-            lows = _computed_from(cand, self.more_half)
-            low = loosest({d for d in lows if d is not None})
         lows = lows if low is not None else None
         bound = None if low is None else (INT_AGREEMENT if self.int_agreement is None else self.int_agreement)
         a, r, mm = _compare(t, ref.outputs, cand.outputs, tolerance, rtol, atol, None, agreement=bound,
                             compute_dtypes=lows, quantum=quantum)
+        narrowed_low = None  # the precision of the allowance for outputs computed more in it
+        more = None
         if mm is not None and rtol is None and atol is None:
             # one newly computed in a lower precision may be as far from the original
             # as torch's autocast to it is; a model in half precision is itself far
@@ -2495,11 +2530,27 @@ class _Comparison:
             if noises is not None:
                 a, r, mm = _compare(t, ref.outputs, cand.outputs, tolerance, rtol, atol, None,
                                     agreement=bound, compute_dtypes=lows, noises=noises, quantum=quantum)
+            more = self.more_half
+            if more is not None and len(more) != len(pytree.tree_leaves(cand.outputs)):
+                more = None
+            if mm is not None and low is None and more is not None:
+                # no precision is new, but more of the nodes some outputs are computed
+                # from compute in one the original used elsewhere (Falcon's ALiBi in
+                # bfloat16, an AMP rewrite of its matmuls): those outputs, and only
+                # they, may be as far as autocast to it is, on the tolerance as it was
+                narrowed_low = loosest({d for d in more if d is not None})
+                narrowed = reference.narrowing_noise(t, narrowed_low, state)
+                if narrowed is not None:
+                    a, r, mm = _compare(t, ref.outputs, cand.outputs, tolerance, rtol, atol, None,
+                                        noises=_only_where(narrowed, more), quantum=quantum)
         share = _int_agreement(ref.outputs, cand.outputs, lows) if bound is not None else None
         if share is not None and share < 1.0 and mm is None:
             mm = _flips_from_non_finite(t, reference, self.candidate, state)
         if mm is None and rtol is None and atol is None and not _any_step(quantum):
-            if low is None:
+            if low is None and narrowed_low is not None:
+                mm = _confirm_narrowed_below_unit(t, reference, ref, cand, tolerance, state, narrowed_low, None,
+                                                  None, only=more)
+            elif low is None:
                 mm = _confirm_below_unit(t, reference, ref, cand, tolerance, state)
             else:
                 mm = _confirm_narrowed_below_unit(t, reference, ref, cand, tolerance, state, low, lows, bound)
@@ -2563,7 +2614,8 @@ def _confirm_below_unit(t: int, reference: "Reference", ref: _Run, cand: _Run, k
 
 
 def _confirm_narrowed_below_unit(t: int, reference: "Reference", ref: _Run, cand: _Run, kind: str, state: Any,
-                                 low: torch.dtype, lows: Any, bound: Optional[float]) -> Optional[Mismatch]:
+                                 low: torch.dtype, lows: Any, bound: Optional[float],
+                                 only: Optional[Tuple[Any, ...]] = None) -> Optional[Mismatch]:
     """``_confirm_below_unit`` for outputs a lower precision newly reaches: the
     precision's ``atol`` is absolute below 1 too, so a wrong rule that also casts to
     bfloat16 would pass on outputs of 1e-4. Held to their own scale, they pass when
@@ -2581,8 +2633,15 @@ def _confirm_narrowed_below_unit(t: int, reference: "Reference", ref: _Run, cand
     if noises is None:  # autocast cannot run the original: held to its own scale, nothing on top
         return strict
     _, _, mm = _compare(t, ref.outputs, cand.outputs, kind, None, None, agreement=bound, compute_dtypes=lows,
-                        noises=noises, unit=0.0)
+                        noises=_only_where(noises, only), unit=0.0)
     return mm
+
+
+def _only_where(noises: tuple, only: Optional[Tuple[Any, ...]]) -> tuple:
+    """``noises`` kept for the output leaves ``only`` names (not None), all when None."""
+    if only is None:
+        return noises
+    return tuple(n if i < len(only) and only[i] is not None else None for i, n in enumerate(noises))
 
 
 def _below_unit(outputs: Any) -> bool:
