@@ -906,6 +906,9 @@ def _more_half_per_output(before: Optional[tuple], after: Optional[tuple]) -> Op
     return more if any(d is not None for d in more) else None
 
 
+_UNREAD = object()  # a lazily read attribute not read yet
+
+
 def _computes_nothing(node: fx.Node, gm: fx.GraphModule) -> bool:
     """A node that returns nothing and computes no value: a metadata check (its
     recorded value is None), ``torch.export``'s input guard."""
@@ -2018,9 +2021,7 @@ class Reference:
         if example_inputs is not None and (input_ranges or self.fixed_inputs):
             validate_input_keys(self.example_inputs, input_ranges, self.fixed_inputs)  # check_equivalence's
         self.graph = graph if graph is not None else fn
-        #: the original graph's nodes per half precision (``more_half_nodes``), read before
-        #: an in-place rewrite changes it
-        self.half_nodes = half_nodes_per_output(self.graph)
+        self._half_nodes: Any = _UNREAD
         self._inputs: Dict[int, Any] = {}
         self._narrowed: set = set()  # trials whose one-valued integer inputs keep their value (_narrow)
         self._runs: Dict[int, _Run] = {}
@@ -2294,6 +2295,15 @@ class Reference:
             self._watch = self._watch.with_lineage(self.fn)
         return self._watch
 
+    @property
+    def half_nodes(self) -> Optional[Tuple[collections.Counter, ...]]:
+        """The original graph's nodes per half precision, per output
+        (``half_nodes_per_output``): read once, by ``prepare`` before an in-place
+        rewrite changes the graph, else when an approximate check first asks."""
+        if self._half_nodes is _UNREAD:
+            self._half_nodes = half_nodes_per_output(self.graph)
+        return self._half_nodes
+
     def prepare(self, trials: int, tolerance: str = "approx", gradients: bool = False,
                 lower: Iterable[torch.dtype] = ()) -> "Reference":
         """Run every trial now (before an in-place rewrite changes the model), and
@@ -2303,6 +2313,8 @@ class Reference:
         need them afterwards."""
         if tolerance != "exact":
             self.stop_recording()  # see _check
+        if tolerance == "approx":
+            self.half_nodes  # noqa: B018 - read now, while the graph is the original's
         with gc_paused(), torch.inference_mode(False), autocast_off(), \
                 preserved_state(self.fn, runs_only=True, watches=(self.watch(),)) as state, \
                 running_as_graph(self.fn, force=self._records(), runner=self._recorder()):
