@@ -167,6 +167,23 @@ def test_a_parameter_among_the_copies_stays_a_parameter():
     assert _storage(out.lead) == _storage(out.w) != _storage(gm.w)
 
 
+class _Net(nn.Module):
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return (self.block(x) + 1.0) * 1.0
+
+
+def _hooked_net(block: nn.Module) -> nn.Module:
+    """``block`` inside a model, hooked so the trace keeps it one call (a leaf module
+    whose forward the library cannot read)."""
+    model = _Net(block).eval()
+    model.block.register_forward_hook(lambda m, i, o: None)
+    return model
+
+
 # -- probe CK (session 49): conj/neg views, overlapping memory blocks, containers,
 # -- tensors that require grad, norms inside torch modules, module cycles
 
@@ -256,16 +273,7 @@ def test_tensors_a_leaf_module_keeps_in_a_list_or_dict_are_owned(check):
             self.stats["nested"][0].add_(1)
             return y
 
-    class Net(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.block = Block()
-
-        def forward(self, x):
-            return (self.block(x) + 1.0) * 1.0
-
-    model = Net().eval()
-    model.block.register_forward_hook(lambda m, i, o: None)  # one call in the trace
+    model = _hooked_net(Block())
     x = torch.randn(5, 4)
     held = [model.block.cache[0], model.block.stats["n"], model.block.stats["nested"][0]]
     before = [t.clone() for t in held]
@@ -462,16 +470,7 @@ def test_tensors_in_other_containers_of_a_leaf_module_are_owned(kind):
             self.get(self.held).add_(1)
             return y
 
-    class Net(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.block = Block()
-
-        def forward(self, x):
-            return (self.block(x) + 1.0) * 1.0
-
-    model = Net().eval()
-    model.block.register_forward_hook(lambda m, i, o: None)
+    model = _hooked_net(Block())
     theirs = model.block.get(model.block.held)
     x = torch.randn(2, 4)
     out = rewrite.parse(MUL_ONE).apply(model, (x,), check=True).graph_module
@@ -495,15 +494,6 @@ def test_a_container_holding_itself_with_a_written_tensor_is_refused():
             self.c[0].add_(1)
             return self.lin(x)
 
-    class Net(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.block = Block()
-
-        def forward(self, x):
-            return (self.block(x) + 1.0) * 1.0
-
-    model = Net().eval()
-    model.block.register_forward_hook(lambda m, i, o: None)
+    model = _hooked_net(Block())
     with pytest.raises(ValueError, match="contains itself"):
         rewrite.parse(MUL_ONE).apply(model, (torch.randn(2, 4),), check=False)

@@ -837,15 +837,23 @@ def half_node_counts(fn: Any) -> Optional[collections.Counter]:
         return None
     counts: collections.Counter = collections.Counter()
     for node in fn.graph.nodes:
-        if node.op not in CALL_OPS or _computes_nothing(node, fn):
-            continue
-        val = _meta_val(node)
-        if val is None:
+        halves = _half_dtypes(node, fn)
+        if halves is None:
             return None
-        leaves = (val,) if isinstance(val, torch.Tensor) else pytree.tree_leaves(val)
-        for dtype in {getattr(leaf, "dtype", None) for leaf in leaves} & set(HALF):
-            counts[dtype] += 1
+        counts.update(halves)
     return counts
+
+
+def _half_dtypes(node: fx.Node, gm: fx.GraphModule) -> Optional[set]:
+    """The half precisions a call node computes values in (none for other nodes), read
+    from its metadata; None when it carries none."""
+    if node.op not in CALL_OPS or _computes_nothing(node, gm):
+        return set()
+    val = _meta_val(node)
+    if val is None:
+        return None
+    values = (val,) if isinstance(val, torch.Tensor) else pytree.tree_leaves(val)
+    return {getattr(v, "dtype", None) for v in values} & set(HALF)
 
 
 def more_half_nodes(before: Optional[collections.Counter], after: Optional[collections.Counter]
@@ -881,13 +889,10 @@ def half_nodes_per_output(fn: Any) -> Optional[Tuple[collections.Counter, ...]]:
         if not mask:
             continue
         reach[node] = mask
-        if node.op not in CALL_OPS or _computes_nothing(node, fn):
-            continue
-        val = _meta_val(node)
-        if val is None:
+        halves = _half_dtypes(node, fn)
+        if halves is None:
             return None
-        values = (val,) if isinstance(val, torch.Tensor) else pytree.tree_leaves(val)
-        for dtype in {getattr(v, "dtype", None) for v in values} & set(HALF):
+        for dtype in halves:
             i = 0
             while mask >> i:
                 if mask >> i & 1:
