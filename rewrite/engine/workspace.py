@@ -38,7 +38,7 @@ from torch.fx.graph import _illegal_names
 
 from rewrite.capture import HOOK_TABLES
 from rewrite.ops.effects import held_norms, state_writes, writes_state_when_training
-from rewrite.ops.reach import storage_key, view_over
+from rewrite.ops.reach import view_over
 
 __all__ = ["CODE_ATTRIBUTES", "HOOK_TABLES", "Journal", "check_touched", "compile_now", "gc_paused", "own_module_path",
            "own_state_training_writes", "own_written_state", "shared_copy", "working_copy"]
@@ -375,11 +375,11 @@ def _own_tensors(gm: fx.GraphModule, written: "frozenset[int] | None", modules: 
     # Tensors sharing memory with a copied one (a second buffer viewing it, fx's
     # ``_tensor_constant`` of ``self.cache.t()``) view the copy's memory as they
     # viewed the original's: the copy's writes must reach its reads.
-    keys = {id(t): storage_key(t) for t in chosen}
+    keys = {id(t): _key(t, extent_of[id(t)]) for t in chosen}
     extents = {extent_of[id(t)] for t in chosen} - {None}
     for t in held:
         if id(t) not in keys and extent_of[id(t)] in extents:
-            keys[id(t)] = storage_key(t)
+            keys[id(t)] = _key(t, extent_of[id(t)])
     _refuse_overlaps(held, extent_of, extents, keys)
     views = collections.Counter(keys[id(t)] for t in held if id(t) in keys)
     copies: dict = {}
@@ -389,7 +389,7 @@ def _own_tensors(gm: fx.GraphModule, written: "frozenset[int] | None", modules: 
         if key is None:
             clone = t.detach().clone()
         elif views[key] == 1 and t.storage_offset() == 0 and t.is_contiguous() and not t.is_conj() \
-                and not t.is_neg() and t.nbytes == t.untyped_storage().nbytes():  # alone over its memory
+                and not t.is_neg() and t.nbytes == extent_of[id(t)][2]:  # alone over its memory
             clone = t.detach().clone()
             if clone.stride() != t.stride():  # a contiguous tensor's size-1 dimensions may have any stride
                 clone = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device).copy_(t.detach())
@@ -427,6 +427,14 @@ def _extent(t: torch.Tensor) -> "tuple | None":
         return (t.device, storage.data_ptr(), size) if size else None
     except (RuntimeError, NotImplementedError, TypeError):
         return None
+
+
+def _key(t: torch.Tensor, extent: "tuple | None") -> Any:
+    """``storage_key(t)`` from its ``_extent``: a plain tensor's block, None for a subclass."""
+    return extent[:2] if extent is not None and t.__class__ in _PLAIN_TENSORS else None
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
 
 
 def _refuse_overlaps(held: list, extent_of: dict, extents: set, keys: dict) -> None:
