@@ -497,3 +497,96 @@ def test_a_container_holding_itself_with_a_written_tensor_is_refused():
     model = _hooked_net(Block())
     with pytest.raises(ValueError, match="contains itself"):
         rewrite.parse(MUL_ONE).apply(model, (torch.randn(2, 4),), check=False)
+
+
+# -- session 50: tensors a leaf module keeps in its own helper objects (probe CL F4)
+
+class _Totals:
+    """A plain state holder of the user's (no container, no module)."""
+
+    def __init__(self) -> None:
+        self.total = torch.zeros(4)
+        self.inner = _Inner()
+        self.calls = 0
+
+
+class _Inner:
+    def __init__(self) -> None:
+        self.seen = torch.zeros(())
+
+
+class _Slotted:
+    __slots__ = ("total",)
+
+    def __init__(self) -> None:
+        self.total = torch.zeros(4)
+
+
+class _HelperBlock(nn.Module):
+    def __init__(self, holder) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.holder = holder
+
+    def forward(self, x):
+        y = self.lin(x)
+        self.holder.total.add_(y.mean(0).detach())
+        if isinstance(self.holder, _Totals):
+            self.holder.inner.seen.add_(1)
+            self.holder.calls += 1
+        return y
+
+
+class _TwoBlocks(nn.Module):
+    def __init__(self, holder) -> None:
+        super().__init__()
+        self.a = _HelperBlock(holder)
+        self.b = _HelperBlock(holder)
+
+    def forward(self, x):
+        return (self.b(self.a(x)) + 1.0) * 1.0
+
+
+class _LeafTracer(fx.Tracer):
+    def is_leaf_module(self, m, qualname):
+        return isinstance(m, _HelperBlock) or super().is_leaf_module(m, qualname)
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+@pytest.mark.parametrize("check", [False, True])
+def test_tensors_a_leaf_module_keeps_in_a_helper_object_are_owned(hooked, check):
+    """``self.holder.total.add_(...)`` in a user's leaf module: the result kept the
+    caller's holder, so every run of the result wrote the caller's tensors (writes
+    known from the module's reach, or unknown under a hook). The result holds a copy
+    of the holder, one for both modules sharing it, with its own tensors."""
+    holder = _Totals()
+    model = _TwoBlocks(holder).eval()
+    if hooked:
+        model.a.register_forward_hook(lambda m, i, o: None)
+    gm = fx.GraphModule(model, _LeafTracer().trace(model))
+    x = torch.randn(3, 4)
+    result = rewrite.parse(MUL_ONE).apply(gm, (x,), check=check)
+    assert result.counts == {"mul_one": 1}
+    out = result.graph_module
+    expected = _TwoBlocks(_Totals()).eval()
+    expected.load_state_dict(model.state_dict())
+    assert torch.equal(out(x), expected(x)) and torch.equal(out(x), expected(x))
+    assert holder.total.abs().sum() == 0 and holder.inner.seen.item() == 0 and holder.calls == 0, \
+        "running the result wrote the caller's holder"
+    mine = out.a.holder
+    assert mine is out.b.holder and mine is not holder and type(mine) is _Totals
+    assert torch.equal(mine.total, expected.a.holder.total) and mine.inner.seen.item() == 4 and mine.calls == 4
+
+
+def test_a_written_tensor_in_a_slotted_helper_is_refused_and_inplace_still_works():
+    """An object with ``__slots__`` has no ``__dict__`` to rebuild: the copy cannot
+    own its tensor, so apply refuses rather than return a result that writes it."""
+    holder = _Slotted()
+    model = _TwoBlocks(holder).eval()
+    gm = fx.GraphModule(model, _LeafTracer().trace(model))
+    x = torch.randn(3, 4)
+    with pytest.raises(ValueError, match="__slots__"):
+        rewrite.parse(MUL_ONE).apply(gm, (x,), check=False)
+    assert holder.total.abs().sum() == 0
+    result = rewrite.parse(MUL_ONE).apply(gm, (x,), check=False, inplace=True)
+    assert result.counts == {"mul_one": 1} and result.graph_module is gm

@@ -37,8 +37,8 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.graph import _illegal_names
 
 from rewrite.capture import HOOK_TABLES
-from rewrite.ops.effects import held_norms, state_writes, writes_state_when_training
-from rewrite.ops.reach import view_over
+from rewrite.ops.effects import held_norms, opaque_holders, state_writes, writes_state_when_training
+from rewrite.ops.reach import reachable_tensors, view_over
 
 __all__ = ["CODE_ATTRIBUTES", "HOOK_TABLES", "Journal", "check_touched", "compile_now", "gc_paused", "own_module_path",
            "own_state_training_writes", "own_written_state", "shared_copy", "working_copy"]
@@ -278,7 +278,7 @@ def _module_tensors(modules: Iterable[torch.nn.Module]) -> tuple:
             value = attributes[name]
             if isinstance(value, torch.Tensor):
                 places.append((attributes, name, value, isinstance(value, torch.nn.Parameter)))
-            elif isinstance(value, _CONTAINERS) and value and not _only_numbers(value):
+            elif (isinstance(value, _CONTAINERS) and value and not _only_numbers(value)) or _helper_object(value):
                 inside = _tensors_inside(value)
                 if inside:
                     containers.append((attributes, name, inside))
@@ -296,6 +296,22 @@ _CONTAINERS = (list, tuple, dict, collections.deque)
 _NESTING = 8
 
 
+def _helper_object(value: Any) -> bool:
+    """An object of the user's own class keeping its attributes in a ``__dict__`` (a
+    state holder a leaf module writes: ``self.state.total.add_(x)``): looked into and,
+    where it holds a tensor the result must own, copied (``copy.copy``) like a list.
+    Not a module, a class, a function, or an object of torch's, numpy's or Python's."""
+    kind = type(value)
+    return kind.__module__ not in _NOT_HELPERS and not kind.__module__.startswith(_LIBRARY_PREFIXES) \
+        and not isinstance(value, _NOT_HELPER_KINDS) and type(getattr(value, "__dict__", None)) is dict
+
+
+_NOT_HELPERS = frozenset({"builtins", "functools", "collections", "types", "typing", "enum", "re", "numpy"})
+_LIBRARY_PREFIXES = ("torch.", "numpy.", "rewrite.", "transformers.", "typing.")
+_NOT_HELPER_KINDS = (torch.nn.Module, torch.Tensor, type, types.FunctionType, types.MethodType, types.ModuleType,
+                     fx.Graph, fx.Node)
+
+
 def _only_numbers(value: Any) -> bool:
     """A tuple or list of ints (a convolution's ``kernel_size``): nothing to look into."""
     return not isinstance(value, dict) and set(map(type, value)) <= _NUMBERS
@@ -304,37 +320,70 @@ def _only_numbers(value: Any) -> bool:
 _NUMBERS = frozenset({int, float, bool})
 
 
-def _tensors_inside(value: Any, depth: int = 0) -> list:
-    """The tensors in nested lists, tuples and dicts ``value`` holds (a few levels deep)."""
+def _tensors_inside(value: Any, depth: int = 0, seen: "set | None" = None) -> list:
+    """The tensors in nested lists, tuples, dicts and helper objects ``value`` holds (a
+    few levels deep, each object once)."""
+    seen = set() if seen is None else seen
+    seen.add(id(value))
     found = []
-    for item in (value.values() if isinstance(value, dict) else value):
+    for item in _items(value):
         if isinstance(item, torch.Tensor):
             found.append(item)
-        elif isinstance(item, _CONTAINERS) and depth < _NESTING:
-            found += _tensors_inside(item, depth + 1)
+        elif depth < _NESTING and id(item) not in seen and (isinstance(item, _CONTAINERS) or _helper_object(item)):
+            found += _tensors_inside(item, depth + 1, seen)
     return found
 
 
-def _replaced(value: Any, copies: dict, path: tuple = ()) -> Any:
+def _items(value: Any) -> Iterable:
+    """What a container or helper object holds."""
+    if isinstance(value, dict):
+        return value.values()
+    if isinstance(value, _CONTAINERS):
+        return value
+    return list(vars(value).values())
+
+
+def _replaced(value: Any, copies: dict, rebuilt: dict, path: tuple = ()) -> Any:
     """``value`` with every tensor in ``copies`` (by id) replaced by its copy, the
-    containers on the way rebuilt as the same type (the same object where nothing
-    inside changed). ValueError for a container that holds itself or one that cannot
-    be rebuilt."""
+    containers and helper objects on the way rebuilt as the same type (the same
+    object where nothing inside changed; one rebuild per object, in ``rebuilt`` by
+    id, so two modules sharing a holder share its copy). ValueError for a container
+    that holds itself or one that cannot be rebuilt."""
     if isinstance(value, torch.Tensor):
         return copies.get(id(value), value)
-    if not isinstance(value, _CONTAINERS) or len(path) > _NESTING:
+    if id(value) in rebuilt:
+        return rebuilt[id(value)]
+    helper = not isinstance(value, _CONTAINERS) and _helper_object(value)
+    if not (helper or isinstance(value, _CONTAINERS)) or len(path) > _NESTING:
         return value
     if id(value) in path:
         raise ValueError(f"a module of the model holds a {type(value).__name__} that contains itself, with a "
                          "tensor its forward writes: a copy cannot own that tensor. Rewrite the model in place "
                          "(inplace=True)")
-    path = path + (id(value),)
+    rebuilt[id(value)] = result = _rebuilt(value, copies, rebuilt, path + (id(value),), helper)
+    return result
+
+
+def _rebuilt(value: Any, copies: dict, rebuilt: dict, path: tuple, helper: bool) -> Any:
+    """``_replaced`` for one container or helper object."""
+    if helper:
+        attributes = {k: _replaced(v, copies, rebuilt, path) for k, v in vars(value).items()}
+        if all(attributes[k] is v for k, v in vars(value).items()):
+            return value
+        try:
+            copied = copy.copy(value)
+            vars(copied).update(attributes)
+        except Exception as error:  # noqa: BLE001 - a class whose copy fails
+            raise ValueError(f"a module of the model holds a {type(value).__name__} with a tensor its forward "
+                             "writes, which a copy cannot rebuild: rewrite the model in place (inplace=True)"
+                             ) from error
+        return copied
     if isinstance(value, dict):
-        items = {k: _replaced(v, copies, path) for k, v in value.items()}
+        items = {k: _replaced(v, copies, rebuilt, path) for k, v in value.items()}
         if all(items[k] is v for k, v in value.items()):
             return value
     else:
-        items = [_replaced(v, copies, path) for v in value]
+        items = [_replaced(v, copies, rebuilt, path) for v in value]
         if all(a is b for a, b in zip(items, value)):
             return value
     try:
@@ -342,15 +391,15 @@ def _replaced(value: Any, copies: dict, path: tuple = ()) -> Any:
             return value._make(items)
         if isinstance(value, collections.deque):
             return type(value)(items, value.maxlen)
-        rebuilt = type(value)(items)
+        made = type(value)(items)
     except Exception:  # noqa: BLE001 - a container class with its own constructor
-        rebuilt = None
-    if rebuilt is None or (isinstance(rebuilt, dict) and list(rebuilt) != list(items)):
+        made = None
+    if made is None or (isinstance(made, dict) and list(made) != list(items)):
         raise ValueError(f"a module of the model holds a {type(value).__name__} with a tensor its forward writes, "
                          "which a copy cannot rebuild: rewrite the model in place (inplace=True)")
     if hasattr(value, "__dict__") and not isinstance(value, tuple):
-        rebuilt.__dict__.update(value.__dict__)
-    return rebuilt
+        made.__dict__.update(value.__dict__)
+    return made
 
 
 def _own_tensors(gm: fx.GraphModule, written: "frozenset[int] | None", modules: Any = None) -> int:
@@ -365,6 +414,8 @@ def _own_tensors(gm: fx.GraphModule, written: "frozenset[int] | None", modules: 
     extent_of = {id(t): _extent(t) for t in held}
     if written is not None:
         chosen = [t for t in held if id(t) in written]
+        if len(chosen) < len(written):
+            _refuse_unreached(gm, written - extent_of.keys())
     else:  # what requires grad (and memory it shares) stays the caller's, as parameters do
         parameters = {id(t) for _, _, t, parameter in places if parameter}
         trained = {extent_of[id(t)] for t in held if t.requires_grad or id(t) in parameters} - {None}
@@ -409,10 +460,26 @@ def _own_tensors(gm: fx.GraphModule, written: "frozenset[int] | None", modules: 
         copy_ = copies.get(id(t))
         if copy_ is not None:
             table[key] = copy_
+    rebuilt: dict = {}
     for attributes, name, inside in containers:
         if any(id(t) in copies for t in inside):
-            attributes[name] = _replaced(attributes[name], copies)
+            attributes[name] = _replaced(attributes[name], copies, rebuilt)
     return len(copies)
+
+
+def _refuse_unreached(gm: fx.GraphModule, missed: "frozenset[int]") -> None:
+    """ValueError when a tensor the forward writes (an id in ``missed``) is one a
+    user's leaf module holds where the copy does not look (an object with
+    ``__slots__``, nesting deeper than ``_NESTING``): the result would write the
+    caller's. A written tensor no module holds (a global a wrapped helper writes) is
+    the same object for the caller and the result either way."""
+    reached = reachable_tensors(opaque_holders(gm))
+    if reached and any(id(t) in missed for t in reached):
+        raise ValueError(
+            "a leaf module of the model holds a tensor its forward writes where a copy of the model cannot reach "
+            "it (an object with __slots__, or nested deeper than lists, dicts and plain objects 8 levels down): "
+            "the result would write the caller's tensor. Keep it in a buffer or a plain attribute, or rewrite the "
+            "model in place (inplace=True)")
 
 
 def _extent(t: torch.Tensor) -> "tuple | None":
