@@ -590,3 +590,77 @@ def test_a_written_tensor_in_a_slotted_helper_is_refused_and_inplace_still_works
     assert holder.total.abs().sum() == 0
     result = rewrite.parse(MUL_ONE).apply(gm, (x,), check=False, inplace=True)
     assert result.counts == {"mul_one": 1} and result.graph_module is gm
+
+
+# -- session 50: a user's subclass of a torch module that adds nothing that runs (probe CL F6)
+
+class _PlainLayer(nn.TransformerEncoderLayer):
+    """Torch's layer under the user's name: its forward is torch's."""
+
+
+class _OwnNorm(nn.BatchNorm1d):
+    def __init__(self, channels: int) -> None:
+        super().__init__(channels)
+
+
+class _BiasWriter(nn.Linear):
+    """Overrides forward, writing its own bias: the user's code."""
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.bias.add_(1.0)
+        return super().forward(x)
+
+
+class _Subclassed(nn.Module):
+    def __init__(self, layer: nn.Module, norm: nn.Module) -> None:
+        super().__init__()
+        self.layer, self.norm = layer, norm
+
+    def forward(self, x):
+        return self.norm(self.layer(x) * 1.0)
+
+
+class _SubclassTracer(fx.Tracer):
+    def is_leaf_module(self, m, qualname):
+        return isinstance(m, (_PlainLayer, _OwnNorm, _BiasWriter, nn.TransformerEncoder)) \
+            or super().is_leaf_module(m, qualname)
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_a_subclass_of_a_torch_layer_adding_nothing_keeps_the_callers_weights(whole):
+    """``TransformerEncoder`` of (or a leaf) ``class MyLayer(TransformerEncoderLayer): pass``
+    counted as the user's code: every weight was copied into the result, so gradients
+    of the result missed the caller's parameters. Now its weights stay shared and
+    only the norm's running statistics are the result's own."""
+    torch.manual_seed(0)
+    layer = _PlainLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    if whole:
+        layer = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    model = _Subclassed(layer, _OwnNorm(3)).train()
+    gm = fx.GraphModule(model, _SubclassTracer().trace(model))
+    x = torch.randn(2, 3, 8)
+    result = rewrite.parse(MUL_ONE).apply(gm, (x,), check=True)
+    assert result.counts == {"mul_one": 1}
+    out = result.graph_module
+    assert out.norm.weight is model.norm.weight and out.norm.running_mean is not model.norm.running_mean
+    statistics = model.norm.running_mean.clone()
+    out(x).square().sum().backward()
+    assert torch.equal(model.norm.running_mean, statistics), "the result's run wrote the caller's statistics"
+    assert all(p.grad is not None for p in model.layer.parameters()), "gradients missed the caller's weights"
+
+
+def test_a_subclass_overriding_forward_is_still_the_users_code():
+    """The same rule does not reach a subclass with a forward of its own: it writes its
+    bias, and the result must write its own copy."""
+    from rewrite.ops.effects import code_class
+
+    assert code_class(_PlainLayer) is nn.TransformerEncoderLayer and code_class(_OwnNorm) is nn.BatchNorm1d
+    assert code_class(_BiasWriter) is _BiasWriter
+    model = _Subclassed(_BiasWriter(4, 4), nn.Identity()).eval()
+    gm = fx.GraphModule(model, _SubclassTracer().trace(model))
+    x = torch.randn(2, 4)
+    bias = model.layer.bias.detach().clone()
+    out = rewrite.parse(MUL_ONE).apply(gm, (x,), check=False).graph_module
+    out(x)
+    assert torch.equal(model.layer.bias, bias), "running the result wrote the caller's bias"

@@ -49,7 +49,7 @@ __all__ = [
     "opdef_writes", "opdef_may_alias",
     "module_writes_own_state", "writes_state_when_training", "held_norms", "call_argument",
     "state_writes", "hooked_tensors", "hooked_containers", "hooked_generators", "graph_mode", "opaque_code",
-    "opaque_holders",
+    "opaque_holders", "code_class",
     "lasting_write",
 ]
 
@@ -788,12 +788,36 @@ def _module_kind(kind: type) -> _ModuleKind:
     """Read once per class (a symbolic_trace graph asks per ``call_module`` node)."""
     from torch.ao.quantization.observer import ObserverBase
 
-    where = kind.__module__ or ""
+    code = code_class(kind)
+    where = code.__module__ or ""
     container = issubclass(kind, (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict))
     special = container or issubclass(kind, (torch.nn.modules.lazy.LazyModuleMixin, torch.nn.RNNBase))
     return _ModuleKind(where.startswith("torch."), where.startswith(_TORCH_MODULES) and not special, container,
                        issubclass(kind, torch.nn.modules.batchnorm._NormBase),
-                       kind.__name__ in ALIASING_MODULES or issubclass(kind, ObserverBase))
+                       code.__name__ in ALIASING_MODULES or issubclass(kind, ObserverBase))
+
+
+@functools.lru_cache(maxsize=1024)
+def code_class(kind: type) -> type:
+    """The class whose code a call of a ``kind`` module runs: ``kind`` itself, or,
+    for a user's subclass of a torch module that adds nothing that runs but its own
+    ``__init__`` and plain class data (``class MyLayer(nn.TransformerEncoderLayer):
+    pass``), the torch class it derives from: its forward is torch's, and so are its
+    effects. What its ``__init__`` sets is the instance's (a foreign function, a
+    hook, a user's submodule), which the instance checks see."""
+    for base in kind.__mro__:
+        if (base.__module__ or "").startswith("torch."):
+            return base
+        if not all(name in _CLASS_BOOKKEEPING or not (callable(value) or hasattr(type(value), "__get__"))
+                   for name, value in vars(base).items()):
+            return kind
+    return kind
+
+
+#: what every class body holds, or may hold without changing what a call runs
+_CLASS_BOOKKEEPING = frozenset({"__module__", "__qualname__", "__doc__", "__dict__", "__weakref__", "__annotations__",
+                                "__init__", "__firstlineno__", "__static_attributes__", "__orig_bases__",
+                                "__parameters__", "__annotate__"})
 
 
 #: dropout spellings, and where their "drop" flag sits: (position, keyword, default)
@@ -914,7 +938,7 @@ def module_written_state(module: Any) -> list:
     (gradients of the result reach them); so for the library's own modules that say
     so (``WRITES_BUFFERS_ONLY``: the QAT layers and fake quantizers); every other
     module all of them."""
-    if isinstance(module, torch.nn.modules.batchnorm._NormBase) and type(module).__module__.startswith(
+    if isinstance(module, torch.nn.modules.batchnorm._NormBase) and code_class(type(module)).__module__.startswith(
             _TORCH_MODULES) and not (module._forward_hooks or module._forward_pre_hooks or _global_hooks()):
         return list(module.buffers())
     if _reparametrized_by_torch(module):
@@ -1330,7 +1354,7 @@ def _users_leaf_modules(gm: Any) -> Iterator:
             continue
         for node in nodes:
             module = _module(node, gm)
-            where = type(module).__module__
+            where = code_class(type(module)).__module__
             if module is not None and not isinstance(module, fx.GraphModule) \
                     and not where.startswith(("torch.", "rewrite.")):
                 yield module
