@@ -664,3 +664,28 @@ def test_a_subclass_overriding_forward_is_still_the_users_code():
     out = rewrite.parse(MUL_ONE).apply(gm, (x,), check=False).graph_module
     out(x)
     assert torch.equal(model.layer.bias, bias), "running the result wrote the caller's bias"
+
+
+def test_a_transposed_quantized_buffer_copied_when_writes_are_unknown_keeps_its_strides():
+    """A hook hides what the block writes, so its buffers are copied: a quantized
+    ``clone`` comes back contiguous, and the result's transposed buffer lost its
+    strides (probe CK f6a)."""
+    import warnings
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                q = torch.quantize_per_tensor(torch.randn(3, 4), 0.1, 0, torch.qint8)
+            self.register_buffer("q", q.t())
+
+        def forward(self, x):
+            return x @ self.q.dequantize()
+
+    model = _hooked_net(Block())
+    x = torch.randn(2, 4)
+    out = rewrite.parse(MUL_ONE).apply(model, (x,), check=True).graph_module
+    mine, theirs = out.block.q, model.block.q
+    assert mine is not theirs and mine.stride() == theirs.stride() == (1, 4)
+    assert torch.equal(mine.dequantize(), theirs.dequantize()) and torch.equal(out(x), model(x))

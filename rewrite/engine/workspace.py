@@ -438,7 +438,7 @@ def _own_tensors(gm: fx.GraphModule, written: "frozenset[int] | None", modules: 
 
     def own(t: torch.Tensor, key: Any) -> torch.Tensor:
         if key is None:
-            clone = t.detach().clone()
+            clone = _layout_kept_clone(t.detach()) if t.is_quantized else t.detach().clone()
         elif views[key] == 1 and t.storage_offset() == 0 and t.is_contiguous() and not t.is_conj() \
                 and not t.is_neg() and t.nbytes == extent_of[id(t)][2]:  # alone over its memory
             clone = t.detach().clone()
@@ -465,6 +465,21 @@ def _own_tensors(gm: fx.GraphModule, written: "frozenset[int] | None", modules: 
         if any(id(t) in copies for t in inside):
             attributes[name] = _replaced(attributes[name], copies, rebuilt)
     return len(copies)
+
+
+def _layout_kept_clone(t: torch.Tensor) -> torch.Tensor:
+    """A clone of a quantized tensor with its strides where they are a permutation of
+    dense memory (a transposed weight): a quantized ``clone`` comes back contiguous,
+    and quantized strides cannot be set."""
+    clone = t.clone()
+    if clone.stride() == t.stride():
+        return clone
+    order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
+    try:
+        kept = t.permute(order).clone().permute(sorted(range(t.dim()), key=order.__getitem__))
+    except RuntimeError:  # per-channel quantized tensors cannot be permuted: values are what matter
+        return clone
+    return kept if kept.stride() == t.stride() else clone
 
 
 def _refuse_unreached(gm: fx.GraphModule, missed: "frozenset[int]") -> None:
