@@ -521,7 +521,7 @@ class RuleSet:
                 "check=False to take the rewrite unchecked")
         if check and set(driver.counts) - self._changes():
             from rewrite.trust.check import (Reference, check_equivalence, half_node_counts, more_half_nodes,
-                                             new_half_precisions, static_float_dtypes)
+                                             named_half_precisions, new_half_precisions, static_float_dtypes)
 
             kind = self._tolerance_of(driver.counts)
             # Intentional changes (``change=True``) are not checked: the rewrite is
@@ -537,11 +537,14 @@ class RuleSet:
                 # newly computes in: the check may measure against it), then the
                 # (deterministic) rewrite again
                 rewritten_dtypes, rewritten_half = static_float_dtypes(gm), half_node_counts(gm)
+                # metadata that does not tell: every half precision the rewrite names
+                named = named_half_precisions(gm) if rewritten_dtypes is None or rewritten_half is None else ()
                 txn.restore()
                 base = original if not changes else self._changed(original, changes, driver.counts, example_inputs,
                                                                   (trials, rtol, atol, drawn, on_mismatch))
                 lower = tuple(sorted(set(new_half_precisions(static_float_dtypes(original), rewritten_dtypes))
-                                     | set(more_half_nodes(half_node_counts(original), rewritten_half)), key=str))
+                                     | set(more_half_nodes(half_node_counts(original), rewritten_half))
+                                     | set(named), key=str))
                 reference = Reference(base, example_inputs, graph=original, **drawn)
                 reference.prepare(trials, kind, gradients, lower)
                 gm, driver = txn.run()

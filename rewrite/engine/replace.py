@@ -14,6 +14,7 @@ the graph as it was: nodes created so far are erased before the error propagates
 
 from __future__ import annotations
 
+import builtins
 import functools
 import math
 import operator
@@ -500,6 +501,8 @@ class Replacer:
         return name
 
     def _node(self, op: str, target: Any, args: tuple, kwargs: dict, root: fx.Node) -> fx.Node:
+        if target is operator.pow and op == "call_function" and _negative_number(args[0] if args else None):
+            target = builtins.pow  # fx prints operator.pow(-2, 2) as ``-2 ** 2``, which is -(2 ** 2)
         # the name fx would derive from the target (a regex per node), once per target
         name = by_identity(self._target_names, target, self.graph._target_to_str)
         node = self.graph.create_node(op, target, tuple(args), dict(kwargs), name=name)
@@ -699,3 +702,9 @@ _HALF = frozenset({torch.bfloat16, torch.float16})
 
 #: dtypes autocast turns into each other (``_unlike``)
 _AUTOCAST_PAIRS = frozenset({torch.float32, torch.bfloat16, torch.float16})
+
+
+def _negative_number(value: Any) -> bool:
+    """A literal number fx's generated code would print with a leading minus sign
+    (``-2``, ``-0.0``, ``-inf``): as the base of ``**`` it would bind after the power."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.copysign(1, value) < 0

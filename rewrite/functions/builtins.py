@@ -32,7 +32,7 @@ from rewrite.functions.registry import (
     register_query,
 )
 
-__all__ = ["overflows"]  # the rest is reached through the registry
+__all__ = ["format_may_follow_inputs", "overflows"]  # the rest is reached through the registry
 
 # ---------------------------------------------------------------- predicates
 
@@ -156,6 +156,29 @@ def _layout_from_inputs(node: Any, gm: Any) -> bool:
     return _walk_back(node, step, _LAYOUT_WALK, too_far=True, done=False)
 
 
+def format_may_follow_inputs(node: Any, gm: Any) -> bool:
+    """Whether ``node``'s memory format (contiguous or channels_last) may follow a
+    graph input's at run time in a graph whose values carry the example's strides
+    (export): an exported program accepts inputs of any layout, and convolutions,
+    batch norms and pooling, which ``_layout_from_inputs`` counts as laying their
+    result out afresh, keep their input's memory format. Walks back until an op that
+    makes a row-major result whatever its input (a matrix product, ``contiguous``), a
+    constant, or too far (then it may)."""
+    def step(n: Any) -> Any:
+        if n.op == "placeholder":
+            return True
+        if n.op == "get_attr":
+            return _STOP
+        if not any(form.op in _ROW_MAJOR for _, form in forms_for_node(n, gm)):
+            return _GO_ON
+        return _STOP if any(b.op in _ROW_MAJOR for b in bind_node(n, gm)) else _GO_ON
+
+    return _walk_back(node, step, _LAYOUT_WALK, too_far=True, done=False)
+
+
+#: ops whose result is row-major (or in the memory format they are given) whatever
+#: their inputs' layouts
+_ROW_MAJOR = frozenset({"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "embedding", "contiguous"})
 _STOP, _GO_ON = object(), object()
 #: ops that view their input where its strides allow, and copy it otherwise
 _RESHAPING = frozenset({"reshape", "flatten", "reshape_as", "unflatten"})

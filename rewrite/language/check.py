@@ -20,6 +20,7 @@ Each rule is checked in three places with different rules of use:
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import attrs
@@ -893,6 +894,7 @@ class _Checker:
             self._writes(c, found, name, span)
             self._unsafe_emission(name, span)
             self._unbounded_arithmetic(c, name, span)
+            self._failing_arithmetic(c, name, span)
             self._literal_sizes(c, found, name, span)
         elif kind == "function" and found.kind in ("constant", "module"):
             self._function_args(c, found, span)
@@ -975,6 +977,17 @@ class _Checker:
                                  "the count (nested repeats multiply theirs) must be an int literal of at most "
                                  f"{_MAX_REPEAT}", "E207",
                            help="write the sequence out")
+
+    def _failing_arithmetic(self, c: ast.Call, name: str, span: Any) -> None:
+        """E210: Python arithmetic on literals alone that raises
+        (``operator.truediv(1, 0)``, ``operator.getitem([1, 2], 5)``): every call of the
+        rewritten model would raise. Reported where the failing call is, not again at
+        the calls around it."""
+        value = _literal_value(c)
+        if isinstance(value, _FailedArithmetic) and all(
+                not isinstance(_literal_value(a), _FailedArithmetic) for a in (*c.args, *(k.value for k in c.kwargs))):
+            self.error(span, f"'{name}' of these literals raises {type(value.error).__name__}: {value.error}", "E210",
+                       help="write the value it should have, or take the operands from matched values")
 
     def _literal_sizes(self, c: ast.Call, opdef: Any, name: str, span: Any) -> None:
         """E207: a size, count or number of steps written as a literal that large
@@ -1197,12 +1210,83 @@ _GROWTH_PARAMS = {"pad": 1 << 13, "diagonal": 1 << 13, "offset": 1 << 13, "scale
 
 
 def _literal_numbers(arg: Any) -> list:
-    """The numbers a literal (a number, or a list or tuple of them, nested) holds."""
+    """The numbers a literal (a number, or a list or tuple of them, nested, or Python
+    arithmetic on literals: ``operator.mul([100000], 2)``) holds."""
     if isinstance(arg, ast.Literal) and isinstance(arg.value, (int, float)) and not isinstance(arg.value, bool):
         return [arg.value]
     if isinstance(arg, (ast.ListLit, ast.TupleLit)):
         return [v for item in arg.items for v in _literal_numbers(item)]
+    if isinstance(arg, ast.Call):
+        return _numbers_in(_literal_value(arg))
     return []
+
+
+def _numbers_in(value: Any) -> list:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [v for item in value for v in _numbers_in(item)]
+    return []
+
+
+class _FailedArithmetic:
+    """What ``_literal_value`` answers for arithmetic on literals that raises."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+_NOT_LITERAL = object()
+
+#: the ``operator`` functions ``_literal_value`` computes, on literals alone
+_LITERAL_ARITHMETIC = frozenset({"add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "neg", "pos", "abs",
+                                 "lshift", "rshift", "and_", "or_", "xor", "invert", "getitem", "not_", "eq", "ne",
+                                 "lt", "le", "gt", "ge"})
+
+
+def _literal_value(e: Any) -> Any:
+    """The value of ``e`` where it is made of literals alone, Python arithmetic on
+    them included (``operator.mul(8193, 8193)``, as the rewritten model would
+    compute it); a ``_FailedArithmetic`` where that arithmetic raises; ``_NOT_LITERAL``
+    otherwise, or where E207 leaves its size unbounded (it is not computed then)."""
+    from rewrite.ops.resolve import normalize_qualname
+
+    if isinstance(e, ast.Literal):
+        return e.value
+    if isinstance(e, (ast.ListLit, ast.TupleLit)):
+        items = [_literal_value(item) for item in e.items]
+        if any(item is _NOT_LITERAL or isinstance(item, _FailedArithmetic) for item in items):
+            return next((i for i in items if isinstance(i, _FailedArithmetic)), _NOT_LITERAL)
+        return items if isinstance(e, ast.ListLit) else tuple(items)
+    if not isinstance(e, ast.Call) or e.kwargs or len(e.op.names) != 1:
+        return _NOT_LITERAL
+    op = normalize_qualname(e.op.names[0]) or ""
+    module, _, fn = op.rpartition(".")
+    if module != "operator" or fn not in _LITERAL_ARITHMETIC:
+        return _NOT_LITERAL
+    args = [_literal_value(a) for a in e.args]
+    failed = next((a for a in args if isinstance(a, _FailedArithmetic)), None)
+    if failed is not None or any(a is _NOT_LITERAL for a in args):
+        return failed or _NOT_LITERAL
+    if not _bounded(fn, args):
+        return _NOT_LITERAL
+    try:
+        return getattr(operator, fn)(*args)
+    except Exception as error:  # noqa: BLE001 - what the rewritten model's every call would raise
+        return _FailedArithmetic(error)
+
+
+def _bounded(fn: str, args: list) -> bool:
+    """Whether computing ``fn`` on ``args`` is cheap: E207's bounds (an exponent or
+    shift of at most 64 on a number, a sequence repeated at most 4096 times)."""
+    if fn in ("pow", "lshift") and len(args) == 2:
+        return isinstance(args[1], (int, float)) and abs(args[1]) <= _MAX_EXPONENT \
+            and isinstance(args[0], (int, float))
+    if fn == "mul" and len(args) == 2:
+        for sequence, count in (args, args[::-1]):
+            if isinstance(sequence, (str, list, tuple)):
+                return isinstance(count, int) and count <= _MAX_REPEAT and len(sequence) <= _MAX_REPEAT
+    return all(not isinstance(a, (int, float)) or abs(a) < 2 ** 4096 for a in args)
 
 
 #: size parameters where -1 stands for a size inferred from the others (view, reshape, expand)
@@ -1211,7 +1295,8 @@ _MAY_INFER = frozenset({"size", "sizes", "shape"})
 
 def _literal_count(arg: Any) -> Optional[int]:
     """The elements a literal size asks for: an int, or the product of a list or
-    tuple of ints (``-1`` as one); None when it is not a literal."""
+    tuple of ints (``-1`` as one), arithmetic on literals computed; None when it is
+    not a literal."""
     if isinstance(arg, ast.Literal) and isinstance(arg.value, int) and not isinstance(arg.value, bool):
         return abs(arg.value)
     if isinstance(arg, (ast.ListLit, ast.TupleLit)):
@@ -1222,6 +1307,17 @@ def _literal_count(arg: Any) -> Optional[int]:
                 return None
             count *= max(n, 1)
         return count
+    if isinstance(arg, ast.Call):
+        return _count_of(_literal_value(arg))
+    return None
+
+
+def _count_of(value: Any) -> Optional[int]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return abs(value)
+    if isinstance(value, (list, tuple)):
+        counts = [_count_of(item) for item in value]
+        return None if None in counts else math.prod(max(n, 1) for n in counts)
     return None
 
 

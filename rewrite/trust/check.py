@@ -71,6 +71,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rewrite.capture import is_export_guard, lifted_state_positions
+from rewrite.engine.facts import fetch_attr
 from rewrite.engine.shapes import addressing, layout_of
 from rewrite.engine.symbolic import size_hint
 from rewrite.engine.workspace import CODE_ATTRIBUTES, gc_paused
@@ -116,6 +117,7 @@ __all__ = [
     "inputs_copy",
     "laid_out_copy",
     "new_half_precisions", "half_node_counts", "half_nodes_per_output", "more_half_nodes",
+    "named_half_precisions",
     "static_float_dtypes",
     "uninitialized_filled",
 ]
@@ -854,6 +856,22 @@ def _half_dtypes(node: fx.Node, gm: fx.GraphModule) -> Optional[set]:
         return None
     values = (val,) if isinstance(val, torch.Tensor) else pytree.tree_leaves(val)
     return {getattr(v, "dtype", None) for v in values} & set(HALF)
+
+
+def named_half_precisions(fn: Any) -> frozenset:
+    """The half precisions a GraphModule names: a dtype argument of a call (a cast
+    ``to(x, torch.bfloat16)``) or a constant it reads. Where its nodes' metadata do
+    not tell what they compute in (``static_float_dtypes`` is None: new nodes of a
+    dynamo graph of static sizes), what a rewrite newly computes in is among them."""
+    if not isinstance(fn, fx.GraphModule):
+        return frozenset()
+    found: set = set()
+    for node in fn.graph.nodes:
+        if node.op == "get_attr":
+            found.add(getattr(fetch_attr(fn, node.target), "dtype", None))
+        elif node.op in CALL_OPS:
+            found.update(a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, torch.dtype))
+    return frozenset(found & set(HALF))
 
 
 def more_half_nodes(before: Optional[collections.Counter], after: Optional[collections.Counter]

@@ -248,12 +248,18 @@ class _Failure(Exception):
         self.counterexample = counterexample
 
 
+class _Seen(dict):
+    """Every node's value, and where the random generator ended (``rng_after``)."""
+
+    rng_after: Any = None
+
+
 class _Recorder(fx.Interpreter):
     """Runs a graph and keeps every node's value (for the counterexample)."""
 
     def __init__(self, gm: fx.GraphModule) -> None:
         super().__init__(gm)
-        self.seen: dict = {}
+        self.seen = _Seen()
 
     def run_node(self, n: fx.Node) -> Any:
         out = super().run_node(n)
@@ -315,6 +321,7 @@ def _run(gm: fx.GraphModule, inputs: tuple, widen: bool = False) -> tuple:
     rec = (_Widening if widen else _Recorder)(gm)
     with torch.no_grad(), seeded(0):
         out = rec.run(*[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs])
+        rec.seen.rng_after = torch.default_generator.get_state()
     return out, rec.seen
 
 
@@ -746,6 +753,10 @@ class _Checker:
         if runs is None:
             return False
         (ref, ref_seen), (got, got_seen) = runs
+        if not torch.equal(ref_seen.rng_after, got_seen.rng_after):  # as apply's check: the caller's next draw
+            raise _Failure(self._cex(inst, "mismatch", "random stream: the rewrite draws other random numbers than "
+                                     "the original (from the same seed, the generator ends elsewhere: the "
+                                     "caller's next torch.rand would differ)", rewritten, ref_seen, got_seen))
         seen = [*ref_seen.values(), *got_seen.values()]
         problem = _overflow(ref, got) or _differ(ref, got, tolerance, _lowest_precision(seen), _quantum(seen))
         if problem is not None and tolerance == "approx" and not problem.startswith("output structure"):
