@@ -38,7 +38,7 @@ from rewrite.engine.workspace import (HOOK_TABLES, Journal, check_touched, gc_pa
                                        own_state_training_writes, own_written_state, shared_copy)
 from rewrite.language import Program, ast, load_program, load_program_text
 from rewrite.module_state import AttributeSnapshot
-from rewrite.trust.modes import autocast_off
+from rewrite.trust.modes import autocast_off, cpu_default_device
 from rewrite.trust.rng import generators_kept, model_generators
 from rewrite.trust.sizes import DECLARED_RANGES
 from rewrite.ops import detect_dialect
@@ -484,7 +484,8 @@ class RuleSet:
         # a traced model's own modules run where facts are recorded from the example
         # inputs: what a hook of theirs writes into them (a feature list) is put back
         caller = AttributeSnapshot(list(model.modules())) if model is not original else None
-        with gc_paused(), torch.inference_mode(False), autocast_off(), generators_kept(model_generators(original)):
+        with gc_paused(), torch.inference_mode(False), autocast_off(), cpu_default_device(), \
+                generators_kept(model_generators(original)):
             try:
                 txn = _Transaction(self, original, example_inputs, max_rewrites, shuffle_seed, inplace,
                                    checked=check, training=training)

@@ -170,3 +170,67 @@ def test_amp_bf16_through_the_backend_passes_its_check_where_autocast_is_as_far(
     for g, w in zip(got, want):
         assert g.dtype == torch.float32
         torch.testing.assert_close(g, w, rtol=0.1, atol=0.05)
+
+
+# -- probe CQ: apply's side effects on generators, and the ambient default device
+
+
+class _DrawsFromItsInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, g):
+        return torch.relu(torch.relu(self.lin(x))) + torch.rand(x.shape, generator=g)
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_a_generator_given_as_an_input_is_not_moved_by_apply(check):
+    """Recording the facts of a traced module drew from the caller's generator (the
+    check's copies of the inputs copied it; the recording's did not)."""
+    g = torch.Generator().manual_seed(5)
+    result = rewrite.load("rules/cleanup.rw").apply(_DrawsFromItsInput(), (torch.randn(2, 4), g), check=check)
+    assert result.counts == {"relu_relu": 1}
+    assert torch.equal(torch.rand(3, generator=g), torch.rand(3, generator=torch.Generator().manual_seed(5)))
+
+
+_NUMPY_DRAWS = None
+
+
+@torch.fx.wrap
+def _numpy_noise(x):
+    return x + torch.from_numpy(_NUMPY_DRAWS.standard_normal(tuple(x.shape)).astype("float32"))
+
+
+class _WrappedNoise(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _numpy_noise(self.lin(x) * 2.0)
+
+
+def test_a_module_whose_wrapped_helper_draws_from_numpy_is_not_a_capture_error():
+    """apply(nn.Module) compares its own trace with the module: the module's runs did
+    not restart the numpy generator the helper draws from (only the trace shows it),
+    so the trace looked wrong (CaptureError) though it is the model."""
+    global _NUMPY_DRAWS
+    np = pytest.importorskip("numpy")
+    _NUMPY_DRAWS = np.random.default_rng(0)
+    state = _NUMPY_DRAWS.bit_generator.state
+    torch.manual_seed(0)
+    result = rewrite.parse("rule twice: mul(x, 2) where is_float(x) => add(x, x)").apply(
+        _WrappedNoise().eval(), (torch.randn(2, 4),))
+    assert result.counts == {"twice": 1} and result.equivalence.ok
+    assert _NUMPY_DRAWS.bit_generator.state == state  # and apply left it where it was
+
+
+def test_apply_under_a_meta_default_device_checks_a_cpu_model():
+    """The check drew its inputs on the ambient default device: a raw torch error
+    (``Cannot copy out of meta tensor``) for a model and inputs on the CPU."""
+    model, x = _TimesFour(), torch.randn(3)
+    with torch.device("meta"):
+        result = rewrite.parse("rule r: mul(x, 4) => add(add(x, x), add(x, x))").apply(fx.symbolic_trace(model), (x,))
+    assert result.counts == {"r": 1} and result.equivalence.ok
+    assert torch.equal(result.graph_module(x), x * 4)

@@ -82,8 +82,8 @@ from rewrite.ops.reach import storage_key, view_over
 from rewrite.ops.vocabulary import CALL_OPS, OPS, bind_node
 from rewrite.trust.gradients import GradientRun, grad_leaves, gradient_run, moved, redrawn
 from rewrite.trust.sizes import smallest_sizes
-from rewrite.trust.held import input_leaves, laid_out_copy, map_held
-from rewrite.trust.modes import autocast_off, is_higher_order, run_higher_order
+from rewrite.trust.held import generator_copy, input_leaves, laid_out_copy, map_held
+from rewrite.trust.modes import autocast_off, cpu_default_device, is_higher_order, run_higher_order
 from rewrite.trust.nonfinite import non_finite_births
 from rewrite.trust.precision import HALF, NOISE_MULTIPLIER, computes_in_half, narrowed_run, rounding_noise, widened_run
 from rewrite.trust.rng import host_generator_states, model_generators, seeded
@@ -520,9 +520,7 @@ def inputs_copy(tree: Any) -> Any:
 
     def one(t: Any) -> Any:
         if isinstance(t, torch.Generator):  # the run draws from its own: the caller's stays where it was
-            copy = torch.Generator(device=t.device)
-            copy.set_state(t.get_state())
-            return copy
+            return generator_copy(t)
         if not isinstance(t, torch.Tensor):
             return map_held(t, one)  # an object holding tensors: a copy holding copies
         if t.requires_grad or type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_conj() or t.is_neg() \
@@ -656,6 +654,12 @@ class _Watch:
         return cls(state, frozenset(_storage(t) for t in state.values()) - {None}, writable, watched, by_value,
                    static, _static_lineage(fn) if lineage else None, unneeded, lineage or not dtypes or unneeded,
                    generators)
+
+    def drawing_from(self, generators: Any) -> "_Watch":
+        """This watch, its runs also starting ``generators`` from where they stand."""
+        known = {id(g) for g in self.generators}
+        more = tuple(g for g in generators if id(g) not in known)
+        return attrs.evolve(self, generators=self.generators + more) if more else self
 
     def with_lineage(self, fn: Any) -> "_Watch":
         """This watch with ``fn``'s lineage worked out, if it was not."""
@@ -2314,6 +2318,10 @@ class Reference:
         does: ``prepare`` runs every trial with the tolerance it will be checked at)."""
         if self._watch is None:
             self._watch = _Watch.of(self.fn, lineage=dtypes)
+            if isinstance(self.graph, fx.GraphModule) and self.graph is not self.fn:
+                # a module's trace tells what its code draws from (a wrapped helper's
+                # numpy generator), which the module itself does not show
+                self._watch = self._watch.drawing_from(model_generators(self.graph))
         elif dtypes:
             self._watch = self._watch.with_lineage(self.fn)
         return self._watch
@@ -2338,7 +2346,7 @@ class Reference:
             self.stop_recording()  # see _check
         if tolerance == "approx":
             self.half_nodes  # noqa: B018 - read now, while the graph is the original's
-        with gc_paused(), torch.inference_mode(False), autocast_off(), \
+        with gc_paused(), torch.inference_mode(False), autocast_off(), cpu_default_device(), \
                 preserved_state(self.fn, runs_only=True, watches=(self.watch(),)) as state, \
                 running_as_graph(self.fn, force=self._records(), runner=self._recorder()):
             for t in self.trial_indices(trials):
@@ -2412,7 +2420,7 @@ def check_equivalence(reference: Callable, candidate: Callable, example_inputs: 
     # Under ``torch.inference_mode`` the private copies of the inputs would be
     # inference tensors, which keep no version counter: the check runs outside it
     # (the models compute the same values; a copy of an inference tensor is a plain one).
-    with gc_paused(), torch.inference_mode(False), autocast_off():
+    with gc_paused(), torch.inference_mode(False), autocast_off(), cpu_default_device():
         return _check(reference, candidate, trials, rtol, atol, tolerance, int_agreement, gradients)
 
 
@@ -2428,6 +2436,9 @@ def _check(reference: "Reference", candidate: Callable, trials: int, rtol: Optio
     # after every run: each starts from the state as it was.
     dtypes = tolerance == "approx"
     watch = _Watch.of(candidate, dtypes, reference.watch(dtypes).static if dtypes else None)
+    # both runs start every generator either one draws from where the caller left it
+    watch = watch.drawing_from(reference.watch(dtypes).generators)
+    reference._watch = reference.watch(dtypes).drawing_from(watch.generators)
     # Modules waiting for their code run their graphs instead (rewrite.trust.runner).
     # In place, the reference ran before the module became the candidate: its watch
     # describes a graph the module no longer has.

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["held_tensors", "input_leaves", "laid_out_copy", "map_held"]
+__all__ = ["generator_copy", "held_tensors", "input_leaves", "laid_out_copy", "map_held"]
 
 _ATOMS = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device, torch.layout,
           torch.memory_format, type, types.FunctionType, types.BuiltinFunctionType, types.ModuleType)
@@ -117,6 +117,14 @@ def input_leaves(tree: Any) -> list:
     return out
 
 
+def generator_copy(g: torch.Generator) -> torch.Generator:
+    """A generator at ``g``'s state: a run given it draws what it would from ``g``,
+    and the caller's ``g`` stays where it was."""
+    copy_ = torch.Generator(device=g.device)
+    copy_.set_state(g.get_state())
+    return copy_
+
+
 def laid_out_copy(tree: Any) -> Any:
     """Copies of the tensors in ``tree`` with their own strides (a sliced or
     channels_last input stays one; ``is_contiguous`` is a fact about it), each in
@@ -124,6 +132,8 @@ def laid_out_copy(tree: Any) -> Any:
     the 200 MB ``inputs_copy`` copies to keep its storage offset and what it shares.
     For what only reads layouts (recording facts, ``analyze``)."""
     def one(t: Any) -> Any:
+        if isinstance(t, torch.Generator):
+            return generator_copy(t)
         if not isinstance(t, torch.Tensor):
             return map_held(t, one)
         if t.requires_grad or type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided \

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ambient_autocast", "autocast_off", "is_higher_order", "run_higher_order"]
+__all__ = ["ambient_autocast", "autocast_off", "cpu_default_device", "is_higher_order", "run_higher_order"]
 
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps")
 
@@ -59,6 +59,20 @@ def autocast_off() -> Iterator[None]:
                 continue
             if on:
                 stack.enter_context(torch.autocast(device, enabled=False))
+        yield
+
+
+@contextlib.contextmanager
+def cpu_default_device() -> Iterator[None]:
+    """Factory calls inside the block make CPU tensors, as by default, whatever the
+    caller set (``torch.set_default_device("meta")``, ``with torch.device(...)``):
+    the inputs the check draws, the constants a rule folds and the facts recorded
+    are made where the library's own code expects them, then moved to the model's
+    device as they always are."""
+    if torch.get_default_device().type == "cpu":
+        yield
+        return
+    with torch.device("cpu"):
         yield
 
 
