@@ -1,8 +1,8 @@
-"""Regressions from the session-50 probes: the memory layout of AMP results of an
-exported program (probe CM F1), Python arithmetic on literals in a replacement
-(probe CN F1, F4, F5), verification of rules that move the random stream (CN F2),
-and the autocast allowance of an in-place rewrite whose new nodes carry no dtypes
-(probe CO F1: rewrite.backend)."""
+"""Regressions from the session-50 probes: Python arithmetic on literals in a
+replacement (probe CN F1, F4, F5), verification of rules that move the random stream
+(CN F2), the autocast allowance of an in-place rewrite whose new nodes carry no
+dtypes (probe CO F1: rewrite.backend), and apply's side effects on generators and
+under an ambient default device (probe CQ)."""
 
 from __future__ import annotations
 
@@ -14,53 +14,6 @@ from torch import fx, nn
 
 import rewrite
 from rewrite.trust.check import named_half_precisions
-
-_FORMATS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last}
-
-
-class _Cnn(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.c1, self.bn, self.c2 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Conv2d(8, 4, 1)
-
-    def forward(self, x):
-        return self.c2(torch.relu(self.bn(self.c1(x))))
-
-
-@pytest.mark.parametrize("kind", ["bf16", "fp16"])
-@pytest.mark.parametrize("example, call", [("contiguous", "channels_last"), ("channels_last", "contiguous")])
-def test_amp_of_an_exported_program_lays_outputs_out_as_the_call_does(kind, example, call):
-    """An exported program takes inputs of any layout, and its convolutions keep
-    theirs: the AMP files stored the weights channels_last and made the output the
-    example's layout, so a call in the other one got another layout than the
-    original (``out.view(2, -1)`` raised in the rewrite only). The weights now keep
-    the model's layout there; values stay within the half precision's tolerance."""
-    torch.manual_seed(0)
-    model, x = _Cnn().eval(), torch.randn(2, 3, 8, 8)
-    gm = torch.export.export(model, (x,)).module()
-    result = rewrite.load(f"rules/amp_{kind}.rw").apply(gm, (x.to(memory_format=_FORMATS[example]),),
-                                                        training=False)
-    assert result.counts.get(f"conv_{kind}_input_layout") == 2 and f"conv_{kind}" not in result.counts
-    for layout in (example, call):
-        given = torch.randn(2, 3, 8, 8).to(memory_format=_FORMATS[layout])
-        with torch.no_grad():
-            want, got = gm(given), result.graph_module(given)
-        assert got.stride() == want.stride(), (layout, got.stride(), want.stride())
-        torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
-
-
-def test_amp_of_a_traced_model_still_stores_channels_last_weights():
-    """symbolic_trace's facts are the example's: the rewrite holds for inputs laid out
-    as the example's, and the fast channels_last weights stay."""
-    torch.manual_seed(0)
-    model, x = _Cnn().eval(), torch.randn(2, 3, 8, 8)
-    result = rewrite.load("rules/amp_bf16.rw").apply(fx.symbolic_trace(model), (x,))
-    assert result.counts.get("conv_bf16") == 2
-    weights = [t for t in result.graph_module.parameters() if t.dim() == 4] + \
-        [t for t in result.graph_module.buffers() if t.dim() == 4]
-    assert weights and all(w.is_contiguous(memory_format=torch.channels_last) for w in weights)
-    assert result.graph_module(x).is_contiguous()
-
 
 class _TimesFour(nn.Module):
     def forward(self, x):

@@ -339,11 +339,9 @@ def test_weights_are_cast_once_into_bf16_constants(level):
     gm = result.graph_module
     consts = dict(gm.named_parameters()) | dict(gm.named_buffers())
     assert len(consts) == 5 and all(t.dtype == torch.bfloat16 for t in consts.values()), consts.keys()
-    # conv weights are laid out channels_last (oneDNN's fast bf16 path) where the input's
-    # layout is the example's; an exported program takes any, and its weights keep theirs
+    # conv weights are laid out channels_last (oneDNN's fast bf16 path)
     weights = [t for t in consts.values() if t.dim() == 4]
-    fmt = torch.channels_last if level == "fx" else torch.contiguous_format
-    assert len(weights) == 2 and all(t.is_contiguous(memory_format=fmt) for t in weights)
+    assert len(weights) == 2 and all(t.is_contiguous(memory_format=torch.channels_last) for t in weights)
     for n in nodes_of(gm, "to"):
         assert n.args[0].op != "get_attr", n.format_node()
     # the graph casts the input once and the output once; everything else is bf16
@@ -460,7 +458,7 @@ def test_hf_resnet_end_to_end_through_export():
     model, inputs, gm = _hf("hf_resnet")
     # 16 convs in bf16: outputs of magnitude ~6 differ by up to ~1% of that
     result = amp("bf16").apply(gm, example_inputs=inputs, rtol=5e-2, atol=1e-1)
-    assert result.counts["conv_bf16_input_layout"] == 16  # an exported program takes inputs of any layout
+    assert result.counts["conv_bf16"] == 16
     gm = result.graph_module
     assert cast_dtypes(gm) == ["bfloat16", "float32", "float32"]  # two outputs
     out = gm(*inputs)
@@ -681,23 +679,18 @@ def test_classic_cnn_with_batch_norm_and_a_view_head_keeps_its_layouts(net, leve
     result = amp(kind).apply(gm, example_inputs=inputs)  # the default check
     assert result.equivalence.ok
     out_gm, low = result.graph_module, LOW[kind]
-    # every convolution was lowered, with channels_last constant weights; an exported
-    # program takes inputs of any layout, so there the weights keep the model's
-    exported = level != "fx"
-    assert result.counts[f"conv_{kind}" + ("_input_layout" if exported else "")] == net.n_convs
+    # every convolution was lowered, with channels_last constant weights
+    assert result.counts[f"conv_{kind}"] == net.n_convs
     assert ran_in(out_gm, inputs, "conv") == [low] * net.n_convs
     convs = nodes_of(out_gm, "conv")
     weights = [getattr(out_gm, n.args[1].target) for n in convs]
-    fmt = torch.contiguous_format if exported else torch.channels_last
-    assert all(w.dtype == low and w.is_contiguous(memory_format=fmt) for w in weights)
+    assert all(w.dtype == low and w.is_contiguous(memory_format=torch.channels_last) for w in weights)
     if kind == "fp16":
         # batch_norm stays float32 (fp16 policy): each convolution's region ends at it,
         # and the value leaving it is made contiguous again (in float16, before the cast)
-        # where a channels_last weight laid it out otherwise
         assert ran_in(out_gm, inputs, "batch_norm") == [torch.float32] * net.n_convs
-        exits = 0 if exported else net.n_convs
-        assert result.counts.get("exit_contiguous_fp16", 0) == exits
-        assert sorted(str(d) for d, src in casts(out_gm) if src == "contiguous") == ["torch.float32"] * exits
+        assert result.counts["exit_contiguous_fp16"] == net.n_convs
+        assert sorted(str(d) for d, src in casts(out_gm) if src == "contiguous") == ["torch.float32"] * net.n_convs
     else:
         # bfloat16 keeps batch_norm in the region: one cast in, casts out at the ends
         assert set(ran_in(out_gm, inputs, "batch_norm")) == {low}
@@ -731,8 +724,7 @@ def test_a_channels_last_model_keeps_channels_last_where_the_region_ends(level, 
         expected = model(*inputs)
     assert expected[1].is_contiguous(memory_format=torch.channels_last)
     result = amp(kind).apply(_capture(model, inputs, level), example_inputs=inputs)
-    convs = result.counts.get(f"conv_{kind}", 0) + result.counts.get(f"conv_{kind}_input_layout", 0)
-    assert result.equivalence.ok and convs == 3
+    assert result.equivalence.ok and result.counts[f"conv_{kind}"] == 3
     assert "exit_contiguous_" + kind not in result.counts
     with torch.no_grad():
         got = result.graph_module(*inputs)

@@ -17,7 +17,7 @@ import torch.fx as fx
 from rewrite.engine.facts import Value, tensor_meta_of
 from rewrite.engine.replace import RULE_KEY as _MADE_BY_RULE  # nodes without it are the model's own
 from rewrite.engine.shapes import layout_of
-from rewrite.functions.builtins import format_may_follow_inputs, overflows
+from rewrite.functions.builtins import overflows
 from rewrite.functions.registry import register_constant, register_predicate
 
 __all__ = ["einsum_contracts"]  # the rest is reached through the registry
@@ -28,27 +28,6 @@ def is_number(x: Value) -> bool:
     """A Python int or float literal (not a bool): a scalar operand of an
     elementwise op, which keeps a tensor's dtype under type promotion."""
     return x.is_literal and isinstance(x.operand, (int, float)) and not isinstance(x.operand, bool)
-
-
-@register_predicate()
-def fixed_memory_format(x: Value) -> bool | None:
-    """``x`` is laid out contiguously or channels_last alike on every call, so a
-    convolution reading it may take a channels_last weight (``cast_channels_last``)
-    and the region's exits put the model's layout back. True in a graph whose
-    facts were recorded from the example (symbolic_trace: the rewrite holds for
-    inputs laid out as the example's) and in a dynamo graph (its guards recompile
-    for another layout); in an export graph only where no graph input's memory
-    format can reach ``x`` through ops that keep it (convolutions, norms, pooling,
-    elementwise ops): the exported program accepts inputs of any layout, and the
-    model's output follows theirs. None without facts."""
-    node, meta = x.node, x.meta
-    if node is None or meta is None:
-        return None
-    if isinstance(getattr(meta, "contiguous", None), bool):  # TensorFacts: recorded from the example
-        return True
-    if any("example_value" in n.meta for n in node.graph.find_nodes(op="placeholder")):
-        return True  # dynamo's graph: its guards hold the inputs' strides
-    return not format_may_follow_inputs(node, x.facts.gm)
 
 
 @register_constant()

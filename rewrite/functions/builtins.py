@@ -32,7 +32,7 @@ from rewrite.functions.registry import (
     register_query,
 )
 
-__all__ = ["format_may_follow_inputs", "overflows"]  # the rest is reached through the registry
+__all__ = ["overflows"]  # the rest is reached through the registry
 
 # ---------------------------------------------------------------- predicates
 
@@ -141,47 +141,25 @@ def _layout_from_inputs(node: Any, gm: Any) -> bool:
     strided view where the example's 2 made a contiguous copy). Walks back until an
     op that lays its result out afresh (``_FRESH_LAYOUT``), a constant, or too far
     (then it may)."""
-    return _from_inputs(node, gm, _FRESH_LAYOUT, _RESHAPING)
-
-
-def format_may_follow_inputs(node: Any, gm: Any) -> bool:
-    """Whether ``node``'s memory format (contiguous or channels_last) may follow a
-    graph input's at run time in a graph whose values carry the example's strides
-    (export): an exported program accepts inputs of any layout, and convolutions,
-    batch norms and pooling, which ``_layout_from_inputs`` counts as laying their
-    result out afresh, keep their input's memory format. Walks back until an op that
-    makes a row-major result whatever its input (a matrix product, ``contiguous``), a
-    constant, or too far (then it may)."""
-    return _from_inputs(node, gm, _ROW_MAJOR, frozenset())
-
-
-def _from_inputs(node: Any, gm: Any, fresh: frozenset, reshaping: frozenset) -> bool:
-    """The walk of ``_layout_from_inputs``: back from ``node`` to a graph input (True),
-    stopping at constants and at ops of ``fresh``; a ``reshaping`` op that copies or
-    views by its sizes (``_copy_by_size``) answers True too."""
-    stops = fresh | reshaping
-
     def step(n: Any) -> Any:
         if n.op == "placeholder":
             return True
         if n.op == "get_attr":
             return _STOP
-        if not any(form.op in stops for _, form in forms_for_node(n, gm)):
+        if not any(form.op in _LAYOUT_OPS for _, form in forms_for_node(n, gm)):
             return _GO_ON  # carries its input's layout on however it binds (add, gelu...): no binding needed
         ops = bind_node(n, gm)
-        if any(b.op in reshaping for b in ops) and _copy_by_size(n):
+        if any(b.op in _RESHAPING for b in ops) and _copy_by_size(n):
             return True
-        return _STOP if any(b.op in fresh for b in ops) else _GO_ON
+        return _STOP if any(b.op in _FRESH_LAYOUT for b in ops) else _GO_ON
 
     return _walk_back(node, step, _LAYOUT_WALK, too_far=True, done=False)
 
 
-#: ops whose result is row-major (or in the memory format they are given) whatever
-#: their inputs' layouts
-_ROW_MAJOR = frozenset({"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "embedding", "contiguous"})
 _STOP, _GO_ON = object(), object()
 #: ops that view their input where its strides allow, and copy it otherwise
 _RESHAPING = frozenset({"reshape", "flatten", "reshape_as", "unflatten"})
+_LAYOUT_OPS = _FRESH_LAYOUT | _RESHAPING
 
 
 def _copy_by_size(node: Any) -> bool:
