@@ -689,3 +689,132 @@ def test_a_transposed_quantized_buffer_copied_when_writes_are_unknown_keeps_its_
     mine, theirs = out.block.q, model.block.q
     assert mine is not theirs and mine.stride() == theirs.stride() == (1, 4)
     assert torch.equal(mine.dequantize(), theirs.dequantize()) and torch.equal(out(x), model(x))
+
+
+# -- session 50, probe CP: holders whose copy shares state, globals, modules reached
+# -- through helpers, SimpleNamespace holders, a class patched after a first apply
+
+class _SelfCopying(_Totals):
+    def __copy__(self):
+        return self
+
+
+def test_a_holder_whose_copy_is_itself_is_refused_not_written_through():
+    """``copy.copy`` of it is the caller's object: the result's copies of its tensors
+    were written into the caller's holder."""
+    holder = _SelfCopying()
+    model = _TwoBlocks(holder).eval()
+    gm = fx.GraphModule(model, _LeafTracer().trace(model))
+    total = holder.total
+    with pytest.raises(ValueError, match="shares its state"):
+        rewrite.parse(MUL_ONE).apply(gm, (torch.randn(3, 4),), check=False)
+    assert holder.total is total and holder.total.abs().sum() == 0
+
+
+def test_a_simple_namespace_holder_is_owned():
+    import types
+
+    holder = types.SimpleNamespace(total=torch.zeros(4))
+    model = _TwoBlocks(holder).eval()
+    gm = fx.GraphModule(model, _LeafTracer().trace(model))
+    x = torch.randn(3, 4)
+    out = rewrite.parse(MUL_ONE).apply(gm, (x,), check=True).graph_module
+    out(x)
+    assert holder.total.abs().sum() == 0 and out.a.holder is not holder and out.a.holder.total.abs().sum() > 0
+
+
+_GLOBAL_CALLS = torch.zeros(())
+
+
+class _GlobalCounter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        _GLOBAL_CALLS.add_(1)
+        return self.lin(x)
+
+
+class _GlobalCounterTracer(fx.Tracer):
+    def is_leaf_module(self, m, qualname):
+        return isinstance(m, _GlobalCounter) or super().is_leaf_module(m, qualname)
+
+
+def test_a_global_a_leaf_module_writes_is_not_a_reason_to_refuse():
+    """The result and the caller share a module-level tensor either way: the first
+    version of the unreachable-tensor refusal walked the forward's globals too."""
+    model = _Net(_GlobalCounter()).eval()
+    gm = fx.GraphModule(model, _GlobalCounterTracer().trace(model))
+    result = rewrite.parse(MUL_ONE).apply(gm, (torch.randn(3, 4),), check=False)
+    assert result.counts == {"mul_one": 1}
+
+
+class _Owner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+
+class _Context:
+    def __init__(self, owner: nn.Module) -> None:
+        self.owner = owner
+
+
+class _ReachesOwner(nn.Module):
+    def __init__(self, context: _Context) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.context = context
+
+    def forward(self, x):
+        self.context.owner.calls.add_(1)
+        return self.lin(x)
+
+
+class _OwnerNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.counter = _Owner()
+        self.block = _ReachesOwner(_Context(self.counter))
+
+    def forward(self, x):
+        return (self.block(x) + self.counter.calls) * 1.0
+
+
+class _OwnerTracer(fx.Tracer):
+    def is_leaf_module(self, m, qualname):
+        return isinstance(m, _ReachesOwner) or super().is_leaf_module(m, qualname)
+
+
+def test_a_module_reached_through_a_helper_with_a_written_buffer_is_refused():
+    """The result owned ``counter.calls`` in its own module tree, but the helper still
+    pointed at the caller's module: running the result wrote the caller's buffer, and
+    its graph read a copy that never changed."""
+    model = _OwnerNet().eval()
+    gm = fx.GraphModule(model, _OwnerTracer().trace(model))
+    x = torch.randn(3, 4)
+    with pytest.raises(ValueError, match="through another module"):
+        rewrite.parse(MUL_ONE).apply(gm, (x,), check=False)
+    assert model.counter.calls.item() == 0
+    result = rewrite.parse(MUL_ONE).apply(gm, (x,), check=False, inplace=True)
+    assert result.counts == {"mul_one": 1}
+
+
+def test_a_subclass_patched_after_a_first_apply_is_read_again():
+    """``code_class`` answered once per class: a subclass judged torch's before its
+    ``forward`` was patched stayed torch's, and apply's runs wrote the caller's buffer."""
+    from rewrite.ops.effects import code_class
+
+    class Patched(nn.Linear):
+        pass
+
+    assert code_class(Patched) is nn.Linear
+
+    def counting(self, x):
+        with torch.no_grad():
+            self.bias.add_(1.0)
+        return nn.functional.linear(x, self.weight, self.bias)
+
+    Patched.forward = counting
+    assert code_class(Patched) is Patched

@@ -187,3 +187,11 @@ def test_apply_under_a_meta_default_device_checks_a_cpu_model():
         result = rewrite.parse("rule r: mul(x, 4) => add(add(x, x), add(x, x))").apply(fx.symbolic_trace(model), (x,))
     assert result.counts == {"r": 1} and result.equivalence.ok
     assert torch.equal(result.graph_module(x), x * 4)
+
+
+def test_nested_powers_of_literals_are_refused_without_being_computed():
+    """Computing literal arithmetic at load time raised the nested powers E207 refuses
+    to numbers of millions of digits first (five levels: a hang)."""
+    text = "rule r: relu(x) => add(x, " + "operator.pow(" * 5 + "10" + ", 64)" * 5 + ")"
+    with pytest.raises(rewrite.RuleError, match="E207"):
+        rewrite.parse(text)

@@ -38,7 +38,7 @@ from torch.fx.graph import _illegal_names
 
 from rewrite.capture import HOOK_TABLES
 from rewrite.ops.effects import held_norms, opaque_holders, state_writes, writes_state_when_training
-from rewrite.ops.reach import reachable_tensors, view_over
+from rewrite.ops.reach import view_over
 
 __all__ = ["CODE_ATTRIBUTES", "HOOK_TABLES", "Journal", "check_touched", "compile_now", "gc_paused", "own_module_path",
            "own_state_training_writes", "own_written_state", "shared_copy", "working_copy"]
@@ -306,7 +306,7 @@ def _helper_object(value: Any) -> bool:
         and not isinstance(value, _NOT_HELPER_KINDS) and type(getattr(value, "__dict__", None)) is dict
 
 
-_NOT_HELPERS = frozenset({"builtins", "functools", "collections", "types", "typing", "enum", "re", "numpy"})
+_NOT_HELPERS = frozenset({"builtins", "functools", "collections", "typing", "enum", "re", "numpy"})
 _LIBRARY_PREFIXES = ("torch.", "numpy.", "rewrite.", "transformers.", "typing.")
 _NOT_HELPER_KINDS = (torch.nn.Module, torch.Tensor, type, types.FunctionType, types.MethodType, types.ModuleType,
                      fx.Graph, fx.Node)
@@ -372,11 +372,17 @@ def _rebuilt(value: Any, copies: dict, rebuilt: dict, path: tuple, helper: bool)
             return value
         try:
             copied = copy.copy(value)
-            vars(copied).update(attributes)
+            shares = copied is value or vars(copied) is vars(value)  # __copy__ returning self, a shared __dict__
+            if not shares:
+                vars(copied).update(attributes)
         except Exception as error:  # noqa: BLE001 - a class whose copy fails
             raise ValueError(f"a module of the model holds a {type(value).__name__} with a tensor its forward "
                              "writes, which a copy cannot rebuild: rewrite the model in place (inplace=True)"
                              ) from error
+        if shares:
+            raise ValueError(f"a module of the model holds a {type(value).__name__} with a tensor its forward "
+                             "writes, and a copy of it shares its state (its __copy__ or __setstate__): a copy "
+                             "of the model cannot own that tensor. Rewrite the model in place (inplace=True)")
         return copied
     if isinstance(value, dict):
         items = {k: _replaced(v, copies, rebuilt, path) for k, v in value.items()}
@@ -414,8 +420,7 @@ def _own_tensors(gm: fx.GraphModule, written: "frozenset[int] | None", modules: 
     extent_of = {id(t): _extent(t) for t in held}
     if written is not None:
         chosen = [t for t in held if id(t) in written]
-        if len(chosen) < len(written):
-            _refuse_unreached(gm, written - extent_of.keys())
+        _refuse_unreached(gm, written, written - extent_of.keys())
     else:  # what requires grad (and memory it shares) stays the caller's, as parameters do
         parameters = {id(t) for _, _, t, parameter in places if parameter}
         trained = {extent_of[id(t)] for t in held if t.requires_grad or id(t) in parameters} - {None}
@@ -482,19 +487,58 @@ def _layout_kept_clone(t: torch.Tensor) -> torch.Tensor:
     return kept if kept.stride() == t.stride() else clone
 
 
-def _refuse_unreached(gm: fx.GraphModule, missed: "frozenset[int]") -> None:
-    """ValueError when a tensor the forward writes (an id in ``missed``) is one a
-    user's leaf module holds where the copy does not look (an object with
-    ``__slots__``, nesting deeper than ``_NESTING``): the result would write the
-    caller's. A written tensor no module holds (a global a wrapped helper writes) is
-    the same object for the caller and the result either way."""
-    reached = reachable_tensors(opaque_holders(gm))
-    if reached and any(id(t) in missed for t in reached):
+def _refuse_unreached(gm: fx.GraphModule, written: "frozenset[int]", missed: "frozenset[int]") -> None:
+    """ValueError when a tensor the forward writes is one a user's leaf module reaches
+    where the copy does not look (``missed``: an object with ``__slots__``, nesting
+    deeper than ``_NESTING``), or (any of ``written``) through another module its
+    attributes hold (``self.ctx.owner.calls.add_(1)``): the result's module would
+    still reach the caller's, and write it. A written tensor no module holds (a
+    global its forward counts calls in) is the same object for the caller and the
+    result either way."""
+    modules = [holder[0] for holder in opaque_holders(gm)]
+    if not modules:
+        return
+    reached, through_modules = _attribute_tensors(modules)
+    if any(id(t) in missed for t in reached) or any(id(t) in written for t in through_modules):
         raise ValueError(
-            "a leaf module of the model holds a tensor its forward writes where a copy of the model cannot reach "
-            "it (an object with __slots__, or nested deeper than lists, dicts and plain objects 8 levels down): "
-            "the result would write the caller's tensor. Keep it in a buffer or a plain attribute, or rewrite the "
-            "model in place (inplace=True)")
+            "a leaf module of the model reaches a tensor its forward writes where a copy of the model cannot "
+            "own it (through another module its attributes hold, an object with __slots__, or nested deeper "
+            "than lists, dicts and plain objects 8 levels down): the result would write the caller's tensor. "
+            "Register the module as a submodule, keep the tensor in a buffer or a plain attribute, or rewrite "
+            "the model in place (inplace=True)")
+
+
+def _attribute_tensors(modules: list) -> tuple:
+    """The tensors ``modules`` hold through their own attributes, however deep:
+    containers, objects' ``__dict__`` and ``__slots__``, and other modules those
+    hold (not through classes, functions or the globals their code names); and,
+    apart, those reached through such another module."""
+    found: list = []
+    through: list = []
+    seen: set = {id(m) for m in modules}
+    stack = [(v, False) for m in modules for k, v in vars(m).items() if k not in _MODULE_INTERNALS]
+    while stack and len(seen) < _ATTRIBUTE_WALK:
+        value, via_module = stack.pop()
+        if id(value) in seen or isinstance(value, (str, bytes, int, float, bool, type(None))):
+            continue
+        seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            (through if via_module else found).append(value)
+        elif isinstance(value, torch.nn.Module):
+            stack.extend((v, True) for v in [*value._parameters.values(), *value._buffers.values(),
+                                              *value._modules.values()])
+            stack.extend((v, True) for k, v in vars(value).items() if k not in _MODULE_INTERNALS)
+        elif isinstance(value, (dict, list, tuple, set, frozenset, collections.deque)):
+            stack.extend((v, via_module) for v in (value.values() if isinstance(value, dict) else value))
+        elif not isinstance(value, _NOT_HELPER_KINDS):
+            attributes = getattr(value, "__dict__", None)
+            if type(attributes) is dict:
+                stack.extend((v, via_module) for v in attributes.values())
+            stack.extend((getattr(value, name, None), via_module) for name in getattr(type(value), "__slots__", ()))
+    return found, through
+
+
+_ATTRIBUTE_WALK = 20000  # objects, as rewrite.ops.reach's walks
 
 
 def _extent(t: torch.Tensor) -> "tuple | None":

@@ -1279,14 +1279,14 @@ def _literal_value(e: Any) -> Any:
 def _bounded(fn: str, args: list) -> bool:
     """Whether computing ``fn`` on ``args`` is cheap: E207's bounds (an exponent or
     shift of at most 64 on a number, a sequence repeated at most 4096 times)."""
-    if fn in ("pow", "lshift") and len(args) == 2:
+    if fn in ("pow", "lshift") and len(args) == 2:  # (2 ** 64) ** 64 at most: 4096 bits
         return isinstance(args[1], (int, float)) and abs(args[1]) <= _MAX_EXPONENT \
-            and isinstance(args[0], (int, float))
+            and isinstance(args[0], (int, float)) and abs(args[0]) <= 2 ** 64
     if fn == "mul" and len(args) == 2:
         for sequence, count in (args, args[::-1]):
             if isinstance(sequence, (str, list, tuple)):
                 return isinstance(count, int) and count <= _MAX_REPEAT and len(sequence) <= _MAX_REPEAT
-    return all(not isinstance(a, (int, float)) or abs(a) < 2 ** 4096 for a in args)
+    return all(not isinstance(a, (int, float)) or abs(a) <= 2 ** 4096 for a in args)
 
 
 #: size parameters where -1 stands for a size inferred from the others (view, reshape, expand)

@@ -783,9 +783,15 @@ class _ModuleKind(NamedTuple):
     aliasing: bool  # may return its input (``ALIASING_MODULES``, an observer)
 
 
-@functools.lru_cache(maxsize=1024)
 def _module_kind(kind: type) -> _ModuleKind:
-    """Read once per class (a symbolic_trace graph asks per ``call_module`` node)."""
+    """Read once per class as it stands (a symbolic_trace graph asks per
+    ``call_module`` node; a class patched since, ``MyLayer.forward = ...``, is read
+    again)."""
+    return _module_kind_of(kind, _user_class_body(kind))
+
+
+@functools.lru_cache(maxsize=1024)
+def _module_kind_of(kind: type, body: tuple) -> _ModuleKind:
     from torch.ao.quantization.observer import ObserverBase
 
     code = code_class(kind)
@@ -797,7 +803,6 @@ def _module_kind(kind: type) -> _ModuleKind:
                        code.__name__ in ALIASING_MODULES or issubclass(kind, ObserverBase))
 
 
-@functools.lru_cache(maxsize=1024)
 def code_class(kind: type) -> type:
     """The class whose code a call of a ``kind`` module runs: ``kind`` itself, or,
     for a user's subclass of a torch module that adds nothing that runs but its own
@@ -805,6 +810,11 @@ def code_class(kind: type) -> type:
     pass``), the torch class it derives from: its forward is torch's, and so are its
     effects. What its ``__init__`` sets is the instance's (a foreign function, a
     hook, a user's submodule), which the instance checks see."""
+    return _code_class_of(kind, _user_class_body(kind))
+
+
+@functools.lru_cache(maxsize=1024)
+def _code_class_of(kind: type, body: tuple) -> type:
     for base in kind.__mro__:
         if (base.__module__ or "").startswith("torch."):
             return base
@@ -812,6 +822,17 @@ def code_class(kind: type) -> type:
                    for name, value in vars(base).items()):
             return kind
     return kind
+
+
+def _user_class_body(kind: type) -> tuple:
+    """What the classes of ``kind``'s MRO before torch's hold, by identity: the key
+    of the cached answers, so a class changed after a first answer is read again."""
+    body: list = []
+    for base in kind.__mro__:
+        if (base.__module__ or "").startswith("torch."):
+            break
+        body.extend(map(id, vars(base).values()))
+    return tuple(body)
 
 
 #: what every class body holds, or may hold without changing what a call runs
