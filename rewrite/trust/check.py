@@ -71,7 +71,6 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rewrite.capture import is_export_guard, lifted_state_positions
-from rewrite.engine.facts import fetch_attr
 from rewrite.engine.shapes import addressing, layout_of
 from rewrite.engine.symbolic import size_hint
 from rewrite.engine.workspace import CODE_ATTRIBUTES, gc_paused
@@ -872,7 +871,7 @@ def named_half_precisions(fn: Any) -> frozenset:
     found: set = set()
     for node in fn.graph.nodes:
         if node.op == "get_attr":
-            found.add(getattr(fetch_attr(fn, node.target), "dtype", None))
+            found.add(getattr(attribute(fn, node.target), "dtype", None))
         elif node.op in CALL_OPS:
             found.update(a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, torch.dtype))
     return frozenset(found & set(HALF))
