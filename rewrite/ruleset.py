@@ -38,7 +38,7 @@ from rewrite.engine.workspace import (HOOK_TABLES, Journal, check_touched, gc_pa
                                        own_state_training_writes, own_written_state, shared_copy)
 from rewrite.language import Program, ast, load_program, load_program_text
 from rewrite.module_state import AttributeSnapshot
-from rewrite.trust.modes import autocast_off, cpu_default_device
+from rewrite.trust.modes import autocast_off, cpu_default_device, fake_mode_off
 from rewrite.trust.rng import generators_kept, model_generators
 from rewrite.trust.sizes import DECLARED_RANGES
 from rewrite.ops import detect_dialect
@@ -466,6 +466,7 @@ class RuleSet:
                              "module tree, e.g. `child.owner = model` on an nn.Module): torch's module walks "
                              "(named_modules, state_dict, .to) never end on it. Keep the reference out of the "
                              "module tree (a weakref, or object.__setattr__ outside _modules)") from None
+        _refuse_fake_inputs(example_inputs)
         if check:
             _refuse_meta(model, example_inputs)
         original = model if isinstance(model, fx.GraphModule) else _symbolic_trace(model)
@@ -484,7 +485,7 @@ class RuleSet:
         # a traced model's own modules run where facts are recorded from the example
         # inputs: what a hook of theirs writes into them (a feature list) is put back
         caller = AttributeSnapshot(list(model.modules())) if model is not original else None
-        with gc_paused(), torch.inference_mode(False), autocast_off(), cpu_default_device(), \
+        with gc_paused(), torch.inference_mode(False), autocast_off(), cpu_default_device(), fake_mode_off(), \
                 generators_kept(model_generators(original)):
             try:
                 txn = _Transaction(self, original, example_inputs, max_rewrites, shuffle_seed, inplace,
@@ -855,6 +856,22 @@ def _refuse_meta(model: torch.nn.Module, example_inputs: Any) -> None:
         raise ValueError("the equivalence check runs the model on real values, and this model or its example "
                          "inputs are on the meta device: load the weights first (to_empty() and a state dict), "
                          "or pass check=False")
+
+
+def _refuse_fake_inputs(example_inputs: Any) -> None:
+    """Facts are recorded, and the check runs, by calling the model on the example
+    inputs: FakeTensors carry shapes but no values, and the model's real weights
+    cannot meet them (torch asserts, or no fact is recorded and no rule fires). A
+    graph that already carries FakeTensor metadata (torch.export, dynamo) needs no
+    example inputs for its facts."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    inputs = torch.utils._pytree.tree_leaves(example_inputs) if example_inputs is not None else []
+    if any(isinstance(t, FakeTensor) for t in inputs):
+        raise ValueError("example_inputs holds FakeTensors: apply records facts and checks the rewrite by running "
+                         "the model on real values. Pass real tensors of the same shapes (torch.randn(...)), or "
+                         "no example_inputs for a graph whose nodes already carry FakeTensor metadata "
+                         "(torch.export, dynamo)")
 
 
 def _warn_unknown_training(names: set) -> None:

@@ -51,6 +51,7 @@ from rewrite.capture import INFERENCE_KEY
 from rewrite.engine.replace import SOURCES_KEY
 from rewrite.flows import quant as ptq
 from rewrite.functions.qat import QATLayer, is_fake_quant_node, is_qat_layer_node
+from rewrite.trust.modes import fake_mode_off
 
 __all__ = [
     "prepare_qat", "calibrate", "convert", "qat_rules", "fake_quant_nodes", "qat_layers",
@@ -176,6 +177,7 @@ def _name_layers(captured: fx.GraphModule, qat: fx.GraphModule) -> None:
             mod.layer = same[0][: -len(".weight")] if same[0].endswith(".weight") else same[0]
 
 
+@fake_mode_off()
 def prepare_qat(
     model: Any,
     example_inputs: Any,
@@ -267,6 +269,7 @@ def _copies(args: tuple) -> tuple:
     return tuple(pytree.tree_map_only(torch.Tensor, lambda t: t.clone(), tuple(args)))
 
 
+@fake_mode_off()
 def calibrate(qat: fx.GraphModule, batches: Iterable) -> int:
     """Set the fake quantizers' ranges from ``batches`` (each a tensor or a tuple
     of inputs) as PTQ calibrates: batch norms in eval mode (their statistics
@@ -390,6 +393,7 @@ def _listed(value: Any, aten: bool, rank: int) -> Any:
     return list(value) if len(value) == rank else list(value) * rank
 
 
+@fake_mode_off()
 def convert(qat: fx.GraphModule, **options: Any) -> Any:
     """Turn a trained QAT model into an int8 model with ``rewrite.quant.convert``.
 

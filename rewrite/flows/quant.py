@@ -76,6 +76,7 @@ from rewrite.functions.quant import (
     module_path,
 )
 from rewrite.trust.rng import seeded
+from rewrite.trust.modes import fake_mode_off
 
 __all__ = [
     "prepare", "calibrate", "convert", "quantize", "accuracy_report", "sqnr", "QuantizationError",
@@ -404,6 +405,7 @@ def _name_int8_modules(gm: fx.GraphModule, points: list) -> None:
 # ---------------------------------------------------------------- API
 
 
+@fake_mode_off()
 def prepare(
     model: Any,
     example_inputs: Any,
@@ -527,6 +529,7 @@ def require_batches(batches: Any, step: str) -> None:
                         f"tensor: pass [x]")
 
 
+@fake_mode_off()
 def calibrate(observed: fx.GraphModule, batches: Iterable) -> int:
     """Run ``batches`` (each a tensor or a tuple of inputs) through the observed
     model so its observers record activation ranges (each on copies: a model that
@@ -575,6 +578,7 @@ def run_calibration_batch(model: Any, args: tuple, n: int, error: type = None) -
             "with capture='fx'") from err
 
 
+@fake_mode_off()
 def convert(
     observed: fx.GraphModule,
     *,
@@ -732,6 +736,7 @@ def _convert_pt2e(gm: fx.GraphModule, args: Any, state: dict, points: list, conv
     return pt2e
 
 
+@fake_mode_off()
 def quantize(
     model: Any,
     calibration_batches: Iterable,
@@ -1226,6 +1231,7 @@ class AccuracyReport:
         return "\n".join(lines)
 
 
+@fake_mode_off()
 def accuracy_report(
     observed: fx.GraphModule,
     int8: fx.GraphModule,

@@ -82,7 +82,7 @@ from rewrite.ops.vocabulary import CALL_OPS, OPS, bind_node
 from rewrite.trust.gradients import GradientRun, grad_leaves, gradient_run, moved, redrawn
 from rewrite.trust.sizes import smallest_sizes
 from rewrite.trust.held import generator_copy, input_leaves, laid_out_copy, map_held
-from rewrite.trust.modes import autocast_off, cpu_default_device, is_higher_order, run_higher_order
+from rewrite.trust.modes import autocast_off, cpu_default_device, fake_mode_off, is_higher_order, run_higher_order
 from rewrite.trust.nonfinite import non_finite_births
 from rewrite.trust.precision import HALF, NOISE_MULTIPLIER, computes_in_half, narrowed_run, rounding_noise, widened_run
 from rewrite.trust.rng import host_generator_states, model_generators, seeded
@@ -2345,7 +2345,7 @@ class Reference:
             self.stop_recording()  # see _check
         if tolerance == "approx":
             self.half_nodes  # noqa: B018 - read now, while the graph is the original's
-        with gc_paused(), torch.inference_mode(False), autocast_off(), cpu_default_device(), \
+        with gc_paused(), torch.inference_mode(False), autocast_off(), cpu_default_device(), fake_mode_off(), \
                 preserved_state(self.fn, runs_only=True, watches=(self.watch(),)) as state, \
                 running_as_graph(self.fn, force=self._records(), runner=self._recorder()):
             for t in self.trial_indices(trials):
@@ -2419,7 +2419,7 @@ def check_equivalence(reference: Callable, candidate: Callable, example_inputs: 
     # Under ``torch.inference_mode`` the private copies of the inputs would be
     # inference tensors, which keep no version counter: the check runs outside it
     # (the models compute the same values; a copy of an inference tensor is a plain one).
-    with gc_paused(), torch.inference_mode(False), autocast_off(), cpu_default_device():
+    with gc_paused(), torch.inference_mode(False), autocast_off(), cpu_default_device(), fake_mode_off():
         return _check(reference, candidate, trials, rtol, atol, tolerance, int_agreement, gradients)
 
 

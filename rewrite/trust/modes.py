@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["ambient_autocast", "autocast_off", "cpu_default_device", "is_higher_order", "run_higher_order"]
+__all__ = ["ambient_autocast", "autocast_off", "cpu_default_device", "fake_mode_off", "is_higher_order",
+           "run_higher_order"]
 
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps")
 
@@ -73,6 +74,21 @@ def cpu_default_device() -> Iterator[None]:
         yield
         return
     with torch.device("cpu"):
+        yield
+
+
+@contextlib.contextmanager
+def fake_mode_off() -> Iterator[None]:
+    """No caller's ``FakeTensorMode`` inside the block: with one active, every op on the
+    model's real weights and inputs fails (torch asserts every tensor is fake), so
+    the facts recorded and the check's runs would fail or, worse, record nothing and
+    let no rule fire. ``apply`` works on real values, as outside the mode; the
+    library's own fake runs (new nodes' metadata) enter their graph's mode inside.
+    Inductor's post-grad passes run with the mode set aside already (``V.fake_mode``
+    is not entered), so the Inductor pass is unaffected."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
         yield
 
 
