@@ -66,3 +66,76 @@ def test_other_entry_points_inside_a_fake_tensor_mode():
         assert_equivalent(model, model, (x,))
     assert analysis.totals.flops == 2 * 2 * 4 * 4
     assert isinstance(int8(x), torch.Tensor) and not isinstance(int8(x), torch._subclasses.FakeTensor)
+
+
+class _ReturnsViewsOfItsInputAndBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.randn(3, 4))
+
+    def forward(self, x):
+        return x.transpose(0, 1).transpose(0, 1), x.view(3, 4), self.b.permute(1, 0).permute(1, 0)
+
+
+class _ReturnsAValueAndAViewOfIt(nn.Module):
+    def forward(self, x):
+        h = torch.relu(x)
+        return h.transpose(0, 1).transpose(0, 1), h
+
+
+class _ViewsOfAFreshValue(nn.Module):
+    def forward(self, x):
+        h = torch.relu(x)
+        return h.transpose(0, 1).transpose(0, 1) + 1, h.view(3, 4) * 2
+
+
+def _capture(model, x, level):
+    return torch.fx.symbolic_trace(model) if level == "fx" else torch.export.export(model, (x,)).module()
+
+
+@pytest.mark.parametrize("level", ["fx", "export"])
+def test_a_returned_view_of_an_input_or_buffer_stays_a_new_tensor_object(level):
+    """Probe CS f1: ``x.transpose(0, 1).transpose(0, 1)`` and ``x.view(3, 4)`` are
+    new tensor objects over ``x``'s memory. cleanup.rw replaced them by ``x`` itself,
+    and the check (values and memory overlap) could not tell: the result returned
+    the caller's input object (twice) and the module's buffer, so ``out.t_()``
+    transposed the caller's input and ``out.unsqueeze_(0)`` reshaped the buffer the
+    caller's own model then failed on."""
+    x = torch.randn(3, 4)
+    gm = _capture(_ReturnsViewsOfItsInputAndBuffer(), x, level)
+    result = rewrite.load("rules/cleanup.rw").apply(gm, (x,))
+
+    def identities(module):
+        mine = torch.randn(3, 4)
+        out = module(mine)
+        tensors = list(module.buffers()) + list(module.parameters()) + [
+            getattr(module, name) for name in dir(module) if name.startswith("_tensor_constant")]
+        return [(o is mine, any(o is t for t in tensors)) for o in out], out[0] is out[1]
+
+    assert identities(result.graph_module) == identities(gm)  # no output is the caller's object
+    mine = torch.randn(3, 4)
+    result.graph_module(mine)[0].t_()
+    assert mine.shape == (3, 4)
+
+
+@pytest.mark.parametrize("level", ["fx", "export"])
+def test_two_outputs_do_not_become_one_object(level):
+    x = torch.randn(3, 4)
+    result = rewrite.load("rules/cleanup.rw").apply(_capture(_ReturnsAValueAndAViewOfIt(), x, level), (x,))
+    assert result.counts == {}
+    first, second = result.graph_module(x)
+    assert first is not second
+    first.t_()
+    assert second.shape == (3, 4)
+
+
+@pytest.mark.parametrize("level", ["fx", "export"])
+def test_views_of_a_fresh_value_still_cancel(level):
+    """The guard is about tensor objects the caller can hold: views of a value the
+    graph computes, read by other ops, still cancel."""
+    x = torch.randn(3, 4)
+    model = _ViewsOfAFreshValue()
+    result = rewrite.load("rules/cleanup.rw").apply(_capture(model, x, level), (x,))
+    assert result.counts == {"transpose_transpose": 1, "reshape_noop": 1}
+    for got, want in zip(result.graph_module(x), model(x)):
+        torch.testing.assert_close(got, want)

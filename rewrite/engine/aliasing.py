@@ -42,7 +42,7 @@ from rewrite.engine.shapes import symbolic_strides
 from rewrite.ops.saved import keeps_result
 from rewrite.ops.vocabulary import nodes_by_target
 
-__all__ = ["storage_base", "alias_class", "new_aliasing", "lost_aliasing", "may_view", "caller_owned",
+__all__ = ["storage_base", "alias_class", "new_aliasing", "new_identity", "lost_aliasing", "may_view", "caller_owned",
            "graph_writes", "written_between", "memory_observed", "writes_kept_value", "newly_kept"]
 
 
@@ -182,11 +182,11 @@ def new_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any, writes: 
     if not isinstance(base, fx.Node) or (base in created and not caller_owned(base)):
         return None  # fresh memory the replacement computes: nothing is shared
     before = storage_base(root, gm, always_aliases)
-    if base is before:
-        return None  # root already was (a view of) that memory
+    if base is before:  # root already was (a view of) that memory: the same object?
+        return new_identity(root, result, created, gm)
     mine = alias_class(root, gm)
     if base in mine:
-        return None
+        return new_identity(root, result, created, gm)
     escapes = _escapes(mine)
     written = writes and _written(mine, gm)
     what = {"placeholder": "the graph input", "get_attr": "the module constant"}.get(base.op, "the value")
@@ -232,6 +232,65 @@ def new_aliasing(root: fx.Node, result: fx.Node, created: Any, gm: Any, writes: 
         return f"its result would share memory with {what}, which is written in place"
     if escapes and (known[0] if known is not None else _escapes(theirs)):
         return f"its result and {what} are both returned by the graph: the outputs would alias each other"
+    return None
+
+
+def _inplace_step(node: Any, gm: Any) -> bool:
+    """``node`` certainly returns the very tensor object of its first argument: an
+    in-place op (``relu_``, ``add_``, a module with ``inplace=True``) of known code."""
+    return (isinstance(node, fx.Node) and node.op.startswith("call_") and bool(node.args)
+            and isinstance(node.args[0], fx.Node) and 0 in written_args(node, gm)
+            and always_aliases(node, gm) and not may_alias_any_argument(node, gm))
+
+
+def _may_be_same_object(node: fx.Node, gm: Any) -> bool:
+    """``node``'s result may be the very tensor object of its input (not a new view
+    of it): an in-place op, a no-op cast or ``contiguous`` (which return ``self``),
+    a call whose code nothing describes. A view is a new tensor object."""
+    if not may_alias(node, gm):
+        return False
+    return not always_aliases(node, gm) or _inplace_step(node, gm) or may_alias_any_argument(node, gm)
+
+
+def _same_object(node: fx.Node, gm: Any) -> set:
+    """``node`` and the values that are certainly its tensor object: the in-place
+    ops written into it, and theirs."""
+    found, todo = {node}, [node]
+    while todo:
+        for user in todo.pop().users:
+            if user not in found and _inplace_step(user, gm) and user.args[0] in found:
+                found.add(user)
+                todo.append(user)
+    return found
+
+
+def new_identity(root: fx.Node, result: fx.Node, created: Any, gm: Any) -> str | None:
+    """Why replacing ``root``, which already shares memory with ``result``, would
+    still let the caller tell: ``x.t().t()`` and ``x.view(s)`` are new tensor objects
+    over ``x``'s memory; replaced by ``x`` itself, the caller's output would *be* its
+    input (``out is x``: ``out.t_()`` or ``out.unsqueeze_(0)`` would change the
+    caller's tensor, a module's buffer its shape), two outputs one object, or an
+    in-place metadata write (``t_``) on the value would reach the other's readers."""
+    obj = storage_base(result, gm, _may_be_same_object)
+    if not isinstance(obj, fx.Node) or obj in created:
+        return None  # a new tensor object (a view the replacement builds)
+    root_object = root
+    while _inplace_step(root_object, gm):
+        root_object = root_object.args[0]
+    if root_object is obj:
+        return None  # root was that very object (an in-place op on it)
+    mine, theirs = _same_object(root, gm), _same_object(obj, gm)
+    returned = _escapes(mine)
+    written = len(mine) > 1 or _written(mine, gm)
+    what = {"placeholder": "the graph input", "get_attr": "the module constant"}.get(obj.op, "the value")
+    what = f"{what} {obj.target if obj.op == 'get_attr' else obj.name!r}"
+    if returned and (caller_owned(obj) or _escapes(theirs)):
+        return (f"it is a new tensor object over the memory of {what}, and it is returned by the graph: the "
+                f"replacement would return {what} itself (an in-place metadata change of the output, t_() or "
+                "unsqueeze_(), would reach it)")
+    if written and (caller_owned(obj) or any(u not in mine for n in theirs for u in n.users)):
+        return (f"it is a new tensor object over the memory of {what}, and it is written in place: the write "
+                f"would be made on {what} itself")
     return None
 
 
