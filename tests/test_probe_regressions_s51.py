@@ -139,3 +139,52 @@ def test_views_of_a_fresh_value_still_cancel(level):
     assert result.counts == {"transpose_transpose": 1, "reshape_noop": 1}
     for got, want in zip(result.graph_module(x), model(x)):
         torch.testing.assert_close(got, want)
+
+
+class _TrainingBlock(nn.Module):
+    """conv -> batch norm -> in-place ReLU, as torchvision's ResNet writes it."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.act = nn.ReLU(inplace=True)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(self.act(self.bn(self.conv(x))).mean((2, 3)))
+
+
+class _SpectralNormThenTwoNorms(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.utils.parametrizations.spectral_norm(nn.Conv2d(3, 4, 3, padding=1))
+        self.bn = nn.BatchNorm2d(4)
+        self.bn2 = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.bn2(self.bn(self.conv(x)))).mean((2, 3)))
+
+
+@pytest.mark.parametrize("model_type, rules", [
+    (_TrainingBlock, "rules/fusion.rw"),
+    (_TrainingBlock, "rules/amp_bf16.rw"),
+    (_SpectralNormThenTwoNorms, "rules/fusion.rw"),
+])
+def test_a_training_norm_leaves_the_weights_around_it_the_callers(model_type, rules):
+    """Probe CR F1, F2: a training batch norm counted as returning (a view of) its
+    own weight and bias, and as writing its input's memory. An in-place ReLU after
+    it, or a second norm reading it, made the result own copies of the norm's (and a
+    spectral-norm conv's) parameters: ``backward()`` of the result left the caller's
+    parameters without gradients, and the check could not tell."""
+    torch.manual_seed(0)
+    model, x = model_type().train(), torch.randn(2, 3, 8, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = rewrite.load(rules).apply(model, (x,))
+    mine = dict(model.named_parameters())
+    assert all(mine[name] is p for name, p in result.graph_module.named_parameters())
+    model.zero_grad(set_to_none=True)
+    result.graph_module(x).sum().backward()
+    assert [name for name, p in model.named_parameters() if p.grad is None] == []

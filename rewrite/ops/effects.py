@@ -959,8 +959,21 @@ def module_written_state(module: Any) -> list:
     (gradients of the result reach them); so for the library's own modules that say
     so (``WRITES_BUFFERS_ONLY``: the QAT layers and fake quantizers); every other
     module all of them."""
+    known = _known_buffer_writes(module)
+    return known if known is not None else [*module.parameters(), *module.buffers()]
+
+
+def writes_known_buffers(module: Any) -> bool:
+    """Whether a call of ``module`` runs code known to write only its buffers (or
+    its norms'), never its weights, nor return them: torch's norms, torch's weight
+    reparametrizations, the library's own modules that say so."""
+    return _known_buffer_writes(module) is not None
+
+
+def _known_buffer_writes(module: Any) -> "list | None":
     if isinstance(module, torch.nn.modules.batchnorm._NormBase) and code_class(type(module)).__module__.startswith(
-            _TORCH_MODULES) and not (module._forward_hooks or module._forward_pre_hooks or _global_hooks()):
+            _TORCH_MODULES) and not (module._forward_hooks or module._forward_pre_hooks or _global_hooks()) \
+            and _runs_torch_code_only(module):
         return list(module.buffers())
     if _reparametrized_by_torch(module):
         return list(module.buffers())
@@ -972,7 +985,7 @@ def module_written_state(module: Any) -> list:
             and _module_setting(module, "max_norm", None) is None:
         # torch's code writes only the statistics of the norms it holds: not the weights
         return [t for m in held_norms(module) for t in m.buffers()]
-    return [*module.parameters(), *module.buffers()]
+    return None
 
 
 def _writes_buffers_only(module: Any) -> bool:
@@ -1150,6 +1163,16 @@ def state_writes(gm: Any) -> "frozenset[int] | None":
                 # arguments or weights; it may return its input, never its weights
                 written |= {id(t) for t in module_written_state(module)}
                 aliases[node] = args
+                continue
+            if writes_own_state and writes_known_buffers(module):
+                # torch's own code (a training batch norm, a spectral-norm conv): its
+                # buffers; its result is new memory (or, as for any torch module, what
+                # ``aliasing`` says of its input), never its weights
+                written |= {id(t) for t in module_written_state(module)}
+                if writes_arguments:
+                    written |= args
+                if aliasing:
+                    aliases[node] = args
                 continue
             if writes_own_state:
                 own = {id(t) for t in [*module.parameters(), *module.buffers()]}
