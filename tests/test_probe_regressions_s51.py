@@ -3,7 +3,10 @@ under a caller's active ``FakeTensorMode`` (probe CQ F2 of session 50)."""
 
 from __future__ import annotations
 
+import functools
+import types
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -188,3 +191,218 @@ def test_a_training_norm_leaves_the_weights_around_it_the_callers(model_type, ru
     model.zero_grad(set_to_none=True)
     result.graph_module(x).sum().backward()
     assert [name for name, p in model.named_parameters() if p.grad is None] == []
+
+
+_MUL_ONE = "rule mul_one: mul(x, 1) where is_float(x) => x"
+
+
+class _Totals:
+    def __init__(self):
+        self.total = torch.zeros(4)
+
+
+def _bumping(t):
+    def bump():
+        t.add_(1.0)
+    return bump
+
+
+def _reading(t):
+    def read():
+        return t
+    return read
+
+
+class _BumpsThroughCode(nn.Module):
+    """A leaf module writing a tensor it reaches through code it holds."""
+
+    def __init__(self, how, t):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.how = how
+        if how == "closure":
+            self.bump = _bumping(t)
+        elif how == "partial":
+            self.bump = functools.partial(torch.Tensor.add_, t, 1.0)
+        else:
+            self.holder = _Totals()
+            self.holder.total = t
+            self.ref = weakref.ref(self.holder)
+
+    def forward(self, x):
+        if self.how == "weakref":
+            self.ref().total.add_(1.0)
+        else:
+            self.bump()
+        return self.lin(x)
+
+
+class _KeepsAndReads(nn.Module):
+    """Keeps the tensor it writes in a helper object (which a copy owns), and reads it
+    back through a closure (which a copy cannot rebuild)."""
+
+    def __init__(self):
+        super().__init__()
+        t = torch.zeros(4)
+        self.state = types.SimpleNamespace(loc=t)
+        self.read = _reading(t)
+
+    def forward(self, x):
+        self.state.loc.add_(1.0)
+        return x + self.read()
+
+
+_SHARED_STATS = _Totals()
+
+
+@torch.fx.wrap
+def _plus_shared_total(y):
+    return y + _SHARED_STATS.total
+
+
+class _WritesSharedStats(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.stats = _SHARED_STATS
+
+    def forward(self, x):
+        self.stats.total.add_(1.0)
+        return self.lin(x)
+
+
+class _Outer(nn.Module):
+    def __init__(self, block, wrapped=False):
+        super().__init__()
+        self.block = block
+        self.wrapped = wrapped
+
+    def forward(self, x):
+        y = self.block(x)
+        if self.wrapped:
+            y = _plus_shared_total(y)
+        return (y + 1.0) * 1.0
+
+
+class _LeafTracer(torch.fx.Tracer):
+    def is_leaf_module(self, m, qualified_name):
+        return isinstance(m, (_BumpsThroughCode, _KeepsAndReads, _WritesSharedStats)) \
+            or super().is_leaf_module(m, qualified_name)
+
+
+def _leaf_traced(model):
+    return torch.fx.GraphModule(model, _LeafTracer().trace(model))
+
+
+def _refused_or_sound(model, watched, x):
+    """apply (a copy, checked) either refuses, or returns a result whose runs leave
+    ``watched`` alone and compute what the model computes, call after call."""
+    gm = _leaf_traced(model)
+    try:
+        result = rewrite.parse(_MUL_ONE).apply(gm, (x,))
+    except ValueError as error:
+        assert "inplace=True" in str(error)
+        return False
+    start = watched.clone()
+    got = [result.graph_module(x) for _ in range(3)]
+    assert torch.equal(watched, start)
+    want = [gm(x) for _ in range(3)]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    return True
+
+
+@pytest.mark.parametrize("how", ["closure", "partial", "weakref"])
+def test_a_tensor_written_through_code_a_module_holds_is_not_the_results_to_write(how):
+    """Probe CT F1: a closure, a functools.partial or a weakref to a helper: the copy
+    neither owned the tensor nor refused, and each run of the result wrote the
+    caller's."""
+    t = torch.zeros(4)
+    block = _BumpsThroughCode(how, t)
+    watched = block.holder.total if how == "weakref" else t
+    _refused_or_sound(_Outer(block).eval(), watched, torch.randn(3, 4))
+
+
+@pytest.mark.parametrize("case", ["wrapped_global", "closure_reader"])
+def test_a_copied_holder_other_code_still_reads_is_refused(case):
+    """Probe CT F4 (a regression of session 50's helper copies): the result wrote its
+    copy of the holder while a wrapped function (through a global) or a closure read
+    the caller's: its outputs drifted from the model's by 1, 2, 3 on successive
+    calls, unchecked when no rule fired."""
+    _SHARED_STATS.total.zero_()
+    if case == "wrapped_global":
+        model, watched = _Outer(_WritesSharedStats(), wrapped=True).eval(), _SHARED_STATS.total
+    else:
+        block = _KeepsAndReads()
+        model, watched = _Outer(block).eval(), block.state.loc
+    x = torch.randn(3, 4)
+    gm = _leaf_traced(model)
+    with pytest.raises(ValueError, match="inplace=True"):
+        rewrite.parse(_MUL_ONE).apply(gm, (x,), check=False)
+    result = rewrite.parse(_MUL_ONE).apply(gm, (x,), inplace=True)  # what the message offers
+    assert result.counts == {"mul_one": 1} and result.graph_module is gm
+
+
+class _CountingRelu:
+    def __init__(self):
+        self.calls = torch.zeros(())
+
+    def __call__(self, x):
+        self.calls.add_(1)
+        return torch.relu(x)
+
+
+class _MyEncoderLayer(nn.TransformerEncoderLayer):
+    pass
+
+
+class _EncoderUser(nn.Module):
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return self.layer(x * 1.0) * 1.0
+
+
+class _EncoderLeafTracer(torch.fx.Tracer):
+    def is_leaf_module(self, m, qualified_name):
+        return isinstance(m, _MyEncoderLayer) or super().is_leaf_module(m, qualified_name)
+
+
+@pytest.mark.parametrize("kind", [nn.TransformerEncoderLayer, _MyEncoderLayer])
+@pytest.mark.parametrize("check", [True, False])
+def test_a_torch_module_running_the_users_stateful_callable_leaves_its_state_alone(kind, check):
+    """Probe CT F3: torch's own module holding a user's callable object with state
+    (``activation=obj``) was not walked as user code: apply's runs wrote the
+    caller's counter (7 times with the check), and so did the result. Since session
+    50 a do-nothing subclass counts as torch's class, which made it a regression."""
+    torch.manual_seed(0)
+    act = _CountingRelu()
+    model = _EncoderUser(kind(8, 2, 16, dropout=0.0, batch_first=True, activation=act)).eval()
+    gm = torch.fx.GraphModule(model, _EncoderLeafTracer().trace(model))
+    x = torch.randn(2, 3, 8)
+    result = rewrite.parse(_MUL_ONE).apply(gm, (x,), check=check)
+    assert act.calls.item() == 0
+    torch.testing.assert_close(result.graph_module(x), model(x))
+    assert act.calls.item() == 1  # the caller's own run, not the result's
+
+
+class _DrawsFromAnOption(nn.Module):
+    def forward(self, x, opts):
+        return (x + torch.rand(x.shape, generator=opts.g)) * 1.0
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_a_generator_inside_an_object_input_is_not_moved(check):
+    """Probe CT F2: a ``torch.Generator`` passed directly or in a list was copied for
+    apply's runs, one an object input holds (``opts.g``) was not: apply moved the
+    caller's generator, and the check (both runs drawing from the one generator)
+    rejected ``mul(x, 1) => x``."""
+    g = torch.Generator().manual_seed(5)
+    state = g.get_state().clone()
+    x = torch.randn(3)
+    result = rewrite.parse(_MUL_ONE).apply(torch.fx.symbolic_trace(_DrawsFromAnOption()),
+                                           (x, types.SimpleNamespace(g=g)), check=check)
+    assert result.counts == {"mul_one": 1}
+    assert torch.equal(g.get_state(), state)

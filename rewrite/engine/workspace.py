@@ -28,6 +28,7 @@ import functools
 import gc
 import threading
 import types
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -37,8 +38,8 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.graph import _illegal_names
 
 from rewrite.capture import HOOK_TABLES
-from rewrite.ops.effects import held_norms, opaque_holders, state_writes, writes_state_when_training
-from rewrite.ops.reach import view_over
+from rewrite.ops.effects import held_norms, opaque_code, opaque_holders, state_writes, writes_state_when_training
+from rewrite.ops.reach import reachable_tensors, view_over
 
 __all__ = ["CODE_ATTRIBUTES", "HOOK_TABLES", "Journal", "check_touched", "compile_now", "gc_paused", "own_module_path",
            "own_state_training_writes", "own_written_state", "shared_copy", "working_copy"]
@@ -420,7 +421,7 @@ def _own_tensors(gm: fx.GraphModule, written: "frozenset[int] | None", modules: 
     extent_of = {id(t): _extent(t) for t in held}
     if written is not None:
         chosen = [t for t in held if id(t) in written]
-        _refuse_unreached(gm, written, written - extent_of.keys())
+        _refuse_unreached(gm, written, written - extent_of.keys(), frozenset(extent_of))
     else:  # what requires grad (and memory it shares) stays the caller's, as parameters do
         parameters = {id(t) for _, _, t, parameter in places if parameter}
         trained = {extent_of[id(t)] for t in held if t.requires_grad or id(t) in parameters} - {None}
@@ -487,35 +488,54 @@ def _layout_kept_clone(t: torch.Tensor) -> torch.Tensor:
     return kept if kept.stride() == t.stride() else clone
 
 
-def _refuse_unreached(gm: fx.GraphModule, written: "frozenset[int]", missed: "frozenset[int]") -> None:
-    """ValueError when a tensor the forward writes is one a user's leaf module reaches
-    where the copy does not look (``missed``: an object with ``__slots__``, nesting
-    deeper than ``_NESTING``), or (any of ``written``) through another module its
-    attributes hold (``self.ctx.owner.calls.add_(1)``): the result's module would
-    still reach the caller's, and write it. A written tensor no module holds (a
-    global its forward counts calls in) is the same object for the caller and the
-    result either way."""
+def _refuse_unreached(gm: fx.GraphModule, written: "frozenset[int]", missed: "frozenset[int]",
+                      owned: "frozenset[int]") -> None:
+    """ValueError when the result's copy of the model cannot own a tensor its forward
+    writes, or would own it while other code still reaches the caller's:
+
+    * a user's leaf module reaches it where the copy does not look (``missed``: an
+      object with ``__slots__``, nesting deeper than ``_NESTING``), through another
+      module its attributes hold (``self.ctx.owner.calls.add_(1)``), or through code
+      it holds (a closure, a ``functools.partial``, a weakref, a bound method): the
+      result's module would still reach the caller's tensor, and write it;
+    * the copy owns it (``owned``: a buffer, a helper object's attribute), and code
+      the graph runs reaches it otherwise (a ``torch.fx.wrap``'d function or a leaf
+      module's class reading it through a global, a closure over it): the result
+      would write its copy and read the caller's, and its values drift.
+
+    A written tensor no module holds (a global its forward counts calls in) is the
+    same object for the caller and the result either way."""
     modules = [holder[0] for holder in opaque_holders(gm)]
-    if not modules:
+    code = opaque_code(gm) + [type(m) for m in modules]
+    if not modules and not code:
         return
-    reached, through_modules = _attribute_tensors(modules)
-    if any(id(t) in missed for t in reached) or any(id(t) in written for t in through_modules):
+    reached, through_modules, through_code = _attribute_tensors(modules)
+    stake = written & owned
+    elsewhere = reachable_tensors(code) if stake else []
+    if elsewhere is None or any(id(t) in missed for t in reached) or any(
+            id(t) in written for t in (*through_modules, *through_code)) or any(
+            id(t) in stake for t in elsewhere):
         raise ValueError(
-            "a leaf module of the model reaches a tensor its forward writes where a copy of the model cannot "
-            "own it (through another module its attributes hold, an object with __slots__, or nested deeper "
-            "than lists, dicts and plain objects 8 levels down): the result would write the caller's tensor. "
-            "Register the module as a submodule, keep the tensor in a buffer or a plain attribute, or rewrite "
-            "the model in place (inplace=True)")
+            "a module of the model reaches a tensor its forward writes where a copy of the model cannot own it "
+            "(through another module its attributes hold, a closure, functools.partial, weakref or bound method, "
+            "an object with __slots__, nested deeper than lists, dicts and plain objects 8 levels down, or also "
+            "through a global that other code of the model reads): the result would write the caller's tensor, "
+            "or its copy and the caller's would drift apart. Register the module as a submodule, keep the tensor "
+            "in a buffer or a plain attribute, or rewrite the model in place (inplace=True)")
 
 
 def _attribute_tensors(modules: list) -> tuple:
     """The tensors ``modules`` hold through their own attributes, however deep:
     containers, objects' ``__dict__`` and ``__slots__``, and other modules those
-    hold (not through classes, functions or the globals their code names); and,
-    apart, those reached through such another module."""
+    hold (not through classes or the globals their code names); and, apart, those
+    reached through such another module, and those reached through code held there
+    (a closure, a ``functools.partial``, a weakref, a bound method: what the code
+    reaches, globals included)."""
     found: list = []
     through: list = []
+    code: list = []
     seen: set = {id(m) for m in modules}
+    walked: set = set()  # objects the code walks went through
     stack = [(v, False) for m in modules for k, v in vars(m).items() if k not in _MODULE_INTERNALS]
     while stack and len(seen) < _ATTRIBUTE_WALK:
         value, via_module = stack.pop()
@@ -524,6 +544,8 @@ def _attribute_tensors(modules: list) -> tuple:
         seen.add(id(value))
         if isinstance(value, torch.Tensor):
             (through if via_module else found).append(value)
+        elif isinstance(value, _CODE_KINDS):
+            code += reachable_tensors(value, walked) or []
         elif isinstance(value, torch.nn.Module):
             stack.extend((v, True) for v in [*value._parameters.values(), *value._buffers.values(),
                                               *value._modules.values()])
@@ -535,8 +557,12 @@ def _attribute_tensors(modules: list) -> tuple:
             if type(attributes) is dict:
                 stack.extend((v, via_module) for v in attributes.values())
             stack.extend((getattr(value, name, None), via_module) for name in getattr(type(value), "__slots__", ()))
-    return found, through
+    return found, through, code
 
+
+#: values that hold what they reach as code does (a closure's cells, a partial's
+#: arguments, a bound method's object): a copy of the module cannot own it
+_CODE_KINDS = (types.FunctionType, types.MethodType, types.BuiltinMethodType, functools.partial, weakref.ref)
 
 _ATTRIBUTE_WALK = 20000  # objects, as rewrite.ops.reach's walks
 

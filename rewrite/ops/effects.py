@@ -1392,15 +1392,19 @@ def opaque_holders(gm: Any) -> list:
 def _users_leaf_modules(gm: Any) -> Iterator:
     """The modules ``gm``'s call_module nodes call whose code is the user's: not
     torch's, not the library's own (a QAT layer, a fake quantizer: ``module_effects``
-    knows what they write), not a GraphModule (its graph is read)."""
+    knows what they write), not a GraphModule (its graph is read); and torch's that
+    run the user's code they hold (``TransformerEncoderLayer(activation=obj)``, a
+    torch container of a user's layer: ``_runs_torch_code_only``)."""
     for op, _, nodes in nodes_by_target(gm.graph):
         if op != "call_module":
             continue
         for node in nodes:
             module = _module(node, gm)
+            if module is None or isinstance(module, fx.GraphModule):
+                continue
             where = code_class(type(module)).__module__
-            if module is not None and not isinstance(module, fx.GraphModule) \
-                    and not where.startswith(("torch.", "rewrite.")):
+            if not where.startswith(("torch.", "rewrite.")) or (
+                    where.startswith("torch.") and not _runs_torch_code_only(module)):
                 yield module
 
 

@@ -52,9 +52,10 @@ def _children(obj: Any) -> list | None:
     return found
 
 
-def held_tensors(obj: Any) -> list:
+def held_tensors(obj: Any, generators: bool = False) -> list:
     """The tensors ``obj`` holds through its attributes, items and slots (each once,
-    in the order met), or ``[]``. A tensor itself is not "held"."""
+    in the order met), or ``[]``; with ``generators``, the ``torch.Generator``s too. A
+    tensor itself is not "held"."""
     if isinstance(obj, torch.Tensor):
         return []
     found: list = []
@@ -68,7 +69,7 @@ def held_tensors(obj: Any) -> list:
         if len(seen) > _MAX_OBJECTS:
             raise TypeError(f"an example input of type {type(obj).__name__} holds more than {_MAX_OBJECTS} "
                             "objects: pass the model's tensors positionally, or in a dict, list or tuple")
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) or (generators and isinstance(value, torch.Generator)):
             found.append(value)
             continue
         children = _children(value)
@@ -79,11 +80,13 @@ def held_tensors(obj: Any) -> list:
 
 def map_held(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     """A deep copy of ``obj`` in which each tensor it holds is ``fn(tensor)`` (a
-    tensor held twice is one value in the copy), or ``obj`` itself when it holds none."""
-    held = held_tensors(obj)
+    tensor held twice is one value in the copy), or ``obj`` itself when it holds none.
+    A ``torch.Generator`` it holds (``opts.g``) is a copy at its state: a run given the
+    copy draws what it would, and the caller's generator stays where it was."""
+    held = held_tensors(obj, generators=True)
     if not held:
         return obj
-    copies = {id(t): fn(t) for t in held}
+    copies = {id(t): generator_copy(t) if isinstance(t, torch.Generator) else fn(t) for t in held}
 
     def memo() -> dict:
         # each attempt its own: a failed one leaves half-made copies in the memo it used
