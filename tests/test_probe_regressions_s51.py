@@ -406,3 +406,47 @@ def test_a_generator_inside_an_object_input_is_not_moved(check):
                                            (x, types.SimpleNamespace(g=g)), check=check)
     assert result.counts == {"mul_one": 1}
     assert torch.equal(g.get_state(), state)
+
+
+class _UsersBlock(nn.Module):
+    def __init__(self, tied=None):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.tied = [tied] if tied is not None else []  # a list: not registered twice
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y @ self.tied[0].weight[:4].t() if self.tied else y
+
+
+class _BlockUser(nn.Module):
+    def __init__(self, tie):
+        super().__init__()
+        self.emb = nn.Embedding(6, 4)
+        self.block = _UsersBlock(self.emb if tie else None)
+
+    def forward(self, x):
+        return (self.block(x) + self.emb.weight.sum()) * 1.0
+
+
+class _BlockTracer(torch.fx.Tracer):
+    def is_leaf_module(self, m, qualified_name):
+        return isinstance(m, _UsersBlock) or super().is_leaf_module(m, qualified_name)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_a_users_leaf_module_keeps_the_callers_weights(tie):
+    """A user's leaf module counts as writing everything it holds (nothing reads its
+    code), and the result owned copies of its weights: gradients of the result missed
+    the caller's parameters. A weight it reads through a plain list (a tied
+    embedding, probe CT F6) was refused outright. Weights that require grad stay the
+    caller's, as when what the graph writes is unknown."""
+    model = _BlockUser(tie)
+    gm = torch.fx.GraphModule(model, _BlockTracer().trace(model))
+    x = torch.randn(2, 4)
+    result = rewrite.parse(_MUL_ONE).apply(gm, (x,))
+    assert result.counts == {"mul_one": 1}
+    mine = dict(model.named_parameters())
+    assert all(mine[name] is p for name, p in result.graph_module.named_parameters())
+    result.graph_module(x).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())

@@ -416,10 +416,17 @@ def _own_tensors(gm: fx.GraphModule, written: "frozenset[int] | None", modules: 
     if written is not None and not written:
         return 0
     places, containers = _module_tensors(gm.modules() if modules is None else modules)
-    held = list({id(t): t for t in [place[2] for place in places] + [t for *_, inside in containers for t in inside]
-                 }.values())
+    held_by_id = {id(t): t for t in [place[2] for place in places] + [t for *_, inside in containers for t in inside]}
+    held = list(held_by_id.values())
     extent_of = {id(t): _extent(t) for t in held}
     if written is not None:
+        # what requires grad stays the caller's, as when writes are unknown: a user's
+        # leaf module counts as writing its weights because nothing reads its code,
+        # and gradients of the result must reach the caller's (a forward that writes
+        # its own weights in place is beyond what anything here can tell)
+        trained = {extent_of[id(t)] for t in held if t.requires_grad} - {None}
+        written = frozenset(i for i in written if i not in extent_of or not (
+            held_by_id[i].requires_grad or extent_of[i] in trained)) if trained else written
         chosen = [t for t in held if id(t) in written]
         _refuse_unreached(gm, written, written - extent_of.keys(), frozenset(extent_of))
     else:  # what requires grad (and memory it shares) stays the caller's, as parameters do

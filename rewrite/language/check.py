@@ -1278,14 +1278,17 @@ def _literal_value(e: Any) -> Any:
 
 def _bounded(fn: str, args: list) -> bool:
     """Whether computing ``fn`` on ``args`` is cheap: E207's bounds (an exponent or
-    shift of at most 64 on a number, a sequence repeated at most 4096 times)."""
+    shift of at most 64 on a number, a sequence made at most 4096 long), judged
+    before anything is computed (``[0] * 4096 * 4096`` is never built)."""
     if fn in ("pow", "lshift") and len(args) == 2:  # (2 ** 64) ** 64 at most: 4096 bits
         return isinstance(args[1], (int, float)) and abs(args[1]) <= _MAX_EXPONENT \
             and isinstance(args[0], (int, float)) and abs(args[0]) <= 2 ** 64
     if fn == "mul" and len(args) == 2:
         for sequence, count in (args, args[::-1]):
             if isinstance(sequence, (str, list, tuple)):
-                return isinstance(count, int) and count <= _MAX_REPEAT and len(sequence) <= _MAX_REPEAT
+                return isinstance(count, int) and len(sequence) * max(count, 0) <= _MAX_REPEAT
+    if fn == "add" and len(args) == 2 and all(isinstance(a, (str, list, tuple)) for a in args):
+        return len(args[0]) + len(args[1]) <= _MAX_REPEAT
     return all(not isinstance(a, (int, float)) or abs(a) <= 2 ** 4096 for a in args)
 
 
