@@ -427,8 +427,8 @@ def _own_tensors(gm: fx.GraphModule, written: "frozenset[int] | None", modules: 
         trained = {extent_of[id(t)] for t in held if t.requires_grad} - {None}
         written = frozenset(i for i in written if i not in extent_of or not (
             held_by_id[i].requires_grad or extent_of[i] in trained)) if trained else written
-        chosen = [t for t in held if id(t) in written]
-        _refuse_unreached(gm, written, written - extent_of.keys(), frozenset(extent_of))
+        shared = _refuse_unreached(gm, written, written - extent_of.keys(), extent_of)
+        chosen = [t for t in held if id(t) in written and id(t) not in shared]
     else:  # what requires grad (and memory it shares) stays the caller's, as parameters do
         parameters = {id(t) for _, _, t, parameter in places if parameter}
         trained = {extent_of[id(t)] for t in held if t.requires_grad or id(t) in parameters} - {None}
@@ -496,39 +496,39 @@ def _layout_kept_clone(t: torch.Tensor) -> torch.Tensor:
 
 
 def _refuse_unreached(gm: fx.GraphModule, written: "frozenset[int]", missed: "frozenset[int]",
-                      owned: "frozenset[int]") -> None:
-    """ValueError when the result's copy of the model cannot own a tensor its forward
-    writes, or would own it while other code still reaches the caller's:
+                      extent_of: dict) -> "frozenset[int]":
+    """ValueError when a tensor the forward writes is one a user's leaf module reaches
+    where the copy does not look (``missed``: an object with ``__slots__``, nesting
+    deeper than ``_NESTING``), through another module its attributes hold
+    (``self.ctx.owner.calls.add_(1)``), or through code it holds (a closure, a
+    ``functools.partial``, a weakref, a bound method): the result's module would
+    still reach the caller's tensor, and write it.
 
-    * a user's leaf module reaches it where the copy does not look (``missed``: an
-      object with ``__slots__``, nesting deeper than ``_NESTING``), through another
-      module its attributes hold (``self.ctx.owner.calls.add_(1)``), or through code
-      it holds (a closure, a ``functools.partial``, a weakref, a bound method): the
-      result's module would still reach the caller's tensor, and write it;
-    * the copy owns it (``owned``: a buffer, a helper object's attribute), and code
-      the graph runs reaches it otherwise (a ``torch.fx.wrap``'d function or a leaf
-      module's class reading it through a global, a closure over it): the result
-      would write its copy and read the caller's, and its values drift.
-
-    A written tensor no module holds (a global its forward counts calls in) is the
-    same object for the caller and the result either way."""
+    Answers the ids of the written tensors the copy would own (``extent_of``: the
+    module tree's tensors, by id) that code the graph runs also reaches through the
+    globals it names (a ``torch.fx.wrap``'d function or a leaf module's class
+    reading a registry or a module-level holder): those stay the caller's, as a
+    written tensor no module holds is. A copy would be written by one path and read
+    by the other, and the result's values would drift from the model's."""
     modules = [holder[0] for holder in opaque_holders(gm)]
     code = opaque_code(gm) + [type(m) for m in modules]
     if not modules and not code:
-        return
+        return frozenset()
     reached, through_modules, through_code = _attribute_tensors(modules)
-    stake = written & owned
-    elsewhere = reachable_tensors(code) if stake else []
-    if elsewhere is None or any(id(t) in missed for t in reached) or any(
-            id(t) in written for t in (*through_modules, *through_code)) or any(
-            id(t) in stake for t in elsewhere):
+    if any(id(t) in missed for t in reached) or any(id(t) in written for t in (*through_modules, *through_code)):
         raise ValueError(
-            "a module of the model reaches a tensor its forward writes where a copy of the model cannot own it "
-            "(through another module its attributes hold, a closure, functools.partial, weakref or bound method, "
-            "an object with __slots__, nested deeper than lists, dicts and plain objects 8 levels down, or also "
-            "through a global that other code of the model reads): the result would write the caller's tensor, "
-            "or its copy and the caller's would drift apart. Register the module as a submodule, keep the tensor "
-            "in a buffer or a plain attribute, or rewrite the model in place (inplace=True)")
+            "a leaf module of the model reaches a tensor its forward writes where a copy of the model cannot own "
+            "it (through another module its attributes hold, a closure, functools.partial, weakref or bound "
+            "method, an object with __slots__, or nested deeper than lists, dicts and plain objects 8 levels "
+            "down): the result would write the caller's tensor. Register the module as a submodule, keep the "
+            "tensor in a buffer or a plain attribute, or rewrite the model in place (inplace=True)")
+    stake = {i for i in written if i in extent_of}
+    elsewhere = reachable_tensors(code) if stake else []
+    if not elsewhere:
+        return frozenset()
+    places = {extent_of[id(t)] if id(t) in extent_of else _extent(t) for t in elsewhere} - {None}
+    ids = {id(t) for t in elsewhere}
+    return frozenset(i for i in stake if i in ids or extent_of[i] in places)
 
 
 def _attribute_tensors(modules: list) -> tuple:
