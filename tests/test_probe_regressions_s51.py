@@ -294,33 +294,33 @@ def _leaf_traced(model):
     return torch.fx.GraphModule(model, _LeafTracer().trace(model))
 
 
-def _refused_or_sound(model, watched, x):
-    """apply (a copy, checked) either refuses, or returns a result whose runs leave
-    ``watched`` alone and compute what the model computes, call after call."""
+def _writes_as_the_model_does(model, watched, x):
+    """apply (a copy, checked) returns a result that computes what the model computes,
+    call after call, and writes ``watched`` (the caller's: code reaches it by a path
+    a copy of the module tree cannot redirect) as the model does."""
     gm = _leaf_traced(model)
-    try:
-        result = rewrite.parse(_MUL_ONE).apply(gm, (x,))
-    except ValueError as error:
-        assert "inplace=True" in str(error)
-        return False
     start = watched.clone()
+    result = rewrite.parse(_MUL_ONE).apply(gm, (x,))
+    assert result.counts == {"mul_one": 1}
+    assert torch.equal(watched, start)  # apply's own runs put it back
     got = [result.graph_module(x) for _ in range(3)]
-    assert torch.equal(watched, start)
+    assert not torch.equal(watched, start)  # the result writes it, as the model would
+    watched.copy_(start)
     want = [gm(x) for _ in range(3)]
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
-    return True
 
 
 @pytest.mark.parametrize("how", ["closure", "partial", "weakref"])
-def test_a_tensor_written_through_code_a_module_holds_is_not_the_results_to_write(how):
-    """Probe CT F1: a closure, a functools.partial or a weakref to a helper: the copy
-    neither owned the tensor nor refused, and each run of the result wrote the
-    caller's."""
+def test_a_tensor_written_through_code_a_module_holds_stays_one_tensor(how):
+    """Probe CT F1: a closure, a functools.partial or a weakref to a helper: the
+    tensor is the code's, as a global is; the result writes it as the model does and
+    computes what it computes (a copy would be written by one path and read by
+    another)."""
     t = torch.zeros(4)
     block = _BumpsThroughCode(how, t)
     watched = block.holder.total if how == "weakref" else t
-    _refused_or_sound(_Outer(block).eval(), watched, torch.randn(3, 4))
+    _writes_as_the_model_does(_Outer(block).eval(), watched, torch.randn(3, 4))
 
 
 def test_a_holder_other_code_reads_through_a_global_stays_the_callers():
@@ -343,15 +343,11 @@ def test_a_holder_other_code_reads_through_a_global_stays_the_callers():
             torch.testing.assert_close(a, b)
 
 
-def test_a_copied_holder_a_closure_still_reads_is_refused():
+def test_a_helpers_tensor_a_closure_reads_back_stays_one_tensor():
     """The same inside one module: the written tensor in a helper object (which a copy
-    owns) and in a closure that reads it (which a copy cannot rebuild)."""
-    gm = _leaf_traced(_Outer(_KeepsAndReads()).eval())
-    x = torch.randn(3, 4)
-    with pytest.raises(ValueError, match="inplace=True"):
-        rewrite.parse(_MUL_ONE).apply(gm, (x,), check=False)
-    result = rewrite.parse(_MUL_ONE).apply(gm, (x,), inplace=True)  # what the message offers
-    assert result.counts == {"mul_one": 1} and result.graph_module is gm
+    would own) and in a closure that reads it back (which a copy cannot redirect)."""
+    block = _KeepsAndReads()
+    _writes_as_the_model_does(_Outer(block).eval(), block.state.loc, torch.randn(3, 4))
 
 
 class _CountingRelu:
@@ -461,3 +457,115 @@ def test_a_users_leaf_module_keeps_the_callers_weights(tie):
     assert all(mine[name] is p for name, p in result.graph_module.named_parameters())
     result.graph_module(x).sum().backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+class _CancelledViewThenSelf(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.id = nn.Identity()
+
+    def forward(self, x):
+        v = x.transpose(0, 1).transpose(0, 1)
+        return v.contiguous() if self.how == "contiguous" else v.float() if self.how == "float" else self.id(v)
+
+
+@pytest.mark.parametrize("how", ["contiguous", "float", "identity"])
+@pytest.mark.parametrize("level", ["fx", "export"])
+def test_a_cancelled_view_returned_through_an_op_returning_self_stays_a_new_object(how, level):
+    """Probe CU F1: the identity guard followed only in-place ops from the view to the
+    output; ``contiguous()``, a no-op ``float()`` or ``nn.Identity`` return their
+    input as it is, so the result returned the caller's input object."""
+    x = torch.randn(3, 4)
+    gm = _capture(_CancelledViewThenSelf(how), x, level)
+    result = rewrite.load("rules/cleanup.rw").apply(gm, (x,))
+    mine = torch.randn(3, 4)
+    assert (result.graph_module(mine) is mine) == (gm(mine) is mine)
+
+
+class _HookReadsStatistics(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4, 2)
+        bn = self.bn
+        self.bn.register_forward_hook(lambda m, i, o: o - bn.running_mean.view(1, -1, 1, 1))
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.bn(self.c(x))).mean((2, 3))) * 1.0
+
+
+def test_statistics_a_hook_reads_through_its_closure_stay_one_tensor():
+    """Probe CU F7: the result owned a copy of a training batch norm's statistics
+    while the caller's hook, which the result runs, read the caller's: outputs
+    drifted from the model's call after call (0.007, 0.025, ...)."""
+    torch.manual_seed(0)
+    model, x = _HookReadsStatistics().train(), torch.randn(2, 3, 6, 6)
+    twin = _HookReadsStatistics().train()
+    twin.load_state_dict(model.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = rewrite.load("rules/cleanup.rw").apply(model, (x,), check=False)
+    assert result.counts == {"mul_one": 1}
+    for _ in range(3):
+        torch.testing.assert_close(result.graph_module(x), twin(x))
+
+
+class _CallsTheGlobalsNamesake(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.model = inner
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x):
+        return self.model(x)
+
+
+model = None  # a script's global named as a leaf module's attribute
+
+
+def test_an_attribute_name_is_not_a_global_the_code_reads():
+    """Probe CU F3: the walk of a leaf module's code counted every name its code
+    holds as a global, attribute names included: ``self.model(x)`` reached a
+    script's global ``model``, and with it the whole model."""
+    global model
+    inner = nn.Linear(4, 4)
+    net = _Outer(_CallsTheGlobalsNamesake(inner)).eval()
+    model = net
+    try:
+        gm = torch.fx.GraphModule(net, _SelfModelTracer().trace(net))
+        result = rewrite.parse(_MUL_ONE).apply(gm, (torch.randn(2, 4),))
+    finally:
+        model = None
+    assert result.counts == {"mul_one": 1}
+    assert result.graph_module.block.seen is not net.block.seen  # owned, not left to a global
+
+
+class _SelfModelTracer(torch.fx.Tracer):
+    def is_leaf_module(self, m, qualified_name):
+        return isinstance(m, _CallsTheGlobalsNamesake) or super().is_leaf_module(m, qualified_name)
+
+
+class _WritesThroughAMappingProxy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = types.MappingProxyType({"n": torch.zeros(())})
+
+    def forward(self, x):
+        self.table["n"].add_(1)
+        return x + 1
+
+
+class _MappingProxyTracer(torch.fx.Tracer):
+    def is_leaf_module(self, m, qualified_name):
+        return isinstance(m, _WritesThroughAMappingProxy) or super().is_leaf_module(m, qualified_name)
+
+
+def test_a_tensor_in_a_mapping_proxy_a_module_writes_is_refused():
+    """Probe CU F8: neither owned nor refused, so each run of the result wrote the
+    caller's tensor."""
+    net = _Outer(_WritesThroughAMappingProxy()).eval()
+    gm = torch.fx.GraphModule(net, _MappingProxyTracer().trace(net))
+    with pytest.raises(ValueError, match="inplace=True"):
+        rewrite.parse(_MUL_ONE).apply(gm, (torch.randn(2, 4),))

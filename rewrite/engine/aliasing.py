@@ -253,12 +253,15 @@ def _may_be_same_object(node: fx.Node, gm: Any) -> bool:
 
 
 def _same_object(node: fx.Node, gm: Any) -> set:
-    """``node`` and the values that are certainly its tensor object: the in-place
-    ops written into it, and theirs."""
+    """``node`` and the values that may be its very tensor object: the in-place ops
+    written into it, and what may return it as it is (``contiguous()``, a no-op
+    ``float()``, ``nn.Identity``, an eval-mode dropout, code nothing describes), and
+    theirs."""
     found, todo = {node}, [node]
     while todo:
         for user in todo.pop().users:
-            if user not in found and _inplace_step(user, gm) and user.args[0] in found:
+            if user not in found and user.op.startswith("call_") and user.args and user.args[0] in found \
+                    and (_inplace_step(user, gm) or _may_be_same_object(user, gm)):
                 found.add(user)
                 todo.append(user)
     return found

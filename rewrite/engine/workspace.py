@@ -38,7 +38,8 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.graph import _illegal_names
 
 from rewrite.capture import HOOK_TABLES
-from rewrite.ops.effects import held_norms, opaque_code, opaque_holders, state_writes, writes_state_when_training
+from rewrite.ops.effects import (held_norms, hooks_of, opaque_code, opaque_holders, state_writes,
+                                 writes_state_when_training)
 from rewrite.ops.reach import reachable_tensors, view_over
 
 __all__ = ["CODE_ATTRIBUTES", "HOOK_TABLES", "Journal", "check_touched", "compile_now", "gc_paused", "own_module_path",
@@ -499,33 +500,38 @@ def _refuse_unreached(gm: fx.GraphModule, written: "frozenset[int]", missed: "fr
                       extent_of: dict) -> "frozenset[int]":
     """ValueError when a tensor the forward writes is one a user's leaf module reaches
     where the copy does not look (``missed``: an object with ``__slots__``, nesting
-    deeper than ``_NESTING``), through another module its attributes hold
-    (``self.ctx.owner.calls.add_(1)``), or through code it holds (a closure, a
-    ``functools.partial``, a weakref, a bound method): the result's module would
-    still reach the caller's tensor, and write it.
+    deeper than ``_NESTING``) or through another module its attributes hold
+    (``self.ctx.owner.calls.add_(1)``): the result's module would still reach the
+    caller's tensor, and write it.
 
     Answers the ids of the written tensors the copy would own (``extent_of``: the
-    module tree's tensors, by id) that code the graph runs also reaches through the
-    globals it names (a ``torch.fx.wrap``'d function or a leaf module's class
-    reading a registry or a module-level holder): those stay the caller's, as a
-    written tensor no module holds is. A copy would be written by one path and read
-    by the other, and the result's values would drift from the model's."""
+    module tree's tensors, by id) that code also reaches by a path a copy of the
+    module tree cannot redirect: the globals that the code the graph runs names (a
+    ``torch.fx.wrap``'d function or a leaf module's class reading a registry or a
+    module-level holder), code a leaf module holds (a closure, a
+    ``functools.partial``, a weakref, a bound method, a lambda over itself), the
+    caller's hooks (a hook reading a batch norm's statistics). Those stay the
+    caller's, as a written tensor no module holds (a global, a closure's own
+    tensor) is: the result writes them as the model does. A copy would be written
+    by one path and read by the other, and the result's values would drift."""
     modules = [holder[0] for holder in opaque_holders(gm)]
     code = opaque_code(gm) + [type(m) for m in modules]
-    if not modules and not code:
+    hooked = [hook for _, hook in hooks_of(gm)]
+    if not modules and not code and not hooked:
         return frozenset()
     reached, through_modules, through_code = _attribute_tensors(modules)
-    if any(id(t) in missed for t in reached) or any(id(t) in written for t in (*through_modules, *through_code)):
+    if any(id(t) in missed for t in reached) or any(id(t) in written for t in through_modules):
         raise ValueError(
             "a leaf module of the model reaches a tensor its forward writes where a copy of the model cannot own "
-            "it (through another module its attributes hold, a closure, functools.partial, weakref or bound "
-            "method, an object with __slots__, or nested deeper than lists, dicts and plain objects 8 levels "
-            "down): the result would write the caller's tensor. Register the module as a submodule, keep the "
-            "tensor in a buffer or a plain attribute, or rewrite the model in place (inplace=True)")
+            "it (through another module its attributes hold, an object with __slots__, or nested deeper than "
+            "lists, dicts and plain objects 8 levels down): the result would write the caller's tensor. Register "
+            "the module as a submodule, keep the tensor in a buffer or a plain attribute, or rewrite the model in "
+            "place (inplace=True)")
     stake = {i for i in written if i in extent_of}
-    elsewhere = reachable_tensors(code) if stake else []
-    if not elsewhere:
+    if not stake:
         return frozenset()
+    elsewhere = reachable_tensors(code + hooked) or []
+    elsewhere += through_code
     places = {extent_of[id(t)] if id(t) in extent_of else _extent(t) for t in elsewhere} - {None}
     ids = {id(t) for t in elsewhere}
     return frozenset(i for i in stake if i in ids or extent_of[i] in places)
@@ -557,8 +563,9 @@ def _attribute_tensors(modules: list) -> tuple:
             stack.extend((v, True) for v in [*value._parameters.values(), *value._buffers.values(),
                                               *value._modules.values()])
             stack.extend((v, True) for k, v in vars(value).items() if k not in _MODULE_INTERNALS)
-        elif isinstance(value, (dict, list, tuple, set, frozenset, collections.deque)):
-            stack.extend((v, via_module) for v in (value.values() if isinstance(value, dict) else value))
+        elif isinstance(value, (dict, types.MappingProxyType, list, tuple, set, frozenset, collections.deque)):
+            stack.extend((v, via_module) for v in (value.values() if isinstance(value, (dict, types.MappingProxyType))
+                                                    else value))
         elif not isinstance(value, _NOT_HELPER_KINDS):
             attributes = getattr(value, "__dict__", None)
             if type(attributes) is dict:

@@ -195,6 +195,7 @@ def backend(rules: Any, *, compiler: Any = "python", check: bool = True, on_resu
         # the graph: parameters are shared until apply's own copy; code generated
         # only for the final graph, on its first call).
         gm = _LazyGraphModule(as_given, copy.deepcopy(as_given.graph))
+        _sources_only(gm.graph)
         kept, kept_inputs = freeze_parameters(gm, list(example_inputs))
         kept_set = set(kept)
         frozen = tuple(i for i in range(len(example_inputs)) if i not in kept_set)
@@ -221,6 +222,63 @@ def backend(rules: Any, *, compiler: Any = "python", check: bool = True, on_resu
         return _FrozenGraph(gm, example_inputs, build).run
 
     return compile_fn
+
+
+def _count_writes(written: tuple, args: Any) -> None:
+    """Count a run's writes into the frozen tensors at ``written`` by memory: its
+    kernels may bump no version counter (a training batch norm's statistics)."""
+    if written:
+        _WRITE_CLOCK[0] += 1
+        for i in written:
+            address = args[i].untyped_storage().data_ptr()
+            _WRITES[address] = _WRITES.get(address, 0) + 1
+
+
+def _forget_real_tensors(template: fx.GraphModule) -> None:
+    """Drop what the kept copy of dynamo's graph refers to weakly among the model's
+    tensors: ``torch.utils.swap_tensors`` (``.to()`` and ``load_state_dict`` under
+    ``set_swap_module_params_on_conversion``) refuses a tensor something refers to
+    weakly. Each placeholder's ``grapharg`` keeps only its source (what the backend
+    reads); the fake mode's memo of the real tensors it converted, a cache, is
+    emptied (a later rewrite converts again)."""
+    from torch._guards import detect_fake_mode
+
+    _sources_only(template.graph)
+    values = [v for node in template.graph.nodes if isinstance(v := node.meta.get("example_value"), torch.Tensor)]
+    try:
+        mode = detect_fake_mode(values)
+    except AssertionError:  # values of more than one fake mode: leave them
+        return
+    converter = getattr(mode, "fake_tensor_converter", None)
+    for memo in (getattr(converter, "tensor_memo", None),
+                 getattr(getattr(getattr(converter, "meta_converter", None), "describer", None), "lookup_tensor", None),
+                 getattr(getattr(getattr(converter, "meta_converter", None), "describer", None), "lookup_storage", None)):
+        if hasattr(memo, "clear"):
+            memo.clear()
+
+
+def _sources_only(graph: fx.Graph) -> None:
+    """Each placeholder's ``grapharg`` (dynamo's, with a weak reference to the real
+    tensor) replaced by its source, which is all the backend reads of it."""
+    import types
+
+    for node in graph.find_nodes(op="placeholder"):
+        arg = node.meta.get("grapharg")
+        if arg is not None and not isinstance(arg, types.SimpleNamespace):
+            node.meta["grapharg"] = types.SimpleNamespace(source=getattr(arg, "source", None))
+
+
+def _has_version_counter(t: torch.Tensor) -> bool:
+    """An inference tensor has no version counter, and neither has a parameter made
+    under inference mode whose data was replaced since (``p.data = t``: not an
+    inference tensor any more, yet reading ``_version`` raises)."""
+    if t.is_inference():
+        return False
+    try:
+        t._version  # noqa: B018 - raises where there is no counter
+    except RuntimeError:
+        return False
+    return True
 
 
 #: parameter sets one dynamo graph keeps a rewrite for (instances of one module class
@@ -275,15 +333,20 @@ class _FrozenGraph:
         self.scalars = tuple(i for i in frozen if _module_scalar(placeholders[i], example_inputs[i]))
         self.tensors = tuple(i for i in frozen if i not in self.scalars)
         # an inference tensor has no version counter (nothing writes it outside inference mode)
-        self.counted = tuple(i for i in self.tensors if not example_inputs[i].is_inference())
+        self.counted = tuple(i for i in self.tensors if _has_version_counter(example_inputs[i]))
         # tensors dynamo put in the graph itself (the model's parameters under Inductor's
         # ``freezing``, lifted constants): read, written and replaced as frozen inputs are
         self.attributes = _attribute_tensors(self.template)
-        self.counted_attributes = tuple(t for t in self.attributes if not t.is_inference())
+        self.counted_attributes = tuple(t for t in self.attributes if _has_version_counter(t))
         self.variants: dict = {}  # key -> _Variant, least recently used first
         self.fallback = ""  # why calls run the graph as dynamo gave it, once they do
+        # the frozen tensors the graph writes, rewritten or not (the rules keep its writes):
+        # counted when it runs as dynamo gave it too (a training batch norm's statistics,
+        # which another graph's fold reads)
+        self.written = first.written
         self.calls = self.rebuilds = 0
         self._keep(example_inputs, first)
+        _forget_real_tensors(self.template)
 
     def _key(self, args: Any) -> tuple:
         # the memory and the tensor (swapping ``.data`` between two instances hands one
@@ -339,7 +402,9 @@ class _FrozenGraph:
 
     def run(self, *args: Any) -> Any:
         if self.fallback:
-            return self.as_given(*args)
+            out = self.as_given(*args)
+            _count_writes(self.written, args)
+            return out
         self.calls += 1
         key = self._key(args)
         variant = self.variants.get(key)
@@ -352,11 +417,7 @@ class _FrozenGraph:
         if variant is None:
             return self.as_given(*args)
         out = variant.compiled(*[args[i] for i in variant.kept])
-        if variant.written:  # its kernels may bump no version counter: counted here, by memory
-            _WRITE_CLOCK[0] += 1
-            for i in variant.written:
-                address = args[i].untyped_storage().data_ptr()
-                _WRITES[address] = _WRITES.get(address, 0) + 1
+        _count_writes(variant.written, args)
         self._note_state(variant, args)  # its own writes are no change
         return out
 

@@ -19,6 +19,8 @@ tensor of the model and costs nothing.
 
 from __future__ import annotations
 
+import dis
+import functools
 import gc
 import random
 import sys
@@ -240,8 +242,18 @@ def _filled(cell: types.CellType) -> bool:
 
 
 def _names(code: types.CodeType) -> Iterator[str]:
-    """Global names ``code`` and the code nested in it (comprehensions, inner functions) read."""
-    yield from code.co_names
+    """Global names ``code`` and the code nested in it (comprehensions, inner functions)
+    read or write: not its attribute names (``self.model(x)`` names no global
+    ``model``), which ``co_names`` holds too."""
+    yield from _global_names(code)
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             yield from _names(const)
+
+
+@functools.lru_cache(maxsize=4096)
+def _global_names(code: types.CodeType) -> tuple:
+    return tuple({i.argval for i in dis.get_instructions(code) if i.opname in _GLOBAL_OPS})
+
+
+_GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "STORE_GLOBAL", "DELETE_GLOBAL", "STORE_NAME"})
