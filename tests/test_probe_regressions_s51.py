@@ -569,3 +569,36 @@ def test_a_tensor_in_a_mapping_proxy_a_module_writes_is_refused():
     gm = torch.fx.GraphModule(net, _MappingProxyTracer().trace(net))
     with pytest.raises(ValueError, match="inplace=True"):
         rewrite.parse(_MUL_ONE).apply(gm, (torch.randn(2, 4),))
+
+
+def _conv_bn():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).eval()
+
+
+def test_a_compiled_models_parameters_can_still_be_swapped():
+    """Probe CW F2: the backend's copy of dynamo's graph kept dynamo's weak references
+    to every parameter (``grapharg``, the fake mode's memo): ``swap_tensors`` (and
+    ``load_state_dict`` under the swap flag) raised "has weakref associated"."""
+    torch._dynamo.reset()
+    model, x = _conv_bn(), torch.randn(1, 3, 6, 6)
+    compiled = torch.compile(model, backend=rewrite.backend(rewrite.load("rules/fusion.rw")))
+    with torch.no_grad():
+        compiled(x)
+    torch.utils.swap_tensors(model[0].weight, nn.Parameter(torch.randn_like(model[0].weight)))
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+
+
+def test_weights_replaced_after_an_inference_mode_build_compile():
+    """Probe CW F4: ``p.data = t`` on a parameter made under inference mode: not an
+    inference tensor, yet reading its version counter raises; the backend crashed."""
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).eval()
+    with torch.no_grad():
+        model[0].weight.data = torch.randn(4, 3, 3, 3)
+    x = torch.randn(2, 3, 6, 6)
+    compiled = torch.compile(model, backend=rewrite.backend(rewrite.load("rules/fusion.rw")))
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)

@@ -346,7 +346,7 @@ class _FrozenGraph:
         self.written = first.written
         self.calls = self.rebuilds = 0
         self._keep(example_inputs, first)
-        _forget_real_tensors(self.template)
+        self.forgotten = False  # the fake mode's memo of real tensors, emptied on the first call
 
     def _key(self, args: Any) -> tuple:
         # the memory and the tensor (swapping ``.data`` between two instances hands one
@@ -401,6 +401,9 @@ class _FrozenGraph:
         return variant
 
     def run(self, *args: Any) -> Any:
+        if not self.forgotten:  # dynamo is done with its fake mode once the graph runs
+            self.forgotten = True
+            _forget_real_tensors(self.template)
         if self.fallback:
             out = self.as_given(*args)
             _count_writes(self.written, args)
