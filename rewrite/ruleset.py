@@ -467,6 +467,7 @@ class RuleSet:
                              "(named_modules, state_dict, .to) never end on it. Keep the reference out of the "
                              "module tree (a weakref, or object.__setattr__ outside _modules)") from None
         _refuse_fake_inputs(example_inputs)
+        _refuse_fake_model(model)
         if check:
             _refuse_meta(model, example_inputs)
         original = model if isinstance(model, fx.GraphModule) else _symbolic_trace(model)
@@ -685,6 +686,7 @@ class RuleSet:
         fired = (self.rules[name] for name in counts if name in self.rules)
         return "approx" if any(rule_tolerance(rule) == "approx" for rule in fired) else "exact"
 
+    @fake_mode_off()
     def verify(self, *, max_examples: int = 100, seed: int = 0, names: Any = None) -> Any:
         """Check every rule on random instances of its pattern before trusting it.
 
@@ -866,12 +868,26 @@ def _refuse_fake_inputs(example_inputs: Any) -> None:
     example inputs for its facts."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    inputs = torch.utils._pytree.tree_leaves(example_inputs) if example_inputs is not None else []
+    from rewrite.trust.held import input_leaves
+
+    inputs = input_leaves(example_inputs) if example_inputs is not None else []
     if any(isinstance(t, FakeTensor) for t in inputs):
         raise ValueError("example_inputs holds FakeTensors: apply records facts and checks the rewrite by running "
                          "the model on real values. Pass real tensors of the same shapes (torch.randn(...)), or "
                          "no example_inputs for a graph whose nodes already carry FakeTensor metadata "
                          "(torch.export, dynamo)")
+
+
+def _refuse_fake_model(model: torch.nn.Module) -> None:
+    """A model whose weights are FakeTensors (built under a ``FakeTensorMode``) has no
+    values to fold, record facts from or check: said before any work."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for module in model.modules():
+        if any(isinstance(t, FakeTensor) for t in [*module._parameters.values(), *module._buffers.values()]):
+            raise ValueError("the model's parameters or buffers are FakeTensors (built under a FakeTensorMode): "
+                             "apply folds constants, records facts and checks the rewrite on real values. Build "
+                             "the model outside the mode (or load real weights into it) first")
 
 
 def _warn_unknown_training(names: set) -> None:

@@ -602,3 +602,20 @@ def test_weights_replaced_after_an_inference_mode_build_compile():
     compiled = torch.compile(model, backend=rewrite.backend(rewrite.load("rules/fusion.rw")))
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+def test_fake_tensors_anywhere_are_refused_clearly():
+    """Probe CU F6: a FakeTensor held by an object input fired nothing silently;
+    analyze with fake inputs and apply on a model built under a fake mode raised
+    torch's own errors."""
+    mode = FakeTensorMode()
+    fake = mode.from_tensor(torch.randn(2, 4))
+    rules = rewrite.load("rules/cleanup.rw")
+    with pytest.raises(ValueError, match="FakeTensors"):
+        rules.apply(_LinearTimesOne(), (types.SimpleNamespace(x=fake),), check=False)
+    with pytest.raises(ValueError, match="FakeTensors"):
+        analyze(torch.fx.symbolic_trace(_LinearTimesOne()), (fake,))
+    with mode:
+        fake_model = _LinearTimesOne()
+    with pytest.raises(ValueError, match="FakeTensors"):
+        rules.apply(fake_model, (torch.randn(2, 4),), check=False)

@@ -593,6 +593,14 @@ def analyze(gm: Any, example_inputs: Sequence[Any] | None = None, *, show_progre
     from rewrite.trust.rng import seeded
 
     inputs = as_input_tuple(example_inputs) if example_inputs is not None else _inputs_from_meta(gm)
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from rewrite.trust.held import input_leaves
+
+    if any(isinstance(t, FakeTensor) for t in input_leaves(inputs)):
+        raise ValueError("analyze runs the graph once on its example inputs, and these hold FakeTensors: pass "
+                         "real tensors of the same shapes, or none (they are made from the placeholders' "
+                         "metadata)")
     # a dynamic dynamo graph's example inputs hold its sizes as SymInts: measured at
     # the sizes they stand for, as the check runs them
     inputs = torch.utils._pytree.tree_map_only(torch.SymInt, size_hint, inputs)
