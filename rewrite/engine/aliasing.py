@@ -267,6 +267,35 @@ def _same_object(node: fx.Node, gm: Any) -> set:
     return found
 
 
+def _may_change_metadata(node: fx.Node, gm: Any) -> bool:
+    """``node``, which writes a value in place, may change that tensor object's sizes,
+    strides or storage (``t_``, ``unsqueeze_``, ``resize_``, ``set_``), not only its
+    data: so may code nothing describes. A data write (``add_``, ``relu_``, ``x[i] =
+    v``, an ``inplace=True`` module of torch's) through a view or through its base is
+    the same write into the same memory."""
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        return not (bool(getattr(module, "inplace", False)) and type(module).__module__.startswith("torch."))
+    if may_alias_any_argument(node, gm):
+        return True
+    return _metadata_write(node)
+
+
+def _metadata_write(node: fx.Node) -> bool:
+    """``node`` calls an op that changes its first argument's sizes, strides or storage
+    in place (by its own name: ``op_name`` drops the trailing underscore)."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        name = target._schema.name.rpartition("::")[2]
+    else:
+        name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    return name in _METADATA_WRITES
+
+
+_METADATA_WRITES = frozenset({"t_", "transpose_", "swapdims_", "swapaxes_", "unsqueeze_", "squeeze_", "resize_",
+                              "resize_as_", "as_strided_", "set_", "detach_", "requires_grad_", "unflatten_"})
+
+
 def new_identity(root: fx.Node, result: fx.Node, created: Any, gm: Any) -> str | None:
     """Why replacing ``root``, which already shares memory with ``result``, would
     still let the caller tell: ``x.t().t()`` and ``x.view(s)`` are new tensor objects
@@ -284,7 +313,9 @@ def new_identity(root: fx.Node, result: fx.Node, created: Any, gm: Any) -> str |
         return None  # root was that very object (an in-place op on it)
     mine, theirs = _same_object(root, gm), _same_object(obj, gm)
     returned = _escapes(mine)
-    written = len(mine) > 1 or _written(mine, gm)
+    written = any(_may_change_metadata(user, gm) and (_writes_into(user, n, gm) or (
+        user.op.startswith("call_") and user.args and user.args[0] is n and _metadata_write(user)))
+        for n in mine for user in n.users)
     what = {"placeholder": "the graph input", "get_attr": "the module constant"}.get(obj.op, "the value")
     what = f"{what} {obj.target if obj.op == 'get_attr' else obj.name!r}"
     if returned and (caller_owned(obj) or _escapes(theirs)):
