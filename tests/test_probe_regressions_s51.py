@@ -648,3 +648,41 @@ def test_a_cancelled_view_written_in_place(write):
     assert result.counts == ({"transpose_transpose": 1} if write == "data" else {})
     for got, want in zip(result.graph_module(x), model(x)):
         torch.testing.assert_close(got, want)
+
+
+class _FallsBackThenFolds(nn.Module):
+    """A graph that replaces a buffer every call (it falls back to running as dynamo
+    gave it) and writes statistics with a kernel that bumps no version counter; after
+    a graph break, a graph whose conv + batch norm fold reads them."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv0 = nn.Conv2d(3, 4, 3)
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.register_buffer("rm", torch.zeros(4))
+        self.register_buffer("rv", torch.ones(4))
+        self.register_buffer("step", torch.zeros(()))
+
+    def forward(self, x):
+        z = torch.nn.functional.batch_norm(self.conv0(x), self.rm, self.rv, training=True, momentum=0.5)
+        self.step = self.step + 1
+        torch._dynamo.graph_break()
+        y = torch.nn.functional.batch_norm(self.conv(x), self.rm, self.rv, training=False)
+        return y + z.mean()
+
+
+def test_a_graph_that_fell_back_still_counts_its_writes():
+    """Probe CW F1: once a graph ran as dynamo gave it, its writes into frozen tensors
+    were no longer counted: the next graph kept a fold of stale statistics (0.15 off
+    from the sixth call on)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _FallsBackThenFolds().eval()
+    twin = _FallsBackThenFolds().eval()
+    twin.load_state_dict(model.state_dict())
+    compiled = torch.compile(model, backend=rewrite.backend(rewrite.load("rules/fusion.rw")))
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        for _ in range(8):
+            x = torch.randn(2, 3, 6, 6)
+            torch.testing.assert_close(compiled(x), twin(x), rtol=1e-4, atol=1e-4)

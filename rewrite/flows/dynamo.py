@@ -417,8 +417,10 @@ class _FrozenGraph:
             variant = self._rebuilt(args, _WRITTEN)  # folded again from the new values
         elif key != next(reversed(self.variants)):
             self.variants[key] = self.variants.pop(key)  # the most recently used
-        if variant is None:
-            return self.as_given(*args)
+        if variant is None:  # it falls back from this call on
+            out = self.as_given(*args)
+            _count_writes(self.written, args)
+            return out
         out = variant.compiled(*[args[i] for i in variant.kept])
         _count_writes(variant.written, args)
         self._note_state(variant, args)  # its own writes are no change
