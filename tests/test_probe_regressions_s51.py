@@ -686,3 +686,31 @@ def test_a_graph_that_fell_back_still_counts_its_writes():
         for _ in range(8):
             x = torch.randn(2, 3, 6, 6)
             torch.testing.assert_close(compiled(x), twin(x), rtol=1e-4, atol=1e-4)
+
+
+class _HookedBlockNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Linear(4, 4)
+        self.block = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+        self.feats = []
+        self.block.register_forward_hook(lambda m, i, o: self.feats.append(o.detach()))  # over the model
+
+    def forward(self, x):
+        return self.block(self.pre(x) * 1.0)
+
+
+def test_a_hooked_block_keeps_the_callers_weights():
+    """Probe CU F4: a feature hook closing over the model made every parameter count
+    as written, and the result owned copies of them: backward() through the result
+    left the caller's parameters without gradients."""
+    torch.manual_seed(0)
+    model, x = _HookedBlockNet(), torch.randn(3, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = rewrite.load("rules/cleanup.rw").apply(model, (x,))
+    assert result.counts == {"mul_one": 1}
+    mine = dict(model.named_parameters())
+    assert all(mine[name] is p for name, p in result.graph_module.named_parameters())
+    result.graph_module(x).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
