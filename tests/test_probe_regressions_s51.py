@@ -714,3 +714,28 @@ def test_a_hooked_block_keeps_the_callers_weights():
     assert all(mine[name] is p for name, p in result.graph_module.named_parameters())
     result.graph_module(x).sum().backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+class _ReturnsAQuantizedSlice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        full = torch.quantize_per_tensor(torch.randn(5, 8), 0.1, 0, torch.qint8)
+        self.register_buffer("q", full[1:, ::2])
+
+    def forward(self, x):
+        return x * 1.0, self.q
+
+
+def test_a_copied_quantized_slice_keeps_its_strides_and_offset():
+    """Probe CT F5: a quantized buffer copied into the result (a hook hides what the
+    block writes) kept its strides only where they permute dense memory: a strided
+    slice came back contiguous at offset 0."""
+    block = _ReturnsAQuantizedSlice()
+    block.register_forward_hook(lambda m, i, o: None)
+    net = nn.Sequential(block)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = rewrite.parse(_MUL_ONE).apply(net, (torch.randn(3),))
+    mine, theirs = result.graph_module.get_buffer("0.q"), block.q
+    assert mine is not theirs and torch.equal(mine.dequantize(), theirs.dequantize())
+    assert (mine.stride(), mine.storage_offset()) == (theirs.stride(), theirs.storage_offset())

@@ -452,7 +452,7 @@ def _own_tensors(gm: fx.GraphModule, written: "frozenset[int] | None", modules: 
 
     def own(t: torch.Tensor, key: Any) -> torch.Tensor:
         if key is None:
-            clone = _layout_kept_clone(t.detach()) if t.is_quantized else t.detach().clone()
+            clone = _layout_kept_clone(t) if t.is_quantized else t.detach().clone()
         elif views[key] == 1 and t.storage_offset() == 0 and t.is_contiguous() and not t.is_conj() \
                 and not t.is_neg() and t.nbytes == extent_of[id(t)][2]:  # alone over its memory
             clone = t.detach().clone()
@@ -486,6 +486,17 @@ def _layout_kept_clone(t: torch.Tensor) -> torch.Tensor:
     dense memory (a transposed weight): a quantized ``clone`` comes back contiguous,
     and quantized strides cannot be set."""
     clone = t.clone()
+    if clone.stride() == t.stride() and clone.storage_offset() == t.storage_offset():
+        return clone
+    base = t._base
+    if base is not None and t.qscheme() in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+        # a strided slice of a dense base (``full[1:, ::2]``): the base copied, viewed alike
+        copied = base.clone()
+        if copied.stride() == base.stride() and copied.storage_offset() == base.storage_offset():
+            try:
+                return copied.as_strided(t.size(), t.stride(), t.storage_offset())
+            except RuntimeError:
+                pass
     if clone.stride() == t.stride():
         return clone
     order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
