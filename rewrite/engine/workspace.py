@@ -38,7 +38,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.graph import _illegal_names
 
 from rewrite.capture import HOOK_TABLES
-from rewrite.ops.effects import (held_norms, hooks_of, opaque_code, opaque_holders, state_writes,
+from rewrite.ops.effects import (held_norms, hooks_of, in_place_writers, opaque_code, opaque_holders, state_writes,
                                  writes_state_when_training)
 from rewrite.ops.reach import reachable_tensors, view_over
 
@@ -425,9 +425,12 @@ def _own_tensors(gm: fx.GraphModule, written: "frozenset[int] | None", modules: 
         # leaf module counts as writing its weights because nothing reads its code,
         # and gradients of the result must reach the caller's (a forward that writes
         # its own weights in place is beyond what anything here can tell)
+        # (unless the module's code names an in-place write: ``self.bias.add_(1)``)
         trained = {extent_of[id(t)] for t in held if t.requires_grad} - {None}
-        written = frozenset(i for i in written if i not in extent_of or not (
-            held_by_id[i].requires_grad or extent_of[i] in trained)) if trained else written
+        if trained:
+            writers = {id(t) for m in in_place_writers(gm) for t in [*m.parameters(), *m.buffers()]}
+            written = frozenset(i for i in written if i not in extent_of or i in writers or not (
+                held_by_id[i].requires_grad or extent_of[i] in trained))
         shared = _refuse_unreached(gm, written, written - extent_of.keys(), extent_of)
         chosen = [t for t in held if id(t) in written and id(t) not in shared]
     else:  # what requires grad (and memory it shares) stays the caller's, as parameters do

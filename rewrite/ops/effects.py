@@ -49,7 +49,7 @@ __all__ = [
     "opdef_writes", "opdef_may_alias",
     "module_writes_own_state", "writes_state_when_training", "held_norms", "call_argument",
     "state_writes", "hooked_tensors", "hooked_containers", "hooked_generators", "graph_mode", "opaque_code",
-    "opaque_holders", "code_class", "hooks_of", "writes_known_buffers",
+    "opaque_holders", "code_class", "hooks_of", "writes_known_buffers", "in_place_writers",
     "lasting_write",
 ]
 
@@ -1392,6 +1392,37 @@ def opaque_holders(gm: Any) -> list:
     count as written anyway (``module_effects``)."""
     return [(module, *(v for k, v in vars(module).items() if not k.startswith("_")))
             for module in _users_leaf_modules(gm)]
+
+
+def in_place_writers(gm: Any) -> list:
+    """The user's leaf modules of ``gm`` whose own code may write a tensor in place: a
+    method of their class (before torch's in its MRO) names an in-place method
+    (``add_``, ``copy_``), ``.data`` or ``torch.nn.init``. The weights of the others
+    are only read by their code (what it calls is torch's or theirs)."""
+    return [m for m in _users_leaf_modules(gm)
+            if _class_writes_in_place(kind := code_class(type(m)), _user_class_body(kind))]
+
+
+@functools.lru_cache(maxsize=1024)
+def _class_writes_in_place(kind: type, body: tuple) -> bool:
+    """(keyed by the class body too: a class patched after a first answer is read again)"""
+    for base in kind.__mro__:
+        if (base.__module__ or "").startswith(("torch.", "rewrite.")) or base is object:
+            break
+        for value in vars(base).values():
+            function = getattr(value, "__func__", value)
+            code = getattr(function, "__code__", None)
+            if code is not None and _names_write_in_place(code):
+                return True
+    return False
+
+
+def _names_write_in_place(code: Any) -> bool:
+    names = code.co_names
+    if any(n.endswith("_") and not n.endswith("__") for n in names) or "data" in names or "init" in names \
+            or "set_" in names:
+        return True
+    return any(_names_write_in_place(c) for c in code.co_consts if hasattr(c, "co_names"))
 
 
 def _users_leaf_modules(gm: Any) -> Iterator:
