@@ -739,3 +739,18 @@ def test_a_copied_quantized_slice_keeps_its_strides_and_offset():
     mine, theirs = result.graph_module.get_buffer("0.q"), block.q
     assert mine is not theirs and torch.equal(mine.dequantize(), theirs.dequantize())
     assert (mine.stride(), mine.storage_offset()) == (theirs.stride(), theirs.storage_offset())
+
+
+def test_a_compiled_models_parameters_can_be_swapped_after_a_rebuild():
+    """The rewrite for new values converts the new tensors to fake ones again: their
+    weak references are dropped too."""
+    torch._dynamo.reset()
+    model, x = _conv_bn(), torch.randn(1, 3, 6, 6)
+    compiled = torch.compile(model, backend=rewrite.backend(rewrite.load("rules/fusion.rw")))
+    with torch.no_grad():
+        compiled(x)
+        model[1].running_mean.add_(1.0)  # a write: the graph is rewritten from the new values
+        torch.testing.assert_close(compiled(x), model(x))
+    torch.utils.swap_tensors(model[0].weight, nn.Parameter(torch.randn_like(model[0].weight)))
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))

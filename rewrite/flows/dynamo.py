@@ -397,6 +397,7 @@ class _FrozenGraph:
         except Exception as err:  # noqa: BLE001 - the rules fail on these values: dynamo's graph computes them
             self._fall_back(f"rewriting it again for new values failed ({type(err).__name__}: {err})")
             return None
+        _forget_real_tensors(self.template)  # what the rewrite converted: no weak reference kept
         self._keep(args, variant)
         return variant
 
