@@ -38,7 +38,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.graph import _illegal_names
 
 from rewrite.capture import HOOK_TABLES
-from rewrite.ops.effects import (held_norms, hooks_of, in_place_writers, opaque_code, opaque_holders, state_writes,
+from rewrite.ops.effects import (held_norms, in_place_writers, opaque_code, opaque_holders, state_writes,
                                  writes_state_when_training)
 from rewrite.ops.reach import reachable_tensors, view_over
 
@@ -523,15 +523,16 @@ def _refuse_unreached(gm: fx.GraphModule, written: "frozenset[int]", missed: "fr
     module tree cannot redirect: the globals that the code the graph runs names (a
     ``torch.fx.wrap``'d function or a leaf module's class reading a registry or a
     module-level holder), code a leaf module holds (a closure, a
-    ``functools.partial``, a weakref, a bound method, a lambda over itself), the
-    caller's hooks (a hook reading a batch norm's statistics). Those stay the
-    caller's, as a written tensor no module holds (a global, a closure's own
-    tensor) is: the result writes them as the model does. A copy would be written
-    by one path and read by the other, and the result's values would drift."""
+    ``functools.partial``, a weakref, a bound method, a lambda over itself). Those
+    stay the caller's, as a written tensor no module holds (a global, a closure's
+    own tensor) is: the result writes them as the model does. A copy would be
+    written by one path and read by the other, and the result's values would drift.
+    Not the caller's hooks: a feature hook holding the model reaches every tensor of
+    it, and the result must own a training batch norm's statistics (a hook that
+    reads them reads the caller's: documented)."""
     modules = [holder[0] for holder in opaque_holders(gm)]
     code = opaque_code(gm) + [type(m) for m in modules]
-    hooked = [hook for _, hook in hooks_of(gm)]
-    if not modules and not code and not hooked:
+    if not modules and not code:
         return frozenset()
     reached, through_modules, through_code = _attribute_tensors(modules)
     if any(id(t) in missed for t in reached) or any(id(t) in written for t in through_modules):
@@ -544,7 +545,7 @@ def _refuse_unreached(gm: fx.GraphModule, written: "frozenset[int]", missed: "fr
     stake = {i for i in written if i in extent_of}
     if not stake:
         return frozenset()
-    elsewhere = reachable_tensors(code + hooked) or []
+    elsewhere = reachable_tensors(code) or []
     elsewhere += through_code
     places = {extent_of[id(t)] if id(t) in extent_of else _extent(t) for t in elsewhere} - {None}
     ids = {id(t) for t in elsewhere}

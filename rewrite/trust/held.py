@@ -25,7 +25,8 @@ from torch.utils import _pytree as pytree
 __all__ = ["generator_copy", "held_tensors", "input_leaves", "laid_out_copy", "map_held"]
 
 _ATOMS = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device, torch.layout,
-          torch.memory_format, type, types.FunctionType, types.BuiltinFunctionType, types.ModuleType)
+          torch.memory_format, type, types.FunctionType, types.BuiltinFunctionType, types.ModuleType,
+          torch.SymInt, torch.SymFloat, torch.SymBool)  # a symbolic size: its shape environment holds no input
 _MAX_OBJECTS = 10_000  # objects looked into per input, at most (a tokenizer's tables are not inputs)
 
 
