@@ -978,7 +978,7 @@ class _Transaction:
             start = time.perf_counter()
             self.gm = original if inplace else shared_copy(original)
             if not inplace:  # running the result must not write the caller's tensors
-                own_written_state(self.gm)
+                own_written_state(self.gm, self.training)
             self.copy_seconds = time.perf_counter() - start
         self._journal: Journal | None = None
         self._stale = False  # the graph changed since its code was last generated

@@ -204,7 +204,7 @@ def shared_copy(gm: fx.GraphModule) -> fx.GraphModule:
     return _graph_module_copy(gm, {})
 
 
-def own_written_state(gm: fx.GraphModule) -> int:
+def own_written_state(gm: fx.GraphModule, training: "bool | None" = None) -> int:
     """Give ``gm`` (a ``shared_copy``) its own copy of every tensor its forward may
     write in place (a step counter, an EMA, a train-mode batch norm's running
     statistics, a running sum a leaf module keeps in a list): running the copy must
@@ -215,8 +215,12 @@ def own_written_state(gm: fx.GraphModule) -> int:
     what anything here can tell, and gradients must reach the caller's). Returns how
     many tensors were copied. Raises ValueError where a written tensor's memory
     overlaps another memory block (two ``torch.from_numpy`` of overlapping arrays):
-    no copy could keep both."""
-    return _own_tensors(gm, state_writes(gm))
+    no copy could keep both. ``training``: the caller's word on whether the graph
+    trains (None: it may where a module of it is in training mode): where it may, the
+    weights a user's leaf module or a hook can only be guessed to write stay shared
+    (``_own_tensors``)."""
+    may_train = training if training is not None else any(m.training for m in gm.modules())
+    return _own_tensors(gm, state_writes(gm), may_train=may_train)
 
 
 def own_state_training_writes(gm: fx.GraphModule) -> int:
@@ -410,7 +414,8 @@ def _rebuilt(value: Any, copies: dict, rebuilt: dict, path: tuple, helper: bool)
     return made
 
 
-def _own_tensors(gm: fx.GraphModule, written: "frozenset[int] | None", modules: Any = None) -> int:
+def _own_tensors(gm: fx.GraphModule, written: "frozenset[int] | None", modules: Any = None,
+                 may_train: bool = False) -> int:
     """``own_written_state`` for the tensors whose ids are ``written`` (None: every
     buffer and plain tensor attribute that does not require grad). ``modules``:
     ``gm``'s, where known."""
@@ -426,7 +431,8 @@ def _own_tensors(gm: fx.GraphModule, written: "frozenset[int] | None", modules: 
         # and gradients of the result must reach the caller's (a forward that writes
         # its own weights in place is beyond what anything here can tell)
         # (unless the module's code names an in-place write: ``self.bias.add_(1)``)
-        trained = {extent_of[id(t)] for t in held if t.requires_grad} - {None}
+        # (an inference graph's weights are folded into constants: copies serve it)
+        trained = {extent_of[id(t)] for t in held if t.requires_grad} - {None} if may_train else set()
         if trained:
             writers = {id(t) for m in in_place_writers(gm) for t in [*m.parameters(), *m.buffers()]}
             written = frozenset(i for i in written if i not in extent_of or i in writers or not (
