@@ -49,7 +49,7 @@ __all__ = [
     "opdef_writes", "opdef_may_alias",
     "module_writes_own_state", "writes_state_when_training", "held_norms", "call_argument",
     "state_writes", "hooked_tensors", "hooked_containers", "hooked_generators", "graph_mode", "opaque_code",
-    "opaque_holders", "code_class", "hooks_of", "writes_known_buffers", "in_place_writers",
+    "opaque_holders", "code_class", "writes_known_buffers", "in_place_writers",
     "lasting_write",
 ]
 
@@ -1210,11 +1210,6 @@ def state_writes(gm: Any) -> "frozenset[int] | None":
         if aliasing:
             aliases[node] = args
     return frozenset(written)
-
-
-def hooks_of(module: Any, recurse: bool = True) -> list:
-    """(module, hook) for the caller's hooks calling ``module`` runs (``_hooks_of``)."""
-    return _hooks_of(module, recurse)
 
 
 def _hooks_of(module: Any, recurse: bool = True) -> list:
