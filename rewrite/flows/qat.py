@@ -124,6 +124,156 @@ def _allow_train_eval(gm: fx.GraphModule) -> None:
             delattr(gm, name)
 
 
+_TORCH_BATCH_NORMS = {f"torch.nn.modules.batchnorm.BatchNorm{d}d": getattr(torch.nn, f"BatchNorm{d}d")
+                      for d in (1, 2, 3)}
+_BATCH_NORM_RANKS = {torch.nn.BatchNorm1d: (2, 3), torch.nn.BatchNorm2d: (4,), torch.nn.BatchNorm3d: (5,)}
+# a torch dropout module's exported call in eval mode: aten op -> the module classes it comes from
+_DROPOUTS = {
+    torch.ops.aten.dropout.default: (torch.nn.Dropout,),
+    torch.ops.aten.feature_dropout.default: (torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d),
+    torch.ops.aten.alpha_dropout.default: (torch.nn.AlphaDropout,),
+    torch.ops.aten.feature_alpha_dropout.default: (torch.nn.FeatureAlphaDropout,),
+}
+_SWITCHABLE = "rewrite.qat.switchable"  # node meta of the modules made: the aten op they were
+
+
+def _module_class(node: fx.Node) -> Any:
+    """The class an exported node's innermost module was, as ``nn_module_stack``
+    names it (a qualified name), or None."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return None
+    _, kind = list(stack.values())[-1]
+    return kind if isinstance(kind, str) else f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _switchable_batch_norm(gm: fx.GraphModule, node: fx.Node) -> Any:
+    """A torch batch norm module for an eval-mode ``aten.batch_norm`` call of one,
+    holding the graph's own weight, bias and running statistics (the same tensors:
+    the optimizer trains them), or None where a fact is unknown: a momentum of 0
+    (also what ``momentum=None`` exports as), a user's subclass, statistics that are
+    not graph attributes, an input of unknown rank."""
+    if len(node.args) != 9 or node.kwargs:
+        return None
+    x, weight, bias, mean, var, training, momentum, eps, _ = node.args
+    cls = _TORCH_BATCH_NORMS.get(_module_class(node))
+    val = x.meta.get("val") if isinstance(x, fx.Node) else None
+    tensors = [a for a in (weight, bias, mean, var) if a is not None]
+    if training is not False or cls is None or not isinstance(momentum, float) or momentum <= 0 \
+            or not isinstance(eps, float) or (weight is None) != (bias is None) or mean is None or var is None \
+            or not all(isinstance(a, fx.Node) and a.op == "get_attr" for a in tensors) \
+            or not isinstance(val, torch.Tensor) or val.dim() not in _BATCH_NORM_RANKS[cls]:
+        return None
+    stats = [_attr(gm, a.target) for a in (mean, var)]
+    features = stats[0].shape[0] if isinstance(stats[0], torch.Tensor) and stats[0].dim() == 1 else -1
+    if features < 1 or any(not isinstance(t, torch.Tensor) or t.shape != (features,) for t in stats):
+        return None
+    mod = cls(features, eps=eps, momentum=momentum, affine=weight is not None,
+              dtype=stats[0].dtype, device=stats[0].device)
+    if weight is not None:
+        params = [_attr(gm, a.target) for a in (weight, bias)]
+        if not all(isinstance(p, torch.nn.Parameter) and p.shape == (features,) for p in params):
+            return None
+        mod.weight, mod.bias = params
+    mod.running_mean, mod.running_var = stats
+    return mod
+
+
+def _switchable_dropout(node: fx.Node) -> Any:
+    """A torch dropout module for an eval-mode exported call of one, or None."""
+    if len(node.args) != 3 or node.kwargs or node.args[2] is not False or not isinstance(node.args[1], float):
+        return None
+    for cls in _DROPOUTS[node.target]:
+        if _module_class(node) == f"{cls.__module__}.{cls.__qualname__}":
+            return cls(node.args[1])
+    return None
+
+
+def _switchable_modules(gm: fx.GraphModule) -> list[str]:
+    """An exported model's modules that behave differently in training, captured
+    in eval mode, are calls with ``training=False`` baked in: the batch norms the
+    QAT rules did not fold (a BatchNorm1d after a linear, one after a ReLU) would
+    keep normalising with their running statistics and dropouts would never drop
+    while the QAT model trains, where the model's own modules (and ``capture="fx"``)
+    follow ``train()``. Each such call becomes a call of a module of the torch class
+    it came from (its ``nn_module_stack``), so ``train()`` / ``eval()`` switch it;
+    a call whose facts are unknown stays. Returns the new modules' names
+    (``convert`` turns them back into the eval-mode calls)."""
+    made = []
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is torch.ops.aten.batch_norm.default:
+            mod = _switchable_batch_norm(gm, node)
+        elif node.target in _DROPOUTS:
+            mod = _switchable_dropout(node)
+        else:
+            continue
+        if mod is None:
+            continue
+        name = _free_name(gm, f"trainable_{node.name}")
+        gm.add_submodule(name, mod)
+        with gm.graph.inserting_before(node):
+            call = gm.graph.call_module(name, (node.args[0],))
+        call.meta.update({k: v for k, v in node.meta.items() if k in ("val", "tensor_meta", "nn_module_stack",
+                                                                         "stack_trace")})
+        call.meta[_SWITCHABLE] = node.target
+        node.replace_all_uses_with(call)
+        gm.graph.erase_node(node)
+        made.append(name)
+    if made:
+        gm.graph.lint()
+        gm.recompile()
+    return made
+
+
+def _eval_mode_calls(gm: fx.GraphModule, names: Iterable[str]) -> None:
+    """``convert``: the modules ``_switchable_modules`` made become the eval-mode
+    aten calls again, the form ``rewrite.quant.convert`` reads in an exported graph
+    (with the trained weights and statistics)."""
+    names = set(names)
+    for node in list(gm.graph.nodes):
+        if node.op != "call_module" or node.target not in names:
+            continue
+        mod = gm.get_submodule(node.target)
+        with gm.graph.inserting_before(node):
+            if isinstance(mod, torch.nn.modules.batchnorm._BatchNorm):
+                attrs = []
+                for attr in ("weight", "bias", "running_mean", "running_var"):
+                    tensor = getattr(mod, attr)
+                    path = None if tensor is None else _free_name(gm, f"{node.target}_{attr}")
+                    if path is not None:
+                        gm.register_buffer(path, tensor.detach().clone())
+                    attrs.append(None if path is None else gm.graph.get_attr(path))
+                call = gm.graph.call_function(torch.ops.aten.batch_norm.default, (
+                    node.args[0], *attrs, False, float(mod.momentum), float(mod.eps), False))
+            else:
+                call = gm.graph.call_function(node.meta[_SWITCHABLE], (node.args[0], float(mod.p), False))
+        call.meta.update({k: v for k, v in node.meta.items() if k != _SWITCHABLE})
+        node.replace_all_uses_with(call)
+        gm.graph.erase_node(node)
+    gm.delete_all_unused_submodules()
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _attr(gm: fx.GraphModule, path: str) -> Any:
+    owner, _, leaf = str(path).rpartition(".")
+    try:
+        return getattr(gm.get_submodule(owner) if owner else gm, leaf, None)
+    except AttributeError:
+        return None
+
+
+def _free_name(gm: fx.GraphModule, base: str) -> str:
+    base = base.replace(".", "_")
+    name, i = base, 0
+    while hasattr(gm, name):
+        i += 1
+        name = f"{base}_{i}"
+    return name
+
+
 def _drop_unused_attributes(gm: fx.GraphModule) -> None:
     """Erase ``get_attr`` nodes nothing reads (the weights of a layer the rules
     replaced) and the submodules no node uses: the QAT model's parameters are the
@@ -238,6 +388,7 @@ def prepare_qat(
     _name_layers(gm, qat)
     _tie_to_sources(gm, qat)
     _allow_train_eval(qat)
+    switchable = _switchable_modules(qat)
     _drop_unused_attributes(qat)
     merged = _merge_fake_quants(qat)
     if not fake_quant_nodes(qat):
@@ -256,7 +407,8 @@ def prepare_qat(
         raise QATError("the QAT rules inserted no fake quantizer: the model has no conv, linear, add, "
                        "mul, cat or matmul they quantize")
     qat.meta[_META] = {"backend": backend, "ruleset": ruleset, "example_inputs": args,
-                       "counts": dict(result.counts), "merged": merged}
+                       "counts": dict(result.counts), "merged": merged,
+                       "switchable": switchable}
     # the example inputs on copies: a model that writes its input must not write the caller's
     calibrate(qat, [_copies(args)] if calibration is None else calibration)
     qat.train()
@@ -415,6 +567,7 @@ def convert(qat: fx.GraphModule, **options: Any) -> Any:
         raise QATError("convert takes the GraphModule prepare_qat returned (it has no QAT metadata)")
     gm = copy.deepcopy(qat)
     _allow_train_eval(gm)
+    _eval_mode_calls(gm, state.get("switchable", ()))
     gm.eval()
     gm.requires_grad_(False)
     aten = detect_dialect(gm) == "aten"
