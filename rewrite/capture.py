@@ -49,6 +49,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from rewrite.module_state import AttributeSnapshot, TensorValues
 from rewrite.trust.held import laid_out_copy
+from rewrite.trust.modes import one_thread_at_a_time
 
 __all__ = ["LEVELS", "INFERENCE_KEY", "AUTOCAST_OFF_LOST", "DYNAMO_SOURCE", "ExportError", "ModelSpecError",
            "SaveError", "higher_order_ops",
@@ -403,6 +404,7 @@ def _memory(t: torch.Tensor) -> int:
         return 0
 
 
+@one_thread_at_a_time()
 def capture_with_inputs(model: nn.Module, example_inputs: Any, level: str) -> Tuple[fx.GraphModule, tuple]:
     """Capture ``model`` at ``level``; return ``(graph_module, inputs_to_call_it_with)``.
 
@@ -467,6 +469,7 @@ def _warn_hooks_lost(model: nn.Module, level: str) -> None:
                       "keeps a hooked module as one call that runs them)", stacklevel=3)
 
 
+@one_thread_at_a_time()
 def capture(model: nn.Module, example_inputs: Any, level: str) -> fx.GraphModule:
     """Capture ``model`` at ``level`` (one of ``LEVELS``) and return the GraphModule.
 

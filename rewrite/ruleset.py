@@ -38,7 +38,7 @@ from rewrite.engine.workspace import (HOOK_TABLES, Journal, check_touched, gc_pa
                                        own_state_training_writes, own_written_state, shared_copy)
 from rewrite.language import Program, ast, load_program, load_program_text
 from rewrite.module_state import AttributeSnapshot
-from rewrite.trust.modes import autocast_off, cpu_default_device, fake_mode_off
+from rewrite.trust.modes import autocast_off, cpu_default_device, fake_mode_off, one_thread_at_a_time
 from rewrite.trust.rng import generators_kept, model_generators
 from rewrite.trust.sizes import DECLARED_RANGES
 from rewrite.ops import detect_dialect
@@ -354,6 +354,7 @@ class RuleSet:
             return self.rules[name]
         return self.sets[name]
 
+    @one_thread_at_a_time()
     def apply(
         self,
         model: Any,
@@ -686,6 +687,7 @@ class RuleSet:
         fired = (self.rules[name] for name in counts if name in self.rules)
         return "approx" if any(rule_tolerance(rule) == "approx" for rule in fired) else "exact"
 
+    @one_thread_at_a_time()
     @fake_mode_off()
     def verify(self, *, max_examples: int = 100, seed: int = 0, names: Any = None) -> Any:
         """Check every rule on random instances of its pattern before trusting it.

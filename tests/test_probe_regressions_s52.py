@@ -153,3 +153,417 @@ def test_unknown_facts_leave_the_eval_call(variant):
     qat.train()
     qat(x * 3 + 2)
     assert all(torch.equal(a, b) for a, b in zip(before, stats))
+
+
+# ---------------------------------------------------------------- probe CZ (QAT, PTQ)
+
+
+class _SharedNorm(nn.Module):
+    """One batch norm called after two convs."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.c2 = nn.Conv2d(3, 8, 1)
+        self.bn = nn.BatchNorm2d(8)
+        self.lin = nn.Linear(8, 2)
+
+    def forward(self, x):
+        a = torch.relu(self.bn(self.c1(x)))
+        b = torch.relu(self.bn(self.c2(x)))
+        return self.lin((a + b).mean((2, 3)))
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_a_batch_norm_called_twice_stays_one_in_qat(capture):
+    """CZ F1: each QAT conv+bn layer got its own copy of the shared batch norm: two
+    gammas and two sets of running statistics that trained apart."""
+    torch.manual_seed(0)
+    qat = rqat.prepare_qat(_SharedNorm().eval(), (torch.randn(2, 3, 8, 8),), capture=capture)
+    norms = [qat.get_submodule(n.target).bn for n in rqat.qat_layers(qat)
+             if hasattr(qat.get_submodule(n.target), "bn")]
+    assert len(norms) == 2 and norms[0] is norms[1]
+    opt = torch.optim.SGD(qat.parameters(), lr=0.1)
+    for step in range(2):
+        loss = qat(torch.randn(2, 3, 8, 8)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert norms[0].num_batches_tracked.item() == 4  # both calls of each step counted, as the float model's
+    int8 = rqat.convert(qat.eval())
+    x = torch.randn(2, 3, 8, 8)
+    import rewrite.quant as rq
+
+    with torch.no_grad():
+        assert rq.sqnr(qat(x), int8(x)) >= 20
+
+
+def test_a_batch_the_model_cannot_take_is_a_library_error():
+    """CZ F2: calibrate (fx), accuracy_report and prepare_qat(calibration=...) let the
+    model's raw RuntimeError out on a wrong-shaped batch."""
+    import rewrite.quant as rq
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()).eval()
+    x, wrong = torch.randn(2, 3, 8, 8), torch.randn(2, 5, 8, 8)
+    observed = rq.prepare(model, (x,))
+    with pytest.raises(rq.QuantizationError, match="calibration batch 1 failed in the model: RuntimeError"):
+        rq.calibrate(observed, [x, wrong])
+    rq.calibrate(observed, [x])
+    int8 = rq.convert(observed)
+    with pytest.raises(rq.QuantizationError, match="held-out batch 0 failed in the model"):
+        rq.accuracy_report(observed, int8, [wrong])
+    with pytest.raises(rqat.QATError, match="calibration batch 0 failed in the model"):
+        rqat.prepare_qat(model, (x,), calibration=[wrong])
+
+
+# ---------------------------------------------------------------- probe CY (regressions of session 51)
+
+import random  # noqa: E402
+import threading  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch.fx as fx  # noqa: E402
+
+import rewrite  # noqa: E402
+
+CLEANUP = rewrite.load("rules/cleanup.rw")
+
+
+def _captured(model, args, capture):
+    return fx.symbolic_trace(model) if capture == "fx" else torch.export.export(model, args).module()
+
+
+class _RealOfViews(nn.Module):
+    def forward(self, x):
+        return torch.real(x.transpose(0, 1).transpose(0, 1))
+
+
+class _BroadcastPick(nn.Module):
+    def forward(self, x, z):
+        return torch.broadcast_tensors(z, x.transpose(0, 1).transpose(0, 1))[1]
+
+
+class _TwoOutputsOneObject(nn.Module):
+    def forward(self, x, z):
+        h = torch.relu(x)
+        return h.transpose(0, 1).transpose(0, 1), torch.broadcast_tensors(z, h)[1]
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_real_of_a_view_is_not_replaced_by_the_input_object(capture):
+    """CY F1: ``real`` of a real tensor returns its input object; the guard took it
+    for a new view, and the result returned the caller's input itself."""
+    x = torch.randn(4, 5)
+    result = CLEANUP.apply(_captured(_RealOfViews(), (x,), capture), (x,))
+    b = torch.randn(4, 5)
+    out = result.graph_module(b)
+    assert out is not b
+    torch.testing.assert_close(out, b)
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_an_input_passed_on_by_broadcast_tensors_stays_a_new_object(capture):
+    """CY F5: ``broadcast_tensors(z, h)[1]`` is ``h`` itself: the guard followed first
+    arguments only, so the result returned the caller's input object, and two
+    outputs became one object."""
+    x, z = torch.randn(4, 5), torch.randn(4, 5)
+    result = CLEANUP.apply(_captured(_BroadcastPick(), (x, z), capture), (x, z))
+    assert result.graph_module(x, z) is not x
+    result = CLEANUP.apply(_captured(_TwoOutputsOneObject(), (x, z), capture), (x, z))
+    a, b = result.graph_module(x, z)
+    assert a is not b
+    a.t_()
+    assert b.shape == (4, 5)
+
+
+def test_a_metadata_write_on_the_base_keeps_the_view():
+    """CY F2: ``h.unsqueeze_(0)`` after ``flat = h.view(4, 5)``: reshape_noop replaced
+    the view by h, and cleanup.rw failed its own check."""
+
+    class M(nn.Module):
+        def forward(self, x):
+            h = torch.relu(x)
+            flat = h.view(4, 5)
+            h.unsqueeze_(0)
+            return flat * 2, h
+
+    x = torch.randn(4, 5)
+    result = CLEANUP.apply(fx.symbolic_trace(M()), (x,))
+    a, b = result.graph_module(x)
+    assert a.shape == (4, 5) and b.shape == (1, 4, 5)
+
+
+class _Weighted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+
+
+class _AugmentedWrite(_Weighted):
+    def forward(self, x):
+        with torch.no_grad():
+            self.w += 0.5
+        return x * self.w
+
+
+class _ItemWrite(_Weighted):
+    def forward(self, x):
+        with torch.no_grad():
+            self.w[0] = 0.0
+        return x * self.w
+
+
+class _DecoratedWrite(_Weighted):
+    @torch.no_grad()
+    def renorm(self):
+        self.w.mul_(0.9)
+
+    def forward(self, x):
+        self.renorm()
+        return x * self.w
+
+
+class _PropertyWrite(_Weighted):
+    @property
+    def clipped(self):
+        with torch.no_grad():
+            self.w.clamp_(-0.1, 0.1)
+        return self.w
+
+    def forward(self, x):
+        return x * self.clipped
+
+
+class _OutWrite(_Weighted):
+    def forward(self, x):
+        with torch.no_grad():
+            torch.mul(self.w, 0.9, out=self.w)
+        return x * self.w
+
+
+def _halve(w):
+    with torch.no_grad():
+        w *= 0.5
+
+
+class _HelperWrite(_Weighted):
+    def forward(self, x):
+        _halve(self.w)
+        return x * self.w
+
+
+class _WithLeaf(nn.Module):
+    def __init__(self, leaf):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.leaf = leaf
+
+    def forward(self, x):
+        return self.leaf(self.lin(x) * 1.0)
+
+
+class _LeafTracer(fx.Tracer):
+    def is_leaf_module(self, m, qualname):
+        return isinstance(m, _Weighted) or super().is_leaf_module(m, qualname)
+
+
+@pytest.mark.parametrize("kind", [_AugmentedWrite, _ItemWrite, _DecoratedWrite, _PropertyWrite, _OutWrite,
+                                  _HelperWrite])
+def test_running_the_result_never_writes_a_trained_weight_of_the_caller(kind):
+    """CY F3: in a graph that may train, a user's leaf module writing its weight by
+    ``+=``, ``w[i] = v``, a ``@torch.no_grad()`` method, a property, ``out=`` or a
+    helper function was taken for one that only reads it: the weight stayed the
+    caller's, and running the result wrote it."""
+    model = _WithLeaf(kind()).train()
+    gm = fx.GraphModule(model, _LeafTracer().trace(model))
+    x = torch.randn(2, 4)
+    result = CLEANUP.apply(gm, (x,))
+    assert result.counts.get("mul_one") == 1
+    before = model.leaf.w.detach().clone()
+    result.graph_module(x)
+    assert torch.equal(before, model.leaf.w)
+
+
+def test_a_training_embedding_with_max_norm_owns_its_table():
+    """CY F4: torch's own ``Embedding(max_norm=...)`` renormalises its weight in
+    place; in train mode the weight stayed shared, so the result wrote the
+    caller's table."""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.e = nn.Embedding(10, 4, max_norm=0.5)
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, i):
+            return self.lin(self.e(i)) * 1.0
+
+    torch.manual_seed(0)
+    model = M().train()
+    with torch.no_grad():
+        model.e.weight.normal_(std=3.0)
+    result = CLEANUP.apply(fx.symbolic_trace(model), (torch.randint(0, 10, (2, 3)),))
+    before = model.e.weight.detach().clone()
+    result.graph_module(torch.arange(10)[None])
+    assert torch.equal(before, model.e.weight)
+
+
+def test_a_written_trained_weight_by_a_graph_op_is_owned():
+    """The trained-weights exclusion keeps a guessed write's weights shared; a write
+    the graph itself makes (``self.w.data.add_(1)`` traced) is certain: the result
+    owns a copy, as for any written state."""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            self.w.data.add_(1.0)
+            return torch.relu(x * self.w) * 1.0
+
+    model = M().train()
+    result = CLEANUP.apply(fx.symbolic_trace(model), (torch.randn(4),))
+    result.graph_module(torch.randn(4))
+    assert torch.equal(model.w, torch.ones(4))
+
+
+def test_nested_literal_repeats_are_bounded_at_load():
+    """CY F6: a repeat of a list holding a repeated list passed E207's per-call
+    bound, and loading one line took seconds (one more level never returned)."""
+    text = "rule r: relu(x) => reshape(x, operator.mul([operator.mul([operator.mul([1], 4096)], 4096)], 4096))"
+    with pytest.raises(rewrite.RuleError, match="E207"):
+        rewrite.parse(text)
+    with pytest.raises(rewrite.RuleError, match="E207"):
+        rewrite.parse("rule r: relu(x) => reshape(x, operator.mul([operator.mul([1], 4096)], 2))")
+    rewrite.parse("rule r: relu(x) => reshape(x, operator.mul([operator.mul([1], 2)], 3))")
+
+
+# ---------------------------------------------------------------- probe DA (stale and global state)
+
+
+class _Scale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return x * self.w
+
+
+def _writing_forward(self, x):
+    self.w.data.add_(1.0)
+    return x * self.w
+
+
+class _ScaleTracer(fx.Tracer):
+    def is_leaf_module(self, m, qualname):
+        return isinstance(m, _Scale) or super().is_leaf_module(m, qualname)
+
+
+def test_a_class_changed_after_a_first_apply_is_read_again():
+    """DA F1: the answer for a leaf module class was cached by the ids of its class
+    body: a ``forward`` whose ``__code__`` is swapped (IPython's autoreload), or a new
+    one at the old one's address, kept the answer "writes nothing", and running the
+    result wrote the caller's weight."""
+
+    class Scale(_Scale):
+        def forward(self, x):
+            return x * self.w
+
+    def build():
+        model = _WithLeaf(Scale()).train()
+        return model, fx.GraphModule(model, _ScaleTracer().trace(model))
+
+    x = torch.randn(2, 4)
+    CLEANUP.apply(build()[1], (x,))
+    Scale.forward.__code__ = _writing_forward.__code__
+    model, gm = build()
+    result = CLEANUP.apply(gm, (x,))
+    before = model.leaf.w.detach().clone()
+    result.graph_module(x)
+    assert torch.equal(before, model.leaf.w)
+
+
+class _Gate(nn.Module):
+    def __init__(self, passthrough=False):
+        super().__init__()
+        self.passthrough = passthrough
+
+    def forward(self, x):
+        return x if self.passthrough else x * 1.0
+
+
+@rewrite.register_module("s52_make_gate", inputs=("x",))
+def _make_gate(x=None):
+    return _Gate()
+
+
+class _GateTracer(fx.Tracer):
+    def is_leaf_module(self, m, qualname):
+        return isinstance(m, _Gate) or super().is_leaf_module(m, qualname)
+
+
+def test_a_factory_vouches_for_its_modules_not_their_class():
+    """DA F3: once a registered factory had inserted a module of class ``Gate``
+    anywhere, every ``Gate`` of every later model was taken to return new memory: a
+    user's pass-through ``Gate`` followed by ``* 1.0`` was rewritten, and the result
+    returned the caller's input object."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.g = _Gate(passthrough=True)
+
+        def forward(self, x):
+            return self.g(x) * 1.0
+
+    inserts = rewrite.parse("rule ins: sigmoid(x) => s52_make_gate(sigmoid(x))\nruleset main = once(ins)\n")["main"]
+    x = torch.randn(4)
+    assert inserts.apply(nn.Sigmoid(), (x,)).counts == {"ins": 1}
+    net = Net()
+    result = CLEANUP.apply(fx.GraphModule(net, _GateTracer().trace(net)), (x,), check=False)
+    assert result.counts == {}
+    assert result.graph_module(x) is not x
+
+
+def test_apply_from_two_threads_leaves_the_global_generators_as_they_were():
+    """DA F2: two threads applying at once each seeded and put back the process-wide
+    random generators, over each other: they were left changed, and a correct fold
+    was sometimes refused ("random stream")."""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c = nn.Conv2d(3, 4, 3)
+            self.bn = nn.BatchNorm2d(4)
+
+        def forward(self, x):
+            return torch.relu(self.bn(self.c(x)))
+
+    fusion = rewrite.load("rules/fusion.rw")
+    x = torch.randn(1, 3, 8, 8)
+    models = [M().eval() for _ in range(2)]
+    errors = []
+
+    def work(model):
+        for _ in range(3):
+            try:
+                assert fusion.apply(model, (x,)).counts
+            except Exception as err:  # noqa: BLE001 - collected for the assertion below
+                errors.append(err)
+
+    for attempt in range(2):
+        torch.manual_seed(123)
+        random.seed(123)
+        np.random.seed(123)
+        states = torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
+        threads = [threading.Thread(target=work, args=(m,)) for m in models]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert torch.equal(states[0], torch.get_rng_state())
+        assert states[1] == random.getstate()
+        assert (states[2] == np.random.get_state()[1]).all()

@@ -61,7 +61,7 @@ from rewrite.engine.replace import RULE_KEY
 from rewrite.engine.symbolic import size_hint
 from rewrite.language.diagnostics import printable
 from rewrite.ops import bind_node
-from rewrite.trust.modes import fake_mode_off
+from rewrite.trust.modes import fake_mode_off, one_thread_at_a_time
 
 __all__ = ["NodeStats", "Totals", "GroupStats", "GraphAnalysis", "analyze", "RULE_KEY", "module_path",
            "GUARD_OP"]
@@ -561,6 +561,7 @@ class _Runner(fx.Interpreter):
         self._progress.close()
 
 
+@one_thread_at_a_time()
 @fake_mode_off()
 def analyze(gm: Any, example_inputs: Sequence[Any] | None = None, *, show_progress: bool = False) -> GraphAnalysis:
     """Measure every node of a captured graph (see the module docstring).

@@ -29,6 +29,7 @@ side of not rewriting.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -249,21 +250,42 @@ def _may_be_same_object(node: fx.Node, gm: Any) -> bool:
     a call whose code nothing describes. A view is a new tensor object."""
     if not may_alias(node, gm):
         return False
-    return not always_aliases(node, gm) or _inplace_step(node, gm) or may_alias_any_argument(node, gm)
+    return not always_aliases(node, gm) or _inplace_step(node, gm) or may_alias_any_argument(node, gm) \
+        or (node.op != "call_module" and op_name(node.target) in _VIEWS_THAT_MAY_BE_ITSELF)
+
+
+#: views that return their input object itself when there is nothing to do (``real``
+#: of a real tensor)
+_VIEWS_THAT_MAY_BE_ITSELF = frozenset({"real"})
 
 
 def _same_object(node: fx.Node, gm: Any) -> set:
     """``node`` and the values that may be its very tensor object: the in-place ops
     written into it, and what may return it as it is (``contiguous()``, a no-op
-    ``float()``, ``nn.Identity``, an eval-mode dropout, code nothing describes), and
-    theirs."""
+    ``float()``, ``nn.Identity``, an eval-mode dropout, ``real`` of a real tensor),
+    given it first or, for a call that may return any of its inputs as they are
+    (``broadcast_tensors(z, h)``, code nothing describes), given it anywhere; an
+    element of such a call's tuple (``broadcast_tensors(z, h)[1]``); and theirs."""
     found, todo = {node}, [node]
+    sequences: set = set()  # found calls whose value may be a tuple holding the object
     while todo:
         for user in todo.pop().users:
-            if user not in found and user.op.startswith("call_") and user.args and user.args[0] in found \
-                    and (_inplace_step(user, gm) or _may_be_same_object(user, gm)):
-                found.add(user)
-                todo.append(user)
+            if user in found or not user.op.startswith("call_") or not (user.args or user.kwargs):
+                continue
+            first = user.args[0] if user.args else None
+            given_first = isinstance(first, fx.Node) and first in found
+            if given_first and first in sequences and user.target is operator.getitem:
+                pass  # an element of the tuple: it may be the object
+            elif given_first and (_inplace_step(user, gm) or _may_be_same_object(user, gm)):
+                pass
+            elif any(n in found for n in user.all_input_nodes) and may_alias_any_argument(user, gm) \
+                    and may_alias(user, gm):
+                if not isinstance(user.meta.get("val"), torch.Tensor):
+                    sequences.add(user)
+            else:
+                continue
+            found.add(user)
+            todo.append(user)
     return found
 
 
@@ -313,9 +335,7 @@ def new_identity(root: fx.Node, result: fx.Node, created: Any, gm: Any) -> str |
         return None  # root was that very object (an in-place op on it)
     mine, theirs = _same_object(root, gm), _same_object(obj, gm)
     returned = _escapes(mine)
-    written = any(_may_change_metadata(user, gm) and (_writes_into(user, n, gm) or (
-        user.op.startswith("call_") and user.args and user.args[0] is n and _metadata_write(user)))
-        for n in mine for user in n.users)
+    written = _metadata_written(mine, gm)
     what = {"placeholder": "the graph input", "get_attr": "the module constant"}.get(obj.op, "the value")
     what = f"{what} {obj.target if obj.op == 'get_attr' else obj.name!r}"
     if returned and (caller_owned(obj) or _escapes(theirs)):
@@ -325,7 +345,21 @@ def new_identity(root: fx.Node, result: fx.Node, created: Any, gm: Any) -> str |
     if written and (caller_owned(obj) or any(u not in mine for n in theirs for u in n.users)):
         return (f"it is a new tensor object over the memory of {what}, and it is written in place: the write "
                 f"would be made on {what} itself")
+    if _metadata_written(theirs, gm, after=root):
+        return (f"it is a new tensor object over the memory of {what}, whose sizes or strides an in-place op "
+                f"changes later (unsqueeze_(), t_()): the value's readers would see {what} changed")
     return None
+
+
+def _metadata_written(same: set, gm: Any, after: Any = None) -> bool:
+    """Some node writes into one of the values of ``same`` (one tensor object) by an
+    op that may change its sizes, strides or storage (``_may_change_metadata``);
+    with ``after``, one after that node in graph order (or one whose write may
+    outlast the call: ``lasting_write``)."""
+    return any(_may_change_metadata(user, gm) and (_writes_into(user, n, gm) or (
+        user.op.startswith("call_") and user.args and user.args[0] is n and _metadata_write(user)))
+        and (after is None or after < user or lasting_write(user, gm))
+        for n in same for user in n.users)
 
 
 def _kept_for_backward(base: fx.Node, theirs: Any, inside: Any, what: str, written: bool, gm: Any) -> str | None:

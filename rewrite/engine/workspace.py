@@ -38,8 +38,8 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.graph import _illegal_names
 
 from rewrite.capture import HOOK_TABLES
-from rewrite.ops.effects import (held_norms, in_place_writers, opaque_code, opaque_holders, state_writes,
-                                 writes_state_when_training)
+from rewrite.ops.effects import (built_module, held_norms, in_place_writers, note_built_module, opaque_code,
+                                 opaque_holders, state_writes_and_guesses, writes_state_when_training)
 from rewrite.ops.reach import reachable_tensors, view_over
 
 __all__ = ["CODE_ATTRIBUTES", "HOOK_TABLES", "Journal", "check_touched", "compile_now", "gc_paused", "own_module_path",
@@ -220,7 +220,8 @@ def own_written_state(gm: fx.GraphModule, training: "bool | None" = None) -> int
     weights a user's leaf module or a hook can only be guessed to write stay shared
     (``_own_tensors``)."""
     may_train = training if training is not None else any(m.training for m in gm.modules())
-    return _own_tensors(gm, state_writes(gm), may_train=may_train)
+    written, guessed = state_writes_and_guesses(gm)
+    return _own_tensors(gm, written, may_train=may_train, guessed=guessed)
 
 
 def own_state_training_writes(gm: fx.GraphModule) -> int:
@@ -415,10 +416,13 @@ def _rebuilt(value: Any, copies: dict, rebuilt: dict, path: tuple, helper: bool)
 
 
 def _own_tensors(gm: fx.GraphModule, written: "frozenset[int] | None", modules: Any = None,
-                 may_train: bool = False) -> int:
+                 may_train: bool = False, guessed: "frozenset[int]" = frozenset()) -> int:
     """``own_written_state`` for the tensors whose ids are ``written`` (None: every
     buffer and plain tensor attribute that does not require grad). ``modules``:
-    ``gm``'s, where known."""
+    ``gm``'s, where known. ``guessed``: the written ids only code nothing reads may
+    write (``state_writes_and_guesses``); a graph op or torch's code surely writes
+    the others (``w.add_(1)``, an ``Embedding`` with ``max_norm``): those are owned
+    whatever they are."""
     if written is not None and not written:
         return 0
     places, containers = _module_tensors(gm.modules() if modules is None else modules)
@@ -432,10 +436,10 @@ def _own_tensors(gm: fx.GraphModule, written: "frozenset[int] | None", modules: 
         # its own weights in place is beyond what anything here can tell)
         # (unless the module's code names an in-place write: ``self.bias.add_(1)``)
         # (an inference graph's weights are folded into constants: copies serve it)
-        trained = {extent_of[id(t)] for t in held if t.requires_grad} - {None} if may_train else set()
+        trained = {extent_of[id(t)] for t in held if t.requires_grad} - {None} if may_train and guessed else set()
         if trained:
             writers = {id(t) for m in in_place_writers(gm) for t in [*m.parameters(), *m.buffers()]}
-            written = frozenset(i for i in written if i not in extent_of or i in writers or not (
+            written = frozenset(i for i in written if i not in extent_of or i in writers or i not in guessed or not (
                 held_by_id[i].requires_grad or extent_of[i] in trained))
         shared = _refuse_unreached(gm, written, written - extent_of.keys(), extent_of)
         chosen = [t for t in held if id(t) in written and id(t) not in shared]
@@ -791,6 +795,8 @@ def _fill_shallow(m: torch.nn.Module, new: torch.nn.Module, memo: dict | None) -
     """``new`` gets ``m``'s attributes, with tables of its own; its submodules are
     shallow copies too (``memo``: copies made, by id), or with ``memo`` None the
     same objects."""
+    if built_module(m):  # the copy of a factory's module is one too
+        note_built_module(new)
     d = m.__dict__.copy()
     method = types.MethodType
     for key, value in d.items():  # values replaced in place: the keys do not change

@@ -51,7 +51,7 @@ from rewrite.capture import INFERENCE_KEY
 from rewrite.engine.replace import SOURCES_KEY
 from rewrite.flows import quant as ptq
 from rewrite.functions.qat import QATLayer, is_fake_quant_node, is_qat_layer_node
-from rewrite.trust.modes import fake_mode_off
+from rewrite.trust.modes import fake_mode_off, one_thread_at_a_time
 
 __all__ = [
     "prepare_qat", "calibrate", "convert", "qat_rules", "fake_quant_nodes", "qat_layers",
@@ -314,6 +314,37 @@ def _tie_to_sources(captured: fx.GraphModule, qat: fx.GraphModule) -> int:
     return tied
 
 
+_BATCH_NORM_SOURCES = ("mean", "var", "gamma", "beta")
+
+
+def _share_batch_norms(qat: fx.GraphModule) -> int:
+    """QAT conv + batch norm layers built from one batch norm of the model (called
+    after two convs) share one batch norm module, as the model has one: one gamma
+    and beta to train, one set of running statistics that both calls update (and
+    ``convert`` folds into both convs). Only where the copies still agree (values
+    and settings). Returns how many batch norms were shared."""
+    first: dict = {}
+    shared = 0
+    for node in qat_layers(qat):
+        mod = qat.get_submodule(node.target)
+        bn = getattr(mod, "bn", None)
+        sources = node.meta.get(SOURCES_KEY, {})
+        if not isinstance(bn, torch.nn.modules.batchnorm._BatchNorm) \
+                or any(sources.get(k) is None for k in _BATCH_NORM_SOURCES):
+            continue
+        key = tuple(sources[k] for k in _BATCH_NORM_SOURCES)
+        other = first.setdefault(key, bn)
+        if other is bn or type(other) is not type(bn) or (other.eps, other.momentum, other.num_features) != (
+                bn.eps, bn.momentum, bn.num_features):
+            continue
+        mine, theirs = bn.state_dict(), other.state_dict()
+        if mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine) and all(
+                a.requires_grad == b.requires_grad for a, b in zip(bn.parameters(), other.parameters())):
+            mod.bn = other
+            shared += 1
+    return shared
+
+
 def _name_layers(captured: fx.GraphModule, qat: fx.GraphModule) -> None:
     """Give each QAT layer the dotted path of the conv / linear it replaced
     (``module.layer = "conv1"``), found by its weight among the captured model's
@@ -327,6 +358,7 @@ def _name_layers(captured: fx.GraphModule, qat: fx.GraphModule) -> None:
             mod.layer = same[0][: -len(".weight")] if same[0].endswith(".weight") else same[0]
 
 
+@one_thread_at_a_time()
 @fake_mode_off()
 def prepare_qat(
     model: Any,
@@ -387,6 +419,7 @@ def prepare_qat(
     qat.meta.pop(INFERENCE_KEY, None)  # read as inference, made to be trained
     _name_layers(gm, qat)
     _tie_to_sources(gm, qat)
+    _share_batch_norms(qat)
     _allow_train_eval(qat)
     switchable = _switchable_modules(qat)
     _drop_unused_attributes(qat)
@@ -421,6 +454,7 @@ def _copies(args: tuple) -> tuple:
     return tuple(pytree.tree_map_only(torch.Tensor, lambda t: t.clone(), tuple(args)))
 
 
+@one_thread_at_a_time()
 @fake_mode_off()
 def calibrate(qat: fx.GraphModule, batches: Iterable) -> int:
     """Set the fake quantizers' ranges from ``batches`` (each a tensor or a tuple
@@ -545,6 +579,7 @@ def _listed(value: Any, aten: bool, rank: int) -> Any:
     return list(value) if len(value) == rank else list(value) * rank
 
 
+@one_thread_at_a_time()
 @fake_mode_off()
 def convert(qat: fx.GraphModule, **options: Any) -> Any:
     """Turn a trained QAT model into an int8 model with ``rewrite.quant.convert``.

@@ -76,14 +76,14 @@ from rewrite.functions.quant import (
     module_path,
 )
 from rewrite.trust.rng import seeded
-from rewrite.trust.modes import fake_mode_off
+from rewrite.trust.modes import fake_mode_off, one_thread_at_a_time
 
 __all__ = [
     "prepare", "calibrate", "convert", "quantize", "accuracy_report", "sqnr", "QuantizationError",
     "QuantPoint", "LayerSQNR", "AccuracyReport", "quant_rules", "quantize_command",
     "add_quantize_arguments", "save", "BACKENDS", "coverage", "Coverage", "FloatLayer", "FORMS",
     "export", "export_onnx", "run_onnx", "merge_duplicate_points", "record_shapes", "require_batches",
-    "run_calibration_batch",
+    "run_calibration_batch", "batch_failed",
 ]
 
 BACKENDS = ("x86", "onednn", "fbgemm")
@@ -405,6 +405,7 @@ def _name_int8_modules(gm: fx.GraphModule, points: list) -> None:
 # ---------------------------------------------------------------- API
 
 
+@one_thread_at_a_time()
 @fake_mode_off()
 def prepare(
     model: Any,
@@ -529,6 +530,7 @@ def require_batches(batches: Any, step: str) -> None:
                         f"tensor: pass [x]")
 
 
+@one_thread_at_a_time()
 @fake_mode_off()
 def calibrate(observed: fx.GraphModule, batches: Iterable) -> int:
     """Run ``batches`` (each a tensor or a tuple of inputs) through the observed
@@ -571,13 +573,24 @@ def run_calibration_batch(model: Any, args: tuple, n: int, error: type = None) -
         return model(*args)
     except AssertionError as err:
         if "Guard failed" not in str(err):
-            raise
+            raise batch_failed("calibration", n, err, error) from err
         raise (error or QuantizationError)(
             f"calibration batch {n} does not fit the shapes torch.export captured the model with "
             f"({_first_line(err)}): calibrate with batches shaped like the example inputs, or prepare "
             "with capture='fx'") from err
+    except Exception as err:  # noqa: BLE001 - the model's own error on this batch, named
+        raise batch_failed("calibration", n, err, error) from err
 
 
+def batch_failed(kind: str, n: int, err: BaseException, error: type = None) -> Exception:
+    """The library's error for a batch the model raised on (a wrong shape or dtype):
+    which batch, and torch's first line."""
+    return (error or QuantizationError)(
+        f"{kind} batch {n} failed in the model: {type(err).__name__}: {_first_line(err)} (give batches shaped "
+        "and typed like the example inputs)")
+
+
+@one_thread_at_a_time()
 @fake_mode_off()
 def convert(
     observed: fx.GraphModule,
@@ -736,6 +749,7 @@ def _convert_pt2e(gm: fx.GraphModule, args: Any, state: dict, points: list, conv
     return pt2e
 
 
+@one_thread_at_a_time()
 @fake_mode_off()
 def quantize(
     model: Any,
@@ -1231,6 +1245,7 @@ class AccuracyReport:
         return "\n".join(lines)
 
 
+@one_thread_at_a_time()
 @fake_mode_off()
 def accuracy_report(
     observed: fx.GraphModule,
@@ -1278,10 +1293,13 @@ def accuracy_report(
             fl, q = _FloatRun(observed), _Int8Run(int8)
             # each run on its own copies: a model that writes its input would give the
             # second run what the first wrote, and the caller's batches would change
-            with seeded(i):  # a random op (ViTMAE's masking noise) draws alike in both
-                ref = fl.run(*_clones(args))
-            with seeded(i):
-                out = q.run(*_clones(args))
+            try:
+                with seeded(i):  # a random op (ViTMAE's masking noise) draws alike in both
+                    ref = fl.run(*_clones(args))
+                with seeded(i):
+                    out = q.run(*_clones(args))
+            except Exception as err:  # noqa: BLE001 - the model's own error on this batch, named
+                raise batch_failed("held-out", i, err) from err
             for p in points:
                 ref_t, test = fl.values.get(p.observer), q.values.get(p.observer)
                 if ref_t is not None and test is not None and tuple(ref_t.shape) == tuple(test.shape):

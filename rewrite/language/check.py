@@ -405,7 +405,10 @@ def _repetitions(e: Any) -> float | None:
     repeated literal sequence (a product of numbers)."""
     from rewrite.ops.resolve import normalize_qualname
 
-    if isinstance(e, (ast.ListLit, ast.TupleLit)) or (isinstance(e, ast.Literal) and isinstance(e.value, str)):
+    if isinstance(e, (ast.ListLit, ast.TupleLit)):  # [[1] * 4096]: as many as its repeated items together
+        inner = [_repetitions(item) for item in e.items]
+        return 1 if all(r is None for r in inner) else sum(1 if r is None else r for r in inner)
+    if isinstance(e, ast.Literal) and isinstance(e.value, str):
         return 1
     op = normalize_qualname(e.op.names[0]) if isinstance(e, ast.Call) else None
     if op not in _REPEATING and op not in _JOINING:
@@ -1286,10 +1289,26 @@ def _bounded(fn: str, args: list) -> bool:
     if fn == "mul" and len(args) == 2:
         for sequence, count in (args, args[::-1]):
             if isinstance(sequence, (str, list, tuple)):
-                return isinstance(count, int) and len(sequence) * max(count, 0) <= _MAX_REPEAT
+                return isinstance(count, int) and _literal_size(sequence) * max(count, 0) <= _MAX_REPEAT
     if fn == "add" and len(args) == 2 and all(isinstance(a, (str, list, tuple)) for a in args):
-        return len(args[0]) + len(args[1]) <= _MAX_REPEAT
+        return _literal_size(args[0]) + _literal_size(args[1]) <= _MAX_REPEAT
     return all(not isinstance(a, (int, float)) or abs(a) <= 2 ** 4096 for a in args)
+
+
+def _literal_size(value: Any) -> int:
+    """How many items a literal holds, nested sequences' items counted (a list of a
+    repeated list is as large as all its copies), or more than ``_MAX_REPEAT``: the
+    count stops there."""
+    if isinstance(value, str):
+        return len(value)
+    if not isinstance(value, (list, tuple)):
+        return 1
+    total = 0
+    for item in value:
+        total += _literal_size(item) if isinstance(item, (list, tuple)) else 1
+        if total > _MAX_REPEAT:
+            break
+    return total
 
 
 #: size parameters where -1 stands for a size inferred from the others (view, reshape, expand)

@@ -27,9 +27,11 @@ spellings with no schema from the name lists below.
 from __future__ import annotations
 
 import builtins
+import dis
 import functools
 import operator
 import types
+import weakref
 from typing import Any, Iterator, NamedTuple
 
 import torch
@@ -44,11 +46,11 @@ from rewrite.ops.reach import reachable_containers, reachable_generators, reacha
 __all__ = [
     "VIEW_NAMES", "ALIASING_NAMES", "ALIASING_MODULES", "FRESH_COMPOSITES", "FRESH_FUNCTIONS", "FRESH_OPERATORS",
     "ANY_INPUT_ALIASING_NAMES", "op_name", "may_alias", "schema_returns_alias",
-    "may_alias_any_argument", "note_built_module", "always_aliases",
+    "may_alias_any_argument", "note_built_module", "built_module", "always_aliases",
     "written_args", "written_nodes", "target_writes", "flagged_writes", "flag_on", "call_writes",
     "opdef_writes", "opdef_may_alias",
     "module_writes_own_state", "writes_state_when_training", "held_norms", "call_argument",
-    "state_writes", "hooked_tensors", "hooked_containers", "hooked_generators", "graph_mode", "opaque_code",
+    "state_writes", "state_writes_and_guesses", "hooked_tensors", "hooked_containers", "hooked_generators", "graph_mode", "opaque_code",
     "opaque_holders", "code_class", "writes_known_buffers", "in_place_writers",
     "lasting_write",
 ]
@@ -183,7 +185,7 @@ def _torch_module(module: Any) -> bool:
     module factory built (``note_built_module``), not one of the input's own; and
     one that runs only torch's code (``_runs_torch_code_only``)."""
     kind = type(module)
-    return kind in _BUILT_MODULE_TYPES or (_module_kind(kind).from_torch and _runs_torch_code_only(module))
+    return built_module(module) or (_module_kind(kind).from_torch and _runs_torch_code_only(module))
 
 
 def _runs_torch_code_only(module: Any) -> bool:
@@ -195,7 +197,7 @@ def _runs_torch_code_only(module: Any) -> bool:
         return not _holds_foreign_function(module)
     for m in module.modules():
         kind = type(m)
-        if m is not module and (kind not in _BUILT_MODULE_TYPES and not _module_kind(kind).from_torch
+        if m is not module and (not built_module(m) and not _module_kind(kind).from_torch
                                 or m._forward_hooks or m._forward_pre_hooks):
             return False
         if _holds_foreign_function(m):
@@ -238,15 +240,25 @@ def _torch_function(fn: Any) -> bool:
                                         or module in ("math", "_operator", "operator"))
 
 
-_BUILT_MODULE_TYPES: set = set()
+#: the modules registered module factories built (and the library's copies of them)
+_BUILT_MODULES: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def note_built_module(module: Any) -> None:
     """A replacement inserted ``module``, built by a registered module factory
-    (``rewrite.register_module``): its class computes fresh memory from its inputs,
-    as the factory's contract says, unless it is named in ``ALIASING_MODULES``, is
-    an observer or is ``inplace``."""
-    _BUILT_MODULE_TYPES.add(type(module))
+    (``rewrite.register_module``): it computes fresh memory from its inputs, as the
+    factory's contract says, unless it is named in ``ALIASING_MODULES``, is an
+    observer or is ``inplace``. The instance, not its class: another module of that
+    class in a later model (a user's own pass-through ``Gate``) is not vouched for."""
+    _BUILT_MODULES.add(module)
+
+
+def built_module(module: Any) -> bool:
+    """``module`` is one ``note_built_module`` was told of."""
+    try:
+        return module in _BUILT_MODULES
+    except TypeError:  # an unhashable module class
+        return False
 
 
 def _target_aliasing(target: Any) -> tuple:
@@ -761,7 +773,7 @@ def module_effects(module: Any) -> "tuple[bool, bool, bool]":
     cls = type(module)
     kind = _module_kind(cls)
     code_only = _runs_torch_code_only(module)
-    torch_module = cls in _BUILT_MODULE_TYPES or (kind.from_torch and code_only)
+    torch_module = built_module(module) or (kind.from_torch and code_only)
     if hooked or not kind.plain_leaf or not code_only:
         own = True
     elif kind.norm:
@@ -831,8 +843,26 @@ def _user_class_body(kind: type) -> tuple:
     for base in kind.__mro__:
         if (base.__module__ or "").startswith("torch."):
             break
-        body.extend(map(id, vars(base).values()))
+        body.extend(map(_Held, vars(base).values()))
     return tuple(body)
+
+
+class _Held:
+    """A class-body value in a cache key: equal only to itself, and held, so its id
+    cannot pass to a new function while the key lives; a function with the code it
+    has now (IPython's autoreload swaps ``__code__``)."""
+
+    __slots__ = ("value", "code")
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+        self.code = getattr(getattr(value, "__func__", value), "__code__", None)
+
+    def __hash__(self) -> int:
+        return hash((id(self.value), id(self.code)))
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, _Held) and other.value is self.value and other.code is self.code
 
 
 #: what every class body holds, or may hold without changing what a call runs
@@ -1099,6 +1129,16 @@ def _inplace_position(target: Any) -> "int | None":
 def state_writes(gm: Any) -> "frozenset[int] | None":
     """The ids of the parameters and buffers running ``gm`` may write in place, or
     None when that is unknown (a call whose effects no schema or name list tells).
+    (``state_writes_and_guesses``: which of them only a guess says it writes.)"""
+    return state_writes_and_guesses(gm)[0]
+
+
+def state_writes_and_guesses(gm: Any) -> "tuple[frozenset[int] | None, frozenset[int]]":
+    """``state_writes``, and the ids among its answer that only code nothing here
+    reads may write (a user's leaf module, a hook, a ``torch.fx.wrap``'d function, a
+    call given a module, a higher-order op): the others a graph op, a schema or
+    torch's own module code surely may write (``w.add_(1)``, an ``Embedding`` with
+    ``max_norm``, a training batch norm).
 
     A value may alias the state tensors its get_attr reads and, through ops that may
     return (a view of) an argument, the state its arguments alias; a node that writes
@@ -1106,15 +1146,16 @@ def state_writes(gm: Any) -> "frozenset[int] | None":
     writes its own state (``module_writes_own_state``) may write all of it and
     everything its arguments alias. About 4 us per node that reads state."""
     if not isinstance(gm, fx.GraphModule) or _global_hooks() or _hooks_of(gm, recurse=False):
-        return None  # something besides the graph runs: it may write anything
+        return None, frozenset()  # something besides the graph runs: it may write anything
     if _only_quiet_calls(gm.graph):
-        return frozenset()
+        return frozenset(), frozenset()
     hooks = HookReach()
     aliases: dict = {}
     written: set = set()
+    sure: set = set()  # what a graph op or torch's own code writes
     code_writes = hooks.code_state_written(gm)  # a wrapped helper may write what it reaches
     if code_writes is None:
-        return None
+        return None, frozenset()
     written |= code_writes
     modules: set = set()  # get_attr nodes that read a module
     overloads: dict = {}  # id(aten overload) -> (overload, result may alias an argument, never writes)
@@ -1152,39 +1193,40 @@ def state_writes(gm: Any) -> "frozenset[int] | None":
         if op == "call_module":
             module = _module(node, gm)
             if module is None:
-                return None
+                return None, frozenset()
             hooked_writes = hooks.state_written(module, gm)
             if hooked_writes is None:
-                return None  # a hook holds more than can be told: it may write anything
+                return None, frozenset()  # a hook holds more than can be told: it may write anything
             written |= hooked_writes
             writes_own_state, writes_arguments, aliasing = module_effects(module)
+            known = _code_known(module)  # else what it writes is a guess
             if writes_own_state and _writes_buffers_only(module):
                 # the library's own (a QAT layer, a fake quantizer): its buffers, never its
                 # arguments or weights; it may return its input, never its weights
-                written |= {id(t) for t in module_written_state(module)}
+                sure |= {id(t) for t in module_written_state(module)}
                 aliases[node] = args
                 continue
             if writes_own_state and writes_known_buffers(module):
                 # torch's own code (a training batch norm, a spectral-norm conv): its
                 # buffers; its result is new memory (or, as for any torch module, what
                 # ``aliasing`` says of its input), never its weights
-                written |= {id(t) for t in module_written_state(module)}
+                sure |= {id(t) for t in module_written_state(module)}
                 if writes_arguments:
-                    written |= args
+                    (sure if known else written).update(args)
                 if aliasing:
                     aliases[node] = args
                 continue
             if writes_own_state:
                 own = {id(t) for t in [*module.parameters(), *module.buffers()]}
-                written |= {id(t) for t in module_written_state(module)} | args
+                (sure if known else written).update({id(t) for t in module_written_state(module)} | args)
                 aliases[node] = own | args
                 continue
             # what ``written_args`` and ``may_alias`` answer for a module, read once
             if writes_arguments:
-                written |= args
+                (sure if known else written).update(args)
             elif _module_setting(module, "inplace", False):
                 for key in _first_argument(node):
-                    written |= of(node.args[key] if isinstance(key, int) else node.kwargs[key])
+                    sure |= of(node.args[key] if isinstance(key, int) else node.kwargs[key])
             if aliasing:
                 aliases[node] = args
             continue
@@ -1200,16 +1242,26 @@ def state_writes(gm: Any) -> "frozenset[int] | None":
                 continue
         else:
             aliasing = None
+        into = written if node.op == "call_function" and (
+            isinstance(target, torch._ops.HigherOrderOperator) or _opaque_function(target)) else sure
         if op != "call_module" and (_call_writes_all(node) or (op == "call_function" and _inplace_flag(node))):
-            written |= args
+            into |= args
         for position in written_args(node, gm):
             arg = node.args[position] if isinstance(position, int) else node.kwargs[position]
-            written |= of(arg)
+            into |= of(arg)
         if aliasing is None:
             aliasing = may_alias(node, gm)
         if aliasing:
             aliases[node] = args
-    return frozenset(written)
+    return frozenset(written | sure), frozenset(written - sure)
+
+
+def _code_known(module: Any) -> bool:
+    """Whether what a call of ``module`` writes is known from torch's (or the
+    library's) own code: a torch leaf module running only torch's code, no hook."""
+    kind = _module_kind(type(module))
+    return kind.plain_leaf and _runs_torch_code_only(module) and not (
+        module._forward_hooks or module._forward_pre_hooks or _global_hooks())
 
 
 def _hooks_of(module: Any, recurse: bool = True) -> list:
@@ -1390,34 +1442,100 @@ def opaque_holders(gm: Any) -> list:
 
 
 def in_place_writers(gm: Any) -> list:
-    """The user's leaf modules of ``gm`` whose own code may write a tensor in place: a
-    method of their class (before torch's in its MRO) names an in-place method
-    (``add_``, ``copy_``), ``.data`` or ``torch.nn.init``. The weights of the others
-    are only read by their code (what it calls is torch's or theirs)."""
-    return [m for m in _users_leaf_modules(gm)
-            if _class_writes_in_place(kind := code_class(type(m)), _user_class_body(kind))]
+    """The user's leaf modules of ``gm`` whose own code may write a tensor in place
+    (``_writes_in_place``). The weights of the others are only read by their code."""
+    return [m for m in _users_leaf_modules(gm) if _writes_in_place(m)]
 
 
-@functools.lru_cache(maxsize=1024)
-def _class_writes_in_place(kind: type, body: tuple) -> bool:
-    """(keyed by the class body too: a class patched after a first answer is read again)"""
-    for base in kind.__mro__:
+def _writes_in_place(module: Any) -> bool:
+    """Whether code a call of ``module`` may run writes a tensor in place, by what
+    the code says: the methods, properties, static and class methods of its class
+    (before torch's in its MRO; a decorated one read through ``__wrapped__``), the
+    functions its instance holds, and the Python functions from outside torch those
+    name as globals, a few calls deep. A write is an in-place method or function
+    name (``add_``, ``copy_``, also as a string: ``getattr(w, "mul_")``), ``.data``,
+    ``torch.nn.init``, an augmented assignment (``w += 1``: in place on a tensor), an
+    item assignment (``w[0] = 0``) or an ``out=`` keyword. Erring towards a write:
+    ``out += residual`` on a local tensor counts too."""
+    values = []
+    for base in code_class(type(module)).__mro__:
         if (base.__module__ or "").startswith(("torch.", "rewrite.")) or base is object:
             break
-        for value in vars(base).values():
-            function = getattr(value, "__func__", value)
-            code = getattr(function, "__code__", None)
-            if code is not None and _names_write_in_place(code):
-                return True
+        values.extend(vars(base).values())
+    values.extend(v for v in vars(module).values() if callable(v) and not isinstance(v, (torch.nn.Module, type)))
+    stack = [(f, 0) for value in values for f in _functions_of(value)]
+    seen: set = set()
+    while stack:
+        function, depth = stack.pop()
+        code = function.__code__
+        if code in seen or code.co_filename.startswith(_TORCH_DIR):
+            continue
+        seen.add(code)
+        if _code_writes_in_place(code):
+            return True
+        if depth < _HELPER_DEPTH:
+            found = getattr(function, "__globals__", {})
+            for name in _global_loads(code):
+                helper = found.get(name)
+                if isinstance(helper, (types.FunctionType, functools.partial)):
+                    stack.extend((f, depth + 1) for f in _functions_of(helper))
     return False
 
 
-def _names_write_in_place(code: Any) -> bool:
+_TORCH_DIR = torch.__file__.rpartition("/")[0] + "/"
+_HELPER_DEPTH = 4  # calls into helper functions followed from a module's own code
+
+
+def _functions_of(value: Any) -> list:
+    """The Python functions a class attribute or held value runs: itself, a
+    property's accessors, a static or class method's function, a partial's
+    function, and what a decorator wrapped (``__wrapped__``, as ``functools.wraps``
+    and ``torch.no_grad()`` leave it)."""
+    found, stack, seen = [], [value], set()
+    while stack:
+        v = stack.pop()
+        if v is None or id(v) in seen:
+            continue
+        seen.add(id(v))
+        if isinstance(v, property):
+            stack += [v.fget, v.fset, v.fdel]
+        elif isinstance(v, (staticmethod, classmethod, types.MethodType)):
+            stack.append(v.__func__)
+        elif isinstance(v, functools.partial):
+            stack.append(v.func)
+        elif isinstance(v, types.FunctionType):
+            found.append(v)
+            stack.append(v.__dict__.get("__wrapped__"))
+    return found
+
+
+@functools.lru_cache(maxsize=4096)
+def _code_writes_in_place(code: types.CodeType) -> bool:
+    """``_writes_in_place`` for one code object and the code nested in it."""
     names = code.co_names
-    if any(n.endswith("_") and not n.endswith("__") for n in names) or "data" in names or "init" in names \
-            or "set_" in names:
+    if any(_in_place_name(n) for n in names) or "data" in names or "init" in names:
         return True
-    return any(_names_write_in_place(c) for c in code.co_consts if hasattr(c, "co_names"))
+    for const in code.co_consts:
+        if (isinstance(const, str) and _in_place_name(const)) or (isinstance(const, tuple) and "out" in const):
+            return True  # getattr(w, "add_"); a call's keyword names (out=...)
+        if isinstance(const, types.CodeType) and _code_writes_in_place(const):
+            return True
+    return any(i.opname in ("STORE_SUBSCR", "DELETE_SUBSCR") or i.opname.startswith("INPLACE_")
+               or (i.opname == "BINARY_OP" and i.argrepr.endswith("=")) for i in dis.get_instructions(code))
+
+
+def _in_place_name(name: str) -> bool:
+    return name.endswith("_") and not name.endswith("__") and name.isidentifier() and name != "_"
+
+
+@functools.lru_cache(maxsize=4096)
+def _global_loads(code: types.CodeType) -> tuple:
+    """The global names ``code`` and the code nested in it load."""
+    found = {i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            found.update(_global_loads(const))
+    return tuple(found)
 
 
 def _users_leaf_modules(gm: Any) -> Iterator:

@@ -82,7 +82,8 @@ from rewrite.ops.vocabulary import CALL_OPS, OPS, bind_node
 from rewrite.trust.gradients import GradientRun, grad_leaves, gradient_run, moved, redrawn
 from rewrite.trust.sizes import smallest_sizes
 from rewrite.trust.held import generator_copy, input_leaves, laid_out_copy, map_held
-from rewrite.trust.modes import autocast_off, cpu_default_device, fake_mode_off, is_higher_order, run_higher_order
+from rewrite.trust.modes import (autocast_off, cpu_default_device, fake_mode_off, is_higher_order,
+                                 one_thread_at_a_time, run_higher_order)
 from rewrite.trust.nonfinite import non_finite_births
 from rewrite.trust.precision import HALF, NOISE_MULTIPLIER, computes_in_half, narrowed_run, rounding_noise, widened_run
 from rewrite.trust.rng import host_generator_states, model_generators, seeded
@@ -2371,6 +2372,7 @@ class Reference:
         return self
 
 
+@one_thread_at_a_time()
 def check_equivalence(reference: Callable, candidate: Callable, example_inputs: Any = None, *,
                       trials: int = 3, seed: int = 0, rtol: Optional[float] = None,
                       atol: Optional[float] = None,

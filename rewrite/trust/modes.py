@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 __all__ = ["ambient_autocast", "autocast_off", "cpu_default_device", "fake_mode_off", "is_higher_order",
-           "run_higher_order"]
+           "one_thread_at_a_time", "run_higher_order"]
 
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps")
 
@@ -74,6 +75,22 @@ def cpu_default_device() -> Iterator[None]:
         yield
         return
     with torch.device("cpu"):
+        yield
+
+
+_ENTRY_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def one_thread_at_a_time() -> Iterator[None]:
+    """The library's entry points (``apply``, the check, ``verify``, capture, the
+    quantization flows) run one thread at a time: each saves, seeds and puts back
+    process-wide state (torch's, Python's and numpy's global random generators, the
+    collector) and torch.fx's tracer keeps a process-wide flag while it traces, so
+    two threads at once would each put back what the other had changed, and leave it
+    changed. A thread calling in while another runs waits; the same thread may call
+    in again (a model's forward that applies rules)."""
+    with _ENTRY_LOCK:
         yield
 
 
