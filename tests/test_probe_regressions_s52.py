@@ -219,6 +219,7 @@ def test_a_batch_the_model_cannot_take_is_a_library_error():
 # ---------------------------------------------------------------- probe CY (regressions of session 51)
 
 import random  # noqa: E402
+import types  # noqa: E402
 import threading  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -567,3 +568,187 @@ def test_apply_from_two_threads_leaves_the_global_generators_as_they_were():
         assert torch.equal(states[0], torch.get_rng_state())
         assert states[1] == random.getstate()
         assert (states[2] == np.random.get_state()[1]).all()
+
+
+# ---------------------------------------------------------------- probe DB (regressions of this session)
+
+import copy as _copy  # noqa: E402
+import io  # noqa: E402
+import operator  # noqa: E402
+import time  # noqa: E402
+
+_helpers = types.ModuleType("s52_helpers")  # a helper module the model's code imports
+exec("import torch\ndef halve(w):\n    with torch.no_grad():\n        w *= 0.5\n", _helpers.__dict__)
+
+
+class _Ops:
+    @staticmethod
+    def halve(w):
+        with torch.no_grad():
+            w *= 0.5
+
+
+class _Helper:
+    def halve(self, w):
+        with torch.no_grad():
+            w *= 0.5
+
+
+class _ViaModule(_Weighted):
+    def forward(self, x):
+        _helpers.halve(self.w)
+        return x * self.w
+
+
+class _ViaStatic(_Weighted):
+    def forward(self, x):
+        _Ops.halve(self.w)
+        return x * self.w
+
+
+class _ViaObject(_Weighted):
+    def __init__(self):
+        super().__init__()
+        self.h = _Helper()
+
+    def forward(self, x):
+        self.h.halve(self.w)
+        return x * self.w
+
+
+class _Dunder(_Weighted):
+    def forward(self, x):
+        with torch.no_grad():
+            self.w.__imul__(0.5)
+        return x * self.w
+
+
+class _OperatorImul(_Weighted):
+    def forward(self, x):
+        with torch.no_grad():
+            operator.imul(self.w, 0.5)
+        return x * self.w
+
+
+class _InplaceKeyword(_Weighted):
+    def forward(self, x):
+        with torch.no_grad():
+            torch.nn.functional.threshold(self.w, 0.0, -1.0, inplace=True)
+        return x * self.w
+
+
+class _Inner(_Weighted):
+    def forward(self, x):
+        with torch.no_grad():
+            self.w *= 0.5
+        return x * self.w
+
+
+class _CallsItsChild(_Weighted):
+    def __init__(self):
+        super().__init__()
+        self.inner = _Inner()
+
+    def forward(self, x):
+        return self.inner(x) * self.w
+
+
+@pytest.mark.parametrize("kind", [_ViaModule, _ViaStatic, _ViaObject, _Dunder, _OperatorImul, _InplaceKeyword,
+                                  _CallsItsChild])
+def test_more_ways_of_writing_a_trained_weight_are_seen(kind):
+    """DB F1, F2: a child module's code, a helper reached through a module, a static
+    method or a helper object, ``__imul__``, ``operator.imul`` and ``inplace=True``
+    were not seen as writes: running the result wrote the caller's weight."""
+    model = _WithLeaf(kind()).train()
+    gm = fx.GraphModule(model, _LeafTracer().trace(model))
+    x = torch.randn(2, 4)
+    result = CLEANUP.apply(gm, (x,))
+    assert result.counts.get("mul_one") == 1
+    before = [p.detach().clone() for p in model.leaf.parameters()]
+    result.graph_module(x)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.leaf.parameters()))
+
+
+def test_a_backend_compiling_while_another_thread_captures_with_dynamo_does_not_deadlock():
+    """DB F3: a thread inside torch.compile (dynamo's compile lock held) reached
+    ``rewrite.backend`` and waited for the library's lock, while another thread
+    held the library's lock in ``capture(..., "dynamo")`` and waited for dynamo's."""
+    from torch._dynamo import convert_frame
+
+    from rewrite.capture import capture
+
+    class Big(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(60))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.relu(layer(x)) * 1.0
+            return x
+
+    x = torch.randn(2, 8)
+    compiled = torch.compile(Big().eval(), backend=rewrite.backend(CLEANUP))
+    done = {}
+
+    def serve():
+        with torch.no_grad():
+            compiled(x)
+        done["compile"] = True
+
+    def capture_small():
+        capture(nn.Linear(8, 8).eval(), (x,), "dynamo")
+        done["capture"] = True
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    start = time.time()
+    while time.time() - start < 30:  # until the server thread compiles
+        if convert_frame.compile_lock.acquire(blocking=False):
+            convert_frame.compile_lock.release()
+            time.sleep(0.001)
+        else:
+            break
+    other = threading.Thread(target=capture_small, daemon=True)
+    other.start()
+    other.join(120)
+    server.join(30)
+    assert done == {"compile": True, "capture": True}
+    torch._dynamo.reset()
+
+
+def test_a_saved_and_loaded_int8_model_keeps_its_rewrites():
+    """DB F4: modules the library's own factories built were vouched for per
+    instance only: a torch.load or deepcopy of an int8 model lost the cleanup
+    rewrites the model itself gets."""
+    import rewrite.quant as rq
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c = nn.Conv2d(3, 8, 3)
+            self.fc = nn.Linear(8 * 6 * 6, 4)
+
+        def forward(self, x):
+            y = torch.relu(self.c(x)) + 0.0
+            return self.fc(y.flatten(1)) * 1.0
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, 8)
+    prepared = rq.prepare(M().eval(), (x,))
+    prepared(x)
+    int8 = rq.convert(prepared)
+    direct = CLEANUP.apply(int8, (x,)).counts
+    assert direct
+    buffer = io.BytesIO()
+    torch.save(int8, buffer)
+    buffer.seek(0)
+    assert CLEANUP.apply(torch.load(buffer, weights_only=False), (x,)).counts == direct
+    assert CLEANUP.apply(_copy.deepcopy(int8), (x,)).counts == direct
+
+
+def test_string_formatting_in_a_rule_is_refused_at_load():
+    """DB F5: ``operator.mod("%0300000000d", 1)`` built a 300 MB string while loading."""
+    with pytest.raises(rewrite.RuleError, match="E207"):
+        rewrite.parse('rule r: relu(x) => reshape(x, operator.mod("%0300000000d", 1))')
+    rewrite.parse("rule r: relu(x) => add(x, operator.mod(7, 3))")

@@ -369,7 +369,7 @@ class Replacer:
             # update what it holds (copy-on-write)
             config = {k: _own(self._evaluate(v, env)) for k, v in r.config.items()}
             module = r.spec.fn(**config)
-            note_built_module(module)
+            note_built_module(module, by_library=(getattr(r.spec.fn, "__module__", None) or "").startswith("rewrite."))
             name = self._fresh_name(f"{r.spec.name}_{root.name}")
             self.gm.add_submodule(name, module)
             self._new_attrs.append(name)

@@ -973,6 +973,11 @@ class _Checker:
                                  f"a pattern variable or a number literal of at most {_MAX_EXPONENT}, and its base "
                                  "a variable or a literal", "E207",
                            help="compute the constant in a registered constant function, or write the number")
+        elif op in _FORMATTING and args and isinstance(args[0], ast.Literal) and isinstance(args[0].value, str) \
+                and "%" in args[0].value:
+            self.error(span, f"'{name}' formats a string ('%' with a width or precision may make it as long as "
+                             "it says, at load and in every call of the rewritten model)", "E207",
+                       help="write the string out")
         elif op in _REPEATING and len(args) == 2:
             times = _repetitions(c)
             if times is not None and times > _MAX_REPEAT:
@@ -1290,6 +1295,8 @@ def _bounded(fn: str, args: list) -> bool:
         for sequence, count in (args, args[::-1]):
             if isinstance(sequence, (str, list, tuple)):
                 return isinstance(count, int) and _literal_size(sequence) * max(count, 0) <= _MAX_REPEAT
+    if fn == "mod" and args and isinstance(args[0], str):  # "%0300000000d" % 1: formatting, never computed
+        return False
     if fn == "add" and len(args) == 2 and all(isinstance(a, (str, list, tuple)) for a in args):
         return _literal_size(args[0]) + _literal_size(args[1]) <= _MAX_REPEAT
     return all(not isinstance(a, (int, float)) or abs(a) <= 2 ** 4096 for a in args)
@@ -1345,6 +1352,7 @@ def _count_of(value: Any) -> Optional[int]:
 
 _GROWING = frozenset({"operator.pow", "operator.ipow", "operator.lshift", "operator.ilshift"})
 _REPEATING = frozenset({"operator.mul", "operator.imul"})
+_FORMATTING = frozenset({"operator.mod", "operator.imod"})
 _JOINING = frozenset({"operator.add", "operator.iadd", "operator.concat", "operator.iconcat"})
 _MAX_EXPONENT = 64
 _MAX_REPEAT = 4096

@@ -242,19 +242,29 @@ def _torch_function(fn: Any) -> bool:
 
 #: the modules registered module factories built (and the library's copies of them)
 _BUILT_MODULES: "weakref.WeakSet" = weakref.WeakSet()
+#: the classes of those the library's own factories built (an int8 conv, an observer)
+_LIBRARY_BUILT_TYPES: set = set()
 
 
-def note_built_module(module: Any) -> None:
+def note_built_module(module: Any, by_library: bool = False) -> None:
     """A replacement inserted ``module``, built by a registered module factory
     (``rewrite.register_module``): it computes fresh memory from its inputs, as the
     factory's contract says, unless it is named in ``ALIASING_MODULES``, is an
-    observer or is ``inplace``. The instance, not its class: another module of that
-    class in a later model (a user's own pass-through ``Gate``) is not vouched for."""
+    observer or is ``inplace``. A user's factory vouches for the instance, not its
+    class: another module of that class in a later model (a user's own pass-through
+    ``Gate``) is not vouched for. The library's own factories (``by_library``)
+    vouch for the class: what it builds is known, and a saved and loaded or
+    deep-copied int8 model keeps its rewrites."""
     _BUILT_MODULES.add(module)
+    if by_library:
+        _LIBRARY_BUILT_TYPES.add(type(module))
 
 
 def built_module(module: Any) -> bool:
-    """``module`` is one ``note_built_module`` was told of."""
+    """``module`` is one ``note_built_module`` was told of, or of a class the
+    library's own factories build."""
+    if type(module) in _LIBRARY_BUILT_TYPES:
+        return True
     try:
         return module in _BUILT_MODULES
     except TypeError:  # an unhashable module class
@@ -1449,20 +1459,29 @@ def in_place_writers(gm: Any) -> list:
 
 def _writes_in_place(module: Any) -> bool:
     """Whether code a call of ``module`` may run writes a tensor in place, by what
-    the code says: the methods, properties, static and class methods of its class
-    (before torch's in its MRO; a decorated one read through ``__wrapped__``), the
-    functions its instance holds, and the Python functions from outside torch those
-    name as globals, a few calls deep. A write is an in-place method or function
-    name (``add_``, ``copy_``, also as a string: ``getattr(w, "mul_")``), ``.data``,
+    the code says: for it and every module it holds (a child layer it calls), the
+    methods, properties, static and class methods of its class (before torch's in
+    its MRO; a decorated one read through ``__wrapped__``), the functions its
+    instance holds and the methods of the helper objects it holds; and, a few calls
+    deep, the Python functions from outside torch that code names: a global
+    function, an attribute of a global module or class (``utils.halve(w)``,
+    ``Helper.halve(w)``). A write is an in-place name (``add_``, ``copy_``, also as a
+    string: ``getattr(w, "mul_")``; ``__imul__``, ``operator.imul``), ``.data``,
     ``torch.nn.init``, an augmented assignment (``w += 1``: in place on a tensor), an
-    item assignment (``w[0] = 0``) or an ``out=`` keyword. Erring towards a write:
-    ``out += residual`` on a local tensor counts too."""
-    values = []
-    for base in code_class(type(module)).__mro__:
-        if (base.__module__ or "").startswith(("torch.", "rewrite.")) or base is object:
-            break
-        values.extend(vars(base).values())
-    values.extend(v for v in vars(module).values() if callable(v) and not isinstance(v, (torch.nn.Module, type)))
+    item assignment (``w[0] = 0``) or an ``out=`` or ``inplace=`` keyword. Erring
+    towards a write: ``out += residual`` on a local tensor counts too."""
+    values: list = []
+    for held in module.modules():
+        for base in code_class(type(held)).__mro__:
+            if (base.__module__ or "").startswith(("torch.", "rewrite.")) or base is object:
+                break
+            values.extend(vars(base).values())
+        for value in vars(held).values():
+            if callable(value) and not isinstance(value, (torch.nn.Module, type)):
+                values.append(value)
+            elif not isinstance(value, (torch.Tensor, torch.nn.Module, type, str, bytes, int, float, bool,
+                                        list, tuple, dict, set, types.ModuleType)) and value is not None:
+                values.extend(_user_class_functions(type(value)))  # a helper object's methods
     stack = [(f, 0) for value in values for f in _functions_of(value)]
     seen: set = set()
     while stack:
@@ -1474,12 +1493,37 @@ def _writes_in_place(module: Any) -> bool:
         if _code_writes_in_place(code):
             return True
         if depth < _HELPER_DEPTH:
-            found = getattr(function, "__globals__", {})
-            for name in _global_loads(code):
-                helper = found.get(name)
-                if isinstance(helper, (types.FunctionType, functools.partial)):
-                    stack.extend((f, depth + 1) for f in _functions_of(helper))
+            stack.extend((f, depth + 1) for helper in _named_helpers(function, code) for f in _functions_of(helper))
     return False
+
+
+def _named_helpers(function: Any, code: types.CodeType) -> list:
+    """The Python functions (and classes' attributes) ``code`` may call through the
+    globals it names: a function, or an attribute it names of a module or class
+    (``utils.halve``, ``Helper.halve``); not torch's."""
+    found = getattr(function, "__globals__", {})
+    helpers: list = []
+    for name in _global_loads(code):
+        value = found.get(name)
+        if isinstance(value, (types.FunctionType, functools.partial)):
+            helpers.append(value)
+        elif isinstance(value, (types.ModuleType, type)) \
+                and not (getattr(value, "__name__", "") if isinstance(value, types.ModuleType)
+                         else value.__module__ or "").startswith(("torch", "builtins")):
+            table = vars(value)
+            helpers.extend(table[n] for n in code.co_names if n in table)
+    return helpers
+
+
+def _user_class_functions(kind: type) -> list:
+    """The attributes of a user's class (before torch's, builtins' or the library's
+    in its MRO): the methods a helper object of that class runs."""
+    values: list = []
+    for base in kind.__mro__:
+        if (base.__module__ or "").startswith(("torch", "rewrite.", "builtins")) or base is object:
+            break
+        values.extend(vars(base).values())
+    return values
 
 
 _TORCH_DIR = torch.__file__.rpartition("/")[0] + "/"
@@ -1513,15 +1557,25 @@ def _functions_of(value: Any) -> list:
 def _code_writes_in_place(code: types.CodeType) -> bool:
     """``_writes_in_place`` for one code object and the code nested in it."""
     names = code.co_names
-    if any(_in_place_name(n) for n in names) or "data" in names or "init" in names:
+    if any(_in_place_name(n) or n in _IN_PLACE_NAMES for n in names) or "data" in names or "init" in names:
         return True
     for const in code.co_consts:
-        if (isinstance(const, str) and _in_place_name(const)) or (isinstance(const, tuple) and "out" in const):
-            return True  # getattr(w, "add_"); a call's keyword names (out=...)
+        if (isinstance(const, str) and (_in_place_name(const) or const in _IN_PLACE_NAMES)) \
+                or (isinstance(const, tuple) and ("out" in const or "inplace" in const)):
+            return True  # getattr(w, "add_"); a call's keyword names (out=..., inplace=...)
         if isinstance(const, types.CodeType) and _code_writes_in_place(const):
             return True
     return any(i.opname in ("STORE_SUBSCR", "DELETE_SUBSCR") or i.opname.startswith("INPLACE_")
                or (i.opname == "BINARY_OP" and i.argrepr.endswith("=")) for i in dis.get_instructions(code))
+
+
+#: names of in-place operations that do not end in a single underscore
+_IN_PLACE_NAMES = frozenset(
+    {f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "lshift", "rshift", "and",
+                            "xor", "or", "matmul")}
+    | {f"i{op}" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "lshift", "rshift", "and",
+                          "xor", "or", "matmul", "concat")}
+    | {"__setitem__", "__delitem__", "setitem", "delitem", "__set__", "setattr"})
 
 
 def _in_place_name(name: str) -> bool:

@@ -89,9 +89,24 @@ def one_thread_at_a_time() -> Iterator[None]:
     collector) and torch.fx's tracer keeps a process-wide flag while it traces, so
     two threads at once would each put back what the other had changed, and leave it
     changed. A thread calling in while another runs waits; the same thread may call
-    in again (a model's forward that applies rules)."""
-    with _ENTRY_LOCK:
+    in again (a model's forward that applies rules).
+
+    torch.compile's own lock is taken first: ``rewrite.backend`` is called holding it
+    (then waits here), and a call here may compile (``capture(..., "dynamo")``, a
+    model that runs a compiled function): one order for both locks, no deadlock."""
+    with _compile_lock(), _ENTRY_LOCK:
         yield
+
+
+def _compile_lock() -> Any:
+    """Dynamo's process-wide compile lock (re-entrant), or nothing where this torch
+    has none."""
+    try:
+        from torch._dynamo import convert_frame
+    except Exception:  # noqa: BLE001 - a torch without dynamo: nothing compiles behind our back
+        return contextlib.nullcontext()
+    lock = getattr(convert_frame, "compile_lock", None)
+    return lock if lock is not None else contextlib.nullcontext()
 
 
 @contextlib.contextmanager
