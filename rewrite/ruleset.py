@@ -1015,8 +1015,7 @@ class _Transaction:
                 with torch.no_grad():
                     driver.run(self.ruleset.schedule, self.ruleset._resolve)
                 if driver.counts:
-                    _remove_unused(gm, driver.replacer.released_nodes, driver.replacer.released_targets,
-                                   copy_on_write=self.inplace)
+                    _remove_unused(gm, driver.replacer.released_nodes, driver.replacer.released_targets)
                     driver.created.extend(restore_output_layouts(gm, driver.facts, outputs, detect_dialect(gm),
                                                                  driver.created, driver.replacer.replaced,
                                                                  self.relayouts))
@@ -1156,14 +1155,14 @@ def _referenced_attrs(gm: fx.GraphModule) -> set:
     return {n.target for op in ("get_attr", "call_module") for n in graph.find_nodes(op=op, sort=False)}
 
 
-def _remove_unused(gm: fx.GraphModule, released_nodes: list, released_targets: set,
-                   copy_on_write: bool = False) -> None:
+def _remove_unused(gm: fx.GraphModule, released_nodes: list, released_targets: set) -> None:
     """Erase the get_attr nodes the rewrite left without readers, then delete the
     parameters, buffers and submodules it left unreferenced (only ones whose last
-    reference it erased: the cost follows the rewrite, not the graph).
-    ``copy_on_write`` (in place): a submodule something is deleted from is first
-    replaced in ``gm`` by a copy (``own_module_path``): ``gm``'s submodules may be
-    the eager model's own objects (``symbolic_trace`` shares them)."""
+    reference it erased: the cost follows the rewrite, not the graph). A submodule
+    something is deleted from is first replaced in ``gm`` by a copy
+    (``own_module_path``): in place, ``gm``'s submodules may be the eager model's own
+    objects (``symbolic_trace`` shares them); in a copy, one module may stand at two
+    paths (``gm.b = gm.a``), and the other path, still called, keeps what it holds."""
     targets = set(released_targets)
     for node in released_nodes:
         if not node._erased and not node.users:
@@ -1199,7 +1198,7 @@ def _remove_unused(gm: fx.GraphModule, released_nodes: list, released_targets: s
         except AttributeError:
             continue
         if attr in owner._parameters or attr in owner._buffers or attr in owner._modules:
-            if copy_on_write and owner_name:
+            if owner_name:
                 owner = own_module_path(gm, owner_name, owned)
                 if owner is None:
                     continue  # inside a subgraph module: left as it is

@@ -752,3 +752,36 @@ def test_string_formatting_in_a_rule_is_refused_at_load():
     with pytest.raises(rewrite.RuleError, match="E207"):
         rewrite.parse('rule r: relu(x) => reshape(x, operator.mod("%0300000000d", 1))')
     rewrite.parse("rule r: relu(x) => add(x, operator.mod(7, 3))")
+
+
+# ---------------------------------------------------------------- probe DC (in place and the copy)
+
+
+def _one_container_at_two_paths():
+    block = nn.Sequential(nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3)).eval()
+    root = nn.Module()
+    root.a = block
+    root.b = block
+    g = fx.Graph()
+    x = g.placeholder("x")
+    y = g.call_module("a.1", (g.call_module("a.0", (x,)),))  # foldable: conv -> bn
+    c2 = g.call_module("b.0", (x,))  # the same modules at the other path, the conv read twice
+    g.output((y, g.call_module("b.1", (c2,)), g.call_function(torch.relu, (c2,))))
+    gm = fx.GraphModule(root, g)
+    gm.b = gm.a
+    return gm
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_a_module_at_two_paths_keeps_what_the_other_path_calls(inplace):
+    """DC F1: the copy deleted the folded conv and batch norm through path ``a``,
+    which also took them from ``b`` (the same module), still called: a raw
+    AttributeError where the in-place apply worked."""
+    torch.manual_seed(0)
+    gm = _one_container_at_two_paths()
+    x = torch.randn(1, 3, 4, 4)
+    expected = gm(x)
+    result = rewrite.load("rules/fusion.rw").apply(gm, (x,), inplace=inplace)
+    assert result.counts == {"conv_bn": 1}
+    for got, want in zip(result.graph_module(x), expected):
+        torch.testing.assert_close(got, want)
