@@ -785,3 +785,92 @@ def test_a_module_at_two_paths_keeps_what_the_other_path_calls(inplace):
     assert result.counts == {"conv_bn": 1}
     for got, want in zip(result.graph_module(x), expected):
         torch.testing.assert_close(got, want)
+
+
+# ---------------------------------------------------------------- probe DD (regressions of the last fixes)
+
+import concurrent.futures  # noqa: E402
+import logging  # noqa: E402
+
+
+class _HoldsHelpers(nn.Module):
+    """Never writes a tensor in place; holds a logger, builds an in-place ReLU in
+    ``__init__`` and initialises its weight with ``nn.init`` there."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.act = nn.ReLU(inplace=True)
+        self.logger = logging.getLogger(__name__)
+        nn.init.zeros_(self.lin.bias)
+
+    def forward(self, x):
+        out = self.lin(x)
+        out = out + x
+        return self.act(out)
+
+
+class _HelpersTracer(fx.Tracer):
+    def is_leaf_module(self, m, qualname):
+        return isinstance(m, _HoldsHelpers) or super().is_leaf_module(m, qualname)
+
+
+def test_a_leaf_module_that_only_holds_helpers_keeps_the_callers_weights():
+    """DD F1, F2: a held logger's methods and ``__init__``'s ``inplace=True`` and
+    ``nn.init`` counted as writes of the call: in training, the result's weights
+    were copies and the caller's parameters got no gradients."""
+    model = _WithLeaf(_HoldsHelpers()).train()
+    gm = fx.GraphModule(model, _HelpersTracer().trace(model))
+    x = torch.randn(2, 4)
+    result = CLEANUP.apply(gm, (x,))
+    assert result.counts.get("mul_one") == 1
+    assert result.graph_module.get_submodule("leaf").lin.weight is model.leaf.lin.weight
+    result.graph_module(x).sum().backward()
+    assert model.leaf.lin.weight.grad is not None
+
+
+def test_apply_on_a_model_that_compiles_on_a_worker_thread_returns():
+    """DD F3: with apply holding torch.compile's lock, a model whose forward hands a
+    compiled function to a worker thread (its first call compiles) hung forever."""
+
+    def branch(x):
+        return torch.sin(x) * 2.0
+
+    compiled = torch.compile(branch, backend="eager")
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+
+    class Offload(nn.Module):
+        def forward(self, x):
+            return pool.submit(compiled, x).result()
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.off = Offload()
+
+        def forward(self, x):
+            return self.off(self.lin(x) * 1.0)
+
+    class Tracer(fx.Tracer):
+        def is_leaf_module(self, m, qualname):
+            return isinstance(m, Offload) or super().is_leaf_module(m, qualname)
+
+    model = M().eval()
+    gm = fx.GraphModule(model, Tracer().trace(model))
+    done = {}
+
+    def go():
+        done["counts"] = CLEANUP.apply(gm, (torch.randn(2, 4),)).counts
+
+    worker = threading.Thread(target=go, daemon=True)
+    worker.start()
+    worker.join(120)
+    pool.shutdown(wait=False)
+    assert done == {"counts": {"mul_one": 1}}
+
+
+def test_string_formatting_of_a_computed_literal_is_refused():
+    """DD F4: the string built from literals first (``operator.add``) passed E207."""
+    with pytest.raises(rewrite.RuleError, match="E207"):
+        rewrite.parse('rule r: relu(x) => reshape(x, operator.mod(operator.add("%03000", "00000d"), 1))')

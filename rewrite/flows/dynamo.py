@@ -49,7 +49,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from rewrite.capture import is_module_state_source
 from rewrite.language.printer import format_rule
 from rewrite.ops.base import OpDef
-from rewrite.trust.modes import ambient_autocast
+from rewrite.trust.modes import ambient_autocast, inside_torch_compile
 
 __all__ = ["COMPILERS", "FROZEN_INPUTS", "backend", "freeze_parameters", "inductor_pass"]
 
@@ -207,7 +207,8 @@ def backend(rules: Any, *, compiler: Any = "python", check: bool = True, on_resu
         options = {name: _graph_keys(as_given, kept, value) if name in ("fixed_inputs", "input_ranges") else value
                    for name, value in apply_options.items()}
         # in place on our copy (a failed check puts it back; no second copy)
-        with ambient_autocast():  # the graph runs under the autocast it was traced in
+        # the graph runs under the autocast it was traced in; torch's compile lock is held
+        with ambient_autocast(), inside_torch_compile():
             result = rules.apply(gm, example_inputs=tuple(kept_inputs), check=check, **{"inplace": True, **options})
         if on_result is not None:
             on_result(result)
@@ -588,7 +589,8 @@ def _rules_pass_class() -> type:
             from rewrite.ruleset import EquivalenceError
 
             try:
-                result = self.rules.apply(gm, check=self.check, **self.apply_options)
+                with inside_torch_compile():
+                    result = self.rules.apply(gm, check=self.check, **self.apply_options)
             except EquivalenceError as err:
                 # Inductor passes the weights as graph inputs: the check drew them too
                 err.args = (f"{err.args[0]}. rewrite.inductor_pass checks on inputs drawn from the post-grad "

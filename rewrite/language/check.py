@@ -973,8 +973,7 @@ class _Checker:
                                  f"a pattern variable or a number literal of at most {_MAX_EXPONENT}, and its base "
                                  "a variable or a literal", "E207",
                            help="compute the constant in a registered constant function, or write the number")
-        elif op in _FORMATTING and args and isinstance(args[0], ast.Literal) and isinstance(args[0].value, str) \
-                and "%" in args[0].value:
+        elif op in _FORMATTING and args and isinstance(_literal_value(args[0]), str) and "%" in _literal_value(args[0]):
             self.error(span, f"'{name}' formats a string ('%' with a width or precision may make it as long as "
                              "it says, at load and in every call of the rewritten model)", "E207",
                        help="write the string out")

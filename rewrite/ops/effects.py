@@ -30,6 +30,8 @@ import builtins
 import dis
 import functools
 import operator
+import os
+import sys
 import types
 import weakref
 from typing import Any, Iterator, NamedTuple
@@ -1459,42 +1461,77 @@ def in_place_writers(gm: Any) -> list:
 
 def _writes_in_place(module: Any) -> bool:
     """Whether code a call of ``module`` may run writes a tensor in place, by what
-    the code says: for it and every module it holds (a child layer it calls), the
-    methods, properties, static and class methods of its class (before torch's in
-    its MRO; a decorated one read through ``__wrapped__``), the functions its
-    instance holds and the methods of the helper objects it holds; and, a few calls
-    deep, the Python functions from outside torch that code names: a global
-    function, an attribute of a global module or class (``utils.halve(w)``,
-    ``Helper.halve(w)``). A write is an in-place name (``add_``, ``copy_``, also as a
-    string: ``getattr(w, "mul_")``; ``__imul__``, ``operator.imul``), ``.data``,
-    ``torch.nn.init``, an augmented assignment (``w += 1``: in place on a tensor), an
-    item assignment (``w[0] = 0``) or an ``out=`` or ``inplace=`` keyword. Erring
-    towards a write: ``out += residual`` on a local tensor counts too."""
-    values: list = []
+    the code says. The code a call runs: the ``forward`` of it and of every module
+    it holds (a child layer it calls), and what that code names, transitively: a
+    method, property, static or class method of those classes (before torch's in
+    the MRO; a decorated one read through ``__wrapped__``), a function an instance
+    holds, a method of a helper object one holds (``self.h.halve(w)``); and, a few
+    calls deep, the Python functions from outside torch and the standard library
+    that code names as globals: a function, an attribute of a module or class
+    (``utils.halve(w)``, ``Ops.halve(w)``). Not what is never called by name
+    (``__init__``: ``nn.ReLU(inplace=True)`` built there writes no weight; a held
+    logger's or config's other methods). A write is an in-place name (``add_``,
+    ``copy_``, also as a string: ``getattr(w, "mul_")``; ``__imul__``,
+    ``operator.imul``), ``.data``, ``torch.nn.init``, an augmented assignment (``w +=
+    1``: in place on a tensor), an item assignment (``w[0] = 0``) or an ``out=`` or
+    ``inplace=`` keyword. Erring towards a write: ``out += residual`` on a local
+    tensor counts too."""
+    by_name: dict = {}  # attribute name -> the values of that name the call may reach
     for held in module.modules():
-        for base in code_class(type(held)).__mro__:
-            if (base.__module__ or "").startswith(("torch.", "rewrite.")) or base is object:
-                break
-            values.extend(vars(base).values())
-        for value in vars(held).values():
+        for value in _user_class_attributes(code_class(type(held))):
+            by_name.setdefault(value[0], []).append(value[1])
+        for name, value in vars(held).items():
             if callable(value) and not isinstance(value, (torch.nn.Module, type)):
-                values.append(value)
+                by_name.setdefault(name, []).append(value)
             elif not isinstance(value, (torch.Tensor, torch.nn.Module, type, str, bytes, int, float, bool,
                                         list, tuple, dict, set, types.ModuleType)) and value is not None:
-                values.extend(_user_class_functions(type(value)))  # a helper object's methods
-    stack = [(f, 0) for value in values for f in _functions_of(value)]
+                for name_, attr in _user_class_attributes(type(value)):  # a helper object's methods
+                    by_name.setdefault(name_, []).append(attr)
+    stack = [(f, 0) for value in by_name.get("forward", ()) for f in _functions_of(value)]
+    named: set = {"forward"}
     seen: set = set()
     while stack:
         function, depth = stack.pop()
         code = function.__code__
-        if code in seen or code.co_filename.startswith(_TORCH_DIR):
+        if code in seen or _library_code(code.co_filename):
             continue
         seen.add(code)
         if _code_writes_in_place(code):
             return True
+        for name in _attribute_names(code):
+            if name not in named and name in by_name:
+                named.add(name)
+                stack.extend((f, depth) for value in by_name[name] for f in _functions_of(value))
         if depth < _HELPER_DEPTH:
             stack.extend((f, depth + 1) for helper in _named_helpers(function, code) for f in _functions_of(helper))
     return False
+
+
+def _user_class_attributes(kind: type) -> list:
+    """``(name, value)`` of the attributes of a class's MRO before torch's, the
+    library's, the standard library's or ``object``."""
+    found: list = []
+    for base in kind.__mro__:
+        module = base.__module__ or ""
+        if module.startswith(("torch", "rewrite.")) or module.partition(".")[0] in _STDLIB or base is object:
+            break
+        found.extend(vars(base).items())
+    return found
+
+
+@functools.lru_cache(maxsize=4096)
+def _attribute_names(code: types.CodeType) -> frozenset:
+    """The names ``code`` and the code nested in it use (attributes, globals)."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _attribute_names(const)
+    return frozenset(names)
+
+
+def _library_code(filename: str) -> bool:
+    """Code of torch's or of the standard library (not a site-packages module)."""
+    return filename.startswith(_TORCH_DIR) or (filename.startswith(_STDLIB_DIR) and "-packages" not in filename)
 
 
 def _named_helpers(function: Any, code: types.CodeType) -> list:
@@ -1515,18 +1552,9 @@ def _named_helpers(function: Any, code: types.CodeType) -> list:
     return helpers
 
 
-def _user_class_functions(kind: type) -> list:
-    """The attributes of a user's class (before torch's, builtins' or the library's
-    in its MRO): the methods a helper object of that class runs."""
-    values: list = []
-    for base in kind.__mro__:
-        if (base.__module__ or "").startswith(("torch", "rewrite.", "builtins")) or base is object:
-            break
-        values.extend(vars(base).values())
-    return values
-
-
 _TORCH_DIR = torch.__file__.rpartition("/")[0] + "/"
+_STDLIB_DIR = os.path.dirname(os.__file__) + "/"
+_STDLIB = frozenset(sys.stdlib_module_names) | {"builtins"}
 _HELPER_DEPTH = 4  # calls into helper functions followed from a module's own code
 
 

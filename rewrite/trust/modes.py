@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["ambient_autocast", "autocast_off", "cpu_default_device", "fake_mode_off", "is_higher_order",
-           "one_thread_at_a_time", "run_higher_order"]
+__all__ = ["ambient_autocast", "autocast_off", "cpu_default_device", "fake_mode_off", "inside_torch_compile",
+           "is_higher_order", "one_thread_at_a_time", "run_higher_order"]
 
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps")
 
@@ -79,6 +79,7 @@ def cpu_default_device() -> Iterator[None]:
 
 
 _ENTRY_LOCK = threading.RLock()
+_COMPILING = contextvars.ContextVar("rewrite_inside_torch_compile", default=False)
 
 
 @contextlib.contextmanager
@@ -91,22 +92,25 @@ def one_thread_at_a_time() -> Iterator[None]:
     changed. A thread calling in while another runs waits; the same thread may call
     in again (a model's forward that applies rules).
 
-    torch.compile's own lock is taken first: ``rewrite.backend`` is called holding it
-    (then waits here), and a call here may compile (``capture(..., "dynamo")``, a
-    model that runs a compiled function): one order for both locks, no deadlock."""
-    with _compile_lock(), _ENTRY_LOCK:
+    Not inside torch.compile (``inside_torch_compile``: ``rewrite.backend``, the
+    Inductor pass): torch holds its compile lock there (compiles are one at a time
+    already), and waiting here while a thread holding this lock compiles (a model
+    that runs a compiled function, ``capture(..., "dynamo")``) would deadlock."""
+    if _COMPILING.get():
+        yield
+        return
+    with _ENTRY_LOCK:
         yield
 
 
-def _compile_lock() -> Any:
-    """Dynamo's process-wide compile lock (re-entrant), or nothing where this torch
-    has none."""
+@contextlib.contextmanager
+def inside_torch_compile() -> Iterator[None]:
+    """Mark the block as running inside torch.compile (see ``one_thread_at_a_time``)."""
+    token = _COMPILING.set(True)
     try:
-        from torch._dynamo import convert_frame
-    except Exception:  # noqa: BLE001 - a torch without dynamo: nothing compiles behind our back
-        return contextlib.nullcontext()
-    lock = getattr(convert_frame, "compile_lock", None)
-    return lock if lock is not None else contextlib.nullcontext()
+        yield
+    finally:
+        _COMPILING.reset(token)
 
 
 @contextlib.contextmanager
