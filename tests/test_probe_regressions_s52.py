@@ -789,7 +789,6 @@ def test_a_module_at_two_paths_keeps_what_the_other_path_calls(inplace):
 
 # ---------------------------------------------------------------- probe DD (regressions of the last fixes)
 
-import concurrent.futures  # noqa: E402
 import logging  # noqa: E402
 
 
@@ -829,48 +828,103 @@ def test_a_leaf_module_that_only_holds_helpers_keeps_the_callers_weights():
     assert model.leaf.lin.weight.grad is not None
 
 
-def test_apply_on_a_model_that_compiles_on_a_worker_thread_returns():
-    """DD F3: with apply holding torch.compile's lock, a model whose forward hands a
-    compiled function to a worker thread (its first call compiles) hung forever."""
-
-    def branch(x):
-        return torch.sin(x) * 2.0
-
-    compiled = torch.compile(branch, backend="eager")
-    pool = concurrent.futures.ThreadPoolExecutor(1)
-
-    class Offload(nn.Module):
-        def forward(self, x):
-            return pool.submit(compiled, x).result()
-
-    class M(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
-            self.off = Offload()
-
-        def forward(self, x):
-            return self.off(self.lin(x) * 1.0)
-
-    class Tracer(fx.Tracer):
-        def is_leaf_module(self, m, qualname):
-            return isinstance(m, Offload) or super().is_leaf_module(m, qualname)
-
-    model = M().eval()
-    gm = fx.GraphModule(model, Tracer().trace(model))
-    done = {}
-
-    def go():
-        done["counts"] = CLEANUP.apply(gm, (torch.randn(2, 4),)).counts
-
-    worker = threading.Thread(target=go, daemon=True)
-    worker.start()
-    worker.join(120)
-    pool.shutdown(wait=False)
-    assert done == {"counts": {"mul_one": 1}}
-
-
 def test_string_formatting_of_a_computed_literal_is_refused():
     """DD F4: the string built from literals first (``operator.add``) passed E207."""
     with pytest.raises(rewrite.RuleError, match="E207"):
         rewrite.parse('rule r: relu(x) => reshape(x, operator.mod(operator.add("%03000", "00000d"), 1))')
+
+
+# ---------------------------------------------------------------- probe DE (the name-following scan)
+
+
+class _PreHookWrite(_Weighted):
+    def __init__(self):
+        super().__init__()
+        self.register_forward_pre_hook(_PreHookWrite._renorm)
+
+    @staticmethod
+    def _renorm(module, args):
+        with torch.no_grad():
+            module.w.mul_(0.5)
+
+    def forward(self, x):
+        return x * self.w
+
+
+class _ClosureHookWrite(_Weighted):
+    def __init__(self):
+        super().__init__()
+
+        def hook(module, args, out):
+            with torch.no_grad():
+                module.w.clamp_(max=0.9)
+
+        self.register_forward_hook(hook)
+
+    def forward(self, x):
+        return x * self.w
+
+
+class _ByStringName(_Weighted):
+    def __init__(self):
+        super().__init__()
+        self.steps = ["_shrink"]
+
+    def _shrink(self):
+        with torch.no_grad():
+            self.w.mul_(0.5)
+
+    def forward(self, x):
+        for step in self.steps:
+            getattr(self, step)()
+        return x * self.w
+
+
+class _Table:
+    def __init__(self, w):
+        self.w = w
+
+    def __getitem__(self, k):
+        with torch.no_grad():
+            self.w.mul_(0.5)
+        return self.w
+
+
+class _Renorm:
+    def __call__(self, w):
+        with torch.no_grad():
+            w.mul_(0.5)
+
+
+class _Indexed(_Weighted):
+    def __init__(self):
+        super().__init__()
+        self.t = _Table(self.w)
+
+    def forward(self, x):
+        return x * self.t[0]
+
+
+class _CallsHelper(_Weighted):
+    def __init__(self):
+        super().__init__()
+        self.renorm = _Renorm()
+
+    def forward(self, x):
+        self.renorm(self.w)
+        return x * self.w
+
+
+@pytest.mark.parametrize("kind", [_PreHookWrite, _ClosureHookWrite, _ByStringName, _Indexed, _CallsHelper])
+def test_writes_through_hooks_names_and_helper_protocols_are_seen(kind):
+    """DE F1-F3: a hook the module registered on itself, a method called by a string
+    name, a helper object's ``__getitem__`` or ``__call__``: running the result wrote
+    the caller's weight."""
+    model = _WithLeaf(kind()).train()
+    gm = fx.GraphModule(model, _LeafTracer().trace(model))
+    x = torch.randn(2, 4)
+    result = CLEANUP.apply(gm, (x,))
+    assert result.counts.get("mul_one") == 1
+    before = model.leaf.w.detach().clone()
+    result.graph_module(x)
+    assert torch.equal(before, model.leaf.w)

@@ -1461,38 +1461,60 @@ def in_place_writers(gm: Any) -> list:
 
 def _writes_in_place(module: Any) -> bool:
     """Whether code a call of ``module`` may run writes a tensor in place, by what
-    the code says. The code a call runs: the ``forward`` of it and of every module
-    it holds (a child layer it calls), and what that code names, transitively: a
-    method, property, static or class method of those classes (before torch's in
-    the MRO; a decorated one read through ``__wrapped__``), a function an instance
-    holds, a method of a helper object one holds (``self.h.halve(w)``); and, a few
-    calls deep, the Python functions from outside torch and the standard library
-    that code names as globals: a function, an attribute of a module or class
-    (``utils.halve(w)``, ``Ops.halve(w)``). Not what is never called by name
-    (``__init__``: ``nn.ReLU(inplace=True)`` built there writes no weight; a held
-    logger's or config's other methods). A write is an in-place name (``add_``,
-    ``copy_``, also as a string: ``getattr(w, "mul_")``; ``__imul__``,
-    ``operator.imul``), ``.data``, ``torch.nn.init``, an augmented assignment (``w +=
-    1``: in place on a tensor), an item assignment (``w[0] = 0``) or an ``out=`` or
-    ``inplace=`` keyword. Erring towards a write: ``out += residual`` on a local
-    tensor counts too."""
-    by_name: dict = {}  # attribute name -> the values of that name the call may reach
+    the code says. Read: for it and every module it holds (a child layer it calls),
+    every method, property, static or class method of their classes (before torch's
+    in the MRO; a decorated one read through ``__wrapped__``; ``__init__`` for the
+    closures and lambdas it defines only, not its own body, which runs at
+    construction: ``nn.ReLU(inplace=True)`` or ``nn.init`` there write no weight at a
+    call), the functions their instances hold, the hooks they registered on
+    themselves, and the methods of the helper objects they hold (in a list or dict
+    too) that the code read names or that Python calls implicitly (``__call__``,
+    ``__getitem__``, ``__enter__``...); then, a few calls deep, the Python functions
+    from outside torch and the standard library that code names as globals: a
+    function, an attribute of a module or class (``utils.halve(w)``,
+    ``Ops.halve(w)``). A write is an in-place name (``add_``, ``copy_``, also as a
+    string: ``getattr(w, "mul_")``; ``__imul__``, ``operator.imul``), ``.data``,
+    ``torch.nn.init``, an augmented assignment (``w += 1``: in place on a tensor), an
+    item assignment (``w[0] = 0``) or an ``out=`` or ``inplace=`` keyword. Erring
+    towards a write: ``out += residual`` on a local tensor counts too."""
+    codes: list = []  # (code, globals) to read
+    helpers: list = []  # helper objects held
     for held in module.modules():
-        for value in _user_class_attributes(code_class(type(held))):
-            by_name.setdefault(value[0], []).append(value[1])
-        for name, value in vars(held).items():
-            if callable(value) and not isinstance(value, (torch.nn.Module, type)):
-                by_name.setdefault(name, []).append(value)
-            elif not isinstance(value, (torch.Tensor, torch.nn.Module, type, str, bytes, int, float, bool,
-                                        list, tuple, dict, set, types.ModuleType)) and value is not None:
-                for name_, attr in _user_class_attributes(type(value)):  # a helper object's methods
-                    by_name.setdefault(name_, []).append(attr)
-    stack = [(f, 0) for value in by_name.get("forward", ()) for f in _functions_of(value)]
-    named: set = {"forward"}
+        for name, value in _user_class_attributes(code_class(type(held))):
+            for function in _functions_of(value):
+                if name == "__init__" and function.__code__.co_name == "__init__":
+                    codes += [(c, function.__globals__) for c in _nested_code(function.__code__)]
+                else:
+                    codes.append((function.__code__, function.__globals__))
+        hooks = [h for table in (held._forward_pre_hooks, held._forward_hooks, held._backward_hooks,
+                                 held._backward_pre_hooks) for h in table.values()]
+        for value in [*vars(held).values(), *hooks]:
+            for item in (value if isinstance(value, (list, tuple)) else
+                         value.values() if isinstance(value, dict) else (value,)):
+                if isinstance(item, (torch.Tensor, torch.nn.Module, type, str, bytes, int, float, bool,
+                                     types.ModuleType)) or item is None:
+                    continue
+                functions = _functions_of(item)
+                codes += [(f.__code__, f.__globals__) for f in functions]
+                if not functions and not isinstance(item, (list, tuple, dict, set)):
+                    helpers.append(item)
+    return _codes_write_in_place(codes, helpers)
+
+
+def _codes_write_in_place(codes: list, helpers: list) -> bool:
+    """``_writes_in_place`` over ``codes`` (with their globals) and what they reach:
+    the helper objects' methods they name or Python calls implicitly, global helpers."""
+    by_name: dict = {}  # a helper object's method name -> its values
+    for helper in helpers:
+        for name, value in _user_class_attributes(type(helper)):
+            by_name.setdefault(name, []).append(value)
+    stack = [(code, found, 0) for code, found in codes]
+    stack += [(f.__code__, f.__globals__, 0) for name in _IMPLICIT_CALLS for value in by_name.get(name, ())
+              for f in _functions_of(value)]
+    named: set = set(_IMPLICIT_CALLS)
     seen: set = set()
     while stack:
-        function, depth = stack.pop()
-        code = function.__code__
+        code, found, depth = stack.pop()
         if code in seen or _library_code(code.co_filename):
             continue
         seen.add(code)
@@ -1501,10 +1523,25 @@ def _writes_in_place(module: Any) -> bool:
         for name in _attribute_names(code):
             if name not in named and name in by_name:
                 named.add(name)
-                stack.extend((f, depth) for value in by_name[name] for f in _functions_of(value))
+                stack += [(f.__code__, f.__globals__, depth) for value in by_name[name] for f in _functions_of(value)]
         if depth < _HELPER_DEPTH:
-            stack.extend((f, depth + 1) for helper in _named_helpers(function, code) for f in _functions_of(helper))
+            stack += [(f.__code__, f.__globals__, depth + 1) for helper in _named_helpers(found, code)
+                      for f in _functions_of(helper)]
     return False
+
+
+#: what Python calls on a helper object without naming it: ``h(w)``, ``h[0]``, ``with h:``, ``for x in h``
+_IMPLICIT_CALLS = frozenset({"__call__", "__getitem__", "__setitem__", "__delitem__", "__enter__", "__exit__",
+                             "__iter__", "__next__", "__contains__", "__len__", "__bool__", "__get__"})
+
+
+def _nested_code(code: types.CodeType) -> list:
+    """The code objects defined inside ``code`` (closures, lambdas, comprehensions), nested ones too."""
+    found = []
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            found += [const, *_nested_code(const)]
+    return found
 
 
 def _user_class_attributes(kind: type) -> list:
@@ -1534,11 +1571,10 @@ def _library_code(filename: str) -> bool:
     return filename.startswith(_TORCH_DIR) or (filename.startswith(_STDLIB_DIR) and "-packages" not in filename)
 
 
-def _named_helpers(function: Any, code: types.CodeType) -> list:
+def _named_helpers(found: dict, code: types.CodeType) -> list:
     """The Python functions (and classes' attributes) ``code`` may call through the
     globals it names: a function, or an attribute it names of a module or class
     (``utils.halve``, ``Helper.halve``); not torch's."""
-    found = getattr(function, "__globals__", {})
     helpers: list = []
     for name in _global_loads(code):
         value = found.get(name)
